@@ -1,0 +1,52 @@
+"""The ``unicron`` command: one sub-command per module, dispatched here.
+
+Each command module exposes ``add_arguments(parser)`` and ``main(args) -> int`` and is
+imported only when its command runs, so ``unicron plan`` never pays for ``import torch``.
+A :class:`~unicron.errors.UsageError` from any of them becomes one line on stderr and
+exit code 2; exit 0 means the task finished, 1 that it failed for good.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from unicron.errors import UsageError
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("unicron.runner", "train a script on this machine, self-healing"),
+    "plan": ("unicron.planner.command", "plan slots and parallel configs for tasks"),
+    "simulate": ("unicron.sim.command", "trace-driven comparison of recovery policies"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad usage as one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="unicron", description="Self-healing LLM training (Unicron).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(importlib.import_module(args._module).main(args))
+    except UsageError as exc:
+        print(f"unicron: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
