@@ -15,15 +15,51 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_SUBJECTS = ["the cluster", "a worker", "the agent", "the coordinator", "every replica",
-             "the planner", "a node", "the task", "our model", "the optimizer"]
-_VERBS = ["heals", "detects", "restarts", "replans", "reduces", "commits", "skips",
-          "rejoins", "measures", "schedules"]
-_OBJECTS = ["the failure", "a hung collective", "the lost micro-batches", "its state",
-            "the next step", "a straggler", "the global batch", "the checkpoint",
-            "every gradient", "the new epoch"]
-_ENDS = [" quickly.", " in place.", " without a restart.", " bit for bit.", " at once.",
-         " before the timeout.", "."]
+_SUBJECTS = [
+    "the cluster",
+    "a worker",
+    "the agent",
+    "the coordinator",
+    "every replica",
+    "the planner",
+    "a node",
+    "the task",
+    "our model",
+    "the optimizer",
+]
+_VERBS = [
+    "heals",
+    "detects",
+    "restarts",
+    "replans",
+    "reduces",
+    "commits",
+    "skips",
+    "rejoins",
+    "measures",
+    "schedules",
+]
+_OBJECTS = [
+    "the failure",
+    "a hung collective",
+    "the lost micro-batches",
+    "its state",
+    "the next step",
+    "a straggler",
+    "the global batch",
+    "the checkpoint",
+    "every gradient",
+    "the new epoch",
+]
+_ENDS = [
+    " quickly.",
+    " in place.",
+    " without a restart.",
+    " bit for bit.",
+    " at once.",
+    " before the timeout.",
+    ".",
+]
 
 
 def make_corpus(n_bytes: int = 200_000, seed: int = 1234) -> bytes:
@@ -32,7 +68,8 @@ def make_corpus(n_bytes: int = 200_000, seed: int = 1234) -> bytes:
     parts: list[str] = []
     size = 0
     while size < n_bytes:
-        s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}{rng.choice(_ENDS)}"
+        words = (rng.choice(_SUBJECTS), rng.choice(_VERBS), rng.choice(_OBJECTS))
+        s = " ".join(words) + rng.choice(_ENDS)
         s = s[0].upper() + s[1:] + ("\n" if rng.random() < 0.15 else " ")
         parts.append(s)
         size += len(s)
@@ -71,7 +108,9 @@ class Block(nn.Module):
         self.attn = nn.MultiheadAttention(cfg.dim, cfg.heads, dropout=cfg.dropout, batch_first=True)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = nn.Sequential(
-            nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim),
+            nn.Linear(cfg.dim, 4 * cfg.dim),
+            nn.GELU(),
+            nn.Linear(4 * cfg.dim, cfg.dim),
             nn.Dropout(cfg.dropout),
         )
 
@@ -111,7 +150,9 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def build(seed: int = 0, cfg: GPTConfig | None = None) -> tuple[GPT, torch.optim.Optimizer, ByteDataset]:
+def build(
+    seed: int = 0, cfg: GPTConfig | None = None
+) -> tuple[GPT, torch.optim.Optimizer, ByteDataset]:
     """The model (seeded), its AdamW optimizer and the dataset, as every script uses them."""
     cfg = cfg or GPTConfig()
     torch.manual_seed(seed)

@@ -68,7 +68,9 @@ def parse(spec: str, known_kinds: frozenset[str] | None = None) -> Fault:
             raise UsageError(f"--inject {spec!r}: expected key=value, got {item!r}")
         if key not in required | optional:
             allowed = ", ".join(sorted(required | optional))
-            raise UsageError(f"--inject {spec!r}: unknown key {key!r} for {head} (allowed: {allowed})")
+            raise UsageError(
+                f"--inject {spec!r}: unknown key {key!r} for {head} (allowed: {allowed})"
+            )
         params[key] = value
     missing = required - params.keys()
     if missing:
@@ -77,22 +79,25 @@ def parse(spec: str, known_kinds: frozenset[str] | None = None) -> Fault:
     for key, value in params.items():
         if key == "kind":
             if known_kinds is not None and value not in known_kinds:
-                raise UsageError(
-                    f"--inject {spec!r}: unknown kind {value!r} (known: {', '.join(sorted(known_kinds))})"
-                )
+                known = ", ".join(sorted(known_kinds))
+                raise UsageError(f"--inject {spec!r}: unknown kind {value!r} (known: {known})")
             values[key] = value
         elif key == "factor":
             try:
                 values[key] = float(value)
             except ValueError:
-                raise UsageError(f"--inject {spec!r}: factor must be a number, got {value!r}") from None
+                raise UsageError(
+                    f"--inject {spec!r}: factor must be a number, got {value!r}"
+                ) from None
             if not values[key] >= 1.0:
                 raise UsageError(f"--inject {spec!r}: factor must be >= 1, got {value}")
         else:
             try:
                 values[key] = int(value)
             except ValueError:
-                raise UsageError(f"--inject {spec!r}: {key} must be an integer, got {value!r}") from None
+                raise UsageError(
+                    f"--inject {spec!r}: {key} must be an integer, got {value!r}"
+                ) from None
             if values[key] < 0:
                 raise UsageError(f"--inject {spec!r}: {key} must be >= 0, got {value}")
     return Fault(fault=head, **values)

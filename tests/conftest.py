@@ -1,0 +1,86 @@
+"""Shared helpers for the end-to-end tests: run ``unicron run`` as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unicron.events import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train_gpt.py"
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    events: list[dict[str, Any]]
+    stderr: str
+    out: Path
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == name]
+
+    @property
+    def task_end(self) -> dict[str, Any]:
+        ends = self.of("task_end")
+        assert ends, f"no task_end event; stderr:\n{self.stderr[-3000:]}"
+        return ends[-1]
+
+
+def run_unicron(
+    tmp: Path,
+    *run_args: str,
+    script: Path = TRAIN,
+    script_args: tuple[str, ...] = (),
+    steps: int | None = 30,
+    timeout: float = 180.0,
+) -> RunResult:
+    """``python -m unicron run --nproc-per-node ... SCRIPT --steps N --out DIR``."""
+    events = tmp / "events.jsonl"
+    out = tmp / "out"
+    args = [
+        sys.executable,
+        "-m",
+        "unicron",
+        "run",
+        "--events",
+        str(events),
+        "--log-dir",
+        str(tmp / "logs"),
+        *run_args,
+        str(script),
+    ]
+    if script == TRAIN:
+        args += ["--out", str(out)]
+        if steps is not None:
+            args += ["--steps", str(steps)]
+    args += list(script_args)
+    proc = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    evs = read_events(events) if events.exists() else []
+    return RunResult(proc.returncode, evs, proc.stderr, out)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Any:
+    counter = iter(range(1000))
+
+    def _run(*run_args: str, **kw: Any) -> RunResult:
+        d = tmp_path / f"run{next(counter)}"
+        d.mkdir()
+        return run_unicron(d, *run_args, **kw)
+
+    return _run

@@ -1,0 +1,234 @@
+"""The statistical step monitor, driven with a simulated clock and seeded jitter."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from unicron.monitor import Detection, MonitorSettings, StepMonitor
+
+WORKERS = 4
+
+
+class Run:
+    """A synchronous data-parallel run: every worker computes, then all wait for the slowest."""
+
+    def __init__(self, monitor: StepMonitor, seed: int = 0) -> None:
+        self.m, self.rng, self.t, self.step = monitor, np.random.default_rng(seed), 0.0, 0
+        self.found: list[Detection] = []
+
+    def steps(
+        self,
+        n: int,
+        base_s: float = 0.02,
+        slow: dict[int, float] | None = None,
+        workers: int = WORKERS,
+        sigma: float = 0.1,
+        spike_p: float = 0.01,
+        polls: int = 3,
+    ) -> None:
+        for _ in range(n):
+            compute = base_s * self.rng.lognormal(0.0, sigma, workers)
+            compute *= np.where(self.rng.random(workers) < spike_p, 2.0, 1.0)
+            for w, f in (slow or {}).items():
+                compute[w] *= f
+            wall = float(compute.max()) + base_s * 0.2 * self.rng.random()
+            for w in range(workers):
+                self.m.step_started(w, self.step, self.t + 0.0005 * self.rng.random())
+            for k in range(1, polls + 1):  # the agent's timer, the last poll just before the end
+                self.found += self.m.check(self.t + wall * k / polls - 1e-9)
+            self.t += wall
+            for w in range(workers):
+                self.m.step_finished(w, self.step, float(compute[w]), self.t)
+            self.found += self.m.check(self.t)
+            self.step += 1
+
+
+def test_warmup_is_ignored() -> None:
+    m = StepMonitor(MonitorSettings(warmup_steps=3))
+    run = Run(m)
+    run.steps(3, base_s=5.0, sigma=0.0, spike_p=0.0)  # slow first steps: imports, compile
+    assert m.expected_step_s() is None
+    run.steps(2, base_s=0.1, sigma=0.0, spike_p=0.0)
+    assert m.expected_step_s() is None  # not enough samples yet
+    run.steps(1, base_s=0.1, sigma=0.0, spike_p=0.0)
+    expected = m.expected_step_s()
+    assert expected is not None and 0.1 <= expected < 0.13
+    assert run.found == []
+
+
+def test_warmup_deadline_applies_before_an_expectation() -> None:
+    m = StepMonitor(MonitorSettings(warmup_hang_s=60.0))
+    m.step_started(0, 0, now=10.0)
+    assert m.hang_deadline(0) == 70.0
+    assert m.check(69.9) == []
+    [d] = m.check(70.0)
+    assert (d.kind, d.worker, d.step) == ("hang", 0, 0)
+
+
+@pytest.mark.parametrize("base_s", [0.02, 0.5, 2.0])
+def test_hang_detected_at_max_k_expected_floor(base_s: float) -> None:
+    s = MonitorSettings()
+    m = StepMonitor(s)
+    run = Run(m, seed=1)
+    run.steps(40, base_s=base_s)
+    expected = m.expected_step_s()
+    assert expected is not None
+    m.step_started(2, run.step, run.t)  # worker 2 starts and never finishes
+    deadline = m.hang_deadline(2)
+    assert deadline is not None
+    limit = max(s.hang_factor * expected, s.hang_floor_s)
+    assert deadline == pytest.approx(run.t + limit)
+    poll, now = 0.1, run.t
+    found: list[Detection] = []
+    while not found:
+        now += poll
+        found = m.check(now)
+    [d] = found
+    assert (d.kind, d.worker, d.step, d.detected_at) == ("hang", 2, run.step, now)
+    # the target: under max(3 x median, 1 s) + 0.5 s, and never before the deadline
+    assert limit <= now - run.t < limit + 0.5
+    assert "expected" in d.reason
+    assert m.check(now + 100.0) == []  # reported once
+
+
+@pytest.mark.parametrize(("steps", "base_s"), [(30_000, 0.02), (10_000, 0.5)])
+def test_no_false_alarm_in_a_long_fault_free_run(steps: int, base_s: float) -> None:
+    """Over 10 minutes of steps with lognormal jitter and 1% 2x spikes, polled just before each
+    step ends. With 0.5 s steps the floor does not help: k x median alone must hold (k = 2.5
+    raises 16 false hangs on this seed with 20 ms steps and no floor; k = 3 none)."""
+    m = StepMonitor(MonitorSettings())
+    run = Run(m, seed=7)
+    run.steps(steps, base_s=base_s, sigma=0.15, polls=1)
+    assert run.t > 600.0
+    assert run.found == []
+
+
+def test_adapts_when_all_workers_slow_down_together() -> None:
+    m = StepMonitor(MonitorSettings())
+    run = Run(m, seed=3)
+    run.steps(60, base_s=0.5)
+    before = m.expected_step_s()
+    run.steps(60, base_s=1.0)  # all workers 2x: a legitimate change, not a straggler
+    after = m.expected_step_s()
+    assert before is not None and after is not None
+    assert after == pytest.approx(2 * before, rel=0.2)
+    assert run.found == []
+
+
+def test_level_shift_relearns_quickly() -> None:
+    s = MonitorSettings(window=200)
+    m = StepMonitor(s)
+    run = Run(m, seed=4)
+    run.steps(200, base_s=0.5, spike_p=0.0)
+    run.steps(s.shift_steps, base_s=1.25, spike_p=0.0)  # a plain median would take 100 steps
+    expected = m.expected_step_s()
+    assert expected is not None and expected > 1.2
+
+
+def test_reset_expectation_relearns_with_a_lenient_deadline() -> None:
+    s = MonitorSettings()
+    m = StepMonitor(s)
+    run = Run(m, seed=5)
+    run.steps(30, base_s=0.5)
+    before = m.expected_step_s()
+    assert before is not None
+    m.reset_expectation()  # the world shrank from 4 workers to 1: 4x the work each
+    m.step_started(0, run.step, run.t)
+    deadline = m.hang_deadline(0)
+    assert deadline == pytest.approx(run.t + s.hang_factor * s.relearn_factor * before, rel=0.05)
+    run.steps(10, base_s=2.0, workers=1, spike_p=0.0)
+    after = m.expected_step_s()
+    assert after is not None and after > 1.9
+    assert run.found == []
+
+
+def test_a_straggler_is_reported_once() -> None:
+    s = MonitorSettings()
+    m = StepMonitor(s)
+    run = Run(m, seed=6)
+    run.steps(20, base_s=0.05)
+    start = run.step
+    run.steps(50, base_s=0.05, slow={3: 2.0})
+    stragglers = [d for d in run.found if d.kind == "straggler"]
+    assert [(d.worker, d.step) for d in stragglers] == [(3, start + s.straggler_steps - 1)]
+    assert "peers' median" in stragglers[0].reason
+    assert not [d for d in run.found if d.kind == "hang"]
+    # it recovers, then straggles again: a new condition, reported again
+    run.steps(20, base_s=0.05)
+    run.steps(10, base_s=0.05, slow={3: 2.0})
+    assert len([d for d in run.found if d.kind == "straggler"]) == 2
+
+
+def test_short_slowness_is_not_a_straggler() -> None:
+    m = StepMonitor(MonitorSettings())
+    run = Run(m, seed=8)
+    run.steps(20)
+    run.steps(MonitorSettings().straggler_steps - 1, slow={1: 3.0})
+    run.steps(20)
+    assert run.found == []
+
+
+def test_unequal_shares_are_judged_per_microbatch() -> None:
+    m = StepMonitor(MonitorSettings(warmup_steps=0))
+    for step in range(20):  # 4 micro-batches on 3 replicas: worker 0 does 2
+        for w in range(3):
+            m.step_started(w, step, float(step))
+        for w, mbs in enumerate((2, 1, 1)):
+            m.step_finished(w, step, 0.1 * mbs, step + 0.5, microbatches=mbs)
+    assert m.check(20.0) == []
+
+
+def test_forget_drops_a_worker_and_it_warms_up_again() -> None:
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=0.1)
+    m.step_started(1, run.step, run.t)
+    m.forget(1)
+    assert m.hang_deadline(1) is None
+    assert m.check(run.t + 100.0) == []  # nothing about the forgotten worker
+    m.step_started(1, run.step + 1, run.t)  # restarted: warm-up deadline again
+    assert m.hang_deadline(1) == run.t + s.warmup_hang_s
+
+
+def test_finish_without_start_is_tolerated() -> None:
+    m = StepMonitor(MonitorSettings(warmup_steps=0))
+    m.step_finished(0, 5, 0.1, 1.0)
+    m.step_finished(0, 6, float("nan"), 2.0)
+    assert m.hang_deadline(0) is None
+    assert m.check(3.0) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("warmup_steps", -1),
+        ("hang_factor", 1.0),
+        ("hang_factor", math.nan),
+        ("hang_floor_s", 0.0),
+        ("warmup_hang_s", 0.5),  # below the floor
+        ("window", 2),
+        ("shift_ratio", 1.0),
+        ("shift_steps", 51),  # above the window
+        ("relearn_factor", 0.5),
+        ("straggler_factor", 0.9),
+        ("straggler_steps", 0),
+        ("straggler_min_excess_s", -0.1),
+    ],
+)
+def test_settings_out_of_range(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=rf"^MonitorSettings\.{field} must be in [\[(].*got"):
+        MonitorSettings(**{field: value})  # type: ignore[arg-type]
+
+
+def test_default_settings_are_valid() -> None:
+    s = MonitorSettings()
+    assert (s.hang_factor, s.hang_floor_s, s.straggler_factor, s.straggler_steps) == (
+        3.0,
+        1.0,
+        1.5,
+        5,
+    )

@@ -1,0 +1,454 @@
+"""The agent: one per node. Starts and supervises the node's workers.
+
+It listens on an authenticated local socket for its workers' reports, starts workers through
+the warm zygote (:mod:`unicron.launcher`; a plain spawn when the zygote is gone), notices a
+worker that exits or is killed (its socket closes; the zygote reports the exit status), runs
+the online statistical monitor on step times (:mod:`unicron.monitor`), writes what it sees to
+the event log and reports it to the coordinator, and carries out the coordinator's actions
+(:meth:`Agent.spawn`, :meth:`Agent.kill`). Everything runs on one thread, :meth:`Agent.run`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any
+
+from unicron.classify import Verdict, classify_detector, classify_exit, classify_message
+from unicron.coordinator import Coordinator
+from unicron.events import EventLog
+from unicron.inject import Fault
+from unicron.monitor import StepMonitor
+from unicron.protocol import (
+    ENV_AGENT,
+    ENV_AUTHKEY,
+    ENV_FAULTS,
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_ON_LOST,
+    ENV_REDUCE,
+    ENV_SLOT,
+    ENV_STORE,
+    ENV_TASK,
+    ENV_THREADS,
+)
+
+log = logging.getLogger("unicron.agent")
+
+EXIT_GRACE_S = 0.3
+"""after a worker's socket closes, how long to wait for its exit status before classifying"""
+
+
+@dataclass
+class _Worker:
+    """What the agent knows of the process in one slot (one incarnation at a time)."""
+
+    slot: int
+    incarnation: int = -1
+    pid: int | None = None
+    conn: Connection | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    eof_ts: float | None = None
+    error: dict[str, Any] | None = None  # the last error it reported before exiting
+    verdict: Verdict | None = None  # set when the agent itself killed it (hang, escalation)
+    gone: bool = True
+    step: int | None = None
+    finished: bool = False  # it reported "done": its exit is the normal end
+
+
+@dataclass(kw_only=True)
+class AgentConfig:
+    node: int
+    slots: list[int]
+    script: str
+    argv: list[str]
+    faults: list[Fault]
+    log_dir: Path
+    reduce: str = "exact"
+    on_lost: str = "recompute"
+    threads: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Agent:
+    """Supervises the workers of one node; see the module docstring."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        coordinator: Coordinator,
+        events: EventLog,
+        monitor: StepMonitor | None = None,
+    ) -> None:
+        self.config = config
+        self.node = config.node
+        self.coordinator = coordinator
+        self.events = events
+        self.monitor = monitor
+        self.workers = {s: _Worker(s) for s in config.slots}
+        self.fired: set[str] = set()
+        self.mb_compute_s: dict[int, float] = {}  # latest compute time per micro-batch, by slot
+        if monitor is not None:
+            coordinator.on_epoch.append(lambda _info: monitor.reset_expectation())
+        self._authkey = secrets.token_bytes(16)
+        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self.address = "{}:{}".format(*self._listener.address)
+        self._accepted: queue.Queue[Connection] = queue.Queue()
+        self._anonymous: list[Connection] = []  # connected, no hello yet
+        self._zygote: subprocess.Popen[bytes] | None = None
+        self._zygote_conn: Connection | None = None
+        self._pending_spawns: list[int] = []
+        self._by_pid: dict[int, int] = {}
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
+
+    # -- start, stop ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the zygote and every slot's worker (called once, before :meth:`run`)."""
+        self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.config.log_dir / f"zygote-node{self.node}.log", "ab")  # noqa: SIM115
+        self._zygote = subprocess.Popen(
+            [sys.executable, "-m", "unicron.launcher", "zygote"],
+            env=self._base_env(),
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        out.close()
+        for slot in self.config.slots:
+            self.spawn(slot)
+
+    def stop(self) -> None:
+        """Kill every worker and the zygote; no process is left behind."""
+        self._stop.set()
+        for w in self.workers.values():
+            if w.pid is not None and not w.gone:
+                _kill(w.pid)
+            if w.popen is not None:
+                w.popen.kill()
+                w.popen.wait()
+        if self._zygote is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._zygote.pid, signal.SIGKILL)
+            self._zygote.wait()
+        self._listener.close()
+
+    # -- actions (called by the coordinator) ------------------------------------------------
+    def spawn(self, slot: int) -> None:
+        """Start a new incarnation of the worker in ``slot``."""
+        w = self.workers[slot]
+        w.incarnation += 1
+        w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
+        w.gone = w.finished = False
+        if self.monitor is not None:
+            self.monitor.forget(slot)
+        if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
+            self._pending_spawns.append(slot)  # the zygote is still importing torch
+        else:
+            self._launch(slot)
+
+    def kill(self, slot: int, verdict: Verdict | None = None) -> None:
+        """SIGKILL the worker in ``slot``; its exit is then reported with ``verdict``."""
+        w = self.workers[slot]
+        if verdict is not None:
+            w.verdict = verdict
+        if w.pid is not None and not w.gone:
+            _kill(w.pid)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, until: threading.Event) -> None:
+        """Supervise until ``until`` is set or the coordinator says the task is over."""
+        while not until.is_set() and not self._stop.is_set():
+            self.poll(0.02)
+            if self.coordinator.finished():
+                return
+
+    def poll(self, timeout: float) -> None:
+        """One round: read reports, notice exits, run the monitor, let the coordinator act."""
+        self._drain_accepted()
+        conns: list[Any] = [w.conn for w in self.workers.values() if w.conn is not None]
+        conns += self._anonymous
+        if self._zygote_conn is not None:
+            conns.append(self._zygote_conn)
+        if conns:
+            for conn in wait(conns, timeout=timeout):
+                self._read(conn)  # type: ignore[arg-type]
+        else:
+            time.sleep(timeout)
+        now = time.time()
+        self._check_exits(now)
+        if self.monitor is not None:
+            self._check_monitor(now)
+        self.coordinator.tick(now)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._accepted.put(self._listener.accept())
+            except (OSError, EOFError):
+                if self._stop.is_set():
+                    return
+            except Exception as exc:  # a bad handshake must not kill the agent
+                log.warning("rejected a connection: %s", exc)
+
+    def _drain_accepted(self) -> None:
+        while True:
+            try:
+                self._anonymous.append(self._accepted.get_nowait())
+            except queue.Empty:
+                return
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            while conn.poll():
+                self._handle(conn, conn.recv())
+        except (EOFError, OSError):
+            self._closed(conn)
+
+    def _closed(self, conn: Connection) -> None:
+        if conn in self._anonymous:
+            self._anonymous.remove(conn)
+        if conn is self._zygote_conn:
+            log.warning("the zygote is gone; workers start as fresh processes from now on")
+            self._zygote_conn = None
+            return
+        for w in self.workers.values():
+            if w.conn is conn:
+                w.conn = None
+                w.eof_ts = w.eof_ts or time.time()
+
+    def _handle(self, conn: Connection, msg: dict[str, Any]) -> None:
+        kind = msg.get("type")
+        if kind == "zygote":
+            self._anonymous.remove(conn)
+            self._zygote_conn = conn
+            for slot in self._pending_spawns:
+                self._launch(slot)
+            self._pending_spawns.clear()
+        elif kind == "spawned":
+            self._by_pid[msg["pid"]] = msg["slot"]
+            self.workers[msg["slot"]].pid = msg["pid"]
+        elif kind == "exit":
+            owner = self._by_pid.pop(msg["pid"], -1)
+            if owner >= 0 and self.workers[owner].pid == msg["pid"]:
+                self._exited(owner, msg["returncode"])
+        elif kind == "hello":
+            w = self.workers[msg["slot"]]
+            if conn in self._anonymous:
+                self._anonymous.remove(conn)
+            w.conn, w.pid = conn, msg["pid"]
+            self._by_pid[msg["pid"]] = msg["slot"]
+        else:
+            sender = next((w.slot for w in self.workers.values() if w.conn is conn), None)
+            if sender is not None:
+                self._from_worker(sender, kind, msg)
+
+    def _from_worker(self, slot: int, kind: str | None, msg: dict[str, Any]) -> None:
+        now = time.time()
+        w = self.workers[slot]
+        if kind == "ready":
+            self.coordinator.microbatches = msg.get("microbatches") or self.coordinator.microbatches
+            self.coordinator.worker_ready(slot, now)
+        elif kind == "event":
+            fields = msg["fields"]
+            if msg["event"] == "fault_injected" and "spec" in fields:
+                self.fired.add(fields["spec"])
+            self.events.emit(msg["event"], **fields)
+        elif kind == "step_begin":
+            w.step = msg["step"]
+            if self.monitor is not None:
+                self.monitor.step_started(slot, msg["step"], now)
+        elif kind == "step_done":
+            mbs = msg.get("microbatches") or None
+            if mbs:
+                self.mb_compute_s[slot] = msg["compute_s"] / mbs
+            if self.monitor is not None:
+                self.monitor.step_finished(
+                    slot, msg["step"], msg["compute_s"], now, microbatches=mbs
+                )
+            self.coordinator.escalation.healthy(slot=slot, now=now)
+        elif kind == "error":
+            if not msg.get("in_band"):
+                w.error = msg  # the error that ends this process: its exit is classified by it
+            verdict = classify_message(msg["type_name"], msg["message"])
+            self.events.emit(
+                "error_detected",
+                ts=now,
+                task=self.coordinator.task,
+                rank=slot,
+                slot=slot,
+                node=self.node,
+                step=msg.get("step", w.step),
+                kind=verdict.kind,
+                severity=int(verdict.severity),
+                method="exception",
+                reason=verdict.reason,
+            )
+            if msg.get("in_band"):
+                self.coordinator.worker_error(
+                    slot, verdict, now, in_place=bool(msg.get("in_place"))
+                )
+        elif kind == "done":
+            w.finished = True
+            self.coordinator.worker_done(slot, msg, now)
+
+    # -- process supervision ----------------------------------------------------------------
+    def _check_exits(self, now: float) -> None:
+        for w in self.workers.values():
+            if w.gone:
+                continue
+            if w.popen is not None and w.popen.poll() is not None:
+                self._exited(w.slot, w.popen.returncode)
+            elif w.eof_ts is not None and now - w.eof_ts > EXIT_GRACE_S:
+                # the socket closed but no exit status came: the process is cut off; end it
+                if w.pid is not None:
+                    _kill(w.pid)
+                self._exited(w.slot, None)
+
+    def _exited(self, slot: int, returncode: int | None) -> None:
+        w = self.workers[slot]
+        if w.gone:
+            return
+        w.gone = True
+        if self._stop.is_set() or w.finished or self.coordinator.finished():
+            return
+        detected = min(t for t in (w.eof_ts, time.time()) if t is not None)
+        if w.verdict is not None:  # the agent killed it and already logged why
+            verdict = w.verdict
+        else:
+            if w.error is not None:
+                verdict = classify_message(w.error["type_name"], w.error["message"])
+                method = "exception"
+            else:
+                verdict = classify_exit(returncode if returncode is not None else -9)
+                method = "process"
+            if w.error is None or returncode is None or returncode < 0:
+                self.events.emit(
+                    "error_detected",
+                    ts=detected,
+                    task=self.coordinator.task,
+                    rank=slot,
+                    slot=slot,
+                    node=self.node,
+                    step=w.step,
+                    kind=verdict.kind,
+                    severity=int(verdict.severity),
+                    method=method,
+                    returncode=returncode,
+                    reason=verdict.reason,
+                )
+        if w.conn is not None:
+            w.conn.close()
+            w.conn = None
+        if self.monitor is not None:
+            self.monitor.forget(slot)
+        self.coordinator.worker_failed(slot, verdict, detected)
+
+    def _check_monitor(self, now: float) -> None:
+        assert self.monitor is not None
+        for d in self.monitor.check(now):
+            w = self.workers.get(d.worker)
+            if w is None or w.gone:
+                continue
+            verdict = classify_detector(d.kind)
+            self.events.emit(
+                "error_detected",
+                ts=now,
+                task=self.coordinator.task,
+                rank=d.worker,
+                slot=d.worker,
+                node=self.node,
+                step=d.step,
+                kind=verdict.kind,
+                severity=int(verdict.severity),
+                method="monitor",
+                reason=d.reason,
+            )
+            if d.kind == "hang":
+                self.kill(d.worker, verdict)
+            else:
+                self.coordinator.worker_slow(d.worker, verdict, dict(self.mb_compute_s), now)
+
+    # -- launching --------------------------------------------------------------------------
+    def _base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.config.env)
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        env.update(
+            {
+                ENV_TASK: self.coordinator.task,
+                ENV_NODE: str(self.node),
+                ENV_STORE: self.coordinator.store_address,
+                ENV_AGENT: self.address,
+                ENV_AUTHKEY: self._authkey.hex(),
+                ENV_REDUCE: self.config.reduce,
+                ENV_ON_LOST: self.config.on_lost,
+                ENV_THREADS: str(self.config.threads),
+                "OMP_NUM_THREADS": str(self.config.threads),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        return env
+
+    def _slot_env(self, slot: int) -> dict[str, str]:
+        faults = [f.spec for f in self.config.faults if f.rank == slot and f.spec not in self.fired]
+        return {
+            ENV_SLOT: str(slot),
+            ENV_INCARNATION: str(self.workers[slot].incarnation),
+            ENV_FAULTS: ";".join(faults),
+        }
+
+    def _launch(self, slot: int) -> None:
+        w = self.workers[slot]
+        logfile = self.config.log_dir / f"worker{slot}.{w.incarnation}.log"
+        if self._zygote_conn is not None:
+            try:
+                self._zygote_conn.send(
+                    {
+                        "cmd": "spawn",
+                        "slot": slot,
+                        "env": self._slot_env(slot),
+                        "script": self.config.script,
+                        "argv": self.config.argv,
+                        "log": str(logfile),
+                    }
+                )
+                return
+            except OSError:
+                self._zygote_conn = None
+        env = self._base_env()
+        env.update(self._slot_env(slot))
+        with open(logfile, "ab") as out:
+            w.popen = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "unicron.launcher",
+                    "worker",
+                    self.config.script,
+                    *self.config.argv,
+                ],
+                env=env,
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        w.pid = w.popen.pid
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,374 @@
+"""The coordinator: one per cluster. Owns the task's membership and decides every epoch.
+
+It hosts the ``TCPStore`` that every process group rendezvous on (keys scoped by task and
+epoch, :mod:`unicron.protocol`), turns what agents report (a worker ready, failed, raised,
+finished) into decisions through the escalation policy (:mod:`unicron.escalation`), announces
+epochs, and asks agents to restart or kill workers. Agents call the ``worker_*`` methods and
+:meth:`Coordinator.tick` from their supervision loop; nothing here blocks.
+
+Task states (:class:`TaskState`): ``PENDING`` (workers starting) -> ``RUNNING`` -> ``DONE`` or
+``FAILED``; ``RUNNING`` stays ``RUNNING`` across epochs (a transition is an epoch change).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from unicron.classify import Action, Scope, Verdict
+from unicron.escalation import Escalation
+from unicron.events import EventLog
+from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key
+
+log = logging.getLogger("unicron.coordinator")
+
+
+class TaskState(enum.Enum):
+    """PENDING -> RUNNING (first epoch announced) -> DONE (a member finished the last step)
+    or FAILED (fewer usable slots than the minimum, or no replica holds the state)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class AgentHandle(Protocol):
+    """What the coordinator asks of a node's agent."""
+
+    node: int
+
+    def spawn(self, slot: int) -> None: ...
+    def kill(self, slot: int, verdict: Verdict | None = None) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorSettings:
+    min_workers: int = 1
+    """the task is worth nothing below this many workers: it fails (exit 1) instead"""
+    start_timeout_s: float = 120.0
+    """the first epoch starts with the ready workers after this long, if they are enough"""
+    error_grace_s: float = 1.0
+    """an in-band error with no process failure within this long is healed by a reattempt:
+    a new epoch of the same members (fresh process group), keeping every local sum"""
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
+        if not self.error_grace_s >= 0:
+            raise ValueError(f"error_grace_s must be >= 0, got {self.error_grace_s}")
+
+
+@dataclass
+class _Slot:
+    node: int
+    ready: bool = False
+    alive: bool = True  # a process exists or is being started
+    excluded: bool = False
+    done: dict[str, Any] | None = None
+    last_error: str = ""
+
+
+@dataclass
+class Outcome:
+    """How the task ended, for the runner's exit code and report."""
+
+    state: TaskState
+    reason: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Membership and decisions for one task (the embedded coordinator of ``unicron run``)."""
+
+    def __init__(
+        self,
+        *,
+        task: str,
+        slots: dict[int, int],
+        events: EventLog,
+        escalation: Escalation,
+        settings: CoordinatorSettings,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.task = task
+        self.events = events
+        self.escalation = escalation
+        self.settings = settings
+        self.slots = {s: _Slot(node=n) for s, n in slots.items()}
+        self.agents: dict[int, AgentHandle] = {}
+        self.state = TaskState.PENDING
+        self.epoch = 0
+        self.members: tuple[int, ...] = ()
+        self.outcome: Outcome | None = None
+        self.started_at: float | None = None
+        self._pending_errors: dict[int, tuple[float, Verdict]] = {}
+        self._last_failure_ts = float("-inf")
+        self._lock = threading.RLock()
+        self.on_epoch: list[Callable[[EpochInfo], None]] = []  # e.g. the monitor re-learns
+        self.microbatches: int | None = None  # per global batch, learned from the workers
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
+        )
+        self.store_address = f"{host}:{self.store.port}"
+
+    def attach(self, agent: AgentHandle) -> None:
+        self.agents[agent.node] = agent
+
+    # -- reports from agents ----------------------------------------------------------------
+    def worker_ready(self, slot: int, now: float) -> None:
+        """The worker in ``slot`` built its model and waits for an epoch."""
+        with self._lock:
+            self.slots[slot].ready = True
+            self.slots[slot].alive = True
+            self.tick(now)
+
+    def worker_failed(self, slot: int, verdict: Verdict, now: float) -> None:
+        """The worker process in ``slot`` is gone (the agent already logged the detection)."""
+        with self._lock:
+            s = self.slots[slot]
+            s.ready = s.alive = False
+            s.last_error = verdict.reason
+            self._last_failure_ts = now
+            self._pending_errors.pop(slot, None)
+            if self.state in (TaskState.DONE, TaskState.FAILED):
+                return
+            if s.excluded:  # the coordinator itself took it out (a dropped straggler)
+                if slot in self.members:
+                    self._announce(
+                        tuple(m for m in self.members if m != slot),
+                        urgent=True,
+                        now=now,
+                        reason=f"slot {slot} excluded",
+                    )
+                self._check_minimum(now)
+                return
+            decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
+            self._action(decision.action, slot, decision.reason, severity=int(decision.severity))
+            if decision.exclude_node or (
+                verdict.scope is Scope.NODE and decision.action is Action.EXCLUDE
+            ):
+                for other, o in self.slots.items():
+                    if o.node == s.node:
+                        o.excluded = True
+                        if o.alive:
+                            self.agents[o.node].kill(other, verdict)
+            if decision.exclude_slot or decision.action is Action.EXCLUDE:
+                s.excluded = True
+            if slot in self.members:
+                self._announce(
+                    tuple(m for m in self.members if self.slots[m].alive),
+                    urgent=True,
+                    now=now,
+                    reason=f"slot {slot} lost: {verdict.kind}",
+                )
+            if self._check_minimum(now):
+                return
+            if not s.excluded:
+                s.alive = True
+                self.agents[s.node].spawn(slot)
+
+    def worker_error(self, slot: int, verdict: Verdict, now: float, *, in_place: bool) -> None:
+        """An error raised inside a living worker (in-band).
+
+        ``in_place``: the worker already retried the step in place (SEV3), and the decision is
+        only recorded, unless the escalation says the retries are used up (then the worker is
+        restarted). Otherwise (a collective failed) it is healed in :meth:`tick`.
+        """
+        with self._lock:
+            if not in_place:
+                self._pending_errors.setdefault(slot, (now, verdict))
+                return
+            s = self.slots[slot]
+            decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
+            self._action(decision.action, slot, decision.reason, severity=int(decision.severity))
+            if decision.action is not Action.REATTEMPT:
+                self.agents[s.node].kill(slot, verdict)
+
+    def worker_slow(
+        self, slot: int, verdict: Verdict, mb_compute_s: dict[int, float], now: float
+    ) -> None:
+        """A straggler: ask the planner whether the task's WAF is higher without it; act on
+        the answer (drop the slot, or keep it and say why)."""
+        with self._lock:
+            if slot not in self.members or self.state is not TaskState.RUNNING:
+                return
+            peers = [t for s, t in mb_compute_s.items() if s != slot and s in self.members]
+            if slot not in mb_compute_s or not peers:
+                return
+            from unicron.straggler import straggler_plan
+
+            drop, reason = straggler_plan(
+                world=len(self.members),
+                microbatches=self.microbatches or len(self.members),
+                peer_mb_s=sorted(peers)[len(peers) // 2],
+                slow_mb_s=mb_compute_s[slot],
+                min_workers=self.settings.min_workers,
+            )
+            s = self.slots[slot]
+            if drop:
+                self._action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", severity=1)
+                s.excluded = True
+                self.agents[s.node].kill(slot, verdict)
+            else:
+                self._action(Action.RECONFIGURE, slot, f"straggler kept: {reason}", severity=1)
+
+    def worker_done(self, slot: int, report: dict[str, Any], now: float) -> None:
+        """The worker in ``slot`` finished the last step (every member of the epoch will)."""
+        with self._lock:
+            self.slots[slot].done = report
+            if self.state is TaskState.RUNNING:
+                self.state = TaskState.DONE
+                self.store.set(done_key(self.task), "done")
+            if report.get("rank") == 0 or not self.outcome:
+                self.outcome = Outcome(TaskState.DONE, "finished", report)
+
+    def finished(self) -> bool:
+        """True once the task is over and every member of the last epoch has reported."""
+        with self._lock:
+            if self.state is TaskState.FAILED:
+                return True
+            if self.state is not TaskState.DONE:
+                return False
+            return all(
+                self.slots[m].done is not None or not self.slots[m].alive for m in self.members
+            )
+
+    # -- decisions over time ----------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Start the first epoch, grow with ready workers, heal lone in-band errors."""
+        with self._lock:
+            if self.state is TaskState.PENDING:
+                self._maybe_start(now)
+            elif self.state is TaskState.RUNNING:
+                self._heal_errors(now)
+                joiners = tuple(
+                    s
+                    for s, o in sorted(self.slots.items())
+                    if o.ready and o.alive and not o.excluded and s not in self.members
+                )
+                if joiners:
+                    self._announce(
+                        self.members + joiners,
+                        urgent=False,
+                        now=now,
+                        reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
+                    )
+
+    def _maybe_start(self, now: float) -> None:
+        if self.started_at is None:
+            self.started_at = now
+        usable = [s for s, o in sorted(self.slots.items()) if not o.excluded]
+        ready = tuple(s for s in usable if self.slots[s].ready)
+        timed_out = now - self.started_at > self.settings.start_timeout_s
+        if ready and (
+            len(ready) == len(usable) or (timed_out and len(ready) >= self.settings.min_workers)
+        ):
+            self.state = TaskState.RUNNING
+            self._announce(ready, urgent=False, now=now, reason="start")
+
+    def _heal_errors(self, now: float) -> None:
+        for slot, (ts, verdict) in list(self._pending_errors.items()):
+            if self._last_failure_ts >= ts - self.settings.error_grace_s:
+                del self._pending_errors[slot]  # a symptom of a process failure, already healed
+            elif now - ts > self.settings.error_grace_s:
+                del self._pending_errors[slot]
+                s = self.slots[slot]
+                decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
+                self._action(
+                    decision.action, slot, decision.reason, severity=int(decision.severity)
+                )
+                if decision.action is Action.REATTEMPT:
+                    self._announce(
+                        self.members,
+                        urgent=True,
+                        now=now,
+                        reason=f"reattempt after {verdict.kind} on slot {slot}",
+                    )
+                else:  # escalated: restart the process; its exit is handled as a failure
+                    self.agents[s.node].kill(slot, verdict)
+
+    def _check_minimum(self, now: float) -> bool:
+        usable = [s for s, o in self.slots.items() if not o.excluded]
+        holders = [m for m in self.members if self.slots[m].alive]
+        reason = ""
+        if len(usable) < self.settings.min_workers:
+            last = next((o.last_error for o in self.slots.values() if o.last_error), "")
+            reason = (
+                f"{len(usable)} usable slot(s) left, fewer than the minimum of "
+                f"{self.settings.min_workers}; last error: {last}"
+            )
+        elif self.state is TaskState.RUNNING and not holders:
+            reason = "every replica holding the model state is gone (no checkpoint to fall back on)"
+        if reason:
+            self.fail(reason, now)
+        return bool(reason)
+
+    def fail(self, reason: str, now: float) -> None:
+        """Give the task up: waiting workers exit, the runner exits 1 with ``reason``."""
+        with self._lock:
+            if self.state in (TaskState.DONE, TaskState.FAILED):
+                return
+            self.state = TaskState.FAILED
+            self.outcome = Outcome(TaskState.FAILED, reason)
+            self.store.set(done_key(self.task), "failed")
+            log.error("task %s failed: %s", self.task, reason)
+
+    # -- effects ----------------------------------------------------------------------------
+    def _announce(self, members: tuple[int, ...], *, urgent: bool, now: float, reason: str) -> None:
+        self.epoch += 1
+        self.members = members
+        info = EpochInfo(
+            self.epoch,
+            members,
+            tuple(self.slots[m].node for m in members),
+            urgent,
+            published_ts=now,
+        )
+        self.events.emit(
+            "plan",
+            ts=now,
+            task=self.task,
+            epoch=self.epoch,
+            allocation={self.task: len(members)},
+            reason=reason,
+        )
+        self.store.set(epoch_info_key(self.task, self.epoch), info.to_json())
+        self.store.set(epoch_key(self.task), str(self.epoch))
+        self.events.emit(
+            "epoch_begin",
+            ts=now,
+            task=self.task,
+            epoch=self.epoch,
+            members=list(members),
+            urgent=urgent,
+            reason=reason,
+        )
+        for callback in self.on_epoch:
+            callback(info)
+
+    def _action(self, action: Action, slot: int, reason: str, *, severity: int) -> None:
+        self.events.emit(
+            "action",
+            task=self.task,
+            epoch=self.epoch,
+            rank=slot,
+            slot=slot,
+            node=self.slots[slot].node,
+            action=str(action),
+            severity=severity,
+            reason=reason,
+        )
+
+    def close(self) -> None:
+        """Stop serving the store (after every worker is gone)."""
+        del self.store

@@ -1,0 +1,219 @@
+"""Escalation: from one classified failure to the action to take, given what came before.
+
+The table (:mod:`unicron.classify`) says what *one* failure deserves. The coordinator owns one
+:class:`Escalation` for the cluster and calls :meth:`Escalation.decide` on every detected
+error (a worker's report, a process exit, a detector), then carries out the returned
+:class:`Decision` and logs it as an ``action`` event with its ``reason``. It calls
+:meth:`Escalation.healthy` when a slot completes a step, and :meth:`Escalation.readmit` when
+an excluded slot or node is healthy again. Pure policy: the clock is passed in as ``now``.
+
+Rules, in order (``decide``):
+
+1. an excluded slot or node stays excluded (the decision repeats it);
+2. SEV3 (reattempt): up to ``max_reattempts`` per slot since its last healthy step (and
+   within ``restart_window_s``); one more escalates to SEV2;
+3. SEV2 (restart): restart in the slot, unless the slot has failed more than
+   ``restart_limit`` times in ``restart_window_s``: then SEV1, the slot is excluded;
+4. SEV1 from the table: EXCLUDE the slot or the node as the verdict's scope says, or
+   RECONFIGURE (replan, nothing excluded);
+5. a node with ``node_failure_limit`` distinct slots excluded or failing (SEV2 or worse, not
+   counting the user's own errors) within ``restart_window_s`` is excluded as a whole.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from unicron.classify import Action, Scope, Severity, Verdict
+
+__all__ = ["Decision", "Escalation", "EscalationSettings"]
+
+NODE_SUSPECT = frozenset(
+    {"ecc", "cuda", "illegal_memory", "nccl", "segfault", "bus_error", "hang", "heartbeat_lost"}
+)
+"""kinds that may be the node's hardware or driver: only these count toward excluding a node
+(a killed process, an exit, a user error or a reset connection says nothing about the node)"""
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:  # also catches NaN
+        raise ValueError(f"EscalationSettings.{name} must be in [{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EscalationSettings:
+    """Limits of :class:`Escalation`; defaults and reasons in ``docs/detection.md``."""
+
+    max_reattempts: int = 2
+    """SEV3 reattempts a slot gets (since its last healthy step) before escalating to SEV2"""
+    restart_limit: int = 3
+    """restarts a slot gets within ``restart_window_s``; the next failure excludes it (SEV1)"""
+    restart_window_s: float = 60.0
+    """the window over which failures are counted (reattempts, restarts, a node's slots)"""
+    node_failure_limit: int = 3
+    """distinct slots of one node excluded or failing within the window that exclude the node"""
+
+    def __post_init__(self) -> None:
+        _check_range("max_reattempts", self.max_reattempts, 0, 1_000)
+        _check_range("restart_limit", self.restart_limit, 0, 1_000)
+        _check_range("restart_window_s", self.restart_window_s, 0.001, 86_400.0)
+        _check_range("node_failure_limit", self.node_failure_limit, 1, 100_000)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the coordinator does about one failure, and why (the ``action`` event).
+
+    ``severity`` is the one acted on (after escalation, so it may differ from the verdict's);
+    ``exclude_slot`` / ``exclude_node`` say what to take out of the plan before replanning.
+    ``kind`` is the verdict's kind.
+    """
+
+    action: Action
+    severity: Severity
+    reason: str
+    exclude_slot: bool = False
+    exclude_node: bool = False
+    kind: str = ""
+
+
+@dataclass
+class _Slot:
+    node: int
+    reattempts: deque[float] = field(default_factory=deque)
+    failures: deque[float] = field(default_factory=deque)  # SEV2 restarts asked for
+    hardware: deque[float] = field(default_factory=deque)  # failures that may be the node's
+
+
+class Escalation:
+    """The escalation policy's memory: per-slot reattempts and restarts, exclusions."""
+
+    def __init__(self, settings: EscalationSettings | None = None) -> None:
+        self.settings = settings or EscalationSettings()
+        self._slots: dict[int, _Slot] = {}
+        self._excluded_slots: set[int] = set()
+        self._excluded_nodes: set[int] = set()
+
+    def decide(self, verdict: Verdict, *, slot: int, node: int, now: float) -> Decision:
+        """Decide what to do about ``verdict`` on ``slot`` (of ``node``) at ``now``."""
+        s = self._slot(slot, node, now)
+        kind = verdict.kind
+        if node in self._excluded_nodes:
+            return Decision(
+                Action.EXCLUDE, Severity.SEV1, f"{kind} on node {node}: node is excluded",
+                exclude_node=True, kind=kind,
+            )  # fmt: skip
+        if slot in self._excluded_slots:
+            return Decision(
+                Action.EXCLUDE, Severity.SEV1, f"{kind} on slot {slot}: slot is excluded",
+                exclude_slot=True, kind=kind,
+            )  # fmt: skip
+        if verdict.severity is Severity.SEV1:
+            return self._sev1(verdict, slot, node, now)
+        prefix = f"{kind} on slot {slot}"
+        if verdict.severity is Severity.SEV3:
+            limit = self.settings.max_reattempts
+            if len(s.reattempts) < limit:
+                s.reattempts.append(now)
+                reason = f"{prefix}: reattempt {len(s.reattempts)} of {limit}"
+                return Decision(Action.REATTEMPT, Severity.SEV3, reason, kind=kind)
+            prefix += f": {limit} reattempts failed, escalated to SEV2"
+        return self._sev2(kind, prefix, slot, node, now)
+
+    def healthy(self, *, slot: int, now: float) -> None:
+        """``slot`` completed a step at ``now``: its reattempt count starts again."""
+        s = self._slots.get(slot)
+        if s is not None:
+            s.reattempts.clear()
+
+    def excluded_slots(self) -> frozenset[int]:
+        """Slots excluded one by one (a node's exclusion is in :meth:`excluded_nodes`)."""
+        return frozenset(self._excluded_slots)
+
+    def excluded_nodes(self) -> frozenset[int]:
+        """Nodes excluded as a whole."""
+        return frozenset(self._excluded_nodes)
+
+    def readmit(self, *, slot: int | None = None, node: int | None = None) -> None:
+        """A slot or a node is healthy again: back in the plan, with a clean history (a node's
+        readmission clears its slots' histories, not their own exclusions)."""
+        if slot is not None:
+            self._excluded_slots.discard(slot)
+            self._slots.pop(slot, None)
+        if node is not None:
+            self._excluded_nodes.discard(node)
+            for k in [k for k, s in self._slots.items() if s.node == node]:
+                if k not in self._excluded_slots:
+                    del self._slots[k]
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _slot(self, slot: int, node: int, now: float) -> _Slot:
+        s = self._slots.setdefault(slot, _Slot(node))
+        s.node = node
+        horizon = now - self.settings.restart_window_s
+        for times in (s.reattempts, s.failures, s.hardware):
+            while times and times[0] <= horizon:
+                times.popleft()
+        return s
+
+    def _sev1(self, verdict: Verdict, slot: int, node: int, now: float) -> Decision:
+        kind = verdict.kind
+        if verdict.action is not Action.EXCLUDE:
+            reason = f"{kind} on slot {slot}: {verdict.action} (SEV1)"
+            return Decision(verdict.action, Severity.SEV1, reason, kind=kind)
+        if verdict.scope is Scope.NODE:
+            self._excluded_nodes.add(node)
+            reason = f"{kind} on node {node}: node excluded"
+            return Decision(Action.EXCLUDE, Severity.SEV1, reason, exclude_node=True, kind=kind)
+        return self._exclude_slot(kind, f"{kind} on slot {slot}: slot excluded", slot, node, now)
+
+    def _sev2(self, kind: str, prefix: str, slot: int, node: int, now: float) -> Decision:
+        s = self._slots[slot]
+        s.reattempts.clear()
+        s.failures.append(now)
+        if kind in NODE_SUSPECT:
+            s.hardware.append(now)
+        limit, window = self.settings.restart_limit, self.settings.restart_window_s
+        if len(s.failures) > limit:
+            reason = f"{prefix}: failed {len(s.failures)} times in {window:g} s: slot excluded"
+            return self._exclude_slot(kind, reason, slot, node, now)
+        if self._node_failing(node, now):
+            return self._exclude_node(kind, prefix, node, now, slot_excluded=False)
+        reason = f"{prefix}: restart (restart {len(s.failures)} of {limit} in {window:g} s)"
+        return Decision(Action.RESTART, Severity.SEV2, reason, kind=kind)
+
+    def _exclude_slot(self, kind: str, reason: str, slot: int, node: int, now: float) -> Decision:
+        self._excluded_slots.add(slot)
+        if self._node_failing(node, now):
+            return self._exclude_node(kind, reason, node, now, slot_excluded=True)
+        return Decision(Action.EXCLUDE, Severity.SEV1, reason, exclude_slot=True, kind=kind)
+
+    def _exclude_node(
+        self, kind: str, reason: str, node: int, now: float, *, slot_excluded: bool
+    ) -> Decision:
+        self._excluded_nodes.add(node)
+        failing = self._failing_slots(node, now)
+        reason += f"; node {node} has {len(failing)} failing slots {failing}: node excluded"
+        return Decision(
+            Action.EXCLUDE,
+            Severity.SEV1,
+            reason,
+            exclude_slot=slot_excluded,
+            exclude_node=True,
+            kind=kind,
+        )
+
+    def _failing_slots(self, node: int, now: float) -> list[int]:
+        """Slots of ``node`` excluded, or with a hardware-suspect failure in the window."""
+        horizon = now - self.settings.restart_window_s
+        return sorted(
+            k
+            for k, s in self._slots.items()
+            if s.node == node
+            and (k in self._excluded_slots or any(t > horizon for t in s.hardware))
+        )
+
+    def _node_failing(self, node: int, now: float) -> bool:
+        return len(self._failing_slots(node, now)) >= self.settings.node_failure_limit

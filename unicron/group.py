@@ -1,0 +1,175 @@
+"""One epoch's process group, and leaving it fast when the epoch is over.
+
+Called by the worker (:mod:`unicron.worker`) only. Every collective is issued asynchronously
+and waited for in short slices; between slices the group asks the store whether a newer epoch
+supersedes this one (TORCH-FACTS.md: in gloo only the ranks wired to a dead peer see an
+error, the others block until the process-group timeout). The commit vote is arbitrated by a
+single ``compare_set`` on the store, so every living member acts on the same outcome.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
+
+
+class EpochOver(Exception):
+    """This epoch was superseded (or its collective failed): go to the next one."""
+
+
+class CollectiveError(EpochOver):
+    """A collective of this epoch raised (typically: a peer is gone)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class EpochWatch:
+    """Reads the task's epoch announcements from the store, caching what it has seen."""
+
+    def __init__(self, store: dist.Store, task: str) -> None:
+        self.store = store
+        self.task = task
+        self._infos: dict[int, EpochInfo] = {}
+
+    def latest(self) -> int:
+        raw = (
+            self.store.get(epoch_key(self.task))
+            if self.store.check([epoch_key(self.task)])
+            else b"0"
+        )
+        return int(raw)
+
+    def info(self, epoch: int) -> EpochInfo:
+        if epoch not in self._infos:
+            self._infos[epoch] = EpochInfo.from_json(
+                self.store.get(epoch_info_key(self.task, epoch))
+            )
+        return self._infos[epoch]
+
+    def superseded(self, epoch: int, *, urgent_only: bool) -> bool:
+        """True if an epoch newer than ``epoch`` exists (and, with ``urgent_only``, one of the
+        newer ones drops a member, so in-flight collectives must be left now)."""
+        latest = self.latest()
+        if latest <= epoch:
+            return False
+        if not urgent_only:
+            return True
+        return any(self.info(e).urgent for e in range(epoch + 1, latest + 1))
+
+
+class EpochGroup:
+    """The members of one epoch, their gloo process group and the commit vote.
+
+    Built by the worker on entering an epoch; abandoned (never reused) when the epoch is over.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        watch: EpochWatch,
+        info: EpochInfo,
+        rank: int,
+        *,
+        slice_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.info = info
+        self.rank = rank
+        self.world = len(info.members)
+        self.watch = watch
+        self.slice = dt.timedelta(seconds=slice_s)
+        self.timeout_s = timeout_s
+        self.store = dist.PrefixStore(epoch_prefix(watch.task, info.epoch), store)
+        self.pg: Any = None
+
+    # -- membership -------------------------------------------------------------------------
+    def _check(self, *, urgent_only: bool = True) -> None:
+        if self.watch.superseded(self.info.epoch, urgent_only=urgent_only):
+            raise EpochOver(f"epoch {self.info.epoch} superseded")
+
+    def rendezvous(self) -> None:
+        """Wait until every member arrived, then build the process group.
+
+        The wait is a store barrier in slices, left at once if a newer epoch appears (a member
+        that died before arriving never stalls the others past the next announcement).
+        """
+        self.store.set(f"arrived/{self.rank}", "1")
+        keys = [f"arrived/{r}" for r in range(self.world)]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self.store.wait(keys, self.slice)
+                break
+            except dist.DistStoreError:
+                self._check(urgent_only=False)
+                if time.monotonic() > deadline:
+                    raise EpochOver(f"rendezvous of epoch {self.info.epoch} timed out") from None
+        self.pg = dist.ProcessGroupGloo(
+            dist.PrefixStore("pg", self.store),
+            self.rank,
+            self.world,
+            dt.timedelta(seconds=self.timeout_s),
+        )
+
+    # -- collectives ------------------------------------------------------------------------
+    def _wait(self, work: Any) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                work.wait(self.slice)
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc):
+                    raise CollectiveError(exc) from exc
+                # any newer epoch ends a collective that is still waiting: members leave an old
+                # epoch at different step boundaries, so a peer may never join this one
+                self._check(urgent_only=False)
+                if time.monotonic() > deadline:
+                    raise CollectiveError(exc) from exc
+
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` in place over the members."""
+        self._wait(self.pg.allreduce([tensor]))
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world)]
+        self._wait(self.pg.allgather([out], [tensor]))
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self._wait(self.pg.broadcast([tensor], opts))
+
+    # -- commit -----------------------------------------------------------------------------
+    def vote(self, step: int) -> bool:
+        """After a successful reduce: True if every member reduced (apply the update).
+
+        Each member adds its vote; the last one proposes "commit". A member that sees the
+        epoch superseded first proposes "abort". ``compare_set`` keeps the first proposal, so
+        all living members act on the same outcome; a member that lost the vote keeps its local
+        sum and retries in the next epoch.
+        """
+        decision = f"decide/{step}"
+        if self.store.add(f"vote/{step}", 1) == self.world:
+            self.store.compare_set(decision, "", "commit")
+        while True:
+            try:
+                self.store.wait([decision], self.slice)
+                break
+            except dist.DistStoreError:
+                if self.watch.superseded(self.info.epoch, urgent_only=True):
+                    self.store.compare_set(decision, "", "abort")
+        return self.store.get(decision) == b"commit"
+
+    def abort(self, step: int) -> None:
+        """This member cannot finish ``step`` in this epoch: make sure nobody commits it."""
+        self.store.compare_set(f"decide/{step}", "", "abort")

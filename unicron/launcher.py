@@ -1,0 +1,151 @@
+"""Starting workers cheaply: a warm fork server (the zygote), with a plain spawn as fallback.
+
+A fresh Python process pays ~5 s here before its first step (``import torch``, then the
+optimizer's imports); a child forked from a process that already paid them pays ~0.1 s
+(TORCH-FACTS.md). So the agent starts one zygote per node: it imports torch, builds a throw-away
+optimizer, then forks a child per worker on request and reports each child's exit. The zygote
+creates no process group, thread pool or socket to peers before forking.
+
+Run as ``python -m unicron.launcher zygote`` (by the agent) or
+``python -m unicron.launcher worker SCRIPT [ARGS]`` (the fallback: a plain fresh process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import runpy
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Client, Connection, wait
+from typing import Any
+
+from unicron.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_THREADS
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent goes (no orphans, Linux)."""
+    # not Linux: no prctl; the agent's kill at shutdown still applies
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def run_script(script: str, argv: list[str]) -> int:
+    """Run the user's script as ``__main__`` in this process; return its exit code.
+
+    Connects to the agent first, so that an error at import time is reported with its
+    traceback (the agent shows it when it gives up on the slot).
+    """
+    import torch
+
+    from unicron import link
+
+    torch.set_num_threads(int(os.environ.get(ENV_THREADS, "1")))
+    agent = link.connect_agent()
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    except BaseException as exc:  # report everything the script raised, then exit 1
+        tb = traceback.format_exc()
+        sys.stderr.write(tb)
+        agent.send(
+            {
+                "type": "error",
+                "type_name": type(exc).__name__,
+                "message": str(exc),
+                "traceback": tb,
+                "in_band": False,
+            }
+        )
+        return 1
+    return 0
+
+
+def _zygote() -> int:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch  # the expensive imports, paid once
+
+    torch.set_num_threads(int(os.environ.get(ENV_THREADS, "1")))
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # pulls in torch._dynamo
+    import unicron.worker  # noqa: F401
+
+    host, port = os.environ[ENV_AGENT].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
+    conn.send({"type": "zygote", "pid": os.getpid()})
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    signal.set_wakeup_fd(wfd)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: set[int] = set()
+    while True:
+        ready = wait([conn, rfd], timeout=1.0)
+        if rfd in ready:
+            os.read(rfd, 4096)
+        _reap(conn, children)
+        if conn in ready:
+            try:
+                cmd: dict[str, Any] = conn.recv()
+            except EOFError:
+                return 0
+            if cmd["cmd"] == "spawn":
+                pid = _fork_worker(conn, rfd, wfd, cmd)
+                children.add(pid)
+                conn.send({"type": "spawned", "slot": cmd["slot"], "pid": pid})
+
+
+def _reap(conn: Connection, children: set[int]) -> None:
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            children.discard(pid)
+            conn.send({"type": "exit", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def _fork_worker(conn: Connection, rfd: int, wfd: int, cmd: dict[str, Any]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    # child: drop the zygote's plumbing, become the worker
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.close(rfd)
+        os.close(wfd)
+        conn.close()
+        die_with_parent()
+        if cmd.get("log"):
+            fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+        os.environ.update(cmd["env"])
+        code = run_script(cmd["script"], cmd["argv"])
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["zygote"]:
+        return _zygote()
+    if argv[:1] == ["worker"] and len(argv) >= 2:
+        die_with_parent()
+        return run_script(argv[1], argv[2:])
+    print("usage: python -m unicron.launcher zygote | worker SCRIPT [ARGS]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

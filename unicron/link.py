@@ -1,0 +1,63 @@
+"""The worker's end of its connection to the agent (authenticated, local).
+
+Opened once per process, by the bootstrap before the user's script runs (so an import error
+in the script is reported too) and reused by :func:`unicron.worker.train`. Sends never block
+training for long and never raise: a report that cannot be delivered is dropped, and a lost
+agent is noticed by the process supervision on the other side.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+from unicron.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_INCARNATION, ENV_SLOT
+
+
+class AgentLink:
+    """Sends messages (dicts with a ``type``, see :data:`unicron.protocol.MESSAGES`)."""
+
+    def __init__(self, conn: Connection | None) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._conn is None:
+            return
+        with self._lock:
+            try:
+                self._conn.send(message)
+            except OSError:
+                self._conn = None
+
+
+_link: AgentLink | None = None
+
+
+def connect_agent() -> AgentLink:
+    """The process's link to its agent (connecting on first use; a no-op link if none)."""
+    global _link
+    if _link is None:
+        address = os.environ.get(ENV_AGENT)
+        conn = None
+        if address:
+            host, port = address.rsplit(":", 1)
+            conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
+            conn.send(
+                {
+                    "type": "hello",
+                    "slot": int(os.environ[ENV_SLOT]),
+                    "pid": os.getpid(),
+                    "incarnation": int(os.environ.get(ENV_INCARNATION, "0")),
+                }
+            )
+        _link = AgentLink(conn)
+    return _link
+
+
+def reset_after_fork() -> None:
+    """A forked child must not share its parent's connection."""
+    global _link
+    _link = None

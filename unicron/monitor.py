@@ -1,0 +1,314 @@
+"""Online statistical monitoring of step times: hangs and stragglers that raise nothing.
+
+The agent owns one :class:`StepMonitor` per task and feeds it every step report of its
+workers: :meth:`StepMonitor.step_started` when a worker begins a step,
+:meth:`StepMonitor.step_finished` when it ends one. It calls :meth:`StepMonitor.check` on a
+timer (every 0.1-0.2 s; anything under 0.5 s keeps the detection target below) and turns
+each returned :class:`Detection` into a verdict with
+``unicron.classify.classify_detector(d.kind)``. The clock is passed in (``now``); nothing here
+reads time, sleeps or does I/O.
+
+Two detectors:
+
+- **hang**: a started step that outlasts ``max(hang_factor x expected step time,
+  hang_floor_s)``. The expected step time is the median of the worker's recent wall-clock
+  step durations (a sliding window, so one slow step does not move it), after the first
+  ``warmup_steps`` steps (imports, compilation, allocator growth), which are ignored. Until
+  there is an expectation, ``warmup_hang_s`` applies. When the step time shifts for
+  ``shift_steps`` consecutive steps (by more than ``shift_ratio`` either way) the window
+  restarts from those steps: the workload changed legitimately. A membership change is
+  announced with :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time,
+  with a deadline ``relearn_factor`` times as lenient meanwhile. A change larger than
+  ``hang_factor`` that is *not* announced is indistinguishable from a hang, by design.
+- **straggler**: a worker whose own compute time (excluding the wait for its peers) stays
+  above ``straggler_factor`` x the median of its peers' compute times for the same step, for
+  ``straggler_steps`` consecutive steps. A legitimate change moves every peer together and
+  leaves the ratio alone; a straggler moves alone.
+
+Each condition is reported once: a hang once per (worker, step), a straggler once until it
+has been back within the factor for ``straggler_steps`` steps.
+
+Caller contract: report ``step_started`` at the top of the training loop (data loading
+belongs to the step) and after a worker has finished joining a new epoch (building the
+group, receiving state), so the step only carries training work.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["Detection", "MonitorSettings", "StepMonitor"]
+
+_MIN_SAMPLES = 3
+"""post-warm-up steps a worker needs before its median counts as an expectation"""
+_MAX_PENDING_STEPS = 256
+"""steps kept waiting for slow reporters before they are judged with the reports at hand"""
+
+
+def _check_range(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    """Raise the settings' one-line ``ValueError`` unless ``lo <(=) value <= hi``."""
+    ok = (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:  # also catches NaN
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"MonitorSettings.{name} must be in {bracket}{lo}, {hi}], got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorSettings:
+    """Thresholds of :class:`StepMonitor`; the defaults and their reasons are in
+    ``docs/detection.md``. Built once by the agent; invalid values raise ``ValueError``."""
+
+    warmup_steps: int = 5
+    """first steps of each worker (and of each restarted worker) left out of the statistics"""
+    warmup_hang_s: float = 300.0
+    """hang deadline while a worker has no expectation yet (warm-up); ``math.inf`` disables"""
+    hang_factor: float = 3.0
+    """k: a step longer than k x the expected step time is a hang"""
+    hang_floor_s: float = 1.0
+    """a step is never a hang before this many seconds, however short steps usually are"""
+    window: int = 50
+    """number of recent step durations per worker whose median is the expected step time"""
+    shift_ratio: float = 1.5
+    """a step more than this factor above (or below) the median counts toward a level shift"""
+    shift_steps: int = 5
+    """this many consecutive shifted steps on the same side replace the window: re-learned"""
+    relearn_factor: float = 4.0
+    """after reset_expectation, deadlines are this many times more lenient until re-learned"""
+    straggler_factor: float = 1.5
+    """a worker whose compute time exceeds this factor x its peers' median is slow"""
+    straggler_steps: int = 5
+    """consecutive slow steps that make a straggler (and calm steps that end one)"""
+    straggler_min_excess_s: float = 0.01
+    """and it must exceed the peers' median by at least this much (ignores tiny steps' noise)"""
+
+    def __post_init__(self) -> None:
+        _check_range("warmup_steps", self.warmup_steps, 0, 10_000)
+        _check_range("hang_floor_s", self.hang_floor_s, 0.0, 86_400.0, lo_open=True)
+        _check_range("warmup_hang_s", self.warmup_hang_s, self.hang_floor_s, math.inf)
+        _check_range("hang_factor", self.hang_factor, 1.0, 1_000.0, lo_open=True)
+        _check_range("window", self.window, _MIN_SAMPLES, 100_000)
+        _check_range("shift_ratio", self.shift_ratio, 1.0, 100.0, lo_open=True)
+        _check_range("shift_steps", self.shift_steps, _MIN_SAMPLES, self.window)
+        _check_range("relearn_factor", self.relearn_factor, 1.0, 1_000.0)
+        _check_range("straggler_factor", self.straggler_factor, 1.0, 100.0, lo_open=True)
+        _check_range("straggler_steps", self.straggler_steps, 1, 10_000)
+        _check_range("straggler_min_excess_s", self.straggler_min_excess_s, 0.0, 3_600.0)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One detected condition: ``kind`` is ``"hang"`` or ``"straggler"`` (a detector name
+    for :func:`unicron.classify.classify_detector`), on ``worker`` at ``step``, detected at
+    ``detected_at`` (the caller's clock), with a one-line human ``reason``."""
+
+    kind: str
+    worker: int
+    step: int
+    reason: str
+    detected_at: float
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2.0
+
+
+@dataclass
+class _Worker:
+    """What the monitor knows about one worker since it was (re)started."""
+
+    window: deque[float]
+    finished: int = 0
+    last_step: int = -1
+    step: int | None = None
+    started_at: float | None = None
+    hang_reported: bool = False
+    previous: float | None = None  # expectation before reset_expectation, while re-learning
+    shifted: list[float] = field(default_factory=list)
+    shift_side: int = 0
+    slow_streak: int = 0
+    slow_since: int = 0
+    calm_streak: int = 0
+    straggling: bool = False
+
+
+class StepMonitor:
+    """Per-worker running step statistics of one task, fed by the agent (see module doc)."""
+
+    def __init__(self, settings: MonitorSettings) -> None:
+        self.settings = settings
+        self._workers: dict[int, _Worker] = {}
+        self._compute: dict[int, dict[int, float]] = {}  # step -> worker -> compute rate
+        self._found: list[Detection] = []
+
+    # ---- reports (the agent, on each worker message) --------------------------------------
+
+    def step_started(self, worker: int, step: int, now: float) -> None:
+        """Worker ``worker`` began ``step`` at ``now``; its hang deadline starts running."""
+        w = self._worker(worker)
+        w.step, w.started_at, w.hang_reported = step, now, False
+
+    def step_finished(
+        self,
+        worker: int,
+        step: int,
+        compute_s: float,
+        now: float,
+        *,
+        microbatches: int | None = None,
+    ) -> None:
+        """Worker ``worker`` finished ``step`` at ``now``; ``compute_s`` is its own compute time
+        in that step, without waiting for peers. When replicas get unequal shares of the batch
+        (e.g. 4 micro-batches on 3 replicas), pass ``microbatches`` and stragglers are judged
+        on the time per micro-batch."""
+        w = self._worker(worker)
+        duration = now - w.started_at if w.step == step and w.started_at is not None else None
+        w.step, w.started_at, w.hang_reported = None, None, False
+        w.finished += 1
+        w.last_step = max(w.last_step, step)
+        if w.finished <= self.settings.warmup_steps:
+            return
+        if duration is not None and duration >= 0.0:
+            self._learn(w, duration)
+        if math.isfinite(compute_s) and compute_s >= 0.0:
+            rate = compute_s / microbatches if microbatches else compute_s
+            self._compute.setdefault(step, {})[worker] = rate
+        self._judge_stragglers(now)
+
+    def forget(self, worker: int) -> None:
+        """Drop everything about ``worker`` (gone, or about to be restarted: it warms up anew)."""
+        self._workers.pop(worker, None)
+        for reports in self._compute.values():
+            reports.pop(worker, None)
+
+    def reset_expectation(self) -> None:
+        """Membership changed (new epoch): step times may change legitimately. Each worker
+        keeps its last expectation as a lenient stand-in (``relearn_factor``) and re-learns
+        from its next steps; straggler streaks restart (the work split changed)."""
+        for w in self._workers.values():
+            if len(w.window) >= _MIN_SAMPLES:
+                w.previous = _median(list(w.window))
+            w.window.clear()
+            w.shifted, w.shift_side = [], 0
+            w.slow_streak, w.calm_streak, w.straggling = 0, 0, False
+        self._compute.clear()
+
+    # ---- questions (the agent, on its timer) ------------------------------------------------
+
+    def expected_step_s(self) -> float | None:
+        """The task's expected step time: the median over workers of their expectations;
+        ``None`` while no worker has one (warm-up)."""
+        values = [e for w in self._workers.values() if (e := self._expected(w)) is not None]
+        return _median(values) if values else None
+
+    def hang_deadline(self, worker: int) -> float | None:
+        """Absolute time at which ``worker``'s current step counts as hung; ``None`` if the
+        worker has no step in progress (or is unknown)."""
+        w = self._workers.get(worker)
+        if w is None or w.started_at is None:
+            return None
+        return w.started_at + self._allowance(w)[0]
+
+    def check(self, now: float) -> list[Detection]:
+        """New detections since the last call: hangs past their deadline at ``now`` and the
+        stragglers found by the step reports. Each condition is returned once."""
+        found, self._found = self._found, []
+        for worker, w in sorted(self._workers.items()):
+            if w.started_at is None or w.step is None or w.hang_reported:
+                continue
+            allowance, basis = self._allowance(w)
+            if now >= w.started_at + allowance:
+                w.hang_reported = True
+                reason = (
+                    f"worker {worker} step {w.step}: running {now - w.started_at:.2f} s "
+                    f"> {allowance:.2f} s ({basis})"
+                )
+                found.append(Detection("hang", worker, w.step, reason, now))
+        return found
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _worker(self, worker: int) -> _Worker:
+        if worker not in self._workers:
+            self._workers[worker] = _Worker(window=deque(maxlen=self.settings.window))
+        return self._workers[worker]
+
+    def _expected(self, w: _Worker) -> float | None:
+        return _median(list(w.window)) if len(w.window) >= _MIN_SAMPLES else None
+
+    def _allowance(self, w: _Worker) -> tuple[float, str]:
+        """Seconds a step of ``w`` may take, and why (for the reason)."""
+        s = self.settings
+        expected = self._expected(w)
+        if expected is not None:
+            return max(s.hang_factor * expected, s.hang_floor_s), (
+                f"max({s.hang_factor:g} x expected {expected:.3f} s, floor {s.hang_floor_s:g} s)"
+            )
+        if w.previous is not None:
+            factor = s.hang_factor * s.relearn_factor
+            return max(factor * w.previous, s.hang_floor_s), (
+                f"re-learning after a membership change: max({factor:g} x previous "
+                f"{w.previous:.3f} s, floor {s.hang_floor_s:g} s)"
+            )
+        return s.warmup_hang_s, f"warm-up deadline {s.warmup_hang_s:g} s"
+
+    def _learn(self, w: _Worker, duration: float) -> None:
+        """Add one step duration; restart the window on a sustained level shift."""
+        s = self.settings
+        expected = self._expected(w)
+        if expected is not None:
+            side = (duration > expected * s.shift_ratio) - (duration < expected / s.shift_ratio)
+            if side and side == w.shift_side:
+                w.shifted.append(duration)
+            else:
+                w.shifted, w.shift_side = ([duration], side) if side else ([], 0)
+            if len(w.shifted) >= s.shift_steps:
+                w.window.clear()
+                w.window.extend(w.shifted)
+                w.shifted, w.shift_side = [], 0
+                return
+        w.window.append(duration)
+        if len(w.window) >= _MIN_SAMPLES:
+            w.previous = None
+
+    def _judge_stragglers(self, now: float) -> None:
+        """Judge every step that all post-warm-up workers have finished (in step order)."""
+        warm = [w for w in self._workers.values() if w.finished > self.settings.warmup_steps]
+        if not warm:
+            return
+        done_upto = min(w.last_step for w in warm)
+        for step in sorted(self._compute):
+            if step > done_upto and len(self._compute) <= _MAX_PENDING_STEPS:
+                break
+            self._judge_step(step, self._compute.pop(step), now)
+
+    def _judge_step(self, step: int, reports: dict[int, float], now: float) -> None:
+        s = self.settings
+        if len(reports) < 2:
+            return
+        for worker, rate in sorted(reports.items()):
+            w = self._workers.get(worker)
+            if w is None:
+                continue
+            peers = _median([r for k, r in reports.items() if k != worker])
+            slow = rate > s.straggler_factor * peers and rate - peers > s.straggler_min_excess_s
+            if not slow:
+                w.slow_streak = 0
+                w.calm_streak += 1
+                if w.straggling and w.calm_streak >= s.straggler_steps:
+                    w.straggling = False
+                continue
+            if w.slow_streak == 0:
+                w.slow_since = step
+            w.slow_streak += 1
+            w.calm_streak = 0
+            if w.slow_streak >= s.straggler_steps and not w.straggling:
+                w.straggling = True
+                reason = (
+                    f"worker {worker}: compute {rate:.3f} s > {s.straggler_factor:g} x peers' "
+                    f"median {peers:.3f} s for {w.slow_streak} steps ({w.slow_since}-{step})"
+                )
+                self._found.append(Detection("straggler", worker, step, reason, now))

@@ -1,0 +1,54 @@
+"""Cost-aware planning (DESIGN.md): performance model, WAF, reward and the DP solver.
+
+Pure library: the ``unicron plan`` command (:mod:`unicron.planner.command`), the coordinator
+and the cluster simulator all call :func:`solve` on :class:`TaskState` lists built from
+:func:`throughput_table`. Importing this package does not import torch.
+"""
+
+from unicron.planner.baselines import equal_share, greedy_marginal, proportional_share, total_waf
+from unicron.planner.hardware import GPU_PRESETS, GPUSpec
+from unicron.planner.perf import (
+    DEFAULT_OPTIONS,
+    MEGATRON_2021,
+    MODEL_PRESETS,
+    ModelSpec,
+    ParallelConfig,
+    PerfOptions,
+    best_config,
+    predict_measurement,
+    state_bytes,
+    throughput_table,
+)
+from unicron.planner.solver import (
+    Plan,
+    TaskState,
+    expected_time_to_failure_s,
+    solve,
+    transition_time_s,
+    waf,
+)
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "GPU_PRESETS",
+    "MEGATRON_2021",
+    "MODEL_PRESETS",
+    "GPUSpec",
+    "ModelSpec",
+    "ParallelConfig",
+    "PerfOptions",
+    "Plan",
+    "TaskState",
+    "best_config",
+    "equal_share",
+    "expected_time_to_failure_s",
+    "greedy_marginal",
+    "predict_measurement",
+    "proportional_share",
+    "solve",
+    "state_bytes",
+    "throughput_table",
+    "total_waf",
+    "transition_time_s",
+    "waf",
+]

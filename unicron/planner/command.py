@@ -1,0 +1,217 @@
+"""``unicron plan SPEC.yaml [--json]``: the planner alone (DESIGN.md, commands).
+
+:mod:`unicron.cli` calls :func:`add_arguments` then :func:`main`. The command loads the
+spec (:mod:`unicron.planner.spec`), applies the event to the cluster, builds one
+:class:`~unicron.planner.solver.TaskState` per task, calls
+:func:`~unicron.planner.solver.solve` and prints a table (or ``--json``). Bad input raises
+:class:`~unicron.errors.UsageError` (exit 2). No torch import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from unicron.errors import UsageError
+from unicron.planner.perf import best_config, throughput_table
+from unicron.planner.solver import (
+    TaskState,
+    expected_time_to_failure_s,
+    solve,
+    transition_time_s,
+)
+from unicron.planner.spec import PlanSpec, TaskSpec, load_spec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    """One task's line of the report."""
+
+    name: str
+    gpus_before: int
+    gpus: int
+    tp: int | None
+    pp: int | None
+    dp: int | None
+    micro_batch: int | None
+    achieved_flops: float
+    waf: float
+    reason: str
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.achieved_flops / self.gpus / 1e12 if self.gpus else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    rows: tuple[Row, ...]
+    total_waf: float
+    d_run_s: float
+    units_available: int
+    unit_gpus: int
+
+
+def _flops_table(spec: PlanSpec, task: TaskSpec, where: str, units: int) -> np.ndarray:
+    c = spec.cluster
+    g = c.unit_gpus
+    if task.profile is not None:
+        gpus, flops = task.profile
+        wanted = np.arange(units + 1, dtype=np.float64) * g
+        table = np.interp(wanted, gpus, flops, left=0.0, right=float(flops[-1]))
+        table[0] = 0.0
+        return table
+    table = throughput_table(task.model, task.global_batch, units * g, c.gpu, c.gpus_per_node, g)
+    if units > 0 and not np.any(table[1:] > 0):
+        raise UsageError(
+            f"{where}.model: {task.model.name} (global_batch {task.global_batch}) fits in no "
+            f"parallel configuration on up to {units * g} {c.gpu.name} GPUs"
+        )
+    return table
+
+
+def build_report(spec: PlanSpec) -> Report:
+    """Apply the event, solve, and describe every task. Pure apart from nothing: no I/O."""
+    c, ev = spec.cluster, spec.event
+    down = (set(c.down) | set(ev.nodes_lost)) - set(ev.nodes_back)
+    up_nodes = c.nodes - len(down)
+    units = up_nodes * (1 if c.unit == "node" else c.gpus_per_node)
+    g = c.unit_gpus
+    tasks = [t for t in spec.tasks if t.name != ev.task_done]
+    wheres = [f"tasks[{i}]" for i, t in enumerate(spec.tasks) if t.name != ev.task_done]
+    if ev.task_added is not None:
+        tasks.append(ev.task_added)
+        wheres.append("event.task_added")
+    d_run = expected_time_to_failure_s(c.failure_rate_per_node_per_day, max(up_nodes, 1))
+    states: list[TaskState] = []
+    lost_by_task: dict[str, list[int]] = {}
+    for task, where in zip(tasks, wheres, strict=True):
+        lost = [n for n in task.nodes if n in ev.nodes_lost]
+        survivors = len(task.nodes) - len(lost)
+        current = survivors * c.gpus_per_node // g
+        if lost:
+            lost_by_task[task.name] = lost
+        # nearest source: a surviving peer (a node's NICs) or else the checkpoint
+        bw = c.gpu.inter_node_bw * c.gpus_per_node if survivors else c.checkpoint_bw
+        states.append(
+            TaskState(
+                name=task.name,
+                weight=task.weight,
+                min_units=math.ceil(task.min_gpus / g),
+                current_units=current,
+                flops=_flops_table(spec, task, where, units),
+                transition_s=transition_time_s(task.model, bw, c.restart_s),
+                must_transition=bool(lost),
+            )
+        )
+    plan = solve(states, units, d_run)
+    rows = []
+    for task, state in zip(tasks, states, strict=True):
+        u = plan.allocation[task.name]
+        gpus = u * g
+        cfg = None
+        if task.profile is None and gpus:
+            cfg = best_config(task.model, task.global_batch, gpus, c.gpu, c.gpus_per_node)
+        flops = float(state.flops[u]) if u >= state.min_units else 0.0
+        reason = plan.reasons[task.name]
+        if task.name in lost_by_task:
+            ids = lost_by_task[task.name]
+            reason = f"lost node{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; {reason}"
+        if ev.task_added is not None and task.name == ev.task_added.name:
+            reason = f"new task; {reason}"
+        rows.append(
+            Row(
+                name=task.name,
+                gpus_before=len(task.nodes) * c.gpus_per_node,
+                gpus=gpus,
+                tp=cfg.tp if cfg else None,
+                pp=cfg.pp if cfg else None,
+                dp=cfg.dp if cfg else None,
+                micro_batch=cfg.micro_batch if cfg else None,
+                achieved_flops=flops,
+                waf=task.weight * flops,
+                reason=reason,
+            )
+        )
+    return Report(
+        rows=tuple(rows),
+        total_waf=plan.total_waf,
+        d_run_s=d_run,
+        units_available=units,
+        unit_gpus=g,
+    )
+
+
+def report_json(report: Report) -> dict[str, Any]:
+    """The ``--json`` object: ``tasks`` (one object per task) and ``total_waf`` (FLOP/s)."""
+    return {
+        "tasks": [
+            {
+                "name": r.name,
+                "gpus_before": r.gpus_before,
+                "gpus": r.gpus,
+                "tp": r.tp,
+                "pp": r.pp,
+                "dp": r.dp,
+                "micro_batch": r.micro_batch,
+                "tflops_per_gpu": round(r.tflops_per_gpu, 3),
+                "achieved_flops": r.achieved_flops,
+                "waf": r.waf,
+                "reason": r.reason,
+            }
+            for r in report.rows
+        ],
+        "total_waf": report.total_waf,
+        "units_available": report.units_available,
+        "unit_gpus": report.unit_gpus,
+        "d_run_s": None if math.isinf(report.d_run_s) else report.d_run_s,
+    }
+
+
+def _print_table(report: Report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    d_run = "inf" if math.isinf(report.d_run_s) else f"{report.d_run_s / 3600:.3g} h"
+    table = Table(
+        title=f"plan: {report.units_available} units of {report.unit_gpus} GPU(s), D_run {d_run}"
+    )
+    for col in ("task", "GPUs", "TP/PP/DP/mb", "TFLOP/s/GPU", "PFLOP/s", "WAF (PFLOP/s)"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    table.add_column("reason")
+    for r in report.rows:
+        cfg = "-" if r.tp is None else f"{r.tp}/{r.pp}/{r.dp}/{r.micro_batch}"
+        table.add_row(
+            r.name,
+            f"{r.gpus_before} -> {r.gpus}",
+            cfg,
+            f"{r.tflops_per_gpu:.1f}",
+            f"{r.achieved_flops / 1e15:.2f}",
+            f"{r.waf / 1e15:.2f}",
+            r.reason,
+        )
+    table.add_section()
+    table.add_row("total", "", "", "", "", f"{report.total_waf / 1e15:.2f}", "")
+    Console(width=200).print(table)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Called by :mod:`unicron.cli` to declare the command's arguments."""
+    parser.add_argument("spec", type=Path, metavar="SPEC.yaml", help="cluster, tasks and event")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Called by :mod:`unicron.cli`; returns the exit code."""
+    report = build_report(load_spec(args.spec))
+    if args.json:
+        print(json.dumps(report_json(report), indent=2))
+    else:
+        _print_table(report)
+    return 0

@@ -1,0 +1,94 @@
+"""The wire contract between coordinator, agent and workers, in one place.
+
+Store keys (on the coordinator's TCPStore) are scoped by task and epoch; nothing of an old
+epoch is reused. Worker -> agent messages are plain dicts over an authenticated
+``multiprocessing.connection``; their ``type`` field is one of :data:`MESSAGES`. Environment
+variables carry what a worker needs at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# -- environment handed to every worker --------------------------------------------------
+ENV_TASK = "UNICRON_TASK"
+ENV_SLOT = "UNICRON_SLOT"  # launch rank: the slot's index, stable across restarts
+ENV_NODE = "UNICRON_NODE"
+ENV_INCARNATION = "UNICRON_INCARNATION"  # 0 for the first start of a slot, +1 per restart
+ENV_STORE = "UNICRON_STORE"  # host:port of the coordinator's TCPStore
+ENV_AGENT = "UNICRON_AGENT"  # host:port of the agent's listener
+ENV_AUTHKEY = "UNICRON_AUTHKEY"  # hex
+ENV_FAULTS = "UNICRON_FAULTS"  # JSON list of --inject specs still to fire in this slot
+ENV_REDUCE = "UNICRON_REDUCE"  # exact | fast
+ENV_ON_LOST = "UNICRON_ON_LOST"  # recompute | drop
+ENV_THREADS = "UNICRON_THREADS"
+
+# -- worker -> agent messages --------------------------------------------------------------
+MESSAGES = frozenset(
+    {
+        "hello",  # slot, pid, incarnation: first message on connect
+        "ready",  # the model is built; waiting for an epoch that includes this slot
+        "event",  # an event-log record (fields) for the agent to write
+        "step_begin",  # step: the monitor's clock starts
+        "step_done",  # step, compute_s: the monitor's clock stops
+        "error",  # type_name, message, traceback: an error raised in the worker
+        "done",  # steps, final_loss, params_sha256, rank
+    }
+)
+
+
+def epoch_key(task: str) -> str:
+    """Latest epoch number of the task (a decimal string)."""
+    return f"{task}/epoch"
+
+
+def epoch_info_key(task: str, epoch: int) -> str:
+    """JSON :class:`EpochInfo` of one epoch, written before :func:`epoch_key` points at it."""
+    return f"{task}/epoch/{epoch}"
+
+
+def epoch_prefix(task: str, epoch: int) -> str:
+    """Prefix of everything that belongs to one epoch: process group, votes, barrier."""
+    return f"{task}/{epoch}"
+
+
+def done_key(task: str) -> str:
+    """Set when the task finished or failed: waiting workers exit."""
+    return f"{task}/done"
+
+
+@dataclass(frozen=True)
+class EpochInfo:
+    """One membership: ``members`` are slots in rank order; ``urgent`` if it drops a member
+    of the previous epoch (members leave in-flight collectives at once), else members switch at
+    the next step boundary; ``nodes`` maps each member's slot to its node."""
+
+    epoch: int
+    members: tuple[int, ...]
+    nodes: tuple[int, ...]
+    urgent: bool
+    published_ts: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "epoch": self.epoch,
+                "members": self.members,
+                "nodes": self.nodes,
+                "urgent": self.urgent,
+                "published_ts": self.published_ts,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> EpochInfo:
+        d: dict[str, Any] = json.loads(raw)
+        return cls(
+            d["epoch"],
+            tuple(d["members"]),
+            tuple(d["nodes"]),
+            bool(d["urgent"]),
+            float(d.get("published_ts", 0.0)),
+        )

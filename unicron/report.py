@@ -1,0 +1,163 @@
+"""The timeline of a run, derived from its event log alone (DESIGN.md: events are the single
+source for timelines, benchmarks and the demo's report).
+
+Called by the runner at the end of ``unicron run``, by the demo and by the benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+Event = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Incident:
+    """One injected fault and how the task healed from it (times in seconds, ``None`` if the
+    run never got there)."""
+
+    fault: str
+    rank: int | None
+    step: int | None
+    ts: float
+    detected_by: str | None
+    kind: str | None
+    detection_s: float | None
+    transition_s: float | None
+    recovery_s: float | None
+    state_source: str | None
+    reused: int | None
+    recomputed: int | None
+    actions: tuple[str, ...]
+
+
+def incidents(events: list[Event]) -> list[Incident]:
+    """One :class:`Incident` per ``fault_injected`` event, in time order.
+
+    Detection is the first ``error_detected`` at or after the fault; the transition is the
+    first ``transition_end`` after the detection that reused micro-batches or moved state (or
+    else the first one); recovery is the first ``step_end`` after the fault for a step at or past
+    the faulted one.
+    """
+    out = []
+    faults = sorted((e for e in events if e["event"] == "fault_injected"), key=lambda e: e["ts"])
+    for i, f in enumerate(faults):
+        t0 = f["ts"]
+        horizon = faults[i + 1]["ts"] if i + 1 < len(faults) else float("inf")
+        after = [e for e in events if t0 <= e["ts"]]
+        det = next((e for e in after if e["event"] == "error_detected"), None)
+        trans_all = [
+            e
+            for e in after
+            if e["event"] == "transition_end"
+            and e["ts"] < max(horizon, t0 + 1e-9)
+            and (det is None or e["ts"] >= det["ts"])
+        ]
+        trans = next(
+            (
+                e
+                for e in trans_all
+                if e.get("microbatches_reused") or e.get("state_source") != "local"
+            ),
+            trans_all[0] if trans_all else None,
+        )
+        step = f.get("step")
+        rec = next(
+            (
+                e
+                for e in after
+                if e["event"] == "step_end" and (step is None or e.get("step", -1) >= step)
+            ),
+            None,
+        )
+        actions = tuple(
+            f"{e['action']}({e.get('slot', e.get('rank'))})"
+            for e in after
+            if e["event"] == "action" and e["ts"] < horizon
+        )
+        out.append(
+            Incident(
+                fault=str(f.get("spec", f.get("fault", "?"))),
+                rank=f.get("rank"),
+                step=step,
+                ts=t0,
+                detected_by=det.get("method") if det else None,
+                kind=det.get("kind") if det else None,
+                detection_s=det["ts"] - t0 if det else None,
+                transition_s=trans.get("duration_s") if trans else None,
+                recovery_s=rec["ts"] - t0 if rec else None,
+                state_source=trans.get("state_source") if trans else None,
+                reused=trans.get("microbatches_reused") if trans else None,
+                recomputed=trans.get("microbatches_recomputed") if trans else None,
+                actions=actions,
+            )
+        )
+    return out
+
+
+def steps_redone(events: list[Event]) -> int:
+    """Committed steps that were committed again later (0 when nothing finished was lost)."""
+    counts = Counter(e["step"] for e in events if e["event"] == "step_end")
+    return sum(n - 1 for n in counts.values() if n > 1)
+
+
+def task_end(events: list[Event]) -> Event | None:
+    return next((e for e in reversed(events) if e["event"] == "task_end"), None)
+
+
+def median_step_s(events: list[Event], skip: int = 5) -> float | None:
+    """Median wall time between consecutive committed steps, after ``skip`` warm-up steps."""
+    ends = [e for e in events if e["event"] == "step_end"]
+    gaps = sorted(b["ts"] - a["ts"] for a, b in zip(ends[skip:], ends[skip + 1 :], strict=False))
+    return gaps[len(gaps) // 2] if gaps else None
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def render(events: list[Event], console: Any) -> None:
+    """Print the timeline table and the outcome with ``rich``."""
+    from rich.table import Table
+
+    table = Table(title="Self-healing timeline", title_justify="left")
+    for col in (
+        "fault",
+        "detected by",
+        "kind",
+        "detection",
+        "transition",
+        "fault -> next step",
+        "state from",
+        "mb reused",
+        "mb recomputed",
+        "actions",
+    ):
+        table.add_column(col)
+    for inc in incidents(events):
+        table.add_row(
+            inc.fault,
+            inc.detected_by or "-",
+            inc.kind or "-",
+            fmt_s(inc.detection_s),
+            fmt_s(inc.transition_s),
+            fmt_s(inc.recovery_s),
+            inc.state_source or "-",
+            "-" if inc.reused is None else str(inc.reused),
+            "-" if inc.recomputed is None else str(inc.recomputed),
+            ", ".join(inc.actions) or "-",
+        )
+    if table.row_count:
+        console.print(table)
+    end = task_end(events)
+    if end is not None:
+        console.print(
+            f"task {end.get('task')}: [bold]{end.get('status')}[/bold] after {end.get('steps')} "
+            f"steps, final loss {end.get('final_loss')}, steps redone {steps_redone(events)}, "
+            f"params sha256 {str(end.get('params_sha256', '-'))[:16]}..."
+            + (f"\nreason: {end['reason']}" if end.get("reason") else "")
+        )

@@ -1,0 +1,244 @@
+"""``unicron run``: train a script on this machine with N workers, self-healing.
+
+Builds the same parts as a cluster (coordinator with its TCPStore, one agent, its workers)
+inside this process and its children, runs the agent's supervision loop on the main thread
+until the task is done or failed, then writes ``task_end`` and prints the timeline.
+Exit codes: 0 finished, 1 failed for good, 2 bad usage (raised as UsageError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from unicron.errors import UsageError
+from unicron.inject import Fault, parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes on this machine (default 1)",
+    )
+    p.add_argument(
+        "--reduce",
+        choices=("exact", "fast"),
+        default="exact",
+        help="exact: float64 gradient sums, bitwise independent of failures "
+        "(default); fast: float32",
+    )
+    p.add_argument(
+        "--on-lost",
+        choices=("recompute", "drop"),
+        default="recompute",
+        help="micro-batches lost with a failed worker: recompute them (default, the "
+        "failure-free update) or drop them (the global batch shrinks; a control)",
+    )
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="inject a fault: crash:rank=R,step=S | hang:rank=R,step=S | "
+        "error:rank=R,step=S,kind=K | slow:rank=R,step=S,factor=F (repeatable)",
+    )
+    p.add_argument("--events", metavar="FILE", help="write the event log (JSON Lines) here")
+    p.add_argument(
+        "--min-workers",
+        type=int,
+        default=1,
+        metavar="K",
+        help="fail (exit 1) when fewer usable slots remain (default 1)",
+    )
+    p.add_argument("--task", default="train", help="task name (event log, store keys)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    p.add_argument("--log-dir", metavar="DIR", help="workers' stdout/stderr (default: a temp dir)")
+    p.add_argument("--quiet", action="store_true", help="no progress display, no report")
+    p.add_argument("script", metavar="SCRIPT", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments")
+
+
+def validate(args: argparse.Namespace) -> list[Fault]:
+    """Check everything before starting anything; raise UsageError with one line."""
+    from unicron.classify import KINDS
+
+    if args.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if not 1 <= args.min_workers <= args.nproc_per_node:
+        raise UsageError(
+            f"--min-workers must be in 1..{args.nproc_per_node}, got {args.min_workers}"
+        )
+    if args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if not Path(args.script).is_file():
+        raise UsageError(f"script not found: {args.script}")
+    faults = [parse(spec, KINDS) for spec in args.inject]
+    for f in faults:
+        if f.fault == "node":
+            raise UsageError(
+                f"--inject {f.spec!r}: node faults need several nodes; `unicron run` starts one"
+            )
+        if f.rank is not None and f.rank >= args.nproc_per_node:
+            raise UsageError(
+                f"--inject {f.spec!r}: rank {f.rank} out of range 0..{args.nproc_per_node - 1}"
+            )
+    return faults
+
+
+def main(args: argparse.Namespace) -> int:
+    faults = validate(args)
+    from rich.console import Console
+
+    from unicron.agent import Agent, AgentConfig
+    from unicron.coordinator import Coordinator, CoordinatorSettings, TaskState
+    from unicron.escalation import Escalation, EscalationSettings
+    from unicron.events import EventLog
+    from unicron.monitor import MonitorSettings, StepMonitor
+    from unicron.report import render
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(stderr=True, width=160)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    events = EventLog(args.events)
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="unicron-"))
+    n = args.nproc_per_node
+    coordinator = Coordinator(
+        task=args.task,
+        slots=dict.fromkeys(range(n), 0),
+        events=events,
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(min_workers=args.min_workers),
+    )
+    agent = Agent(
+        AgentConfig(
+            node=0,
+            slots=list(range(n)),
+            script=os.path.abspath(args.script),
+            argv=list(args.args),
+            faults=faults,
+            log_dir=log_dir,
+            reduce=args.reduce,
+            on_lost=args.on_lost,
+            threads=args.threads,
+        ),
+        coordinator,
+        events,
+        StepMonitor(MonitorSettings()),
+    )
+    coordinator.attach(agent)
+    display = None if args.quiet else _Display(console, events)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    interrupted = False
+    t0 = time.time()
+    try:
+        agent.start()
+        agent.run(stop)
+        _drain(agent, timeout_s=10.0)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        agent.stop()
+        if display is not None:
+            display.close()
+    outcome = coordinator.outcome
+    if interrupted or stop.is_set() or outcome is None:
+        reason = "interrupted" if interrupted or stop.is_set() else "ended without an outcome"
+        events.emit(
+            "task_end",
+            task=args.task,
+            status="failed",
+            reason=reason,
+            wall_s=round(time.time() - t0, 3),
+        )
+        console.print(f"unicron: {reason}; every process was stopped")
+        return 130 if interrupted else 1
+    r = outcome.result
+    ok = outcome.state is TaskState.DONE
+    events.emit(
+        "task_end",
+        task=args.task,
+        status="ok" if ok else "failed",
+        steps=r.get("steps"),
+        final_loss=r.get("final_loss"),
+        params_sha256=r.get("params_sha256"),
+        reason=None if ok else outcome.reason,
+        wall_s=round(time.time() - t0, 3),
+        log_dir=str(log_dir),
+    )
+    events.close()
+    if not args.quiet:
+        render(events.events(), console)
+        console.print(f"worker logs: {log_dir}")
+    if not ok:
+        console.print(f"[red]unicron: task failed: {outcome.reason}[/red]")
+        for w in agent.workers.values():
+            if w.error and w.error.get("traceback"):
+                console.print(
+                    f"last error in slot {w.slot}:\n{w.error['traceback'].rstrip()}",
+                    markup=False,
+                    highlight=False,
+                )
+                break
+    return 0 if ok else 1
+
+
+def _drain(agent: Any, timeout_s: float) -> None:
+    """Let finished workers exit by themselves (they may still be writing ``final.pt``)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and any(not w.gone for w in agent.workers.values()):
+        agent.poll(0.02)
+
+
+class _Display:
+    """A live status line (step, loss, workers, epoch) on a terminal; notable events as lines
+    otherwise."""
+
+    def __init__(self, console: Any, events: Any) -> None:
+        self.console = console
+        self.live: Any = None
+        self.state: dict[str, Any] = {"step": "-", "loss": "-", "workers": "-", "epoch": "-"}
+        if console.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._line(), console=console, refresh_per_second=8, transient=True)
+            self.live.start()
+        events.subscribe(self._on_event)
+
+    def _line(self) -> str:
+        s = self.state
+        return f"step {s['step']}  loss {s['loss']}  workers {s['workers']}  epoch {s['epoch']}"
+
+    def _on_event(self, e: dict[str, Any]) -> None:
+        kind = e["event"]
+        if kind == "step_end":
+            self.state.update(
+                step=e["step"],
+                loss=f"{e['loss']:.4f}",
+                workers=e.get("workers"),
+                epoch=e.get("epoch"),
+            )
+            if self.live is None and e["step"] % 25 == 0:
+                self.console.print(self._line())
+        elif kind in ("fault_injected", "error_detected", "action", "epoch_begin"):
+            detail = {k: v for k, v in e.items() if k not in ("ts", "event", "task", "reason")}
+            self.console.print(
+                f"[{time.strftime('%H:%M:%S')}] {kind} {detail}", markup=False, highlight=False
+            )
+        if self.live is not None:
+            self.live.update(self._line())
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()

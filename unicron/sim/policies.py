@@ -1,0 +1,574 @@
+"""Recovery policies the simulator compares: Unicron and the systems people use today.
+
+Each policy is a documented *model*: a small class whose constants (dataclass fields) carry
+their sources in the field docstrings, and whose hooks decide what a failure costs a task.
+:class:`~unicron.sim.engine.Simulation` calls ``start`` once, then ``on_fault`` (the node
+stays: SEV2/SEV3 errors and hangs), ``on_node_lost`` (a ``remove`` event: the node is gone)
+and ``on_node_back`` (an ``add``). Hooks act only through the simulation's methods
+(``recover``, ``resize``, ``rollback``, ``set_factor``, ...). No I/O, no clock.
+
+How a failure is seen (its *detection method*) follows from the classifier input: ``hang``
+-> statistical monitor or a timeout; ``heartbeat_lost`` -> node health or a timeout; the
+communication kinds (``nccl``, ``timeout``, ``conn_*``) -> the peer's collective fails or
+blocks; every other kind -> the failing process raises or exits ("crash").
+
+Constants marked *assumption* are this project's choices where no source gives a number;
+``docs/simulator.md`` lists them all and says how they move the results.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from unicron.sim.engine import Mode, Simulation, TaskRun
+
+COMM_KINDS = frozenset({"nccl", "timeout", "conn_reset", "conn_refused"})
+Method = Literal["crash", "comm", "hang", "node"]
+
+LLAMA3_STORAGE_BW_PER_NODE = 2e12 / 2048
+"""Checkpoint storage bandwidth per node: Llama 3's Tectonic sustained 2 TB/s over 2,048
+nodes (Dubey et al. 2024, §3.3.4), ~1 GB/s per node."""
+
+
+def method_of(signal: str) -> Method:
+    """How a failure of this classifier input is first seen."""
+    if signal == "hang":
+        return "hang"
+    if signal == "heartbeat_lost":
+        return "node"
+    if signal in COMM_KINDS:
+        return "comm"
+    return "crash"
+
+
+@dataclass(kw_only=True)
+class Policy:
+    """Base: fixed initial allocation, steady running, no failure handling of its own."""
+
+    name: ClassVar[str] = "base"
+    initial: Literal["planner", "proportional"] = "planner"
+    """Initial nodes per task: the planner's reference plan (default, isolates recovery) or
+    shares proportional to weight (``planner.proportional_share``, no planner at all)."""
+
+    @property
+    def ckpt_interval_s(self) -> float:
+        """Seconds between persistent checkpoints (inf: rollback never happens)."""
+        return math.inf
+
+    def detect_s(self, task: TaskRun, method: Method) -> float:
+        raise NotImplementedError
+
+    def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
+        """Throughput multiplier while running normally (checkpoint stalls, redundancy)."""
+        return 1.0
+
+    def start(self, sim: Simulation) -> None:
+        """Allocate the initial nodes and start every task (called once at time 0)."""
+        targets = dict(sim.prepared.reference)
+        if self.initial == "proportional":
+            from unicron import planner
+
+            states = [
+                planner.TaskState(
+                    name=t.name,
+                    weight=t.spec.weight,
+                    min_units=t.spec.min_nodes,
+                    current_units=0,
+                    flops=t.perf.flops,
+                    transition_s=0.0,
+                )
+                for t in sim.tasks.values()
+            ]
+            targets = planner.proportional_share(states, sim.healthy_count())
+        for task in sim.tasks.values():
+            task.target = targets[task.name]
+            sim.resize(task, task.target)
+            sim.set_factor(task, self.steady_factor(sim, task))
+            sim.start(task)
+
+    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
+        raise NotImplementedError
+
+    def on_node_lost(
+        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
+    ) -> None:
+        raise NotImplementedError
+
+    def on_node_back(self, sim: Simulation, node: str) -> None:
+        raise NotImplementedError
+
+    # helpers shared by the baselines
+    def _load_s(self, task: TaskRun, nodes: int, bw_per_node: float) -> float:
+        return task.perf.state_bytes / (bw_per_node * max(nodes, 1))
+
+    def _grow_below_target(
+        self, sim: Simulation, cost: Callable[[TaskRun], float], running_too: bool
+    ) -> None:
+        """Give free nodes to tasks below their target (in workload order) and restart them."""
+        for task in sim.tasks.values():
+            if len(task.nodes) >= task.target or not sim.free_nodes():
+                continue
+            if task.mode is Mode.DOWN or (task.mode is Mode.RUNNING and not running_too):
+                continue
+            sim.resize(task, task.target)
+            if len(task.nodes) >= task.spec.min_nodes:
+                sim.recover(task, [("transition", cost(task))], sim.starter(task))
+
+
+@dataclass(kw_only=True)
+class Megatron(Policy):
+    """Megatron-LM checkpoint-restart with a fixed world size.
+
+    Every failure stops the whole job: it is seen when the failing process exits
+    (``exit_detect_s``) or, when nothing exits (a hang, a lost node, a broken link), only when
+    the distributed timeout fires (``timeout_s``). The job then restarts as a whole
+    (``restart_s``), loads the last checkpoint (state over the storage bandwidth) and redoes
+    the work since it. It needs its full node count back: a spare node if one is free, else
+    it waits (idle) for one to return. Checkpoints are synchronous and stall training for
+    their save time every ``checkpoint_interval_s``.
+    """
+
+    name: ClassVar[str] = "megatron"
+    timeout_s: float = 600.0
+    """Distributed timeout: Megatron-LM ``--distributed-timeout-minutes`` default 10; the
+    ``megatron-30m`` variant uses 30 (PyTorch's pre-2.2 default process-group timeout)."""
+    exit_detect_s: float = 60.0
+    """A crashed rank noticed by the launcher, which tears the job down (assumption)."""
+    restart_s: float = 300.0
+    """Whole-job restart: schedule, launch, NCCL init, data loader (assumption)."""
+    checkpoint_interval_s: float = 3600.0
+    """Persistent checkpoint interval (assumption; typical of large runs)."""
+    storage_bw_per_node: float = LLAMA3_STORAGE_BW_PER_NODE
+    """Checkpoint read/write bandwidth per node."""
+
+    @property
+    def ckpt_interval_s(self) -> float:
+        return self.checkpoint_interval_s
+
+    def detect_s(self, task: TaskRun, method: Method) -> float:
+        return self.exit_detect_s if method == "crash" else self.timeout_s
+
+    def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
+        save = self._load_s(task, task.target, self.storage_bw_per_node)
+        return max(0.0, 1.0 - save / self.checkpoint_interval_s)
+
+    def _restart_cost(self, task: TaskRun) -> float:
+        return self.restart_s + self._load_s(task, task.target, self.storage_bw_per_node)
+
+    def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
+        if task.mode is Mode.IDLE:
+            return
+        if task.mode is Mode.RUNNING:
+            sim.rollback(task)
+        d = self.detect_s(task, method_of(signal))
+        sim.recover(task, [("detection", d)], lambda _t: self._restart(sim, task))
+
+    def _restart(self, sim: Simulation, task: TaskRun) -> None:
+        sim.resize(task, task.target)
+        if len(task.nodes) < task.target:
+            sim.set_mode(task, Mode.IDLE)  # fixed world size: wait for a node
+            return
+        sim.recover(task, [("transition", self._restart_cost(task))], sim.starter(task))
+
+    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
+        self._fail(sim, task, signal)
+
+    def on_node_lost(
+        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
+    ) -> None:
+        if task is not None:
+            self._fail(sim, task, signal)
+
+    def on_node_back(self, sim: Simulation, node: str) -> None:
+        for task in sim.tasks.values():
+            if task.mode is Mode.IDLE and task.target > 0:
+                sim.resize(task, task.target)
+                if len(task.nodes) >= task.target:
+                    sim.recover(
+                        task,
+                        [("transition", self._restart_cost(task))],
+                        sim.starter(task),
+                    )
+
+
+@dataclass(kw_only=True)
+class Megatron30(Megatron):
+    """Megatron-LM with a 30-minute distributed timeout (see :class:`Megatron`)."""
+
+    name: ClassVar[str] = "megatron-30m"
+    timeout_s: float = 1800.0
+
+
+@dataclass(kw_only=True)
+class Varuna(Policy):
+    """Varuna (Athlur et al., EuroSys'22): checkpoint-based job morphing.
+
+    On a lost node the job restarts from its last checkpoint in a new configuration for the
+    nodes it has (taking free ones up to its target), so it never waits for a replacement but
+    loses the work since the checkpoint. When nodes return it morphs up: it checkpoints first
+    (no work lost) and restarts. Errors that leave the node in place restart the job from
+    the checkpoint; hangs are found at the distributed timeout (Varuna has no hang detector).
+    """
+
+    name: ClassVar[str] = "varuna"
+    timeout_s: float = 600.0
+    """Distributed timeout, as :class:`Megatron`."""
+    exit_detect_s: float = 60.0
+    """As :class:`Megatron` (assumption)."""
+    node_detect_s: float = 30.0
+    """Varuna's manager notices a lost VM by its heartbeat (assumption)."""
+    restart_s: float = 300.0
+    """Job restart in a new configuration (assumption, as Megatron)."""
+    checkpoint_interval_s: float = 1800.0
+    """Varuna checkpoints often because it expects preemptions (assumption)."""
+    storage_bw_per_node: float = LLAMA3_STORAGE_BW_PER_NODE
+    """As :class:`Megatron`."""
+
+    @property
+    def ckpt_interval_s(self) -> float:
+        return self.checkpoint_interval_s
+
+    def detect_s(self, task: TaskRun, method: Method) -> float:
+        return {"crash": self.exit_detect_s, "node": self.node_detect_s}.get(method, self.timeout_s)
+
+    def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
+        save = self._load_s(task, task.target, self.storage_bw_per_node)
+        return max(0.0, 1.0 - save / self.checkpoint_interval_s)
+
+    def _cost(self, task: TaskRun) -> float:
+        return self.restart_s + self._load_s(task, len(task.nodes), self.storage_bw_per_node)
+
+    def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
+        if task.mode is Mode.IDLE:
+            return
+        if task.mode is Mode.RUNNING:
+            sim.rollback(task)
+        d = self.detect_s(task, method_of(signal))
+        sim.recover(task, [("detection", d)], lambda _t: self._morph(sim, task))
+
+    def _morph(self, sim: Simulation, task: TaskRun) -> None:
+        sim.resize(task, task.target)
+        if len(task.nodes) < task.spec.min_nodes:
+            sim.set_mode(task, Mode.IDLE)
+            return
+        sim.recover(task, [("transition", self._cost(task))], sim.starter(task))
+
+    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
+        self._fail(sim, task, signal)
+
+    def on_node_lost(
+        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
+    ) -> None:
+        if task is not None:
+            self._fail(sim, task, signal)
+
+    def on_node_back(self, sim: Simulation, node: str) -> None:
+        def cost(t: TaskRun) -> float:  # checkpoint, then restart bigger: no work lost
+            save = self._load_s(t, t.target, self.storage_bw_per_node)
+            return save + self._cost(t)
+
+        self._grow_below_target(sim, cost, running_too=True)
+
+
+@dataclass(kw_only=True)
+class Oobleck(Policy):
+    """Oobleck (Jang et al., SOSP'23): pipeline templates and in-memory replicas.
+
+    A lost node is handled without a checkpoint: the job re-instantiates its pipelines from
+    precomputed templates on the nodes it has, copying missing layers from the other
+    pipelines' replicas; only the interrupted iteration is lost. Errors that leave the node
+    in place are handled the same way (the node's workers rejoin at the reconfiguration).
+    Returning nodes are added back by another reconfiguration. It cannot take nodes from
+    other tasks; hangs are found at the distributed timeout.
+    """
+
+    name: ClassVar[str] = "oobleck"
+    timeout_s: float = 600.0
+    """Distributed timeout, as :class:`Megatron`."""
+    failure_detect_s: float = 5.0
+    """Oobleck's agents see a worker or node drop through their connections (assumption)."""
+    reconfigure_s: float = 60.0
+    """Re-instantiate pipelines and copy layers from peers (assumption; the paper reports
+    reconfiguration in seconds to about a minute)."""
+
+    def detect_s(self, task: TaskRun, method: Method) -> float:
+        return self.timeout_s if method == "hang" else self.failure_detect_s
+
+    def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
+        if task.mode is Mode.IDLE:
+            return
+        if task.mode is Mode.RUNNING:
+            sim.lose_iterations(task, 0.5)
+        d = self.detect_s(task, method_of(signal))
+        sim.recover(task, [("detection", d), ("transition", self.reconfigure_s)], sim.starter(task))
+
+    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
+        self._fail(sim, task, signal)
+
+    def on_node_lost(
+        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
+    ) -> None:
+        if task is not None:
+            self._fail(sim, task, signal)
+
+    def on_node_back(self, sim: Simulation, node: str) -> None:
+        self._grow_below_target(sim, lambda _t: self.reconfigure_s, running_too=True)
+
+
+@dataclass(kw_only=True)
+class Bamboo(Policy):
+    """Bamboo (Thorpe et al., NSDI'23): redundant computation.
+
+    Every node also computes its pipeline successor's layers in the bubbles, which costs
+    throughput all the time (``redundancy_overhead``) but lets a single lost node fail over to
+    its redundant copy at once, with no work lost; the pipeline is then rebuilt smaller.
+    Returning nodes are added back by a reconfiguration. Hangs are found at the distributed
+    timeout.
+    """
+
+    name: ClassVar[str] = "bamboo"
+    timeout_s: float = 600.0
+    """Distributed timeout, as :class:`Megatron`."""
+    failure_detect_s: float = 5.0
+    """Bamboo's agents see a worker or node drop (assumption, as Oobleck)."""
+    redundancy_overhead: float = 0.3
+    """Steady throughput lost to redundant computation (assumption; Bamboo trades roughly
+    this much throughput for resilience on spot instances)."""
+    failover_s: float = 10.0
+    """Switch to the redundant copy and rebuild the pipeline (assumption)."""
+    reconfigure_s: float = 60.0
+    """Add returning nodes (assumption, as Oobleck)."""
+
+    def detect_s(self, task: TaskRun, method: Method) -> float:
+        return self.timeout_s if method == "hang" else self.failure_detect_s
+
+    def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
+        return 1.0 - self.redundancy_overhead
+
+    def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
+        if task.mode is Mode.IDLE:
+            return
+        d = self.detect_s(task, method_of(signal))
+        sim.recover(task, [("detection", d), ("transition", self.failover_s)], sim.starter(task))
+
+    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
+        self._fail(sim, task, signal)
+
+    def on_node_lost(
+        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
+    ) -> None:
+        if task is not None:
+            self._fail(sim, task, signal)
+
+    def on_node_back(self, sim: Simulation, node: str) -> None:
+        self._grow_below_target(sim, lambda _t: self.reconfigure_s, running_too=True)
+
+
+@dataclass(kw_only=True)
+class TorchFT(Policy):
+    """torchft-like per-step fault tolerance (replica groups, a quorum per step).
+
+    A task is ``target // min_nodes`` replica groups of ``min_nodes`` nodes. A failure stalls
+    the step until it is seen (an error at once; a hang or a dead node only at the collective
+    ``timeout_s``); then the surviving groups go on at once while the failed group restarts
+    (``restart_s``) and heals from a peer, or waits for a free node if its node is gone.
+    While a group is missing the global batch shrinks: throughput drops by its share and the
+    samples it would have trained are counted as lost (the optimizer sees a smaller batch:
+    not the failure-free update).
+    """
+
+    name: ClassVar[str] = "torchft"
+    timeout_s: float = 60.0
+    """torchft Manager's collective/quorum timeout default (60 s)."""
+    error_detect_s: float = 1.0
+    """An error surfaces in the step that hit it (assumption)."""
+    restart_s: float = 60.0
+    """Restart the group's processes (assumption)."""
+    heal_bw_per_node: float = 25e9 * 8
+    """Live state recovery from a peer group: 8 x 200 Gb/s NICs per node (A800 preset)."""
+
+    def detect_s(self, task: TaskRun, method: Method) -> float:
+        return self.timeout_s if method in ("hang", "node") else self.error_detect_s
+
+    def _groups(self, task: TaskRun) -> int:
+        return max(1, task.target // task.spec.min_nodes)
+
+    def _refresh(self, sim: Simulation, task: TaskRun) -> None:
+        """Rate = F(target) x live groups / groups, whatever nodes are still held."""
+        groups, out = self._groups(task), task.extra.get("out", 0)
+        live = max(0, groups - out) / groups
+        held = task.perf.flops[min(len(task.nodes), len(task.perf.flops) - 1)]
+        full = task.perf.flops[task.target]
+        scale = full / held if held > 0 else 0.0
+        sim.set_factor(task, scale * live, sample_loss=1.0 - live)
+
+    def _rejoin_after(self, sim: Simulation, task: TaskRun, delay: float) -> None:
+        def rejoin(_t: float) -> None:
+            task.extra["out"] = max(0, task.extra.get("out", 0) - 1)
+            self._refresh(sim, task)
+            if task.mode is not Mode.DOWN:
+                sim.start(task)
+
+        heal = task.perf.state_bytes / self.heal_bw_per_node
+        sim.schedule(sim.now + delay + self.restart_s + heal, rejoin)
+
+    def _stall(self, sim: Simulation, task: TaskRun, signal: str) -> float:
+        task.extra["out"] = min(self._groups(task), task.extra.get("out", 0) + 1)
+        d = self.detect_s(task, method_of(signal))
+
+        def resume(_t: float) -> None:
+            self._refresh(sim, task)
+            sim.start(task)
+
+        sim.recover(task, [("detection", d)], resume)
+        return d
+
+    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
+        d = self._stall(sim, task, signal)
+        self._rejoin_after(sim, task, d)
+
+    def on_node_lost(
+        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
+    ) -> None:
+        if task is None:
+            return
+        d = self._stall(sim, task, signal)
+        sim.resize(task, task.target)
+        if len(task.nodes) >= task.target:
+            self._rejoin_after(sim, task, d)
+        else:
+            task.extra["waiting"] = task.extra.get("waiting", 0) + 1
+
+    def on_node_back(self, sim: Simulation, node: str) -> None:
+        for task in sim.tasks.values():
+            while task.extra.get("waiting", 0) > 0 and sim.free_nodes():
+                sim.resize(task, len(task.nodes) + 1)
+                task.extra["waiting"] -= 1
+                self._rejoin_after(sim, task, 0.0)
+
+
+@dataclass(kw_only=True)
+class Unicron(Policy):
+    """Unicron (He et al. 2023): in-band detection, cost-aware replanning, fast transition.
+
+    Detection latencies are the runtime's targets (DESIGN.md, "Detection"). SEV3 reattempts
+    in place (one iteration); SEV2 restarts the process in its slot and pulls the state from
+    the nearest peer; SEV1 (node lost) replans every task with the real planner
+    (:func:`unicron.planner.solve`, transition costs from
+    :func:`~unicron.planner.transition_time_s`, D_run from the observed failure rate).
+    Returning nodes trigger a replan too (grow back when it pays). Partial-results reuse
+    means an interrupted step costs nothing; state comes from peers, never a checkpoint.
+    """
+
+    name: ClassVar[str] = "unicron"
+    exception_detect_s: float = 0.2
+    """Exception propagation target (DESIGN.md)."""
+    exit_detect_s: float = 0.5
+    """Process supervision target (DESIGN.md)."""
+    node_detect_s: float = 3.0
+    """Node health monitoring (heartbeats) target (DESIGN.md)."""
+    hang_factor: float = 3.0
+    """Statistical hang threshold: max(hang_factor x step, 1 s) + 0.5 s (DESIGN.md)."""
+    regroup_s: float = 10.0
+    """Rebuild a process group and restart a worker at cluster scale (assumption)."""
+    prior_rate_per_node_day: float = 419 / (2048 * 54)
+    """Failure-rate prior for D_run before failures are seen (Llama 3, see trace.py)."""
+    nodes_lost: int = field(default=0, init=False)
+    """Node losses seen so far (the observed failure rate for D_run)."""
+
+    def detect_s(self, task: TaskRun, method: Method) -> float:
+        if method == "hang":
+            return max(self.hang_factor * task.perf.iter_time_s, 1.0) + 0.5
+        return {"crash": self.exit_detect_s, "comm": self.exception_detect_s}.get(
+            method, self.node_detect_s
+        )
+
+    def transition_s(self, sim: Simulation, task: TaskRun) -> float:
+        from unicron import planner
+
+        wl = sim.workload
+        bw = planner.GPU_PRESETS[wl.gpu].inter_node_bw * wl.gpus_per_node
+        return planner.transition_time_s(planner.MODEL_PRESETS[task.spec.model], bw, self.regroup_s)
+
+    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
+        if task.mode is Mode.IDLE:
+            return
+        d = self.detect_s(task, method_of(signal))
+        fix = task.perf.iter_time_s if sev >= 3 else self.transition_s(sim, task)
+        if sev <= 1:
+            sim.recover(task, [("detection", d)], lambda _t: self._replan(sim, task))
+            return
+        sim.recover(task, [("detection", d), ("transition", fix)], sim.starter(task))
+
+    def on_node_lost(
+        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
+    ) -> None:
+        self.nodes_lost += 1
+        if task is None:
+            return
+        d = self.detect_s(task, method_of(signal))
+        sim.recover(task, [("detection", d)], lambda _t: self._replan(sim, task))
+
+    def on_node_back(self, sim: Simulation, node: str) -> None:
+        self._replan(sim, None)
+
+    def _d_run_s(self, sim: Simulation) -> float:
+        from unicron import planner
+
+        nodes = sim.healthy_count()
+        node_days = max(sim.now, 1.0) * sim.workload.nodes / 86400.0
+        prior_events = 1.0
+        rate = (prior_events + self.nodes_lost) / (
+            prior_events / max(self.prior_rate_per_node_day, 1e-9) + node_days
+        )
+        return planner.expected_time_to_failure_s(rate, max(nodes, 1))
+
+    def _replan(self, sim: Simulation, faulted: TaskRun | None) -> None:
+        """Run the real planner over every task and move the tasks whose nodes change."""
+        from unicron import planner
+
+        cost = {t.name: self.transition_s(sim, t) for t in sim.tasks.values()}
+        states = [
+            planner.TaskState(
+                name=t.name,
+                weight=t.spec.weight,
+                min_units=t.spec.min_nodes,
+                current_units=len(t.nodes),
+                flops=t.perf.flops,
+                transition_s=cost[t.name],
+                must_transition=t is faulted,
+            )
+            for t in sim.tasks.values()
+        ]
+        plan = planner.solve(states, sim.healthy_count(), self._d_run_s(sim))
+        changed: list[TaskRun] = []
+        ordered = sorted(sim.tasks.values(), key=lambda t: plan.allocation[t.name] - len(t.nodes))
+        for task in ordered:  # shrink first, then grow
+            want = plan.allocation[task.name]
+            if want != len(task.nodes) or task is faulted:
+                sim.resize(task, want)
+                task.target = want
+                changed.append(task)
+        for task in changed:
+            if len(task.nodes) < task.spec.min_nodes:
+                sim.cancel(task)
+                sim.set_mode(task, Mode.IDLE)
+                continue
+            sim.recover(task, [("transition", cost[task.name])], sim.starter(task))
+
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (Unicron, Megatron, Megatron30, Oobleck, Varuna, Bamboo, TorchFT)
+}
+"""Policy name -> class, in report order (``--policies`` takes these names)."""
+
+
+def make_policy(name: str, *, initial: Literal["planner", "proportional"] = "planner") -> Policy:
+    """A policy with its default constants; ``initial`` applies to the baselines only."""
+    cls = POLICIES[name]
+    if cls is Unicron:
+        return Unicron()
+    return cls(initial=initial)

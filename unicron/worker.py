@@ -1,0 +1,517 @@
+"""The worker API: the user's script hands over its model, optimizer, loss and dataset.
+
+A training script calls :func:`train` once, under ``unicron run``::
+
+    result = unicron.worker.train(model=model, optimizer=opt, loss_fn=loss_fn,
+                                  dataset=ds, micro_batch_size=4, num_microbatches=8, steps=100)
+
+and Unicron runs the steps: the deterministic micro-batch ledger (:mod:`unicron.ledger`), a
+fresh gloo group per epoch (:mod:`unicron.group`), a local float64 gradient sum per replica
+kept until the step commits, partial-results reuse and state from the nearest replica when the
+membership changes. The user's model code does not change.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import io
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unicron import ledger as L
+from unicron.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
+from unicron.inject import Fault, parse
+from unicron.link import AgentLink, connect_agent
+from unicron.protocol import (
+    ENV_FAULTS,
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_ON_LOST,
+    ENV_REDUCE,
+    ENV_SLOT,
+    ENV_STORE,
+    ENV_TASK,
+    EpochInfo,
+    done_key,
+)
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainResult:
+    """What :func:`train` returns on every worker that finished the task."""
+
+    steps: int
+    final_loss: float
+    params_sha256: str
+    rank: int
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerContext:
+    """What ``unicron run`` tells a worker through its environment (:mod:`unicron.protocol`)."""
+
+    task: str
+    slot: int
+    node: int
+    incarnation: int
+    store_host: str
+    store_port: int
+    faults: tuple[Fault, ...]
+    reduce: str = "exact"
+    on_lost: str = "recompute"
+    slice_s: float = 0.05
+    """how long a collective is waited for between two looks at the epoch key"""
+    timeout_s: float = 300.0
+    """last-resort bound on one collective or rendezvous (the process-group timeout)"""
+    max_reattempts: int = 2
+    """SEV3 errors retried in place per step before the error ends the process"""
+
+    @classmethod
+    def from_env(cls) -> WorkerContext:
+        if ENV_STORE not in os.environ:
+            raise RuntimeError(
+                "unicron.worker.train() runs under the launcher: "
+                "`unicron run --nproc-per-node N SCRIPT [ARGS]`"
+            )
+        host, port = os.environ[ENV_STORE].rsplit(":", 1)
+        specs = os.environ.get(ENV_FAULTS, "")
+        return cls(
+            task=os.environ[ENV_TASK],
+            slot=int(os.environ[ENV_SLOT]),
+            node=int(os.environ.get(ENV_NODE, "0")),
+            incarnation=int(os.environ.get(ENV_INCARNATION, "0")),
+            store_host=host,
+            store_port=int(port),
+            faults=tuple(parse(s) for s in specs.split(";") if s),
+            reduce=os.environ.get(ENV_REDUCE, "exact"),
+            on_lost=os.environ.get(ENV_ON_LOST, "recompute"),
+        )
+
+
+def params_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters and buffers, in ``state_dict`` order."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def default_collate(items: Sequence[Any]) -> Any:
+    """Stack a list of samples (tensors, or tuples of tensors) into one batch."""
+    first = items[0]
+    if isinstance(first, tuple | list):
+        return type(first)(torch.stack([it[i] for it in items]) for i in range(len(first)))
+    return torch.stack(list(items))
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, then rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def train(
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    dataset: Any,
+    micro_batch_size: int,
+    num_microbatches: int,
+    steps: int,
+    seed: int = 0,
+    out: str | Path | None = None,
+    collate: Callable[[Sequence[Any]], Any] = default_collate,
+) -> TrainResult | None:
+    """Train for ``steps`` global steps of ``num_microbatches`` x ``micro_batch_size`` samples.
+
+    ``loss_fn(model, batch)`` returns the mean loss of one micro-batch; ``dataset[i]`` returns
+    sample ``i``. Rank 0 of the final epoch writes ``out/final.pt`` (the model's state_dict).
+    Returns ``None`` on a worker that was still waiting to join when the task finished.
+    """
+    ctx = WorkerContext.from_env()
+    link = connect_agent()
+    runner = _Runner(
+        ctx=ctx,
+        link=link,
+        model=model,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        dataset=dataset,
+        collate=collate,
+        steps=steps,
+        out=Path(out) if out else None,
+        ledger=L.Ledger(
+            dataset_len=len(dataset),
+            micro_batch_size=micro_batch_size,
+            num_microbatches=num_microbatches,
+            seed=seed,
+        ),
+        seed=seed,
+    )
+    return runner.run()
+
+
+@dataclass(kw_only=True)
+class _Runner:
+    """The epoch and step loop of one worker (everything :func:`train` does)."""
+
+    ctx: WorkerContext
+    link: AgentLink
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: LossFn
+    dataset: Any
+    collate: Callable[[Sequence[Any]], Any]
+    steps: int
+    out: Path | None
+    ledger: L.Ledger
+    seed: int
+    step: int = 0  # committed steps
+    has_state: bool = True
+    done: set[int] = field(default_factory=set)  # micro-batches of `step` in `acc`
+    fired: set[str] = field(default_factory=set)
+    groups: list[EpochGroup] = field(default_factory=list)  # abandoned groups stay referenced
+    _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        dtype = torch.float64 if self.ctx.reduce == "exact" else torch.float32
+        # [gradient sum..., loss sum, micro-batch count]
+        self.acc = torch.zeros(self.numel + 2, dtype=dtype)
+        self.has_state = self.ctx.incarnation == 0
+        self.store = dist.TCPStore(
+            self.ctx.store_host,
+            self.ctx.store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
+        )
+        self.watch = EpochWatch(self.store, self.ctx.task)
+        self.M = self.ledger.num_microbatches
+
+    # -- the loops --------------------------------------------------------------------------
+    def run(self) -> TrainResult | None:
+        self.link.send({"type": "ready", "microbatches": self.M})
+        epoch, last_loss = 0, float("nan")
+        while self.step < self.steps:
+            info = self._wait_for_epoch(after=epoch)
+            if info is None:
+                return None  # the task finished (or failed) without this worker
+            epoch = info.epoch
+            try:
+                last_loss = self._run_epoch(info)
+            except CollectiveError as exc:
+                self.link.send(
+                    {
+                        "type": "error",
+                        "type_name": type(exc.cause).__name__,
+                        "message": str(exc.cause),
+                        "traceback": "",
+                        "in_band": True,
+                        "step": self.step,
+                        "epoch": epoch,
+                    }
+                )
+            except EpochOver:
+                pass
+        group = self.groups[-1]
+        sha = params_sha256(self.model)
+        if group.rank == 0 and self.out is not None:
+            save_atomic(self.model.state_dict(), self.out / "final.pt")
+        self.link.send(
+            {
+                "type": "done",
+                "steps": self.step,
+                "final_loss": last_loss,
+                "params_sha256": sha,
+                "rank": group.rank,
+                "epoch": epoch,
+            }
+        )
+        return TrainResult(
+            steps=self.step, final_loss=last_loss, params_sha256=sha, rank=group.rank, epoch=epoch
+        )
+
+    def _wait_for_epoch(self, after: int) -> EpochInfo | None:
+        """Block until the newest epoch is newer than ``after`` and includes this slot."""
+        while True:
+            latest = self.watch.latest()
+            if latest > after:
+                info = self.watch.info(latest)
+                if self.ctx.slot in info.members:
+                    return info
+            if self.store.check([done_key(self.ctx.task)]):
+                return None
+            time.sleep(self.ctx.slice_s / 5)
+
+    def _run_epoch(self, info: EpochInfo) -> float:
+        t0 = time.time()
+        rank = info.members.index(self.ctx.slot)
+        g = EpochGroup(
+            self.store,
+            self.watch,
+            info,
+            rank,
+            slice_s=self.ctx.slice_s,
+            timeout_s=self.ctx.timeout_s,
+        )
+        self.groups.append(g)
+        g.rendezvous()
+        reused, source = self._sync(g)
+        if reused and self.ctx.on_lost == "drop":
+            self._missing = []  # the control: the interrupted step's global batch shrinks
+        todo = L.assign(self._missing, g.world)[rank]
+        if rank == 0:
+            self._event(
+                "transition_end",
+                epoch=info.epoch,
+                rank=0,
+                step=self.step,
+                duration_s=round(time.time() - (info.published_ts or t0), 6),
+                state_source=source,
+                microbatches_reused=reused,
+                microbatches_recomputed=len(self._missing) if reused else 0,
+                members=list(info.members),
+            )
+        loss = float("nan")
+        first = True
+        while self.step < self.steps:
+            if not first and self.watch.superseded(info.epoch, urgent_only=False):
+                raise EpochOver("new epoch at the step boundary")
+            if not first:
+                todo = L.assign(range(self.M), g.world)[rank]
+            first = False
+            loss = self._step(g, todo)
+        return loss
+
+    # -- transition: ledger exchange and nearest-source state ---------------------------------
+    def _sync(self, g: EpochGroup) -> tuple[int, str]:
+        """Agree on the committed step, give state to members without it, find missing ids.
+
+        Returns (micro-batches reused, where this epoch's joiners got state from).
+        """
+        mask = [1 if mb in self.done else 0 for mb in range(self.M)]
+        mine = torch.tensor(
+            [self.step if self.has_state else -1, self.ctx.node, *mask], dtype=torch.int64
+        )
+        rows = [r.tolist() for r in g.allgather(mine)]
+        target = max(r[0] for r in rows)
+        if target < 0:
+            raise RuntimeError("no member of the epoch holds the model state")
+        holders = [r for r, row in enumerate(rows) if row[0] == target]
+        needers = [r for r, row in enumerate(rows) if row[0] != target]
+        source = "local"
+        if needers:
+            near = [h for h in holders if rows[h][1] == rows[needers[0]][1]]
+            src = (near or holders)[0]
+            source = "peer_node" if near else "peer_remote"
+            self._broadcast_state(g, src, receive=g.rank in needers, step=target)
+        done_sets = [{mb for mb in range(self.M) if rows[r][2 + mb]} for r in holders]
+        if g.rank in needers:
+            self.done.clear()
+        self._missing = L.missing(done_sets, self.M)
+        return self.M - len(self._missing), source
+
+    def _broadcast_state(self, g: EpochGroup, src: int, *, receive: bool, step: int) -> None:
+        if not receive and g.rank == src:
+            buf = io.BytesIO()
+            torch.save(
+                {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}, buf
+            )
+            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        g.broadcast(size, src)
+        if g.rank != src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        g.broadcast(payload, src)
+        if receive:
+            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optim"])
+            self.step, self.has_state = step, True
+            self.acc.zero_()
+
+    # -- one step ---------------------------------------------------------------------------
+    def _step(self, g: EpochGroup, todo: list[int]) -> float:
+        step = self.step
+        self.link.send({"type": "step_begin", "step": step})
+        t0 = time.perf_counter()
+        for attempt in range(self.ctx.max_reattempts + 1):
+            try:
+                self._compute(step, todo)
+                break
+            except Exception as exc:
+                if not self._reattempt(exc, step, attempt):
+                    raise
+        compute_s = time.perf_counter() - t0
+        self._slow(step, compute_s)
+        self.link.send(
+            {
+                "type": "step_done",
+                "step": step,
+                "microbatches": len(todo),
+                "compute_s": time.perf_counter() - t0,
+            }
+        )
+        buf = self.acc.clone()
+        try:
+            g.allreduce(buf)
+        except EpochOver:  # left the reduce (or it failed): make sure nobody commits the step
+            g.abort(step)
+            raise
+        if not g.vote(step):
+            raise EpochOver(f"step {step} not committed in epoch {g.info.epoch}")
+        self._apply(buf)
+        loss = float(buf[-2] / buf[-1])
+        if g.rank == 0:
+            self._event(
+                "step_end",
+                epoch=g.info.epoch,
+                rank=0,
+                step=step,
+                loss=round(loss, 6),
+                duration_s=round(time.perf_counter() - t0, 6),
+                workers=g.world,
+            )
+        self.step += 1
+        self.acc.zero_()
+        self.done.clear()
+        return loss
+
+    def _compute(self, step: int, todo: list[int]) -> None:
+        """This replica's micro-batches of ``step`` (those not already in its local sum)."""
+        self._maybe_fire("hang", step)
+        self._maybe_fire("error", step)
+        crash_at = self._crash_point(step, len(todo))
+        for i, mb in enumerate(todo):
+            if i == crash_at:
+                self._maybe_fire("crash", step)
+            if mb not in self.done:
+                self._microbatch(step, mb)
+        if crash_at >= len(todo):
+            self._maybe_fire("crash", step)
+
+    def _reattempt(self, exc: Exception, step: int, attempt: int) -> bool:
+        """SEV3 errors (a reset connection, a transient timeout) are retried in place, in the
+        same epoch, a bounded number of times; the agent and coordinator are told. Anything
+        else, or a retry that fails again, propagates: the process exits and is restarted."""
+        from unicron.classify import Severity, classify_exception
+
+        verdict = classify_exception(exc)
+        if verdict.severity is not Severity.SEV3 or attempt >= self.ctx.max_reattempts:
+            return False
+        self.link.send(
+            {
+                "type": "error",
+                "type_name": type(exc).__name__,
+                "message": str(exc),
+                "traceback": "",
+                "in_band": True,
+                "in_place": True,
+                "step": step,
+            }
+        )
+        return True
+
+    def _microbatch(self, step: int, mb: int) -> None:
+        torch.manual_seed(L.mb_seed(self.seed, step, mb))
+        batch = self.collate([self.dataset[i] for i in self.ledger.samples(step, mb)])
+        for p in self.params:
+            p.grad = None
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is not None:
+                self.acc[offset : offset + n].add_(p.grad.reshape(-1))
+            offset += n
+        self.acc[-2] += float(loss.detach())
+        self.acc[-1] += 1
+        self.done.add(mb)
+
+    def _apply(self, reduced: torch.Tensor) -> None:
+        count = reduced[-1].item()
+        expected = self.M if self.ctx.on_lost == "recompute" else count
+        assert count == self.M or self.ctx.on_lost == "drop", f"reduced {count} of {self.M}"
+        mean = reduced[:-2] / expected
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = mean[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+
+    # -- faults -----------------------------------------------------------------------------
+    def _faults(self, kind: str, step: int) -> list[Fault]:
+        return [
+            f
+            for f in self.ctx.faults
+            if f.fault == kind and f.step == step and f.spec not in self.fired
+        ]
+
+    def _crash_point(self, step: int, n: int) -> int:
+        for f in self._faults("crash", step):
+            return n // 2 if f.mb is None else f.mb
+        return -1
+
+    def _maybe_fire(self, kind: str, step: int) -> None:
+        for f in self._faults(kind, step):
+            self.fired.add(f.spec)
+            self._event(
+                "fault_injected",
+                fault=f.fault,
+                kind=f.kind,
+                spec=f.spec,
+                step=step,
+                rank=self.ctx.slot,
+            )
+            if kind == "crash":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind == "error":
+                from unicron.classify import make_exception
+
+                raise make_exception(f.kind or "user")
+
+    def _slow(self, step: int, compute_s: float) -> None:
+        factors = [f.factor for f in self.ctx.faults if f.fault == "slow" and f.step <= step]
+        for f in self.ctx.faults:
+            if f.fault == "slow" and f.step == step and f.spec not in self.fired:
+                self.fired.add(f.spec)
+                self._event(
+                    "fault_injected",
+                    fault="slow",
+                    spec=f.spec,
+                    step=step,
+                    rank=self.ctx.slot,
+                    factor=f.factor,
+                )
+        if factors:
+            time.sleep(compute_s * (max(f or 1.0 for f in factors) - 1.0))
+
+    def _event(self, event: str, **fields: Any) -> None:
+        fields.setdefault("task", self.ctx.task)
+        fields.setdefault("node", self.ctx.node)
+        self.link.send({"type": "event", "event": event, "fields": {"ts": time.time(), **fields}})
