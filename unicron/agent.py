@@ -33,6 +33,8 @@ from unicron.monitor import StepMonitor
 from unicron.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
+    ENV_CHECKPOINT,
+    ENV_CHECKPOINT_EVERY,
     ENV_FAULTS,
     ENV_INCARNATION,
     ENV_NODE,
@@ -78,6 +80,8 @@ class AgentConfig:
     reduce: str = "exact"
     on_lost: str = "recompute"
     threads: int = 1
+    checkpoint: Path | None = None
+    checkpoint_every: int = 0
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -99,8 +103,8 @@ class Agent:
         self.workers = {s: _Worker(s) for s in config.slots}
         self.fired: set[str] = set()
         self.mb_compute_s: dict[int, float] = {}  # latest compute time per micro-batch, by slot
-        if monitor is not None:
-            coordinator.on_epoch.append(lambda _info: monitor.reset_expectation())
+        self._seen_epoch = 0
+        self.vanished = False
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
@@ -170,10 +174,22 @@ class Agent:
     # -- the loop ---------------------------------------------------------------------------
     def run(self, until: threading.Event) -> None:
         """Supervise until ``until`` is set or the coordinator says the task is over."""
-        while not until.is_set() and not self._stop.is_set():
+        while not until.is_set() and not self._stop.is_set() and not self.vanished:
             self.poll(0.02)
             if self.coordinator.finished():
                 return
+
+    def vanish(self) -> None:
+        """The injected node fault: this node's workers and zygote die at once and the agent
+        falls silent (no more reports, no heartbeats), as when a machine is lost."""
+        self.vanished = True
+        for w in self.workers.values():
+            if w.pid is not None and not w.gone:
+                _kill(w.pid)
+            w.gone = True
+        if self._zygote is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._zygote.pid, signal.SIGKILL)
 
     def poll(self, timeout: float) -> None:
         """One round: read reports, notice exits, run the monitor, let the coordinator act."""
@@ -190,7 +206,11 @@ class Agent:
         now = time.time()
         self._check_exits(now)
         if self.monitor is not None:
+            if self.coordinator.epoch != self._seen_epoch:  # membership changed: re-learn
+                self._seen_epoch = self.coordinator.epoch
+                self.monitor.reset_expectation()
             self._check_monitor(now)
+        self.coordinator.heartbeat(self.node, now)
         self.coordinator.tick(now)
 
     def _accept(self) -> None:
@@ -264,6 +284,8 @@ class Agent:
         elif kind == "event":
             fields = msg["fields"]
             if msg["event"] == "fault_injected" and "spec" in fields:
+                if fields["spec"] in self.fired:
+                    return  # a node fault fires in every worker of the node: log it once
                 self.fired.add(fields["spec"])
             self.events.emit(msg["event"], **fields)
         elif kind == "step_begin":
@@ -300,6 +322,8 @@ class Agent:
                 self.coordinator.worker_error(
                     slot, verdict, now, in_place=bool(msg.get("in_place"))
                 )
+        elif kind == "node_fault":
+            self.vanish()
         elif kind == "done":
             w.finished = True
             self.coordinator.worker_done(slot, msg, now)
@@ -396,6 +420,8 @@ class Agent:
                 ENV_REDUCE: self.config.reduce,
                 ENV_ON_LOST: self.config.on_lost,
                 ENV_THREADS: str(self.config.threads),
+                ENV_CHECKPOINT: str(self.config.checkpoint or ""),
+                ENV_CHECKPOINT_EVERY: str(self.config.checkpoint_every),
                 "OMP_NUM_THREADS": str(self.config.threads),
                 "PYTHONUNBUFFERED": "1",
             }
@@ -403,7 +429,11 @@ class Agent:
         return env
 
     def _slot_env(self, slot: int) -> dict[str, str]:
-        faults = [f.spec for f in self.config.faults if f.rank == slot and f.spec not in self.fired]
+        faults = [
+            f.spec
+            for f in self.config.faults
+            if (f.rank == slot or f.node == self.node) and f.spec not in self.fired
+        ]
         return {
             ENV_SLOT: str(slot),
             ENV_INCARNATION: str(self.workers[slot].incarnation),

@@ -16,13 +16,13 @@ import datetime as dt
 import enum
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from unicron.classify import Action, Scope, Verdict
+from unicron.classify import Action, Scope, Verdict, classify_detector
 from unicron.escalation import Escalation
 from unicron.events import EventLog
 from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key
@@ -55,9 +55,15 @@ class CoordinatorSettings:
     """the task is worth nothing below this many workers: it fails (exit 1) instead"""
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""
-    error_grace_s: float = 1.0
-    """an in-band error with no process failure within this long is healed by a reattempt:
-    a new epoch of the same members (fresh process group), keeping every local sum"""
+    checkpoint: Path | None = None
+    """the task's persistent checkpoint: when every replica is gone the task goes on from it
+    (if it exists) instead of failing"""
+    heartbeat_timeout_s: float = 2.0
+    """a node whose agent has not been heard from for this long is lost (SEV1, excluded)"""
+    error_grace_s: float = 2.5
+    """an in-band error with no process or node failure within this long is healed by a
+    reattempt: a new epoch of the same members (fresh process group), keeping every local sum.
+    Longer than the heartbeat timeout, so a lost node is not mistaken for a flaky link."""
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -66,6 +72,8 @@ class CoordinatorSettings:
             raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
         if not self.error_grace_s >= 0:
             raise ValueError(f"error_grace_s must be >= 0, got {self.error_grace_s}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
 
 
 @dataclass
@@ -114,7 +122,8 @@ class Coordinator:
         self._pending_errors: dict[int, tuple[float, Verdict]] = {}
         self._last_failure_ts = float("-inf")
         self._lock = threading.RLock()
-        self.on_epoch: list[Callable[[EpochInfo], None]] = []  # e.g. the monitor re-learns
+        self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
+        self.lost_nodes: set[int] = set()
         self.microbatches: int | None = None  # per global batch, learned from the workers
         self.store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
@@ -244,9 +253,16 @@ class Coordinator:
             )
 
     # -- decisions over time ----------------------------------------------------------------
-    def tick(self, now: float) -> None:
-        """Start the first epoch, grow with ready workers, heal lone in-band errors."""
+    def heartbeat(self, node: int, now: float) -> None:
+        """The agent of ``node`` is alive (called on every round of its loop)."""
         with self._lock:
+            self.heartbeats[node] = now
+
+    def tick(self, now: float) -> None:
+        """Notice lost nodes, start the first epoch, grow with ready workers, heal lone
+        in-band errors. Called by every agent's loop and by the runner."""
+        with self._lock:
+            self._check_heartbeats(now)
             if self.state is TaskState.PENDING:
                 self._maybe_start(now)
             elif self.state is TaskState.RUNNING:
@@ -263,6 +279,53 @@ class Coordinator:
                         now=now,
                         reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
                     )
+
+    def _check_heartbeats(self, now: float) -> None:
+        for node, last in self.heartbeats.items():
+            if node in self.lost_nodes or now - last <= self.settings.heartbeat_timeout_s:
+                continue
+            self.lost_nodes.add(node)
+            self._last_failure_ts = now
+            verdict = classify_detector("heartbeat_lost")
+            slots = sorted(s for s, o in self.slots.items() if o.node == node)
+            self.events.emit(
+                "error_detected",
+                ts=now,
+                task=self.task,
+                node=node,
+                kind=verdict.kind,
+                severity=int(verdict.severity),
+                method="heartbeat",
+                silent_s=round(now - last, 3),
+                reason=f"no heartbeat from node {node} for {now - last:.1f} s",
+            )
+            if self.state in (TaskState.DONE, TaskState.FAILED):
+                continue
+            decision = self.escalation.decide(verdict, slot=slots[0], node=node, now=now)
+            self.events.emit(
+                "action",
+                task=self.task,
+                epoch=self.epoch,
+                node=node,
+                action=str(decision.action),
+                severity=int(decision.severity),
+                reason=decision.reason,
+                slots=slots,
+            )
+            for s in slots:
+                self.slots[s].excluded, self.slots[s].alive, self.slots[s].ready = (
+                    True,
+                    False,
+                    False,
+                )
+            if any(m in slots for m in self.members):
+                self._announce(
+                    tuple(m for m in self.members if m not in slots),
+                    urgent=True,
+                    now=now,
+                    reason=f"node {node} lost",
+                )
+            self._check_minimum(now)
 
     def _maybe_start(self, now: float) -> None:
         if self.started_at is None:
@@ -307,11 +370,14 @@ class Coordinator:
                 f"{len(usable)} usable slot(s) left, fewer than the minimum of "
                 f"{self.settings.min_workers}; last error: {last}"
             )
-        elif self.state is TaskState.RUNNING and not holders:
+        elif self.state is TaskState.RUNNING and not holders and not self._has_checkpoint():
             reason = "every replica holding the model state is gone (no checkpoint to fall back on)"
         if reason:
             self.fail(reason, now)
         return bool(reason)
+
+    def _has_checkpoint(self) -> bool:
+        return self.settings.checkpoint is not None and self.settings.checkpoint.exists()
 
     def fail(self, reason: str, now: float) -> None:
         """Give the task up: waiting workers exit, the runner exits 1 with ``reason``."""
@@ -353,8 +419,6 @@ class Coordinator:
             urgent=urgent,
             reason=reason,
         )
-        for callback in self.on_epoch:
-            callback(info)
 
     def _action(self, action: Action, slot: int, reason: str, *, severity: int) -> None:
         self.events.emit(

@@ -24,6 +24,8 @@ ENV_FAULTS = "UNICRON_FAULTS"  # JSON list of --inject specs still to fire in th
 ENV_REDUCE = "UNICRON_REDUCE"  # exact | fast
 ENV_ON_LOST = "UNICRON_ON_LOST"  # recompute | drop
 ENV_THREADS = "UNICRON_THREADS"
+ENV_CHECKPOINT = "UNICRON_CHECKPOINT"  # path of the persistent checkpoint (last resort)
+ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 0: none
 
 # -- worker -> agent messages --------------------------------------------------------------
 MESSAGES = frozenset(

@@ -73,7 +73,7 @@ def incidents(events: list[Event]) -> list[Incident]:
             None,
         )
         actions = tuple(
-            f"{e['action']}({e.get('slot', e.get('rank'))})"
+            f"{e['action']}({_target(e)})"
             for e in after
             if e["event"] == "action" and e["ts"] < horizon
         )
@@ -95,6 +95,13 @@ def incidents(events: list[Event]) -> list[Incident]:
             )
         )
     return out
+
+
+def _target(action: Event) -> str:
+    """What an action event acted on: "slot 2", "node 1"."""
+    if action.get("slot") is not None:
+        return f"slot {action['slot']}"
+    return f"node {action.get('node')}"
 
 
 def steps_redone(events: list[Event]) -> int:

@@ -24,6 +24,14 @@ from unicron.inject import Fault, parse
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="K",
+        help="agents (nodes) to start on this machine, each with its own zygote and heartbeat; "
+        "node k's workers get launch ranks k*N .. k*N+N-1 (default 1)",
+    )
+    p.add_argument(
         "--nproc-per-node",
         type=int,
         default=1,
@@ -60,6 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="fail (exit 1) when fewer usable slots remain (default 1)",
     )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        metavar="K",
+        help="rank 0 writes a persistent checkpoint every K steps, read only when no replica "
+        "holds the state any more (default 50; 0: none)",
+    )
+    p.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="where the checkpoint goes (default: the log dir)"
+    )
     p.add_argument("--task", default="train", help="task name (event log, store keys)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--log-dir", metavar="DIR", help="workers' stdout/stderr (default: a temp dir)")
@@ -74,24 +93,25 @@ def validate(args: argparse.Namespace) -> list[Fault]:
 
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    if not 1 <= args.min_workers <= args.nproc_per_node:
-        raise UsageError(
-            f"--min-workers must be in 1..{args.nproc_per_node}, got {args.min_workers}"
-        )
+    if args.nnodes < 1:
+        raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")
+    world = args.nnodes * args.nproc_per_node
+    if not 1 <= args.min_workers <= world:
+        raise UsageError(f"--min-workers must be in 1..{world}, got {args.min_workers}")
+    if args.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if not Path(args.script).is_file():
         raise UsageError(f"script not found: {args.script}")
     faults = [parse(spec, KINDS) for spec in args.inject]
     for f in faults:
-        if f.fault == "node":
+        if f.node is not None and f.node >= args.nnodes:
             raise UsageError(
-                f"--inject {f.spec!r}: node faults need several nodes; `unicron run` starts one"
+                f"--inject {f.spec!r}: node {f.node} out of range 0..{args.nnodes - 1}"
             )
-        if f.rank is not None and f.rank >= args.nproc_per_node:
-            raise UsageError(
-                f"--inject {f.spec!r}: rank {f.rank} out of range 0..{args.nproc_per_node - 1}"
-            )
+        if f.rank is not None and f.rank >= world:
+            raise UsageError(f"--inject {f.spec!r}: rank {f.rank} out of range 0..{world - 1}")
     return faults
 
 
@@ -112,49 +132,79 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     events = EventLog(args.events)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="unicron-"))
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else log_dir
+    checkpoint = ckpt_dir / f"{args.task}-checkpoint.pt" if args.checkpoint_every else None
     n = args.nproc_per_node
+    slots = {s: s // n for s in range(args.nnodes * n)}
     coordinator = Coordinator(
         task=args.task,
-        slots=dict.fromkeys(range(n), 0),
+        slots=slots,
         events=events,
         escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(min_workers=args.min_workers),
+        settings=CoordinatorSettings(min_workers=args.min_workers, checkpoint=checkpoint),
     )
-    agent = Agent(
-        AgentConfig(
-            node=0,
-            slots=list(range(n)),
-            script=os.path.abspath(args.script),
-            argv=list(args.args),
-            faults=faults,
-            log_dir=log_dir,
-            reduce=args.reduce,
-            on_lost=args.on_lost,
-            threads=args.threads,
-        ),
-        coordinator,
-        events,
-        StepMonitor(MonitorSettings()),
-    )
-    coordinator.attach(agent)
+    agents = [
+        Agent(
+            AgentConfig(
+                node=node,
+                slots=[s for s, nd in slots.items() if nd == node],
+                script=os.path.abspath(args.script),
+                argv=list(args.args),
+                faults=faults,
+                log_dir=log_dir,
+                reduce=args.reduce,
+                on_lost=args.on_lost,
+                threads=args.threads,
+                checkpoint=checkpoint,
+                checkpoint_every=args.checkpoint_every,
+            ),
+            coordinator,
+            events,
+            StepMonitor(MonitorSettings()),
+        )
+        for node in range(args.nnodes)
+    ]
+    for agent in agents:
+        coordinator.attach(agent)
     display = None if args.quiet else _Display(console, events)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    terminated = threading.Event()
+
+    def on_sigterm(*_: object) -> None:
+        terminated.set()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     interrupted = False
     t0 = time.time()
+    threads = [
+        threading.Thread(target=a.run, args=(stop,), name=f"agent{a.node}", daemon=True)
+        for a in agents
+    ]
     try:
-        agent.start()
-        agent.run(stop)
-        _drain(agent, timeout_s=10.0)
+        for agent in agents:
+            agent.start()
+        for t in threads:
+            t.start()
+        while not stop.is_set() and not coordinator.finished():
+            coordinator.tick(time.time())  # notices a node whose agent fell silent
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join()
+        _drain(agents, timeout_s=10.0)
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        agent.stop()
+        stop.set()
+        for agent in agents:
+            agent.stop()
         if display is not None:
             display.close()
     outcome = coordinator.outcome
-    if interrupted or stop.is_set() or outcome is None:
-        reason = "interrupted" if interrupted or stop.is_set() else "ended without an outcome"
+    interrupted = interrupted or terminated.is_set()
+    if interrupted or outcome is None:
+        reason = "interrupted" if interrupted else "ended without an outcome"
         events.emit(
             "task_end",
             task=args.task,
@@ -183,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"worker logs: {log_dir}")
     if not ok:
         console.print(f"[red]unicron: task failed: {outcome.reason}[/red]")
-        for w in agent.workers.values():
+        for w in (w for a in agents for w in a.workers.values()):
             if w.error and w.error.get("traceback"):
                 console.print(
                     f"last error in slot {w.slot}:\n{w.error['traceback'].rstrip()}",
@@ -194,11 +244,13 @@ def main(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _drain(agent: Any, timeout_s: float) -> None:
+def _drain(agents: list[Any], timeout_s: float) -> None:
     """Let finished workers exit by themselves (they may still be writing ``final.pt``)."""
     deadline = time.time() + timeout_s
-    while time.time() < deadline and any(not w.gone for w in agent.workers.values()):
-        agent.poll(0.02)
+    live = [a for a in agents if not a.vanished]
+    while time.time() < deadline and any(not w.gone for a in live for w in a.workers.values()):
+        for a in live:
+            a.poll(0.01)
 
 
 class _Display:

@@ -13,11 +13,13 @@ membership changes. The user's model code does not change.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import io
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +34,8 @@ from unicron.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.inject import Fault, parse
 from unicron.link import AgentLink, connect_agent
 from unicron.protocol import (
+    ENV_CHECKPOINT,
+    ENV_CHECKPOINT_EVERY,
     ENV_FAULTS,
     ENV_INCARNATION,
     ENV_NODE,
@@ -77,6 +81,10 @@ class WorkerContext:
     """last-resort bound on one collective or rendezvous (the process-group timeout)"""
     max_reattempts: int = 2
     """SEV3 errors retried in place per step before the error ends the process"""
+    checkpoint: Path | None = None
+    """the persistent checkpoint: written by rank 0, read only when no replica holds state"""
+    checkpoint_every: int = 0
+    """committed steps between two checkpoints (0: never write one)"""
 
     @classmethod
     def from_env(cls) -> WorkerContext:
@@ -96,6 +104,8 @@ class WorkerContext:
             store_port=int(port),
             faults=tuple(parse(s) for s in specs.split(";") if s),
             reduce=os.environ.get(ENV_REDUCE, "exact"),
+            checkpoint=Path(os.environ[ENV_CHECKPOINT]) if os.environ.get(ENV_CHECKPOINT) else None,
+            checkpoint_every=int(os.environ.get(ENV_CHECKPOINT_EVERY, "0")),
             on_lost=os.environ.get(ENV_ON_LOST, "recompute"),
         )
 
@@ -188,6 +198,7 @@ class _Runner:
     fired: set[str] = field(default_factory=set)
     groups: list[EpochGroup] = field(default_factory=list)  # abandoned groups stay referenced
     _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
+    _writer: threading.Thread | None = None  # the checkpoint being written
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -230,6 +241,8 @@ class _Runner:
                 )
             except EpochOver:
                 pass
+        if self._writer is not None:
+            self._writer.join()
         group = self.groups[-1]
         sha = params_sha256(self.model)
         if group.rank == 0 and self.out is not None:
@@ -312,8 +325,10 @@ class _Runner:
         )
         rows = [r.tolist() for r in g.allgather(mine)]
         target = max(r[0] for r in rows)
-        if target < 0:
-            raise RuntimeError("no member of the epoch holds the model state")
+        if target < 0:  # every replica is gone: the last resort, the persistent checkpoint
+            self._load_checkpoint()
+            self._missing = list(range(self.M))
+            return 0, "checkpoint"
         holders = [r for r, row in enumerate(rows) if row[0] == target]
         needers = [r for r, row in enumerate(rows) if row[0] != target]
         source = "local"
@@ -327,6 +342,33 @@ class _Runner:
             self.done.clear()
         self._missing = L.missing(done_sets, self.M)
         return self.M - len(self._missing), source
+
+    def _load_checkpoint(self) -> None:
+        path = self.ctx.checkpoint
+        if path is None or not path.exists():
+            raise RuntimeError("no member of the epoch holds the model state and no checkpoint")
+        state = torch.load(path, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.step, self.has_state = int(state["step"]), True
+        self.acc.zero_()
+        self.done.clear()
+
+    def _maybe_checkpoint(self, rank: int) -> None:
+        """Rank 0 writes the committed state every ``checkpoint_every`` steps, atomically and
+        off the training thread (a copy is taken first; the previous write is awaited)."""
+        every, path = self.ctx.checkpoint_every, self.ctx.checkpoint
+        if rank != 0 or not every or path is None or self.step % every:
+            return
+        if self._writer is not None:
+            self._writer.join()
+        state = {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optim": copy.deepcopy(self.optimizer.state_dict()),
+            "step": self.step,
+        }
+        self._writer = threading.Thread(target=save_atomic, args=(state, path), daemon=True)
+        self._writer.start()
 
     def _broadcast_state(self, g: EpochGroup, src: int, *, receive: bool, step: int) -> None:
         if not receive and g.rank == src:
@@ -394,10 +436,12 @@ class _Runner:
         self.step += 1
         self.acc.zero_()
         self.done.clear()
+        self._maybe_checkpoint(g.rank)
         return loss
 
     def _compute(self, step: int, todo: list[int]) -> None:
         """This replica's micro-batches of ``step`` (those not already in its local sum)."""
+        self._maybe_fire("node", step)
         self._maybe_fire("hang", step)
         self._maybe_fire("error", step)
         crash_at = self._crash_point(step, len(todo))
@@ -494,6 +538,9 @@ class _Runner:
                 from unicron.classify import make_exception
 
                 raise make_exception(f.kind or "user")
+            elif kind == "node":
+                self.link.send({"type": "node_fault"})
+                time.sleep(3600)  # the agent takes the whole node down with this process
 
     def _slow(self, step: int, compute_s: float) -> None:
         factors = [f.factor for f in self.ctx.faults if f.fault == "slow" and f.step <= step]
