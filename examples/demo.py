@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from unicron.events import read_events
-from unicron.report import render, steps_redone, task_end
+from unicron.report import steps_redone, task_end
 
 HERE = Path(__file__).resolve().parent
 
@@ -53,7 +53,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--workdir", default=None, help="where runs write (default: a temp dir)")
     args = p.parse_args()
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="unicron-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     s = args.steps
@@ -65,7 +65,6 @@ def main() -> int:
     healed = read_events(unicron_run(workdir, "healed", s, faults, quiet=False))
 
     console.rule("result")
-    render(healed, console)
     a, b = task_end(clean) or {}, task_end(healed) or {}
     same = a.get("params_sha256") == b.get("params_sha256") and a.get("params_sha256")
     console.print(

@@ -303,7 +303,7 @@ class Agent:
             self.coordinator.escalation.healthy(slot=slot, now=now)
         elif kind == "error":
             if not msg.get("in_band"):
-                w.error = msg  # the error that ends this process: its exit is classified by it
+                w.error = msg  # the error that ends this process (shown if the task fails)
             verdict = classify_message(msg["type_name"], msg["message"])
             self.events.emit(
                 "error_detected",
@@ -322,6 +322,8 @@ class Agent:
                 self.coordinator.worker_error(
                     slot, verdict, now, in_place=bool(msg.get("in_place"))
                 )
+            else:  # the error ends the process: do not wait for its interpreter to wind down
+                self.kill(slot, verdict)
         elif kind == "node_fault":
             self.vanish()
         elif kind == "done":

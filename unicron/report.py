@@ -36,7 +36,8 @@ class Incident:
 def incidents(events: list[Event]) -> list[Incident]:
     """One :class:`Incident` per ``fault_injected`` event, in time order.
 
-    Detection is the first ``error_detected`` at or after the fault; the transition is the
+    Detection is the first ``error_detected`` at or after the fault (often a peer's in-band
+    error), its kind the verdict about the faulted worker or node itself; the transition is the
     first ``transition_end`` after the detection that reused micro-batches or moved state (or
     else the first one); recovery is the first ``step_end`` after the fault for a step at or past
     the faulted one.
@@ -48,6 +49,7 @@ def incidents(events: list[Event]) -> list[Incident]:
         horizon = faults[i + 1]["ts"] if i + 1 < len(faults) else float("inf")
         after = [e for e in events if t0 <= e["ts"]]
         det = next((e for e in after if e["event"] == "error_detected"), None)
+        own = next((e for e in after if e["event"] == "error_detected" and _about(e, f)), det)
         trans_all = [
             e
             for e in after
@@ -84,7 +86,7 @@ def incidents(events: list[Event]) -> list[Incident]:
                 step=step,
                 ts=t0,
                 detected_by=det.get("method") if det else None,
-                kind=det.get("kind") if det else None,
+                kind=own.get("kind") if own else None,
                 detection_s=det["ts"] - t0 if det else None,
                 transition_s=trans.get("duration_s") if trans else None,
                 recovery_s=rec["ts"] - t0 if rec else None,
@@ -95,6 +97,13 @@ def incidents(events: list[Event]) -> list[Incident]:
             )
         )
     return out
+
+
+def _about(detection: Event, fault: Event) -> bool:
+    """Whether a detection is about the faulted worker (or node) itself, not a peer's symptom."""
+    if fault.get("fault") == "node":
+        return detection.get("method") == "heartbeat" and detection.get("node") == fault.get("node")
+    return detection.get("slot", detection.get("rank")) == fault.get("rank")
 
 
 def _target(action: Event) -> str:

@@ -1,0 +1,116 @@
+"""``python -m bench``: run the benchmark suite, print the table, write ``bench/results/``.
+
+    python -m bench --quick                        # the few-minute version
+    python -m bench                                # the full suite (under an hour here)
+    python -m bench --scenario crash --system unicron --system torchrun --reps 3
+
+An unknown scenario or system lists the known ones and exits 2. Each scenario's rows are
+merged into ``bench/results/<scenario>.json`` and ``bench/results/SUMMARY.md`` is regenerated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.common import RESULTS_DIR, Row, print_table, save_scenario, write_summary
+from bench.suite import SYSTEMS, known_scenarios, run_suite
+from bench.systems.base import Settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps and repetitions")
+    p.add_argument(
+        "--scenario",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this scenario (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--system",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this system (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="repetitions per arm (default: 2 quick, 3 full)",
+    )
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS_DIR,
+        metavar="DIR",
+        help="where the JSON files and SUMMARY.md go",
+    )
+    p.add_argument("--list", action="store_true", help="list scenarios and systems, then exit")
+    return p
+
+
+def _unknown(kind: str, names: Sequence[str], known: Sequence[str]) -> str | None:
+    bad = [n for n in names if n not in known]
+    if bad:
+        return f"unknown {kind} {', '.join(map(repr, bad))} (known: {', '.join(known)})"
+    return None
+
+
+def _progress(label: str, rep: int, result: dict[str, float] | str) -> None:
+    if isinstance(result, str):
+        print(f"  rep {rep + 1} {label}: FAILED {result}", flush=True)
+        return
+    shown = ", ".join(f"{k}={v:.3g}" for k, v in result.items() if k != "steps_finished")
+    print(f"  rep {rep + 1} {label}: {shown}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the suite; 0 when it ran (even with failed systems), 2 on bad usage."""
+    args = build_parser().parse_args(argv)
+    scenarios = known_scenarios()
+    if args.list:
+        print("scenarios:", " ".join(scenarios))
+        print("systems:", " ".join(SYSTEMS))
+        return 0
+    for kind, names, known in (
+        ("scenario", args.scenario, scenarios),
+        ("system", args.system, SYSTEMS),
+    ):
+        reason = _unknown(kind, names, known)
+        if reason:
+            print(f"python -m bench: {reason}", file=sys.stderr)
+            return 2
+    if args.reps is not None and args.reps < 1:
+        print("python -m bench: --reps must be >= 1", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    settings = Settings.make(args.quick, args.reps)
+    results = run_suite(
+        args.scenario or scenarios,
+        args.system or list(SYSTEMS),
+        settings,
+        args.results,
+        on_trial=_progress,
+    )
+    everything: list[Row] = []
+    for name, rows in results.items():
+        try:
+            save_scenario(rows, name, args.results)
+        except ValueError as exc:  # a module's bad rows must not lose the others' results
+            print(f"python -m bench: {name}: not saved: {exc}", file=sys.stderr)
+        everything += rows
+    print_table(everything, title=f"Unicron benchmarks ({'quick' if args.quick else 'full'})")
+    print(f"wrote {write_summary(args.results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Baseline training scripts: the same model, data and faults as Unicron, without Unicron."""

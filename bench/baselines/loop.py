@@ -1,0 +1,190 @@
+"""What every baseline script shares: the model and data, the step, the event log, the faults.
+
+The baselines train exactly what ``examples/train_gpt.py`` trains under Unicron: the model of
+:mod:`examples.gpt`, the micro-batches of :class:`unicron.ledger.Ledger` (8 micro-batches of 4
+sequences per step, global batch 32), one compute thread per worker. They write the same
+event log (DESIGN.md, Contracts) so that one parser measures every system, and they fire the
+same ``--inject`` faults (parsed by :mod:`unicron.inject`) at the same step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from examples.gpt import build, loss_fn
+from unicron.inject import Fault, parse
+from unicron.ledger import Ledger, assign, mb_seed
+
+NUM_MICROBATCHES = 8
+MICRO_BATCH_SIZE = 4
+SEED = 0
+
+
+class EventWriter:
+    """Appends events to a JSON Lines file shared by several processes (one write per line)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
+
+    def emit(self, event: str, /, **fields: Any) -> None:
+        """Record ``event`` now, with ``fields`` (``None`` values are left out)."""
+        if self._fd is None:
+            return
+        record = {"ts": time.time(), "event": event}
+        record.update({k: v for k, v in fields.items() if v is not None})
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+
+def make_error(kind: str) -> BaseException:
+    """The exception an ``error:`` fault raises: Unicron's own table when it exists."""
+    try:
+        from unicron.classify import make_exception
+
+        return make_exception(kind)
+    except ImportError:
+        return RuntimeError(f"CUDA error: an illegal memory access was encountered ({kind})")
+
+
+@dataclass
+class FaultPlan:
+    """The faults of one run, fired once each (a marker file survives the restarts)."""
+
+    faults: list[Fault]
+    marker_dir: Path
+    rank: int
+    events: EventWriter
+
+    @classmethod
+    def from_specs(
+        cls, specs: list[str], marker_dir: str, rank: int, events: EventWriter
+    ) -> FaultPlan:
+        """Parse ``--inject`` specs for the worker of launch rank ``rank``."""
+        return cls([parse(s) for s in specs], Path(marker_dir), rank, events)
+
+    def at(self, step: int, local_total: int) -> Callable[[int], None]:
+        """The hook :func:`accumulate` calls before each micro-batch of ``step``."""
+        return lambda local_done: self.maybe_fire(step, local_done, local_total)
+
+    def maybe_fire(self, step: int, local_done: int, local_total: int) -> None:
+        """Fire a fault due on this rank at ``step`` after ``local_done`` local micro-batches."""
+        for i, fault in enumerate(self.faults):
+            target = fault.rank if fault.fault != "node" else None
+            if fault.step != step or target != self.rank:
+                continue
+            after = fault.mb if fault.mb is not None else local_total // 2
+            if local_done != min(after, local_total):
+                continue
+            try:  # fire once per run, across restarts
+                os.close(os.open(self.marker_dir / f"fired-{i}", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                continue
+            self.events.emit(
+                "fault_injected", fault=fault.fault, kind=fault.kind, rank=self.rank, step=step
+            )
+            _fire(fault)
+
+
+def _fire(fault: Fault) -> None:
+    if fault.fault == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.fault == "hang":
+        while True:  # stop making progress, stay alive (a SIGTERM still ends it)
+            time.sleep(3600)
+    elif fault.fault == "error":
+        raise make_error(fault.kind or "cuda")
+    elif fault.fault == "slow":
+        raise NotImplementedError("slow faults are not benchmarked against the baselines")
+
+
+def setup_threads(pid_dir: str | None = None) -> None:
+    """One compute thread per worker, as under Unicron; register the pid for the harness.
+
+    The harness kills registered workers still alive when a trial ends (a hung worker that
+    nothing else ends, or a run cut off by its timeout).
+    """
+    torch.set_num_threads(1)
+    if pid_dir:
+        (Path(pid_dir) / f"pid-{os.getpid()}").touch()
+
+
+@dataclass
+class Trainer:
+    """The model, optimizer and micro-batch ledger of one worker."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    dataset: Any
+    ledger: Ledger
+
+    @classmethod
+    def create(cls) -> Trainer:
+        """Build the shared example model (seeded, identical on every worker)."""
+        model, opt, dataset = build(SEED)
+        ledger = Ledger(
+            dataset_len=len(dataset),
+            micro_batch_size=MICRO_BATCH_SIZE,
+            num_microbatches=NUM_MICROBATCHES,
+            seed=SEED,
+        )
+        return cls(model, opt, dataset, ledger)
+
+    def batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch ``mb`` of step ``step`` as (x, y)."""
+        items = [self.dataset[i] for i in self.ledger.samples(step, mb)]
+        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+
+def local_microbatches(rank: int, world: int) -> list[int]:
+    """The micro-batch ids of a fresh step for ``rank`` of ``world`` (Unicron's rule)."""
+    return assign(range(NUM_MICROBATCHES), world)[rank]
+
+
+def accumulate(
+    model: nn.Module,
+    trainer: Trainer,
+    step: int,
+    ids: list[int],
+    scale: float,
+    no_sync: Callable[[], Any] | None,
+    on_microbatch: Callable[[int], None],
+) -> float:
+    """Forward and backward ``ids`` of ``step`` (loss times ``scale``); the last one syncs.
+
+    ``no_sync`` is the DDP context that skips the gradient all-reduce for all but the last
+    micro-batch; ``on_microbatch(done)`` runs before each micro-batch (fault injection).
+    Returns the mean loss of the local micro-batches.
+    """
+    total = 0.0
+    for j, mb in enumerate(ids):
+        on_microbatch(j)
+        torch.manual_seed(mb_seed(SEED, step, mb))
+        x, y = trainer.batch(step, mb)
+        last = j == len(ids) - 1
+        if no_sync is not None and not last:
+            with no_sync():
+                loss = loss_fn(model, (x, y))
+                (loss * scale).backward()
+        else:
+            loss = loss_fn(model, (x, y))
+            (loss * scale).backward()
+        total += float(loss.detach())
+    return total / max(len(ids), 1)
+
+
+def params_sha256(model: nn.Module) -> str:
+    """Hash of the parameters' bytes, as Unicron's ``task_end`` reports it."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()

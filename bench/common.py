@@ -1,0 +1,290 @@
+"""What the benchmark suite shares: the row schema, the machine, result files, table, summary.
+
+A result row is one figure of one system in one scenario, over the repetitions of one run::
+
+    {"system", "scenario", "metric", "median", "min", "max", "repetitions", "unit", "machine",
+     "status", "note", "date"}
+
+``status`` is ``ok`` (measured), ``derived`` (computed from measured rows, or bounded by a
+setting; ``note`` says how), ``failed`` (the system failed; ``note`` holds its error) or
+``skipped`` (not run here; ``note`` says why). Results go to ``bench/results/<scenario>.json``
+and ``bench/results/SUMMARY.md`` is generated from those files alone, so no figure is ever
+typed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+STATUSES = ("ok", "derived", "failed", "skipped")
+ROW_KEYS = (
+    "system",
+    "scenario",
+    "metric",
+    "median",
+    "min",
+    "max",
+    "repetitions",
+    "unit",
+    "machine",
+    "status",
+    "note",
+    "date",
+)
+UNITS = {
+    "wall_s": "s",
+    "step_time_s": "s",
+    "detection_s": "s",
+    "recovery_s": "s",
+    "fault_cost_s": "s",
+    "floor_s": "s",
+    "steps_redone": "steps",
+    "steps_finished": "steps",
+    "false_alarms": "count",
+    "recovery_over_floor": "x",
+    "step_time_vs_ddp": "x",
+}
+
+Row = dict[str, Any]
+
+
+def machine() -> str:
+    """One line describing this machine: CPU model, cores, OS, Python and torch versions."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "absent"
+    return (
+        f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch_version}"
+    )
+
+
+def now_iso() -> str:
+    """The current UTC time, to the second."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def make_row(
+    *,
+    system: str,
+    scenario: str,
+    metric: str,
+    values: Sequence[float] = (),
+    status: str = "ok",
+    note: str = "",
+    unit: str | None = None,
+    host: str | None = None,
+) -> Row:
+    """A result row from the values of the repetitions (median, min, max of them)."""
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    vals = [float(v) for v in values]
+    return {
+        "system": system,
+        "scenario": scenario,
+        "metric": metric,
+        "median": statistics.median(vals) if vals else None,
+        "min": min(vals) if vals else None,
+        "max": max(vals) if vals else None,
+        "repetitions": len(vals),
+        "unit": unit if unit is not None else UNITS.get(metric, ""),
+        "machine": host if host is not None else machine(),
+        "status": status,
+        "note": note,
+        "date": now_iso(),
+    }
+
+
+def check_row(row: Row) -> None:
+    """Raise ``ValueError`` naming the first way ``row`` breaks the schema."""
+    missing = [k for k in ROW_KEYS if k not in row]
+    if missing:
+        raise ValueError(f"row misses {', '.join(missing)}: {row}")
+    if row["status"] not in STATUSES:
+        raise ValueError(f"row status {row['status']!r} not in {STATUSES}")
+    for key in ("system", "scenario", "metric", "machine"):
+        if not isinstance(row[key], str) or not row[key]:
+            raise ValueError(f"row {key} must be a non-empty string: {row}")
+    stats = [row["median"], row["min"], row["max"]]
+    if row["status"] in ("ok", "derived") and row["median"] is None:
+        raise ValueError(f"a {row['status']} row needs a median: {row}")
+    if all(v is not None for v in stats) and not row["min"] <= row["median"] <= row["max"]:
+        raise ValueError(f"row needs min <= median <= max: {row}")
+    if not isinstance(row["repetitions"], int) or row["repetitions"] < 0:
+        raise ValueError(f"row repetitions must be an int >= 0: {row}")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def load_rows(path: Path) -> list[Row]:
+    """The rows of one results file (empty if it does not exist)."""
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return list(data) if isinstance(data, list) else []
+
+
+def merge_rows(old: Iterable[Row], new: Iterable[Row]) -> list[Row]:
+    """``new`` rows replace ``old`` rows of the same (system, scenario, metric)."""
+    new = list(new)
+    fresh = {(r["system"], r["scenario"], r["metric"]) for r in new}
+    kept = [r for r in old if (r["system"], r["scenario"], r["metric"]) not in fresh]
+    return kept + new
+
+
+def save_scenario(rows: list[Row], scenario: str, results_dir: Path = RESULTS_DIR) -> Path:
+    """Merge this run's rows of ``scenario`` into ``results_dir/<scenario>.json``.
+
+    Systems not run this time keep their earlier rows (each row carries its date); failed
+    rows replace the figures they would have measured, so a failure is never hidden.
+    """
+    for row in rows:
+        check_row(row)
+    path = results_dir / f"{scenario}.json"
+    merged = merge_rows(load_rows(path), rows)
+    write_json_atomic(path, merged)
+    return path
+
+
+def fmt(value: Any, unit: str = "") -> str:
+    """A figure for a table: 3 significant digits, the unit after it."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        text = f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    else:
+        text = str(value)
+    return f"{text} {unit}".strip() if unit and unit != "x" else (text + "x" if unit else text)
+
+
+def _cells(row: Row) -> list[str]:
+    """The table cells of a row; missing fields (a module's hand-made rows) show as blank."""
+    unit = str(row.get("unit") or "")
+    reps = row.get("repetitions") or 0
+    spread = (
+        f"{fmt(row.get('min'))} .. {fmt(row.get('max'))}"
+        if row.get("min") is not None and isinstance(reps, int) and reps > 1
+        else ""
+    )
+    return [
+        str(row.get("scenario", "")),
+        str(row.get("system", "")),
+        str(row.get("metric", "")),
+        fmt(row.get("median"), unit),
+        spread,
+        str(reps),
+        str(row.get("status", "ok")),
+        str(row.get("note", "")),
+    ]
+
+
+HEADER = ["scenario", "system", "metric", "median", "min .. max", "n", "status", "note"]
+
+
+def print_table(rows: list[Row], title: str = "Unicron benchmarks") -> None:
+    """Print the rows as a table on the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    for name in HEADER:
+        table.add_column(name, overflow="fold", max_width=60 if name == "note" else None)
+    for row in rows:
+        cells = _cells(row)
+        style = {"failed": "red", "derived": "cyan", "skipped": "dim"}.get(row.get("status", ""))
+        table.add_row(*cells, style=style)
+    Console(width=200).print(table)
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def summary_markdown(results_dir: Path = RESULTS_DIR) -> str:
+    """The markdown summary of every ``results_dir/*.json`` (the README links it)."""
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python -m bench` from the JSON files in this folder; do not edit by hand.",
+        "Method, baselines and caveats: [docs/benchmarks.md](../../docs/benchmarks.md).",
+        "Medians over the repetitions (n), with the smallest and largest value.",
+        "Status `derived` rows are computed from measured rows or bounded by a setting (see",
+        "their note); `failed` rows carry the error.",
+        "",
+    ]
+    files = sorted(results_dir.glob("*.json"))
+    if not files:
+        return "\n".join([*lines, "No results yet: run `python -m bench --quick`.", ""])
+    machines: set[str] = set()
+    for path in files:
+        rows = load_rows(path)
+        if not rows:
+            continue
+        machines.update(str(r.get("machine", "")) for r in rows)
+        dates = sorted(str(r["date"]) for r in rows if r.get("date"))
+        when = f"Measured {dates[0]} .. {dates[-1]}." if dates else "Undated rows."
+        lines += [f"## {path.stem}", "", when, ""]
+        lines.append("| " + " | ".join(HEADER[1:]) + " |")
+        lines.append("|" + "---|" * (len(HEADER) - 1))
+        for row in rows:
+            lines.append("| " + " | ".join(_md_escape(c) for c in _cells(row)[1:]) + " |")
+        lines.append("")
+    lines += ["## Machines", ""] + [f"- {m}" for m in sorted(machines) if m] + [""]
+    return "\n".join(lines)
+
+
+def write_summary(results_dir: Path = RESULTS_DIR) -> Path:
+    """Regenerate ``results_dir/SUMMARY.md`` from the JSON files there."""
+    path = results_dir / "SUMMARY.md"
+    write_text_atomic(path, summary_markdown(results_dir))
+    return path
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the caller binds it soon after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

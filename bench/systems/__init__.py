@@ -1,0 +1,1 @@
+"""The benchmarked systems, one module each: ``unicron``, ``torchrun``, ``torchft``, ``ddp``."""

@@ -1,0 +1,243 @@
+"""The parts every benchmarked system shares: settings, scenarios, arms, launched processes.
+
+An *arm* is one configuration of one system (``torchrun K=10``, ``unicron``); the harness
+runs every arm of a scenario in turn, repetition after repetition (A B A B), and each run of
+an arm (a *trial*) returns its figures as metric name -> value. A trial that fails raises
+:class:`TrialError` with the reason, and the harness reports the arm as failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from bench.events import Event, measure
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class TrialError(RuntimeError):
+    """One trial failed; the message is the reason (an exit code and the output's last line)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """How big the runs are; ``--quick`` and the full suite differ only here."""
+
+    quick: bool
+    reps: int
+    steps: int
+    fault_step: int
+    ckpt_every: tuple[int, ...]
+    """Checkpoint intervals K of the torchrun baseline (steps)."""
+    hang_timeout_s: float
+    """Process-group (torchrun) and collective (torchft) timeout in the hang scenario."""
+    trial_timeout_s: float
+    fault_rank: int = 3
+    error_kind: str = "cuda"
+    nproc: int = 4
+    torchrun_max_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.reps < 1:
+            raise ValueError(f"reps must be >= 1, got {self.reps}")
+        if not 0 < self.fault_step < self.steps:
+            raise ValueError(f"fault_step must be in 1..steps-1, got {self.fault_step}")
+
+    @classmethod
+    def make(cls, quick: bool, reps: int | None = None) -> Settings:
+        """The quick (a few minutes) or full (under an hour) settings."""
+        if quick:
+            return cls(
+                quick=True,
+                reps=reps or 2,
+                steps=40,
+                fault_step=25,
+                ckpt_every=(10,),
+                hang_timeout_s=15.0,
+                trial_timeout_s=150.0,
+            )
+        return cls(
+            quick=False,
+            reps=reps or 3,
+            steps=150,
+            fault_step=125,
+            ckpt_every=(10, 50),
+            hang_timeout_s=60.0,
+            trial_timeout_s=400.0,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """One thing measured: a training run with these faults, or a module's own rows."""
+
+    name: str
+    description: str
+    faults: tuple[str, ...] = ()
+
+    @property
+    def fault_kind(self) -> str | None:
+        """``crash``, ``hang``, ... of the first fault (``None`` for a fault-free run)."""
+        return self.faults[0].partition(":")[0] if self.faults else None
+
+
+class Arm(Protocol):
+    """One configuration of one system, run once per repetition."""
+
+    @property
+    def system(self) -> str:
+        """The system's registry name (``--system``)."""
+        ...
+
+    @property
+    def label(self) -> str:
+        """The name in the results (system plus its configuration)."""
+        ...
+
+    def run(self, scenario: Scenario, settings: Settings, workdir: Path) -> dict[str, float]:
+        """Run one trial in the empty folder ``workdir``; return metric -> value."""
+        ...
+
+
+def figures(events: list[Event], wall_s: float, scenario: Scenario) -> dict[str, float]:
+    """The trial's metrics from its events; raise :class:`TrialError` if a fault went unseen."""
+    outcome = measure(events)
+    if scenario.faults and outcome.faults == 0:
+        raise TrialError("the injected fault never fired (no fault_injected event)")
+    if scenario.faults and outcome.unrecovered:
+        raise TrialError("no step finished after the fault")
+    return {"wall_s": wall_s, **outcome.metrics()}
+
+
+@dataclass
+class Launched:
+    """A child process in its own session, its output stamped line by line as it arrives.
+
+    ``watch`` maps a regular expression to a callback run (from the reader thread) with the
+    arrival time of each matching line: that is how torchrun's agent log becomes events.
+    """
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    watch: dict[str, Callable[[float, str], None]] = field(default_factory=dict)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=40))
+    _reader: threading.Thread | None = None
+
+    @classmethod
+    def start(
+        cls,
+        cmd: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        watch: dict[str, Callable[[float, str], None]] | None = None,
+    ) -> Launched:
+        """Start ``cmd`` in the repository root with ``PYTHONPATH`` set to it."""
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=REPO,
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        launched = cls(proc=proc, log_path=log_path, watch=dict(watch or {}))
+        launched._reader = threading.Thread(target=launched._read, daemon=True)
+        launched._reader.start()
+        return launched
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        patterns = [(re.compile(p), cb) for p, cb in self.watch.items()]
+        with open(self.log_path, "ab") as log:
+            for raw in self.proc.stdout:
+                ts = time.time()
+                log.write(raw)
+                line = raw.decode(errors="replace").rstrip()
+                self.tail.append(line)
+                for pattern, callback in patterns:
+                    if pattern.search(line):
+                        callback(ts, line)
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for the exit (and the last output); kill it and raise on timeout."""
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            last = self.last_line()
+            raise TrialError(f"timed out after {timeout_s:.0f} s; last output: {last}") from None
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        return rc
+
+    def poll(self) -> int | None:
+        """The exit code, or ``None`` while it runs."""
+        return self.proc.poll()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM its process group, then SIGKILL what is left after ``grace_s``."""
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # children left after the leader exited
+
+    def last_line(self) -> str:
+        """The last meaningful output line (an error, usually)."""
+        for line in reversed(self.tail):
+            if line.strip() and not line.startswith(" "):
+                return line.strip()[-300:]
+        return "(no output)"
+
+    def check(self, rc: int, what: str) -> None:
+        """Raise :class:`TrialError` if ``rc`` is not 0."""
+        if rc != 0:
+            raise TrialError(f"{what} exited with {rc}: {self.last_line()}")
+
+
+def python() -> str:
+    """The interpreter running the suite (the project's virtual environment)."""
+    return sys.executable
+
+
+def reap_workers(folder: Path) -> int:
+    """Kill baseline workers that registered a pid file in ``folder`` and still run.
+
+    Only processes whose command line names ``bench.baselines`` are touched, so a recycled
+    pid is left alone. Returns how many were killed.
+    """
+    killed = 0
+    for pid_file in folder.glob("pid-*"):
+        pid = int(pid_file.name.removeprefix("pid-"))
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"bench.baselines" in cmdline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed

@@ -1,0 +1,53 @@
+"""Unicron itself: ``python -m unicron run`` on ``examples/train_gpt.py``, measured by its log."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.events import read_events
+from bench.systems.base import Launched, Scenario, Settings, figures, python
+
+
+@dataclass(frozen=True)
+class UnicronArm:
+    """The self-healing runtime with its defaults (exact reduce, embedded coordinator)."""
+
+    system: str = "unicron"
+    label: str = "unicron"
+
+    def command(self, scenario: Scenario, settings: Settings, workdir: Path) -> list[str]:
+        """The ``unicron run`` command line of one trial."""
+        cmd = [
+            python(),
+            "-m",
+            "unicron",
+            "run",
+            "--nproc-per-node",
+            str(settings.nproc),
+            "--events",
+            str(workdir / "events.jsonl"),
+            "--quiet",
+            "--log-dir",
+            str(workdir / "logs"),
+        ]
+        for spec in scenario.faults:
+            cmd += ["--inject", spec]
+        return [
+            *cmd,
+            "examples/train_gpt.py",
+            "--steps",
+            str(settings.steps),
+            "--out",
+            str(workdir / "out"),
+        ]
+
+    def run(self, scenario: Scenario, settings: Settings, workdir: Path) -> dict[str, float]:
+        """One trial: launch, wait, measure from the event log."""
+        t0 = time.time()
+        launched = Launched.start(self.command(scenario, settings, workdir), workdir / "out.log")
+        rc = launched.wait(settings.trial_timeout_s)
+        wall = time.time() - t0
+        launched.check(rc, "unicron run")
+        return figures(read_events(workdir / "events.jsonl"), wall, scenario)

@@ -1,0 +1,84 @@
+"""Row schema, result files and the generated summary of the benchmark suite (bench/common.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.common import (
+    ROW_KEYS,
+    check_row,
+    load_rows,
+    machine,
+    make_row,
+    save_scenario,
+    summary_markdown,
+    write_summary,
+)
+
+
+def test_make_row_has_the_schema() -> None:
+    row = make_row(system="unicron", scenario="crash", metric="recovery_s", values=[3.0, 1.0, 2.0])
+    assert set(ROW_KEYS) <= row.keys()
+    assert (row["median"], row["min"], row["max"], row["repetitions"]) == (2.0, 1.0, 3.0, 3)
+    assert row["unit"] == "s" and row["status"] == "ok"
+    assert "cores" in row["machine"] and "torch" in row["machine"]
+    check_row(row)
+
+
+def test_failed_row_needs_no_figures() -> None:
+    row = make_row(system="torchft", scenario="crash", metric="trial", status="failed", note="boom")
+    check_row(row)
+    assert row["median"] is None and row["repetitions"] == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"status": "great"}, {"median": None}, {"min": 5.0}, {"system": ""}, {"repetitions": -1}],
+)
+def test_check_row_rejects_bad_rows(change: dict[str, object]) -> None:
+    row = make_row(system="a", scenario="b", metric="wall_s", values=[1.0, 2.0])
+    row.update(change)
+    with pytest.raises(ValueError):
+        check_row(row)
+
+
+def test_make_row_rejects_unknown_status() -> None:
+    with pytest.raises(ValueError, match="status"):
+        make_row(system="a", scenario="b", metric="c", status="meh")
+
+
+def test_save_merges_by_system_and_metric(tmp_path: Path) -> None:
+    host = machine()
+    first = [
+        make_row(system=s, scenario="crash", metric="wall_s", values=[1.0], host=host)
+        for s in ("unicron", "torchrun K=10")
+    ]
+    save_scenario(first, "crash", tmp_path)
+    again = [make_row(system="unicron", scenario="crash", metric="wall_s", values=[9.0], host=host)]
+    path = save_scenario(again, "crash", tmp_path)
+    rows = load_rows(path)
+    assert {r["system"]: r["median"] for r in rows} == {"torchrun K=10": 1.0, "unicron": 9.0}
+    assert json.loads(path.read_text()) == rows
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_summary_is_generated_from_the_files(tmp_path: Path) -> None:
+    assert "No results yet" in summary_markdown(tmp_path)
+    rows = [
+        make_row(system="unicron", scenario="crash", metric="recovery_s", values=[0.25, 0.3]),
+        make_row(
+            system="torchft",
+            scenario="crash",
+            metric="trial",
+            status="failed",
+            note="ImportError: x | y",
+        ),
+    ]
+    save_scenario(rows, "crash", tmp_path)
+    text = write_summary(tmp_path).read_text()
+    assert "## crash" in text and "| unicron | recovery_s | 0.275 s |" in text
+    assert "ImportError: x \\| y" in text  # pipes escaped inside the table
+    assert "do not edit by hand" in text
