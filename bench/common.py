@@ -46,6 +46,7 @@ UNITS = {
     "wall_s": "s",
     "step_time_s": "s",
     "detection_s": "s",
+    "detection_heartbeat_s": "s",
     "recovery_s": "s",
     "fault_cost_s": "s",
     "floor_s": "s",

@@ -4,7 +4,8 @@ Unicron writes the log itself; the baselines write the same events (``bench/base
 the harness adds ``error_detected`` for torchrun from its agent's log. So one function turns
 any run into the same figures:
 
-- detection: the first ``error_detected`` at or after a ``fault_injected``, minus the fault;
+- detection: the first ``error_detected`` at or after a ``fault_injected``, minus the fault
+  (:func:`detection_by_method`: the first one of a given ``method``, e.g. ``heartbeat``);
 - recovery: the first ``step_end`` after the fault whose step is at least the faulted step,
   minus the fault (the time from the fault to the next finished step);
 - steps redone: for each step, how many times one rank reported it finished, minus one;
@@ -120,3 +121,20 @@ def measure(events: list[Event], warmup_steps: int = 3) -> Outcome:
         undetected=len(faults) - len(detection),
         unrecovered=len(faults) - len(recovery),
     )
+
+
+def detection_by_method(events: list[Event], method: str) -> float | None:
+    """Mean over the faults of the first ``error_detected`` with ``method`` after each fault.
+
+    A fault counts only if such a detection comes before the next fault; ``None`` if none does.
+    """
+    events = sorted(events, key=lambda e: float(e["ts"]))
+    faults = [float(e["ts"]) for e in _of(events, "fault_injected")]
+    seen = [float(e["ts"]) for e in _of(events, "error_detected") if e.get("method") == method]
+    delays = []
+    for i, t in enumerate(faults):
+        t_next = faults[i + 1] if i + 1 < len(faults) else float("inf")
+        after = [ts for ts in seen if t <= ts < t_next]
+        if after:
+            delays.append(after[0] - t)
+    return statistics.fmean(delays) if delays else None

@@ -153,3 +153,56 @@ def test_module_rows_are_completed_or_reported(monkeypatch: pytest.MonkeyPatch) 
     rows = suite.run_module("simulator", quick=True, host="m")
     assert rows[0]["status"] == "ok" and rows[0]["date"] and rows[0]["scenario"] == "simulator"
     assert rows[1]["status"] == "failed" and "min <= median" in rows[1]["note"]
+
+
+def test_node_scenario_runs_two_agents_and_both_rendezvous_settings() -> None:
+    from bench.suite import arms_for
+    from bench.systems.torchrun import TorchrunNodeArm
+
+    s = settings(1)
+    scenario = training_scenario("node", s)
+    assert scenario.fault_kind == "node" and scenario.faults == (
+        f"node:node=1,step={s.fault_step}",
+    )
+    arms = arms_for("node", s, SYSTEMS)
+    labels = [a.label for a in arms]
+    assert len(set(labels)) == len(labels)
+    assert labels[0] == "unicron" and "torchft" in labels and "plain DDP" not in labels
+    node_arms = [a for a in arms if isinstance(a, TorchrunNodeArm)]
+    assert [a.tuned for a in node_arms] == [False, True]
+    cmd = node_arms[1].command(1, 12345, "rid", scenario, s, Path("/w"))
+    text = " ".join(cmd)
+    assert "--nnodes 1:2 --nproc-per-node 2" in text and "--rdzv-backend c10d" in text
+    assert "is_host=0,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2" in text
+    default = " ".join(node_arms[0].command(0, 12345, "rid", scenario, s, Path("/w")))
+    assert "--rdzv-conf is_host=1 " in default and "last_call_timeout" not in default
+
+
+def test_unicron_node_command_starts_two_agents() -> None:
+    from bench.systems.unicron import UnicronArm
+
+    s = settings(1)
+    text = " ".join(UnicronArm().command(training_scenario("node", s), s, Path("/w")))
+    assert "--nnodes 2 --nproc-per-node 2" in text and "--inject node:node=1" in text
+    crash = " ".join(UnicronArm().command(training_scenario("crash", s), s, Path("/w")))
+    assert "--nnodes 1 --nproc-per-node 4" in crash
+
+
+def test_node_fault_fires_on_the_node_leader_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.baselines import loop
+
+    vanished: list[tuple[int, int | None]] = []
+    monkeypatch.setattr(loop, "vanish_node", lambda d, node, agent: vanished.append((node, agent)))
+    spec = ["node:node=1,step=5"]
+    events = loop.EventWriter(str(tmp_path / "events.jsonl"))
+    plans = [
+        loop.FaultPlan.from_specs(spec, str(tmp_path), rank, events, node=node, node_leader=lead)
+        for rank, node, lead in ((0, 0, True), (1, 0, False), (3, 1, False), (2, 1, True))
+    ]
+    for plan in plans:
+        plan.maybe_fire(4, 1, 2)  # not the step
+        plan.maybe_fire(5, 1, 2)
+    assert vanished == [(1, None)]
+    assert {p.name.partition("-")[0] for p in tmp_path.glob("node*-*")} == {"node0", "node1"}

@@ -59,3 +59,17 @@ def test_undetected_and_unrecovered_fault() -> None:
 
 def test_missing_file_is_empty(tmp_path: Path) -> None:
     assert read_events(tmp_path / "absent.jsonl") == []
+
+
+def test_detection_by_method_takes_the_first_of_that_method() -> None:
+    from bench.events import detection_by_method
+
+    events = [
+        {"ts": 10.0, "event": "fault_injected", "fault": "node", "node": 1, "step": 25},
+        {"ts": 10.05, "event": "error_detected", "kind": "conn_reset", "method": "exception"},
+        {"ts": 12.0, "event": "error_detected", "kind": "heartbeat_lost", "method": "heartbeat"},
+        {"ts": 13.0, "event": "error_detected", "kind": "heartbeat_lost", "method": "heartbeat"},
+    ]
+    assert measure(events).detection_s == [pytest.approx(0.05)]
+    assert detection_by_method(events, "heartbeat") == pytest.approx(2.0)
+    assert detection_by_method(events, "monitor") is None

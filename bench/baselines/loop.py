@@ -9,6 +9,7 @@ same ``--inject`` faults (parsed by :mod:`unicron.inject`) at the same step.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -58,19 +59,50 @@ def make_error(kind: str) -> BaseException:
 
 @dataclass
 class FaultPlan:
-    """The faults of one run, fired once each (a marker file survives the restarts)."""
+    """The faults of one run, fired once each (a marker file survives the restarts).
+
+    A ``node:node=N,step=S`` fault is fired by the *node leader* of node ``N`` (the worker
+    the harness marks as the node's first): it SIGKILLs its agent's process group (when
+    ``agent_pid`` is given: torchrun's agent, started in its own session by the harness),
+    the other workers registered on node ``N``, then itself, so the node vanishes at once.
+    """
 
     faults: list[Fault]
     marker_dir: Path
     rank: int
     events: EventWriter
+    node: int | None = None
+    node_leader: bool = False
+    agent_pid: int | None = None
 
     @classmethod
     def from_specs(
-        cls, specs: list[str], marker_dir: str, rank: int, events: EventWriter
+        cls,
+        specs: list[str],
+        marker_dir: str,
+        rank: int,
+        events: EventWriter,
+        *,
+        node: int | None = None,
+        node_leader: bool = False,
+        agent_pid: int | None = None,
     ) -> FaultPlan:
-        """Parse ``--inject`` specs for the worker of launch rank ``rank``."""
-        return cls([parse(s) for s in specs], Path(marker_dir), rank, events)
+        """Parse ``--inject`` specs for the worker of launch rank ``rank`` (on ``node``).
+
+        A worker on a node registers its pid under ``marker_dir`` so that a node fault can
+        find the node's other workers.
+        """
+        if node is not None:
+            (Path(marker_dir) / f"node{node}-{os.getpid()}").touch()
+        return cls(
+            [parse(s) for s in specs],
+            Path(marker_dir),
+            rank,
+            events,
+            node=node,
+            node_leader=node_leader,
+            agent_pid=agent_pid,
+        )
 
     def at(self, step: int, local_total: int) -> Callable[[int], None]:
         """The hook :func:`accumulate` calls before each micro-batch of ``step``."""
@@ -79,8 +111,12 @@ class FaultPlan:
     def maybe_fire(self, step: int, local_done: int, local_total: int) -> None:
         """Fire a fault due on this rank at ``step`` after ``local_done`` local micro-batches."""
         for i, fault in enumerate(self.faults):
-            target = fault.rank if fault.fault != "node" else None
-            if fault.step != step or target != self.rank:
+            if fault.fault == "node":
+                if not (self.node_leader and self.node is not None and fault.node == self.node):
+                    continue
+            elif fault.rank != self.rank:
+                continue
+            if fault.step != step:
                 continue
             after = fault.mb if fault.mb is not None else local_total // 2
             if local_done != min(after, local_total):
@@ -90,9 +126,45 @@ class FaultPlan:
             except FileExistsError:
                 continue
             self.events.emit(
-                "fault_injected", fault=fault.fault, kind=fault.kind, rank=self.rank, step=step
+                "fault_injected",
+                fault=fault.fault,
+                kind=fault.kind,
+                rank=self.rank,
+                node=fault.node,
+                step=step,
             )
+            if fault.fault == "node":
+                vanish_node(self.marker_dir, fault.node or 0, self.agent_pid)
             _fire(fault)
+
+
+def _baseline_pid(pid: int, needle: bytes = b"bench.baselines") -> bool:
+    """Whether ``pid`` runs a command line containing ``needle`` (not a recycled pid)."""
+    try:
+        return needle in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def vanish_node(marker_dir: Path, node: int, agent_pid: int | None) -> None:
+    """SIGKILL node ``node``: its agent's process group, its other workers, then this process.
+
+    The agent is killed first so that it cannot react (torchrun's agent would otherwise see
+    its workers die and restart them); its workers run in sessions of their own (torchrun
+    starts them with ``start_new_session``), so each is killed by its registered pid.
+    """
+    if agent_pid is not None and _baseline_pid(agent_pid, b"torch.distributed.run"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(agent_pid) == agent_pid:  # its own group: the harness started it
+                os.killpg(agent_pid, signal.SIGKILL)
+            else:
+                os.kill(agent_pid, signal.SIGKILL)
+    for marker in marker_dir.glob(f"node{node}-*"):
+        pid = int(marker.name.rpartition("-")[2])
+        if pid != os.getpid() and _baseline_pid(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fire(fault: Fault) -> None:

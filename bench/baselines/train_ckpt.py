@@ -1,10 +1,11 @@
 """The torchrun baseline: DDP over gloo, a rank-0 checkpoint every K steps, load on start.
 
-Run under ``torchrun --nproc-per-node 4 --max-restarts R -m bench.baselines.train_ckpt``. This is
-the usual practice Unicron is compared against: on any failure torchrun restarts the whole
-worker group, and every worker resumes from the last checkpoint on local disk, redoing the
-steps since. Faults come from the same ``--inject`` specs as ``unicron run``; the events go to
-``--events`` in Unicron's format (``epoch_begin`` marks each attempt, ``epoch`` = restart count).
+Run under ``torchrun --nproc-per-node 4 --max-restarts R -m bench.baselines.train_ckpt`` (or
+two agents of 2 workers, the node scenario). This is the usual practice Unicron is compared
+against: on any failure torchrun restarts the whole worker group, and every worker resumes
+from the last checkpoint on local disk, redoing the steps since. Faults come from the same
+``--inject`` specs as ``unicron run``; the events go to ``--events`` in Unicron's format
+(``epoch_begin`` marks each attempt, ``epoch`` = restart count).
 
 Work-around for the torch 2.13 gloo restart bug (TORCH-FACTS.md, pytorch/pytorch#135712): the
 harness runs torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
@@ -72,7 +73,19 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     events = EventWriter(args.events)
     ckpt_path = Path(args.ckpt_dir) / "ckpt.pt"
-    faults = FaultPlan.from_specs(args.inject, args.ckpt_dir, rank, events)
+    # Several agents on one machine (the node scenario): the harness gives each agent's
+    # environment BENCH_NODE; a node fault is fired by the node's local rank 0, which takes
+    # its agent (the parent) and the node's other workers down with it.
+    node = int(os.environ["BENCH_NODE"]) if "BENCH_NODE" in os.environ else None
+    faults = FaultPlan.from_specs(
+        args.inject,
+        args.ckpt_dir,
+        rank,
+        events,
+        node=node,
+        node_leader=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+        agent_pid=os.getppid() if node is not None else None,
+    )
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))
     trainer = Trainer.create()

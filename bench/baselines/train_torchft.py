@@ -41,6 +41,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--events", default=None)
     p.add_argument("--inject", action="append", default=[])
     p.add_argument("--timeout-s", type=float, default=60.0, help="torchft's default: 60")
+    p.add_argument(
+        "--replicas-per-node",
+        type=int,
+        default=1,
+        help="replica i is on node i // this; a node fault kills the node's replicas together",
+    )
     return p.parse_args()
 
 
@@ -67,7 +73,15 @@ def main() -> None:
     setup_threads(args.marker_dir)
     rid = args.replica_id
     events = EventWriter(args.events)
-    faults = FaultPlan.from_specs(args.inject, args.marker_dir, rid, events)
+    per_node = max(args.replicas_per_node, 1)
+    faults = FaultPlan.from_specs(
+        args.inject,
+        args.marker_dir,
+        rid,
+        events,
+        node=rid // per_node,
+        node_leader=rid % per_node == 0,
+    )
     trainer = Trainer.create()
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 

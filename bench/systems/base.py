@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from bench.events import Event, measure
+from bench.events import Event, detection_by_method, measure
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,12 +48,18 @@ class Settings:
     error_kind: str = "cuda"
     nproc: int = 4
     torchrun_max_restarts: int = 3
+    nnodes: int = 2
+    """Agents (nodes) on this machine in the node scenario, ``nproc / nnodes`` workers each."""
+    node_trial_timeout_s: float = 120.0
+    """Wall-time bound of one trial of the node scenario (torchrun waits out rendezvous)."""
 
     def __post_init__(self) -> None:
         if self.reps < 1:
             raise ValueError(f"reps must be >= 1, got {self.reps}")
         if not 0 < self.fault_step < self.steps:
             raise ValueError(f"fault_step must be in 1..steps-1, got {self.fault_step}")
+        if self.nnodes < 2 or self.nproc % self.nnodes:
+            raise ValueError(f"nnodes must be >= 2 and divide nproc, got {self.nnodes}")
 
     @classmethod
     def make(cls, quick: bool, reps: int | None = None) -> Settings:
@@ -76,6 +82,7 @@ class Settings:
             ckpt_every=(10, 50),
             hang_timeout_s=60.0,
             trial_timeout_s=400.0,
+            node_trial_timeout_s=180.0,
         )
 
 
@@ -118,7 +125,11 @@ def figures(events: list[Event], wall_s: float, scenario: Scenario) -> dict[str,
         raise TrialError("the injected fault never fired (no fault_injected event)")
     if scenario.faults and outcome.unrecovered:
         raise TrialError("no step finished after the fault")
-    return {"wall_s": wall_s, **outcome.metrics()}
+    out = {"wall_s": wall_s, **outcome.metrics()}
+    heartbeat = detection_by_method(events, "heartbeat")
+    if heartbeat is not None:
+        out["detection_heartbeat_s"] = heartbeat
+    return out
 
 
 @dataclass

@@ -6,6 +6,11 @@ default join timeout is 60 s) and one replica group of one process per worker
 error (at most ``torchrun_max_restarts`` times each), as a per-group torchrun would; it
 rejoins through torchft's quorum and heals from a live peer. A replica that never exits
 (hung) is killed once the others have finished: torchft itself leaves it alone.
+
+The node scenario maps a node to ``nproc / nnodes`` replica groups of one process (replica i
+on node ``i // (nproc / nnodes)``): node 1's first replica SIGKILLs the node's replicas and
+itself, they are not restarted (a lost node does not come back), and the survivors go on
+with half the global batch.
 """
 
 from __future__ import annotations
@@ -111,28 +116,35 @@ class TorchftArm:
                 "--timeout-s",
                 str(self.timeout_s),
             ]
+            if node_loss:
+                cmd += ["--replicas-per-node", str(settings.nproc // settings.nnodes)]
             for spec in scenario.faults:
                 cmd += ["--inject", spec]
             return Launched.start(cmd, workdir / f"replica{rid}.{attempt}.log")
 
+        node_loss = scenario.fault_kind == "node"
         procs = {rid: start(rid, 0) for rid in range(settings.nproc)}
         restarts = dict.fromkeys(procs, 0)
         done: dict[int, float] = {}
+        lost: set[int] = set()  # replicas of the vanished node: a lost node does not return
         first_done: float | None = None
-        deadline = t0 + settings.trial_timeout_s
-        while len(done) < len(procs):
+        bound = settings.node_trial_timeout_s if node_loss else settings.trial_timeout_s
+        deadline = t0 + bound
+        while len(done) + len(lost) < len(procs):
             now = time.time()
             if now > deadline:
-                raise TrialError(f"timed out after {settings.trial_timeout_s:.0f} s")
+                raise TrialError(f"timed out after {bound:.0f} s")
             if first_done is not None and now - first_done > GRACE_AFTER_FIRST_DONE_S:
-                for rid in set(procs) - set(done):  # hung: torchft never ends it
+                for rid in set(procs) - set(done) - lost:  # hung: torchft never ends it
                     procs[rid].stop(grace_s=1.0)
                 break
             for rid, proc in procs.items():
                 rc = proc.poll()
-                if rid in done or rc is None:
+                if rid in done or rid in lost or rc is None:
                     continue
-                if rc == 0:
+                if node_loss and rc < 0:  # killed with its node
+                    lost.add(rid)
+                elif rc == 0:
                     done[rid] = now
                     first_done = first_done or now
                 elif restarts[rid] < settings.torchrun_max_restarts:
@@ -141,4 +153,6 @@ class TorchftArm:
                 else:
                     raise TrialError(f"replica {rid} exited with {rc}: {proc.last_line()}")
             time.sleep(0.05)
+        if not done:
+            raise TrialError("no replica finished")
         return max(done.values()) - t0

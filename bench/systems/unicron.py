@@ -1,4 +1,8 @@
-"""Unicron itself: ``python -m unicron run`` on ``examples/train_gpt.py``, measured by its log."""
+"""Unicron itself: ``python -m unicron run`` on ``examples/train_gpt.py``, measured by its log.
+
+The node scenario runs ``--nnodes 2 --nproc-per-node 2`` (two agents on this machine, each
+with its own zygote and heartbeat) and ``--inject node:node=1,step=S``.
+"""
 
 from __future__ import annotations
 
@@ -19,13 +23,16 @@ class UnicronArm:
 
     def command(self, scenario: Scenario, settings: Settings, workdir: Path) -> list[str]:
         """The ``unicron run`` command line of one trial."""
+        nodes = settings.nnodes if scenario.fault_kind == "node" else 1
         cmd = [
             python(),
             "-m",
             "unicron",
             "run",
+            "--nnodes",
+            str(nodes),
             "--nproc-per-node",
-            str(settings.nproc),
+            str(settings.nproc // nodes),
             "--events",
             str(workdir / "events.jsonl"),
             "--quiet",
@@ -47,7 +54,8 @@ class UnicronArm:
         """One trial: launch, wait, measure from the event log."""
         t0 = time.time()
         launched = Launched.start(self.command(scenario, settings, workdir), workdir / "out.log")
-        rc = launched.wait(settings.trial_timeout_s)
+        node = scenario.fault_kind == "node"
+        rc = launched.wait(settings.node_trial_timeout_s if node else settings.trial_timeout_s)
         wall = time.time() - t0
         launched.check(rc, "unicron run")
         return figures(read_events(workdir / "events.jsonl"), wall, scenario)
