@@ -60,6 +60,10 @@ class CoordinatorSettings:
     (if it exists) instead of failing"""
     heartbeat_timeout_s: float = 2.0
     """a node whose agent has not been heard from for this long is lost (SEV1, excluded)"""
+    suspect_after_s: float = 0.5
+    """a node silent for this long is *suspect*; a suspect node is lost at once when a living
+    worker elsewhere reports a failed collective (the in-band symptom of a lost peer), so a
+    node loss need not wait out the whole heartbeat timeout"""
     error_grace_s: float = 2.5
     """an in-band error with no process or node failure within this long is healed by a
     reattempt: a new epoch of the same members (fresh process group), keeping every local sum.
@@ -74,6 +78,10 @@ class CoordinatorSettings:
             raise ValueError(f"error_grace_s must be >= 0, got {self.error_grace_s}")
         if not self.heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
+        if not 0 < self.suspect_after_s <= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"suspect_after_s must be in (0, heartbeat_timeout_s], got {self.suspect_after_s}"
+            )
 
 
 @dataclass
@@ -281,8 +289,15 @@ class Coordinator:
                     )
 
     def _check_heartbeats(self, now: float) -> None:
+        symptoms = [ts for ts, _ in self._pending_errors.values()]
         for node, last in self.heartbeats.items():
-            if node in self.lost_nodes or now - last <= self.settings.heartbeat_timeout_s:
+            silent = now - last
+            suspect_confirmed = silent > self.settings.suspect_after_s and any(
+                ts > last for ts in symptoms
+            )
+            if node in self.lost_nodes or not (
+                silent > self.settings.heartbeat_timeout_s or suspect_confirmed
+            ):
                 continue
             self.lost_nodes.add(node)
             self._last_failure_ts = now
@@ -297,7 +312,8 @@ class Coordinator:
                 severity=int(verdict.severity),
                 method="heartbeat",
                 silent_s=round(now - last, 3),
-                reason=f"no heartbeat from node {node} for {now - last:.1f} s",
+                reason=f"no heartbeat from node {node} for {silent:.2f} s"
+                + (" and a collective failed on a living peer" if suspect_confirmed else ""),
             )
             if self.state in (TaskState.DONE, TaskState.FAILED):
                 continue

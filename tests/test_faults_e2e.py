@@ -1,0 +1,210 @@
+"""Every fault of the ``--inject`` contract, end to end through ``unicron run``.
+
+Each run injects one fault into 4 CPU workers and asserts what DESIGN.md promises for it:
+how it is detected (method, kind, severity, latency), what the coordinator does about it
+(the ``action`` events, the epochs), and that the healed task ends with the same parameters
+as a fault-free run of the same length (computed once for the module). Then the faults
+nothing can heal: a script that cannot start, a user error that repeats on every restart,
+fewer usable slots than ``--min-workers``; each ends with exit 1 and its reason, in bounded
+time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, RunResult, run_unicron
+
+STEPS = 24
+SCRIPTS = ROOT / "tests" / "scripts"
+RESTART_LIMIT = 3  # EscalationSettings.restart_limit: restarts a slot gets before exclusion
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """The fault-free reference run, shared by every test that checks exactness."""
+    r = run_unicron(tmp_path_factory.mktemp("clean"), "--nproc-per-node", "4", steps=STEPS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["status"] == "ok" and r.task_end["steps"] == STEPS
+    assert r.task_end["params_sha256"]
+    return r
+
+
+def _healed(r: RunResult, clean: RunResult) -> None:
+    """The task finished every step, with the fault-free run's parameters, bit for bit."""
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["status"] == "ok" and r.task_end["steps"] == STEPS
+    assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
+
+
+def _fault(r: RunResult, fault: str) -> dict[str, Any]:
+    fired = r.of("fault_injected")
+    assert [e["fault"] for e in fired] == [fault], fired
+    return fired[0]
+
+
+def _actions(r: RunResult, action: str) -> list[dict[str, Any]]:
+    return [e for e in r.of("action") if e["action"] == action]
+
+
+def _rejoined(r: RunResult, slot: int, after: float) -> bool:
+    """Some epoch that began after ``after`` has ``slot`` among its members."""
+    return any(slot in e["members"] for e in r.of("epoch_begin") if e["ts"] >= after)
+
+
+def test_hang_is_detected_by_the_monitor_and_the_hung_worker_restarted(
+    run: Any, clean: RunResult
+) -> None:
+    r = run("--nproc-per-node", "4", "--inject", "hang:rank=2,step=12", steps=STEPS)
+    _healed(r, clean)
+    fault = _fault(r, "hang")
+    assert (fault["rank"], fault["step"]) == (2, 12)
+
+    hangs = [e for e in r.of("error_detected") if e["kind"] == "hang"]
+    assert len(hangs) == 1, r.of("error_detected")
+    hang = hangs[0]
+    assert hang["method"] == "monitor" and hang["slot"] == 2 and hang["severity"] == 2
+    # target (DESIGN.md): max(3 x median step, 1 s) + 0.5 s; asserted with 10x headroom
+    before = [e["duration_s"] for e in r.of("step_end") if e["step"] < fault["step"]]
+    target_s = max(3 * statistics.median(before), 1.0) + 0.5
+    latency_s = hang["ts"] - fault["ts"]
+    assert 0 <= latency_s < 10 * target_s, (latency_s, target_s)
+
+    # the hung worker (only it) is restarted, and comes back
+    restarts = _actions(r, "restart")
+    assert [e["slot"] for e in restarts] == [2], r.of("action")
+    assert restarts[0]["ts"] >= hang["ts"]
+    assert _rejoined(r, 2, after=restarts[0]["ts"])
+    assert r.of("step_end")[-1]["workers"] == 4
+
+
+def test_sev3_error_is_reattempted_in_place_without_a_new_epoch(run: Any, clean: RunResult) -> None:
+    r = run(
+        "--nproc-per-node", "4", "--inject", "error:rank=1,step=10,kind=conn_reset", steps=STEPS
+    )
+    _healed(r, clean)
+    fault = _fault(r, "error")
+    assert fault["kind"] == "conn_reset"
+
+    detected = r.of("error_detected")
+    assert len(detected) == 1, detected
+    assert detected[0]["kind"] == "conn_reset" and detected[0]["severity"] == 3
+    assert detected[0]["slot"] == 1 and detected[0]["method"] == "exception"
+    assert [(e["action"], e["slot"]) for e in r.of("action")] == [("reattempt", 1)]
+    # in place: the first epoch is the only one, no process was restarted
+    assert len(r.of("epoch_begin")) == 1, r.of("epoch_begin")
+    assert not _actions(r, "restart")
+    assert all(e["workers"] == 4 for e in r.of("step_end"))
+
+
+def test_sev2_error_restarts_the_worker_in_its_slot(run: Any, clean: RunResult) -> None:
+    r = run("--nproc-per-node", "4", "--inject", "error:rank=1,step=10,kind=cuda", steps=STEPS)
+    _healed(r, clean)
+    _fault(r, "error")
+
+    cuda = [e for e in r.of("error_detected") if e["kind"] == "cuda"]
+    assert len(cuda) == 1 and cuda[0]["slot"] == 1 and cuda[0]["severity"] == 2, cuda
+    restarts = _actions(r, "restart")
+    assert [e["slot"] for e in restarts] == [1], r.of("action")
+    assert not _actions(r, "exclude")
+    assert _rejoined(r, 1, after=restarts[0]["ts"])
+    assert r.of("step_end")[-1]["workers"] == 4
+
+
+def test_sev1_error_excludes_the_slot_and_the_task_goes_on_with_three(
+    run: Any, clean: RunResult
+) -> None:
+    r = run("--nproc-per-node", "4", "--inject", "error:rank=3,step=10,kind=ecc", steps=STEPS)
+    # exact even with fewer workers: the global batch never changes
+    _healed(r, clean)
+    _fault(r, "error")
+
+    ecc = [e for e in r.of("error_detected") if e["kind"] == "ecc"]
+    assert len(ecc) == 1 and ecc[0]["slot"] == 3 and ecc[0]["severity"] == 1, ecc
+    excluded = _actions(r, "exclude")
+    assert [e["slot"] for e in excluded] == [3], r.of("action")
+    assert not _actions(r, "restart")
+    assert not _rejoined(r, 3, after=excluded[0]["ts"])
+    assert r.of("step_end")[-1]["workers"] == 3
+
+
+def test_straggler_is_detected_and_the_planner_decides(run: Any, clean: RunResult) -> None:
+    r = run("--nproc-per-node", "4", "--inject", "slow:rank=0,step=10,factor=4", steps=STEPS)
+    _healed(r, clean)
+    fault = _fault(r, "slow")
+
+    slow = [e for e in r.of("error_detected") if e["kind"] == "straggler"]
+    assert slow, r.of("error_detected")
+    assert slow[0]["method"] == "monitor" and slow[0]["slot"] == 0
+    assert slow[0]["ts"] > fault["ts"] and slow[0]["step"] >= fault["step"]
+    decided = [
+        e
+        for e in r.of("action")
+        if e["slot"] == 0 and e["reason"].startswith(("straggler dropped", "straggler kept"))
+    ]
+    assert decided, r.of("action")
+    if decided[0]["reason"].startswith("straggler dropped"):
+        assert decided[0]["action"] == "exclude"
+        assert r.of("step_end")[-1]["workers"] == 3
+
+
+def test_too_few_slots_for_min_workers_fails_with_the_reason(run: Any) -> None:
+    t0 = time.monotonic()
+    r = run(
+        "--nproc-per-node",
+        "4",
+        "--min-workers",
+        "4",
+        "--inject",
+        "error:rank=1,step=3,kind=ecc",
+        steps=STEPS,
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 120
+    assert r.task_end["status"] == "failed"
+    assert "minimum of 4" in r.task_end["reason"], r.task_end
+    assert "minimum of 4" in r.stderr
+    assert [e["slot"] for e in _actions(r, "exclude")] == [1]
+    assert not _actions(r, "restart")
+    assert len(r.of("step_end")) < STEPS
+
+
+def test_script_that_cannot_start_fails_fast_with_its_error(run: Any) -> None:
+    t0 = time.monotonic()
+    r = run("--nproc-per-node", "4", script=SCRIPTS / "broken_import.py", steps=None)
+    elapsed_s = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert elapsed_s < 60, elapsed_s  # given up, not restarted forever
+    assert "ModuleNotFoundError" in r.stderr and "no_such_module_xyz" in r.stderr
+    assert r.task_end["status"] == "failed"
+    assert "no_such_module_xyz" in r.task_end["reason"]
+    assert _actions(r, "exclude")
+    per_slot = [sum(e["slot"] == s for e in _actions(r, "restart")) for s in range(4)]
+    assert max(per_slot) <= RESTART_LIMIT, per_slot
+    assert not r.of("step_end")
+
+
+def test_user_error_that_repeats_on_every_restart_fails_with_a_clear_reason(run: Any) -> None:
+    t0 = time.monotonic()
+    r = run(
+        "--nproc-per-node",
+        "4",
+        script=SCRIPTS / "user_error.py",
+        steps=None,
+        script_args=("--steps", "20"),
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 120
+    assert r.task_end["status"] == "failed" and r.task_end.get("reason")
+    assert "unicron: task failed" in r.stderr
+    # the user's own error, with its message, is what the user is shown
+    assert "ValueError: user_error.py: loss_fn rejects every batch from step 5 on" in r.stderr
+    users = [e for e in r.of("error_detected") if e["kind"] == "user"]
+    assert users and all(e["severity"] == 2 for e in users)
+    assert sorted(e["step"] for e in r.of("step_end")) == list(range(5))
