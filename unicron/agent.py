@@ -67,6 +67,7 @@ class _Worker:
     gone: bool = True
     step: int | None = None
     finished: bool = False  # it reported "done": its exit is the normal end
+    kill_pending: bool = False  # asked to die before its pid was known
 
 
 @dataclass(kw_only=True)
@@ -105,6 +106,9 @@ class Agent:
         self.mb_compute_s: dict[int, float] = {}  # latest compute time per micro-batch, by slot
         self._seen_epoch = 0
         self.vanished = False
+        self._step_done: dict[int, int] = {}  # last step each slot finished computing
+        self._suspects: dict[int, tuple[int, Verdict]] = {}  # slot -> step past its deadline
+        self._suspect_reason: dict[int, str] = {}
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
@@ -155,7 +159,9 @@ class Agent:
         w = self.workers[slot]
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
-        w.gone = w.finished = False
+        w.gone = w.finished = w.kill_pending = False
+        self._step_done.pop(slot, None)
+        self._suspects.pop(slot, None)
         if self.monitor is not None:
             self.monitor.forget(slot)
         if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
@@ -168,14 +174,20 @@ class Agent:
         w = self.workers[slot]
         if verdict is not None:
             w.verdict = verdict
-        if w.pid is not None and not w.gone:
+        if w.pid is None:
+            w.kill_pending = True  # killed as soon as the zygote says which pid it got
+        elif not w.gone:
             _kill(w.pid)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, until: threading.Event) -> None:
         """Supervise until ``until`` is set or the coordinator says the task is over."""
         while not until.is_set() and not self._stop.is_set() and not self.vanished:
-            self.poll(0.02)
+            try:
+                self.poll(0.02)
+            except Exception:  # keep supervising (and heartbeating) whatever one round hit
+                log.exception("node %d: supervision round failed", self.node)
+                time.sleep(0.1)
             if self.coordinator.finished():
                 return
 
@@ -204,6 +216,11 @@ class Agent:
         else:
             time.sleep(timeout)
         now = time.time()
+        if self._pending_spawns and self._zygote is not None and self._zygote.poll() is not None:
+            log.warning("node %d: the zygote died while starting; spawning plainly", self.node)
+            pending, self._pending_spawns = self._pending_spawns, []
+            for slot in pending:
+                self._launch(slot)
         self._check_exits(now)
         if self.monitor is not None:
             if self.coordinator.epoch != self._seen_epoch:  # membership changed: re-learn
@@ -233,7 +250,11 @@ class Agent:
     def _read(self, conn: Connection) -> None:
         try:
             while conn.poll():
-                self._handle(conn, conn.recv())
+                msg = conn.recv()
+                try:
+                    self._handle(conn, msg)
+                except Exception:  # one bad report must not stop the supervision loop
+                    log.exception("node %d: could not handle %r", self.node, msg)
         except (EOFError, OSError):
             self._closed(conn)
 
@@ -259,7 +280,7 @@ class Agent:
             self._pending_spawns.clear()
         elif kind == "spawned":
             self._by_pid[msg["pid"]] = msg["slot"]
-            self.workers[msg["slot"]].pid = msg["pid"]
+            self._set_pid(self.workers[msg["slot"]], msg["pid"])
         elif kind == "exit":
             owner = self._by_pid.pop(msg["pid"], -1)
             if owner >= 0 and self.workers[owner].pid == msg["pid"]:
@@ -268,12 +289,21 @@ class Agent:
             w = self.workers[msg["slot"]]
             if conn in self._anonymous:
                 self._anonymous.remove(conn)
-            w.conn, w.pid = conn, msg["pid"]
+            if msg.get("incarnation") != w.incarnation or w.gone:
+                conn.close()  # a late hello from an earlier incarnation of the slot
+                return
+            w.conn = conn
+            self._set_pid(w, msg["pid"])
             self._by_pid[msg["pid"]] = msg["slot"]
         else:
             sender = next((w.slot for w in self.workers.values() if w.conn is conn), None)
             if sender is not None:
                 self._from_worker(sender, kind, msg)
+
+    def _set_pid(self, w: _Worker, pid: int) -> None:
+        w.pid = pid
+        if w.kill_pending:
+            _kill(pid)
 
     def _from_worker(self, slot: int, kind: str | None, msg: dict[str, Any]) -> None:
         now = time.time()
@@ -293,6 +323,8 @@ class Agent:
             if self.monitor is not None:
                 self.monitor.step_started(slot, msg["step"], now)
         elif kind == "step_done":
+            self._step_done[slot] = msg["step"]
+            self.coordinator.step_computed(slot, msg["step"])
             mbs = msg.get("microbatches") or None
             if mbs:
                 self.mb_compute_s[slot] = msg["compute_s"] / mbs
@@ -350,6 +382,8 @@ class Agent:
         w.gone = True
         if self._stop.is_set() or w.finished or self.coordinator.finished():
             return
+        if returncode == 0 and self.coordinator.over():
+            return  # a waiting worker that left because the task ended
         detected = min(t for t in (w.eof_ts, time.time()) if t is not None)
         if w.verdict is not None:  # the agent killed it and already logged why
             verdict = w.verdict
@@ -383,35 +417,58 @@ class Agent:
         self.coordinator.worker_failed(slot, verdict, detected)
 
     def _check_monitor(self, now: float) -> None:
+        """Act on the monitor's verdicts. A step past its hang deadline is a hang only once a
+        peer has finished computing that step: when every member is late together the machine
+        is slow (or a collective is stuck), and killing them all would lose the state."""
         assert self.monitor is not None
+        for slot in list(self._suspects):
+            self._check_monitor_suspect(slot, now)
         for d in self.monitor.check(now):
-            w = self.workers.get(d.worker)
-            if w is None or w.gone:
+            target = self.workers.get(d.worker)
+            if target is None or target.gone:
                 continue
             verdict = classify_detector(d.kind)
-            self.events.emit(
-                "error_detected",
-                ts=now,
-                task=self.coordinator.task,
-                rank=d.worker,
-                slot=d.worker,
-                node=self.node,
-                step=d.step,
-                kind=verdict.kind,
-                severity=int(verdict.severity),
-                method="monitor",
-                reason=d.reason,
-            )
             if d.kind == "hang":
-                self.kill(d.worker, verdict)
-            else:
-                self.coordinator.worker_slow(d.worker, verdict, dict(self.mb_compute_s), now)
+                self._suspects[d.worker] = (d.step, verdict)
+                self._suspect_reason[d.worker] = d.reason
+                self._check_monitor_suspect(d.worker, now)
+                continue
+            self._emit_detection(d.worker, d.step, verdict, d.reason, now)
+            self.coordinator.worker_slow(d.worker, verdict, dict(self.mb_compute_s), now)
+
+    def _check_monitor_suspect(self, slot: int, now: float) -> None:
+        step, verdict = self._suspects[slot]
+        w = self.workers[slot]
+        if w.gone or w.step != step or self._step_done.get(slot, -1) >= step:
+            del self._suspects[slot]  # it moved on, or it is gone
+        elif self.coordinator.peer_ahead(slot, step):
+            del self._suspects[slot]
+            self._emit_detection(slot, step, verdict, self._suspect_reason.pop(slot, ""), now)
+            self.kill(slot, verdict)
+
+    def _emit_detection(
+        self, slot: int, step: int, verdict: Verdict, reason: str, now: float
+    ) -> None:
+        self.events.emit(
+            "error_detected",
+            ts=now,
+            task=self.coordinator.task,
+            rank=slot,
+            slot=slot,
+            node=self.node,
+            step=step,
+            kind=verdict.kind,
+            severity=int(verdict.severity),
+            method="monitor",
+            reason=reason,
+        )
 
     # -- launching --------------------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.config.env)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        env.setdefault("TORCH_GLOO_LAZY_INIT", "1")  # connect inside the first (sliced) wait
         env.update(
             {
                 ENV_TASK: self.coordinator.task,

@@ -131,6 +131,8 @@ class Coordinator:
         self._last_failure_ts = float("-inf")
         self._lock = threading.RLock()
         self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
+        self._computed: dict[int, int] = {}  # slot -> last step it finished computing
+        self._last_tick: float | None = None
         self.lost_nodes: set[int] = set()
         self.microbatches: int | None = None  # per global batch, learned from the workers
         self.store = dist.TCPStore(
@@ -170,7 +172,7 @@ class Coordinator:
                 self._check_minimum(now)
                 return
             decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
-            self._action(decision.action, slot, decision.reason, severity=int(decision.severity))
+            self._action(decision.action, slot, decision.reason, int(decision.severity), now)
             if decision.exclude_node or (
                 verdict.scope is Scope.NODE and decision.action is Action.EXCLUDE
             ):
@@ -178,6 +180,7 @@ class Coordinator:
                     if o.node == s.node:
                         o.excluded = True
                         if o.alive:
+                            o.alive = o.ready = False  # doomed: not a member of the next epoch
                             self.agents[o.node].kill(other, verdict)
             if decision.exclude_slot or decision.action is Action.EXCLUDE:
                 s.excluded = True
@@ -207,7 +210,7 @@ class Coordinator:
                 return
             s = self.slots[slot]
             decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
-            self._action(decision.action, slot, decision.reason, severity=int(decision.severity))
+            self._action(decision.action, slot, decision.reason, int(decision.severity), now)
             if decision.action is not Action.REATTEMPT:
                 self.agents[s.node].kill(slot, verdict)
 
@@ -233,20 +236,28 @@ class Coordinator:
             )
             s = self.slots[slot]
             if drop:
-                self._action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", severity=1)
+                self._action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", 1, now)
                 s.excluded = True
                 self.agents[s.node].kill(slot, verdict)
             else:
-                self._action(Action.RECONFIGURE, slot, f"straggler kept: {reason}", severity=1)
+                self._action(Action.RECONFIGURE, slot, f"straggler kept: {reason}", 1, now)
 
     def worker_done(self, slot: int, report: dict[str, Any], now: float) -> None:
         """The worker in ``slot`` finished the last step (every member of the epoch will)."""
         with self._lock:
             self.slots[slot].done = report
+            shas = {o.done["params_sha256"] for o in self.slots.values() if o.done}
+            if len(shas) > 1:  # every replica applied every update: they must agree bit for bit
+                self.state = TaskState.DONE
+                self.store.set(done_key(self.task), "failed")
+                self.outcome = Outcome(
+                    TaskState.FAILED, f"replicas finished with different parameters: {sorted(shas)}"
+                )
+                return
             if self.state is TaskState.RUNNING:
                 self.state = TaskState.DONE
                 self.store.set(done_key(self.task), "done")
-            if report.get("rank") == 0 or not self.outcome:
+            if (report.get("rank") == 0 or not self.outcome) and len(shas) == 1:
                 self.outcome = Outcome(TaskState.DONE, "finished", report)
 
     def finished(self) -> bool:
@@ -261,6 +272,21 @@ class Coordinator:
             )
 
     # -- decisions over time ----------------------------------------------------------------
+    def step_computed(self, slot: int, step: int) -> None:
+        """The worker in ``slot`` finished computing ``step`` (it may still be reducing)."""
+        with self._lock:
+            self._computed[slot] = step
+
+    def peer_ahead(self, slot: int, step: int) -> bool:
+        """Whether another member of the current epoch finished computing ``step``: the
+        evidence that ``slot``, still in that step past its deadline, hangs alone."""
+        with self._lock:
+            return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
+
+    def over(self) -> bool:
+        """The task is done or failed (waiting workers are leaving)."""
+        return self.state in (TaskState.DONE, TaskState.FAILED)
+
     def heartbeat(self, node: int, now: float) -> None:
         """The agent of ``node`` is alive (called on every round of its loop)."""
         with self._lock:
@@ -289,6 +315,14 @@ class Coordinator:
                     )
 
     def _check_heartbeats(self, now: float) -> None:
+        stalled = (
+            self._last_tick is not None and now - self._last_tick > self.settings.suspect_after_s
+        )
+        self._last_tick = now
+        if stalled:  # this process itself did not run for a while: every agent looks silent
+            for node in self.heartbeats:
+                self.heartbeats[node] = max(self.heartbeats[node], now)
+            return
         symptoms = [ts for ts, _ in self._pending_errors.values()]
         for node, last in self.heartbeats.items():
             silent = now - last
@@ -363,9 +397,7 @@ class Coordinator:
                 del self._pending_errors[slot]
                 s = self.slots[slot]
                 decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
-                self._action(
-                    decision.action, slot, decision.reason, severity=int(decision.severity)
-                )
+                self._action(decision.action, slot, decision.reason, int(decision.severity), now)
                 if decision.action is Action.REATTEMPT:
                     self._announce(
                         self.members,
@@ -407,8 +439,10 @@ class Coordinator:
 
     # -- effects ----------------------------------------------------------------------------
     def _announce(self, members: tuple[int, ...], *, urgent: bool, now: float, reason: str) -> None:
-        self.epoch += 1
         self.members = members
+        if not members:
+            return  # nobody to tell; the next epoch is made of the workers that come back
+        self.epoch += 1
         info = EpochInfo(
             self.epoch,
             members,
@@ -436,9 +470,10 @@ class Coordinator:
             reason=reason,
         )
 
-    def _action(self, action: Action, slot: int, reason: str, *, severity: int) -> None:
+    def _action(self, action: Action, slot: int, reason: str, severity: int, now: float) -> None:
         self.events.emit(
             "action",
+            ts=now,
             task=self.task,
             epoch=self.epoch,
             rank=slot,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
+from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, epoch_prefix
 
 
 class EpochOver(Exception):
@@ -53,6 +53,10 @@ class EpochWatch:
                 self.store.get(epoch_info_key(self.task, epoch))
             )
         return self._infos[epoch]
+
+    def task_over(self) -> bool:
+        """The coordinator declared the task done or failed."""
+        return bool(self.store.check([done_key(self.task)]))
 
     def superseded(self, epoch: int, *, urgent_only: bool) -> bool:
         """True if an epoch newer than ``epoch`` exists (and, with ``urgent_only``, one of the
@@ -110,14 +114,22 @@ class EpochGroup:
                 break
             except dist.DistStoreError:
                 self._check(urgent_only=False)
+                if self.watch.task_over():
+                    raise EpochOver("the task is over") from None
                 if time.monotonic() > deadline:
                     raise EpochOver(f"rendezvous of epoch {self.info.epoch} timed out") from None
-        self.pg = dist.ProcessGroupGloo(
-            dist.PrefixStore("pg", self.store),
-            self.rank,
-            self.world,
-            dt.timedelta(seconds=self.timeout_s),
-        )
+        # gloo connects lazily (TORCH_GLOO_LAZY_INIT, set by the agent): the connection is made
+        # inside the first collective, which is waited for in slices like any other, so a
+        # member that vanishes after arriving cannot block the others here
+        try:
+            self.pg = dist.ProcessGroupGloo(
+                dist.PrefixStore("pg", self.store),
+                self.rank,
+                self.world,
+                dt.timedelta(seconds=self.timeout_s),
+            )
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise CollectiveError(exc) from exc
 
     # -- collectives ------------------------------------------------------------------------
     def _wait(self, work: Any) -> None:
@@ -168,6 +180,8 @@ class EpochGroup:
             except dist.DistStoreError:
                 if self.watch.superseded(self.info.epoch, urgent_only=True):
                     self.store.compare_set(decision, "", "abort")
+                elif self.watch.task_over():
+                    raise EpochOver("the task is over") from None
         return self.store.get(decision) == b"commit"
 
     def abort(self, step: int) -> None:

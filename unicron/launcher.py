@@ -4,7 +4,10 @@ A fresh Python process pays ~5 s here before its first step (``import torch``, t
 optimizer's imports); a child forked from a process that already paid them pays ~0.1 s
 (TORCH-FACTS.md). So the agent starts one zygote per node: it imports torch, builds a throw-away
 optimizer, then forks a child per worker on request and reports each child's exit. The zygote
-creates no process group, thread pool or socket to peers before forking.
+creates no process group, thread pool or socket to peers before forking. The zygote dies with
+its agent's process; workers do not die with the zygote (a lost zygote only means that later
+workers start as fresh processes), and a worker whose coordinator is gone fails at its next
+look at the store and exits.
 
 Run as ``python -m unicron.launcher zygote`` (by the agent) or
 ``python -m unicron.launcher worker SCRIPT [ARGS]`` (the fallback: a plain fresh process).
@@ -141,7 +144,6 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["zygote"]:
         return _zygote()
     if argv[:1] == ["worker"] and len(argv) >= 2:
-        die_with_parent()
         return run_script(argv[1], argv[2:])
     print("usage: python -m unicron.launcher zygote | worker SCRIPT [ARGS]", file=sys.stderr)
     return 2

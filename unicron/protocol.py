@@ -37,6 +37,7 @@ MESSAGES = frozenset(
         "step_done",  # step, compute_s: the monitor's clock stops
         "error",  # type_name, message, traceback: an error raised in the worker
         "done",  # steps, final_loss, params_sha256, rank
+        "node_fault",  # the injected node fault: the agent takes its node down
     }
 )
 
@@ -54,6 +55,12 @@ def epoch_info_key(task: str, epoch: int) -> str:
 def epoch_prefix(task: str, epoch: int) -> str:
     """Prefix of everything that belongs to one epoch: process group, votes, barrier."""
     return f"{task}/{epoch}"
+
+
+def trained_key(task: str) -> str:
+    """Set when the task's first step committed: from then on a freshly built model is not
+    the task's state (a worker started later must receive it, or load the checkpoint)."""
+    return f"{task}/trained"
 
 
 def done_key(task: str) -> str:

@@ -1,9 +1,10 @@
 """``unicron run``: train a script on this machine with N workers, self-healing.
 
-Builds the same parts as a cluster (coordinator with its TCPStore, one agent, its workers)
-inside this process and its children, runs the agent's supervision loop on the main thread
-until the task is done or failed, then writes ``task_end`` and prints the timeline.
-Exit codes: 0 finished, 1 failed for good, 2 bad usage (raised as UsageError).
+Builds the same parts as a cluster (coordinator with its TCPStore, one agent per node, their
+workers) inside this process and its children, runs each agent's supervision loop on its own
+thread while the main thread watches the coordinator until the task is done or failed, then
+writes ``task_end`` and prints the timeline. Exit codes: 0 finished, 1 failed for good, 2 bad
+usage (raised as UsageError), 130 interrupted (Ctrl-C or SIGTERM; every process is stopped).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="inject a fault: crash:rank=R,step=S | hang:rank=R,step=S | "
-        "error:rank=R,step=S,kind=K | slow:rank=R,step=S,factor=F (repeatable)",
+        help="inject a fault: crash:rank=R,step=S[,mb=K] | hang:rank=R,step=S | "
+        "error:rank=R,step=S,kind=K | slow:rank=R,step=S,factor=F | node:node=N,step=S "
+        "(repeatable; R is the launch rank)",
     )
     p.add_argument("--events", metavar="FILE", help="write the event log (JSON Lines) here")
     p.add_argument(
@@ -192,11 +194,14 @@ def main(args: argparse.Namespace) -> int:
         stop.set()
         for t in threads:
             t.join()
-        _drain(agents, timeout_s=10.0)
+        if not terminated.is_set():
+            _drain(agents, timeout_s=10.0)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         stop.set()
+        for t in threads:  # no agent may start a worker while the others are being stopped
+            t.join(timeout=5.0)
         for agent in agents:
             agent.stop()
         if display is not None:

@@ -46,6 +46,7 @@ from unicron.protocol import (
     ENV_TASK,
     EpochInfo,
     done_key,
+    trained_key,
 )
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -206,13 +207,14 @@ class _Runner:
         dtype = torch.float64 if self.ctx.reduce == "exact" else torch.float32
         # [gradient sum..., loss sum, micro-batch count]
         self.acc = torch.zeros(self.numel + 2, dtype=dtype)
-        self.has_state = self.ctx.incarnation == 0
         self.store = dist.TCPStore(
             self.ctx.store_host,
             self.ctx.store_port,
             is_master=False,
             timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
         )
+        # a freshly built model is the task's state only until the first step commits
+        self.has_state = not self.store.check([trained_key(self.ctx.task)])
         self.watch = EpochWatch(self.store, self.ctx.task)
         self.M = self.ledger.num_microbatches
 
@@ -320,8 +322,9 @@ class _Runner:
         Returns (micro-batches reused, where this epoch's joiners got state from).
         """
         mask = [1 if mb in self.done else 0 for mb in range(self.M)]
+        digest = int.from_bytes(bytes.fromhex(params_sha256(self.model))[:7], "big")
         mine = torch.tensor(
-            [self.step if self.has_state else -1, self.ctx.node, *mask], dtype=torch.int64
+            [self.step if self.has_state else -1, self.ctx.node, digest, *mask], dtype=torch.int64
         )
         rows = [r.tolist() for r in g.allgather(mine)]
         target = max(r[0] for r in rows)
@@ -329,15 +332,19 @@ class _Runner:
             self._load_checkpoint()
             self._missing = list(range(self.M))
             return 0, "checkpoint"
-        holders = [r for r, row in enumerate(rows) if row[0] == target]
-        needers = [r for r, row in enumerate(rows) if row[0] != target]
+        # members at the newest step with the first such member's parameters hold the state;
+        # the others (joiners, and replicas that differ, e.g. models built with other seeds)
+        # receive it, as DDP's first broadcast would
+        ref = next(row[2] for row in rows if row[0] == target)
+        holders = [r for r, row in enumerate(rows) if row[0] == target and row[2] == ref]
+        needers = [r for r in range(len(rows)) if r not in holders]
         source = "local"
         if needers:
             near = [h for h in holders if rows[h][1] == rows[needers[0]][1]]
             src = (near or holders)[0]
             source = "peer_node" if near else "peer_remote"
             self._broadcast_state(g, src, receive=g.rank in needers, step=target)
-        done_sets = [{mb for mb in range(self.M) if rows[r][2 + mb]} for r in holders]
+        done_sets = [{mb for mb in range(self.M) if rows[r][3 + mb]} for r in holders]
         if g.rank in needers:
             self.done.clear()
         self._missing = L.missing(done_sets, self.M)
@@ -421,6 +428,8 @@ class _Runner:
             raise
         if not g.vote(step):
             raise EpochOver(f"step {step} not committed in epoch {g.info.epoch}")
+        if step == 0 and g.rank == 0:
+            self.store.set(trained_key(self.ctx.task), "1")
         self._apply(buf)
         loss = float(buf[-2] / buf[-1])
         if g.rank == 0:
