@@ -103,6 +103,7 @@ class Agent:
         self.monitor = monitor
         self.workers = {s: _Worker(s) for s in config.slots}
         self.fired: set[str] = set()
+        self.errors: list[dict[str, Any]] = []  # every error that ended a worker, in order
         self.mb_compute_s: dict[int, float] = {}  # latest compute time per micro-batch, by slot
         self._seen_epoch = 0
         self.vanished = False
@@ -313,6 +314,10 @@ class Agent:
             self.coordinator.worker_ready(slot, now)
         elif kind == "event":
             fields = msg["fields"]
+            if msg["event"] == "step_end" and not self.coordinator.first_commit_report(
+                fields["epoch"], fields["step"]
+            ):
+                return  # another member of the epoch already reported this commit
             if msg["event"] == "fault_injected" and "spec" in fields:
                 if fields["spec"] in self.fired:
                     return  # a node fault fires in every worker of the node: log it once
@@ -335,7 +340,8 @@ class Agent:
             self.coordinator.escalation.healthy(slot=slot, now=now)
         elif kind == "error":
             if not msg.get("in_band"):
-                w.error = msg  # the error that ends this process (shown if the task fails)
+                w.error = {**msg, "ts": now, "slot": slot}  # the error that ends this process
+                self.errors.append(w.error)  # kept across restarts: the task's failure report
             verdict = classify_message(msg["type_name"], msg["message"])
             self.events.emit(
                 "error_detected",

@@ -92,6 +92,7 @@ class _Slot:
     excluded: bool = False
     done: dict[str, Any] | None = None
     last_error: str = ""
+    has_state: bool = True  # it holds the task's committed state (or will after a sync)
 
 
 @dataclass
@@ -132,6 +133,9 @@ class Coordinator:
         self._lock = threading.RLock()
         self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
         self._computed: dict[int, int] = {}  # slot -> last step it finished computing
+        self._trained = False  # a step committed: a fresh worker's model is no longer the state
+        self._commits: set[tuple[int, int]] = set()  # (epoch, step) reported committed
+        self._last_error = ""
         self._last_tick: float | None = None
         self.lost_nodes: set[int] = set()
         self.microbatches: int | None = None  # per global batch, learned from the workers
@@ -161,15 +165,9 @@ class Coordinator:
             self._pending_errors.pop(slot, None)
             if self.state in (TaskState.DONE, TaskState.FAILED):
                 return
+            self._last_error = verdict.reason
             if s.excluded:  # the coordinator itself took it out (a dropped straggler)
-                if slot in self.members:
-                    self._announce(
-                        tuple(m for m in self.members if m != slot),
-                        urgent=True,
-                        now=now,
-                        reason=f"slot {slot} excluded",
-                    )
-                self._check_minimum(now)
+                self._reform(now, f"slot {slot} excluded")
                 return
             decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
             self._action(decision.action, slot, decision.reason, int(decision.severity), now)
@@ -184,17 +182,11 @@ class Coordinator:
                             self.agents[o.node].kill(other, verdict)
             if decision.exclude_slot or decision.action is Action.EXCLUDE:
                 s.excluded = True
-            if slot in self.members:
-                self._announce(
-                    tuple(m for m in self.members if self.slots[m].alive),
-                    urgent=True,
-                    now=now,
-                    reason=f"slot {slot} lost: {verdict.kind}",
-                )
-            if self._check_minimum(now):
+            if not self._reform(now, f"slot {slot} lost: {verdict.kind}"):
                 return
             if not s.excluded:
-                s.alive = True
+                s.alive = True  # its restart: a member of a later epoch once it is ready
+                s.has_state = not self._trained
                 self.agents[s.node].spawn(slot)
 
     def worker_error(self, slot: int, verdict: Verdict, now: float, *, in_place: bool) -> None:
@@ -245,6 +237,8 @@ class Coordinator:
     def worker_done(self, slot: int, report: dict[str, Any], now: float) -> None:
         """The worker in ``slot`` finished the last step (every member of the epoch will)."""
         with self._lock:
+            if self.state is TaskState.FAILED:
+                return
             self.slots[slot].done = report
             shas = {o.done["params_sha256"] for o in self.slots.values() if o.done}
             if len(shas) > 1:  # every replica applied every update: they must agree bit for bit
@@ -273,15 +267,28 @@ class Coordinator:
 
     # -- decisions over time ----------------------------------------------------------------
     def step_computed(self, slot: int, step: int) -> None:
-        """The worker in ``slot`` finished computing ``step`` (it may still be reducing)."""
+        """The worker in ``slot`` finished computing ``step`` (it may still be reducing): it
+        holds the state; and once anyone computes step 1, step 0 has committed."""
         with self._lock:
             self._computed[slot] = step
+            self.slots[slot].has_state = True
+            self._trained = self._trained or step >= 1
 
     def peer_ahead(self, slot: int, step: int) -> bool:
         """Whether another member of the current epoch finished computing ``step``: the
         evidence that ``slot``, still in that step past its deadline, hangs alone."""
         with self._lock:
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
+
+    def first_commit_report(self, epoch: int, step: int) -> bool:
+        """True for the first report of ``step`` committed in ``epoch`` (every member sends
+        one; the event log keeps one)."""
+        with self._lock:
+            key = (epoch, step)
+            if key in self._commits:
+                return False
+            self._commits.add(key)
+            return True
 
     def over(self) -> bool:
         """The task is done or failed (waiting workers are leaving)."""
@@ -306,10 +313,11 @@ class Coordinator:
                     for s, o in sorted(self.slots.items())
                     if o.ready and o.alive and not o.excluded and s not in self.members
                 )
-                if joiners:
+                grown = self.members + joiners
+                if joiners and len(grown) >= self.settings.min_workers:
                     self._announce(
-                        self.members + joiners,
-                        urgent=False,
+                        grown,
+                        urgent=len(self.members) < self.settings.min_workers,
                         now=now,
                         reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
                     )
@@ -363,19 +371,10 @@ class Coordinator:
                 slots=slots,
             )
             for s in slots:
-                self.slots[s].excluded, self.slots[s].alive, self.slots[s].ready = (
-                    True,
-                    False,
-                    False,
-                )
-            if any(m in slots for m in self.members):
-                self._announce(
-                    tuple(m for m in self.members if m not in slots),
-                    urgent=True,
-                    now=now,
-                    reason=f"node {node} lost",
-                )
-            self._check_minimum(now)
+                o = self.slots[s]
+                o.excluded, o.alive, o.ready = True, False, False
+            self._last_error = decision.reason
+            self._reform(now, f"node {node} lost")
 
     def _maybe_start(self, now: float) -> None:
         if self.started_at is None:
@@ -408,21 +407,34 @@ class Coordinator:
                 else:  # escalated: restart the process; its exit is handled as a failure
                     self.agents[s.node].kill(slot, verdict)
 
-    def _check_minimum(self, now: float) -> bool:
+    def _reform(self, now: float, reason: str) -> bool:
+        """After members were lost: fail the task if it cannot go on, else announce an epoch of
+        the survivors, or (below the task's minimum, where it is worth nothing) wait for
+        restarted workers to bring it back. Returns False if the task failed."""
+        survivors = tuple(m for m in self.members if self.slots[m].alive)
         usable = [s for s, o in self.slots.items() if not o.excluded]
-        holders = [m for m in self.members if self.slots[m].alive]
-        reason = ""
+        holders = [s for s, o in self.slots.items() if o.alive and o.has_state]
+        why = ""
         if len(usable) < self.settings.min_workers:
-            last = next((o.last_error for o in self.slots.values() if o.last_error), "")
-            reason = (
+            why = (
                 f"{len(usable)} usable slot(s) left, fewer than the minimum of "
-                f"{self.settings.min_workers}; last error: {last}"
+                f"{self.settings.min_workers}"
             )
         elif self.state is TaskState.RUNNING and not holders and not self._has_checkpoint():
-            reason = "every replica holding the model state is gone (no checkpoint to fall back on)"
-        if reason:
-            self.fail(reason, now)
-        return bool(reason)
+            why = "every replica holding the model state is gone (no checkpoint to fall back on)"
+        if why:
+            self.fail(f"{why}; last error: {self._last_error}", now)
+            return False
+        if survivors == self.members:
+            return True
+        if len(survivors) < self.settings.min_workers:
+            self.members = survivors  # no epoch below the minimum: wait for the restarts
+            log.warning(
+                "task %s below its minimum (%d workers): waiting", self.task, len(survivors)
+            )
+            return True
+        self._announce(survivors, urgent=True, now=now, reason=reason)
+        return True
 
     def _has_checkpoint(self) -> bool:
         return self.settings.checkpoint is not None and self.settings.checkpoint.exists()

@@ -237,15 +237,17 @@ def main(args: argparse.Namespace) -> int:
         render(events.events(), console)
         console.print(f"worker logs: {log_dir}")
     if not ok:
-        console.print(f"[red]unicron: task failed: {outcome.reason}[/red]")
-        for w in (w for a in agents for w in a.workers.values()):
-            if w.error and w.error.get("traceback"):
-                console.print(
-                    f"last error in slot {w.slot}:\n{w.error['traceback'].rstrip()}",
-                    markup=False,
-                    highlight=False,
-                )
-                break
+        console.print(
+            f"unicron: task failed: {outcome.reason}", style="red", soft_wrap=True, markup=False
+        )
+        errors = sorted((e for a in agents for e in a.errors), key=lambda e: e["ts"])
+        first = next((e for e in errors if e.get("traceback")), None)
+        if first is not None:
+            console.print(
+                f"first error (slot {first['slot']}):\n{first['traceback'].rstrip()}",
+                markup=False,
+                highlight=False,
+            )
     return 0 if ok else 1
 
 

@@ -51,6 +51,10 @@ from unicron.protocol import (
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
+ABANDONED: list[EpochGroup] = []
+"""every group this process built, kept until it exits: freeing a gloo group whose abandoned
+collective still waits on a dead peer joins its I/O thread, which never returns"""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainResult:
@@ -197,7 +201,7 @@ class _Runner:
     has_state: bool = True
     done: set[int] = field(default_factory=set)  # micro-batches of `step` in `acc`
     fired: set[str] = field(default_factory=set)
-    groups: list[EpochGroup] = field(default_factory=list)  # abandoned groups stay referenced
+    groups: list[EpochGroup] = field(default_factory=list)
     _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
     _writer: threading.Thread | None = None  # the checkpoint being written
 
@@ -287,6 +291,7 @@ class _Runner:
             timeout_s=self.ctx.timeout_s,
         )
         self.groups.append(g)
+        ABANDONED.append(g)  # an old gloo group with a pending operation blocks its destructor
         g.rendezvous()
         reused, source = self._sync(g)
         if reused and self.ctx.on_lost == "drop":
@@ -432,16 +437,17 @@ class _Runner:
             self.store.set(trained_key(self.ctx.task), "1")
         self._apply(buf)
         loss = float(buf[-2] / buf[-1])
-        if g.rank == 0:
-            self._event(
-                "step_end",
-                epoch=g.info.epoch,
-                rank=0,
-                step=step,
-                loss=round(loss, 6),
-                duration_s=round(time.perf_counter() - t0, 6),
-                workers=g.world,
-            )
+        # every member reports the commit (the agent logs one step_end per epoch and step), so
+        # the record survives a rank 0 that dies right after committing
+        self._event(
+            "step_end",
+            epoch=g.info.epoch,
+            rank=g.rank,
+            step=step,
+            loss=round(loss, 6),
+            duration_s=round(time.perf_counter() - t0, 6),
+            workers=g.world,
+        )
         self.step += 1
         self.acc.zero_()
         self.done.clear()
