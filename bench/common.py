@@ -5,6 +5,9 @@ A result row is one figure of one system in one scenario, over the repetitions o
     {"system", "scenario", "metric", "median", "min", "max", "repetitions", "unit", "machine",
      "status", "note", "date"}
 
+A figure of one error kind (the ``error`` scenario) carries the kind in its metric name,
+``detection_s[cuda]``, so that (system, scenario, metric) stays the row's key.
+
 ``status`` is ``ok`` (measured), ``derived`` (computed from measured rows, or bounded by a
 setting; ``note`` says how), ``failed`` (the system failed; ``note`` holds its error) or
 ``skipped`` (not run here; ``note`` says why). Results go to ``bench/results/<scenario>.json``
@@ -53,11 +56,26 @@ UNITS = {
     "steps_redone": "steps",
     "steps_finished": "steps",
     "false_alarms": "count",
+    "epochs": "count",
+    "step_time_p99_s": "s",
     "recovery_over_floor": "x",
     "step_time_vs_ddp": "x",
 }
 
 Row = dict[str, Any]
+
+
+def kind_metric(metric: str, kind: str | None) -> str:
+    """``metric`` of one error kind (``detection_s[cuda]``); ``metric`` itself for no kind."""
+    return f"{metric}[{kind}]" if kind else metric
+
+
+def split_metric(metric: str) -> tuple[str, str | None]:
+    """``detection_s[cuda]`` -> ``("detection_s", "cuda")``; ``wall_s`` -> ``("wall_s", None)``."""
+    if metric.endswith("]") and "[" in metric:
+        base, _, kind = metric[:-1].partition("[")
+        return base, kind
+    return metric, None
 
 
 def machine() -> str:
@@ -108,7 +126,7 @@ def make_row(
         "min": min(vals) if vals else None,
         "max": max(vals) if vals else None,
         "repetitions": len(vals),
-        "unit": unit if unit is not None else UNITS.get(metric, ""),
+        "unit": unit if unit is not None else UNITS.get(split_metric(metric)[0], ""),
         "machine": host if host is not None else machine(),
         "status": status,
         "note": note,
@@ -169,11 +187,20 @@ def load_rows(path: Path) -> list[Row]:
 
 
 def merge_rows(old: Iterable[Row], new: Iterable[Row]) -> list[Row]:
-    """``new`` rows replace ``old`` rows of the same (system, scenario, metric)."""
+    """``new`` rows replace ``old`` rows of the same (system, scenario, metric); an old
+    ``trial`` row (``trial[kind]``: a failure) goes as soon as that system, scenario and kind
+    has new rows, so a successful rerun does not keep the old failure beside its figures."""
     new = list(new)
     fresh = {(r["system"], r["scenario"], r["metric"]) for r in new}
-    kept = [r for r in old if (r["system"], r["scenario"], r["metric"]) not in fresh]
-    return kept + new
+    cells = {(r["system"], r["scenario"], split_metric(r["metric"])[1]) for r in new}
+
+    def stale(r: Row) -> bool:
+        if (r["system"], r["scenario"], r["metric"]) in fresh:
+            return True
+        base, kind = split_metric(r["metric"])
+        return base == "trial" and (r["system"], r["scenario"], kind) in cells
+
+    return [r for r in old if not stale(r)] + new
 
 
 def save_scenario(rows: list[Row], scenario: str, results_dir: Path = RESULTS_DIR) -> Path:
@@ -228,6 +255,7 @@ HEADER = ["scenario", "system", "metric", "median", "min .. max", "n", "status",
 def print_table(rows: list[Row], title: str = "Unicron benchmarks") -> None:
     """Print the rows as a table on the terminal (rich)."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title, show_lines=False)
@@ -236,7 +264,7 @@ def print_table(rows: list[Row], title: str = "Unicron benchmarks") -> None:
     for row in rows:
         cells = _cells(row)
         style = {"failed": "red", "derived": "cyan", "skipped": "dim"}.get(row.get("status", ""))
-        table.add_row(*cells, style=style)
+        table.add_row(*(escape(c) for c in cells), style=style)  # "detection_s[cuda]"
     Console(width=200).print(table)
 
 

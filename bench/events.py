@@ -9,8 +9,12 @@ any run into the same figures:
 - recovery: the first ``step_end`` after the fault whose step is at least the faulted step,
   minus the fault (the time from the fault to the next finished step);
 - steps redone: for each step, how many times one rank reported it finished, minus one;
-- step time: the median ``duration_s`` of the steps after warm-up and before any fault;
-- false alarms: ``error_detected`` events in a run where nothing was injected.
+- step time: the median ``duration_s`` of the steps after warm-up and before any fault (and
+  its 99th percentile, for the fault-free soak);
+- false alarms: ``error_detected`` events in a run where nothing was injected;
+- epochs: ``epoch_begin`` events of the whole job (Unicron: one per epoch; torchrun: one per
+  attempt; torchft's are per replica, carry a ``rank`` and are not counted), and the
+  ``action`` events' names (what Unicron decided: ``reattempt``, ``restart``, ``exclude``).
 """
 
 from __future__ import annotations
@@ -57,14 +61,20 @@ class Outcome:
     false_alarms: int
     undetected: int
     unrecovered: int
+    epochs: int | None = None
+    step_time_p99_s: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """The figures as metric name -> value (means over the run's faults)."""
         out: dict[str, float] = {"steps_finished": float(self.steps_finished)}
+        if self.epochs is not None:
+            out["epochs"] = float(self.epochs)
         if self.step_time_s is not None:
             out["step_time_s"] = self.step_time_s
         if self.faults == 0:
             out["false_alarms"] = float(self.false_alarms)
+            if self.step_time_p99_s is not None:
+                out["step_time_p99_s"] = self.step_time_p99_s
             return out
         out["steps_redone"] = float(self.steps_redone)
         if self.detection_s:
@@ -85,6 +95,34 @@ def steps_redone(events: list[Event]) -> int:
     for (_, step), n in counts.items():
         per_step[step] = max(per_step.get(step, 0), n - 1)
     return sum(per_step.values())
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, linear between the nearest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def actions(events: list[Event]) -> Counter[str]:
+    """How many ``action`` events of each name (``reattempt``, ``restart``, ``exclude``...)."""
+    return Counter(str(e.get("action", "?")) for e in _of(events, "action"))
+
+
+def alarms(events: list[Event]) -> Counter[str]:
+    """How many ``error_detected`` events of each ``kind`` (``hang``, ``straggler``...)."""
+    return Counter(str(e.get("kind", "?")) for e in _of(events, "error_detected"))
+
+
+def _job_epochs(events: list[Event]) -> int | None:
+    """``epoch_begin`` events of the whole job; ``None`` if there are none (only per-rank ones,
+    or none at all)."""
+    job = [e for e in _of(events, "epoch_begin") if "rank" not in e]
+    return len(job) if job else None
 
 
 def measure(events: list[Event], warmup_steps: int = 3) -> Outcome:
@@ -111,6 +149,8 @@ def measure(events: list[Event], warmup_steps: int = 3) -> Outcome:
         if "duration_s" in e and int(e["step"]) >= warmup_steps and float(e["ts"]) < t_first_fault
     ]
     return Outcome(
+        epochs=_job_epochs(events),
+        step_time_p99_s=percentile(durations, 99.0) if durations else None,
         faults=len(faults),
         detection_s=detection,
         recovery_s=recovery,

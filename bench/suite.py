@@ -2,7 +2,10 @@
 
 Training scenarios run every arm in turn, repetition after repetition (A B C A B C ...), so a
 slow phase of a shared machine hits every system alike; the figures of an arm are the
-median, min and max over its repetitions. A trial that fails is reported as a ``failed`` row
+median, min and max over its repetitions. The ``error`` scenario is one run per error kind
+(``settings.error_kinds``), its cells (kind, arm) taking turns the same way, and its figures
+are named per kind (``detection_s[cuda]``). The ``soak`` scenario is a long fault-free Unicron
+run that counts false alarms. A trial that fails is reported as a ``failed`` row
 with its error and the arm is not run again in that scenario; the other arms go on. Module
 scenarios (``floor``, and ``planner`` / ``simulator`` where those modules exist) return
 their own rows from ``run(quick)``.
@@ -19,23 +22,45 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, Row, check_row, load_rows, machine, make_row, now_iso
+from bench.common import (
+    RESULTS_DIR,
+    Row,
+    check_row,
+    kind_metric,
+    load_rows,
+    machine,
+    make_row,
+    now_iso,
+)
 from bench.systems.base import Arm, Scenario, Settings, TrialError
 from bench.systems.ddp import DdpArm
 from bench.systems.torchft import DEFAULT_TIMEOUT_S, TorchftArm
 from bench.systems.torchrun import GLOO_DEFAULT_TIMEOUT_S, TorchrunArm, TorchrunNodeArm
 from bench.systems.unicron import UnicronArm
+from unicron.classify import verdict_for_kind
 
 log = logging.getLogger("bench")
 
 SYSTEMS = ("unicron", "torchrun", "torchft", "ddp")
-TRAINING = ("steady", "crash", "error", "hang", "node")
+TRAINING = ("steady", "crash", "error", "hang", "node", "soak")
 MODULES = {"floor": "bench.floor", "planner": "bench.planner", "simulator": "bench.simulator"}
 ORDER = ("floor", *TRAINING, "planner", "simulator")
-SHOWN = {  # metrics reported for fault-free (False) and faulted (True) scenarios
-    False: ("wall_s", "step_time_s", "false_alarms"),
-    True: ("wall_s", "detection_s", "detection_heartbeat_s", "recovery_s", "steps_redone"),
+SHOWN = {  # metrics reported per scenario, in this order (the default: faulted scenarios)
+    "steady": ("wall_s", "step_time_s", "false_alarms"),
+    "soak": ("wall_s", "false_alarms", "epochs", "step_time_s", "step_time_p99_s"),
+    "error": ("wall_s", "detection_s", "recovery_s", "epochs", "steps_redone"),
+    None: ("wall_s", "detection_s", "detection_heartbeat_s", "recovery_s", "steps_redone"),
 }
+ERROR_DETECTION_TARGET_S = 0.5
+"""Issue 3's target for a crash or a raised error: detected within 0.5 s."""
+SOAK_STEP_S = 0.1
+"""Step time assumed for the soak's step count when no steady-state step time is saved."""
+NO_DETECTOR = "torchrun, torchft, plain DDP: no detector, 0 by construction (not run)"
+
+
+def shown(scenario: str) -> tuple[str, ...]:
+    """The figures of ``scenario`` that become rows (the others only show progress)."""
+    return SHOWN.get(scenario, SHOWN[None])
 
 
 def known_scenarios() -> list[str]:
@@ -44,9 +69,24 @@ def known_scenarios() -> list[str]:
     return [n for n in ORDER if n in TRAINING or n in found]
 
 
-def training_scenario(name: str, settings: Settings) -> Scenario:
-    """The faults of training scenario ``name``, at ``settings.fault_step`` on one rank."""
+def soak_steps(settings: Settings, step_time_s: float | None) -> int:
+    """Steps of the soak: ``settings.soak_s`` at ``step_time_s`` (:data:`SOAK_STEP_S` if none)."""
+    step = step_time_s if step_time_s and step_time_s > 0 else SOAK_STEP_S
+    return max(settings.steps, round(settings.soak_s / step))
+
+
+def training_scenario(
+    name: str, settings: Settings, kind: str | None = None, step_time_s: float | None = None
+) -> Scenario:
+    """The faults of training scenario ``name``, at ``settings.fault_step`` on one rank.
+
+    ``kind``: the error kind of the ``error`` scenario (default ``settings.error_kind``);
+    ``step_time_s``: the steady-state step time the ``soak`` scenario sizes its run by.
+    """
     at = f"rank={settings.fault_rank},step={settings.fault_step}"
+    kind = kind or settings.error_kind
+    verdict = verdict_for_kind(kind)
+    soak = soak_steps(settings, step_time_s)
     table = {
         "steady": Scenario(name="steady", description="no fault: steady-state step time"),
         "crash": Scenario(
@@ -54,8 +94,22 @@ def training_scenario(name: str, settings: Settings) -> Scenario:
         ),
         "error": Scenario(
             name="error",
-            description=f"a worker raises a {settings.error_kind} error",
-            faults=(f"error:{at},kind={settings.error_kind}",),
+            description=(
+                f"a worker raises a {kind} error "
+                f"(Unicron's table: SEV{int(verdict.severity)} {verdict.action})"
+            ),
+            faults=(f"error:{at},kind={kind}",),
+            kind=kind,
+        ),
+        "soak": Scenario(
+            name="soak",
+            description=(
+                f"no fault, {soak} steps (~{settings.soak_s:g} s at "
+                f"{(step_time_s or SOAK_STEP_S) * 1e3:.0f} ms a step): false alarms"
+            ),
+            steps=soak,
+            timeout_s=3 * settings.soak_s + 120.0,
+            reps=1,
         ),
         "hang": Scenario(
             name="hang", description="a worker stops making progress", faults=(f"hang:{at}",)
@@ -69,12 +123,23 @@ def training_scenario(name: str, settings: Settings) -> Scenario:
     return table[name]
 
 
-def arms_for(scenario: str, settings: Settings, systems: Sequence[str]) -> list[Arm]:
-    """The arms of ``scenario`` among ``systems``, in the order they take turns."""
+def arms_for(
+    scenario: str, settings: Settings, systems: Sequence[str], kind: str | None = None
+) -> list[Arm]:
+    """The arms of ``scenario`` among ``systems``, in the order they take turns.
+
+    In the ``error`` scenario every kind runs Unicron and torchrun with a 60 s process-group
+    timeout (``settings.error_pg_timeout_s``); the default kind (``settings.error_kind``, or
+    ``kind`` None) also runs torchrun with gloo's default timeout (and every K) and torchft.
+    The ``soak`` is Unicron's alone: the baselines have no detector to raise a false alarm.
+    """
     arms: list[Arm] = []
     k_all = settings.ckpt_every
+    every_arm = scenario != "error" or kind in (None, settings.error_kind)
     if "unicron" in systems:
         arms.append(UnicronArm())
+    if scenario == "soak":
+        return arms
     if "ddp" in systems and scenario == "steady":
         arms.append(DdpArm())
     if "torchrun" in systems:
@@ -82,12 +147,32 @@ def arms_for(scenario: str, settings: Settings, systems: Sequence[str]) -> list[
             arms += [TorchrunNodeArm(ckpt_every=k_all[0], tuned=t) for t in (False, True)]
         elif scenario == "hang":
             arms.append(TorchrunArm(ckpt_every=k_all[0], pg_timeout_s=settings.hang_timeout_s))
+        elif scenario == "error":
+            arms.append(TorchrunArm(ckpt_every=k_all[0], pg_timeout_s=settings.error_pg_timeout_s))
+            if every_arm:
+                arms += [TorchrunArm(ckpt_every=k) for k in k_all]
         else:
             arms += [TorchrunArm(ckpt_every=k) for k in k_all]
-    if "torchft" in systems:
+    if "torchft" in systems and every_arm:
         timeout = settings.hang_timeout_s if scenario == "hang" else DEFAULT_TIMEOUT_S
         arms.append(TorchftArm(timeout_s=timeout))
     return arms
+
+
+def cells_for(
+    name: str, settings: Settings, systems: Sequence[str], lookup: Lookup
+) -> list[tuple[Scenario, Arm]]:
+    """The (scenario, arm) trials of training scenario ``name``, in the order they take turns:
+    one scenario per error kind in ``error``, the soak sized by the saved step time."""
+    if name == "error":
+        return [
+            (training_scenario(name, settings, kind=kind), arm)
+            for kind in settings.error_kinds
+            for arm in arms_for(name, settings, systems, kind)
+        ]
+    step = lookup.median("unicron", "steady", "step_time_s") if name == "soak" else None
+    scenario = training_scenario(name, settings, step_time_s=step)
+    return [(scenario, arm) for arm in arms_for(name, settings, systems)]
 
 
 def base_label(label: str) -> str:
@@ -121,13 +206,31 @@ def run_training(
     on_trial: Callable[[str, int, dict[str, float] | str], None] | None = None,
 ) -> list[Row]:
     """Run the arms interleaved for ``settings.reps`` repetitions; return their rows."""
-    samples: dict[str, dict[str, list[float]]] = {a.label: {} for a in arms}
-    failed: dict[str, str] = {}
-    for rep in range(settings.reps):
-        for arm in arms:
-            if arm.label in failed:
+    return run_cells([(scenario, a) for a in arms], settings, workroot, host, on_trial)
+
+
+def run_cells(
+    cells: Sequence[tuple[Scenario, Arm]],
+    settings: Settings,
+    workroot: Path,
+    host: str,
+    on_trial: Callable[[str, int, dict[str, float] | str], None] | None = None,
+) -> list[Row]:
+    """Run the (scenario, arm) cells in turn for ``settings.reps`` repetitions; their rows.
+
+    The cells of one call share a scenario name and differ at most in the error kind; a
+    cell that fails is reported as a ``failed`` row (``trial[kind]``) and not run again.
+    """
+    trials: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(cells))}
+    failed: dict[int, str] = {}
+    reps = max((scenario.run_reps(settings) for scenario, _ in cells), default=0)
+    for rep in range(reps):
+        for i, (scenario, arm) in enumerate(cells):
+            if i in failed or rep >= scenario.run_reps(settings):
                 continue
-            workdir = workroot / scenario.name / arm.label.replace(" ", "_") / f"rep{rep}"
+            name = arm.label + (f" [{scenario.kind}]" if scenario.kind else "")
+            folder = arm.label.replace(" ", "_") + (f"-{scenario.kind}" if scenario.kind else "")
+            workdir = workroot / scenario.name / folder / f"rep{rep}"
             workdir.mkdir(parents=True, exist_ok=True)
             try:
                 metrics = arm.run(scenario, settings, workdir)
@@ -135,45 +238,111 @@ def run_training(
                 reason = str(exc) if isinstance(exc, TrialError) else repr(exc)
                 if not isinstance(exc, TrialError):
                     log.debug("%s", traceback.format_exc())
-                failed[arm.label] = f"rep {rep + 1}/{settings.reps}: {reason} (logs: {workdir})"
+                failed[i] = (
+                    f"rep {rep + 1}/{scenario.run_reps(settings)}: {reason} (logs: {workdir})"
+                )
                 if on_trial:
-                    on_trial(arm.label, rep, failed[arm.label])
+                    on_trial(name, rep, failed[i])
                 continue
             shutil.rmtree(workdir, ignore_errors=True)
-            for metric, value in metrics.items():
-                samples[arm.label].setdefault(metric, []).append(value)
+            trials[i].append(metrics)
             if on_trial:
-                on_trial(arm.label, rep, metrics)
+                on_trial(name, rep, metrics)
     rows: list[Row] = []
-    for arm in arms:
-        if arm.label in failed:
+    for i, (scenario, arm) in enumerate(cells):
+        if i in failed:
             rows.append(
                 make_row(
                     system=arm.label,
                     scenario=scenario.name,
-                    metric="trial",
+                    metric=scenario.metric("trial"),
                     status="failed",
-                    note=failed[arm.label],
+                    note=failed[i],
                     host=host,
                 )
             )
-        for metric, values in samples[arm.label].items():
-            if metric not in SHOWN[bool(scenario.faults)]:
+        samples: dict[str, list[float]] = {}
+        for metrics in trials[i]:
+            for metric, value in metrics.items():
+                samples.setdefault(metric, []).append(value)
+        for metric in shown(scenario.name):
+            values = samples.get(metric)
+            if not values:
                 continue
-            note = scenario.description if metric == "wall_s" else ""
-            if metric == "wall_s" and scenario.faults:
-                note += f" ({', '.join(scenario.faults)}; {settings.steps} steps)"
             rows.append(
                 make_row(
                     system=arm.label,
                     scenario=scenario.name,
-                    metric=metric,
+                    metric=scenario.metric(metric),
                     values=values,
                     host=host,
-                    note=note,
+                    note=row_note(scenario, arm, metric, values, trials[i], settings),
                 )
             )
     return rows
+
+
+def _counts(trials: Sequence[dict[str, float]], prefix: str) -> str:
+    """What the ``prefix`` counts (``action:``) of the trials say: ``restart x1 (2/2 reps)``."""
+    per_rep = [
+        ", ".join(
+            f"{key.removeprefix(prefix)} x{value:g}"
+            for key, value in sorted(t.items())
+            if key.startswith(prefix)
+        )
+        or "none"
+        for t in trials
+    ]
+    if not per_rep:
+        return "none"
+    if len(set(per_rep)) == 1:
+        return f"{per_rep[0]} ({len(per_rep)}/{len(per_rep)} reps)"
+    return "per rep: " + "; ".join(per_rep)
+
+
+def row_note(
+    scenario: Scenario,
+    arm: Arm,
+    metric: str,
+    values: Sequence[float],
+    trials: Sequence[dict[str, float]],
+    settings: Settings,
+) -> str:
+    """The note of one measured row: what ran, and for the error kinds and the soak what the
+    figure means (the target, what Unicron did, why torchrun's timeout does not enter)."""
+    if metric == "wall_s":
+        note = scenario.description
+        if scenario.faults:
+            note += f" ({', '.join(scenario.faults)}; {scenario.run_steps(settings)} steps)"
+        return note
+    timeout = getattr(arm, "pg_timeout_s", None)
+    if scenario.name == "error" and metric == "detection_s":
+        target = ERROR_DETECTION_TARGET_S
+        met = "met" if max(values) < target else "NOT met"
+        note = f"target < {target:g} s: {met} (max {max(values):.3g} s)"
+        if timeout is not None:
+            default = " (gloo's default)" if timeout == GLOO_DEFAULT_TIMEOUT_S else ""
+            note += (
+                f"; process-group timeout {timeout:g} s{default}: the raising worker exits and "
+                "the agent sees the exit, so the timeout does not enter"
+            )
+        return note
+    if scenario.name == "error" and metric == "epochs":
+        if arm.system == "unicron":
+            assert scenario.kind is not None
+            verdict = verdict_for_kind(scenario.kind)
+            return (
+                f"actions: {_counts(trials, 'action:')}; table: SEV{int(verdict.severity)} "
+                f"{verdict.action}"
+            )
+        if arm.system == "torchrun":
+            return "one per attempt: the agent restarts the whole group"
+        return ""
+    if scenario.name == "soak" and metric == "false_alarms":
+        return f"error_detected with no fault, by kind: {_counts(trials, 'alarm:')}; {NO_DETECTOR}"
+    if scenario.name == "soak" and metric == "epochs":
+        return f"1 means no restart; actions: {_counts(trials, 'action:')}"
+    return ""
 
 
 def derived_rows(
@@ -202,6 +371,8 @@ def derived_rows(
         )
 
     labels = sorted({s for s, _ in ok})
+    if not scenario.faults and scenario.name != "steady":
+        return out
     if scenario.name == "steady":
         ddp = ok.get(("plain DDP", "step_time_s"))
         for label in labels:
@@ -215,23 +386,25 @@ def derived_rows(
                 )
         return out
     floor = lookup.median("floor", "floor", "floor_s")
+    # per error kind only the default one: its arms are the ones every scenario compares
+    kind = settings.error_kind if scenario.name == "error" else None
     for label in labels:
-        wall = ok.get((label, "wall_s"))
+        wall = ok.get((label, kind_metric("wall_s", kind)))
         steady = lookup.median(base_label(label), "steady", "wall_s")
         # no fault cost for a node loss: its fault-free twin (two agents) is not measured, and
         # the survivors train the rest on half the workers
         if wall is not None and steady is not None and scenario.name != "node":
             add(
                 label,
-                "fault_cost_s",
+                kind_metric("fault_cost_s", kind),
                 wall - steady,
                 f"median wall with the fault - median fault-free wall ({base_label(label)})",
             )
-        recovery = ok.get((label, "recovery_s"))
+        recovery = ok.get((label, kind_metric("recovery_s", kind)))
         if floor and recovery is not None:
             add(
                 label,
-                "recovery_over_floor",
+                kind_metric("recovery_over_floor", kind),
                 recovery / floor,
                 f"median recovery / floor ({floor * 1e3:.1f} ms: PG build + state over loopback)",
             )
@@ -348,9 +521,9 @@ def run_suite(
         if name in MODULES:
             rows = run_module(name, settings.quick, host)
         else:
-            scenario = training_scenario(name, settings)
-            arms = arms_for(name, settings, systems)
-            rows = run_training(scenario, arms, settings, workroot, host, on_trial)
+            cells = cells_for(name, settings, systems, lookup)
+            rows = run_cells(cells, settings, workroot, host, on_trial)
+            scenario = cells[0][0] if cells else training_scenario(name, settings)
             rows += derived_rows(scenario, rows, lookup, settings, host)
         lookup.rows += rows
         out[name] = rows

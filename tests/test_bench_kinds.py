@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import kind_metric, make_row, save_scenario, split_metric, summary_markdown
+from bench.common import (
+    kind_metric,
+    make_row,
+    merge_rows,
+    save_scenario,
+    split_metric,
+    summary_markdown,
+)
 from bench.events import actions, alarms, measure, percentile
 from bench.suite import (
     NO_DETECTOR,
@@ -236,3 +243,23 @@ def test_events_actions_alarms_epochs_p99() -> None:
     per_rank = [{"ts": 0.0, "event": "epoch_begin", "rank": r} for r in range(4)]
     assert measure(per_rank).epochs is None and "epochs" not in measure(per_rank).metrics()
     assert measure([]).epochs is None
+
+
+def test_a_rerun_drops_the_old_failure_of_that_kind_only() -> None:
+    def row(metric: str, status: str = "ok") -> dict[str, object]:
+        values = [] if status == "failed" else [1.0]
+        return make_row(
+            system="unicron", scenario="error", metric=metric, values=values, status=status
+        )
+
+    old = [row("trial[cuda]", "failed"), row("trial[user]", "failed"), row("wall_s[ecc]")]
+    merged = merge_rows(old, [row("detection_s[cuda]")])
+    assert [r["metric"] for r in merged] == ["trial[user]", "wall_s[ecc]", "detection_s[cuda]"]
+    # a new failure replaces the old one and keeps the other figures of the kind
+    again = merge_rows(merged, [row("trial[ecc]", "failed")])
+    assert [r["metric"] for r in again] == [
+        "trial[user]",
+        "wall_s[ecc]",
+        "detection_s[cuda]",
+        "trial[ecc]",
+    ]

@@ -38,14 +38,16 @@ class EpochWatch:
         self.store = store
         self.task = task
         self._infos: dict[int, EpochInfo] = {}
+        self._announced = False
 
     def latest(self) -> int:
-        raw = (
-            self.store.get(epoch_key(self.task))
-            if self.store.check([epoch_key(self.task)])
-            else b"0"
-        )
-        return int(raw)
+        """The newest epoch announced (0 before the first); one store round trip once known."""
+        key = epoch_key(self.task)
+        if not self._announced:
+            if not self.store.check([key]):
+                return 0
+            self._announced = True  # the key is never removed: from now on read it directly
+        return int(self.store.get(key))
 
     def info(self, epoch: int) -> EpochInfo:
         if epoch not in self._infos:

@@ -512,10 +512,12 @@ class _Runner:
         expected = self.M if self.ctx.on_lost == "recompute" else count
         assert count == self.M or self.ctx.on_lost == "drop", f"reduced {count} of {self.M}"
         mean = reduced[:-2] / expected
+        dtypes = {p.dtype for p in self.params}
+        flat = mean.to(dtypes.pop()) if len(dtypes) == 1 else mean  # one cast, not one per tensor
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = mean[offset : offset + n].view_as(p).to(p.dtype)
+            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
             offset += n
         self.optimizer.step()
         for p in self.params:

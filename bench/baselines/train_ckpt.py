@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -97,6 +98,7 @@ def main() -> None:
     if rank == 0:
         events.emit("epoch_begin", epoch=attempt, step=start, members=list(range(world)))
 
+    loss = float("nan")  # a restart after the last checkpoint (step == steps) trains nothing
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         trainer.opt.zero_grad(set_to_none=True)
@@ -121,7 +123,7 @@ def main() -> None:
             )
             if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
                 save_checkpoint(ckpt_path, trainer, step + 1)
-    if rank == 0:
+    if rank == 0 and start < args.steps:  # a restart of a finished run does not end it again
         events.emit(
             "task_end",
             status="done",
@@ -134,3 +136,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # No interpreter teardown: a gloo/store thread destructed at exit now and then aborts the
+    # process ("terminate called without an active exception", SIGABRT) after the run has
+    # finished, and torchrun restarts the whole group for it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

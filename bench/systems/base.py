@@ -22,9 +22,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from bench.events import Event, detection_by_method, measure
+from bench.common import kind_metric
+from bench.events import Event, actions, alarms, detection_by_method, measure
+from unicron.classify import KINDS, RULES, verdict_for_kind
 
 REPO = Path(__file__).resolve().parents[2]
+QUICK_ERROR_KINDS = ("conn_reset", "cuda", "user", "ecc")
+"""The error kinds of ``--quick``: one SEV3 (reattempt), two SEV2 (restart), the SEV1 (exclude)."""
+
+
+def error_kinds() -> tuple[str, ...]:
+    """Every kind ``--inject error:kind=K`` can raise but ``unknown``: SEV3 first, then SEV2,
+    then SEV1, each in the order of the classification table."""
+    order = {rule.kind: i for i, rule in enumerate(RULES)}
+    kinds = [k for k in KINDS if k != "unknown"]
+    return tuple(sorted(kinds, key=lambda k: (-int(verdict_for_kind(k).severity), order[k])))
 
 
 class TrialError(RuntimeError):
@@ -46,6 +58,13 @@ class Settings:
     trial_timeout_s: float
     fault_rank: int = 3
     error_kind: str = "cuda"
+    """The error kind every arm runs (torchrun's default timeout and K=50, torchft too)."""
+    error_kinds: tuple[str, ...] = ("cuda",)
+    """The error kinds of the ``error`` scenario, each run by Unicron and torchrun."""
+    error_pg_timeout_s: float = 60.0
+    """torchrun's process-group timeout in the per-kind arm of the ``error`` scenario."""
+    soak_s: float = 120.0
+    """Target wall time of the fault-free ``soak`` run (its steps come from the step time)."""
     nproc: int = 4
     torchrun_max_restarts: int = 3
     nnodes: int = 2
@@ -60,6 +79,12 @@ class Settings:
             raise ValueError(f"fault_step must be in 1..steps-1, got {self.fault_step}")
         if self.nnodes < 2 or self.nproc % self.nnodes:
             raise ValueError(f"nnodes must be >= 2 and divide nproc, got {self.nnodes}")
+        bad = [k for k in self.error_kinds if k not in KINDS]
+        if bad or self.error_kind not in self.error_kinds:
+            raise ValueError(
+                f"error_kinds must be kinds of unicron.classify.KINDS and hold error_kind "
+                f"{self.error_kind!r}, got {self.error_kinds}"
+            )
 
     @classmethod
     def make(cls, quick: bool, reps: int | None = None) -> Settings:
@@ -73,6 +98,8 @@ class Settings:
                 ckpt_every=(10,),
                 hang_timeout_s=15.0,
                 trial_timeout_s=150.0,
+                error_kinds=QUICK_ERROR_KINDS,
+                soak_s=120.0,
             )
         return cls(
             quick=False,
@@ -83,6 +110,8 @@ class Settings:
             hang_timeout_s=60.0,
             trial_timeout_s=400.0,
             node_trial_timeout_s=180.0,
+            error_kinds=error_kinds(),
+            soak_s=600.0,
         )
 
 
@@ -93,11 +122,36 @@ class Scenario:
     name: str
     description: str
     faults: tuple[str, ...] = ()
+    kind: str | None = None
+    """The error kind (``error`` scenario): its figures are named ``metric[kind]``."""
+    steps: int | None = None
+    """Steps of a run, where not ``settings.steps`` (the soak)."""
+    timeout_s: float | None = None
+    """Wall-time bound of a trial, where not ``settings.trial_timeout_s`` (the soak)."""
+    reps: int | None = None
+    """Repetitions, where not ``settings.reps`` (the soak runs once: its figures are counts and
+    percentiles over one long run)."""
 
     @property
     def fault_kind(self) -> str | None:
         """``crash``, ``hang``, ... of the first fault (``None`` for a fault-free run)."""
         return self.faults[0].partition(":")[0] if self.faults else None
+
+    def metric(self, name: str) -> str:
+        """The row name of figure ``name`` here: ``detection_s[cuda]`` for error kind cuda."""
+        return kind_metric(name, self.kind)
+
+    def run_steps(self, settings: Settings) -> int:
+        """How many steps one trial runs."""
+        return self.steps or settings.steps
+
+    def run_reps(self, settings: Settings) -> int:
+        """How many repetitions of this scenario run."""
+        return self.reps or settings.reps
+
+    def run_timeout_s(self, settings: Settings) -> float:
+        """The wall-time bound of one trial (not the node scenario's)."""
+        return self.timeout_s or settings.trial_timeout_s
 
 
 class Arm(Protocol):
@@ -129,6 +183,12 @@ def figures(events: list[Event], wall_s: float, scenario: Scenario) -> dict[str,
     heartbeat = detection_by_method(events, "heartbeat")
     if heartbeat is not None:
         out["detection_heartbeat_s"] = heartbeat
+    # counts for a row's note, not rows: ``action:restart`` (what Unicron did), ``alarm:hang``
+    for name, count in actions(events).items():
+        out[f"action:{name}"] = float(count)
+    if not scenario.faults:  # what raised each false alarm (hang, straggler, ...)
+        for kind, count in alarms(events).items():
+            out[f"alarm:{kind}"] = float(count)
     return out
 
 

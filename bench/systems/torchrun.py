@@ -85,7 +85,7 @@ class TorchrunArm:
             "-m",
             "bench.baselines.train_ckpt",
             "--steps",
-            str(settings.steps),
+            str(scenario.run_steps(settings)),
             "--ckpt-every",
             str(self.ckpt_every),
             "--ckpt-dir",
@@ -110,7 +110,7 @@ class TorchrunArm:
             watch={AGENT_DETECTS: _detection_writer(events_path)},
         )
         try:
-            rc = launched.wait(settings.trial_timeout_s)
+            rc = launched.wait(scenario.run_timeout_s(settings))
         finally:
             reap_workers(workdir)
         wall = time.time() - t0

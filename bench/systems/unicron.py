@@ -45,7 +45,7 @@ class UnicronArm:
             *cmd,
             "examples/train_gpt.py",
             "--steps",
-            str(settings.steps),
+            str(scenario.run_steps(settings)),
             "--out",
             str(workdir / "out"),
         ]
@@ -55,7 +55,9 @@ class UnicronArm:
         t0 = time.time()
         launched = Launched.start(self.command(scenario, settings, workdir), workdir / "out.log")
         node = scenario.fault_kind == "node"
-        rc = launched.wait(settings.node_trial_timeout_s if node else settings.trial_timeout_s)
+        rc = launched.wait(
+            settings.node_trial_timeout_s if node else scenario.run_timeout_s(settings)
+        )
         wall = time.time() - t0
         launched.check(rc, "unicron run")
         return figures(read_events(workdir / "events.jsonl"), wall, scenario)
