@@ -159,7 +159,9 @@ def test_node_scenario_runs_two_agents_and_both_rendezvous_settings() -> None:
     from bench.suite import arms_for
     from bench.systems.torchrun import TorchrunNodeArm
 
-    s = settings(1)
+    quick_arms = arms_for("node", settings(1), SYSTEMS)
+    assert [a.tuned for a in quick_arms if isinstance(a, TorchrunNodeArm)] == [True]
+    s = Settings.make(quick=False, reps=1)  # the full suite also runs the default rendezvous
     scenario = training_scenario("node", s)
     assert scenario.fault_kind == "node" and scenario.faults == (
         f"node:node=1,step={s.fault_step}",

@@ -80,11 +80,14 @@ def test_error_cells_per_kind() -> None:
         by_kind.setdefault(scenario.kind, []).append(arm.label)
     assert list(by_kind) == list(QUICK_ERROR_KINDS)
     per_kind = ["unicron", "torchrun K=10 timeout=60s"]
-    for kind, labels in by_kind.items():
-        if kind == s.error_kind:  # the default kind also runs every other arm
-            assert labels == [*per_kind, "torchrun K=10", "torchft"]
-        else:
-            assert labels == per_kind
+    for labels in by_kind.values():  # quick: the extra arms of the default kind are left out
+        assert labels == per_kind
+    full = Settings.make(quick=False)
+    cells = cells_for("error", full, SYSTEMS, Lookup(Path("/nonexistent")))
+    default = [arm.label for scenario, arm in cells if scenario.kind == full.error_kind]
+    assert default == [
+        "unicron", "torchrun K=10 timeout=60s", "torchrun K=10", "torchrun K=50", "torchft"
+    ]  # fmt: skip
     assert "SEV3 reattempt" in training_scenario("error", s, kind="conn_reset").description
     assert "SEV1 exclude" in training_scenario("error", s, kind="ecc").description
 
@@ -108,7 +111,7 @@ def test_soak_is_unicron_only_and_sized_by_the_step_time(tmp_path: Path) -> None
     cmd = " ".join(UnicronArm().command(scenario, s, Path("/w")))
     assert f"--steps {scenario.steps}" in cmd and "--inject" not in cmd
     full = Settings.make(quick=False)
-    assert full.soak_s == 600.0 and s.soak_s == 120.0
+    assert full.soak_s == 600.0 and s.soak_s == 45.0
 
 
 @dataclass
