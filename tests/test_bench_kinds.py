@@ -111,7 +111,7 @@ def test_soak_is_unicron_only_and_sized_by_the_step_time(tmp_path: Path) -> None
     cmd = " ".join(UnicronArm().command(scenario, s, Path("/w")))
     assert f"--steps {scenario.steps}" in cmd and "--inject" not in cmd
     full = Settings.make(quick=False)
-    assert full.soak_s == 600.0 and s.soak_s == 45.0
+    assert full.soak_s == 600.0 and s.soak_s == 30.0
 
 
 @dataclass

@@ -99,7 +99,7 @@ class Settings:
                 hang_timeout_s=10.0,
                 trial_timeout_s=150.0,
                 error_kinds=QUICK_ERROR_KINDS,
-                soak_s=45.0,
+                soak_s=30.0,
             )
         return cls(
             quick=False,
