@@ -343,19 +343,7 @@ class Agent:
                 w.error = {**msg, "ts": now, "slot": slot}  # the error that ends this process
                 self.errors.append(w.error)  # kept across restarts: the task's failure report
             verdict = classify_message(msg["type_name"], msg["message"])
-            self.events.emit(
-                "error_detected",
-                ts=now,
-                task=self.coordinator.task,
-                rank=slot,
-                slot=slot,
-                node=self.node,
-                step=msg.get("step", w.step),
-                kind=verdict.kind,
-                severity=int(verdict.severity),
-                method="exception",
-                reason=verdict.reason,
-            )
+            self._emit_detection(slot, msg.get("step", w.step), verdict, now, "exception")
             if msg.get("in_band"):
                 self.coordinator.worker_error(
                     slot, verdict, now, in_place=bool(msg.get("in_place"))
@@ -401,20 +389,7 @@ class Agent:
                 verdict = classify_exit(returncode if returncode is not None else -9)
                 method = "process"
             if w.error is None or returncode is None or returncode < 0:
-                self.events.emit(
-                    "error_detected",
-                    ts=detected,
-                    task=self.coordinator.task,
-                    rank=slot,
-                    slot=slot,
-                    node=self.node,
-                    step=w.step,
-                    kind=verdict.kind,
-                    severity=int(verdict.severity),
-                    method=method,
-                    returncode=returncode,
-                    reason=verdict.reason,
-                )
+                self._emit_detection(slot, w.step, verdict, detected, method, returncode=returncode)
         if w.conn is not None:
             w.conn.close()
             w.conn = None
@@ -439,7 +414,7 @@ class Agent:
                 self._suspect_reason[d.worker] = d.reason
                 self._check_monitor_suspect(d.worker, now)
                 continue
-            self._emit_detection(d.worker, d.step, verdict, d.reason, now)
+            self._emit_detection(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
             self.coordinator.worker_slow(d.worker, verdict, dict(self.mb_compute_s), now)
 
     def _check_monitor_suspect(self, slot: int, now: float) -> None:
@@ -449,15 +424,25 @@ class Agent:
             del self._suspects[slot]  # it moved on, or it is gone
         elif self.coordinator.peer_ahead(slot, step):
             del self._suspects[slot]
-            self._emit_detection(slot, step, verdict, self._suspect_reason.pop(slot, ""), now)
+            reason = self._suspect_reason.pop(slot, "")
+            self._emit_detection(slot, step, verdict, now, "monitor", reason=reason)
             self.kill(slot, verdict)
 
     def _emit_detection(
-        self, slot: int, step: int, verdict: Verdict, reason: str, now: float
+        self,
+        slot: int,
+        step: int | None,
+        verdict: Verdict,
+        ts: float,
+        method: str,
+        *,
+        reason: str | None = None,
+        **extra: Any,
     ) -> None:
+        """One ``error_detected`` event about the worker in ``slot``."""
         self.events.emit(
             "error_detected",
-            ts=now,
+            ts=ts,
             task=self.coordinator.task,
             rank=slot,
             slot=slot,
@@ -465,8 +450,9 @@ class Agent:
             step=step,
             kind=verdict.kind,
             severity=int(verdict.severity),
-            method="monitor",
-            reason=reason,
+            method=method,
+            reason=reason or verdict.reason,
+            **extra,
         )
 
     # -- launching --------------------------------------------------------------------------
