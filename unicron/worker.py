@@ -159,6 +159,8 @@ def train(
     sample ``i``. Rank 0 of the final epoch writes ``out/final.pt`` (the model's state_dict).
     Returns ``None`` on a worker that was still waiting to join when the task finished.
     """
+    if steps < 1:
+        raise ValueError(f"train(): steps must be >= 1, got {steps}")
     ctx = WorkerContext.from_env()
     link = connect_agent()
     runner = _Runner(
