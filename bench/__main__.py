@@ -5,19 +5,32 @@
     python -m bench --scenario crash --system unicron --system torchrun --reps 3
 
 An unknown scenario or system lists the known ones and exits 2. Each scenario's rows are
-merged into ``bench/results/<scenario>.json`` and ``bench/results/SUMMARY.md`` is regenerated.
+saved as soon as it ends: into ``bench/results/<scenario>.json``, in place of the old rows
+when every system ran, else merged with them. A run of the whole suite (no ``--scenario``,
+``--system`` or ``--reps``) also records its duration in ``bench/results/runs.json``.
+``bench/results/SUMMARY.md`` is regenerated at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, Row, print_table, save_scenario, write_summary
-from bench.suite import SYSTEMS, known_scenarios, run_suite
+from bench.common import (
+    RESULTS_DIR,
+    Row,
+    now_iso,
+    print_table,
+    record_run,
+    save_scenario,
+    write_summary,
+)
+from bench.suite import MODULES, SYSTEMS, known_scenarios, run_suite
 from bench.systems.base import Settings
 
 
@@ -93,21 +106,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = Settings.make(args.quick, args.reps)
+    mode = "quick" if args.quick else "full"
+    durations: dict[str, float] = {}
+
+    def save(name: str, rows: list[Row], seconds: float) -> None:
+        durations[name] = seconds
+        print(f"scenario {name}: {seconds / 60:.1f} min", flush=True)
+        try:
+            save_scenario(rows, name, args.results, replace=name in MODULES or not args.system)
+        except ValueError as exc:  # a module's bad rows must not lose the others' results
+            print(f"python -m bench: {name}: not saved: {exc}", file=sys.stderr)
+
+    started, began = now_iso(), time.monotonic()
     results = run_suite(
         args.scenario or scenarios,
         args.system or list(SYSTEMS),
         settings,
         args.results,
         on_trial=_progress,
+        on_scenario=save,
     )
-    everything: list[Row] = []
-    for name, rows in results.items():
-        try:
-            save_scenario(rows, name, args.results)
-        except ValueError as exc:  # a module's bad rows must not lose the others' results
-            print(f"python -m bench: {name}: not saved: {exc}", file=sys.stderr)
-        everything += rows
-    print_table(everything, title=f"Unicron benchmarks ({'quick' if args.quick else 'full'})")
+    total = time.monotonic() - began
+    everything = [row for rows in results.values() for row in rows]
+    print_table(everything, title=f"Unicron benchmarks ({mode}, {total / 60:.1f} min)")
+    if not (args.scenario or args.system or args.reps):
+        record_run(
+            args.results,
+            mode,
+            started=started,
+            total_s=total,
+            scenarios_s=durations,
+            settings=dataclasses.asdict(settings),
+        )
     print(f"wrote {write_summary(args.results)}")
     return 0
 

@@ -12,7 +12,8 @@ A figure of one error kind (the ``error`` scenario) carries the kind in its metr
 setting; ``note`` says how), ``failed`` (the system failed; ``note`` holds its error) or
 ``skipped`` (not run here; ``note`` says why). Results go to ``bench/results/<scenario>.json``
 and ``bench/results/SUMMARY.md`` is generated from those files alone, so no figure is ever
-typed by hand.
+typed by hand. ``bench/results/runs.json`` (not rows) keeps how long the latest whole-suite
+run of each mode (``quick``, ``full``) took, scenario by scenario, with its settings.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RUNS_FILE = "runs.json"
+"""The durations of whole-suite runs in the results folder (:func:`record_run`)."""
 STATUSES = ("ok", "derived", "failed", "skipped")
 ROW_KEYS = (
     "system",
@@ -203,18 +206,72 @@ def merge_rows(old: Iterable[Row], new: Iterable[Row]) -> list[Row]:
     return [r for r in old if not stale(r)] + new
 
 
-def save_scenario(rows: list[Row], scenario: str, results_dir: Path = RESULTS_DIR) -> Path:
-    """Merge this run's rows of ``scenario`` into ``results_dir/<scenario>.json``.
+def save_scenario(
+    rows: list[Row], scenario: str, results_dir: Path = RESULTS_DIR, *, replace: bool = False
+) -> Path:
+    """Merge this run's rows of ``scenario`` into ``results_dir/<scenario>.json``, or with
+    ``replace`` (the run measured every system of it) put them in place of the old ones.
 
-    Systems not run this time keep their earlier rows (each row carries its date); failed
-    rows replace the figures they would have measured, so a failure is never hidden.
+    When merging, systems not run this time keep their earlier rows (each row carries its
+    date); failed rows replace the figures they would have measured, so a failure is never
+    hidden. Replacing drops rows that this run no longer makes (an arm the settings left out).
     """
     for row in rows:
         check_row(row)
     path = results_dir / f"{scenario}.json"
-    merged = merge_rows(load_rows(path), rows)
-    write_json_atomic(path, merged)
+    kept = [] if replace else load_rows(path)
+    write_json_atomic(path, merge_rows(kept, rows))
     return path
+
+
+def record_run(
+    results_dir: Path,
+    mode: str,
+    *,
+    started: str,
+    total_s: float,
+    scenarios_s: dict[str, float],
+    settings: dict[str, Any],
+) -> Path:
+    """Keep in ``results_dir/runs.json`` how long this whole-suite run of ``mode`` took.
+
+    Called by ``python -m bench`` after a run of every scenario and system with the default
+    repetitions; the entry of ``mode`` (``quick`` or ``full``) is replaced, the other kept.
+    """
+    path = results_dir / RUNS_FILE
+    runs = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    runs = runs if isinstance(runs, dict) else {}
+    runs[mode] = {
+        "started": started,
+        "total_s": round(total_s, 1),
+        "scenarios_s": {name: round(s, 1) for name, s in scenarios_s.items()},
+        "machine": machine(),
+        "settings": settings,
+    }
+    write_json_atomic(path, runs)
+    return path
+
+
+def _runs_markdown(results_dir: Path) -> list[str]:
+    """The "Suite runs" section of the summary: each mode's latest whole-suite duration."""
+    path = results_dir / RUNS_FILE
+    runs = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if not isinstance(runs, dict) or not runs:
+        return []
+    lines = [
+        "## Suite runs",
+        "",
+        "The latest run of the whole suite in each mode (every scenario and system), timed.",
+        "",
+        "| mode | started | total | per scenario (min) |",
+        "|---|---|---|---|",
+    ]
+    for mode in sorted(runs):
+        run = runs[mode]
+        parts = ", ".join(f"{n} {s / 60:.1f}" for n, s in run.get("scenarios_s", {}).items())
+        total = f"{run.get('total_s', 0) / 60:.1f} min"
+        lines.append(f"| {mode} | {run.get('started', '')} | {total} | {_md_escape(parts)} |")
+    return [*lines, ""]
 
 
 def fmt(value: Any, unit: str = "") -> str:
@@ -284,9 +341,10 @@ def summary_markdown(results_dir: Path = RESULTS_DIR) -> str:
         "their note); `failed` rows carry the error.",
         "",
     ]
-    files = sorted(results_dir.glob("*.json"))
+    files = sorted(p for p in results_dir.glob("*.json") if p.name != RUNS_FILE)
     if not files:
         return "\n".join([*lines, "No results yet: run `python -m bench --quick`.", ""])
+    lines += _runs_markdown(results_dir)
     machines: set[str] = set()
     for path in files:
         rows = load_rows(path)

@@ -84,8 +84,8 @@ def paper(seeds: list[int], days: float) -> list[dict[str, Any]]:
             for n in POLICIES:
                 rows.append(_row(n, scenario, "accumulated_waf", waf[n], "EFLOP"))
                 rows.append(_row(n, scenario, "effective_fraction", eff[n], "1"))
-            for n, v in ratio.items():
-                rows.append(_row(n, scenario, "unicron_over", v, "x"))
+            for n, values in ratio.items():
+                rows.append(_row(n, scenario, "unicron_over", values, "x"))
     return rows
 
 

@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import shutil
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -133,16 +134,18 @@ def arms_for(
 ) -> list[Arm]:
     """The arms of ``scenario`` among ``systems``, in the order they take turns.
 
-    In the ``error`` scenario every kind runs Unicron and torchrun with a 60 s process-group
+    In the ``error`` scenario every kind runs Unicron, and the kinds of
+    ``settings.torchrun_error_kinds`` (one per severity) torchrun with a 60 s process-group
     timeout (``settings.error_pg_timeout_s``); the default kind (``settings.error_kind``, or
     ``kind`` None) also runs torchrun with gloo's default timeout (and every K) and torchft.
     The ``soak`` is Unicron's alone: the baselines have no detector to raise a false alarm.
     """
     arms: list[Arm] = []
     k_all = settings.ckpt_every
+    kind = kind or settings.error_kind
     # the extra arms of the error scenario (gloo's default timeout, every K, torchft) only run
     # in the full suite: the quick one must stay under 10 minutes
-    every_arm = scenario != "error" or (kind in (None, settings.error_kind) and not settings.quick)
+    every_arm = scenario != "error" or (kind == settings.error_kind and not settings.quick)
     if "unicron" in systems:
         arms.append(UnicronArm())
     if scenario == "soak":
@@ -156,7 +159,9 @@ def arms_for(
         elif scenario == "hang":
             arms.append(TorchrunArm(ckpt_every=k_all[0], pg_timeout_s=settings.hang_timeout_s))
         elif scenario == "error":
-            arms.append(TorchrunArm(ckpt_every=k_all[0], pg_timeout_s=settings.error_pg_timeout_s))
+            if kind in settings.torchrun_error_kinds:
+                timeout = settings.error_pg_timeout_s
+                arms.append(TorchrunArm(ckpt_every=k_all[0], pg_timeout_s=timeout))
             if every_arm:
                 arms += [TorchrunArm(ckpt_every=k) for k in k_all]
         else:
@@ -518,14 +523,20 @@ def run_suite(
     settings: Settings,
     results_dir: Path = RESULTS_DIR,
     on_trial: Callable[[str, int, dict[str, float] | str], None] | None = None,
+    on_scenario: Callable[[str, list[Row], float], None] | None = None,
 ) -> dict[str, list[Row]]:
-    """Run ``scenarios`` for ``systems``; return scenario -> rows (not yet saved)."""
+    """Run ``scenarios`` for ``systems``; return scenario -> rows.
+
+    ``on_scenario(name, rows, seconds)`` is called as each scenario ends (``python -m bench``
+    saves its rows then, so an interrupted suite keeps what it finished).
+    """
     host = machine()
     lookup = Lookup(results_dir)
     out: dict[str, list[Row]] = {}
     workroot = Path(tempfile.mkdtemp(prefix="unicron-bench-"))
     for name in [n for n in ORDER if n in scenarios]:
         log.info("scenario %s", name)
+        began = time.monotonic()
         if name in MODULES:
             rows = run_module(name, settings.quick, host)
         else:
@@ -535,6 +546,8 @@ def run_suite(
             rows += derived_rows(scenario, rows, lookup, settings, host)
         lookup.rows += rows
         out[name] = rows
+        if on_scenario:
+            on_scenario(name, rows, time.monotonic() - began)
     if not any(workroot.rglob("*.log")):
         shutil.rmtree(workroot, ignore_errors=True)
     return out

@@ -132,6 +132,7 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         mask = torch.triu(torch.full((cfg.seq_len, cfg.seq_len), -math.inf), diagonal=1)
+        self.mask: torch.Tensor
         self.register_buffer("mask", mask, persistent=False)
         nn.init.normal_(self.pos, std=0.02)
 

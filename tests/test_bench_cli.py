@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import bench.__main__ as cli
+from bench.common import Row, load_rows, make_row
 from bench.suite import SYSTEMS, derived_rows, known_scenarios, run_training, training_scenario
 from bench.systems.base import Scenario, Settings, TrialError
 
@@ -208,3 +211,33 @@ def test_node_fault_fires_on_the_node_leader_only(
         plan.maybe_fire(5, 1, 2)
     assert vanished == [(1, None)]
     assert {p.name.partition("-")[0] for p in tmp_path.glob("node*-*")} == {"node0", "node1"}
+
+
+def test_each_scenario_is_saved_as_it_ends_and_a_whole_run_is_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[bool] = []
+
+    def fake_suite(*args: Any, on_scenario: Any, **kwargs: Any) -> dict[str, list[Row]]:
+        results_dir: Path = args[3]
+        out = {}
+        for name in ("crash", "steady"):
+            seen.append((results_dir / "crash.json").exists())  # saved before the next began
+            rows = [make_row(system="unicron", scenario=name, metric="wall_s", values=[1.0])]
+            on_scenario(name, rows, 90.0)
+            out[name] = rows
+        return out
+
+    monkeypatch.setattr(cli, "run_suite", fake_suite)
+    assert cli.main(["--quick", "--results", str(tmp_path)]) == 0
+    assert seen == [False, True]
+    assert load_rows(tmp_path / "steady.json")[0]["median"] == 1.0
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert runs["quick"]["scenarios_s"] == {"crash": 90.0, "steady": 90.0}
+    assert runs["quick"]["settings"]["quick"] is True
+    assert "## Suite runs" in (tmp_path / "SUMMARY.md").read_text()
+    # a partial run (one system, one scenario, other repetitions) is not the suite's duration
+    (tmp_path / "runs.json").unlink()
+    for argv in (["--system", "unicron"], ["--scenario", "crash"], ["--reps", "1"]):
+        assert cli.main(["--quick", "--results", str(tmp_path), *argv]) == 0
+    assert not (tmp_path / "runs.json").exists()

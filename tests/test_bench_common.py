@@ -13,6 +13,7 @@ from bench.common import (
     load_rows,
     machine,
     make_row,
+    record_run,
     save_scenario,
     summary_markdown,
     write_summary,
@@ -82,3 +83,37 @@ def test_summary_is_generated_from_the_files(tmp_path: Path) -> None:
     assert "## crash" in text and "| unicron | recovery_s | 0.275 s |" in text
     assert "ImportError: x \\| y" in text  # pipes escaped inside the table
     assert "do not edit by hand" in text
+
+
+def test_save_with_replace_drops_rows_this_run_no_longer_makes(tmp_path: Path) -> None:
+    old = [
+        make_row(system=s, scenario="error", metric="wall_s[oom]", values=[1.0])
+        for s in ("unicron", "torchrun K=10 timeout=60s")
+    ]
+    save_scenario(old, "error", tmp_path)
+    new = [make_row(system="unicron", scenario="error", metric="wall_s[oom]", values=[2.0])]
+    rows = load_rows(save_scenario(new, "error", tmp_path, replace=True))
+    assert [(r["system"], r["median"]) for r in rows] == [("unicron", 2.0)]
+
+
+def test_runs_are_recorded_per_mode_and_summarised(tmp_path: Path) -> None:
+    save_scenario(
+        [make_row(system="unicron", scenario="crash", metric="wall_s", values=[1.0])],
+        "crash",
+        tmp_path,
+    )
+    for mode, total in (("full", 3000.0), ("quick", 540.0), ("full", 3120.0)):
+        record_run(
+            tmp_path,
+            mode,
+            started="2026-11-29T22:00:00Z",
+            total_s=total,
+            scenarios_s={"crash": total / 2, "steady": total / 2},
+            settings={"reps": 3},
+        )
+    runs = json.loads((tmp_path / "runs.json").read_text())
+    assert set(runs) == {"full", "quick"} and runs["full"]["total_s"] == 3120.0
+    assert runs["full"]["settings"] == {"reps": 3} and "cores" in runs["full"]["machine"]
+    text = summary_markdown(tmp_path)
+    assert "| full | 2026-11-29T22:00:00Z | 52.0 min | crash 26.0, steady 26.0 |" in text
+    assert "| quick |" in text and "## runs" not in text  # not a results file

@@ -29,7 +29,7 @@ from bench.suite import (
     training_scenario,
 )
 from bench.systems.base import (
-    QUICK_ERROR_KINDS,
+    ONE_PER_SEVERITY,
     Scenario,
     Settings,
     TrialError,
@@ -50,10 +50,11 @@ def test_error_kinds_cover_the_table_but_unknown() -> None:
     severities = [int(verdict_for_kind(k).severity) for k in kinds]
     assert severities == sorted(severities, reverse=True)  # SEV3 first, SEV1 last
     assert Settings.make(quick=False).error_kinds == kinds
-    assert quick().error_kinds == QUICK_ERROR_KINDS
+    assert quick().error_kinds == ONE_PER_SEVERITY
+    assert quick().torchrun_error_kinds == Settings.make(quick=False).torchrun_error_kinds
     # the quick subset has every severity, and its order is the full one's
-    assert {verdict_for_kind(k).severity for k in QUICK_ERROR_KINDS} == set(Severity)
-    assert list(QUICK_ERROR_KINDS) == [k for k in kinds if k in QUICK_ERROR_KINDS]
+    assert {verdict_for_kind(k).severity for k in ONE_PER_SEVERITY} == set(Severity)
+    assert list(ONE_PER_SEVERITY) == [k for k in kinds if k in ONE_PER_SEVERITY]
 
 
 def test_settings_reject_unknown_kinds() -> None:
@@ -61,6 +62,10 @@ def test_settings_reject_unknown_kinds() -> None:
         dataclasses.replace(quick(), error_kinds=("cuda", "gremlins"))
     with pytest.raises(ValueError, match="error_kinds"):
         dataclasses.replace(quick(), error_kinds=("ecc",))  # error_kind "cuda" missing
+    with pytest.raises(ValueError, match="torchrun_error_kinds"):
+        dataclasses.replace(quick(), torchrun_error_kinds=("cuda", "oom"))  # not an error kind
+    with pytest.raises(ValueError, match="torchrun_error_kinds"):
+        dataclasses.replace(quick(), torchrun_error_kinds=("ecc",))
 
 
 def test_scenarios_are_listed() -> None:
@@ -78,7 +83,7 @@ def test_error_cells_per_kind() -> None:
         )
         assert scenario.metric("detection_s") == f"detection_s[{scenario.kind}]"
         by_kind.setdefault(scenario.kind, []).append(arm.label)
-    assert list(by_kind) == list(QUICK_ERROR_KINDS)
+    assert list(by_kind) == list(ONE_PER_SEVERITY)
     per_kind = ["unicron", "torchrun K=10 timeout=60s"]
     for labels in by_kind.values():  # quick: the extra arms of the default kind are left out
         assert labels == per_kind
@@ -88,6 +93,15 @@ def test_error_cells_per_kind() -> None:
     assert default == [
         "unicron", "torchrun K=10 timeout=60s", "torchrun K=10", "torchrun K=50", "torchft"
     ]  # fmt: skip
+    # the full suite: Unicron on every kind, torchrun on one per severity (and no other arm)
+    full_by_kind: dict[str | None, list[str]] = {}
+    for scenario, arm in cells:
+        full_by_kind.setdefault(scenario.kind, []).append(arm.label)
+    assert list(full_by_kind) == list(error_kinds())
+    for kind, labels in full_by_kind.items():
+        if kind == full.error_kind:
+            continue
+        assert labels == (per_kind if kind in ONE_PER_SEVERITY else ["unicron"]), kind
     assert "SEV3 reattempt" in training_scenario("error", s, kind="conn_reset").description
     assert "SEV1 exclude" in training_scenario("error", s, kind="ecc").description
 

@@ -27,8 +27,10 @@ from bench.events import Event, actions, alarms, detection_by_method, measure
 from unicron.classify import KINDS, RULES, verdict_for_kind
 
 REPO = Path(__file__).resolve().parents[2]
-QUICK_ERROR_KINDS = ("conn_reset", "cuda", "ecc")  # one per severity; the full suite: every kind
-"""The error kinds of ``--quick``: one SEV3 (reattempt), two SEV2 (restart), the SEV1 (exclude)."""
+ONE_PER_SEVERITY = ("conn_reset", "cuda", "ecc")
+"""One error kind per severity: SEV3 (reattempt), SEV2 (restart), SEV1 (exclude). The error
+kinds of ``--quick``, and those torchrun runs in the full suite (it handles every raised
+error alike: the worker exits, the agent restarts the group)."""
 
 
 def error_kinds() -> tuple[str, ...]:
@@ -60,7 +62,10 @@ class Settings:
     error_kind: str = "cuda"
     """The error kind every arm runs (torchrun's default timeout and K=50, torchft too)."""
     error_kinds: tuple[str, ...] = ("cuda",)
-    """The error kinds of the ``error`` scenario, each run by Unicron and torchrun."""
+    """The error kinds of the ``error`` scenario, each run by Unicron."""
+    torchrun_error_kinds: tuple[str, ...] = ("cuda",)
+    """The error kinds torchrun runs too (with ``error_pg_timeout_s``): a subset of
+    ``error_kinds``; its mechanism does not look at the kind, so one per severity is enough."""
     error_pg_timeout_s: float = 60.0
     """torchrun's process-group timeout in the per-kind arm of the ``error`` scenario."""
     soak_s: float = 120.0
@@ -85,6 +90,13 @@ class Settings:
                 f"error_kinds must be kinds of unicron.classify.KINDS and hold error_kind "
                 f"{self.error_kind!r}, got {self.error_kinds}"
             )
+        if not set(self.torchrun_error_kinds) <= set(self.error_kinds) or (
+            self.error_kind not in self.torchrun_error_kinds
+        ):
+            raise ValueError(
+                f"torchrun_error_kinds must be error_kinds and hold error_kind "
+                f"{self.error_kind!r}, got {self.torchrun_error_kinds}"
+            )
 
     @classmethod
     def make(cls, quick: bool, reps: int | None = None) -> Settings:
@@ -98,19 +110,21 @@ class Settings:
                 ckpt_every=(10,),
                 hang_timeout_s=10.0,
                 trial_timeout_s=150.0,
-                error_kinds=QUICK_ERROR_KINDS,
+                error_kinds=ONE_PER_SEVERITY,
+                torchrun_error_kinds=ONE_PER_SEVERITY,
                 soak_s=30.0,
             )
         return cls(
             quick=False,
             reps=reps or 3,
-            steps=150,
-            fault_step=125,
+            steps=100,
+            fault_step=75,
             ckpt_every=(10, 50),
             hang_timeout_s=60.0,
             trial_timeout_s=400.0,
             node_trial_timeout_s=180.0,
             error_kinds=error_kinds(),
+            torchrun_error_kinds=ONE_PER_SEVERITY,
             soak_s=600.0,
         )
 

@@ -90,11 +90,18 @@ class Policy:
             sim.start(task)
 
     def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
-        raise NotImplementedError
+        """A fault hit ``task`` (the baselines: whatever the severity, :meth:`_fail`)."""
+        self._fail(sim, task, signal)
 
     def on_node_lost(
         self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
     ) -> None:
+        """``node`` left the cluster; ``task`` ran on it, if any (the baselines: :meth:`_fail`)."""
+        if task is not None:
+            self._fail(sim, task, signal)
+
+    def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
+        """How a baseline answers any failure of ``task`` seen through ``signal``."""
         raise NotImplementedError
 
     def on_node_back(self, sim: Simulation, node: str) -> None:
@@ -173,15 +180,6 @@ class Megatron(Policy):
             return
         sim.recover(task, [("transition", self._restart_cost(task))], sim.starter(task))
 
-    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
-        self._fail(sim, task, signal)
-
-    def on_node_lost(
-        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
-    ) -> None:
-        if task is not None:
-            self._fail(sim, task, signal)
-
     def on_node_back(self, sim: Simulation, node: str) -> None:
         for task in sim.tasks.values():
             if task.mode is Mode.IDLE and task.target > 0:
@@ -256,15 +254,6 @@ class Varuna(Policy):
             return
         sim.recover(task, [("transition", self._cost(task))], sim.starter(task))
 
-    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
-        self._fail(sim, task, signal)
-
-    def on_node_lost(
-        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
-    ) -> None:
-        if task is not None:
-            self._fail(sim, task, signal)
-
     def on_node_back(self, sim: Simulation, node: str) -> None:
         def cost(t: TaskRun) -> float:  # checkpoint, then restart bigger: no work lost
             save = self._load_s(t, t.target, self.storage_bw_per_node)
@@ -305,15 +294,6 @@ class Oobleck(Policy):
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d), ("transition", self.reconfigure_s)], sim.starter(task))
 
-    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
-        self._fail(sim, task, signal)
-
-    def on_node_lost(
-        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
-    ) -> None:
-        if task is not None:
-            self._fail(sim, task, signal)
-
     def on_node_back(self, sim: Simulation, node: str) -> None:
         self._grow_below_target(sim, lambda _t: self.reconfigure_s, running_too=True)
 
@@ -353,15 +333,6 @@ class Bamboo(Policy):
             return
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d), ("transition", self.failover_s)], sim.starter(task))
-
-    def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
-        self._fail(sim, task, signal)
-
-    def on_node_lost(
-        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
-    ) -> None:
-        if task is not None:
-            self._fail(sim, task, signal)
 
     def on_node_back(self, sim: Simulation, node: str) -> None:
         self._grow_below_target(sim, lambda _t: self.reconfigure_s, running_too=True)
