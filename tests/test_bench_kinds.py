@@ -51,7 +51,8 @@ def test_error_kinds_cover_the_table_but_unknown() -> None:
     assert severities == sorted(severities, reverse=True)  # SEV3 first, SEV1 last
     assert Settings.make(quick=False).error_kinds == kinds
     assert quick().error_kinds == ONE_PER_SEVERITY
-    assert quick().torchrun_error_kinds == Settings.make(quick=False).torchrun_error_kinds
+    assert quick().torchrun_error_kinds == (quick().error_kind,)
+    assert Settings.make(quick=False).torchrun_error_kinds == ONE_PER_SEVERITY
     # the quick subset has every severity, and its order is the full one's
     assert {verdict_for_kind(k).severity for k in ONE_PER_SEVERITY} == set(Severity)
     assert list(ONE_PER_SEVERITY) == [k for k in kinds if k in ONE_PER_SEVERITY]
@@ -85,8 +86,8 @@ def test_error_cells_per_kind() -> None:
         by_kind.setdefault(scenario.kind, []).append(arm.label)
     assert list(by_kind) == list(ONE_PER_SEVERITY)
     per_kind = ["unicron", "torchrun K=10 timeout=60s"]
-    for labels in by_kind.values():  # quick: the extra arms of the default kind are left out
-        assert labels == per_kind
+    for kind, labels in by_kind.items():  # quick: torchrun on the default kind only, no extras
+        assert labels == (per_kind if kind == s.error_kind else ["unicron"]), kind
     full = Settings.make(quick=False)
     cells = cells_for("error", full, SYSTEMS, Lookup(Path("/nonexistent")))
     default = [arm.label for scenario, arm in cells if scenario.kind == full.error_kind]

@@ -84,6 +84,30 @@ def test_hang_is_detected_by_the_monitor_and_the_hung_worker_restarted(
     assert r.of("step_end")[-1]["workers"] == 4
 
 
+def test_a_lone_worker_hang_is_confirmed_at_twice_its_deadline_and_healed_from_the_checkpoint(
+    run: Any, clean: RunResult
+) -> None:
+    # one worker: no peer can vouch that the step hangs, so the agent waits two allowances
+    r = run(
+        "--nproc-per-node", "1", "--checkpoint-every", "5", "--inject", "hang:rank=0,step=12",
+        steps=STEPS,
+    )  # fmt: skip
+    _healed(r, clean)  # exact: the same parameters as 4 workers without a fault
+    fault = _fault(r, "hang")
+    (hang,) = [e for e in r.of("error_detected") if e["kind"] == "hang"]
+    assert hang["method"] == "monitor" and hang["slot"] == 0 and "alone" in hang["reason"]
+    before = [e["duration_s"] for e in r.of("step_end") if e["step"] < fault["step"]]
+    target_s = 2 * max(3 * statistics.median(before), 1.0) + 0.5
+    latency_s = hang["ts"] - fault["ts"]
+    assert 0.5 * target_s <= latency_s < 10 * target_s, (latency_s, target_s)
+    assert [e["slot"] for e in _actions(r, "restart")] == [0], r.of("action")
+    # nothing else held the state: it came back from the checkpoint of step 10, in a new epoch
+    # (the restarted worker does not join the stale one that named its previous incarnation)
+    after = [e for e in r.of("transition_end") if e["ts"] > hang["ts"]]
+    assert [(e["epoch"], e["step"], e["state_source"]) for e in after] == [(2, 10, "checkpoint")]
+    assert [e["step"] for e in r.of("step_end")].count(10) == 2  # steps 10-11 redone, visibly
+
+
 def test_sev3_error_is_reattempted_in_place_without_a_new_epoch(run: Any, clean: RunResult) -> None:
     r = run(
         "--nproc-per-node", "4", "--inject", "error:rank=1,step=10,kind=conn_reset", steps=STEPS

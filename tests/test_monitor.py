@@ -190,8 +190,46 @@ def test_forget_drops_a_worker_and_it_warms_up_again() -> None:
     m.forget(1)
     assert m.hang_deadline(1) is None
     assert m.check(run.t + 100.0) == []  # nothing about the forgotten worker
-    m.step_started(1, run.step + 1, run.t)  # restarted: warm-up deadline again
-    assert m.hang_deadline(1) == run.t + s.warmup_hang_s
+    m.step_started(1, run.step + 1, run.t)  # restarted into a running task: the rejoin deadline
+    assert m.hang_deadline(1) == run.t + s.rejoin_hang_s
+    assert m.check(run.t + s.rejoin_hang_s - 0.01) == []
+    (found,) = m.check(run.t + s.rejoin_hang_s)
+    assert (found.kind, found.worker) == ("hang", 1) and "joined a running task" in found.reason
+
+
+def test_a_rejoining_worker_with_slow_peers_gets_their_pace_times_the_leniency() -> None:
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=4.0, sigma=0.0, spike_p=0.0)  # 4 s steps: 12 x 4.8 s > rejoin_hang_s
+    m.forget(3)
+    expected = m.expected_step_s()  # the other three's
+    assert expected is not None
+    m.step_started(3, run.step, run.t)
+    limit = s.hang_factor * s.relearn_factor * expected
+    assert limit > s.rejoin_hang_s and m.hang_deadline(3) == pytest.approx(run.t + limit)
+
+
+def test_without_warm_peers_the_warmup_deadline_stands() -> None:
+    s = MonitorSettings(warmup_steps=5)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(3)  # everyone still warming up
+    m.forget(2)
+    m.step_started(2, run.step, run.t)
+    assert m.hang_deadline(2) == run.t + s.warmup_hang_s
+
+
+def test_overrun_counts_allowances() -> None:
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=0.1)
+    assert m.overrun(0, run.t) is None  # no step in progress
+    m.step_started(0, run.step, run.t)
+    allowance = s.hang_floor_s  # 3 x ~0.1 s is under the floor
+    assert m.overrun(0, run.t + allowance) == pytest.approx(1.0)
+    assert m.overrun(0, run.t + 2 * allowance) == pytest.approx(2.0)
 
 
 def test_finish_without_start_is_tolerated() -> None:
@@ -210,6 +248,8 @@ def test_finish_without_start_is_tolerated() -> None:
         ("hang_factor", math.nan),
         ("hang_floor_s", 0.0),
         ("warmup_hang_s", 0.5),  # below the floor
+        ("rejoin_hang_s", 0.5),  # below the floor
+        ("rejoin_hang_s", 301.0),  # above the warm-up deadline
         ("window", 2),
         ("shift_ratio", 1.0),
         ("shift_steps", 51),  # above the window

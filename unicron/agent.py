@@ -50,6 +50,9 @@ log = logging.getLogger("unicron.agent")
 
 EXIT_GRACE_S = 0.3
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
+LONE_HANG_OVERRUN = 2.0
+"""a lone member's step is a hang once it lasts this many times its hang allowance (with a
+peer, the peer finishing the step is the evidence; alone, killing costs a checkpoint reload)"""
 
 
 @dataclass
@@ -400,7 +403,9 @@ class Agent:
     def _check_monitor(self, now: float) -> None:
         """Act on the monitor's verdicts. A step past its hang deadline is a hang only once a
         peer has finished computing that step: when every member is late together the machine
-        is slow (or a collective is stuck), and killing them all would lose the state."""
+        is slow (or a collective is stuck), and killing them all would lose the state. A lone
+        member has no peer to vouch: its hang is confirmed once the step has lasted
+        :data:`LONE_HANG_OVERRUN` times its allowance."""
         assert self.monitor is not None
         for slot in list(self._suspects):
             self._check_monitor_suspect(slot, now)
@@ -422,11 +427,23 @@ class Agent:
         w = self.workers[slot]
         if w.gone or w.step != step or self._step_done.get(slot, -1) >= step:
             del self._suspects[slot]  # it moved on, or it is gone
-        elif self.coordinator.peer_ahead(slot, step):
-            del self._suspects[slot]
-            reason = self._suspect_reason.pop(slot, "")
-            self._emit_detection(slot, step, verdict, now, "monitor", reason=reason)
-            self.kill(slot, verdict)
+            return
+        peer = self.coordinator.peer_ahead(slot, step)
+        lone = not peer and self._lone_overrun(slot, now)
+        if not (peer or lone):
+            return
+        del self._suspects[slot]
+        reason = self._suspect_reason.pop(slot, "")
+        if lone:
+            reason += f"; alone in its epoch: confirmed at {LONE_HANG_OVERRUN:g}x the allowance"
+        self._emit_detection(slot, step, verdict, now, "monitor", reason=reason)
+        self.kill(slot, verdict)
+
+    def _lone_overrun(self, slot: int, now: float) -> bool:
+        """``slot`` is alone in its epoch and its step has overrun the lone worker's bound."""
+        assert self.monitor is not None
+        overrun = self.monitor.overrun(slot, now)
+        return overrun is not None and overrun >= LONE_HANG_OVERRUN and self.coordinator.alone(slot)
 
     def _emit_detection(
         self,

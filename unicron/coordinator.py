@@ -280,6 +280,12 @@ class Coordinator:
         with self._lock:
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
 
+    def alone(self, slot: int) -> bool:
+        """Whether ``slot`` is the only member of the current epoch: no peer can vouch that
+        its step hangs rather than the machine being slow."""
+        with self._lock:
+            return self.members == (slot,)
+
     def first_commit_report(self, epoch: int, step: int) -> bool:
         """True for the first report of ``step`` committed in ``epoch`` (every member sends
         one; the event log keeps one)."""

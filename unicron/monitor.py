@@ -14,7 +14,9 @@ Two detectors:
   hang_floor_s)``. The expected step time is the median of the worker's recent wall-clock
   step durations (a sliding window, so one slow step does not move it), after the first
   ``warmup_steps`` steps (imports, compilation, allocator growth), which are ignored. Until
-  there is an expectation, ``warmup_hang_s`` applies. When the step time shifts for
+  there is an expectation, ``warmup_hang_s`` applies, unless the worker joined a task whose
+  other workers have one (a restarted worker): then ``max(hang_factor x relearn_factor x the
+  task's expected step time, rejoin_hang_s)``. When the step time shifts for
   ``shift_steps`` consecutive steps (by more than ``shift_ratio`` either way) the window
   restarts from those steps: the workload changed legitimately. A membership change is
   announced with :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time,
@@ -64,6 +66,9 @@ class MonitorSettings:
     """first steps of each worker (and of each restarted worker) left out of the statistics"""
     warmup_hang_s: float = 300.0
     """hang deadline while a worker has no expectation yet (warm-up); ``math.inf`` disables"""
+    rejoin_hang_s: float = 30.0
+    """the least hang deadline of a worker without an expectation whose peers have one (it
+    was restarted into a running task): its first steps are cold, but imports are done"""
     hang_factor: float = 3.0
     """k: a step longer than k x the expected step time is a hang"""
     hang_floor_s: float = 1.0
@@ -87,6 +92,7 @@ class MonitorSettings:
         _check_range("warmup_steps", self.warmup_steps, 0, 10_000)
         _check_range("hang_floor_s", self.hang_floor_s, 0.0, 86_400.0, lo_open=True)
         _check_range("warmup_hang_s", self.warmup_hang_s, self.hang_floor_s, math.inf)
+        _check_range("rejoin_hang_s", self.rejoin_hang_s, self.hang_floor_s, self.warmup_hang_s)
         _check_range("hang_factor", self.hang_factor, 1.0, 1_000.0, lo_open=True)
         _check_range("window", self.window, _MIN_SAMPLES, 100_000)
         _check_range("shift_ratio", self.shift_ratio, 1.0, 100.0, lo_open=True)
@@ -210,16 +216,26 @@ class StepMonitor:
         w = self._workers.get(worker)
         if w is None or w.started_at is None:
             return None
-        return w.started_at + self._allowance(w)[0]
+        return w.started_at + self._allowance(w, self.expected_step_s())[0]
+
+    def overrun(self, worker: int, now: float) -> float | None:
+        """How many hang allowances ``worker``'s current step has lasted at ``now`` (1.0 at
+        its deadline); ``None`` if it has no step in progress. The agent confirms a lone
+        worker's hang, which no peer can vouch for, on a larger overrun."""
+        w = self._workers.get(worker)
+        if w is None or w.started_at is None:
+            return None
+        return (now - w.started_at) / self._allowance(w, self.expected_step_s())[0]
 
     def check(self, now: float) -> list[Detection]:
         """New detections since the last call: hangs past their deadline at ``now`` and the
         stragglers found by the step reports. Each condition is returned once."""
         found, self._found = self._found, []
+        task_expected = self.expected_step_s()
         for worker, w in sorted(self._workers.items()):
             if w.started_at is None or w.step is None or w.hang_reported:
                 continue
-            allowance, basis = self._allowance(w)
+            allowance, basis = self._allowance(w, task_expected)
             if now >= w.started_at + allowance:
                 w.hang_reported = True
                 reason = (
@@ -239,8 +255,9 @@ class StepMonitor:
     def _expected(self, w: _Worker) -> float | None:
         return _median(list(w.window)) if len(w.window) >= _MIN_SAMPLES else None
 
-    def _allowance(self, w: _Worker) -> tuple[float, str]:
-        """Seconds a step of ``w`` may take, and why (for the reason)."""
+    def _allowance(self, w: _Worker, task_expected: float | None) -> tuple[float, str]:
+        """Seconds a step of ``w`` may take, and why (for the reason); ``task_expected`` is
+        :meth:`expected_step_s` (``w`` counts in it only once it has an expectation)."""
         s = self.settings
         expected = self._expected(w)
         if expected is not None:
@@ -252,6 +269,12 @@ class StepMonitor:
             return max(factor * w.previous, s.hang_floor_s), (
                 f"re-learning after a membership change: max({factor:g} x previous "
                 f"{w.previous:.3f} s, floor {s.hang_floor_s:g} s)"
+            )
+        if task_expected is not None:
+            factor = s.hang_factor * s.relearn_factor
+            return max(factor * task_expected, s.rejoin_hang_s), (
+                f"joined a running task: max({factor:g} x the task's expected "
+                f"{task_expected:.3f} s, {s.rejoin_hang_s:g} s)"
             )
         return s.warmup_hang_s, f"warm-up deadline {s.warmup_hang_s:g} s"
 

@@ -226,8 +226,10 @@ class _Runner:
 
     # -- the loops --------------------------------------------------------------------------
     def run(self) -> TrainResult | None:
+        # an epoch announced before this process was ready names its previous incarnation (a
+        # restart): never join it, even if it is still the newest (a lone worker's restart)
+        epoch, last_loss = self.watch.latest(), float("nan")
         self.link.send({"type": "ready", "microbatches": self.M})
-        epoch, last_loss = 0, float("nan")
         while self.step < self.steps:
             info = self._wait_for_epoch(after=epoch)
             if info is None:
