@@ -6,8 +6,9 @@
 
 An unknown scenario or system lists the known ones and exits 2. Each scenario's rows are
 saved as soon as it ends: into ``bench/results/<scenario>.json``, in place of the old rows
-when every system ran, else merged with them. A run of the whole suite (no ``--scenario``,
-``--system`` or ``--reps``) also records its duration in ``bench/results/runs.json``.
+after a run of the whole full suite, else merged with them. A run of the whole suite (no
+``--scenario``, ``--system`` or ``--reps``) also records its duration in
+``bench/results/runs.json``.
 ``bench/results/SUMMARY.md`` is regenerated at the end.
 """
 
@@ -30,7 +31,7 @@ from bench.common import (
     save_scenario,
     write_summary,
 )
-from bench.suite import MODULES, SYSTEMS, known_scenarios, run_suite
+from bench.suite import SYSTEMS, known_scenarios, run_suite
 from bench.systems.base import Settings
 
 
@@ -107,38 +108,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     settings = Settings.make(args.quick, args.reps)
     mode = "quick" if args.quick else "full"
+    whole = not (args.scenario or args.system or args.reps)
+    # only a whole full run stands for every row; anything less merges, keeping the rows it
+    # does not make (the full suite's extra arms and kinds, with their dates)
+    replace = whole and not args.quick
     durations: dict[str, float] = {}
 
     def save(name: str, rows: list[Row], seconds: float) -> None:
         durations[name] = seconds
         print(f"scenario {name}: {seconds / 60:.1f} min", flush=True)
         try:
-            save_scenario(rows, name, args.results, replace=name in MODULES or not args.system)
+            save_scenario(rows, name, args.results, replace=replace)
         except ValueError as exc:  # a module's bad rows must not lose the others' results
             print(f"python -m bench: {name}: not saved: {exc}", file=sys.stderr)
 
     started, began = now_iso(), time.monotonic()
-    results = run_suite(
-        args.scenario or scenarios,
-        args.system or list(SYSTEMS),
-        settings,
-        args.results,
-        on_trial=_progress,
-        on_scenario=save,
-    )
-    total = time.monotonic() - began
-    everything = [row for rows in results.values() for row in rows]
-    print_table(everything, title=f"Unicron benchmarks ({mode}, {total / 60:.1f} min)")
-    if not (args.scenario or args.system or args.reps):
-        record_run(
+    try:
+        results = run_suite(
+            args.scenario or scenarios,
+            args.system or list(SYSTEMS),
+            settings,
             args.results,
-            mode,
-            started=started,
-            total_s=total,
-            scenarios_s=durations,
-            settings=dataclasses.asdict(settings),
+            on_trial=_progress,
+            on_scenario=save,
         )
-    print(f"wrote {write_summary(args.results)}")
+        total = time.monotonic() - began
+        everything = [row for rows in results.values() for row in rows]
+        print_table(everything, title=f"Unicron benchmarks ({mode}, {total / 60:.1f} min)")
+        if whole:
+            record_run(
+                args.results,
+                mode,
+                started=started,
+                total_s=total,
+                scenarios_s=durations,
+                settings=dataclasses.asdict(settings),
+            )
+    finally:  # the summary follows the saved files, also after an interruption
+        print(f"wrote {write_summary(args.results)}")
     return 0
 
 

@@ -239,8 +239,7 @@ def record_run(
     repetitions; the entry of ``mode`` (``quick`` or ``full``) is replaced, the other kept.
     """
     path = results_dir / RUNS_FILE
-    runs = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    runs = runs if isinstance(runs, dict) else {}
+    runs = _load_runs(results_dir)
     runs[mode] = {
         "started": started,
         "total_s": round(total_s, 1),
@@ -252,11 +251,21 @@ def record_run(
     return path
 
 
+def _load_runs(results_dir: Path) -> dict[str, Any]:
+    """``runs.json`` as mode -> run; empty if it is missing or unreadable (it is rewritten
+    whole by the next run, so a damaged one is only a lost record, never a stopped suite)."""
+    path = results_dir / RUNS_FILE
+    try:
+        runs = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in runs.items() if isinstance(v, dict)} if isinstance(runs, dict) else {}
+
+
 def _runs_markdown(results_dir: Path) -> list[str]:
     """The "Suite runs" section of the summary: each mode's latest whole-suite duration."""
-    path = results_dir / RUNS_FILE
-    runs = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    if not isinstance(runs, dict) or not runs:
+    runs = _load_runs(results_dir)
+    if not runs:
         return []
     lines = [
         "## Suite runs",

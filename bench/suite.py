@@ -200,9 +200,13 @@ class Lookup:
         self.results_dir = results_dir
         self.rows: list[Row] = []
 
-    def median(self, system: str, scenario: str, metric: str) -> float | None:
-        """The median of (system, scenario, metric), or ``None`` if there is no ok row."""
-        for source in (self.rows, load_rows(self.results_dir / f"{scenario}.json")):
+    def median(
+        self, system: str, scenario: str, metric: str, *, this_run: bool = False
+    ) -> float | None:
+        """The median of (system, scenario, metric), or ``None`` if there is no ok row;
+        ``this_run``: only from this invocation (a figure that depends on the settings)."""
+        saved = [] if this_run else load_rows(self.results_dir / f"{scenario}.json")
+        for source in (self.rows, saved):
             for row in source:
                 key = (row["system"], row["scenario"], row["metric"], row["status"])
                 if key == (system, scenario, metric, "ok") and row["median"] is not None:
@@ -403,7 +407,8 @@ def derived_rows(
     kind = settings.error_kind if scenario.name == "error" else None
     for label in labels:
         wall = ok.get((label, kind_metric("wall_s", kind)))
-        steady = lookup.median(base_label(label), "steady", "wall_s")
+        # the fault-free wall of the same steps: only a steady run of this invocation has them
+        steady = lookup.median(base_label(label), "steady", "wall_s", this_run=True)
         # no fault cost for a node loss: its fault-free twin (two agents) is not measured, and
         # the survivors train the rest on half the workers
         if wall is not None and steady is not None and scenario.name != "node":

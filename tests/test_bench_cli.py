@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import bench.__main__ as cli
-from bench.common import Row, load_rows, make_row
+from bench.common import Row, load_rows, make_row, save_scenario
 from bench.suite import SYSTEMS, derived_rows, known_scenarios, run_training, training_scenario
 from bench.systems.base import Scenario, Settings, TrialError
 
@@ -229,9 +229,15 @@ def test_each_scenario_is_saved_as_it_ends_and_a_whole_run_is_timed(
         return out
 
     monkeypatch.setattr(cli, "run_suite", fake_suite)
+    full_only = make_row(system="torchft", scenario="steady", metric="wall_s", values=[7.0])
+    save_scenario([full_only], "steady", tmp_path)
     assert cli.main(["--quick", "--results", str(tmp_path)]) == 0
     assert seen == [False, True]
-    assert load_rows(tmp_path / "steady.json")[0]["median"] == 1.0
+    # a quick run merges: the row it does not make stays
+    assert {r["system"]: r["median"] for r in load_rows(tmp_path / "steady.json")} == {
+        "torchft": 7.0,
+        "unicron": 1.0,
+    }
     runs = json.loads((tmp_path / "runs.json").read_text())
     assert runs["quick"]["scenarios_s"] == {"crash": 90.0, "steady": 90.0}
     assert runs["quick"]["settings"]["quick"] is True
@@ -241,3 +247,24 @@ def test_each_scenario_is_saved_as_it_ends_and_a_whole_run_is_timed(
     for argv in (["--system", "unicron"], ["--scenario", "crash"], ["--reps", "1"]):
         assert cli.main(["--quick", "--results", str(tmp_path), *argv]) == 0
     assert not (tmp_path / "runs.json").exists()
+    assert len(load_rows(tmp_path / "steady.json")) == 2
+    # the whole full suite stands for every row: it replaces; a damaged runs.json is rewritten
+    (tmp_path / "runs.json").write_text("{not json")
+    assert cli.main(["--results", str(tmp_path)]) == 0
+    assert [r["system"] for r in load_rows(tmp_path / "steady.json")] == ["unicron"]
+    assert set(json.loads((tmp_path / "runs.json").read_text())) == {"full"}
+
+
+def test_the_summary_is_written_even_when_the_suite_is_interrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: Any, on_scenario: Any, **kwargs: Any) -> dict[str, list[Row]]:
+        rows = [make_row(system="unicron", scenario="crash", metric="wall_s", values=[3.0])]
+        on_scenario("crash", rows, 10.0)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "run_suite", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["--results", str(tmp_path)])
+    assert "| unicron | wall_s | 3 s |" in (tmp_path / "SUMMARY.md").read_text()
+    assert not (tmp_path / "runs.json").exists()  # not a whole run

@@ -197,17 +197,18 @@ def test_error_rows_are_named_per_kind(tmp_path: Path) -> None:
 
 def test_error_derived_rows_only_for_the_default_kind(tmp_path: Path) -> None:
     s = quick(1)
-    save_scenario(
-        [make_row(system="unicron", scenario="steady", metric="wall_s", values=[8.0])],
-        "steady",
-        tmp_path,
-    )
+    steady = [make_row(system="unicron", scenario="steady", metric="wall_s", values=[8.0])]
     rows = [
         make_row(system="unicron", scenario="error", metric=f"{m}[{k}]", values=[v])
         for k in ("conn_reset", "cuda")
         for m, v in (("wall_s", 18.0), ("recovery_s", 0.6))
     ]
-    out = derived_rows(training_scenario("error", s), rows, Lookup(tmp_path), s, host="m")
+    # a saved steady run may have had other settings (steps): no fault cost from it
+    save_scenario(steady, "steady", tmp_path)
+    assert derived_rows(training_scenario("error", s), rows, Lookup(tmp_path), s, host="m") == []
+    lookup = Lookup(tmp_path)
+    lookup.rows += steady  # measured in this invocation
+    out = derived_rows(training_scenario("error", s), rows, lookup, s, host="m")
     assert [r["metric"] for r in out] == ["fault_cost_s[cuda]"]
     assert out[0]["median"] == pytest.approx(10.0) and out[0]["status"] == "derived"
 

@@ -108,6 +108,22 @@ def test_a_lone_worker_hang_is_confirmed_at_twice_its_deadline_and_healed_from_t
     assert [e["step"] for e in r.of("step_end")].count(10) == 2  # steps 10-11 redone, visibly
 
 
+def test_a_lone_slow_worker_with_no_copy_of_its_state_is_reported_not_killed(run: Any) -> None:
+    # alone and no checkpoint: a kill would lose the only state; 30x slower steps overrun the
+    # lone deadline (2 x max(3 x ~0.1 s, 1 s)), are reported, and the run still finishes
+    steps = 16
+    r = run(
+        "--nproc-per-node", "1", "--checkpoint-every", "0",
+        "--inject", "slow:rank=0,step=12,factor=30", steps=steps,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["status"] == "ok" and r.task_end["steps"] == steps
+    hangs = [e for e in r.of("error_detected") if e["kind"] == "hang"]
+    assert hangs and all("not killed" in e["reason"] for e in hangs), hangs
+    assert not r.of("action"), r.of("action")
+    assert len(r.of("epoch_begin")) == 1
+
+
 def test_sev3_error_is_reattempted_in_place_without_a_new_epoch(run: Any, clean: RunResult) -> None:
     r = run(
         "--nproc-per-node", "4", "--inject", "error:rank=1,step=10,kind=conn_reset", steps=STEPS

@@ -190,8 +190,31 @@ def test_forget_drops_a_worker_and_it_warms_up_again() -> None:
     m.forget(1)
     assert m.hang_deadline(1) is None
     assert m.check(run.t + 100.0) == []  # nothing about the forgotten worker
-    m.step_started(1, run.step + 1, run.t)  # restarted into a running task: the rejoin deadline
-    assert m.hang_deadline(1) == run.t + s.rejoin_hang_s
+
+
+def _restart(m: StepMonitor, run: Run, worker: int, compute_s: float = 0.1) -> None:
+    """What the agent does when ``worker`` is restarted into the running task: forget it, then
+    the new epoch's ``reset_expectation``, then the new process's first (cold) step."""
+    m.forget(worker)
+    m.reset_expectation()
+    assert m.hang_deadline(worker) is None
+    m.step_started(worker, run.step, run.t)
+    s = m.settings
+    assert m.hang_deadline(worker) == run.t + s.warmup_hang_s  # the cold step: warm-up deadline
+    run.t += 2.0  # slow, as a fresh process's first step is
+    m.step_finished(worker, run.step, compute_s, run.t)
+    assert m.check(run.t) == []
+
+
+def test_a_restarted_worker_gets_the_rejoin_deadline_after_its_cold_first_step() -> None:
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=0.1)
+    _restart(m, run, 1)
+    # its peers re-learn too (their windows emptied), but their previous pace stands in
+    m.step_started(1, run.step + 1, run.t)
+    assert m.hang_deadline(1) == run.t + s.rejoin_hang_s  # 12 x ~0.1 s is under 30 s
     assert m.check(run.t + s.rejoin_hang_s - 0.01) == []
     (found,) = m.check(run.t + s.rejoin_hang_s)
     assert (found.kind, found.worker) == ("hang", 1) and "joined a running task" in found.reason
@@ -203,10 +226,11 @@ def test_a_rejoining_worker_with_slow_peers_gets_their_pace_times_the_leniency()
     run = Run(m)
     run.steps(20, base_s=4.0, sigma=0.0, spike_p=0.0)  # 4 s steps: 12 x 4.8 s > rejoin_hang_s
     m.forget(3)
-    expected = m.expected_step_s()  # the other three's
-    assert expected is not None
-    m.step_started(3, run.step, run.t)
-    limit = s.hang_factor * s.relearn_factor * expected
+    pace = m.expected_step_s()  # the other three's
+    assert pace is not None
+    _restart(m, run, 3, compute_s=4.0)
+    m.step_started(3, run.step + 1, run.t)
+    limit = s.hang_factor * s.relearn_factor * pace
     assert limit > s.rejoin_hang_s and m.hang_deadline(3) == pytest.approx(run.t + limit)
 
 
@@ -214,9 +238,9 @@ def test_without_warm_peers_the_warmup_deadline_stands() -> None:
     s = MonitorSettings(warmup_steps=5)
     m = StepMonitor(s)
     run = Run(m)
-    run.steps(3)  # everyone still warming up
-    m.forget(2)
-    m.step_started(2, run.step, run.t)
+    run.steps(3)  # everyone still warming up: nobody knows the pace
+    _restart(m, run, 2)
+    m.step_started(2, run.step + 1, run.t)
     assert m.hang_deadline(2) == run.t + s.warmup_hang_s
 
 

@@ -436,6 +436,13 @@ class Agent:
         reason = self._suspect_reason.pop(slot, "")
         if lone:
             reason += f"; alone in its epoch: confirmed at {LONE_HANG_OVERRUN:g}x the allowance"
+            if not self.coordinator.state_survives(slot):
+                # killing it would lose the task's only copy of its state: if it is merely
+                # slow it may still finish; say so and leave it running
+                reason += "; not killed: no other replica and no checkpoint hold the state"
+                log.warning("slot %d: %s", slot, reason)
+                self._emit_detection(slot, step, verdict, now, "monitor", reason=reason)
+                return
         self._emit_detection(slot, step, verdict, now, "monitor", reason=reason)
         self.kill(slot, verdict)
 

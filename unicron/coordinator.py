@@ -286,6 +286,13 @@ class Coordinator:
         with self._lock:
             return self.members == (slot,)
 
+    def state_survives(self, slot: int) -> bool:
+        """Whether the task's state outlives the worker in ``slot``: another live replica
+        holds it, or there is a checkpoint (the condition ``_reform`` goes on with)."""
+        with self._lock:
+            others = any(s != slot and o.alive and o.has_state for s, o in self.slots.items())
+            return others or self._has_checkpoint()
+
     def first_commit_report(self, epoch: int, step: int) -> bool:
         """True for the first report of ``step`` committed in ``epoch`` (every member sends
         one; the event log keeps one)."""

@@ -14,9 +14,11 @@ Two detectors:
   hang_floor_s)``. The expected step time is the median of the worker's recent wall-clock
   step durations (a sliding window, so one slow step does not move it), after the first
   ``warmup_steps`` steps (imports, compilation, allocator growth), which are ignored. Until
-  there is an expectation, ``warmup_hang_s`` applies, unless the worker joined a task whose
-  other workers have one (a restarted worker): then ``max(hang_factor x relearn_factor x the
-  task's expected step time, rejoin_hang_s)``. When the step time shifts for
+  there is an expectation, ``warmup_hang_s`` applies, except to a worker that joined a task
+  whose other workers know their pace (a restarted worker) and has finished its own first,
+  cold step: then ``max(hang_factor x relearn_factor x the task's pace, rejoin_hang_s)``, the
+  pace being the median of the others' expectations (or, while they re-learn after the
+  membership change, of their previous ones). When the step time shifts for
   ``shift_steps`` consecutive steps (by more than ``shift_ratio`` either way) the window
   restarts from those steps: the workload changed legitimately. A membership change is
   announced with :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time,
@@ -67,8 +69,9 @@ class MonitorSettings:
     warmup_hang_s: float = 300.0
     """hang deadline while a worker has no expectation yet (warm-up); ``math.inf`` disables"""
     rejoin_hang_s: float = 30.0
-    """the least hang deadline of a worker without an expectation whose peers have one (it
-    was restarted into a running task): its first steps are cold, but imports are done"""
+    """the least hang deadline of a worker without an expectation whose peers know their pace
+    (it was restarted into a running task), from its second step on (the first is cold: a new
+    allocator, lazy initialisation, a compile; it keeps ``warmup_hang_s``)"""
     hang_factor: float = 3.0
     """k: a step longer than k x the expected step time is a hang"""
     hang_floor_s: float = 1.0
@@ -216,7 +219,7 @@ class StepMonitor:
         w = self._workers.get(worker)
         if w is None or w.started_at is None:
             return None
-        return w.started_at + self._allowance(w, self.expected_step_s())[0]
+        return w.started_at + self._allowance(w, self._pace())[0]
 
     def overrun(self, worker: int, now: float) -> float | None:
         """How many hang allowances ``worker``'s current step has lasted at ``now`` (1.0 at
@@ -225,17 +228,17 @@ class StepMonitor:
         w = self._workers.get(worker)
         if w is None or w.started_at is None:
             return None
-        return (now - w.started_at) / self._allowance(w, self.expected_step_s())[0]
+        return (now - w.started_at) / self._allowance(w, self._pace())[0]
 
     def check(self, now: float) -> list[Detection]:
         """New detections since the last call: hangs past their deadline at ``now`` and the
         stragglers found by the step reports. Each condition is returned once."""
         found, self._found = self._found, []
-        task_expected = self.expected_step_s()
+        pace = self._pace()
         for worker, w in sorted(self._workers.items()):
             if w.started_at is None or w.step is None or w.hang_reported:
                 continue
-            allowance, basis = self._allowance(w, task_expected)
+            allowance, basis = self._allowance(w, pace)
             if now >= w.started_at + allowance:
                 w.hang_reported = True
                 reason = (
@@ -255,9 +258,17 @@ class StepMonitor:
     def _expected(self, w: _Worker) -> float | None:
         return _median(list(w.window)) if len(w.window) >= _MIN_SAMPLES else None
 
-    def _allowance(self, w: _Worker, task_expected: float | None) -> tuple[float, str]:
-        """Seconds a step of ``w`` may take, and why (for the reason); ``task_expected`` is
-        :meth:`expected_step_s` (``w`` counts in it only once it has an expectation)."""
+    def _pace(self) -> float | None:
+        """The task's step time as its workers know it: the median over workers of their
+        expectations, or of their previous ones while they re-learn; ``None`` if nobody knows."""
+        values = [
+            e for w in self._workers.values() if (e := self._expected(w) or w.previous) is not None
+        ]
+        return _median(values) if values else None
+
+    def _allowance(self, w: _Worker, pace: float | None) -> tuple[float, str]:
+        """Seconds a step of ``w`` may take, and why (for the reason); ``pace`` is
+        :meth:`_pace` (``w`` counts in it only once it has an expectation)."""
         s = self.settings
         expected = self._expected(w)
         if expected is not None:
@@ -270,11 +281,11 @@ class StepMonitor:
                 f"re-learning after a membership change: max({factor:g} x previous "
                 f"{w.previous:.3f} s, floor {s.hang_floor_s:g} s)"
             )
-        if task_expected is not None:
+        if pace is not None and w.finished >= 1:
             factor = s.hang_factor * s.relearn_factor
-            return max(factor * task_expected, s.rejoin_hang_s), (
-                f"joined a running task: max({factor:g} x the task's expected "
-                f"{task_expected:.3f} s, {s.rejoin_hang_s:g} s)"
+            return max(factor * pace, s.rejoin_hang_s), (
+                f"joined a running task: max({factor:g} x the task's pace "
+                f"{pace:.3f} s, {s.rejoin_hang_s:g} s)"
             )
         return s.warmup_hang_s, f"warm-up deadline {s.warmup_hang_s:g} s"
 
