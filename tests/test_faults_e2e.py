@@ -174,6 +174,24 @@ def test_sev1_error_excludes_the_slot_and_the_task_goes_on_with_three(
     assert r.of("step_end")[-1]["workers"] == 3
 
 
+def test_an_excluded_slot_passes_its_health_probe_and_rejoins(run: Any) -> None:
+    steps = 60
+    ref = run("--nproc-per-node", "4", steps=steps)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    r = run(
+        "--nproc-per-node", "4", "--readmit-after", "0.5",
+        "--inject", "error:rank=3,step=5,kind=ecc", steps=steps,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["params_sha256"] == ref.task_end["params_sha256"]  # exact throughout
+    assert [(e["action"], e["slot"]) for e in r.of("action")] == [("exclude", 3), ("readmit", 3)]
+    excluded, readmitted = r.of("action")
+    assert "passed its health probe" in readmitted["reason"]
+    assert readmitted["ts"] - excluded["ts"] >= 0.5
+    assert _rejoined(r, 3, after=readmitted["ts"])
+    assert r.of("step_end")[-1]["workers"] == 4
+
+
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """One run with a 4x slower worker from step 10 on, shared by the tests below."""

@@ -55,6 +55,7 @@ BAD_INPUT = {
     "rank out of range": (["--inject", "crash:rank=4,step=1", str(TRAIN)], "out of range"),
     "min-workers too high": (["--min-workers", "5", str(TRAIN)], "--min-workers"),
     "nproc not a number": (["--nproc-per-node", "x", str(TRAIN)], "--nproc-per-node"),
+    "readmit-after zero": (["--readmit-after", "0", str(TRAIN)], "--readmit-after"),
 }
 
 

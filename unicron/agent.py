@@ -5,7 +5,8 @@ the warm zygote (:mod:`unicron.launcher`; a plain spawn when the zygote is gone)
 worker that exits or is killed (its socket closes; the zygote reports the exit status), runs
 the online statistical monitor on step times (:mod:`unicron.monitor`), writes what it sees to
 the event log and reports it to the coordinator, and carries out the coordinator's actions
-(:meth:`Agent.spawn`, :meth:`Agent.kill`). Everything runs on one thread, :meth:`Agent.run`.
+(:meth:`Agent.spawn`, :meth:`Agent.kill`, and :meth:`Agent.probe`, the health probe of an
+excluded slot). Everything runs on one thread, :meth:`Agent.run`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ log = logging.getLogger("unicron.agent")
 
 EXIT_GRACE_S = 0.3
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
+PROBE_TIMEOUT_S = 120.0
+"""a health probe (a fresh process: imports, then milliseconds of work) that takes longer fails"""
 LONE_HANG_OVERRUN = 2.0
 """a lone member's step is a hang once it lasts this many times its hang allowance (with a
 peer, the peer finishing the step is the evidence; alone, killing costs a checkpoint reload)"""
@@ -122,6 +125,7 @@ class Agent:
         self._zygote_conn: Connection | None = None
         self._pending_spawns: list[int] = []
         self._by_pid: dict[int, int] = {}
+        self._probes: dict[int, tuple[subprocess.Popen[bytes], float]] = {}  # slot -> (probe, t0)
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
@@ -151,6 +155,10 @@ class Agent:
             if w.popen is not None:
                 w.popen.kill()
                 w.popen.wait()
+        for probe, _ in self._probes.values():
+            probe.kill()
+            probe.wait()
+        self._probes.clear()
         if self._zygote is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._zygote.pid, signal.SIGKILL)
@@ -182,6 +190,40 @@ class Agent:
             w.kill_pending = True  # killed as soon as the zygote says which pid it got
         elif not w.gone:
             _kill(w.pid)
+
+    def probe(self, slot: int) -> None:
+        """Start the health probe of the excluded ``slot`` (``python -m unicron.health``, a
+        fresh process); :meth:`poll` reports its verdict with ``Coordinator.probe_done``."""
+        if slot in self._probes or self.vanished:
+            return
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "unicron.health", "--slot", str(slot)],
+            env=self._base_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self._probes[slot] = (proc, time.time())
+
+    def _check_probes(self, now: float) -> None:
+        """Report every probe that ended (or overran :data:`PROBE_TIMEOUT_S`)."""
+        for slot, (proc, t0) in list(self._probes.items()):
+            if proc.poll() is None and now - t0 < PROBE_TIMEOUT_S:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                ok, detail = False, f"no answer in {PROBE_TIMEOUT_S:g} s"
+            else:
+                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+                lines = out.strip().splitlines()
+                ok = proc.returncode == 0
+                detail = lines[-1] if lines else f"exit code {proc.returncode}"
+            if proc.stdout:
+                proc.stdout.close()
+            del self._probes[slot]
+            self.coordinator.probe_done(slot, ok, detail, now)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, until: threading.Event) -> None:
@@ -226,6 +268,8 @@ class Agent:
             for slot in pending:
                 self._launch(slot)
         self._check_exits(now)
+        if self._probes:
+            self._check_probes(now)
         if self.monitor is not None:
             if self.coordinator.epoch != self._seen_epoch:  # membership changed: re-learn
                 self._seen_epoch = self.coordinator.epoch

@@ -71,6 +71,9 @@ class Action(enum.StrEnum):
     """replan the cluster without excluding anything, e.g. around a straggler (SEV1)"""
     EXCLUDE = "exclude"
     """take a slot or a node out of the plan until it is readmitted, then replan (SEV1)"""
+    READMIT = "readmit"
+    """an excluded slot passed its health probe: back in the plan, a worker starts there
+    (the coordinator's own decision, never a classification rule's)"""
 
 
 class Scope(enum.StrEnum):

@@ -47,6 +47,7 @@ class AgentHandle(Protocol):
 
     def spawn(self, slot: int) -> None: ...
     def kill(self, slot: int, verdict: Verdict | None = None) -> None: ...
+    def probe(self, slot: int) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +65,10 @@ class CoordinatorSettings:
     """a node silent for this long is *suspect*; a suspect node is lost at once when a living
     worker elsewhere reports a failed collective (the in-band symptom of a lost peer), so a
     node loss need not wait out the whole heartbeat timeout"""
+    readmit_after_s: float = 60.0
+    """an excluded slot (not a lost or excluded node) gets a health probe this long after its
+    exclusion, twice as long after each further one; a probe that passes brings it back (a
+    new worker joins the next epoch). ``math.inf``: never"""
     error_grace_s: float = 2.5
     """an in-band error with no process or node failure within this long is healed by a
     reattempt: a new epoch of the same members (fresh process group), keeping every local sum.
@@ -76,6 +81,8 @@ class CoordinatorSettings:
             raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
         if not self.error_grace_s >= 0:
             raise ValueError(f"error_grace_s must be >= 0, got {self.error_grace_s}")
+        if not self.readmit_after_s > 0:
+            raise ValueError(f"readmit_after_s must be > 0, got {self.readmit_after_s}")
         if not self.heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
         if not 0 < self.suspect_after_s <= self.heartbeat_timeout_s:
@@ -138,6 +145,9 @@ class Coordinator:
         self._last_error = ""
         self._last_tick: float | None = None
         self.lost_nodes: set[int] = set()
+        self._excluded_at: dict[int, float] = {}  # slot -> when it was excluded (or re-probed)
+        self._exclusions: dict[int, int] = {}  # slot -> times excluded: the probe backoff
+        self._probing: set[int] = set()
         self.microbatches: int | None = None  # per global batch, learned from the workers
         self.store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
@@ -181,7 +191,7 @@ class Coordinator:
                             o.alive = o.ready = False  # doomed: not a member of the next epoch
                             self.agents[o.node].kill(other, verdict)
             if decision.exclude_slot or decision.action is Action.EXCLUDE:
-                s.excluded = True
+                self._exclude(slot, now)
             if not self._reform(now, f"slot {slot} lost: {verdict.kind}"):
                 return
             if not s.excluded:
@@ -229,7 +239,7 @@ class Coordinator:
             s = self.slots[slot]
             if drop:
                 self._action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", 1, now)
-                s.excluded = True
+                self._exclude(slot, now)
                 self.agents[s.node].kill(slot, verdict)
             else:
                 self._action(Action.RECONFIGURE, slot, f"straggler kept: {reason}", 1, now)
@@ -321,6 +331,7 @@ class Coordinator:
                 self._maybe_start(now)
             elif self.state is TaskState.RUNNING:
                 self._heal_errors(now)
+                self._probe_excluded(now)
                 joiners = tuple(
                     s
                     for s, o in sorted(self.slots.items())
@@ -448,6 +459,53 @@ class Coordinator:
             return True
         self._announce(survivors, urgent=True, now=now, reason=reason)
         return True
+
+    def _exclude(self, slot: int, now: float) -> None:
+        """Take ``slot`` out of the plan until a health probe brings it back."""
+        self.slots[slot].excluded = True
+        self._excluded_at[slot] = now
+        self._exclusions[slot] = self._exclusions.get(slot, 0) + 1
+
+    def _probe_due(self, slot: int) -> float:
+        """When the excluded ``slot`` may be probed: the cool-down doubles per exclusion."""
+        backoff = 2.0 ** (self._exclusions.get(slot, 1) - 1)
+        return self._excluded_at[slot] + self.settings.readmit_after_s * backoff
+
+    def _probe_excluded(self, now: float) -> None:
+        """Ask the agents to probe the excluded slots whose cool-down is over (slots of a
+        lost or excluded node stay out: their node, not the slot, is what failed)."""
+        dead_nodes = self.lost_nodes | self.escalation.excluded_nodes()
+        for slot in self._excluded_at:
+            o = self.slots[slot]
+            if slot in self._probing or not o.excluded or o.node in dead_nodes:
+                continue
+            if now >= self._probe_due(slot) and o.node in self.agents:
+                self._probing.add(slot)
+                log.info("task %s: probing excluded slot %d", self.task, slot)
+                self.agents[o.node].probe(slot)
+
+    def probe_done(self, slot: int, ok: bool, detail: str, now: float) -> None:
+        """The health probe of the excluded ``slot`` ended (called by its agent): readmit it
+        and start a worker there, or keep it out for twice as long (an ``action`` either way)."""
+        with self._lock:
+            self._probing.discard(slot)
+            o = self.slots[slot]
+            if not o.excluded or self.state is not TaskState.RUNNING:
+                return
+            if not ok or o.node in self.lost_nodes | self.escalation.excluded_nodes():
+                self._exclusions[slot] = self._exclusions.get(slot, 0) + 1
+                self._excluded_at[slot] = now
+                wait_s = self._probe_due(slot) - now
+                reason = f"slot {slot} failed its health probe ({detail}); next in {wait_s:.0f} s"
+                self._action(Action.EXCLUDE, slot, reason, 1, now)
+                return
+            excluded_s = now - self._excluded_at[slot]
+            self.escalation.readmit(slot=slot)
+            o.excluded, o.alive, o.ready = False, True, False
+            o.has_state = not self._trained
+            reason = f"slot {slot} passed its health probe after {excluded_s:.1f} s out: {detail}"
+            self._action(Action.READMIT, slot, reason, 1, now)
+            self.agents[o.node].spawn(slot)
 
     def _has_checkpoint(self) -> bool:
         return self.settings.checkpoint is not None and self.settings.checkpoint.exists()

@@ -5,7 +5,8 @@ The table (:mod:`unicron.classify`) says what *one* failure deserves. The coordi
 error (a worker's report, a process exit, a detector), then carries out the returned
 :class:`Decision` and logs it as an ``action`` event with its ``reason``. It calls
 :meth:`Escalation.healthy` when a slot completes a step, and :meth:`Escalation.readmit` when
-an excluded slot or node is healthy again. Pure policy: the clock is passed in as ``now``.
+an excluded slot passed its health probe (``Coordinator.probe_done``; nodes are not readmitted
+yet). Pure policy: the clock is passed in as ``now``.
 
 Rules, in order (``decide``):
 

@@ -81,6 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checkpoint-dir", metavar="DIR", help="where the checkpoint goes (default: the log dir)"
     )
+    p.add_argument(
+        "--readmit-after",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="an excluded slot gets a health probe S seconds after its exclusion (twice as "
+        "long after each further one) and rejoins if it passes (default 60; inf: never)",
+    )
     p.add_argument("--task", default="train", help="task name (event log, store keys)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--log-dir", metavar="DIR", help="workers' stdout/stderr (default: a temp dir)")
@@ -104,6 +112,8 @@ def validate(args: argparse.Namespace) -> list[Fault]:
         raise UsageError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
     if args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
+    if not args.readmit_after > 0:  # also NaN
+        raise UsageError(f"--readmit-after must be > 0 seconds, got {args.readmit_after}")
     if not Path(args.script).is_file():
         raise UsageError(f"script not found: {args.script}")
     faults = [parse(spec, KINDS) for spec in args.inject]
@@ -143,7 +153,11 @@ def main(args: argparse.Namespace) -> int:
         slots=slots,
         events=events,
         escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(min_workers=args.min_workers, checkpoint=checkpoint),
+        settings=CoordinatorSettings(
+            min_workers=args.min_workers,
+            checkpoint=checkpoint,
+            readmit_after_s=args.readmit_after,
+        ),
     )
     agents = [
         Agent(

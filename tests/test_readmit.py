@@ -1,0 +1,133 @@
+"""An excluded slot comes back once it is healthy: the probe cool-down, its backoff, readmission.
+
+The coordinator runs for real (its TCPStore, its escalation, its event log); the agent is a
+stand-in that records what it is asked to do, and the clock is passed in. The end-to-end run
+(a real probe process, a worker rejoining) is in ``tests/test_faults_e2e.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from unicron import health
+from unicron.classify import Verdict, verdict_for_kind
+from unicron.coordinator import Coordinator, CoordinatorSettings, TaskState
+from unicron.escalation import Escalation, EscalationSettings
+from unicron.events import EventLog, read_events
+from unicron.health import main as health_main
+from unicron.health import probe
+
+
+@dataclass
+class FakeAgent:
+    node: int
+    probes: list[int] = field(default_factory=list)
+    spawns: list[int] = field(default_factory=list)
+    kills: list[int] = field(default_factory=list)
+
+    def spawn(self, slot: int) -> None:
+        self.spawns.append(slot)
+
+    def kill(self, slot: int, verdict: Verdict | None = None) -> None:
+        self.kills.append(slot)
+
+    def probe(self, slot: int) -> None:
+        self.probes.append(slot)
+
+
+def _running(tmp_path: Path, **settings: float) -> tuple[Coordinator, FakeAgent, Path]:
+    """A coordinator of 4 slots on node 0, its first epoch started at t = 0."""
+    path = tmp_path / "events.jsonl"
+    c = Coordinator(
+        task="t",
+        slots={s: 0 for s in range(4)},
+        events=EventLog(path),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(**settings),  # type: ignore[arg-type]
+    )
+    agent = FakeAgent(node=0)
+    c.attach(agent)
+    for s in range(4):
+        c.worker_ready(s, 0.0)
+    assert c.state is TaskState.RUNNING and c.members == (0, 1, 2, 3)
+    return c, agent, path
+
+
+def _actions(path: Path) -> list[tuple[str, int, str]]:
+    events = read_events(path)
+    return [(e["action"], e["slot"], e["reason"]) for e in events if e["event"] == "action"]
+
+
+def test_an_excluded_slot_is_probed_after_the_cool_down_then_readmitted(tmp_path: Path) -> None:
+    c, agent, path = _running(tmp_path, readmit_after_s=10.0)
+    c.worker_failed(3, verdict_for_kind("ecc"), 1.0)
+    assert c.slots[3].excluded and 3 not in c.members
+    c.tick(10.9)
+    assert agent.probes == []  # the cool-down is not over
+    c.tick(11.0)
+    c.tick(11.1)
+    assert agent.probes == [3]  # probed once, while its probe runs
+    c.probe_done(3, True, "cpu: fine", 12.0)
+    assert not c.slots[3].excluded and 3 not in c.escalation.excluded_slots()
+    assert agent.spawns == [3]  # a new worker there; it joins once ready
+    c.worker_ready(3, 13.0)
+    assert c.members == (0, 1, 2, 3)
+    assert [a for a, _, _ in _actions(path)] == ["exclude", "readmit"]
+    assert "passed its health probe after 11.0 s out: cpu: fine" in _actions(path)[-1][2]
+
+
+def test_a_failed_probe_doubles_the_wait_each_time(tmp_path: Path) -> None:
+    c, agent, path = _running(tmp_path, readmit_after_s=10.0)
+    c.worker_failed(3, verdict_for_kind("ecc"), 0.0)
+    c.tick(10.0)
+    c.probe_done(3, False, "RuntimeError: matrix product wrong", 11.0)
+    assert c.slots[3].excluded and agent.spawns == []
+    action, slot, reason = _actions(path)[-1]
+    assert (action, slot) == ("exclude", 3) and "next in 20 s" in reason
+    c.tick(30.9)
+    assert agent.probes == [3]
+    c.tick(31.0)  # 11 + 10 x 2
+    assert agent.probes == [3, 3]
+    c.probe_done(3, False, "no answer in 120 s", 32.0)
+    c.tick(71.9)
+    assert agent.probes == [3, 3]
+    c.tick(72.0)  # 32 + 10 x 4
+    assert agent.probes == [3, 3, 3]
+
+
+def test_slots_of_a_lost_node_are_not_probed(tmp_path: Path) -> None:
+    c, agent, _ = _running(tmp_path, readmit_after_s=1.0)
+    c.worker_failed(2, verdict_for_kind("ecc"), 0.0)
+    c.lost_nodes.add(0)  # its node went away since
+    c.tick(5.0)
+    assert agent.probes == []
+    c.probe_done(2, True, "late answer", 5.0)  # a probe that was already running
+    assert c.slots[2].excluded and agent.spawns == []
+
+
+def test_readmission_can_be_turned_off_and_bad_settings_are_refused(tmp_path: Path) -> None:
+    c, agent, _ = _running(tmp_path, readmit_after_s=float("inf"))
+    c.worker_failed(1, verdict_for_kind("ecc"), 0.0)
+    c.tick(1e9)
+    assert agent.probes == []
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="readmit_after_s"):
+            CoordinatorSettings(readmit_after_s=bad)
+
+
+def test_the_probe_passes_here_and_a_device_error_fails_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert "256x256 product and sum correct" in probe(1)
+    assert health_main(["--slot", "0"]) == 0
+    assert capsys.readouterr().out.startswith("cpu: ")
+
+    def broken(slot: int) -> str:
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+
+    monkeypatch.setattr(health, "probe", broken)
+    assert health_main(["--slot", "0"]) == 1
+    assert "uncorrectable ECC error" in capsys.readouterr().out
