@@ -150,6 +150,15 @@ def test_readmit_slot_and_node() -> None:
     assert e.decide(RESET, slot=1, node=0, now=3.0).action is Action.REATTEMPT
 
 
+def test_a_readmitted_slot_still_counts_toward_its_node_within_the_window() -> None:
+    e = Escalation(EscalationSettings(node_failure_limit=3))
+    ecc = verdict_for_kind("ecc")
+    for slot in range(3):  # each slot fails, passes its probe and is readmitted in between
+        d = e.decide(ecc, slot=slot, node=0, now=float(slot))
+        e.readmit(slot=slot)
+    assert d.exclude_node and e.excluded_nodes() == frozenset({0})
+
+
 def test_unknown_verdict_restarts() -> None:
     d = Escalation().decide(verdict_for_kind("nope"), slot=0, node=0, now=0.0)
     assert (d.action, d.severity, d.kind) == (Action.RESTART, Severity.SEV2, "unknown")

@@ -108,6 +108,34 @@ def test_slots_of_a_lost_node_are_not_probed(tmp_path: Path) -> None:
     assert c.slots[2].excluded and agent.spawns == []
 
 
+def test_a_dropped_worker_is_probed_only_once_its_exit_is_handled(tmp_path: Path) -> None:
+    c, agent, _ = _running(tmp_path, readmit_after_s=1.0)
+    with c._lock:  # what worker_slow does when the planner drops a straggler
+        c._exclude(2, 0.0)
+    c.tick(5.0)
+    assert agent.probes == []  # its process still runs (the kill is on its way)
+    c.worker_failed(2, verdict_for_kind("killed"), 5.0)
+    c.tick(5.1)
+    assert agent.probes == [2]
+
+
+def test_a_probe_that_cannot_start_is_tried_again_later(tmp_path: Path) -> None:
+    c, agent, _ = _running(tmp_path, readmit_after_s=1.0)
+    c.worker_failed(3, verdict_for_kind("ecc"), 0.0)
+
+    def no_fds(slot: int) -> None:
+        raise OSError(24, "Too many open files")
+
+    agent.probe = no_fds  # type: ignore[method-assign]
+    c.tick(1.0)  # does not raise: the next epoch's work in tick goes on
+    assert 3 not in c._probing
+    agent.probe = FakeAgent.probe.__get__(agent)  # type: ignore[method-assign]
+    c.tick(1.5)
+    assert agent.probes == []
+    c.tick(2.0)  # one more cool-down after the failed start
+    assert agent.probes == [3]
+
+
 def test_readmission_can_be_turned_off_and_bad_settings_are_refused(tmp_path: Path) -> None:
     c, agent, _ = _running(tmp_path, readmit_after_s=float("inf"))
     c.worker_failed(1, verdict_for_kind("ecc"), 0.0)

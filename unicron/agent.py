@@ -59,6 +59,16 @@ peer, the peer finishing the step is the evidence; alone, killing costs a checkp
 
 
 @dataclass
+class _Probe:
+    """A running health probe (:meth:`Agent.probe`): its process, start time and output."""
+
+    proc: subprocess.Popen[bytes]
+    started: float
+    log: Path
+    overran: bool = False
+
+
+@dataclass
 class _Worker:
     """What the agent knows of the process in one slot (one incarnation at a time)."""
 
@@ -125,7 +135,7 @@ class Agent:
         self._zygote_conn: Connection | None = None
         self._pending_spawns: list[int] = []
         self._by_pid: dict[int, int] = {}
-        self._probes: dict[int, tuple[subprocess.Popen[bytes], float]] = {}  # slot -> (probe, t0)
+        self._probes: dict[int, _Probe] = {}  # slot -> its running health probe
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
@@ -155,9 +165,9 @@ class Agent:
             if w.popen is not None:
                 w.popen.kill()
                 w.popen.wait()
-        for probe, _ in self._probes.values():
-            probe.kill()
-            probe.wait()
+        for probe in self._probes.values():
+            _killpg(probe.proc.pid)
+            probe.proc.wait()
         self._probes.clear()
         if self._zygote is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -196,33 +206,36 @@ class Agent:
         fresh process); :meth:`poll` reports its verdict with ``Coordinator.probe_done``."""
         if slot in self._probes or self.vanished:
             return
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "unicron.health", "--slot", str(slot)],
-            env=self._base_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self._probes[slot] = (proc, time.time())
+        n = sum(1 for _ in self.config.log_dir.glob(f"health{slot}.*.log"))
+        log_path = self.config.log_dir / f"health{slot}.{n}.log"
+        with open(log_path, "wb") as out:  # the child keeps its own descriptor
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "unicron.health", "--slot", str(slot)],
+                env=self._base_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self._probes[slot] = _Probe(proc, time.time(), log_path)
 
     def _check_probes(self, now: float) -> None:
-        """Report every probe that ended (or overran :data:`PROBE_TIMEOUT_S`)."""
-        for slot, (proc, t0) in list(self._probes.items()):
-            if proc.poll() is None and now - t0 < PROBE_TIMEOUT_S:
+        """Report every probe that ended; one that overran :data:`PROBE_TIMEOUT_S` is killed
+        (its whole process group) and reported once its exit is seen. Never blocks."""
+        for slot, probe in list(self._probes.items()):
+            code = probe.proc.poll()
+            if code is None:
+                if now - probe.started >= PROBE_TIMEOUT_S and not probe.overran:
+                    probe.overran = True
+                    _killpg(probe.proc.pid)
                 continue
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            del self._probes[slot]
+            if probe.overran:
                 ok, detail = False, f"no answer in {PROBE_TIMEOUT_S:g} s"
             else:
-                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-                lines = out.strip().splitlines()
-                ok = proc.returncode == 0
-                detail = lines[-1] if lines else f"exit code {proc.returncode}"
-            if proc.stdout:
-                proc.stdout.close()
-            del self._probes[slot]
+                lines = probe.log.read_text(errors="replace").strip().splitlines()
+                ok = code == 0
+                detail = lines[-1] if lines else f"exit code {code}"
             self.coordinator.probe_done(slot, ok, detail, now)
 
     # -- the loop ---------------------------------------------------------------------------
@@ -241,6 +254,8 @@ class Agent:
         """The injected node fault: this node's workers and zygote die at once and the agent
         falls silent (no more reports, no heartbeats), as when a machine is lost."""
         self.vanished = True
+        for probe in self._probes.values():
+            _killpg(probe.proc.pid)
         for w in self.workers.values():
             if w.pid is not None and not w.gone:
                 _kill(w.pid)
@@ -601,3 +616,9 @@ class Agent:
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def _killpg(pid: int) -> None:
+    """SIGKILL the process group that ``pid`` leads (a probe and anything it started)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)

@@ -477,12 +477,18 @@ class Coordinator:
         dead_nodes = self.lost_nodes | self.escalation.excluded_nodes()
         for slot in self._excluded_at:
             o = self.slots[slot]
-            if slot in self._probing or not o.excluded or o.node in dead_nodes:
+            # o.alive: its last worker's exit is not handled yet (a dropped straggler)
+            if slot in self._probing or not o.excluded or o.alive or o.node in dead_nodes:
                 continue
             if now >= self._probe_due(slot) and o.node in self.agents:
-                self._probing.add(slot)
                 log.info("task %s: probing excluded slot %d", self.task, slot)
-                self.agents[o.node].probe(slot)
+                try:
+                    self.agents[o.node].probe(slot)
+                except OSError as exc:  # could not start it: try again after another wait
+                    self._excluded_at[slot] = now
+                    log.warning("task %s: probe of slot %d not started: %s", self.task, slot, exc)
+                    continue
+                self._probing.add(slot)
 
     def probe_done(self, slot: int, ok: bool, detail: str, now: float) -> None:
         """The health probe of the excluded ``slot`` ended (called by its agent): readmit it
@@ -490,9 +496,11 @@ class Coordinator:
         with self._lock:
             self._probing.discard(slot)
             o = self.slots[slot]
-            if not o.excluded or self.state is not TaskState.RUNNING:
+            if not o.excluded or o.alive or self.state is not TaskState.RUNNING:
                 return
-            if not ok or o.node in self.lost_nodes | self.escalation.excluded_nodes():
+            if o.node in self.lost_nodes | self.escalation.excluded_nodes():
+                return  # its node went meanwhile: the slot's own health no longer matters
+            if not ok:
                 self._exclusions[slot] = self._exclusions.get(slot, 0) + 1
                 self._excluded_at[slot] = now
                 wait_s = self._probe_due(slot) - now

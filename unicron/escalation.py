@@ -137,11 +137,17 @@ class Escalation:
         return frozenset(self._excluded_nodes)
 
     def readmit(self, *, slot: int | None = None, node: int | None = None) -> None:
-        """A slot or a node is healthy again: back in the plan, with a clean history (a node's
-        readmission clears its slots' histories, not their own exclusions)."""
+        """A slot or a node is healthy again: back in the plan. A slot starts its reattempt
+        and restart counts again but keeps its hardware-suspect failures, which still count
+        toward its node's ``node_failure_limit`` within the window (a node whose slots fail one
+        after another is excluded even if each passed a probe in between); a node's
+        readmission clears its slots' histories, not their own exclusions."""
         if slot is not None:
             self._excluded_slots.discard(slot)
-            self._slots.pop(slot, None)
+            s = self._slots.get(slot)
+            if s is not None:
+                s.reattempts.clear()
+                s.failures.clear()
         if node is not None:
             self._excluded_nodes.discard(node)
             for k in [k for k, s in self._slots.items() if s.node == node]:
@@ -187,6 +193,8 @@ class Escalation:
 
     def _exclude_slot(self, kind: str, reason: str, slot: int, node: int, now: float) -> Decision:
         self._excluded_slots.add(slot)
+        # the exclusion stays evidence against the node for the window, even once readmitted
+        self._slots.setdefault(slot, _Slot(node)).hardware.append(now)
         if self._node_failing(node, now):
             return self._exclude_node(kind, reason, node, now, slot_excluded=True)
         return Decision(Action.EXCLUDE, Severity.SEV1, reason, exclude_slot=True, kind=kind)

@@ -8,9 +8,10 @@ epoch), anything else and it stays out for twice as long.
 
 The probe does what a training step needs of the device, on a small scale, and checks the
 answer: a matrix product against a float64 reference, and an all-reduce-shaped sum. On a
-machine with CUDA it runs on the slot's device (``cuda:{slot % device_count}``) and
-synchronises, so a sticky device error (an uncorrectable ECC error, a lost context) fails it;
-on CPU it checks the arithmetic and the process start (imports, memory).
+machine with CUDA it runs on ``cuda:{slot % device_count}`` (an assumption: the runtime's
+workers do not pick a device themselves yet) and synchronises, so a sticky device error (an
+uncorrectable ECC error, a lost context) fails it; on CPU it checks the arithmetic and the
+process start (imports, memory). The agent writes its output to ``health<slot>.<k>.log``.
 """
 
 from __future__ import annotations
