@@ -124,8 +124,8 @@ class Agent:
         self._seen_epoch = 0
         self.vanished = False
         self._step_done: dict[int, int] = {}  # last step each slot finished computing
-        self._suspects: dict[int, tuple[int, Verdict]] = {}  # slot -> step past its deadline
-        self._suspect_reason: dict[int, str] = {}
+        # slot -> (step past its deadline, verdict, the monitor's reason): not yet confirmed
+        self._suspects: dict[int, tuple[int, Verdict, str]] = {}
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
@@ -170,8 +170,7 @@ class Agent:
             probe.proc.wait()
         self._probes.clear()
         if self._zygote is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._zygote.pid, signal.SIGKILL)
+            _killpg(self._zygote.pid)
             self._zygote.wait()
         self._listener.close()
 
@@ -261,8 +260,7 @@ class Agent:
                 _kill(w.pid)
             w.gone = True
         if self._zygote is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._zygote.pid, signal.SIGKILL)
+            _killpg(self._zygote.pid)
 
     def poll(self, timeout: float) -> None:
         """One round: read reports, notice exits, run the monitor, let the coordinator act."""
@@ -474,15 +472,14 @@ class Agent:
                 continue
             verdict = classify_detector(d.kind)
             if d.kind == "hang":
-                self._suspects[d.worker] = (d.step, verdict)
-                self._suspect_reason[d.worker] = d.reason
+                self._suspects[d.worker] = (d.step, verdict, d.reason)
                 self._check_monitor_suspect(d.worker, now)
                 continue
             self._emit_detection(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
             self.coordinator.worker_slow(d.worker, verdict, dict(self.mb_compute_s), now)
 
     def _check_monitor_suspect(self, slot: int, now: float) -> None:
-        step, verdict = self._suspects[slot]
+        step, verdict, reason = self._suspects[slot]
         w = self.workers[slot]
         if w.gone or w.step != step or self._step_done.get(slot, -1) >= step:
             del self._suspects[slot]  # it moved on, or it is gone
@@ -492,18 +489,17 @@ class Agent:
         if not (peer or lone):
             return
         del self._suspects[slot]
-        reason = self._suspect_reason.pop(slot, "")
+        # alone, and the task's only copy of its state: if it is merely slow it may still
+        # finish, so it is reported and left running
+        spare = lone and not self.coordinator.state_survives(slot)
         if lone:
             reason += f"; alone in its epoch: confirmed at {LONE_HANG_OVERRUN:g}x the allowance"
-            if not self.coordinator.state_survives(slot):
-                # killing it would lose the task's only copy of its state: if it is merely
-                # slow it may still finish; say so and leave it running
-                reason += "; not killed: no other replica and no checkpoint hold the state"
-                log.warning("slot %d: %s", slot, reason)
-                self._emit_detection(slot, step, verdict, now, "monitor", reason=reason)
-                return
+        if spare:
+            reason += "; not killed: no other replica and no checkpoint hold the state"
+            log.warning("slot %d: %s", slot, reason)
         self._emit_detection(slot, step, verdict, now, "monitor", reason=reason)
-        self.kill(slot, verdict)
+        if not spare:
+            self.kill(slot, verdict)
 
     def _lone_overrun(self, slot: int, now: float) -> bool:
         """``slot`` is alone in its epoch and its step has overrun the lone worker's bound."""

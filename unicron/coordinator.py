@@ -300,8 +300,7 @@ class Coordinator:
         """Whether the task's state outlives the worker in ``slot``: another live replica
         holds it, or there is a checkpoint (the condition ``_reform`` goes on with)."""
         with self._lock:
-            others = any(s != slot and o.alive and o.has_state for s, o in self.slots.items())
-            return others or self._has_checkpoint()
+            return any(s != slot for s in self._holders()) or self._has_checkpoint()
 
     def first_commit_report(self, epoch: int, step: int) -> bool:
         """True for the first report of ``step`` committed in ``epoch`` (every member sends
@@ -437,7 +436,7 @@ class Coordinator:
         restarted workers to bring it back. Returns False if the task failed."""
         survivors = tuple(m for m in self.members if self.slots[m].alive)
         usable = [s for s, o in self.slots.items() if not o.excluded]
-        holders = [s for s, o in self.slots.items() if o.alive and o.has_state]
+        holders = self._holders()
         why = ""
         if len(usable) < self.settings.min_workers:
             why = (
@@ -460,6 +459,14 @@ class Coordinator:
         self._announce(survivors, urgent=True, now=now, reason=reason)
         return True
 
+    def _holders(self) -> list[int]:
+        """The live slots that hold the task's committed state (or will after a sync)."""
+        return [s for s, o in self.slots.items() if o.alive and o.has_state]
+
+    def _nodes_out(self) -> set[int]:
+        """Nodes lost or excluded as a whole: their slots are not probed or readmitted."""
+        return self.lost_nodes | self.escalation.excluded_nodes()
+
     def _exclude(self, slot: int, now: float) -> None:
         """Take ``slot`` out of the plan until a health probe brings it back."""
         self.slots[slot].excluded = True
@@ -474,7 +481,7 @@ class Coordinator:
     def _probe_excluded(self, now: float) -> None:
         """Ask the agents to probe the excluded slots whose cool-down is over (slots of a
         lost or excluded node stay out: their node, not the slot, is what failed)."""
-        dead_nodes = self.lost_nodes | self.escalation.excluded_nodes()
+        dead_nodes = self._nodes_out()
         for slot in self._excluded_at:
             o = self.slots[slot]
             # o.alive: its last worker's exit is not handled yet (a dropped straggler)
@@ -498,11 +505,10 @@ class Coordinator:
             o = self.slots[slot]
             if not o.excluded or o.alive or self.state is not TaskState.RUNNING:
                 return
-            if o.node in self.lost_nodes | self.escalation.excluded_nodes():
+            if o.node in self._nodes_out():
                 return  # its node went meanwhile: the slot's own health no longer matters
             if not ok:
-                self._exclusions[slot] = self._exclusions.get(slot, 0) + 1
-                self._excluded_at[slot] = now
+                self._exclude(slot, now)  # again: the next wait doubles
                 wait_s = self._probe_due(slot) - now
                 reason = f"slot {slot} failed its health probe ({detail}); next in {wait_s:.0f} s"
                 self._action(Action.EXCLUDE, slot, reason, 1, now)
