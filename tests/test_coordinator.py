@@ -155,7 +155,7 @@ def test_below_the_minimum_the_task_waits_for_a_readmitted_slot(tmp_path: Path) 
 
 
 def test_a_task_that_waits_too_long_gives_up(tmp_path: Path) -> None:
-    k = Cluster(tmp_path, min_workers=4, readmit_after_s=math.inf, give_up_after_s=30.0)
+    k = Cluster(tmp_path, min_workers=4, readmit_after_s=1000.0, give_up_after_s=30.0)
     c = k.c
     t = k.steps(3, 0.0)
     c.worker_failed(3, verdict_for_kind("ecc"), t)
@@ -165,6 +165,13 @@ def test_a_task_that_waits_too_long_gives_up(tmp_path: Path) -> None:
     assert c.state is TaskState.FAILED and c.outcome is not None
     assert "gave up after waiting 31 s" in c.outcome.reason
     assert c.store.get(done_key("t")) == b"failed"
+
+
+def test_with_probes_turned_off_below_the_minimum_fails_at_once(tmp_path: Path) -> None:
+    k = Cluster(tmp_path, min_workers=4, readmit_after_s=math.inf)
+    k.c.worker_failed(3, verdict_for_kind("ecc"), 1.0)
+    assert k.c.state is TaskState.FAILED and k.c.outcome is not None
+    assert "3 slot(s) left that can be used again" in k.c.outcome.reason
 
 
 def test_without_a_way_back_the_task_fails_at_once(tmp_path: Path) -> None:

@@ -269,6 +269,25 @@ def test_a_hang_in_the_first_steps_is_found_from_the_early_pace() -> None:
     assert found.worker == 0 and "early pace" in found.reason
 
 
+def test_peers_that_finished_the_step_tighten_a_relearning_allowance() -> None:
+    """After a membership change every worker re-learns with a 12x allowance; a worker late on
+    a step its peers already computed is judged by their durations of that step instead."""
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=0.5, sigma=0.0, spike_p=0.0)
+    m.reset_expectation()
+    for w in range(WORKERS):
+        m.step_started(w, run.step, run.t)
+    lenient = m.hang_deadline(3)
+    assert lenient is not None and lenient - run.t > s.hang_factor * s.relearn_factor * 0.5
+    for w in range(3):
+        m.step_finished(w, run.step, 0.6, run.t + 0.6)  # the new membership: 0.6 s steps
+    assert m.hang_deadline(3) == pytest.approx(run.t + s.hang_factor * 0.6)
+    (found,) = m.check(run.t + s.hang_factor * 0.6)
+    assert found.worker == 3 and "peers computed step" in found.reason
+
+
 def test_without_warm_peers_the_warmup_deadline_stands() -> None:
     s = MonitorSettings(warmup_steps=5)
     m = StepMonitor(s)

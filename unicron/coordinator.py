@@ -746,8 +746,14 @@ class Coordinator:
         restarted or readmitted workers to bring it back. Returns False if the task failed."""
         survivors = tuple(m for m in self.members if self.slots[m].alive)
         usable = [s for s, o in self.slots.items() if not o.excluded]
-        # slots that can come back: all but those of lost nodes (no agent to run a probe)
-        recoverable = [s for s, o in self.slots.items() if o.node not in self.lost_nodes]
+        # slots that can come back: usable ones, and excluded ones a health probe may readmit
+        # (not those of lost nodes: no agent to run a probe; none if probes are turned off)
+        probing = math.isfinite(self.settings.readmit_after_s)
+        recoverable = [
+            s
+            for s, o in self.slots.items()
+            if not o.excluded or (probing and o.node not in self.lost_nodes)
+        ]
         why = ""
         if len(recoverable) < self.settings.min_workers:
             why = (

@@ -26,8 +26,11 @@ Two detectors:
   consecutive steps (by more than ``shift_ratio`` either way) the window restarts from those
   steps: the workload changed legitimately. A membership change is announced with
   :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time, with a deadline
-  ``relearn_factor`` times as lenient meanwhile. A change larger than ``hang_factor`` that
-  is *not* announced is indistinguishable from a hang, by design.
+  ``relearn_factor`` times as lenient meanwhile. Peers that already computed the same step
+  are the best evidence of what it costs now: a lenient allowance (warming up, re-learning)
+  never exceeds ``max(hang_factor x their median duration for that step, hang_floor_s)``.
+  A change larger than ``hang_factor`` that is *not* announced is indistinguishable from a
+  hang, by design.
 - **straggler**: a worker whose own compute time (excluding the wait for its peers) stays
   above ``straggler_factor`` x the median of its peers' compute times for the same step, for
   ``straggler_steps`` consecutive steps. A legitimate change moves every peer together and
@@ -51,6 +54,8 @@ __all__ = ["Detection", "MonitorSettings", "StepMonitor"]
 
 _MIN_SAMPLES = 3
 """post-warm-up steps a worker needs before its median counts as an expectation"""
+_EVIDENCE_STEPS = 8
+"""recent steps whose durations are kept as the peers' evidence for a late worker"""
 _MAX_PENDING_STEPS = 256
 """steps kept waiting for slow reporters before they are judged with the reports at hand"""
 
@@ -157,6 +162,7 @@ class StepMonitor:
         self.settings = settings
         self._workers: dict[int, _Worker] = {}
         self._compute: dict[int, dict[int, float]] = {}  # step -> worker -> compute rate
+        self._durations: dict[int, dict[int, float]] = {}  # step -> worker -> its duration
         self._found: list[Detection] = []
 
     # ---- reports (the agent, on each worker message) --------------------------------------
@@ -184,6 +190,10 @@ class StepMonitor:
         w.step, w.started_at, w.hang_reported = None, None, False
         w.finished += 1
         w.last_step = max(w.last_step, step)
+        if duration is not None and duration >= 0.0 and w.finished > 1:  # not a cold step
+            self._durations.setdefault(step, {})[worker] = duration
+            while len(self._durations) > _EVIDENCE_STEPS:
+                del self._durations[min(self._durations)]
         if w.finished <= self.settings.warmup_steps:
             if w.finished > 1 and duration is not None and duration >= 0.0:
                 w.early.append(duration)  # not learned, but evidence of the task's early pace
@@ -200,6 +210,8 @@ class StepMonitor:
         self._workers.pop(worker, None)
         for reports in self._compute.values():
             reports.pop(worker, None)
+        for durations in self._durations.values():
+            durations.pop(worker, None)
 
     def reset_expectation(self) -> None:
         """Membership changed (new epoch): step times may change legitimately. Each worker
@@ -234,7 +246,7 @@ class StepMonitor:
         w = self._workers.get(worker)
         if w is None or w.started_at is None:
             return None
-        return w.started_at + self._allowance(w, self._pace())[0]
+        return w.started_at + self._allowance(worker, w, self._pace())[0]
 
     def overrun(self, worker: int, now: float) -> float | None:
         """How many hang allowances ``worker``'s current step has lasted at ``now`` (1.0 at
@@ -243,7 +255,7 @@ class StepMonitor:
         w = self._workers.get(worker)
         if w is None or w.started_at is None:
             return None
-        return (now - w.started_at) / self._allowance(w, self._pace())[0]
+        return (now - w.started_at) / self._allowance(worker, w, self._pace())[0]
 
     def check(self, now: float) -> list[Detection]:
         """New detections since the last call: hangs past their deadline at ``now`` and the
@@ -253,7 +265,7 @@ class StepMonitor:
         for worker, w in sorted(self._workers.items()):
             if w.started_at is None or w.step is None or w.hang_reported:
                 continue
-            allowance, basis = self._allowance(w, pace)
+            allowance, basis = self._allowance(worker, w, pace)
             if now >= w.started_at + allowance:
                 w.hang_reported = True
                 reason = (
@@ -287,9 +299,27 @@ class StepMonitor:
         values = [d for w in self._workers.values() for d in w.early]
         return _median(values) if values else None
 
-    def _allowance(self, w: _Worker, pace: float | None) -> tuple[float, str]:
-        """Seconds a step of ``w`` may take, and why (for the reason); ``pace`` is
-        :meth:`_pace` (``w`` counts in it only once it has an expectation)."""
+    def _allowance(self, worker: int, w: _Worker, pace: float | None) -> tuple[float, str]:
+        """Seconds a step of ``w`` may take, and why (for the reason). Peers that finished the
+        same step are the best evidence of what it costs in the current membership: they can
+        only shorten a lenient allowance (warming up, re-learning), never a cold step's."""
+        base = self._base_allowance(w, pace)
+        s = self.settings
+        done = self._durations.get(w.step, {}) if w.step is not None and w.finished >= 1 else {}
+        peers = [d for k, d in done.items() if k != worker]
+        if peers:
+            took = _median(peers)
+            evidence = max(s.hang_factor * took, s.hang_floor_s)
+            if evidence < base[0]:
+                return evidence, (
+                    f"peers computed step {w.step} in {took:.3f} s: max({s.hang_factor:g} x "
+                    f"that, floor {s.hang_floor_s:g} s)"
+                )
+        return base
+
+    def _base_allowance(self, w: _Worker, pace: float | None) -> tuple[float, str]:
+        """The allowance from ``w``'s own statistics and the task's pace (see the module
+        docstring); ``pace`` is :meth:`_pace` (``w`` counts in it once it has an expectation)."""
         s = self.settings
         floor = f"floor {s.hang_floor_s:g} s"
         expected = self._expected(w)
