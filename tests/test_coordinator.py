@@ -241,6 +241,23 @@ def test_the_first_commit_report_is_the_one_source_of_trained(tmp_path: Path) ->
     assert not c.slots[2].has_state and c.slots[0].has_state
 
 
+def test_a_hang_is_judged_only_on_reports_its_agent_has_read(tmp_path: Path) -> None:
+    """Under load an agent may not have read a worker's "step done" yet; the runner's tick must
+    not take that worker for hung (three healthy workers were killed at the last step)."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch)
+    c.step_computed(0, 20, t + 0.1, compute_s=0.1, microbatches=2)  # a peer is ahead
+    c.heartbeat(0, t + 0.2, read_until=t + 0.2)  # then the agent starves
+    c.tick(t + 5.0)  # the runner's thread ticks on
+    assert k.actions(Kill) == []
+    c.heartbeat(0, t + 5.0, read_until=t + 5.0)  # the agent read everything: still no report
+    c.tick(t + 5.0)
+    assert sorted(a.slot for a in k.actions(Kill)) == [1, 2, 3]
+
+
 def test_stragglers_are_compared_across_nodes(tmp_path: Path) -> None:
     """One monitor per task: a whole slow node, with one worker on it, is found."""
     k = Cluster(tmp_path, nodes=2, per_node=1)

@@ -204,6 +204,7 @@ class Coordinator:
         self.microbatches: int | None = None  # per global batch, learned from the workers
         self.state_bytes = 0  # the task's state (model + optimizer), learned from the workers
         self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
+        self._read_until: dict[int, float] = {}  # node -> its reports are all in up to then
         self.lost_nodes: set[int] = set()
         self._outbox: dict[int, deque[AgentAction]] = {n: deque() for n in set(slots.values())}
         self._pending_errors: dict[int, tuple[float, Verdict, int]] = {}  # slot -> ts, v, epoch
@@ -483,10 +484,13 @@ class Coordinator:
         """The task is done or failed (waiting workers are leaving)."""
         return self.state in (TaskState.DONE, TaskState.FAILED)
 
-    def heartbeat(self, node: int, now: float) -> None:
-        """The agent of ``node`` is alive (called on every round of its loop)."""
+    def heartbeat(self, node: int, now: float, *, read_until: float | None = None) -> None:
+        """The agent of ``node`` is alive (called on every round of its loop), and every
+        report its workers sent before ``read_until`` has been handed over: the detectors
+        judge that node's workers at that moment, never on reports still in flight."""
         with self._lock:
             self.heartbeats[node] = now
+            self._read_until[node] = now if read_until is None else read_until
 
     # -- decisions over time ----------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -629,7 +633,7 @@ class Coordinator:
             return
         for slot in list(self._suspects):
             self._check_suspect(slot, now)
-        for d in self.monitor.check(now):
+        for d in self.monitor.check(now, self._known_until(now)):
             o = self.slots.get(d.worker)
             if o is None or not o.alive:
                 continue
@@ -640,6 +644,14 @@ class Coordinator:
                 continue
             self._detected(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
             self.worker_slow(d.worker, verdict, now)
+
+    def _known_until(self, now: float) -> dict[int, float]:
+        """Per slot, the moment up to which its worker's reports are in (its agent's last
+        read; ``now`` for a node not heard from yet, or lost)."""
+        return {
+            s: now if o.node in self.lost_nodes else min(now, self._read_until.get(o.node, now))
+            for s, o in self.slots.items()
+        }
 
     def _check_suspect(self, slot: int, now: float) -> None:
         step, verdict, reason = self._suspects[slot]
@@ -653,7 +665,7 @@ class Coordinator:
             del self._suspects[slot]  # it moved on, or it is gone
             return
         peer = self.peer_ahead(slot, step)
-        lone = not peer and self._lone_overrun(slot, now)
+        lone = not peer and self._lone_overrun(slot, self._known_until(now)[slot])
         if not (peer or lone):
             return
         del self._suspects[slot]
@@ -694,11 +706,12 @@ class Coordinator:
         hang outside a step), or start the epoch again when the collective itself is stuck."""
         if self.state is not TaskState.RUNNING or not self.members:
             return
+        known = self._known_until(now)
         stall = find_stall(
             epoch=self.epoch,
             members=self.members,
             progress=self._progress,
-            now=now,
+            now=min(known[m] for m in self.members),
             deadline_s=self.stall_deadline(),
         )
         if stall is None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["Detection", "MonitorSettings", "StepMonitor"]
@@ -257,19 +258,24 @@ class StepMonitor:
             return None
         return (now - w.started_at) / self._allowance(worker, w, self._pace())[0]
 
-    def check(self, now: float) -> list[Detection]:
+    def check(self, now: float, known_until: Mapping[int, float] | None = None) -> list[Detection]:
         """New detections since the last call: hangs past their deadline at ``now`` and the
-        stragglers found by the step reports. Each condition is returned once."""
+        stragglers found by the step reports. Each condition is returned once.
+
+        ``known_until`` (worker -> time): the moment up to which that worker's reports have
+        all been fed in (its agent's last read). A worker's step is judged at that moment, not
+        at ``now``: a report still unread in a busy agent's socket is not a hang."""
         found, self._found = self._found, []
         pace = self._pace()
         for worker, w in sorted(self._workers.items()):
             if w.started_at is None or w.step is None or w.hang_reported:
                 continue
+            at = min(now, known_until.get(worker, now)) if known_until else now
             allowance, basis = self._allowance(worker, w, pace)
-            if now >= w.started_at + allowance:
+            if at >= w.started_at + allowance:
                 w.hang_reported = True
                 reason = (
-                    f"worker {worker} step {w.step}: running {now - w.started_at:.2f} s "
+                    f"worker {worker} step {w.step}: running {at - w.started_at:.2f} s "
                     f"> {allowance:.2f} s ({basis})"
                 )
                 found.append(Detection("hang", worker, w.step, reason, now))
