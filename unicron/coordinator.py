@@ -44,8 +44,9 @@ from unicron.stall import Phase, Progress, find_stall, stall_deadline_s
 log = logging.getLogger("unicron.coordinator")
 
 LONE_HANG_OVERRUN = 2.0
-"""a lone member's step is a hang once it lasts this many times its hang allowance (with a
-peer, the peer finishing the step is the evidence; alone, killing costs a checkpoint reload)"""
+"""a step past its hang allowance is confirmed hung when every other member finished it;
+with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
+checkpoint reload), once it has lasted this many times its allowance"""
 
 
 class TaskState(enum.Enum):
@@ -468,6 +469,12 @@ class Coordinator:
         with self._lock:
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
 
+    def peers_all_ahead(self, slot: int, step: int) -> bool:
+        """Whether every other member of the current epoch finished computing ``step``."""
+        with self._lock:
+            others = [m for m in self.members if m != slot]
+            return bool(others) and all(self._computed.get(m, -1) >= step for m in others)
+
     def alone(self, slot: int) -> bool:
         """Whether ``slot`` is the only member of the current epoch: no peer can vouch that
         its step hangs rather than the machine being slow."""
@@ -606,7 +613,12 @@ class Coordinator:
         of the same members. Dropping it would leave the reporter waiting for an epoch that
         never comes, and its peers blocked in a collective it left."""
         for slot, (ts, verdict, epoch) in list(self._pending_errors.items()):
-            if self.epoch > epoch or slot not in self.members or not self.slots[slot].alive:
+            if (
+                self.epoch > epoch
+                or slot not in self.members
+                or not self.slots[slot].alive
+                or self.state is TaskState.WAITING  # the epoch that ends the wait heals it
+            ):
                 del self._pending_errors[slot]  # a newer epoch (or its exit) heals it
             elif now - ts > self.settings.error_grace_s:
                 del self._pending_errors[slot]
@@ -625,10 +637,10 @@ class Coordinator:
 
     def _check_monitor(self, now: float) -> None:
         """Act on the step monitor's verdicts. A step past its hang deadline is a hang only
-        once a peer has finished computing that step: when every member is late together the
-        machine is slow (or a collective is stuck), and killing them all would lose the state.
-        A lone member has no peer to vouch: its hang is confirmed once the step has lasted
-        :data:`LONE_HANG_OVERRUN` times its allowance."""
+        once every other member has finished computing that step: when several members are
+        late together the machine is slow (or a collective is stuck), and killing them would
+        lose work or the state. With only some peers done, or alone in its epoch, the step
+        must have lasted :data:`LONE_HANG_OVERRUN` times its allowance."""
         if self.monitor is None:
             return
         for slot in list(self._suspects):
@@ -664,8 +676,13 @@ class Coordinator:
         ):
             del self._suspects[slot]  # it moved on, or it is gone
             return
-        peer = self.peer_ahead(slot, step)
-        lone = not peer and self._lone_overrun(slot, self._known_until(now)[slot])
+        # the evidence: every peer finished the step (a starved machine slows several workers
+        # at once, a hang one); or one did and the step has lasted twice its allowance (two
+        # hangs at once); or, alone in the epoch, the step has lasted twice its allowance
+        at = self._known_until(now)[slot]
+        overrun = self._overrun(slot, at) >= LONE_HANG_OVERRUN
+        peer = self.peers_all_ahead(slot, step) or (overrun and self.peer_ahead(slot, step))
+        lone = not peer and overrun and self.alone(slot)
         if not (peer or lone):
             return
         del self._suspects[slot]
@@ -681,11 +698,11 @@ class Coordinator:
         if not spare:
             self._kill(slot, verdict)
 
-    def _lone_overrun(self, slot: int, now: float) -> bool:
-        """``slot`` is alone in its epoch and its step has overrun the lone worker's bound."""
+    def _overrun(self, slot: int, at: float) -> float:
+        """How many hang allowances the current step of ``slot`` has lasted at ``at``."""
         assert self.monitor is not None
-        overrun = self.monitor.overrun(slot, now)
-        return overrun is not None and overrun >= LONE_HANG_OVERRUN and self.alone(slot)
+        overrun = self.monitor.overrun(slot, at)
+        return 0.0 if overrun is None else overrun
 
     def stall_deadline(self) -> float:
         """How long a member may wait on its peers outside a step (see :mod:`unicron.stall`)."""

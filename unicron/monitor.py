@@ -28,7 +28,8 @@ Two detectors:
   :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time, with a deadline
   ``relearn_factor`` times as lenient meanwhile. Peers that already computed the same step
   are the best evidence of what it costs now: a lenient allowance (warming up, re-learning)
-  never exceeds ``max(hang_factor x their median duration for that step, hang_floor_s)``.
+  never exceeds ``max(hang_factor x the slowest peer's duration of that step,
+  hang_floor_s)``.
   A change larger than ``hang_factor`` that is *not* announced is indistinguishable from a
   hang, by design.
 - **straggler**: a worker whose own compute time (excluding the wait for its peers) stays
@@ -314,12 +315,12 @@ class StepMonitor:
         done = self._durations.get(w.step, {}) if w.step is not None and w.finished >= 1 else {}
         peers = [d for k, d in done.items() if k != worker]
         if peers:
-            took = _median(peers)
+            took = max(peers)  # the slowest peer: a loaded machine slows several at once
             evidence = max(s.hang_factor * took, s.hang_floor_s)
             if evidence < base[0]:
                 return evidence, (
-                    f"peers computed step {w.step} in {took:.3f} s: max({s.hang_factor:g} x "
-                    f"that, floor {s.hang_floor_s:g} s)"
+                    f"peers computed step {w.step} in up to {took:.3f} s: max({s.hang_factor:g} "
+                    f"x that, floor {s.hang_floor_s:g} s)"
                 )
         return base
 
