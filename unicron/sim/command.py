@@ -14,7 +14,16 @@ from typing import Any
 
 from unicron.errors import UsageError
 
-POLICY_NAMES = ("unicron", "megatron", "megatron-30m", "oobleck", "varuna", "bamboo", "torchft")
+POLICY_NAMES = (
+    "unicron",
+    "megatron",
+    "megatron-30m",
+    "megatron-wait",
+    "oobleck",
+    "varuna",
+    "bamboo",
+    "torchft",
+)
 DEFAULT_POLICIES = "unicron,megatron,oobleck,varuna,bamboo,torchft"
 
 
@@ -37,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload", metavar="YAML", help="cluster and tasks (default: the paper-style workload)"
     )
     parser.add_argument("--nodes", type=int, help="override the number of nodes")
-    parser.add_argument("--days", type=float, help="simulated days (default: trace end / 7)")
+    parser.add_argument(
+        "--days",
+        type=float,
+        help="simulated days (default: up to the trace's last event with --trace, 7 with --rate)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of a generated trace")
     parser.add_argument(
         "--initial",

@@ -31,6 +31,7 @@ import numpy as np
 from unicron.sim.trace import DETECTORS, TraceEvent
 
 if TYPE_CHECKING:
+    from unicron.planner import ModelSpec
     from unicron.sim.metrics import PolicyResult
     from unicron.sim.policies import Policy
 
@@ -39,6 +40,36 @@ LOSSES = ("detection", "transition", "lost_work", "sub_healthy", "idle")
 
 FALLBACK_ITER_S = 10.0
 """Iteration time assumed where the planner finds no configuration (no fit)."""
+
+
+def _extra_models() -> dict[str, ModelSpec]:
+    from unicron.planner import ModelSpec
+
+    # BERT-large (Devlin et al. 2019: 24 layers, hidden 1024, 16 heads, 512 tokens, WordPiece
+    # vocabulary 30,522): a model of the Oobleck artifact's scenarios (docs/simulator.md).
+    # Its layers cost what a decoder layer of the same shape costs, so the planner's GPT
+    # formulas apply.
+    return {
+        "bert-large": ModelSpec(
+            name="bert-large", layers=24, hidden=1024, heads=16, seq_len=512, vocab=30522
+        )
+    }
+
+
+def model_spec(name: str) -> ModelSpec:
+    """A model by name: the planner's presets, then the simulator's extra models."""
+    from unicron import planner
+
+    if name in planner.MODEL_PRESETS:
+        return planner.MODEL_PRESETS[name]
+    return _extra_models()[name]
+
+
+def model_names() -> list[str]:
+    """Every model name :func:`model_spec` knows."""
+    from unicron import planner
+
+    return [*planner.MODEL_PRESETS, *_extra_models()]
 
 
 class Mode(enum.StrEnum):
@@ -56,7 +87,7 @@ class TaskSpec:
 
     name: str
     model: str
-    """A :data:`unicron.planner.MODEL_PRESETS` name."""
+    """A :data:`unicron.planner.MODEL_PRESETS` name or one of :func:`model_names`."""
     global_batch: int
     weight: float = 1.0
     min_nodes: int = 1
@@ -110,6 +141,8 @@ class TaskPerf:
     """Iteration time at the reference allocation."""
     state_bytes: float
     """Training state to move or load (planner's :func:`~unicron.planner.state_bytes`)."""
+    model: ModelSpec
+    """The model's shape (:func:`model_spec`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +175,7 @@ def prepare(workload: Workload) -> Prepared:
     n, g = workload.nodes, workload.gpus_per_node
     perfs: list[TaskPerf] = []
     for spec in workload.tasks:
-        model = planner.MODEL_PRESETS[spec.model]
+        model = model_spec(spec.model)
         cap = n if spec.max_nodes is None else min(n, spec.max_nodes)
         table = planner.throughput_table(model, spec.global_batch, cap * g, gpu, g, unit=g)
         flops = np.zeros(n + 1)
@@ -151,7 +184,11 @@ def prepare(workload: Workload) -> Prepared:
         flops[: spec.min_nodes] = 0.0
         perfs.append(
             TaskPerf(
-                spec=spec, flops=flops, iter_time_s=0.0, state_bytes=planner.state_bytes(model)
+                spec=spec,
+                flops=flops,
+                iter_time_s=0.0,
+                state_bytes=planner.state_bytes(model),
+                model=model,
             )
         )
     states = [
@@ -172,12 +209,18 @@ def prepare(workload: Workload) -> Prepared:
         iter_s = FALLBACK_ITER_S
         if units > 0:
             cfg = planner.best_config(
-                planner.MODEL_PRESETS[p.spec.model], p.spec.global_batch, units * g, gpu, g
+                model_spec(p.spec.model), p.spec.global_batch, units * g, gpu, g
             )
             if cfg is not None:
                 iter_s = cfg.iter_time_s
         final.append(
-            TaskPerf(spec=p.spec, flops=p.flops, iter_time_s=iter_s, state_bytes=p.state_bytes)
+            TaskPerf(
+                spec=p.spec,
+                flops=p.flops,
+                iter_time_s=iter_s,
+                state_bytes=p.state_bytes,
+                model=p.model,
+            )
         )
     return Prepared(workload=workload, perf=tuple(final), reference=reference)
 
@@ -195,6 +238,9 @@ class TaskRun:
     reason: str = "idle"
     since: float = 0.0
     token: int = 0
+    flops: np.ndarray | None = None
+    """F(nodes) this policy gets (None: the planner's, ``perf.flops``; Bamboo masks the node
+    counts where its doubled memory does not fit)."""
     factor: float = 1.0
     """Multiplier on F(nodes) while running (steady overhead x live replica fraction)."""
     sample_loss: float = 0.0
@@ -204,6 +250,9 @@ class TaskRun:
     down_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSSES, 0.0))
     ckpt_clock: float = 0.0
     work_since_ckpt: float = 0.0
+    overhead_s: float = 0.0
+    """Running seconds lost to the steady factor (checkpoint stalls, redundant computation):
+    the running time times ``1 - factor``, for the effective-time fraction."""
     lost_samples: float = 0.0
     faults: int = 0
     extra: dict[str, int] = field(default_factory=dict)
@@ -222,10 +271,8 @@ class TaskRun:
         n = len(self.nodes)
         if n < self.spec.min_nodes:
             return 0.0
-        return (
-            float(self.spec.weight * self.perf.flops[min(n, len(self.perf.flops) - 1)])
-            * self.factor
-        )
+        flops = self.perf.flops if self.flops is None else self.flops
+        return float(self.spec.weight * flops[min(n, len(flops) - 1)]) * self.factor
 
 
 def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -263,42 +310,55 @@ class Simulation:
         self.node_order: dict[str, int] = {}
         self.present: dict[str, bool] = {}
         self.owner: dict[str, TaskRun | None] = {}
+        self._healthy = 0
+        self.standby: list[str] = []
+        """Nodes alive in the trace beyond the cluster's size, first come first in."""
         self._bind_nodes(trace)
         self.tasks: dict[str, TaskRun] = {
             p.spec.name: TaskRun(perf=p, ref_waf=prepared.ref_waf(p.spec.name), target=0)
             for p in prepared.perf
         }
         for ev in trace:
-            if ev.node in self.present and ev.time_s <= duration_s:
+            if ev.time_s <= duration_s:
                 self.schedule(ev.time_s, self._dispatcher(ev))
-            else:
-                self.ignored_events += 1
         for i in range(samples + 1):
             self.schedule(duration_s * i / samples, self._sample)
 
     # ---- cluster --------------------------------------------------------------------
     def _bind_nodes(self, trace: Sequence[TraceEvent]) -> None:
-        """Cluster nodes: the first N names in the trace, then ``node{i}`` fill-ins, in natural
-        order (node2 before node10). A node whose first event is an ``add`` after time 0
-        starts absent."""
-        names: list[str] = []
+        """The cluster is a pool of ``workload.nodes`` places. At time 0 it holds the first N
+        nodes the trace has alive then (a node whose first event is an ``add`` after time 0
+        is not), topped up with ``node{i}`` fill-ins, in natural order (node2 before node10);
+        nodes alive beyond N wait in :attr:`standby`. Later, an ``add`` fills an empty place
+        (or waits in standby) and a lost node's place goes to the first standby node: spot
+        traces name every replacement instance anew, and replacements take the place of lost
+        ones."""
+        alive: list[str] = []
         first: dict[str, TraceEvent] = {}
         for ev in trace:
             if ev.node not in first:
                 first[ev.node] = ev
-                if len(names) < self.workload.nodes:
-                    names.append(ev.node)
+                if not (ev.action == "add" and ev.time_s > 0):
+                    alive.append(ev.node)
+        names = alive[: self.workload.nodes]
+        self.standby = alive[self.workload.nodes :]
+        taken = set(first)
         i = 1
         while len(names) < self.workload.nodes:
-            if f"node{i}" not in first and f"node{i}" not in names:
+            if f"node{i}" not in taken:
                 names.append(f"node{i}")
             i += 1
         names.sort(key=_natural)
-        for k, name in enumerate(names):
-            self.node_order[name] = k
-            ev0 = first.get(name)
-            self.present[name] = not (ev0 is not None and ev0.action == "add" and ev0.time_s > 0)
-            self.owner[name] = None
+        for name in names:
+            self._join(name)
+
+    def _join(self, node: str) -> None:
+        """``node`` takes an empty place in the cluster."""
+        if node not in self.node_order:
+            self.node_order[node] = len(self.node_order)
+        self.present[node] = True
+        self.owner[node] = None
+        self._healthy += 1
 
     def free_nodes(self) -> list[str]:
         """Present nodes no task holds, in cluster order."""
@@ -306,7 +366,8 @@ class Simulation:
         return sorted(free, key=self.node_order.__getitem__)
 
     def healthy_count(self) -> int:
-        return sum(self.present.values())
+        """Nodes in the cluster now."""
+        return self._healthy
 
     def resize(self, task: TaskRun, n: int) -> None:
         """Give ``task`` exactly ``n`` nodes if the free pool allows (fewer otherwise): keeps
@@ -330,10 +391,11 @@ class Simulation:
             r = task.rate()
             task.useful += r * dt
             task.loss["sub_healthy"] += (task.ref_waf - r) * dt
+            task.overhead_s += max(0.0, 1.0 - task.factor) * dt
             if task.sample_loss > 0:
                 it = task.perf.iter_time_s
                 task.lost_samples += task.sample_loss * task.spec.global_batch * dt / it
-            interval = self.policy.ckpt_interval_s
+            interval = self.policy.ckpt_interval(task)
             if math.isinf(interval):
                 task.work_since_ckpt += r * dt
             else:
@@ -354,6 +416,12 @@ class Simulation:
         task.loss["lost_work"] += task.work_since_ckpt
         if task.ref_waf > 0:
             task.down_s["lost_work"] += task.work_since_ckpt / task.ref_waf
+        task.work_since_ckpt = 0.0
+        task.ckpt_clock = 0.0
+
+    def checkpointed(self, task: TaskRun) -> None:
+        """A checkpoint completed now: a later rollback keeps the work done before it."""
+        self.advance(task, self.now)
         task.work_since_ckpt = 0.0
         task.ckpt_clock = 0.0
 
@@ -436,12 +504,19 @@ class Simulation:
 
         node = ev.node
         if ev.action == "add":
-            if self.present[node]:
-                return
-            self.present[node] = True
-            self.policy.on_node_back(self, node)
+            if self.present.get(node) or node in self.standby:
+                return  # already in (an ``add`` at time 0 of a node the pool starts with)
+            if self.healthy_count() < self.workload.nodes:
+                self._join(node)
+                self.policy.on_node_back(self, node)
+            else:
+                self.standby.append(node)
             return
-        if not self.present[node]:
+        if not self.present.get(node):
+            if ev.action == "remove" and node in self.standby:
+                self.standby.remove(node)
+            else:
+                self.ignored_events += 1
             return
         signal = ev.signal or "heartbeat_lost"
         verdict = (
@@ -452,12 +527,17 @@ class Simulation:
         task = self.owner[node]
         if ev.action == "remove":
             self.present[node] = False
+            self._healthy -= 1
             if task is not None:
                 self.advance(task, self.now)
                 task.nodes.remove(node)
                 self.owner[node] = None
                 task.faults += 1
             self.policy.on_node_lost(self, task, node, signal, int(verdict.severity))
+            if self.standby:  # a replacement takes the lost node's place
+                spare = self.standby.pop(0)
+                self._join(spare)
+                self.policy.on_node_back(self, spare)
         elif task is not None:
             task.faults += 1
             self.policy.on_fault(self, task, node, signal, int(verdict.severity))
@@ -573,8 +653,8 @@ def workload_from_mapping(data: object, where: str) -> Workload:
         if not isinstance(t, dict):
             raise ValueError(f"{where}: tasks[{i}] must be a mapping")
         model = str(t.get("model", ""))
-        if model not in planner.MODEL_PRESETS:
-            known = ", ".join(planner.MODEL_PRESETS)
+        if model not in model_names():
+            known = ", ".join(model_names())
             raise ValueError(f"{where}: tasks[{i}].model {model!r} unknown (known: {known})")
         try:
             specs.append(
