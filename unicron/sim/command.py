@@ -124,8 +124,21 @@ def main(args: argparse.Namespace) -> int:
         label = f"generated: {args.rate}/node/day, Llama 3 cause mix, seed {args.seed}"
     prepared = engine.prepare(wl)
     results = _run_all(prepared, events, names, duration, args)
+    from unicron.sim import measured
+
+    m = measured.load()
     meta = {
         "trace": label,
+        "unicron_constants": {
+            "source": m.source,
+            "exception_detect_s": m.exception_detect_s,
+            "exit_detect_s": m.exit_detect_s,
+            "node_detect_s": m.node_detect_s,
+            "hang_floor_s": m.hang_floor_s,
+            "assumptions": {
+                k: {"value": v, "source": src} for k, (v, src) in measured.ASSUMPTIONS.items()
+            },
+        },
         "trace_events": len(events),
         "nodes": wl.nodes,
         "gpus_per_node": wl.gpus_per_node,

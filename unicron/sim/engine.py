@@ -31,7 +31,7 @@ import numpy as np
 from unicron.sim.trace import DETECTORS, TraceEvent
 
 if TYPE_CHECKING:
-    from unicron.planner import ModelSpec
+    from unicron.planner import GPUSpec, ModelSpec
     from unicron.sim.metrics import PolicyResult
     from unicron.sim.policies import Policy
 
@@ -115,8 +115,16 @@ class Workload:
     nodes: int
     gpus_per_node: int = 8
     gpu: str = "A800-80GB"
-    """A :data:`unicron.planner.GPU_PRESETS` name."""
+    """A :data:`unicron.planner.GPU_PRESETS` name (or the label of ``gpu_spec``)."""
     tasks: tuple[TaskSpec, ...]
+    gpu_spec: GPUSpec | None = None
+    """A GPU that is not a preset (the cross-check's calibrated one); overrides ``gpu``."""
+
+    def gpu_type(self) -> GPUSpec:
+        """The GPU the planner prices: ``gpu_spec``, else the preset named ``gpu``."""
+        from unicron import planner
+
+        return self.gpu_spec if self.gpu_spec is not None else planner.GPU_PRESETS[self.gpu]
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -167,11 +175,20 @@ class Prepared:
         raise KeyError(name)
 
 
+def _monotone(flops: np.ndarray, cap: int) -> np.ndarray:
+    """A task given k nodes runs on the best k' <= k of them (the planner's table is 0 where
+    no configuration fits exactly k, e.g. a batch that does not split k ways); beyond its
+    ``max_nodes`` it stays at 0, so the planner never gives it more."""
+    out = np.maximum.accumulate(flops)
+    out[cap + 1 :] = 0.0
+    return out
+
+
 def prepare(workload: Workload) -> Prepared:
     """Performance tables, iteration times and the reference plan (the planner, D_run = inf)."""
     from unicron import planner
 
-    gpu = planner.GPU_PRESETS[workload.gpu]
+    gpu = workload.gpu_type()
     n, g = workload.nodes, workload.gpus_per_node
     perfs: list[TaskPerf] = []
     for spec in workload.tasks:
@@ -182,6 +199,7 @@ def prepare(workload: Workload) -> Prepared:
         flops[: len(table)] = table[: n + 1]
         flops[cap + 1 :] = 0.0
         flops[: spec.min_nodes] = 0.0
+        flops = _monotone(flops, cap)
         perfs.append(
             TaskPerf(
                 spec=spec,
@@ -207,12 +225,11 @@ def prepare(workload: Workload) -> Prepared:
     for p in perfs:
         units = reference[p.spec.name]
         iter_s = FALLBACK_ITER_S
-        if units > 0:
-            cfg = planner.best_config(
-                model_spec(p.spec.model), p.spec.global_batch, units * g, gpu, g
-            )
+        for k in range(units, 0, -1):  # the size it really runs on (see _monotone)
+            cfg = planner.best_config(p.model, p.spec.global_batch, k * g, gpu, g)
             if cfg is not None:
                 iter_s = cfg.iter_time_s
+                break
         final.append(
             TaskPerf(
                 spec=p.spec,
@@ -249,6 +266,9 @@ class TaskRun:
     loss: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSSES, 0.0))
     down_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSSES, 0.0))
     ckpt_clock: float = 0.0
+    """Running seconds since the last periodic checkpoint (its phase in the schedule)."""
+    ckpt_phase: float = 0.0
+    """``ckpt_clock`` at the last checkpoint: a rollback returns the schedule there."""
     work_since_ckpt: float = 0.0
     overhead_s: float = 0.0
     """Running seconds lost to the steady factor (checkpoint stalls, redundant computation):
@@ -400,9 +420,11 @@ class Simulation:
                 task.work_since_ckpt += r * dt
             else:
                 clock = task.ckpt_clock + dt
-                task.work_since_ckpt = (
-                    r * (clock % interval) if clock >= interval else (task.work_since_ckpt + r * dt)
-                )
+                if clock >= interval:  # a periodic checkpoint passed
+                    task.work_since_ckpt = r * (clock % interval)
+                    task.ckpt_phase = 0.0
+                else:
+                    task.work_since_ckpt += r * dt
                 task.ckpt_clock = clock % interval
         else:
             task.loss[task.reason] += task.ref_waf * dt
@@ -410,20 +432,26 @@ class Simulation:
         task.since = now
 
     def rollback(self, task: TaskRun) -> None:
-        """Lose the work since the last checkpoint (called by checkpoint-restart policies)."""
+        """Lose the work since the last checkpoint (called by checkpoint-restart policies);
+        the checkpoint schedule resumes from where it was at that checkpoint."""
         self.advance(task, self.now)
         task.useful -= task.work_since_ckpt
         task.loss["lost_work"] += task.work_since_ckpt
         if task.ref_waf > 0:
             task.down_s["lost_work"] += task.work_since_ckpt / task.ref_waf
         task.work_since_ckpt = 0.0
-        task.ckpt_clock = 0.0
+        task.ckpt_clock = task.ckpt_phase
 
-    def checkpointed(self, task: TaskRun) -> None:
-        """A checkpoint completed now: a later rollback keeps the work done before it."""
+    def checkpointed(self, task: TaskRun, *, keep_phase: bool = False) -> None:
+        """A checkpoint completed now: a later rollback keeps the work done before it.
+
+        ``keep_phase``: an extra checkpoint that leaves the periodic schedule where it is
+        (Varuna's, by iteration number); otherwise the schedule restarts from now."""
         self.advance(task, self.now)
         task.work_since_ckpt = 0.0
-        task.ckpt_clock = 0.0
+        if not keep_phase:
+            task.ckpt_clock = 0.0
+        task.ckpt_phase = task.ckpt_clock
 
     def lose_iterations(self, task: TaskRun, iterations: float) -> None:
         """Lose ``iterations`` of the task's steps (an interrupted step not reused)."""

@@ -343,7 +343,7 @@ class Varuna(Policy):
         """Restart in the new configuration; one iteration later, checkpoint (credited)."""
         phases = [("transition", self.restart_cost_s(task))]
         if save_first:
-            sim.checkpointed(task)
+            sim.checkpointed(task, keep_phase=True)
             phases.insert(0, ("transition", self.checkpoint_s(task)))
 
         def first_step(_t: float) -> None:
@@ -356,7 +356,7 @@ class Varuna(Policy):
     def _post_morph_ckpt(self, sim: Simulation, task: TaskRun, tok: int) -> None:
         if task.mode is not Mode.RUNNING or task.token != tok:
             return
-        sim.checkpointed(task)
+        sim.checkpointed(task, keep_phase=True)
         sim.recover(task, [("transition", self.checkpoint_s(task))], sim.starter(task))
 
     def on_node_back(self, sim: Simulation, node: str) -> None:
@@ -451,10 +451,10 @@ class Bamboo(Policy):
     """Distributed timeout, as :class:`Megatron`."""
     failure_detect_s: float = 5.0
     """Bamboo's agents see a worker or node drop (assumption, as Oobleck)."""
-    redundancy_factor: float = 119.2546584 / 368.2457947
-    """Bamboo's throughput over Oobleck's on 30 nodes, BERT-large, both measured (the first
-    entries of the artifact's bamboo_simulator.py and oobleck_simulator.py ``tputs`` tables:
-    119.3 and 368.2 samples/s, ~0.32)."""
+    redundancy_factor: float = 0.288
+    """Bamboo's throughput over Oobleck's on the same nodes, both measured: the mean over 15..30
+    nodes of the ratio of the BERT-large ``tputs`` tables in the artifact's
+    bamboo_simulator.py and oobleck_simulator.py (0.23..0.33; 119.3 / 368.2 on 30 nodes)."""
     cost_scale: float = 1.0
     """Multiplier on the artifact's per-model rebuild time (sensitivity)."""
     memory_limit: bool = True
@@ -503,13 +503,13 @@ def _doubled_table(sim: Simulation, task: TaskRun) -> Any:
         doubled,
         task.spec.global_batch,
         n * wl.gpus_per_node,
-        planner.GPU_PRESETS[wl.gpu],
+        wl.gpu_type(),
         wl.gpus_per_node,
         unit=wl.gpus_per_node,
     )
     out = np.zeros(n + 1)
     out[: len(table)] = table[: n + 1]
-    return out
+    return np.maximum.accumulate(out)
 
 
 @dataclass(kw_only=True)
@@ -599,7 +599,8 @@ class TorchFT(Policy):
 class Unicron(Policy):
     """Unicron (He et al. 2023): in-band detection, cost-aware replanning, fast transition.
 
-    Detection latencies are the runtime's targets (DESIGN.md, "Detection"). SEV3 reattempts
+    Detection latencies are the runtime's measured ones (:mod:`unicron.sim.measured` reads
+    them from ``bench/results``; :func:`make_policy` passes them in). SEV3 reattempts
     in place (one iteration); SEV2 restarts the process in its slot and pulls the state from
     the nearest peer; SEV1 (node lost) replans every task with the real planner
     (:func:`unicron.planner.solve`, transition costs from
@@ -610,23 +611,40 @@ class Unicron(Policy):
 
     name: ClassVar[str] = "unicron"
     exception_detect_s: float = 0.2
-    """Exception propagation target (DESIGN.md)."""
+    """A communication error seen by the peers (measured: bench/results error.json)."""
     exit_detect_s: float = 0.5
-    """Process supervision target (DESIGN.md)."""
+    """A crashed or raising process (measured: crash.json, error.json)."""
     node_detect_s: float = 3.0
-    """Node health monitoring (heartbeats) target (DESIGN.md)."""
+    """A lost node, through node health (measured: node.json ``detection_heartbeat_s``)."""
     hang_factor: float = 3.0
-    """Statistical hang threshold: max(hang_factor x step, 1 s) + 0.5 s (DESIGN.md)."""
-    regroup_s: float = 10.0
-    """Rebuild a process group and restart a worker at cluster scale (assumption)."""
+    """Statistical hang threshold: hang_factor x step (DESIGN.md), at least ``hang_floor_s``."""
+    hang_floor_s: float = 1.5
+    """The hang detector's floor (measured: hang.json ``detection_s``)."""
+    regroup_s: float = 30.0
+    """Rebuild the process groups and restart a worker at cluster scale (named assumption,
+    :data:`unicron.sim.measured.ASSUMPTIONS`)."""
     prior_rate_per_node_day: float = 419 / (2048 * 54)
     """Failure-rate prior for D_run before failures are seen (Llama 3, see trace.py)."""
     nodes_lost: int = field(default=0, init=False)
     """Node losses seen so far (the observed failure rate for D_run)."""
 
+    @classmethod
+    def measured(cls) -> Unicron:
+        """Unicron with the runtime's measured detection latencies and the named assumptions."""
+        from unicron.sim import measured
+
+        m = measured.load()
+        return cls(
+            exception_detect_s=m.exception_detect_s,
+            exit_detect_s=m.exit_detect_s,
+            node_detect_s=m.node_detect_s,
+            hang_floor_s=m.hang_floor_s,
+            regroup_s=measured.ASSUMPTIONS["regroup_s"][0],
+        )
+
     def detect_s(self, task: TaskRun, method: Method) -> float:
         if method == "hang":
-            return max(self.hang_factor * task.perf.iter_time_s, 1.0) + 0.5
+            return max(self.hang_factor * task.perf.iter_time_s, self.hang_floor_s)
         return {"crash": self.exit_detect_s, "comm": self.exception_detect_s}.get(
             method, self.node_detect_s
         )
@@ -635,7 +653,7 @@ class Unicron(Policy):
         from unicron import planner
 
         wl = sim.workload
-        bw = planner.GPU_PRESETS[wl.gpu].inter_node_bw * wl.gpus_per_node
+        bw = wl.gpu_type().inter_node_bw * wl.gpus_per_node
         return planner.transition_time_s(task.perf.model, bw, self.regroup_s)
 
     def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
@@ -716,5 +734,5 @@ def make_policy(name: str, *, initial: Literal["planner", "proportional"] = "pla
     """A policy with its default constants; ``initial`` applies to the baselines only."""
     cls = POLICIES[name]
     if cls is Unicron:
-        return Unicron()
+        return Unicron.measured()
     return cls(initial=initial)
