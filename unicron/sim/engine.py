@@ -270,6 +270,8 @@ class TaskRun:
     ckpt_phase: float = 0.0
     """``ckpt_clock`` at the last checkpoint: a rollback returns the schedule there."""
     work_since_ckpt: float = 0.0
+    run_start: float = 0.0
+    """When the task last started running (its step boundaries count from here)."""
     overhead_s: float = 0.0
     """Running seconds lost to the steady factor (checkpoint stalls, redundant computation):
     the running time times ``1 - factor``, for the effective-time fraction."""
@@ -453,10 +455,10 @@ class Simulation:
             task.ckpt_clock = 0.0
         task.ckpt_phase = task.ckpt_clock
 
-    def lose_iterations(self, task: TaskRun, iterations: float) -> None:
-        """Lose ``iterations`` of the task's steps (an interrupted step not reused)."""
+    def lose_running(self, task: TaskRun, seconds: float) -> None:
+        """Lose the work of the last ``seconds`` of running (an interrupted step not reused)."""
         self.advance(task, self.now)
-        work = min(task.work_since_ckpt, task.rate() * task.perf.iter_time_s * iterations)
+        work = min(task.work_since_ckpt, task.rate() * seconds)
         task.work_since_ckpt -= work
         task.useful -= work
         task.loss["lost_work"] += work
@@ -512,8 +514,16 @@ class Simulation:
         self.schedule(self.now + dur, lambda _t: self._next_phase(task, phases, then, tok))
 
     def start(self, task: TaskRun) -> None:
-        """Run on the nodes it holds (IDLE if below its minimum)."""
+        """Run on the nodes it holds (IDLE if below its minimum); its steps start now."""
         self.set_mode(task, Mode.RUNNING)
+        task.run_start = self.now
+
+    def partial_step_s(self, task: TaskRun, step_s: float) -> float:
+        """Seconds of the step in flight (steps of ``step_s`` back to back since the task last
+        started): what a failure now throws away."""
+        if task.mode is not Mode.RUNNING or not step_s > 0:
+            return 0.0
+        return (self.now - task.run_start) % step_s
 
     def starter(self, task: TaskRun) -> Callable[[float], None]:
         """A ``then`` for :meth:`recover` that starts ``task``."""

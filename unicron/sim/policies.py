@@ -388,7 +388,8 @@ class Oobleck(Policy):
     A lost node is handled without a checkpoint: the job re-instantiates its pipelines from
     precomputed templates on the nodes it has, copying missing layers from the other
     pipelines' replicas (the per-model :data:`OOBLECK_RECONFIGURE_S`); the interrupted
-    iteration is lost (oobleck_simulator.py adds one ``step_delta`` to its fallback loss).
+    iteration is lost: the part of it done when the failure comes (oobleck_simulator.py
+    marks the step in flight wasted and books a ``step_delta``).
     Errors that leave the node in place are handled the same way. Nodes that come back are
     taken at the next reconfiguration, not at once (the artifact's Oobleck adds waiting
     nodes only when it reconfigures); a task left below its minimum takes them at once.
@@ -400,8 +401,8 @@ class Oobleck(Policy):
     """Distributed timeout, as :class:`Megatron`."""
     failure_detect_s: float = 5.0
     """Oobleck's agents see a worker or node drop through their connections (assumption)."""
-    lost_iterations: float = 1.0
-    """Iterations lost per failure (oobleck_simulator.py: one ``step_delta``)."""
+    lost_step_scale: float = 1.0
+    """Multiplier on the interrupted step's lost part (sensitivity; 1: what was done of it)."""
     cost_scale: float = 1.0
     """Multiplier on the artifact's per-model reconfiguration time (sensitivity)."""
 
@@ -415,7 +416,8 @@ class Oobleck(Policy):
         if task.mode is Mode.IDLE:
             return
         if task.mode is Mode.RUNNING:
-            sim.lose_iterations(task, self.lost_iterations)
+            lost = sim.partial_step_s(task, _iter_s(task)) * self.lost_step_scale
+            sim.lose_running(task, lost)
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d)], lambda _t: self._reconfigure(sim, task))
 
@@ -441,8 +443,8 @@ class Bamboo(Policy):
     layers (the artifact's Bamboo runs out of memory for GPT-3 medium and larger; our
     memory model is the planner's, on the scenario's GPU). A lost node fails over to its
     redundant copy; the pipeline is then rebuilt smaller (the per-model
-    :data:`BAMBOO_REBALANCE_S`) and the interrupted iteration is lost
-    (bamboo_simulator.py adds one ``step_delta``). Returning nodes are added by another
+    :data:`BAMBOO_REBALANCE_S`) and the part of the interrupted iteration done is lost
+    (bamboo_simulator.py books one ``step_delta``). Returning nodes are added by another
     rebuild. Hangs are found at the distributed timeout.
     """
 
@@ -479,7 +481,8 @@ class Bamboo(Policy):
         if task.mode is Mode.IDLE:
             return
         if task.mode is Mode.RUNNING:
-            sim.lose_iterations(task, 1.0)
+            step = _iter_s(task) / self.redundancy_factor
+            sim.lose_running(task, sim.partial_step_s(task, step))
         d = self.detect_s(task, method_of(signal))
         sim.recover(
             task, [("detection", d), ("transition", self.rebalance_s(task))], sim.starter(task)
@@ -627,6 +630,9 @@ class Unicron(Policy):
     """Failure-rate prior for D_run before failures are seen (Llama 3, see trace.py)."""
     nodes_lost: int = field(default=0, init=False)
     """Node losses seen so far (the observed failure rate for D_run)."""
+    _states: dict[str, tuple[tuple[int, float, bool], Any]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @classmethod
     def measured(cls) -> Unicron:
@@ -689,23 +695,33 @@ class Unicron(Policy):
         )
         return planner.expected_time_to_failure_s(rate, max(nodes, 1))
 
+    def _state(self, task: TaskRun, cost: float, faulted: bool) -> Any:
+        """The planner's view of ``task``, reused while it is unchanged (building one copies
+        the task's F table: a tenth of a replan's time at 100 tasks)."""
+        from unicron import planner
+
+        key = (len(task.nodes), cost, faulted)
+        hit = self._states.get(task.name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        state = planner.TaskState(
+            name=task.name,
+            weight=task.spec.weight,
+            min_units=task.spec.min_nodes,
+            current_units=len(task.nodes),
+            flops=task.perf.flops,
+            transition_s=cost,
+            must_transition=faulted,
+        )
+        self._states[task.name] = (key, state)
+        return state
+
     def _replan(self, sim: Simulation, faulted: TaskRun | None) -> None:
         """Run the real planner over every task and move the tasks whose nodes change."""
         from unicron import planner
 
         cost = {t.name: self.transition_s(sim, t) for t in sim.tasks.values()}
-        states = [
-            planner.TaskState(
-                name=t.name,
-                weight=t.spec.weight,
-                min_units=t.spec.min_nodes,
-                current_units=len(t.nodes),
-                flops=t.perf.flops,
-                transition_s=cost[t.name],
-                must_transition=t is faulted,
-            )
-            for t in sim.tasks.values()
-        ]
+        states = [self._state(t, cost[t.name], t is faulted) for t in sim.tasks.values()]
         plan = planner.solve(states, sim.healthy_count(), self._d_run_s(sim))
         changed: list[TaskRun] = []
         ordered = sorted(sim.tasks.values(), key=lambda t: plan.allocation[t.name] - len(t.nodes))
@@ -736,3 +752,35 @@ def make_policy(name: str, *, initial: Literal["planner", "proportional"] = "pla
     if cls is Unicron:
         return Unicron.measured()
     return cls(initial=initial)
+
+
+A = "Oobleck artifact"
+CONSTANTS: tuple[tuple[str, str, str], ...] = (
+    # (policy, field, source) for every constant docs/simulator.md lists; the value is the
+    # policy's default (Unicron's: make_policy's, read from bench/results).
+    ("unicron", "exception_detect_s", "measured: bench/results/error.json, comm kinds"),
+    ("unicron", "exit_detect_s", "measured: bench/results/crash.json, error.json"),
+    ("unicron", "node_detect_s", "measured: bench/results/node.json detection_heartbeat_s"),
+    ("unicron", "hang_floor_s", "measured: bench/results/hang.json detection_s"),
+    ("unicron", "hang_factor", "DESIGN.md: hang threshold 3 x step"),
+    ("unicron", "regroup_s", "assumption: MegaScale (NSDI'24) section 3.5, init < 30 s"),
+    ("megatron", "timeout_s", "Megatron-LM --distributed-timeout-minutes default 10"),
+    ("megatron", "exit_detect_s", "assumption: launcher tears the job down"),
+    ("megatron", "restart_s", "assumption: schedule, launch, NCCL init"),
+    ("megatron", "checkpoint_interval_s", "assumption: typical of large runs"),
+    ("megatron", "storage_bw_per_node", "Llama 3 (arXiv 2407.21783) 3.3.4: 2 TB/s / 2,048 nodes"),
+    ("varuna", "node_detect_s", "assumption: manager heartbeat"),
+    ("varuna", "checkpoint_every_iters", f"{A} varuna_simulator.py checkpoint_per_iter"),
+    ("varuna", "max_stall_fraction", "assumption: artifact's scenarios stall ~6 %"),
+    ("varuna", "cost_scale", f"{A}: per-model checkpoint and restart times (x1)"),
+    ("oobleck", "failure_detect_s", "assumption: agents' connections drop"),
+    ("oobleck", "lost_step_scale", f"{A} oobleck_simulator.py: the step in flight is wasted"),
+    ("oobleck", "cost_scale", f"{A}: per-model reconfiguration 2-10 s (x1)"),
+    ("bamboo", "redundancy_factor", f"{A}: Bamboo / Oobleck BERT-large tputs, 15-30 nodes"),
+    ("bamboo", "cost_scale", f"{A}: per-model rebuild 76-450 s (x1)"),
+    ("torchft", "timeout_s", "torchft Manager timeout default 60 s"),
+    ("torchft", "error_detect_s", "assumption"),
+    ("torchft", "restart_s", "assumption"),
+    ("torchft", "heal_bw_per_node", "A800 preset: 8 x 200 Gb/s NICs"),
+)
+"""Every tunable constant of the policies with its source (docs/simulator.md's table)."""
