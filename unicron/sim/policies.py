@@ -185,7 +185,8 @@ class Megatron(Policy):
     the distributed timeout fires (``timeout_s``). The job then restarts (``restart_s``) on
     the nodes it can get (up to its target, at least ``min_nodes``: a smaller data-parallel
     degree, the planner's F for that size), loads the last checkpoint and redoes the work
-    since it. Returned nodes are taken by a checkpoint and a restart (no work lost).
+    since it. Returned nodes are taken at the next periodic checkpoint: a restart from it,
+    no work lost (assumption: an operator restarts to regain nodes, not on every arrival).
     Checkpoints are synchronous and stall training for their save time every
     ``checkpoint_interval_s``. :class:`MegatronWait` keeps a fixed world size instead.
     """
@@ -249,14 +250,21 @@ class Megatron(Policy):
                 not self.fixed_world
                 and task.mode is Mode.RUNNING
                 and len(task.nodes) < task.target
-                and sim.free_nodes()
-            ):
-                sim.checkpointed(task)  # save, then restart bigger: no work lost
-                save = self._save_s(task)
-                sim.resize(task, task.target)
-                sim.recover(
-                    task, [("transition", save + self._restart_cost(task))], sim.starter(task)
-                )
+                and not task.extra.get("grow_pending")
+            ):  # grow at the next periodic checkpoint: restart from it, no work lost
+                task.extra["grow_pending"] = 1
+                wait = max(0.0, self.checkpoint_interval_s - task.ckpt_clock)
+                sim.schedule(sim.now + wait, lambda _t, task=task: self._grow(sim, task))
+
+    def _grow(self, sim: Simulation, task: TaskRun) -> None:
+        task.extra["grow_pending"] = 0
+        if task.mode is not Mode.RUNNING or len(task.nodes) >= task.target:
+            return
+        if not sim.free_nodes():
+            return
+        sim.checkpointed(task)
+        sim.resize(task, task.target)
+        sim.recover(task, [("transition", self._restart_cost(task))], sim.starter(task))
 
 
 @dataclass(kw_only=True)
