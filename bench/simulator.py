@@ -5,8 +5,8 @@ bench/simulator.py [--quick]`` prints a table and writes ``bench/results/simulat
 atomically. Two more modes write their own files and print a table:
 
 * ``--crosscheck``: our Oobleck, Varuna and Bamboo on the Oobleck artifact's scenarios
-  (:mod:`unicron.sim.crosscheck`), beside its figures: ``bench/results/crosscheck.md`` and
-  ``crosscheck.json``;
+  (:mod:`unicron.sim.crosscheck`), beside its figures: ``bench/results/crosscheck.md``
+  (the same rows are part of ``run``'s, in ``simulator.json``);
 * ``--constants``: every policy constant with its source and what doubling or halving it
   does to Unicron's ratio over that policy in the paper experiment; rewrites the table
   between the ``constants`` markers in ``docs/simulator.md`` (never typed by hand).
@@ -216,6 +216,28 @@ def run(quick: bool) -> list[dict[str, Any]]:
     return large_cluster(1 if quick else 3, rates) + paper(seeds, days=30.0) + crosscheck()[0]
 
 
+def complete(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows as ``python -m bench`` saves them (machine, status, note, date added) so
+    that ``bench/results/SUMMARY.md`` can be regenerated from the files."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.common import check_row, machine, now_iso
+
+    host, date = machine(), now_iso()
+    out = []
+    for r in rows:
+        note = f"{r['scenario']}: {r['note']}" if r.get("note") else r["scenario"]
+        row = {"machine": host, "status": "ok", "date": date, **r, "note": note}
+        check_row(row)
+        out.append(row)
+    return out
+
+
+def _summary() -> None:
+    from bench.common import write_summary
+
+    print(f"wrote {write_summary(RESULTS)}")
+
+
 def _write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -236,8 +258,7 @@ def main() -> int:
         rows, md = crosscheck()
         print(md)
         _write(RESULTS / "crosscheck.md", md)
-        _write(RESULTS / "crosscheck.json", json.dumps(rows, indent=2) + "\n")
-        print(f"wrote {RESULTS / 'crosscheck.md'}, {RESULTS / 'crosscheck.json'}")
+        print(f"wrote {RESULTS / 'crosscheck.md'} (its rows go to simulator.json with the rest)")
         return 0
     if "--constants" in sys.argv:
         _table, md = constants(seeds=[0, 1], days=30.0)
@@ -253,8 +274,9 @@ def main() -> int:
     rows = run(quick="--quick" in sys.argv)
     _print(rows)
     out = RESULTS / "simulator.json"
-    _write(out, json.dumps(rows, indent=2) + "\n")
+    _write(out, json.dumps(complete(rows), indent=2) + "\n")
     print(f"wrote {out}")
+    _summary()
     return 0
 
 
