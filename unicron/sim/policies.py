@@ -254,7 +254,10 @@ class Megatron(Policy):
             ):  # grow at the next periodic checkpoint: restart from it, no work lost
                 task.extra["grow_pending"] = 1
                 wait = max(0.0, self.checkpoint_interval_s - task.ckpt_clock)
-                sim.schedule(sim.now + wait, lambda _t, task=task: self._grow(sim, task))
+                sim.schedule(sim.now + wait, self._grower(sim, task))
+
+    def _grower(self, sim: Simulation, task: TaskRun) -> Callable[[float], None]:
+        return lambda _t: self._grow(sim, task)
 
     def _grow(self, sim: Simulation, task: TaskRun) -> None:
         task.extra["grow_pending"] = 0
