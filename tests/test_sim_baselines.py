@@ -226,3 +226,16 @@ def test_crosscheck_oobleck_and_varuna_match_the_artifact_on_bert_1h():
     cells = {c.system: c for c in crosscheck.run(data)}
     assert cells["oobleck"].within and cells["varuna"].within
     assert not cells["bamboo"].within and cells["bamboo"].reason  # documented
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "5m.csv").exists(),
+    reason="../shared traces not present",
+)
+def test_every_crosscheck_cell_is_within_15_percent_or_has_a_reason():
+    from unicron.sim import crosscheck
+
+    cells = crosscheck.run(crosscheck.load())
+    assert len(cells) == 36
+    assert [c for c in cells if not c.within and not c.reason] == []
+    assert sum(c.within for c in cells) >= 20
