@@ -433,16 +433,18 @@ class Simulation:
             task.down_s[task.reason] += dt
         task.since = now
 
-    def rollback(self, task: TaskRun) -> None:
+    def rollback(self, task: TaskRun, *, keep_clock: bool = False) -> None:
         """Lose the work since the last checkpoint (called by checkpoint-restart policies);
-        the checkpoint schedule resumes from where it was at that checkpoint."""
+        the checkpoint schedule resumes from where it was at that checkpoint, or, with
+        ``keep_clock``, goes on counting the discarded work (see Varuna)."""
         self.advance(task, self.now)
         task.useful -= task.work_since_ckpt
         task.loss["lost_work"] += task.work_since_ckpt
         if task.ref_waf > 0:
             task.down_s["lost_work"] += task.work_since_ckpt / task.ref_waf
         task.work_since_ckpt = 0.0
-        task.ckpt_clock = task.ckpt_phase
+        if not keep_clock:
+            task.ckpt_clock = task.ckpt_phase
 
     def checkpointed(self, task: TaskRun, *, keep_phase: bool = False) -> None:
         """A checkpoint completed now: a later rollback keeps the work done before it.

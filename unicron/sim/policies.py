@@ -317,6 +317,11 @@ class Varuna(Policy):
     scenarios stall ~6 %, so this bound does not bind there)."""
     cost_scale: float = 1.0
     """Multiplier on the artifact's per-model checkpoint and restart times (sensitivity)."""
+    artifact_step_count: bool = False
+    """Count the steps a rollback discards toward the next every-10-iterations checkpoint,
+    as varuna_simulator.py does (its ``num_steps_complete`` is not rolled back with the
+    work). False: the schedule follows the restored iteration number, as Varuna restoring
+    a checkpoint does. The cross-check uses it to show where the two models part."""
 
     def ckpt_interval(self, task: TaskRun) -> float:
         floor = self.checkpoint_s(task) * (1.0 - self.max_stall_fraction) / self.max_stall_fraction
@@ -339,7 +344,7 @@ class Varuna(Policy):
         if task.mode is Mode.IDLE:
             return
         if task.mode is Mode.RUNNING:
-            sim.rollback(task)
+            sim.rollback(task, keep_clock=self.artifact_step_count)
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d)], lambda _t: self._morph(sim, task))
 
