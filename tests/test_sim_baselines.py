@@ -239,3 +239,13 @@ def test_every_crosscheck_cell_is_within_15_percent_or_has_a_reason():
     assert len(cells) == 36
     assert [c for c in cells if not c.within and not c.reason] == []
     assert sum(c.within for c in cells) >= 20
+
+
+@pytest.mark.parametrize("name", ["unicron", "torchft", "oobleck", "megatron", "varuna"])
+def test_a_trace_that_adds_its_nodes_later_starts_empty(small, name):
+    # Like g4dn-trace.csv: the first node arrives after time 0. No phantom fill-in nodes;
+    # the tasks start as the trace's nodes arrive.
+    trace = [_ev(100.0, "add", "spot1"), _ev(200.0, "add", "spot2")]
+    r = simulate(small, trace, make_policy(name), duration_s=DAY)
+    assert sum(t.final_nodes for t in r.tasks) == 2
+    assert r.accumulated_waf > 0

@@ -350,11 +350,13 @@ class Simulation:
     def _bind_nodes(self, trace: Sequence[TraceEvent]) -> None:
         """The cluster is a pool of ``workload.nodes`` places. At time 0 it holds the first N
         nodes the trace has alive then (a node whose first event is an ``add`` after time 0
-        is not), topped up with ``node{i}`` fill-ins, in natural order (node2 before node10);
-        nodes alive beyond N wait in :attr:`standby`. Later, an ``add`` fills an empty place
-        (or waits in standby) and a lost node's place goes to the first standby node: spot
-        traces name every replacement instance anew, and replacements take the place of lost
-        ones."""
+        is not), in natural order (node2 before node10); nodes alive beyond N wait in
+        :attr:`standby`. A trace that adds its nodes (a CSV trace) says which nodes exist:
+        places it leaves empty stay empty until an ``add``. A trace that only fails nodes (a
+        generated one) is topped up with ``node{i}`` fill-ins that never fail. Later, an
+        ``add`` fills an empty place (or waits in standby) and a lost node's place goes to
+        the first standby node: spot traces name every replacement instance anew, and
+        replacements take the place of lost ones."""
         alive: list[str] = []
         first: dict[str, TraceEvent] = {}
         for ev in trace:
@@ -364,10 +366,10 @@ class Simulation:
                     alive.append(ev.node)
         names = alive[: self.workload.nodes]
         self.standby = alive[self.workload.nodes :]
-        taken = set(first)
+        lists_members = any(ev.action == "add" for ev in first.values())
         i = 1
-        while len(names) < self.workload.nodes:
-            if f"node{i}" not in taken:
+        while len(names) < self.workload.nodes and not lists_members:
+            if f"node{i}" not in first:
                 names.append(f"node{i}")
             i += 1
         names.sort(key=_natural)

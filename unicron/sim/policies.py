@@ -608,6 +608,12 @@ class TorchFT(Policy):
 
     def on_node_back(self, sim: Simulation, node: str) -> None:
         for task in sim.tasks.values():
+            if task.mode is Mode.IDLE and task.target > 0 and not task.extra.get("waiting"):
+                sim.resize(task, task.target)  # never started (its nodes came later)
+                if len(task.nodes) >= task.spec.min_nodes:
+                    self._refresh(sim, task)
+                    sim.recover(task, [("transition", self.restart_s)], sim.starter(task))
+                continue
             while task.extra.get("waiting", 0) > 0 and sim.free_nodes():
                 sim.resize(task, len(task.nodes) + 1)
                 task.extra["waiting"] -= 1
