@@ -54,36 +54,40 @@ def _solver(tasks: Sequence[TaskState], units: int, d_run_s: float) -> dict[str,
     return solve(tasks, units, d_run_s).allocation
 
 
-def instance(gpus: int, n_tasks: int, seed: int) -> tuple[list[TaskState], int, float]:
-    """A random cluster state right after one node was lost."""
+def instance(
+    gpus: int, n_tasks: int, seed: int, unit: int = GPUS_PER_NODE
+) -> tuple[list[TaskState], int, float]:
+    """A random cluster state right after one node was lost; ``unit`` GPUs per allocation
+    unit (8: whole nodes, 1: single GPUs)."""
     rng = np.random.default_rng(seed)
     gpu = GPU_PRESETS["A100-80GB"]
     nodes = gpus // GPUS_PER_NODE
-    units = nodes - 1  # one node just died
-    names = list(MODEL_PRESETS)
+    per_node = GPUS_PER_NODE // unit
+    units = (nodes - 1) * per_node  # one node just died
+    names = list(BATCH)
     # model size roughly matched to the cluster: big models only where they can fit
     limit = len(names) if gpus >= 1024 else 5 if gpus >= 128 else 3
     specs = []
     for i in range(n_tasks):
         model = MODEL_PRESETS[names[int(rng.integers(0, limit))]]
-        flops = throughput_table(
-            model, BATCH[model.name], units * GPUS_PER_NODE, gpu, GPUS_PER_NODE, GPUS_PER_NODE
-        )
+        flops = throughput_table(model, BATCH[model.name], units * unit, gpu, GPUS_PER_NODE, unit)
         fits = np.flatnonzero(flops > 0)
         smallest = int(fits[0]) if len(fits) else units + 1
         specs.append((f"task{i}", model, flops, smallest))
     # current allocation: random shares of the healthy cluster, each at least its minimum
-    shares = rng.dirichlet(np.ones(n_tasks)) * nodes
+    healthy = nodes * per_node
+    shares = rng.dirichlet(np.ones(n_tasks)) * healthy
     current = [
-        max(int(s), m) if m <= nodes else 0 for s, (_, _, _, m) in zip(shares, specs, strict=True)
+        max(int(s), m) if m <= healthy else 0
+        for s, (_, _, _, m) in zip(shares, specs, strict=True)
     ]
-    while sum(current) > nodes:
+    while sum(current) > healthy:
         current[int(np.argmax(current))] -= 1
     victim = int(rng.choice(np.flatnonzero(np.asarray(current) > 0)))
     d_run = expected_time_to_failure_s(FAILURE_RATE, units)
     tasks = []
     for i, (name, model, flops, smallest) in enumerate(specs):
-        cur = current[i] - (1 if i == victim else 0)
+        cur = max(current[i] - (per_node if i == victim else 0), 0)
         bw = gpu.inter_node_bw * GPUS_PER_NODE
         tasks.append(
             TaskState(
