@@ -7,7 +7,6 @@ and the cluster simulator all call :func:`solve` on :class:`TaskState` lists bui
 """
 
 from unicron.planner.baselines import equal_share, greedy_marginal, proportional_share, total_waf
-from unicron.planner.calibration import megatron_2021, predict_measurement
 from unicron.planner.hardware import GPU_PRESETS, GPUSpec
 from unicron.planner.model import MODEL_PRESETS, ModelSpec
 from unicron.planner.perf import (
@@ -41,12 +40,10 @@ __all__ = [
     "Plan",
     "TaskState",
     "best_config",
-    "evaluate",
     "equal_share",
+    "evaluate",
     "expected_time_to_failure_s",
     "greedy_marginal",
-    "megatron_2021",
-    "predict_measurement",
     "proportional_share",
     "solve",
     "state_bytes",

@@ -139,7 +139,9 @@ def sources(path: Path = DATA) -> dict[str, dict[str, Any]]:
     return dict(yaml.safe_load(path.read_text())["sources"])
 
 
-def options_for(run: Run, base: PerfOptions = DEFAULT_OPTIONS, stack: float | None = None) -> PerfOptions:
+def options_for(
+    run: Run, base: PerfOptions = DEFAULT_OPTIONS, stack: float | None = None
+) -> PerfOptions:
     """The performance-model options a run was made with (precision, software stack)."""
     opts = replace(base, precision=run.precision)
     if run.stack == "megatron-2021":
@@ -158,7 +160,11 @@ def _candidates(run: Run) -> list[Layout]:
     tp, pp, cp = lay.get("tp", 1), lay.get("pp", 1), lay.get("cp", 1)
     dp = run.gpus // (tp * pp * cp)
     assert dp * tp * pp * cp == run.gpus, run.id
-    vps = [lay["vp"]] if "vp" in lay else [1] + [v for v in (2, 4, 8) if pp > 1 and pp * v <= run.model.layers]
+    vps = (
+        [lay["vp"]]
+        if "vp" in lay
+        else [1] + [v for v in (2, 4, 8) if pp > 1 and pp * v <= run.model.layers]
+    )
     mbs = [lay["mb"]] if "mb" in lay else [b for b in (1, 2, 4, 8) if run.global_batch % b == 0]
     recs = [lay["recompute"]] if "recompute" in lay else ["none", "selective", "full"]
     out = []
@@ -167,7 +173,16 @@ def _candidates(run: Run) -> list[Layout]:
         if vp > 1 and "vp" not in lay and m % pp:
             continue
         out.append(
-            Layout(tp=tp, pp=pp, cp=cp, dp=dp, vp=vp, micro_batch=mb, sharding=lay.get("sharding", "dist-opt"), recompute=rec)
+            Layout(
+                tp=tp,
+                pp=pp,
+                cp=cp,
+                dp=dp,
+                vp=vp,
+                micro_batch=mb,
+                sharding=lay.get("sharding", "dist-opt"),
+                recompute=rec,
+            )
         )
     return out
 
@@ -194,7 +209,9 @@ def megatron_2021() -> tuple[Run, ...]:
     return tuple(r for r in load_runs() if r.source == "megatron-2021")
 
 
-def predict_measurement(run: Run, gpu: GPUSpec | None = None, options: PerfOptions | None = None) -> float:
+def predict_measurement(
+    run: Run, gpu: GPUSpec | None = None, options: PerfOptions | None = None
+) -> float:
     """Predicted TFLOP/s per GPU of ``run`` in Megatron's eq. 3 unit (recompute counted)."""
     pred = predict(run, options, gpu)
     per_gpu = megatron_flops_per_gpu(run.model, run.global_batch, run.gpus, pred.config.iter_time_s)
@@ -242,7 +259,9 @@ def _predict_with(run: Run, p: dict[str, float]) -> Prediction:
 
 
 def _loss(runs: Sequence[Run], p: dict[str, float]) -> float:
-    errs = [math.log(_predict_with(r, p).tokens_per_gpu / r.published_tokens_per_gpu()) for r in runs]
+    errs = [
+        math.log(_predict_with(r, p).tokens_per_gpu / r.published_tokens_per_gpu()) for r in runs
+    ]
     return float(np.sqrt(np.mean(np.square(errs))))
 
 
@@ -308,7 +327,8 @@ def summary(preds: Sequence[Prediction]) -> list[dict[str, Any]]:
 def markdown(preds: Sequence[Prediction]) -> str:
     """The table docs/planner.md shows."""
     lines = [
-        "| run | set | GPU | GPUs | layout | published tok/s/GPU | model | error | memory GiB (usable) |",
+        "| run | set | GPU | GPUs | layout | published tok/s/GPU | model | error "
+        "| memory GiB (usable) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in preds:
@@ -320,7 +340,11 @@ def markdown(preds: Sequence[Prediction]) -> str:
             f"{p.config.describe()} | {p.published:,.0f} | {p.tokens_per_gpu:,.0f} | "
             f"{100 * p.error:+.1f}% | {mem} |"
         )
-    lines += ["", "| set | GPU | runs | within 15% | RMS error | worst |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "| set | GPU | runs | within 15% | RMS error | worst |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for s in summary(preds):
         lines.append(
             f"| {s['set']} | {s['generation']} | {s['runs']} | {s['within_15pct']} "

@@ -36,16 +36,19 @@ class PerfOptions:
     """Knobs of the performance model; the defaults are the calibrated ones (docs/planner.md)."""
 
     efficiency_max: float | None = None
-    """Fraction of peak a very large GEMM reaches; None: the GPU's own (:attr:`GPUSpec.efficiency`)."""
+    """Fraction of peak a very large GEMM reaches; None: the GPU's own
+    (:attr:`~unicron.planner.hardware.GPUSpec.efficiency`)."""
     stack_efficiency: float = 1.0
     """Multiplier for the software stack: 1 for current Megatron-Core / PyTorch FSDP with
     flash attention; the Megatron-LM of 2021 (fp16, no fused kernels) was fitted lower."""
     efficiency_half_hidden: float = 880.0
     """Hidden size at which the hidden-size factor of the efficiency is 1/2 (fitted)."""
     efficiency_half_tokens: float = 160.0
-    """Tokens per micro-batch at which the micro-batch factor of the efficiency is 1/2 (fitted)."""
+    """Tokens per micro-batch at which the micro-batch factor of the efficiency is 1/2
+    (fitted)."""
     fp8_efficiency: float = 1.0
-    """An FP8 GEMM's fraction of FP8 peak relative to a bf16 GEMM's fraction of bf16 peak (fitted)."""
+    """An FP8 GEMM's fraction of FP8 peak relative to a bf16 GEMM's fraction of bf16 peak
+    (fitted)."""
     precision: str = "bf16"
     """``bf16``, or ``fp8`` (Transformer Engine: the GEMMs in FP8, attention in bf16)."""
     memory_usable_fraction: float = 0.9
@@ -352,11 +355,11 @@ def _evaluate(
     sharded = dense_share / shard + (1 - dense_share) / np.maximum(shard / ep, 1)
 
     # -- data-parallel communication (per iteration, or per micro-batch with FSDP) --------------
-    inter = tp * shard > gpn
+    dp_inter = tp * shard > gpn
     bw = _group_bw(shard, tp, gpu, gpn)
     lat = np.where(
         shard > 1,
-        np.where(inter, o.latency_inter_s, o.latency_intra_s) * 2.0 * np.ceil(np.log2(shard)),
+        np.where(dp_inter, o.latency_inter_s, o.latency_intra_s) * 2.0 * np.ceil(np.log2(shard)),
         0.0,
     )
     frac = (shard - 1) / shard
