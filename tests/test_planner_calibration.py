@@ -59,7 +59,7 @@ def test_calibration_set_is_fitted(preds: list[calibration.Prediction]) -> None:
 
 def test_held_out_accuracy(preds: list[calibration.Prediction]) -> None:
     """The goal is 80% of held-out runs within 15% on each generation. A100 meets it; H100
-    does not yet (docs/planner.md: Meta's Llama 3 405B and the FP8 runs); this pins what is
+    does not yet (docs/planner.md: Llama 3 405B and NeMo Llama 3 8B); this pins what is
     measured so that a change making it worse fails."""
     rows = {(s["set"], s["generation"]): s for s in calibration.summary(preds)}
     assert rows[("held-out", "A100")]["share_within"] >= 0.80
