@@ -582,7 +582,8 @@ def _config(
     t, mem, note = float(found.best_t[k]), float(found.best_mem[k]), ""
     usable = gpu.memory_bytes * o.memory_usable_fraction
     j = int(found.room_i[k])
-    if j >= 0 and j != i and found.room_t[k] <= t * (1.0 + o.model_error):
+    tight = mem > usable * (1.0 - o.headroom_fraction)
+    if tight and j >= 0 and found.room_t[k] <= t * (1.0 + o.model_error):
         slower = float(found.room_t[k]) / t - 1.0
         note = (
             f"memory headroom: {found.room_mem[k] / GIB:.0f} of {usable / GIB:.0f} GiB used "
@@ -590,9 +591,8 @@ def _config(
             f"{100 * o.model_error:.0f}% error"
         )
         i, t, mem = j, float(found.room_t[k]), float(found.room_mem[k])
-    lay = replace(
-        found.layouts[i], dp=k // (found.layouts[i].tp * found.layouts[i].cp * found.layouts[i].pp)
-    )
+    base = found.layouts[i]
+    lay = replace(base, dp=k // (base.tp * base.cp * base.pp))
     flops = model.flops_per_token * global_batch * model.seq_len / t
     return ParallelConfig(
         lay.tp,
