@@ -1,17 +1,24 @@
-"""Planner benchmark: solve time of the DP solver and its total WAF against the baselines.
+"""Planner benchmark: solve time of the DP solver, its total WAF against the baselines, and
+the performance model's accuracy on published runs.
 
-Instances (allocation unit: one 8-GPU A100 node): 128 GPUs x 8 tasks, 1,024 x 32 and
-10,000 x 100, each drawn at random (seeded) from the model presets with random weights,
-global batches and minimums, a current allocation, and one node just lost (the task on it
-must transition). Throughput tables come from :func:`unicron.planner.throughput_table`
-(memoised; not timed). Targets for the solve time here: 10 ms, 100 ms, 1 s.
+Instances: 128 GPUs x 8 tasks, 1,024 x 32 and 10,000 x 100 A100s, each drawn at random
+(seeded) from the GPT-3 presets with random weights and minimums, a current allocation,
+and one node just lost (the task on it must transition), solved with the allocation unit
+a whole 8-GPU node and a single GPU. Throughput tables come from
+:func:`unicron.planner.throughput_table` (memoised; not timed). Targets for the solve time
+here, in both units: 10 ms, 100 ms, 1 s.
 
-``python -m bench`` calls :func:`run`; ``python bench/planner.py [--quick]`` prints a table
-and writes ``bench/results/planner.json``.
+Accuracy (``--accuracy``, and in every run): predicted against published throughput per
+GPU for the calibration and held-out runs of unicron/planner/data/runs.yaml
+(:mod:`unicron.planner.calibration`), printed as the table docs/planner.md shows.
+
+``python -m bench`` calls :func:`run`; ``python bench/planner.py [--quick] [--accuracy]``
+prints a table and writes ``bench/results/planner.json``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -29,6 +36,7 @@ from unicron.planner import (
     GPU_PRESETS,
     MODEL_PRESETS,
     TaskState,
+    calibration,
     equal_share,
     expected_time_to_failure_s,
     greedy_marginal,
@@ -46,6 +54,7 @@ BATCH = {"gpt-1.3b": 512, "gpt-2.7b": 512, "gpt-6.7b": 1024, "gpt-13b": 1024}
 BATCH |= {"gpt-30b": 1536, "gpt-70b": 1536, "gpt-175b": 1536}
 FAILURE_RATE = 0.01  # per node per day
 RESTART_S = 30.0
+UNITS = (("node", GPUS_PER_NODE), ("gpu", 1))
 
 Allocator = Callable[[Sequence[TaskState], int], dict[str, int]]
 
@@ -54,36 +63,39 @@ def _solver(tasks: Sequence[TaskState], units: int, d_run_s: float) -> dict[str,
     return solve(tasks, units, d_run_s).allocation
 
 
-def instance(gpus: int, n_tasks: int, seed: int) -> tuple[list[TaskState], int, float]:
-    """A random cluster state right after one node was lost."""
+def instance(
+    gpus: int, n_tasks: int, seed: int, unit: int = GPUS_PER_NODE
+) -> tuple[list[TaskState], int, float]:
+    """A random cluster state right after one node was lost; ``unit`` GPUs per allocation
+    unit (8: whole nodes, 1: single GPUs)."""
     rng = np.random.default_rng(seed)
     gpu = GPU_PRESETS["A100-80GB"]
     nodes = gpus // GPUS_PER_NODE
-    units = nodes - 1  # one node just died
-    names = list(MODEL_PRESETS)
+    per_node = GPUS_PER_NODE // unit
+    units = (nodes - 1) * per_node  # one node just died
+    names = list(BATCH)
     # model size roughly matched to the cluster: big models only where they can fit
     limit = len(names) if gpus >= 1024 else 5 if gpus >= 128 else 3
     specs = []
     for i in range(n_tasks):
         model = MODEL_PRESETS[names[int(rng.integers(0, limit))]]
-        flops = throughput_table(
-            model, BATCH[model.name], units * GPUS_PER_NODE, gpu, GPUS_PER_NODE, GPUS_PER_NODE
-        )
+        flops = throughput_table(model, BATCH[model.name], units * unit, gpu, GPUS_PER_NODE, unit)
         fits = np.flatnonzero(flops > 0)
         smallest = int(fits[0]) if len(fits) else units + 1
         specs.append((f"task{i}", model, flops, smallest))
     # current allocation: random shares of the healthy cluster, each at least its minimum
-    shares = rng.dirichlet(np.ones(n_tasks)) * nodes
+    healthy = nodes * per_node
+    shares = rng.dirichlet(np.ones(n_tasks)) * healthy
     current = [
-        max(int(s), m) if m <= nodes else 0 for s, (_, _, _, m) in zip(shares, specs, strict=True)
+        max(int(s), m) if m <= healthy else 0 for s, (_, _, _, m) in zip(shares, specs, strict=True)
     ]
-    while sum(current) > nodes:
+    while sum(current) > healthy:
         current[int(np.argmax(current))] -= 1
     victim = int(rng.choice(np.flatnonzero(np.asarray(current) > 0)))
     d_run = expected_time_to_failure_s(FAILURE_RATE, units)
     tasks = []
     for i, (name, model, flops, smallest) in enumerate(specs):
-        cur = current[i] - (1 if i == victim else 0)
+        cur = max(current[i] - (per_node if i == victim else 0), 0)
         bw = gpu.inter_node_bw * GPUS_PER_NODE
         tasks.append(
             TaskState(
@@ -97,6 +109,37 @@ def instance(gpus: int, n_tasks: int, seed: int) -> tuple[list[TaskState], int, 
             )
         )
     return tasks, units, d_run
+
+
+def accuracy_rows() -> list[dict]:
+    """One row per published run (relative error of the predicted throughput per GPU) and
+    one per set and GPU generation (share of runs within 15%)."""
+    preds = calibration.report()
+    rows = [
+        make_row(
+            system="perf-model",
+            scenario=SCENARIO,
+            metric=f"throughput_error_{p.run.id}",
+            values=[p.error],
+            unit="ratio",
+            status="derived",
+            note=f"{p.run.set}, {p.run.gpu.name}, {p.run.source}",
+        )
+        for p in preds
+    ]
+    for s in calibration.summary(preds):
+        rows.append(
+            make_row(
+                system="perf-model",
+                scenario=SCENARIO,
+                metric=f"share_within_15pct_{s['set']}_{s['generation']}",
+                values=[s["share_within"]],
+                unit="ratio",
+                status="derived",
+                note=f"{s['within_15pct']} of {s['runs']} runs; RMS {100 * s['rms_error']:.1f}%",
+            )
+        )
+    return rows
 
 
 def _time_ms(fn: Callable[[], object], repetitions: int) -> list[float]:
@@ -117,19 +160,19 @@ def run(quick: bool) -> list[dict]:
         "greedy": lambda t, u, _d: greedy_marginal(t, u),
     }
     seeds = range(2 if quick else 5)
-    rows = []
-    for gpus, n_tasks, target_ms in SIZES:
-        size = f"{gpus}gpus_x{n_tasks}tasks"
+    rows = accuracy_rows()
+    for (gpus, n_tasks, target_ms), (unit_name, unit) in itertools.product(SIZES, UNITS):
+        size = f"{gpus}gpus_x{n_tasks}tasks" + ("" if unit == GPUS_PER_NODE else "_gpu_units")
         times: dict[str, list[float]] = {s: [] for s in systems}
         wafs: dict[str, list[float]] = {s: [] for s in systems}
         for seed in seeds:
-            tasks, units, d_run = instance(gpus, n_tasks, seed)
+            tasks, units, d_run = instance(gpus, n_tasks, seed, unit)
             for system, fn in systems.items():
                 reps = 3 if quick else 7
                 times[system] += _time_ms(partial(fn, tasks, units, d_run), reps)
                 wafs[system].append(total_waf(tasks, fn(tasks, units, d_run)) / 1e15)
         for system in systems:
-            note = f"target {target_ms:g} ms" if system == "unicron-dp" else ""
+            note = f"target {target_ms:g} ms, unit {unit_name}" if system == "unicron-dp" else ""
             rows.append(
                 make_row(
                     system=system,
@@ -170,6 +213,9 @@ def run(quick: bool) -> list[dict]:
 
 
 if __name__ == "__main__":
+    if "--accuracy" in sys.argv[1:]:
+        print(calibration.markdown(calibration.report()))
+        sys.exit(0)
     result = run(quick="--quick" in sys.argv[1:])
     print_table(result, title="planner")
     print(f"wrote {save_scenario(result, SCENARIO)}")

@@ -108,10 +108,63 @@ def test_bad_specs_name_the_field(doc: dict[str, Any], message: str) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_model_that_fits_nowhere_is_bad_input() -> None:
+def test_a_cluster_too_small_names_the_shortfall() -> None:
     doc = _spec(tasks=[{"name": "big", "model": "gpt-175b", "global_batch": 1536}], event=None)
-    with pytest.raises(UsageError, match=r"^tasks\[0\]\.model: gpt-175b .* fits in no"):
+    with pytest.raises(
+        UsageError, match=r"^tasks\[0\]\.model: gpt-175b .* needs at least \d+ A100-80GB GPUs"
+    ):
         build_report(parse_spec(doc, ROOT))
+    doc = _spec(tasks=[{"name": "big", "model": "llama3-405b", "global_batch": 64}], event=None)
+    with pytest.raises(UsageError, match=r"the cluster has 32$"):
+        build_report(parse_spec(doc, ROOT))
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (
+            {"name": "m", "layers": 4, "hidden": 100, "heads": 3, "seq_len": 64, "vocab": 10},
+            "tasks[0].model.hidden: must be a multiple of heads (3)",
+        ),
+        (
+            {"preset": "llama3-8b", "kv_heads": 5},
+            "tasks[0].model.kv_heads: must divide heads (32), got 5",
+        ),
+        (
+            {"preset": "mixtral-8x7b", "active_experts": 9},
+            "tasks[0].model.active_experts: must be <= experts (8), got 9",
+        ),
+        ({"preset": "llama3-9b"}, "tasks[0].model.preset: unknown model 'llama3-9b'"),
+        ({"preset": "llama3-8b", "gated": "yes"}, "tasks[0].model.gated: must be true or false"),
+        ({"preset": "llama3-8b", "colour": 1}, "tasks[0].model.colour: unknown field"),
+    ],
+)
+def test_inconsistent_model_fields_name_the_field(model: dict[str, Any], message: str) -> None:
+    doc = _spec(tasks=[{"name": "a", "model": model, "global_batch": 8}], event=None)
+    with pytest.raises(UsageError) as err:
+        parse_spec(doc, ROOT)
+    assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "task",
+    [
+        {"name": "long", "model": {"preset": "llama3-8b", "seq_len": 131072}, "global_batch": 16},
+        {"name": "moe", "model": "mixtral-8x7b", "global_batch": 256, "precision": "fp8"},
+    ],
+)
+def test_todays_models_plan_with_their_layouts(task: dict[str, Any]) -> None:
+    doc = {"cluster": {"nodes": 8, "gpu": "H100-80GB", "unit": "gpu"}, "tasks": [task]}
+    (row,) = build_report(parse_spec(doc, ROOT)).rows
+    assert 0 < row.gpus <= 64 and row.layout is not None and row.memory_gib is not None
+    assert row.memory_gib <= 0.9 * 80
+    assert (
+        ("cp" in row.layout)
+        if task["name"] == "long"
+        else ("ep" in row.layout or "fsdp" in row.layout)
+    )
+    with pytest.raises(UsageError, match=r"^tasks\[0\]\.precision: fp8 needs a GPU with FP8"):
+        parse_spec({"cluster": {"nodes": 8}, "tasks": [{**task, "precision": "fp8"}]}, ROOT)
 
 
 def test_json_output_end_to_end() -> None:
@@ -130,7 +183,7 @@ def test_json_output_end_to_end() -> None:
 def test_table_output_end_to_end() -> None:
     proc = _run(str(ROOT / "examples" / "plans" / "task-added.yaml"))
     assert proc.returncode == 0, proc.stderr
-    assert "gpt3-175b" in proc.stdout and "TP/PP/DP/mb" in proc.stdout
+    assert "gpt3-175b" in proc.stdout and "layout" in proc.stdout and "dist-opt" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -148,6 +201,22 @@ def test_table_output_end_to_end() -> None:
         (
             _spec(tasks=[{"name": "a", "model": "gpt-1.3b", "global_batch": 8, "weight": -2}]),
             "tasks[0].weight:",
+        ),
+        (
+            _spec(
+                tasks=[
+                    {
+                        "name": "a",
+                        "model": {"preset": "llama3-8b", "kv_heads": 3},
+                        "global_batch": 8,
+                    }
+                ]
+            ),
+            "tasks[0].model.kv_heads:",
+        ),
+        (
+            _spec(tasks=[{"name": "a", "model": "llama3-405b", "global_batch": 64}], event=None),
+            "needs at least",
         ),
     ],
 )

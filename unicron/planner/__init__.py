@@ -1,4 +1,5 @@
-"""Cost-aware planning (DESIGN.md): performance model, WAF, reward and the DP solver.
+"""Cost-aware planning (DESIGN.md): model descriptions, performance model and its
+calibration, WAF, reward and the DP solver.
 
 Pure library: the ``unicron plan`` command (:mod:`unicron.planner.command`), the coordinator
 and the cluster simulator all call :func:`solve` on :class:`TaskState` lists built from
@@ -7,15 +8,14 @@ and the cluster simulator all call :func:`solve` on :class:`TaskState` lists bui
 
 from unicron.planner.baselines import equal_share, greedy_marginal, proportional_share, total_waf
 from unicron.planner.hardware import GPU_PRESETS, GPUSpec
+from unicron.planner.model import MODEL_PRESETS, ModelSpec
 from unicron.planner.perf import (
     DEFAULT_OPTIONS,
-    MEGATRON_2021,
-    MODEL_PRESETS,
-    ModelSpec,
+    Layout,
     ParallelConfig,
     PerfOptions,
     best_config,
-    predict_measurement,
+    evaluate,
     state_bytes,
     throughput_table,
 )
@@ -31,9 +31,9 @@ from unicron.planner.solver import (
 __all__ = [
     "DEFAULT_OPTIONS",
     "GPU_PRESETS",
-    "MEGATRON_2021",
     "MODEL_PRESETS",
     "GPUSpec",
+    "Layout",
     "ModelSpec",
     "ParallelConfig",
     "PerfOptions",
@@ -41,9 +41,9 @@ __all__ = [
     "TaskState",
     "best_config",
     "equal_share",
+    "evaluate",
     "expected_time_to_failure_s",
     "greedy_marginal",
-    "predict_measurement",
     "proportional_share",
     "solve",
     "state_bytes",

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from unicron.errors import UsageError
-from unicron.planner.perf import best_config, throughput_table
+from unicron.planner.hardware import GIB
+from unicron.planner.perf import DEFAULT_OPTIONS, PerfOptions, best_config, throughput_table
 from unicron.planner.solver import (
     TaskState,
     expected_time_to_failure_s,
@@ -40,6 +41,10 @@ class Row:
     pp: int | None
     dp: int | None
     micro_batch: int | None
+    layout: str | None
+    """The whole layout (:meth:`~unicron.planner.perf.ParallelConfig.describe`), or None."""
+    memory_gib: float | None
+    """Estimated peak memory per GPU of that layout, GiB."""
     achieved_flops: float
     waf: float
     reason: str
@@ -58,6 +63,35 @@ class Report:
     unit_gpus: int
 
 
+def _options(task: TaskSpec) -> PerfOptions:
+    if task.precision == DEFAULT_OPTIONS.precision:
+        return DEFAULT_OPTIONS
+    return PerfOptions(precision=task.precision)
+
+
+def _too_small(spec: PlanSpec, task: TaskSpec, where: str, gpus: int) -> UsageError:
+    """The one-line error for a task that fits in no layout: the shortfall in GPUs."""
+    c = spec.cluster
+    usable = c.gpu.memory_bytes * DEFAULT_OPTIONS.memory_usable_fraction
+    state = 18.0 * task.model.params  # bf16 weights, fp32 gradients, Adam, fully sharded
+    need = math.ceil(state / usable)
+    what = (
+        f"{task.model.name} ({task.model.params / 1e9:.1f}B parameters, "
+        f"global_batch {task.global_batch})"
+    )
+    if need > gpus:
+        return UsageError(
+            f"{where}.model: {what} needs at least {need} {c.gpu.name} GPUs for its weights, "
+            f"gradients and optimizer state ({state / GIB:,.0f} GiB at 18 bytes per parameter, "
+            f"{usable / GIB:.0f} GiB usable per GPU); the cluster has {gpus}"
+        )
+    return UsageError(
+        f"{where}.model: {what} fits in no parallel configuration on up to {gpus} "
+        f"{c.gpu.name} GPUs (activations of one micro-batch of {task.model.seq_len} tokens "
+        "do not fit beside the state); add GPUs or lower seq_len"
+    )
+
+
 def _flops_table(spec: PlanSpec, task: TaskSpec, where: str, units: int) -> np.ndarray:
     c = spec.cluster
     g = c.unit_gpus
@@ -67,12 +101,11 @@ def _flops_table(spec: PlanSpec, task: TaskSpec, where: str, units: int) -> np.n
         table = np.interp(wanted, gpus, flops, left=0.0, right=float(flops[-1]))
         table[0] = 0.0
         return table
-    table = throughput_table(task.model, task.global_batch, units * g, c.gpu, c.gpus_per_node, g)
+    table = throughput_table(
+        task.model, task.global_batch, units * g, c.gpu, c.gpus_per_node, g, _options(task)
+    )
     if units > 0 and not np.any(table[1:] > 0):
-        raise UsageError(
-            f"{where}.model: {task.model.name} (global_batch {task.global_batch}) fits in no "
-            f"parallel configuration on up to {units * g} {c.gpu.name} GPUs"
-        )
+        raise _too_small(spec, task, where, units * g)
     return table
 
 
@@ -117,7 +150,9 @@ def build_report(spec: PlanSpec) -> Report:
         gpus = u * g
         cfg = None
         if task.profile is None and gpus:
-            cfg = best_config(task.model, task.global_batch, gpus, c.gpu, c.gpus_per_node)
+            cfg = best_config(
+                task.model, task.global_batch, gpus, c.gpu, c.gpus_per_node, _options(task)
+            )
         flops = float(state.flops[u]) if u >= state.min_units else 0.0
         reason = plan.reasons[task.name]
         if task.name in lost_by_task:
@@ -125,6 +160,8 @@ def build_report(spec: PlanSpec) -> Report:
             reason = f"lost node{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}; {reason}"
         if ev.task_added is not None and task.name == ev.task_added.name:
             reason = f"new task; {reason}"
+        if cfg is not None and cfg.note:
+            reason = f"{reason}; layout chosen for {cfg.note}"
         rows.append(
             Row(
                 name=task.name,
@@ -134,6 +171,8 @@ def build_report(spec: PlanSpec) -> Report:
                 pp=cfg.pp if cfg else None,
                 dp=cfg.dp if cfg else None,
                 micro_batch=cfg.micro_batch if cfg else None,
+                layout=cfg.describe() if cfg else None,
+                memory_gib=cfg.memory_bytes_per_gpu / GIB if cfg else None,
                 achieved_flops=flops,
                 waf=task.weight * flops,
                 reason=reason,
@@ -160,6 +199,8 @@ def report_json(report: Report) -> dict[str, Any]:
                 "pp": r.pp,
                 "dp": r.dp,
                 "micro_batch": r.micro_batch,
+                "layout": r.layout,
+                "memory_gib": None if r.memory_gib is None else round(r.memory_gib, 1),
                 "tflops_per_gpu": round(r.tflops_per_gpu, 3),
                 "achieved_flops": r.achieved_flops,
                 "waf": r.waf,
@@ -182,22 +223,22 @@ def _print_table(report: Report) -> None:
     table = Table(
         title=f"plan: {report.units_available} units of {report.unit_gpus} GPU(s), D_run {d_run}"
     )
-    for col in ("task", "GPUs", "TP/PP/DP/mb", "TFLOP/s/GPU", "PFLOP/s", "WAF (PFLOP/s)"):
+    for col in ("task", "GPUs", "layout", "GiB/GPU", "TFLOP/s/GPU", "PFLOP/s", "WAF (PFLOP/s)"):
         table.add_column(col, justify="left" if col == "task" else "right")
     table.add_column("reason")
     for r in report.rows:
-        cfg = "-" if r.tp is None else f"{r.tp}/{r.pp}/{r.dp}/{r.micro_batch}"
         table.add_row(
             r.name,
             f"{r.gpus_before} -> {r.gpus}",
-            cfg,
+            r.layout or "-",
+            "-" if r.memory_gib is None else f"{r.memory_gib:.0f}",
             f"{r.tflops_per_gpu:.1f}",
             f"{r.achieved_flops / 1e15:.2f}",
             f"{r.waf / 1e15:.2f}",
             r.reason,
         )
     table.add_section()
-    table.add_row("total", "", "", "", "", f"{report.total_waf / 1e15:.2f}", "")
+    table.add_row("total", "", "", "", "", "", f"{report.total_waf / 1e15:.2f}", "")
     Console(width=200).print(table)
 
 

@@ -1,35 +1,16 @@
-"""Performance model: how fast a GPT model trains on k GPUs (DESIGN.md, planning).
+"""Performance model: how fast a transformer trains on k GPUs (DESIGN.md, planning).
 
-:func:`best_config` searches the Megatron-LM style 3D parallel configurations (tensor,
-pipeline and data parallel degree, micro-batch size, activation recomputation) of a model
-on ``k`` GPUs, drops the ones that do not fit in memory, estimates the iteration time of
-each and returns the fastest. :func:`throughput_table` tabulates its achieved FLOP/s over
-allocation sizes; the solver (:mod:`unicron.planner.solver`), the ``unicron plan`` command
-and the cluster simulator read those tables. Everything here is a pure function of plain
-data; the results are memoised because the simulator asks for the same tables again and
-again.
-
-Assumptions (docs/planner.md explains and calibrates them):
-
-- Mixed-precision Adam as in Megatron-LM: bf16 weights, fp32 main gradients, fp32 master
-  weights and two fp32 moments: 18 bytes per parameter, or 6 + 12/dp with the distributed
-  optimizer (optimizer state sharded over the data-parallel group).
-- Activations per layer and micro-batch from Korthikanti et al. 2022 (arXiv 2205.05198)
-  with sequence parallelism: ``s*b*h*34/t`` bytes, plus ``5*a*s^2*b/t`` for the attention
-  scores unless flash attention is on (default). Full recomputation keeps only the
-  ``2*s*b*h/t`` layer inputs plus one layer's working set. 1F1B keeps ``min(p, m)``
-  micro-batches in flight on the first stage.
-- Time: compute at ``peak * efficiency``, efficiency growing with the hidden size and the
-  tokens per micro-batch (two saturating factors, fitted to published measurements); the
-  slowest pipeline stage (its layers plus the logit layer) sets the pace;
-  non-interleaved 1F1B with a bubble of ``(p - 1)`` micro-batch slots; tensor-parallel
-  all-reduces (4 per layer, 6 with recomputation) on the intra-node links, never
-  overlapped; pipeline point-to-point sends with the scatter/gather optimisation; one
-  gradient all-reduce (or reduce-scatter + all-gather) per iteration, not overlapped.
-- Placement: tensor parallel innermost (inside a node), then data, then pipeline
-  parallel. A collective uses the inter-node bandwidth as soon as its group spans nodes.
-- Achieved FLOP/s counts model FLOPs only (:attr:`ModelSpec.flops_per_token`), not the
-  recomputed forward pass: it is useful work, which is what WAF should weigh.
+:func:`best_config` searches the parallel layouts people run (tensor, context, pipeline
+with uneven and interleaved stages, data parallel with the distributed optimizer or fully
+sharded, expert parallel for mixtures of experts, micro-batch size, no / selective / full
+activation recomputation) of a :class:`~unicron.planner.model.ModelSpec` on exactly ``k``
+GPUs, drops the ones that do not fit in memory, estimates the iteration time of each and
+returns the fastest, or a layout with memory headroom when the fastest fills the GPU and
+the two are closer than the model's own error. :func:`evaluate` prices one given layout
+(the calibration in :mod:`unicron.planner.calibration` calls it on published runs).
+:func:`throughput_table` tabulates achieved FLOP/s over allocation sizes for the solver,
+the ``unicron plan`` command and the cluster simulator. Everything is a pure function of
+plain data, memoised. docs/planner.md states every assumption and the calibration.
 """
 
 from __future__ import annotations
@@ -38,122 +19,142 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from unicron.planner.hardware import GIB, GPUSpec
+from unicron.planner.model import MODEL_PRESETS, ModelSpec, _require_positive_int
 
-
-def _require_positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """A GPT (decoder-only transformer) model shape."""
-
-    name: str
-    """Label shown in tables (e.g. ``"gpt-13b"``)."""
-    layers: int
-    """Transformer layers ``l``."""
-    hidden: int
-    """Hidden size ``h``; a multiple of ``heads``."""
-    heads: int
-    """Attention heads ``a``."""
-    seq_len: int
-    """Sequence length ``s`` in tokens."""
-    vocab: int
-    """Vocabulary size ``V`` (padded)."""
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("name: must be a non-empty string")
-        for field in ("layers", "hidden", "heads", "seq_len", "vocab"):
-            _require_positive_int(field, getattr(self, field))
-        if self.hidden % self.heads:
-            raise ValueError(
-                f"hidden: must be a multiple of heads ({self.heads}), got {self.hidden}"
-            )
-
-    @property
-    def params(self) -> int:
-        """Parameter count, Narayanan et al. 2021 eq. 2: ``12lh^2 + 13lh + (V+s)h``."""
-        n_layers, h = self.layers, self.hidden
-        return 12 * n_layers * h * h + 13 * n_layers * h + (self.vocab + self.seq_len) * h
-
-    @property
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token, forward + backward, no recomputation: ``6N + 12lsh``.
-
-        ``6N`` covers the weight matmuls (2 forward, 4 backward per weight), ``12lsh`` the
-        attention score and value matmuls; it equals Narayanan et al. 2021 eq. 3 without
-        its recomputed forward pass.
-        """
-        return 6.0 * self.params + 12.0 * self.layers * self.seq_len * self.hidden
-
-    @property
-    def recompute_flops_per_token(self) -> float:
-        """Extra FLOPs per token when every layer's forward pass is recomputed."""
-        return self.layers * (24.0 * self.hidden**2 + 4.0 * self.seq_len * self.hidden)
-
-
-def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
-    return ModelSpec(
-        name=name, layers=layers, hidden=hidden, heads=heads, seq_len=2048, vocab=51200
-    )
-
-
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    # GPT-3 family shapes (Brown et al. 2020, table 2.1), sequence 2048, Megatron vocab 51200.
-    "gpt-1.3b": _gpt("gpt-1.3b", 24, 2048, 16),
-    "gpt-2.7b": _gpt("gpt-2.7b", 32, 2560, 32),
-    "gpt-6.7b": _gpt("gpt-6.7b", 32, 4096, 32),
-    "gpt-13b": _gpt("gpt-13b", 40, 5120, 40),
-    "gpt-30b": _gpt("gpt-30b", 48, 7168, 56),
-    "gpt-70b": _gpt("gpt-70b", 80, 8192, 64),
-    "gpt-175b": _gpt("gpt-175b", 96, 12288, 96),
-}
+RECOMPUTE_MODES = ("none", "selective", "full")
+SHARDINGS = ("ddp", "dist-opt", "fsdp")
+PRECISIONS = ("bf16", "fp8")
+_DP_BUCKET_BYTES = 40e6 * 4  # Megatron-LM's gradient buckets: 40M fp32 elements
 
 
 @dataclass(frozen=True, kw_only=True)
 class PerfOptions:
-    """Knobs of the performance model; the defaults are the calibrated ones."""
+    """Knobs of the performance model; the defaults are the calibrated ones (docs/planner.md)."""
 
-    efficiency_max: float = 0.67
-    """Fraction of peak a very large GEMM reaches (fitted, docs/planner.md)."""
-    efficiency_half_hidden: float = 800.0
+    efficiency_max: float | None = None
+    """Fraction of peak a very large GEMM reaches; None: the GPU's own
+    (:attr:`~unicron.planner.hardware.GPUSpec.efficiency`)."""
+    stack_efficiency: float = 1.0
+    """Multiplier for the software stack: 1 for current Megatron-Core / PyTorch FSDP with
+    flash attention; the Megatron-LM of 2021 (fp16, no fused kernels) was fitted lower."""
+    efficiency_half_hidden: float = 1000.0
     """Hidden size at which the hidden-size factor of the efficiency is 1/2 (fitted)."""
-    efficiency_half_tokens: float = 128.0
-    """Tokens per micro-batch at which the micro-batch factor of the efficiency is 1/2."""
+    efficiency_half_tokens: float = 85.0
+    """Tokens per micro-batch at which the micro-batch factor of the efficiency is 1/2
+    (fitted)."""
+    fp8_efficiency: float = 0.97
+    """An FP8 GEMM's fraction of FP8 peak relative to a bf16 GEMM's fraction of bf16 peak
+    (fitted)."""
+    precision: str = "bf16"
+    """``bf16``, or ``fp8`` (Transformer Engine: the GEMMs in FP8, attention in bf16)."""
     memory_usable_fraction: float = 0.9
     """Share of device memory the model may fill (the rest: CUDA context, NCCL buffers,
     allocator fragmentation)."""
     distributed_optimizer: bool = True
-    """Shard optimizer state over the data-parallel group (Megatron's distributed optimizer)."""
+    """Allow sharding the optimizer state over the data-parallel group (ZeRO-1)."""
+    fsdp: bool = True
+    """Allow fully sharded data parallelism (weights, gradients and optimizer state sharded)."""
     flash_attention: bool = True
-    """No ``s^2`` attention-score activations (Dao et al. 2022)."""
+    """No ``s^2`` attention-score activations and causal blocks skipped (Dao et al. 2022)."""
     allow_recompute: bool = True
-    """Try full activation recomputation when a configuration does not fit without it."""
+    """Try selective, then full activation recomputation when a layout does not fit without."""
+    interleave: bool = True
+    """Try interleaved (virtual) pipeline stages."""
+    context_parallel: bool = True
+    """Try context parallelism for sequences of 8K tokens and more."""
+    overlap: bool = True
+    """Overlap data-parallel reduce-scatter / all-gather with the backward / forward pass,
+    context-parallel ring exchange with attention, and pipeline sends in interleaved
+    schedules, as Megatron-Core and PyTorch FSDP do."""
+    overlap_cost: float = 0.32
+    """Share of an overlapped transfer's time that still slows the compute it hides behind
+    (communication kernels take SMs and memory bandwidth; fitted)."""
+    tp_comm_hidden: float = 0.5
+    """Share of tensor-parallel communication hidden behind GEMMs when ``overlap`` is on."""
+    latency_intra_s: float = 5e-6
+    """Per-step latency of a collective inside a node, seconds."""
+    latency_inter_s: float = 15e-6
+    """Per-step latency of a collective across nodes, seconds; a collective over ``n`` ranks
+    pays ``2 ceil(log2 n)`` steps (tree), so 16,384 ranks cost more than 64."""
     max_micro_batch: int = 16
     """Largest micro-batch size searched (powers of two dividing the global batch)."""
     grad_bytes: int = 4
     """Bytes per gradient element on the wire (fp32 main gradients)."""
+    model_error: float = 0.10
+    """Relative error of the model's time estimate (held-out, docs/planner.md): two layouts
+    closer than this are a tie for the headroom rule."""
+    headroom_fraction: float = 0.10
+    """Share of usable memory a preferred layout leaves free."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.efficiency_max <= 1:
+        if self.efficiency_max is not None and not 0 < self.efficiency_max <= 1:
             raise ValueError(f"efficiency_max: must be in (0, 1], got {self.efficiency_max}")
+        for name in ("stack_efficiency", "fp8_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 2:
+                raise ValueError(f"{name}: must be in (0, 2], got {value!r}")
         if not self.efficiency_half_hidden >= 0:
             raise ValueError("efficiency_half_hidden: must be >= 0")
         if not self.efficiency_half_tokens >= 0:
             raise ValueError("efficiency_half_tokens: must be >= 0")
         if not 0 < self.memory_usable_fraction <= 1:
             raise ValueError("memory_usable_fraction: must be in (0, 1]")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: must be one of {PRECISIONS}, got {self.precision!r}")
+        for name in ("tp_comm_hidden", "model_error", "headroom_fraction", "overlap_cost"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"{name}: must be in [0, 1), got {value!r}")
+        for name in ("latency_intra_s", "latency_inter_s"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be in [0, 1) seconds")
         _require_positive_int("max_micro_batch", self.max_micro_batch)
         _require_positive_int("grad_bytes", self.grad_bytes)
 
 
 DEFAULT_OPTIONS = PerfOptions()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A parallel layout of one task: who splits what. ``tp * cp * pp * dp`` GPUs."""
+
+    tp: int = 1
+    """Tensor-parallel degree (inside one node; sequence parallelism on)."""
+    pp: int = 1
+    """Pipeline stages; the layers need not divide (the first and last stages may hold fewer)."""
+    dp: int = 1
+    """Data-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: the sequence split over ``cp`` GPUs (ring attention)."""
+    vp: int = 1
+    """Virtual stages per pipeline stage (interleaved 1F1B); 1: plain 1F1B."""
+    ep: int = 1
+    """Expert-parallel degree (mixture of experts), taken from the ``dp * cp`` group."""
+    micro_batch: int = 1
+    """Sequences per micro-batch."""
+    sharding: str = "dist-opt"
+    """``ddp`` (replicated state), ``dist-opt`` (optimizer state sharded, ZeRO-1) or ``fsdp``."""
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``selective`` (attention core and activation
+    functions) or ``full`` (every layer's forward pass)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "cp", "vp", "ep", "micro_batch"):
+            _require_positive_int(name, getattr(self, name))
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding: must be one of {SHARDINGS}, got {self.sharding!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute: must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
 
 
 @dataclass(frozen=True)
@@ -163,27 +164,50 @@ class ParallelConfig:
     tp: int
     """Tensor-parallel degree (inside one node)."""
     pp: int
-    """Pipeline-parallel degree (divides the layers)."""
+    """Pipeline-parallel degree."""
     dp: int
-    """Data-parallel degree; ``tp * pp * dp`` is the GPU count."""
+    """GPUs / (tp * pp): the data-parallel degree times the context-parallel degree, so that
+    ``tp * pp * dp`` is the GPU count (:attr:`layout` has each degree)."""
     micro_batch: int
     """Sequences per micro-batch."""
     iter_time_s: float
     """Estimated seconds per training iteration (one global batch)."""
     achieved_flops: float
-    """Model FLOP/s over all GPUs of the task."""
+    """Model FLOP/s over all GPUs of the task (:attr:`ModelSpec.flops_per_token`)."""
     memory_bytes_per_gpu: float
     """Estimated peak memory of the fullest GPU, bytes."""
     recompute: bool = False
     """Whether full activation recomputation is on."""
+    layout: Layout | None = None
+    """The whole layout (context, virtual, expert parallelism, sharding, recomputation)."""
+    usable_bytes: float = 0.0
+    """Memory the model may fill on one GPU, bytes (for headroom)."""
+    note: str = ""
+    """Why this layout and not the fastest one (the headroom rule), or empty."""
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    def describe(self) -> str:
+        """Compact label, e.g. ``tp8 pp16 vp4 dp64 mb1 dist-opt``; shown by ``unicron plan``."""
+        lay = self.layout or Layout(
+            tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=self.micro_batch
+        )
+        parts = [f"tp{lay.tp}"]
+        if lay.cp > 1:
+            parts.append(f"cp{lay.cp}")
+        parts.append(f"pp{lay.pp}")
+        if lay.vp > 1:
+            parts.append(f"vp{lay.vp}")
+        parts.append(f"dp{lay.dp}")
+        if lay.ep > 1:
+            parts.append(f"ep{lay.ep}")
+        parts.append(f"mb{lay.micro_batch}")
+        parts.append(lay.sharding)
+        if lay.recompute != "none":
+            parts.append(f"recompute-{lay.recompute}")
+        return " ".join(parts)
 
 
 def state_bytes(model: ModelSpec) -> float:
@@ -195,135 +219,394 @@ def state_bytes(model: ModelSpec) -> float:
     return 14.0 * model.params
 
 
-def _stage_params(model: ModelSpec, tp: int, pp: int) -> float:
-    """Parameters held by one GPU of the fullest stage (the one with the embeddings)."""
-    h = model.hidden
-    per_layer = 12 * h * h + 13 * h
-    embed = (model.vocab + model.seq_len) * h
-    return (model.layers // pp * per_layer + embed) / tp
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _efficiency(model: ModelSpec, micro_batch: int, opts: PerfOptions) -> float:
-    h = model.hidden
-    tokens = micro_batch * model.seq_len
+def _latency(ranks: int, inter: bool, o: PerfOptions) -> float:
+    if ranks <= 1:
+        return 0.0
+    alpha = o.latency_inter_s if inter else o.latency_intra_s
+    return alpha * 2.0 * math.ceil(math.log2(ranks))
+
+
+def _group_bw(size: float | np.ndarray, stride: int, gpu: GPUSpec, gpn: int) -> np.ndarray:
+    """Bandwidth per GPU of a ring collective over ``size`` ranks spaced ``stride`` apart.
+
+    Inside a node: NVLink. Across nodes, NCCL runs one ring per NIC, so a node's members of
+    the group share its NICs: ``members per node x inter_node_bw``, at most NVLink's.
+    """
+    size = np.asarray(size, dtype=np.float64)
+    per_node = np.minimum(size, max(1, gpn // stride))
+    across = np.minimum(gpu.intra_node_bw, per_node * gpu.inter_node_bw)
+    return np.where(size * stride > gpn, across, gpu.intra_node_bw)
+
+
+def _stages(layers: int, pp: int, logit_layers: float) -> tuple[int, int, float]:
+    """Layers on the first and last stage and the slowest stage's work, in layers.
+
+    The layers need not divide ``pp``: the last stage (which also runs the logit layer,
+    worth ``logit_layers`` layers) may take fewer, as Megatron-Core's uneven first/last
+    stages and Llama 3's 126 layers on 16 stages do.
+    """
+    if pp == 1:
+        return layers, layers, layers + logit_layers
+    best: tuple[int, int, float] | None = None
+    for last in range(1, math.ceil(layers / pp) + 1):
+        rest = layers - last
+        if rest < pp - 1:
+            break
+        per = math.ceil(rest / (pp - 1))
+        work = max(float(per), last + logit_layers)
+        if best is None or work < best[2]:
+            best = (per, last, work)
+    assert best is not None, "pp <= layers is checked by the callers"
+    return best
+
+
+def _exposed(comm: Any, window: float, o: PerfOptions) -> Any:
+    """Time ``comm`` adds when overlapped with ``window`` seconds of compute: what sticks
+    out, plus :attr:`PerfOptions.overlap_cost` of what is hidden."""
+    hidden = np.minimum(comm, window)
+    return comm - hidden + o.overlap_cost * hidden
+
+
+def _efficiency(hidden: int, tokens: float, gpu: GPUSpec, o: PerfOptions) -> float:
+    e_max = o.efficiency_max if o.efficiency_max is not None else gpu.efficiency
     return (
-        opts.efficiency_max
-        * h
-        / (h + opts.efficiency_half_hidden)
+        e_max
+        * o.stack_efficiency
+        * hidden
+        / (hidden + o.efficiency_half_hidden)
         * tokens
-        / (tokens + opts.efficiency_half_tokens)
+        / (tokens + o.efficiency_half_tokens)
     )
 
 
-def _memory(
-    model: ModelSpec, tp: int, pp: int, dp: int, b: int, m: int, recompute: bool, o: PerfOptions
-) -> float:
-    p_gpu = _stage_params(model, tp, pp)
-    per_param = 6.0 + 12.0 / dp if o.distributed_optimizer else 18.0
-    tokens = b * model.seq_len
-    h = model.hidden
-    full_layer = tokens * h * 34.0 / tp
-    if not o.flash_attention:
-        full_layer += 5.0 * model.heads * model.seq_len * tokens / tp
-    layers_here = model.layers // pp
-    in_flight = min(pp, m)
-    if recompute:
-        acts = layers_here * in_flight * 2.0 * tokens * h / tp + full_layer
-    else:
-        acts = layers_here * in_flight * full_layer
-    logits = 2 * 4.0 * tokens * model.vocab / tp  # fp32 logits and their gradient
-    return p_gpu * per_param + acts + logits
-
-
-def _iter_time(
-    model: ModelSpec,
-    tp: int,
-    pp: int,
-    dp: int,
-    b: int,
-    m: int,
-    recompute: bool,
-    gpu: GPUSpec,
-    gpus_per_node: int,
-    o: PerfOptions,
-) -> float:
-    tokens = b * model.seq_len
-    h = model.hidden
-    # the slowest stage sets the pace: its share of the layers plus the logit layer
-    layer = (
-        72.0 * h * h
-        + 12.0 * model.seq_len * h
-        + (24.0 * h * h + 4.0 * model.seq_len * h if recompute else 0.0)
-    )
-    stage_flops = model.layers // pp * layer + 6.0 * model.vocab * h
-    t_comp = tokens * stage_flops / tp / (gpu.peak_flops * _efficiency(model, b, o))
-    t_tp = 0.0
-    if tp > 1:
-        n_allreduce = 6 if recompute else 4
-        t_tp = (
-            model.layers
-            / pp
-            * n_allreduce
-            * 2.0
-            * (tp - 1)
-            / tp
-            * (2.0 * tokens * h)
-            / gpu.intra_node_bw
-        )
-    t_p2p = 0.0
-    if pp > 1:
-        bw = gpu.inter_node_bw if tp * dp >= gpus_per_node else gpu.intra_node_bw
-        t_p2p = 2.0 * (2.0 * tokens * h / tp) / bw
-    t_pipe = (m + pp - 1) * (t_comp + t_tp + t_p2p)
-    t_dp = 0.0
-    if dp > 1:
-        bw = gpu.inter_node_bw if tp * dp > gpus_per_node else gpu.intra_node_bw
-        p_gpu = _stage_params(model, tp, pp)
-        if o.distributed_optimizer:  # reduce-scatter gradients, all-gather bf16 weights
-            t_dp = (dp - 1) / dp * p_gpu * (o.grad_bytes + 2.0) / bw
-        else:  # ring all-reduce of the gradients
-            t_dp = 2.0 * (dp - 1) / dp * p_gpu * o.grad_bytes / bw
-    return t_pipe + t_dp
-
-
-def _candidates(
+def _evaluate(
     model: ModelSpec,
     global_batch: int,
-    gpus: int,
+    lay: Layout,
+    dp: np.ndarray,
     gpu: GPUSpec,
-    gpus_per_node: int,
+    gpn: int,
     o: PerfOptions,
-    fixed: tuple[int, int] | None = None,
-    force_recompute: bool = False,
-) -> Iterator[ParallelConfig]:
-    usable = gpu.memory_bytes * o.memory_usable_fraction
-    micro_batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= o.max_micro_batch]
-    micro_batches = [b for b in micro_batches if global_batch % b == 0]
-    for tp in _divisors(gpus_per_node):
-        if model.heads % tp or gpus % tp:
+) -> tuple[np.ndarray, np.ndarray]:
+    """Iteration time (s) and peak memory per GPU (bytes) of ``lay`` for every data-parallel
+    degree in ``dp`` (``lay.dp`` is ignored): one numpy pass prices a whole table column."""
+    h, s, l_ = model.hidden, model.seq_len, model.layers
+    tp, pp, cp, vp, ep, b = lay.tp, lay.pp, lay.cp, lay.vp, lay.ep, lay.micro_batch
+    k = model.active_experts
+    m = np.ceil(global_batch / (b * dp))
+    tokens = b * s / cp  # tokens of one micro-batch on one GPU (before tensor parallelism)
+    full = lay.recompute == "full"
+    fp8 = o.precision == "fp8" and gpu.fp8_peak_flops > 0
+
+    # -- compute: one micro-batch through one layer (forward + backward), per GPU ---------
+    dense_w = model.attention_weights + model.router_weights
+    expert_w = k * model.expert_weights
+    mult = 8.0 if full else 6.0  # forward 2, backward 4, recomputed forward 2 per weight
+    e_dense = _efficiency(h, tokens, gpu, o)
+    e_expert = _efficiency(h, tokens * k * ep / model.experts, gpu, o) if model.is_moe else e_dense
+    gemm_peak = gpu.fp8_peak_flops * o.fp8_efficiency if fp8 else gpu.peak_flops
+    t_gemm = tokens * mult * (dense_w / e_dense + expert_w / e_expert) / tp / gemm_peak
+    if o.flash_attention:  # causal blocks skipped; the backward (2.5 forwards) recomputes scores
+        attn = 0.5 * 4.0 * s * h * (3.5 + (1.0 if full else 0.0))
+        e_attn = e_dense * gpu.attention_efficiency
+    else:  # the whole s x s square; recomputation (selective or full) redoes the forward
+        attn = 4.0 * s * h * (3.0 + (0.0 if lay.recompute == "none" else 1.0))
+        e_attn = e_dense
+    t_attn = tokens * attn / tp / (gpu.peak_flops * e_attn)
+    t_layer = t_gemm + t_attn
+    t_logit = tokens * 6.0 * model.vocab * h / tp / (gemm_peak * e_dense)
+    first_layers, last_layers, work = _stages(l_, pp, t_logit / t_layer)
+    t_comp = work * t_layer  # the slowest stage sets the pace
+
+    # -- communication per micro-batch on the slowest stage ----------------------------------
+    stage_layers = work if pp > 1 else float(l_)
+    t_comm = np.zeros_like(dp, dtype=np.float64)
+    if tp > 1:
+        n_coll = 6 if full else 4
+        vol = n_coll * 2.0 * (tp - 1) / tp * 2.0 * tokens * h
+        t_tp = vol / gpu.intra_node_bw + n_coll * _latency(tp, False, o)
+        t_comm += stage_layers * t_tp * (1.0 - (o.tp_comm_hidden if o.overlap else 0.0))
+    if cp > 1:
+        inter = tp * cp > gpn
+        vol = 3.0 * (cp - 1) * 2.0 * 2.0 * tokens * model.kv_dim / tp
+        t_cp = vol / float(_group_bw(cp, tp, gpu, gpn))
+        t_cp += 3 * (cp - 1) * (o.latency_inter_s if inter else o.latency_intra_s)
+        t_comm += stage_layers * (_exposed(t_cp, t_attn, o) if o.overlap else t_cp)
+    if model.is_moe and ep > 1:
+        inter = tp * cp * ep > gpn
+        n_a2a = 6 if full else 4
+        vol = n_a2a * (ep - 1) / ep * tokens * k * h * 2.0 / tp
+        t_ep = vol / float(_group_bw(ep, tp * cp, gpu, gpn))
+        t_comm += stage_layers * (t_ep + n_a2a * _latency(ep, inter, o))
+    if pp > 1:
+        p2p_inter = tp * cp * dp >= gpn
+        bw = np.where(p2p_inter, gpu.inter_node_bw, gpu.intra_node_bw)
+        alpha = np.where(p2p_inter, o.latency_inter_s, o.latency_intra_s)
+        if vp > 1 and o.overlap:  # interleaved 1F1B overlaps its sends with compute
+            t_comm += vp * 2.0 * alpha
+        else:
+            t_comm += vp * 2.0 * (2.0 * tokens * h / tp / bw + alpha)
+
+    # -- parameters held by the fullest GPU ---------------------------------------------------
+    per_layer = model.dense_layer_params / tp + model.expert_layer_params / (tp * ep)
+    dense_share = model.dense_layer_params / tp / per_layer
+    table = model.vocab * h
+    positions = s * h if model.learned_positions else 0
+    if pp == 1:
+        p_first = p_last = l_ * per_layer + model.embedding_params / tp
+    else:
+        p_first = first_layers * per_layer + (table + positions) / tp
+        p_last = last_layers * per_layer + table / tp
+    p_gpu = max(p_first, p_last)
+    shard = dp * cp
+    sharded = dense_share / shard + (1 - dense_share) / np.maximum(shard / ep, 1)
+
+    # -- data-parallel communication (per iteration, or per micro-batch with FSDP) --------------
+    dp_inter = tp * shard > gpn
+    bw = _group_bw(shard, tp, gpu, gpn)
+    lat = np.where(
+        shard > 1,
+        np.where(dp_inter, o.latency_inter_s, o.latency_intra_s) * 2.0 * np.ceil(np.log2(shard)),
+        0.0,
+    )
+    frac = (shard - 1) / shard
+    t_fsdp = np.zeros_like(t_comm)
+    if lay.sharding == "fsdp":
+        # all-gather bf16 weights forward and backward, reduce-scatter gradients
+        t_f = frac * p_gpu * (4.0 + o.grad_bytes) / bw + 3 * stage_layers * lat
+        t_fsdp = _exposed(t_f, t_comp, o) if o.overlap else t_f
+        t_dp = np.zeros_like(t_comm)
+    else:
+        buckets = math.ceil(p_gpu * o.grad_bytes / _DP_BUCKET_BYTES)
+        if lay.sharding == "dist-opt":
+            t_rs = frac * p_gpu * o.grad_bytes / bw
+            t_ag = frac * p_gpu * 2.0 / bw
+        else:
+            t_rs = 2.0 * frac * p_gpu * o.grad_bytes / bw
+            t_ag = np.zeros_like(t_comm)
+        if o.overlap:
+            t_rs = _exposed(t_rs, 2.0 / 3.0 * t_comp * vp, o)
+            t_ag = _exposed(t_ag, 1.0 / 3.0 * t_comp * vp, o)
+        t_dp = t_rs + t_ag + 2 * buckets * lat
+    # optimizer step: read and write fp32 master weights, two moments and the gradient
+    t_opt = p_gpu * (1.0 if lay.sharding == "ddp" else sharded) * 32.0 / gpu.memory_bw
+
+    t_slot = t_comp + t_comm + t_fsdp
+    t_iter = (m + (pp - 1) / vp) * t_slot + t_dp + t_opt
+
+    # -- memory: the first stage (embedding, most micro-batches in flight) or the last (logits)
+    def state(params: float) -> np.ndarray:
+        if lay.sharding == "ddp":
+            out = params * 18.0 + 0.0 * shard
+        elif lay.sharding == "dist-opt":
+            out = params * (6.0 + 12.0 * sharded)
+        else:  # fsdp: everything sharded, plus two layers' weights gathered at a time
+            out = params * 18.0 * sharded + 2.0 * 2.0 * per_layer * np.minimum(shard, 2)
+        return out + (params if fp8 else 0.0)  # FP8 copies of the weights
+
+    logits = 2 * 2.0 * tokens * model.vocab / tp  # bf16 logits and their gradient
+    if pp == 1:
+        mem = state(p_gpu) + _activations(model, lay, tokens, l_, 1.0, o) + logits
+    else:
+        in_flight = np.minimum(m, pp) * ((1.0 + (pp - 1) / (pp * vp)) if vp > 1 else 1.0)
+        first = state(p_first) + _activations(model, lay, tokens, first_layers, in_flight, o)
+        last = state(p_last) + _activations(model, lay, tokens, last_layers, 1.0, o) + logits
+        mem = np.maximum(first, last)
+    return t_iter, mem
+
+
+def _activations(
+    model: ModelSpec,
+    lay: Layout,
+    tokens: float,
+    layers: int,
+    in_flight: float | np.ndarray,
+    o: PerfOptions,
+) -> float | np.ndarray:
+    """Activation bytes of ``layers`` layers with ``in_flight`` micro-batches stashed:
+    Korthikanti et al. 2022 (arXiv 2205.05198) generalised to GQA, SwiGLU and experts."""
+    h, f, tp = model.hidden, model.ffn, lay.tp
+    k = model.active_experts
+    attn = 2 * h + 2 * h + 4 * model.kv_dim + 2 * h + (h if model.bias else 0)
+    mlp = 2 * h + k * ((6 if model.gated else 4) * f) + (h if model.bias else 0)
+    per_token = attn + mlp + 4 * h  # + the two norms' inputs
+    if lay.recompute == "selective":
+        per_token -= k * 2 * f  # the activation function's output is recomputed
+    full_layer = tokens * per_token / tp
+    if not o.flash_attention and lay.recompute == "none":
+        full_layer += 5.0 * model.heads * model.seq_len * tokens / tp  # scores, softmax, mask
+    if lay.recompute == "full":
+        return layers * in_flight * 2.0 * tokens * h / tp + full_layer
+    return layers * in_flight * full_layer
+
+
+def _micro_batches(global_batch: int, o: PerfOptions) -> list[int]:
+    return [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= o.max_micro_batch and global_batch % b == 0]
+
+
+def _context_degrees(model: ModelSpec, o: PerfOptions) -> list[int]:
+    out = [1]
+    if o.context_parallel and model.seq_len >= 8192:
+        out += [c for c in (2, 4, 8, 16, 32) if model.seq_len % (2 * c) == 0]
+    return out
+
+
+def _layouts_of_base(
+    model: ModelSpec, global_batch: int, tp: int, cp: int, pp: int, o: PerfOptions
+) -> Iterator[Layout]:
+    """Every layout with these tensor, context and pipeline degrees (dp left at 1)."""
+    vps = [1]
+    if o.interleave and pp > 1 and model.layers // pp >= 2:
+        vps.append(min(8, model.layers // pp))
+    eps = [e for e in range(1, model.experts + 1) if model.experts % e == 0]
+    shardings = ["dist-opt" if o.distributed_optimizer else "ddp"]
+    if o.fsdp and pp == 1:
+        shardings.append("fsdp")
+    modes = RECOMPUTE_MODES if o.allow_recompute else ("none",)
+    for vp in vps:
+        for ep in eps:
+            for sharding in shardings:
+                for b in _micro_batches(global_batch, o):
+                    for rec in modes:
+                        yield Layout(
+                            tp=tp,
+                            cp=cp,
+                            pp=pp,
+                            vp=vp,
+                            ep=ep,
+                            micro_batch=b,
+                            sharding=sharding,
+                            recompute=rec,
+                        )
+
+
+def _valid_dp(model: ModelSpec, global_batch: int, lay: Layout, dp: np.ndarray) -> np.ndarray:
+    """Mask of the data-parallel degrees ``lay`` can run with."""
+    b = lay.micro_batch
+    ok = dp <= global_batch // b  # a replica with nothing to do: use fewer GPUs instead
+    if lay.vp > 1:  # interleaved 1F1B needs a multiple of pp micro-batches
+        ok &= np.ceil(global_batch / (b * dp)) % lay.pp == 0
+    if lay.ep > 1:
+        ok &= (dp * lay.cp) % lay.ep == 0
+    return ok
+
+
+@dataclass(frozen=True)
+class _Search:
+    """Per GPU count k (index), the fastest fitting layout and the fastest with headroom."""
+
+    layouts: tuple[Layout, ...]
+    best_t: np.ndarray
+    best_i: np.ndarray
+    best_mem: np.ndarray
+    room_t: np.ndarray
+    room_i: np.ndarray
+    room_mem: np.ndarray
+
+
+def _bases(
+    model: ModelSpec, gpn: int, o: PerfOptions, max_gpus: int
+) -> Iterator[tuple[int, int, int]]:
+    for tp in _divisors(gpn):
+        if model.heads % tp or model.kv % tp or tp > max_gpus:
             continue
-        for pp in _divisors(model.layers):
-            if (gpus // tp) % pp or (fixed is not None and (tp, pp) != fixed):
+        for cp in _context_degrees(model, o):
+            for pp in range(1, min(model.layers, max_gpus // (tp * cp)) + 1):
+                yield tp, cp, pp
+
+
+def _search(
+    model: ModelSpec,
+    global_batch: int,
+    gpu: GPUSpec,
+    gpn: int,
+    o: PerfOptions,
+    max_gpus: int,
+    exact: bool,
+) -> _Search:
+    """Search every layout on 1..max_gpus GPUs (or exactly max_gpus when ``exact``)."""
+    usable = gpu.memory_bytes * o.memory_usable_fraction
+    roomy = usable * (1.0 - o.headroom_fraction)
+    n = max_gpus + 1
+    best_t, best_i, best_mem = np.full(n, np.inf), np.full(n, -1), np.zeros(n)
+    room_t, room_i, room_mem = np.full(n, np.inf), np.full(n, -1), np.zeros(n)
+    layouts: list[Layout] = []
+    for tp, cp, pp in _bases(model, gpn, o, max_gpus):
+        base = tp * cp * pp
+        if exact:
+            if max_gpus % base:
                 continue
-            dp = gpus // (tp * pp)
-            if _stage_params(model, tp, pp) * (6.0 + 12.0 / dp) > usable:
+            dp = np.array([max_gpus // base], dtype=np.float64)
+        else:
+            dp = np.arange(1, max_gpus // base + 1, dtype=np.float64)
+        ks = (dp * base).astype(np.int64)
+        for lay in _layouts_of_base(model, global_batch, tp, cp, pp, o):
+            ok = _valid_dp(model, global_batch, lay, dp)
+            if not ok.any():
                 continue
-            for b in micro_batches:
-                total_mb = global_batch // b
-                if total_mb < dp:  # a replica with nothing to do: use fewer GPUs instead
-                    break
-                m = math.ceil(total_mb / dp)  # the ledger may spread micro-batches unevenly
-                options = (True,) if force_recompute else (False, True)
-                for recompute in options:
-                    if recompute and not (o.allow_recompute or force_recompute):
-                        continue
-                    mem = _memory(model, tp, pp, dp, b, m, recompute, o)
-                    if mem > usable:
-                        continue
-                    t = _iter_time(model, tp, pp, dp, b, m, recompute, gpu, gpus_per_node, o)
-                    flops = model.flops_per_token * global_batch * model.seq_len / t
-                    yield ParallelConfig(tp, pp, dp, b, t, flops, mem, recompute)
-                    break  # recomputation only ever costs time: skip it once one fits
+            t, mem = _evaluate(model, global_batch, lay, dp, gpu, gpn, o)
+            fits = ok & (mem <= usable)
+            if not fits.any():
+                continue
+            idx = len(layouts)
+            layouts.append(lay)
+            kk, tt, mm = ks[fits], t[fits], mem[fits]
+            better = tt < best_t[kk]
+            best_t[kk[better]] = tt[better]
+            best_i[kk[better]] = idx
+            best_mem[kk[better]] = mm[better]
+            room = (mm <= roomy) & (tt < room_t[kk])
+            room_t[kk[room]] = tt[room]
+            room_i[kk[room]] = idx
+            room_mem[kk[room]] = mm[room]
+    return _Search(tuple(layouts), best_t, best_i, best_mem, room_t, room_i, room_mem)
+
+
+def _config(
+    model: ModelSpec,
+    global_batch: int,
+    k: int,
+    found: _Search,
+    gpu: GPUSpec,
+    o: PerfOptions,
+) -> ParallelConfig | None:
+    """The pick at k GPUs: the fastest layout, unless it leaves less than the headroom and a
+    layout that leaves it is slower by less than the model's own error."""
+    i = int(found.best_i[k])
+    if i < 0:
+        return None
+    t, mem, note = float(found.best_t[k]), float(found.best_mem[k]), ""
+    usable = gpu.memory_bytes * o.memory_usable_fraction
+    j = int(found.room_i[k])
+    tight = mem > usable * (1.0 - o.headroom_fraction)
+    if tight and j >= 0 and found.room_t[k] <= t * (1.0 + o.model_error):
+        slower = float(found.room_t[k]) / t - 1.0
+        note = (
+            f"memory headroom: {found.room_mem[k] / GIB:.0f} of {usable / GIB:.0f} GiB used "
+            f"instead of {mem / GIB:.0f} GiB, {100 * slower:.1f}% slower, within the model's "
+            f"{100 * o.model_error:.0f}% error"
+        )
+        i, t, mem = j, float(found.room_t[k]), float(found.room_mem[k])
+    base = found.layouts[i]
+    lay = replace(base, dp=k // (base.tp * base.cp * base.pp))
+    flops = model.flops_per_token * global_batch * model.seq_len / t
+    return ParallelConfig(
+        lay.tp,
+        lay.pp,
+        lay.dp * lay.cp,
+        lay.micro_batch,
+        t,
+        flops,
+        mem,
+        lay.recompute == "full",
+        layout=lay,
+        usable_bytes=usable,
+        note=note,
+    )
 
 
 def _check_args(global_batch: int, gpus: int, gpus_per_node: int) -> None:
@@ -342,19 +625,25 @@ def best_config(
     gpus_per_node: int,
     options: PerfOptions = DEFAULT_OPTIONS,
 ) -> ParallelConfig | None:
-    """The fastest configuration of ``model`` on exactly ``gpus`` GPUs, or None if none fits.
+    """The layout of ``model`` on exactly ``gpus`` GPUs, or None if none fits. Memoised.
 
-    Ties go to the configuration listed first (smaller tp, then smaller pp, then smaller
-    micro-batch), so the answer is deterministic. Memoised.
+    The fastest one, except that a layout leaving :attr:`PerfOptions.headroom_fraction` of
+    memory free wins when it is slower by less than :attr:`PerfOptions.model_error`
+    (:attr:`ParallelConfig.note` then says so). Ties go to the layout searched first
+    (smaller tp, cp, pp, vp, ep, micro-batch), so the answer is deterministic.
     """
     _check_args(global_batch, gpus, gpus_per_node)
     if gpus == 0:
         return None
-    best: ParallelConfig | None = None
-    for cfg in _candidates(model, global_batch, gpus, gpu, gpus_per_node, options):
-        if best is None or cfg.iter_time_s < best.iter_time_s:
-            best = cfg
-    return best
+    found = _search(model, global_batch, gpu, gpus_per_node, options, gpus, exact=True)
+    return _config(model, global_batch, gpus, found, gpu, options)
+
+
+@functools.lru_cache(maxsize=256)
+def _table_search(
+    model: ModelSpec, global_batch: int, max_gpus: int, gpu: GPUSpec, gpn: int, o: PerfOptions
+) -> _Search:
+    return _search(model, global_batch, gpu, gpn, o, max_gpus, exact=False)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -367,9 +656,10 @@ def _table(
     unit: int,
     options: PerfOptions,
 ) -> np.ndarray:
+    found = _table_search(model, global_batch, max_gpus, gpu, gpus_per_node, options)
     out = np.zeros(max_gpus // unit + 1, dtype=np.float64)
     for u in range(1, len(out)):
-        cfg = best_config(model, global_batch, u * unit, gpu, gpus_per_node, options)
+        cfg = _config(model, global_batch, u * unit, found, gpu, options)
         if cfg is not None:
             out[u] = cfg.achieved_flops
     out.setflags(write=False)
@@ -387,12 +677,43 @@ def throughput_table(
 ) -> np.ndarray:
     """Achieved FLOP/s with ``u * unit`` GPUs for ``u = 0 .. max_gpus // unit``.
 
-    0.0 where no configuration fits. The array is memoised and read-only: the simulator and
-    the command call this for every task on every event.
+    0.0 where no configuration fits; entry ``u`` equals :func:`best_config` on ``u * unit``
+    GPUs. One vectorised search prices every GPU count at once (each layout over all its
+    data-parallel degrees). The array is memoised and read-only: the simulator and the
+    command call this for every task on every event.
     """
     _check_args(global_batch, max_gpus, gpus_per_node)
     _require_positive_int("unit", unit)
     return _table(model, global_batch, max_gpus, gpu, gpus_per_node, unit, options)
+
+
+def evaluate(
+    model: ModelSpec,
+    global_batch: int,
+    layout: Layout,
+    gpu: GPUSpec,
+    gpus_per_node: int,
+    options: PerfOptions = DEFAULT_OPTIONS,
+) -> ParallelConfig:
+    """Price one given layout, fitting or not (the calibration compares it with published
+    runs; :attr:`ParallelConfig.memory_bytes_per_gpu` against :attr:`ParallelConfig.usable_bytes`
+    says whether the model thinks it fits)."""
+    _check_args(global_batch, layout.gpus, gpus_per_node)
+    dp = np.array([float(layout.dp)])
+    t, mem = _evaluate(model, global_batch, layout, dp, gpu, gpus_per_node, options)
+    time_s = float(t[0])
+    return ParallelConfig(
+        layout.tp,
+        layout.pp,
+        layout.dp * layout.cp,
+        layout.micro_batch,
+        time_s,
+        model.flops_per_token * global_batch * model.seq_len / time_s,
+        float(mem[0]),
+        layout.recompute == "full",
+        layout=layout,
+        usable_bytes=gpu.memory_bytes * options.memory_usable_fraction,
+    )
 
 
 def megatron_flops_per_gpu(model: ModelSpec, global_batch: int, gpus: int, iter_s: float) -> float:
@@ -402,94 +723,17 @@ def megatron_flops_per_gpu(model: ModelSpec, global_batch: int, gpus: int, iter_
     return f / iter_s / gpus
 
 
-@dataclass(frozen=True, kw_only=True)
-class Measurement:
-    """One published end-to-end throughput measurement used for calibration."""
-
-    model: ModelSpec
-    tp: int
-    pp: int
-    gpus: int
-    global_batch: int
-    tflops_per_gpu: float
-    """As published: Megatron FLOPs (recompute pass included) per second per GPU, in 1e12."""
-
-
-def _m(
-    layers: int, hidden: int, heads: int, tp: int, pp: int, gpus: int, b: int, tf: float
-) -> Measurement:
-    model = ModelSpec(
-        name=f"megatron-{layers}x{hidden}",
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        seq_len=2048,
-        vocab=51200,
-    )
-    return Measurement(model=model, tp=tp, pp=pp, gpus=gpus, global_batch=b, tflops_per_gpu=tf)
-
-
-# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-# Megatron-LM", SC'21 (arXiv 2104.04473): table 1 (weak scaling, 1.7B to 1T parameters) and
-# table 2 (PTD-P rows, GPT-3 175B at 384/768/1536 GPUs, t=8, p=12). A100-80GB, Selene
-# (8 x HDR 200 Gb/s per node), activation recomputation on, fp16.
-MEGATRON_2021: tuple[Measurement, ...] = (
-    _m(24, 2304, 24, 1, 1, 32, 512, 137),
-    _m(30, 3072, 32, 2, 1, 64, 512, 138),
-    _m(36, 4096, 32, 4, 1, 128, 512, 142),
-    _m(40, 6144, 48, 8, 1, 256, 1024, 135),
-    _m(48, 8192, 64, 8, 2, 512, 1536, 138),
-    _m(60, 10240, 80, 8, 4, 1024, 1792, 140),
-    _m(80, 12288, 96, 8, 8, 1536, 2304, 148),
-    _m(96, 16384, 128, 8, 16, 1920, 2160, 155),
-    _m(105, 20480, 128, 8, 35, 2520, 2520, 163),
-    _m(128, 25600, 160, 8, 64, 3072, 3072, 163),
-    _m(96, 12288, 96, 8, 12, 384, 1536, 153),
-    _m(96, 12288, 96, 8, 12, 768, 1536, 149),
-    _m(96, 12288, 96, 8, 12, 1536, 1536, 141),
-)
-
-
-def predict_measurement(
-    meas: Measurement, gpu: GPUSpec, options: PerfOptions = DEFAULT_OPTIONS
-) -> float | None:
-    """Predicted TFLOP/s per GPU, in the published unit, for the published (tp, pp, dp).
-
-    Recomputation is forced (the runs used it); the micro-batch is searched. None if the
-    configuration does not fit in the model's memory estimate.
-    """
-    opts = replace(options, distributed_optimizer=False)  # not in Megatron-LM of 2021
-    best: ParallelConfig | None = None
-    for cfg in _candidates(
-        meas.model,
-        meas.global_batch,
-        meas.gpus,
-        gpu,
-        8,
-        opts,
-        fixed=(meas.tp, meas.pp),
-        force_recompute=True,
-    ):
-        if best is None or cfg.iter_time_s < best.iter_time_s:
-            best = cfg
-    if best is None:
-        return None
-    per_gpu = megatron_flops_per_gpu(meas.model, meas.global_batch, meas.gpus, best.iter_time_s)
-    return per_gpu / 1e12
-
-
 __all__ = [
     "DEFAULT_OPTIONS",
     "GIB",
-    "MEGATRON_2021",
     "MODEL_PRESETS",
-    "Measurement",
+    "Layout",
     "ModelSpec",
     "ParallelConfig",
     "PerfOptions",
     "best_config",
+    "evaluate",
     "megatron_flops_per_gpu",
-    "predict_measurement",
     "state_bytes",
     "throughput_table",
 ]

@@ -13,9 +13,12 @@ to the next failure, ``D_tr`` = its transition time)::
     reward(t, u) = WAF(t, u) * D_run - WAF(t, c) * D_tr * [u != c or t lost workers]
 
 The dynamic program runs over tasks and allocation units: ``V_i(j)`` is the best summed
-reward of the first ``i`` tasks using exactly ``j`` units, and ``V_i = V_{i-1} (max,+) r_i``
-is a max-plus convolution, vectorised with a sliding-window view, so one task costs one
-``(n+1) x (n+1)`` array operation and the whole solve ``O(m n^2)`` element operations.
+reward of the first ``i`` tasks using at most ``j`` units, and ``V_i = V_{i-1} (max,+) r_i``
+is a max-plus convolution. A unit count whose reward does not beat every smaller count is
+dominated (units may stay idle), so only the others ("candidates": the running-maximum
+records of ``r_i``, plus the current count) are tried, one vectorised pass each: a solve
+costs ``O(n * sum of candidates)`` element operations, at most ``O(m n^2)``. The optimum
+is then read back task by task, exactly (ties within 1e-12 relative).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from unicron.planner.perf import ModelSpec, state_bytes
 
@@ -151,37 +153,70 @@ def expected_time_to_failure_s(failure_rate_per_node_per_day: float, nodes: int)
     return math.inf if rate == 0 else SECONDS_PER_DAY / rate
 
 
-def _dp(tasks: Sequence[TaskState], n: int, d_run_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """Max-plus DP; returns the value of each final total and the choice table."""
-    value = np.full(n + 1, -np.inf)
-    value[0] = 0.0
-    choice = np.zeros((len(tasks), n + 1), dtype=np.int64)
-    for i, task in enumerate(tasks):
+def _candidates(task: TaskState, r: np.ndarray, n: int) -> np.ndarray:
+    """Unit counts worth trying for ``task``: 0 and every count whose reward beats all
+    smaller counts (any other count is dominated: fewer units earn at least as much, and
+    units may stay idle), plus its current count (no transition). Increasing order."""
+    lo = max(task.min_units, 1)
+    if lo > n:
+        return np.zeros(1, dtype=np.int64)
+    tail = r[lo:]
+    prior = np.maximum.accumulate(np.concatenate([[r[0]], tail]))[:-1]
+    front = np.flatnonzero(tail > prior) + lo
+    c = task.current_units
+    if lo <= c <= n and not task.must_transition and np.isfinite(r[c]):
+        front = np.union1d(front, [c])
+    return np.concatenate([[0], front]).astype(np.int64)
+
+
+def _dp(
+    tasks: Sequence[TaskState], n: int, d_run_s: float
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """Max-plus DP over tasks: ``values[i][j]`` is the best summed reward rate of the first
+    ``i`` tasks using at most ``j`` units. Only each task's candidate counts are tried, one
+    vectorised pass per candidate, so a solve costs ``O(n * sum of candidates)``."""
+    value = np.zeros(n + 1)
+    values = [value]
+    rates, cands = [], []
+    for task in tasks:
         r = _reward_rate(task, n, d_run_s)
-        lo = max(task.min_units, 1)
-        positive = np.flatnonzero(task.flops[: n + 1] > 0)
-        # beyond the last unit count that does any work, u units are dominated by 0 units
-        hi = max(int(positive[-1]) if len(positive) else 0, min(task.current_units, n))
+        cand = _candidates(task, r, n)
         best = value + r[0]
-        best_u = np.zeros(n + 1, dtype=np.int64)
-        if lo <= hi:
-            padded = np.concatenate([np.full(n, -np.inf), value])
-            windows = sliding_window_view(padded, n + 1)  # windows[j, k] = value[j + k - n]
-            block = windows[:, n - hi : n - lo + 1][:, ::-1] + r[lo : hi + 1]  # [j, u - lo]
-            arg = np.argmax(block, axis=1)
-            top = np.take_along_axis(block, arg[:, None], axis=1)[:, 0]
-            better = top > best + _slack(best)
-            best = np.where(better, top, best)
-            best_u = np.where(better, arg + lo, best_u)
-            c = task.current_units
-            if lo <= c <= hi and not task.must_transition:  # ties: keep the current allocation
-                keep = block[:, c - lo]
-                tie = np.isfinite(keep) & (keep >= best - _slack(best))
-                best = np.where(tie, np.maximum(keep, best), best)
-                best_u = np.where(tie, c, best_u)
-        choice[i] = best_u
-        value = best
-    return value, choice
+        tmp = np.empty(n + 1)
+        for u in cand[1:].tolist():
+            part = tmp[: n + 1 - u]
+            np.add(value[: n + 1 - u], r[u], out=part)
+            np.maximum(best[u:], part, out=best[u:])
+        value = np.maximum.accumulate(best)
+        values.append(value)
+        rates.append(r)
+        cands.append(cand)
+    return values, rates, cands
+
+
+def _backtrack(
+    tasks: Sequence[TaskState],
+    n: int,
+    values: list[np.ndarray],
+    rates: list[np.ndarray],
+    cands: list[np.ndarray],
+) -> dict[str, int]:
+    """Units per task achieving the optimum; ties keep a task's current count, then take
+    fewer units (tasks decided last to first)."""
+    allocation: dict[str, int] = {}
+    j = n
+    for i in range(len(tasks) - 1, -1, -1):
+        task, target, prev = tasks[i], values[i + 1][j], values[i]
+        cand = cands[i][cands[i] <= j]
+        total = prev[j - cand] + rates[i][cand]
+        ok = total >= target - _REL_TOL * abs(target)
+        assert ok.any(), "the optimum must be reachable from some candidate"
+        c = task.current_units
+        picks = cand[ok]
+        u = c if (c in picks and not task.must_transition) else int(picks[0])
+        allocation[task.name] = int(u)
+        j -= int(u)
+    return {t.name: allocation[t.name] for t in tasks}
 
 
 def solve(tasks: Sequence[TaskState], units: int, d_run_s: float) -> Plan:
@@ -201,21 +236,12 @@ def solve(tasks: Sequence[TaskState], units: int, d_run_s: float) -> Plan:
     for t in tasks:
         if len(t.flops) < units + 1:
             raise ValueError(f"flops: task {t.name} has {len(t.flops)} entries, need {units + 1}")
-    value, choice = _dp(tasks, units, d_run_s)
-    top = float(value.max())
-    ties = np.flatnonzero(value >= top - _REL_TOL * abs(top))
-    current_total = sum(t.current_units for t in tasks)
-    j = current_total if current_total in ties else int(ties[0])
-    allocation: dict[str, int] = {}
-    for i in range(len(tasks) - 1, -1, -1):
-        u = int(choice[i, j])
-        allocation[tasks[i].name] = u
-        j -= u
-    assert j == 0, "DP backtrack must end at zero units"
-    allocation = {t.name: allocation[t.name] for t in tasks}
+    values, rates, cands = _dp(tasks, units, d_run_s)
+    allocation = _backtrack(tasks, units, values, rates, cands)
     scale = 1.0 if math.isinf(d_run_s) else d_run_s
     rewards = {
-        t.name: float(_reward_rate(t, units, d_run_s)[allocation[t.name]]) * scale for t in tasks
+        t.name: float(rate[allocation[t.name]]) * scale
+        for t, rate in zip(tasks, rates, strict=True)
     }
     if math.isinf(d_run_s):
         rewards = {k: math.inf if v > 0 else v for k, v in rewards.items()}

@@ -10,6 +10,7 @@ The format is documented in docs/planner.md; examples live in examples/plans/.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import yaml
 
 from unicron.errors import UsageError
 from unicron.planner.hardware import GB, GIB, GPU_PRESETS, GPUSpec
-from unicron.planner.perf import MODEL_PRESETS, ModelSpec
+from unicron.planner.model import MODEL_PRESETS, ModelSpec
 
 CLUSTER_FIELDS = {
     "nodes": "number of nodes",
@@ -32,9 +33,21 @@ CLUSTER_FIELDS = {
     "checkpoint_gbps": "GB/s read from the persistent checkpoint",
     "down": "node ids already out of service",
 }
-TASK_FIELDS = ("name", "model", "global_batch", "weight", "min_gpus", "nodes", "profile")
+TASK_FIELDS = (
+    "name",
+    "model",
+    "global_batch",
+    "weight",
+    "min_gpus",
+    "nodes",
+    "profile",
+    "precision",
+)
 GPU_FIELDS = ("name", "peak_tflops", "memory_gb", "intra_node_gbps", "inter_node_gbps")
+GPU_OPTIONAL = ("fp8_peak_tflops", "memory_bw_gbps", "efficiency")
 MODEL_FIELDS = ("name", "layers", "hidden", "heads", "seq_len", "vocab")
+MODEL_INTS = ("kv_heads", "ffn_hidden", "experts", "active_experts")
+MODEL_BOOLS = ("gated", "bias", "tied_embeddings", "learned_positions")
 EVENT_FIELDS = ("nodes_lost", "nodes_back", "task_added", "task_done")
 
 
@@ -67,6 +80,8 @@ class TaskSpec:
     """Nodes the task holds before the event (whole nodes)."""
     profile: tuple[np.ndarray, np.ndarray] | None
     """Measured (gpus, FLOP/s) points replacing the performance model, or None."""
+    precision: str = "bf16"
+    """``bf16`` or ``fp8`` (GEMMs in FP8 where the GPU has it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,15 +157,28 @@ def _gpu(value: Any, where: str) -> GPUSpec:
         if value not in GPU_PRESETS:
             raise _fail(where, f"unknown GPU {value!r} (presets: {', '.join(GPU_PRESETS)})")
         return GPU_PRESETS[value]
-    data = _mapping(value, where, GPU_FIELDS)
+    data = _mapping(value, where, GPU_FIELDS + GPU_OPTIONAL)
     for key in GPU_FIELDS:
         _required(data, key, where)
+    extra: dict[str, float] = {}
+    if "fp8_peak_tflops" in data:
+        extra["fp8_peak_flops"] = (
+            _float(data["fp8_peak_tflops"], f"{where}.fp8_peak_tflops", 0) * 1e12
+        )
+    if "memory_bw_gbps" in data:
+        extra["memory_bw"] = _float(data["memory_bw_gbps"], f"{where}.memory_bw_gbps", 0, True) * GB
+    if "efficiency" in data:
+        eff = _float(data["efficiency"], f"{where}.efficiency", 0, strict=True)
+        if eff > 1:
+            raise _fail(f"{where}.efficiency", f"must be <= 1, got {eff:g}")
+        extra["efficiency"] = eff
     return GPUSpec(
         name=_str(data["name"], f"{where}.name"),
         peak_flops=_float(data["peak_tflops"], f"{where}.peak_tflops", 0, strict=True) * 1e12,
         memory_bytes=_float(data["memory_gb"], f"{where}.memory_gb", 0, strict=True) * GIB,
         intra_node_bw=_float(data["intra_node_gbps"], f"{where}.intra_node_gbps", 0, True) * GB,
         inter_node_bw=_float(data["inter_node_gbps"], f"{where}.inter_node_gbps", 0, True) * GB,
+        **extra,
     )
 
 
@@ -159,12 +187,33 @@ def _model(value: Any, where: str) -> ModelSpec:
         if value not in MODEL_PRESETS:
             raise _fail(where, f"unknown model {value!r} (presets: {', '.join(MODEL_PRESETS)})")
         return MODEL_PRESETS[value]
-    data = _mapping(value, where, MODEL_FIELDS)
-    ints = {k: _int(_required(data, k, where), f"{where}.{k}", 1) for k in MODEL_FIELDS[1:]}
-    name = _str(_required(data, "name", where), f"{where}.name")
-    if ints["hidden"] % ints["heads"]:
-        raise _fail(f"{where}.hidden", f"must be a multiple of heads ({ints['heads']})")
-    return ModelSpec(name=name, **ints)
+    data = _mapping(value, where, ("preset", *MODEL_FIELDS, *MODEL_INTS, *MODEL_BOOLS))
+    fields: dict[str, Any] = {}
+    if "preset" in data:  # a preset with some fields changed (e.g. seq_len: 131072)
+        preset = data["preset"]
+        if not isinstance(preset, str) or preset not in MODEL_PRESETS:
+            known = ", ".join(MODEL_PRESETS)
+            raise _fail(f"{where}.preset", f"unknown model {preset!r} (presets: {known})")
+        fields = {
+            f.name: getattr(MODEL_PRESETS[preset], f.name) for f in dataclasses.fields(ModelSpec)
+        }
+    else:
+        for key in MODEL_FIELDS:
+            _required(data, key, where)
+    for key in MODEL_FIELDS[1:] + MODEL_INTS:
+        if key in data:
+            fields[key] = _int(data[key], f"{where}.{key}", 1)
+    for key in MODEL_BOOLS:
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise _fail(f"{where}.{key}", f"must be true or false, got {data[key]!r}")
+            fields[key] = data[key]
+    if "name" in data:
+        fields["name"] = _str(data["name"], f"{where}.name")
+    try:
+        return ModelSpec(**fields)
+    except ValueError as exc:  # inconsistent fields: ModelSpec names the field first
+        raise UsageError(f"{where}.{exc}") from exc
 
 
 def _profile(value: Any, where: str, base: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -201,7 +250,13 @@ def _task(value: Any, where: str, cluster: ClusterSpec, base: Path) -> TaskSpec:
         raise _fail(
             f"{where}.min_gpus", f"{min_gpus} is larger than the cluster ({total_gpus} GPUs)"
         )
+    precision = data.get("precision", "bf16")
+    if precision not in ("bf16", "fp8"):
+        raise _fail(f"{where}.precision", f"must be 'bf16' or 'fp8', got {precision!r}")
+    if precision == "fp8" and cluster.gpu.fp8_peak_flops <= 0:
+        raise _fail(f"{where}.precision", f"fp8 needs a GPU with FP8 ({cluster.gpu.name} has none)")
     return TaskSpec(
+        precision=precision,
         name=_str(_required(data, "name", where), f"{where}.name"),
         model=_model(_required(data, "model", where), f"{where}.model"),
         global_batch=_int(_required(data, "global_batch", where), f"{where}.global_batch", 1),
