@@ -264,14 +264,20 @@ def verify(path: Path) -> Manifest:
     return manifest
 
 
-def newest(root: Path, *, check_files: bool = True) -> tuple[Path, Manifest] | None:
+def newest(
+    root: Path, *, check_files: bool = True, skipped: list[str] | None = None
+) -> tuple[Path, Manifest] | None:
     """The newest checkpoint under ``root`` that passes :func:`verify` (only the manifest
-    with ``check_files=False``); each one that fails is skipped with a warning."""
+    with ``check_files=False``); each one that fails is skipped with a warning (or, given
+    ``skipped``, its reason appended there)."""
     for path in reversed(steps(root)):
         try:
             manifest = verify(path) if check_files else read_manifest(path)
         except CheckpointError as exc:
-            log.warning("skipping checkpoint: %s", exc)
+            if skipped is None:
+                log.warning("skipping checkpoint: %s", exc)
+            else:
+                skipped.append(str(exc))
             continue
         return path, manifest
     return None

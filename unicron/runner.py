@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -190,11 +191,13 @@ def _check_resume(root: Path, reduce: str) -> None:
         raise UsageError(f"--resume {root}: no such directory")
     if not os.access(root, os.W_OK | os.X_OK):
         raise UsageError(f"--resume {root}: no permission to write (new checkpoints go there)")
-    found = C.newest(root)
+    skipped: list[str] = []
+    found = C.newest(root, skipped=skipped)
     if found is None:
-        bad = len(C.steps(root))
-        why = f"{bad} checkpoint(s), none valid (see the warnings)" if bad else "it is empty"
+        why = f"{len(skipped)} checkpoint(s), none valid ({skipped[0]})" if skipped else "empty"
         raise UsageError(f"--resume {root}: no checkpoint to go on from: {why}")
+    for reason in skipped:  # on stderr before the run starts; the newest valid one is used
+        print(f"unicron: warning: skipping checkpoint: {reason}", file=sys.stderr)
     manifest = found[1]
     if manifest.reduce != reduce:
         raise UsageError(
