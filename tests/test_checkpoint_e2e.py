@@ -148,6 +148,25 @@ def test_bad_resume_input_is_one_line_exit_2_and_nothing_overwritten(
     assert not (tmp_path / "logs").exists()  # nothing was started
 
 
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--checkpoint-every", "x"], "--checkpoint-every"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every"),
+        (["--mtbf", "0"], "--mtbf"),
+        (["--checkpoint-keep", "-1"], "--checkpoint-keep"),
+        (["--resume", "a", "--checkpoint-dir", "b"], "--checkpoint-dir"),
+    ],
+)
+def test_bad_checkpoint_options_are_one_line_exit_2(
+    args: list[str], names: str, tmp_path: Path
+) -> None:
+    (tmp_path / "a").mkdir()
+    p = _unicron(tmp_path, *args)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert names in p.stderr
+
+
 def test_a_directory_without_write_permission_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

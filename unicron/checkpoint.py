@@ -16,6 +16,9 @@ any other world size. Three parts, who calls them:
 - the interval policy (:func:`choose_interval`): pure, ``now`` and rates passed in;
 - :class:`Checkpointer`: rank 0 of each epoch, at every step boundary (``due`` then ``save``:
   the copy is taken on the training thread, the write happens on a background thread).
+
+torch is imported where it is used, so that ``unicron run`` checks ``--resume`` input without
+paying for it.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("unicron.checkpoint")
 
@@ -137,6 +141,8 @@ def write(
     the root fsynced; then ``keep`` > 0 prunes all but the newest ``keep``. If a valid
     checkpoint of ``step`` already exists (a step redone after a fallback) it is kept.
     """
+    import torch
+
     root.mkdir(parents=True, exist_ok=True)
     remove_stale(root)
     final = step_dir(root, step)
@@ -292,6 +298,8 @@ def has_checkpoint(root: Path | None) -> bool:
 def load(path: Path) -> tuple[Manifest, dict[str, Any]]:
     """Read a checkpoint, checking each file's bytes against the manifest as it is read;
     returns the manifest and file stem -> loaded object."""
+    import torch
+
     manifest = read_manifest(path)
     parts = {}
     for name, expect in manifest.files.items():
@@ -414,6 +422,8 @@ def snapshot(
 ) -> Snapshot:
     """Copy everything needed to continue exactly: model, optimizer, committed step, ledger
     position and RNG states."""
+    import torch
+
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     train = {
         "step": step,
@@ -428,6 +438,8 @@ def restore(
     parts: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> int:
     """Load a checkpoint's parts into ``model`` and ``optimizer`` and the RNGs; the step."""
+    import torch
+
     model.load_state_dict(parts["model"])
     optimizer.load_state_dict(parts["optim"])
     rng = parts["train"]["rng"]
