@@ -26,12 +26,15 @@ from unicron.events import read_events
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 20
+SMALL = ("--microbatches", "4")  # half the example's global batch: a faster test
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     d = tmp_path_factory.mktemp("clean")
-    r = run_unicron(d, "--nproc-per-node", "2", "--checkpoint-every", "0", steps=STEPS)
+    r = run_unicron(
+        d, "--nproc-per-node", "2", "--checkpoint-every", "0", steps=STEPS, script_args=SMALL
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -44,7 +47,9 @@ def test_every_replica_killed_resumes_from_the_checkpoint_bitwise(
     clean: RunResult, run: Any
 ) -> None:
     faults = ("--inject", "crash:rank=0,step=12", "--inject", "crash:rank=1,step=12")
-    r = run("--nproc-per-node", "2", "--checkpoint-every", "5", *faults, steps=STEPS)
+    r = run(
+        "--nproc-per-node", "2", "--checkpoint-every", "5", *faults, steps=STEPS, script_args=SMALL
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
     back = [e for e in r.of("transition_end") if e["state_source"] == "checkpoint"]
@@ -64,7 +69,8 @@ def test_resume_after_a_full_stop_is_bitwise_identical(clean: RunResult, tmp_pat
     events = first / "events.jsonl"
     cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", "2", "--quiet",
            "--events", str(events), "--log-dir", str(first / "logs"), "--checkpoint-dir",
-           str(ck), "--checkpoint-every", "4", str(TRAIN), "--steps", str(STEPS)]  # fmt: skip
+           str(ck), "--checkpoint-every", "4", str(TRAIN), "--steps", str(STEPS),
+           *SMALL]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, cwd=first, env=env, stderr=subprocess.PIPE, text=True)
     try:
@@ -86,7 +92,9 @@ def test_resume_after_a_full_stop_is_bitwise_identical(clean: RunResult, tmp_pat
 
     second = tmp_path / "second"
     second.mkdir()
-    r = run_unicron(second, "--nproc-per-node", "3", "--resume", str(ck), steps=STEPS)
+    r = run_unicron(
+        second, "--nproc-per-node", "3", "--resume", str(ck), steps=STEPS, script_args=SMALL
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
     state = torch.load(r.out / "final.pt", weights_only=True)
