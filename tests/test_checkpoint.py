@@ -157,7 +157,7 @@ def test_young_daly_and_the_failure_rate() -> None:
     slow = C.choose_interval(s, cost_s=0.001, write_s=30.0, elapsed_s=0.0, failures=0)
     assert slow.seconds == 30.0 and "write time" in slow.reason
     first = C.choose_interval(s, cost_s=None, write_s=None, elapsed_s=0.0, failures=0)
-    assert first.seconds == 0.0 and "measures" in first.reason
+    assert first.seconds == math.inf and "measured" in first.reason
     fixed = C.choose_interval(
         C.IntervalSettings(every_steps=5), cost_s=2.0, write_s=1.0, elapsed_s=0.0, failures=9
     )
@@ -180,19 +180,33 @@ def test_the_checkpointer_writes_at_its_interval_and_logs_why(tmp_path: Path) ->
         root=tmp_path, settings=C.IntervalSettings(mtbf_s=100.0), reduce="fast", ledger=LEDGER,
         emit=lambda e, **f: events.append((e, f)), started=0.0,
     )  # fmt: skip
-    assert ck.due(1, now=1.0)  # the first one measures the cost
-    ck.save(model, opt, step=1, world=3, now=1.0)
-    ck.join()
-    assert ck.cost_s is not None and ck.write_s is not None
+    ck.at_boundary(model, opt, step=1, world=3, now=1.0)  # measures the copy, writes nothing
+    assert ck.cost_s is not None and not C.steps(tmp_path)
     interval = math.sqrt(2 * ck.cost_s * 101.0)
-    assert not ck.due(2, now=1.0 + interval * 0.5)
-    assert ck.due(3, now=1.0 + max(interval, ck.write_s) * 1.01)
+    ck.at_boundary(model, opt, step=2, world=3, now=1.0 + interval * 0.5)
+    assert not C.steps(tmp_path)
+    ck.at_boundary(model, opt, step=3, world=3, now=1.0 + interval * 1.01)
+    ck.join()
+    assert [p.name for p in C.steps(tmp_path)] == ["step-000000003"]
     names = [e for e, _ in events]
-    assert names == ["checkpoint_interval", "checkpoint_saved", "checkpoint_interval"]
-    assert events[1][1]["ok"] and events[1][1]["step"] == 1
-    assert "Young/Daly" in events[2][1]["reason"]
-    manifest, parts = C.load(C.step_dir(tmp_path, 1))
+    assert names[:2] == ["checkpoint_interval", "checkpoint_saved"], names
+    assert "Young/Daly" in events[0][1]["reason"]
+    assert events[1][1]["ok"] and events[1][1]["step"] == 3 and events[1][1]["write_s"] > 0
+    manifest, parts = C.load(C.step_dir(tmp_path, 3))
     assert manifest.world == 3 and manifest.reduce == "fast"
     fresh = torch.nn.Linear(3, 2)
-    assert C.restore(parts, fresh, torch.optim.AdamW(fresh.parameters())) == 1
+    assert C.restore(parts, fresh, torch.optim.AdamW(fresh.parameters())) == 3
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_fixed_interval_writes_every_k_steps(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = C.Checkpointer(
+        root=tmp_path, settings=C.IntervalSettings(every_steps=2, keep=0), reduce="exact",
+        ledger=LEDGER, emit=lambda e, **f: None,
+    )  # fmt: skip
+    for step in range(1, 6):
+        ck.at_boundary(model, opt, step=step, world=1, now=float(step))
+    ck.join()
+    assert [p.name for p in C.steps(tmp_path)] == ["step-000000002", "step-000000004"]

@@ -395,7 +395,7 @@ def choose_interval(
         what = "never" if settings.every_steps == 0 else f"every {settings.every_steps} steps"
         return Interval(None, settings.every_steps, f"fixed: {what} (--checkpoint-every)")
     if cost_s is None:
-        return Interval(0.0, None, "auto: a first checkpoint after the first step measures cost")
+        return Interval(math.inf, None, "auto: the copy cost is measured at a step boundary")
     mtbf = mtbf_estimate_s(prior_mtbf_s=settings.mtbf_s, elapsed_s=elapsed_s, failures=failures)
     yd = young_daly_s(max(cost_s, 1e-6), mtbf)
     why = (
@@ -472,6 +472,26 @@ class Checkpointer:
     def note_failure(self) -> None:
         """A member was lost (an urgent epoch): the observed failure rate goes up."""
         self.failures += 1
+
+    def at_boundary(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: int,
+        world: int,
+        now: float,
+    ) -> None:
+        """Called by rank 0 right after each commit (``step`` steps committed): checkpoint if
+        the interval says so. With the automatic interval the first call only measures the
+        cost (a copy, discarded), so the first checkpoint comes one interval later."""
+        if self.settings.every_steps is None and self.cost_s is None:
+            t0 = time.perf_counter()
+            snapshot(model, optimizer, step=step, ledger=self.ledger)
+            self.cost_s, self.last_ts = time.perf_counter() - t0, now
+            self._update_interval(now)
+        elif self.due(step, now):
+            self.save(model, optimizer, step=step, world=world, now=now)
 
     def due(self, step: int, now: float) -> bool:
         """Whether the state committed at ``step`` should be checkpointed."""

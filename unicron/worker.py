@@ -440,11 +440,10 @@ class _Runner:
     def _maybe_checkpoint(self, rank: int) -> None:
         """Rank 0 checkpoints the committed state when the interval says so: the copy is
         taken here, at the step boundary; the write runs in the background."""
-        now = time.time()
-        if rank != 0 or self.ckpt is None or not self.ckpt.due(self.step, now):
+        if rank != 0 or self.ckpt is None:
             return
-        world = self.groups[-1].world
-        self.ckpt.save(self.model, self.optimizer, step=self.step, world=world, now=now)
+        world, now = self.groups[-1].world, time.time()
+        self.ckpt.at_boundary(self.model, self.optimizer, step=self.step, world=world, now=now)
 
     def _broadcast_state(self, g: EpochGroup, src: int, *, receive: bool, step: int) -> None:
         if not receive and g.rank == src:
