@@ -154,6 +154,19 @@ def test_below_the_minimum_the_task_waits_for_a_readmitted_slot(tmp_path: Path) 
     assert c.state is TaskState.RUNNING and c.members == (0, 1, 2, 3) and c.epoch == 2
 
 
+def test_no_reattempt_epoch_below_the_minimum(tmp_path: Path) -> None:
+    """The survivors' collectives fail once their peer is gone; below the minimum that must
+    not bring an epoch of fewer workers: the epoch that ends the wait heals them."""
+    k = Cluster(tmp_path, min_workers=4, readmit_after_s=1000.0)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.worker_failed(3, verdict_for_kind("ecc"), t)
+    c.worker_error(0, verdict_for_kind("conn_reset"), t + 0.1, in_place=False, epoch=1)
+    c.tick(t + 10.0)
+    assert c.state is TaskState.WAITING and c.epoch == 1
+    assert [e["action"] for e in k.events("action")] == ["exclude", "wait"]
+
+
 def test_a_task_that_waits_too_long_gives_up(tmp_path: Path) -> None:
     k = Cluster(tmp_path, min_workers=4, readmit_after_s=1000.0, give_up_after_s=30.0)
     c = k.c
@@ -239,6 +252,41 @@ def test_the_first_commit_report_is_the_one_source_of_trained(tmp_path: Path) ->
     assert c.step_committed(c.epoch, 0, 0.8) and not c.step_committed(c.epoch, 0, 0.8)
     assert c.store.check([trained_key("t")])
     assert not c.slots[2].has_state and c.slots[0].has_state
+
+
+def test_a_hang_is_judged_only_on_reports_its_agent_has_read(tmp_path: Path) -> None:
+    """Under load an agent may not have read a worker's "step done" yet; the runner's tick must
+    not take that worker for hung (three healthy workers were killed at the last step)."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch)
+    c.step_computed(0, 20, t + 0.1, compute_s=0.1, microbatches=2)  # a peer is ahead
+    c.heartbeat(0, t + 0.2, read_until=t + 0.2)  # then the agent starves
+    c.tick(t + 5.0)  # the runner's thread ticks on
+    assert k.actions(Kill) == []
+    c.heartbeat(0, t + 5.0, read_until=t + 5.0)  # the agent read everything: still no report
+    c.tick(t + 5.0)
+    assert sorted(a.slot for a in k.actions(Kill)) == [1, 2, 3]
+
+
+def test_two_late_workers_are_hangs_only_at_twice_the_allowance(tmp_path: Path) -> None:
+    """A loaded machine slows several workers at once: with only some peers done, the late
+    ones are confirmed at twice their allowance, not at once."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch)
+    for m in (0, 1):
+        c.step_computed(m, 20, t + 0.1, compute_s=0.1, microbatches=2)
+    assert c.monitor is not None
+    allowance = c.monitor.settings.hang_floor_s  # 3 x 0.1 s steps is under the 1 s floor
+    c.tick(t + allowance * 1.5)
+    assert k.actions(Kill) == []
+    c.tick(t + allowance * 2.01)
+    assert sorted(a.slot for a in k.actions(Kill)) == [2, 3]
 
 
 def test_stragglers_are_compared_across_nodes(tmp_path: Path) -> None:

@@ -275,10 +275,13 @@ class Agent:
         if self._zygote_conn is not None:
             conns.append(self._zygote_conn)
         if conns:
-            for conn in wait(conns, timeout=timeout):
+            ready = wait(conns, timeout=timeout)
+            read_until = time.time()  # every report sent before now is in a ready socket
+            for conn in ready:
                 self._read(conn)  # type: ignore[arg-type]
         else:
             time.sleep(timeout)
+            read_until = time.time()
         now = time.time()
         if self._pending_spawns and self._zygote is not None and self._zygote.poll() is not None:
             log.warning("node %d: the zygote died while starting; spawning plainly", self.node)
@@ -288,7 +291,7 @@ class Agent:
         self._check_exits(now)
         if self._probes:
             self._check_probes(now)
-        self.coordinator.heartbeat(self.node, now)
+        self.coordinator.heartbeat(self.node, now, read_until=read_until)
         self.coordinator.tick(now)
         self._act(now)
 

@@ -45,8 +45,9 @@ from unicron.stall import Phase, Progress, find_stall, stall_deadline_s
 log = logging.getLogger("unicron.coordinator")
 
 LONE_HANG_OVERRUN = 2.0
-"""a lone member's step is a hang once it lasts this many times its hang allowance (with a
-peer, the peer finishing the step is the evidence; alone, killing costs a checkpoint reload)"""
+"""a step past its hang allowance is confirmed hung when every other member finished it;
+with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
+checkpoint reload), once it has lasted this many times its allowance"""
 
 
 class TaskState(enum.Enum):
@@ -208,6 +209,7 @@ class Coordinator:
         self.microbatches: int | None = None  # per global batch, learned from the workers
         self.state_bytes = 0  # the task's state (model + optimizer), learned from the workers
         self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
+        self._read_until: dict[int, float] = {}  # node -> its reports are all in up to then
         self.lost_nodes: set[int] = set()
         self._outbox: dict[int, deque[AgentAction]] = {n: deque() for n in set(slots.values())}
         self._pending_errors: dict[int, tuple[float, Verdict, int]] = {}  # slot -> ts, v, epoch
@@ -471,6 +473,12 @@ class Coordinator:
         with self._lock:
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
 
+    def peers_all_ahead(self, slot: int, step: int) -> bool:
+        """Whether every other member of the current epoch finished computing ``step``."""
+        with self._lock:
+            others = [m for m in self.members if m != slot]
+            return bool(others) and all(self._computed.get(m, -1) >= step for m in others)
+
     def alone(self, slot: int) -> bool:
         """Whether ``slot`` is the only member of the current epoch: no peer can vouch that
         its step hangs rather than the machine being slow."""
@@ -487,10 +495,13 @@ class Coordinator:
         """The task is done or failed (waiting workers are leaving)."""
         return self.state in (TaskState.DONE, TaskState.FAILED)
 
-    def heartbeat(self, node: int, now: float) -> None:
-        """The agent of ``node`` is alive (called on every round of its loop)."""
+    def heartbeat(self, node: int, now: float, *, read_until: float | None = None) -> None:
+        """The agent of ``node`` is alive (called on every round of its loop), and every
+        report its workers sent before ``read_until`` has been handed over: the detectors
+        judge that node's workers at that moment, never on reports still in flight."""
         with self._lock:
             self.heartbeats[node] = now
+            self._read_until[node] = now if read_until is None else read_until
 
     # -- decisions over time ----------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -606,7 +617,12 @@ class Coordinator:
         of the same members. Dropping it would leave the reporter waiting for an epoch that
         never comes, and its peers blocked in a collective it left."""
         for slot, (ts, verdict, epoch) in list(self._pending_errors.items()):
-            if self.epoch > epoch or slot not in self.members or not self.slots[slot].alive:
+            if (
+                self.epoch > epoch
+                or slot not in self.members
+                or not self.slots[slot].alive
+                or self.state is TaskState.WAITING  # the epoch that ends the wait heals it
+            ):
                 del self._pending_errors[slot]  # a newer epoch (or its exit) heals it
             elif now - ts > self.settings.error_grace_s:
                 del self._pending_errors[slot]
@@ -625,15 +641,15 @@ class Coordinator:
 
     def _check_monitor(self, now: float) -> None:
         """Act on the step monitor's verdicts. A step past its hang deadline is a hang only
-        once a peer has finished computing that step: when every member is late together the
-        machine is slow (or a collective is stuck), and killing them all would lose the state.
-        A lone member has no peer to vouch: its hang is confirmed once the step has lasted
-        :data:`LONE_HANG_OVERRUN` times its allowance."""
+        once every other member has finished computing that step: when several members are
+        late together the machine is slow (or a collective is stuck), and killing them would
+        lose work or the state. With only some peers done, or alone in its epoch, the step
+        must have lasted :data:`LONE_HANG_OVERRUN` times its allowance."""
         if self.monitor is None:
             return
         for slot in list(self._suspects):
             self._check_suspect(slot, now)
-        for d in self.monitor.check(now):
+        for d in self.monitor.check(now, self._known_until(now)):
             o = self.slots.get(d.worker)
             if o is None or not o.alive:
                 continue
@@ -644,6 +660,14 @@ class Coordinator:
                 continue
             self._detected(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
             self.worker_slow(d.worker, verdict, now)
+
+    def _known_until(self, now: float) -> dict[int, float]:
+        """Per slot, the moment up to which its worker's reports are in (its agent's last
+        read; ``now`` for a node not heard from yet, or lost)."""
+        return {
+            s: now if o.node in self.lost_nodes else min(now, self._read_until.get(o.node, now))
+            for s, o in self.slots.items()
+        }
 
     def _check_suspect(self, slot: int, now: float) -> None:
         step, verdict, reason = self._suspects[slot]
@@ -656,8 +680,13 @@ class Coordinator:
         ):
             del self._suspects[slot]  # it moved on, or it is gone
             return
-        peer = self.peer_ahead(slot, step)
-        lone = not peer and self._lone_overrun(slot, now)
+        # the evidence: every peer finished the step (a starved machine slows several workers
+        # at once, a hang one); or one did and the step has lasted twice its allowance (two
+        # hangs at once); or, alone in the epoch, the step has lasted twice its allowance
+        at = self._known_until(now)[slot]
+        overrun = self._overrun(slot, at) >= LONE_HANG_OVERRUN
+        peer = self.peers_all_ahead(slot, step) or (overrun and self.peer_ahead(slot, step))
+        lone = not peer and overrun and self.alone(slot)
         if not (peer or lone):
             return
         del self._suspects[slot]
@@ -673,11 +702,11 @@ class Coordinator:
         if not spare:
             self._kill(slot, verdict)
 
-    def _lone_overrun(self, slot: int, now: float) -> bool:
-        """``slot`` is alone in its epoch and its step has overrun the lone worker's bound."""
+    def _overrun(self, slot: int, at: float) -> float:
+        """How many hang allowances the current step of ``slot`` has lasted at ``at``."""
         assert self.monitor is not None
-        overrun = self.monitor.overrun(slot, now)
-        return overrun is not None and overrun >= LONE_HANG_OVERRUN and self.alone(slot)
+        overrun = self.monitor.overrun(slot, at)
+        return 0.0 if overrun is None else overrun
 
     def stall_deadline(self) -> float:
         """How long a member may wait on its peers outside a step (see :mod:`unicron.stall`)."""
@@ -698,11 +727,12 @@ class Coordinator:
         hang outside a step), or start the epoch again when the collective itself is stuck."""
         if self.state is not TaskState.RUNNING or not self.members:
             return
+        known = self._known_until(now)
         stall = find_stall(
             epoch=self.epoch,
             members=self.members,
             progress=self._progress,
-            now=now,
+            now=min(known[m] for m in self.members),
             deadline_s=self.stall_deadline(),
         )
         if stall is None:

@@ -28,7 +28,8 @@ Two detectors:
   :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time, with a deadline
   ``relearn_factor`` times as lenient meanwhile. Peers that already computed the same step
   are the best evidence of what it costs now: a lenient allowance (warming up, re-learning)
-  never exceeds ``max(hang_factor x their median duration for that step, hang_floor_s)``.
+  never exceeds ``max(hang_factor x the slowest peer's duration of that step,
+  hang_floor_s)``.
   A change larger than ``hang_factor`` that is *not* announced is indistinguishable from a
   hang, by design.
 - **straggler**: a worker whose own compute time (excluding the wait for its peers) stays
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["Detection", "MonitorSettings", "StepMonitor"]
@@ -257,19 +259,24 @@ class StepMonitor:
             return None
         return (now - w.started_at) / self._allowance(worker, w, self._pace())[0]
 
-    def check(self, now: float) -> list[Detection]:
+    def check(self, now: float, known_until: Mapping[int, float] | None = None) -> list[Detection]:
         """New detections since the last call: hangs past their deadline at ``now`` and the
-        stragglers found by the step reports. Each condition is returned once."""
+        stragglers found by the step reports. Each condition is returned once.
+
+        ``known_until`` (worker -> time): the moment up to which that worker's reports have
+        all been fed in (its agent's last read). A worker's step is judged at that moment, not
+        at ``now``: a report still unread in a busy agent's socket is not a hang."""
         found, self._found = self._found, []
         pace = self._pace()
         for worker, w in sorted(self._workers.items()):
             if w.started_at is None or w.step is None or w.hang_reported:
                 continue
+            at = min(now, known_until.get(worker, now)) if known_until else now
             allowance, basis = self._allowance(worker, w, pace)
-            if now >= w.started_at + allowance:
+            if at >= w.started_at + allowance:
                 w.hang_reported = True
                 reason = (
-                    f"worker {worker} step {w.step}: running {now - w.started_at:.2f} s "
+                    f"worker {worker} step {w.step}: running {at - w.started_at:.2f} s "
                     f"> {allowance:.2f} s ({basis})"
                 )
                 found.append(Detection("hang", worker, w.step, reason, now))
@@ -308,12 +315,12 @@ class StepMonitor:
         done = self._durations.get(w.step, {}) if w.step is not None and w.finished >= 1 else {}
         peers = [d for k, d in done.items() if k != worker]
         if peers:
-            took = _median(peers)
+            took = max(peers)  # the slowest peer: a loaded machine slows several at once
             evidence = max(s.hang_factor * took, s.hang_floor_s)
             if evidence < base[0]:
                 return evidence, (
-                    f"peers computed step {w.step} in {took:.3f} s: max({s.hang_factor:g} x "
-                    f"that, floor {s.hang_floor_s:g} s)"
+                    f"peers computed step {w.step} in up to {took:.3f} s: max({s.hang_factor:g} "
+                    f"x that, floor {s.hang_floor_s:g} s)"
                 )
         return base
 
