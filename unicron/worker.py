@@ -420,7 +420,8 @@ class _Runner:
             reduce=self.ctx.reduce,
         )
         if why is not None:
-            self.store.set(usage_key(self.ctx.task), f"--resume {root}: {why}")
+            flag = "--resume" if self.ctx.resume else "--checkpoint-dir"
+            self.store.set(usage_key(self.ctx.task), f"{flag} {root}: {why}")
             raise SystemExit(2)
         self.step, self.has_state = C.restore(parts, self.model, self.optimizer), True
         if self.ckpt is not None:
