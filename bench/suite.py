@@ -7,8 +7,8 @@ median, min and max over its repetitions. The ``error`` scenario is one run per 
 are named per kind (``detection_s[cuda]``). The ``soak`` scenario is a long fault-free Unicron
 run that counts false alarms. A trial that fails is reported as a ``failed`` row
 with its error and the arm is not run again in that scenario; the other arms go on. Module
-scenarios (``floor``, and ``planner`` / ``simulator`` where those modules exist) return
-their own rows from ``run(quick)``.
+scenarios (``floor``, ``reduce``, ``checkpoint``, and ``planner`` / ``simulator`` where those
+modules exist) return their own rows from ``run(quick)``.
 """
 
 from __future__ import annotations
@@ -47,10 +47,11 @@ TRAINING = ("steady", "crash", "error", "hang", "node", "soak")
 MODULES = {
     "floor": "bench.floor",
     "reduce": "bench.reduce",
+    "checkpoint": "bench.checkpoint",
     "planner": "bench.planner",
     "simulator": "bench.simulator",
 }
-ORDER = ("floor", *TRAINING, "reduce", "planner", "simulator")
+ORDER = ("floor", *TRAINING, "reduce", "checkpoint", "planner", "simulator")
 SHOWN = {  # metrics reported per scenario, in this order (the default: faulted scenarios)
     "steady": ("wall_s", "step_time_s", "false_alarms"),
     "soak": ("wall_s", "false_alarms", "epochs", "step_time_s", "step_time_p99_s"),

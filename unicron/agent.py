@@ -98,7 +98,7 @@ class AgentConfig:
     on_lost: str = "recompute"
     threads: int = 1
     checkpoint: Path | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int | str = 0  # steps, or "auto"
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -388,6 +388,8 @@ class Agent:
                 if fields["spec"] in self.fired:
                     return  # a node fault fires in every worker of the node: log it once
                 self.fired.add(fields["spec"])
+            if msg["event"] == "transition_end" and fields.get("state_source") == "checkpoint":
+                fields["steps_redone"] = self.coordinator.steps_redone(fields["step"])
             self.events.emit(msg["event"], **fields)
         elif kind == "epoch":
             c.epoch_entered(slot, msg["epoch"], now)

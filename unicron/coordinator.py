@@ -34,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from unicron.checkpoint import has_checkpoint
 from unicron.classify import Action, Scope, Verdict, classify_detector
 from unicron.escalation import Escalation
 from unicron.events import EventLog
@@ -95,8 +96,11 @@ class CoordinatorSettings:
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""
     checkpoint: Path | None = None
-    """the task's persistent checkpoint: when every replica is gone the task goes on from it
-    (if it exists) instead of failing"""
+    """the directory of the task's persistent checkpoints: when every replica is gone the task
+    goes on from the newest one (if there is one) instead of failing"""
+    committed_before: int | None = 0
+    """steps a previous run of the task committed (``--resume``; ``None``: unknown), from
+    which ``steps_redone`` of a fallback to a checkpoint is counted"""
     heartbeat_timeout_s: float = 2.0
     """a node whose agent has not been heard from for this long is lost (SEV1, excluded)"""
     suspect_after_s: float = 0.5
@@ -884,7 +888,20 @@ class Coordinator:
                 self._probing.add(slot)
 
     def _has_checkpoint(self) -> bool:
-        return self.settings.checkpoint is not None and self.settings.checkpoint.exists()
+        return has_checkpoint(self.settings.checkpoint)
+
+    def committed_steps(self) -> int | None:
+        """Steps committed so far, this run and any run it resumed (``None``: unknown)."""
+        with self._lock:
+            here = max((step + 1 for _, step in self._commits), default=0)
+        before = self.settings.committed_before
+        return None if before is None and not here else max(here, before or 0)
+
+    def steps_redone(self, step: int) -> int | None:
+        """Committed steps a fallback to the checkpoint of ``step`` computes again (the agent
+        adds it to that ``transition_end``); ``None`` when unknown."""
+        committed = self.committed_steps()
+        return None if committed is None else max(committed - step, 0)
 
     def fail(self, reason: str, now: float) -> None:
         """Give the task up: waiting workers exit, the runner exits 1 with ``reason``. Also from

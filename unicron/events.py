@@ -25,6 +25,8 @@ EVENTS = frozenset(
         "transition_end",
         "step_end",
         "task_end",
+        "checkpoint_interval",
+        "checkpoint_saved",
     }
 )
 

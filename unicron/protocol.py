@@ -24,8 +24,11 @@ ENV_FAULTS = "UNICRON_FAULTS"  # --inject specs still to fire in this slot, join
 ENV_REDUCE = "UNICRON_REDUCE"  # exact | fast
 ENV_ON_LOST = "UNICRON_ON_LOST"  # recompute | drop
 ENV_THREADS = "UNICRON_THREADS"
-ENV_CHECKPOINT = "UNICRON_CHECKPOINT"  # path of the persistent checkpoint (last resort)
-ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 0: none
+ENV_CHECKPOINT = "UNICRON_CHECKPOINT"  # directory of the persistent checkpoints (last resort)
+ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 0: none; auto
+ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the auto interval
+ENV_CHECKPOINT_KEEP = "UNICRON_CHECKPOINT_KEEP"  # checkpoints kept; 0: all
+ENV_RESUME = "UNICRON_RESUME"  # "1": the task goes on from the newest checkpoint
 
 # -- messages to the agent -----------------------------------------------------------------
 MESSAGES = frozenset(
@@ -67,6 +70,12 @@ def trained_key(task: str) -> str:
     """Set when the task's first step committed: from then on a freshly built model is not
     the task's state (a worker started later must receive it, or load the checkpoint)."""
     return f"{task}/trained"
+
+
+def usage_key(task: str) -> str:
+    """Set by a worker to a one-line reason when the task's input is unusable (a checkpoint of
+    another model): ``unicron run`` stops everything and exits 2 with it."""
+    return f"{task}/usage"
 
 
 def done_key(task: str) -> str:

@@ -10,17 +10,21 @@ usage (raised as UsageError), 130 interrupted (Ctrl-C or SIGTERM; every process 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from unicron import checkpoint as C
 from unicron.errors import UsageError
 from unicron.inject import Fault, parse
+from unicron.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME, usage_key
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,14 +76,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--checkpoint-every",
-        type=int,
-        default=50,
-        metavar="K",
-        help="rank 0 writes a persistent checkpoint every K steps, read only when no replica "
-        "holds the state any more (default 50; 0: none)",
+        default="auto",
+        metavar="K|auto",
+        help="rank 0 writes a persistent checkpoint (read only when no replica holds the state "
+        "any more) every K steps, or at the Young/Daly interval sqrt(2 x measured cost x MTBF) "
+        "(default auto; 0: none)",
     )
     p.add_argument(
-        "--checkpoint-dir", metavar="DIR", help="where the checkpoint goes (default: the log dir)"
+        "--mtbf",
+        type=float,
+        default=3 * 3600.0,
+        metavar="S",
+        help="expected seconds between failures, refined by the failures seen; sets the auto "
+        "checkpoint interval (default 10800)",
+    )
+    p.add_argument(
+        "--checkpoint-keep",
+        type=int,
+        default=3,
+        metavar="N",
+        help="checkpoints kept on disk, older ones deleted (default 3; 0: all)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where checkpoints go: one directory per step (default: LOG_DIR/checkpoints)",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="go on from the newest valid checkpoint in DIR (new checkpoints go there too)",
     )
     p.add_argument(
         "--readmit-after",
@@ -116,8 +142,7 @@ def validate(args: argparse.Namespace) -> list[Fault]:
     world = args.nnodes * args.nproc_per_node
     if not 1 <= args.min_workers <= world:
         raise UsageError(f"--min-workers must be in 1..{world}, got {args.min_workers}")
-    if args.checkpoint_every < 0:
-        raise UsageError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    _validate_checkpoint_args(args)
     if args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if not args.readmit_after > 0:  # also NaN
@@ -137,6 +162,83 @@ def validate(args: argparse.Namespace) -> list[Fault]:
     return faults
 
 
+def _validate_checkpoint_args(args: argparse.Namespace) -> None:
+    every = args.checkpoint_every
+    if every != "auto" and not (every.isdigit() and int(every) >= 0):
+        raise UsageError(f"--checkpoint-every must be an integer >= 0 or auto, got {every!r}")
+    if not 0 < args.mtbf < float("inf"):
+        raise UsageError(f"--mtbf must be a number of seconds > 0, got {args.mtbf}")
+    if args.checkpoint_keep < 0:
+        raise UsageError(f"--checkpoint-keep must be >= 0, got {args.checkpoint_keep}")
+    if args.resume is not None:
+        other = args.checkpoint_dir and Path(args.checkpoint_dir).resolve()
+        if other and other != Path(args.resume).resolve():
+            raise UsageError("--resume DIR writes new checkpoints into DIR: drop --checkpoint-dir")
+        _check_resume(Path(args.resume), args.reduce)
+    elif args.checkpoint_dir:
+        root = Path(args.checkpoint_dir)
+        found = C.newest(root, check_files=False)
+        if found is not None:
+            raise UsageError(
+                f"--checkpoint-dir {root} already holds checkpoints (newest: step "
+                f"{found[1].step}): pass --resume {root} to go on from them, or another directory"
+            )
+        _check_writable(root, "--checkpoint-dir")
+
+
+def _check_writable(root: Path, flag: str) -> None:
+    existing = next(p for p in (root, *root.resolve().parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {root}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {root}: no permission to write in {existing}")
+
+
+def _check_resume(root: Path, reduce: str) -> None:
+    """``--resume DIR``: a writable directory whose newest valid checkpoint was written in the
+    same reduce mode (the worker checks the model when it loads it)."""
+    if not root.is_dir():
+        raise UsageError(f"--resume {root}: no such directory")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UsageError(f"--resume {root}: no permission to write (new checkpoints go there)")
+    skipped: list[str] = []
+    found = C.newest(root, skipped=skipped)
+    if found is None:
+        why = f"{len(skipped)} checkpoint(s), none valid ({skipped[0]})" if skipped else "empty"
+        raise UsageError(f"--resume {root}: no checkpoint to go on from: {why}")
+    for reason in skipped:  # on stderr before the run starts; the newest valid one is used
+        print(f"unicron: warning: skipping checkpoint: {reason}", file=sys.stderr)
+    manifest = found[1]
+    if manifest.reduce != reduce:
+        raise UsageError(
+            f"--resume {root}: checkpoint step {manifest.step} was written with --reduce "
+            f"{manifest.reduce}; run with --reduce {manifest.reduce}"
+        )
+
+
+def _committed_before(root: Path) -> int | None:
+    """Steps the run being resumed had committed (its progress record, read once), or
+    ``None`` when it did not stop cleanly."""
+    path = root / C.PROGRESS
+    try:
+        committed = int(json.loads(path.read_text(encoding="utf-8"))["committed_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    path.unlink()  # a later resume after a crash of this run must not read a stale count
+    return committed
+
+
+def _record_progress(root: Path | None, coordinator: Any) -> None:
+    """Write how many steps this run committed beside its checkpoints (for ``--resume``)."""
+    committed = coordinator.committed_steps()
+    if root is None or committed is None or not C.has_checkpoint(root):
+        return
+    try:
+        C.write_json_atomic(root / C.PROGRESS, {"committed_steps": committed})
+    except OSError as exc:
+        logging.getLogger("unicron.runner").warning("progress record not written: %s", exc)
+
+
 def main(args: argparse.Namespace) -> int:
     faults = validate(args)
     from rich.console import Console
@@ -154,8 +256,14 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     events = EventLog(args.events)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="unicron-"))
-    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else log_dir
-    checkpoint = ckpt_dir / f"{args.task}-checkpoint.pt" if args.checkpoint_every else None
+    ckpt_dir = Path(args.resume or args.checkpoint_dir or log_dir / "checkpoints")
+    checkpoint = None if args.checkpoint_every == "0" and not args.resume else ckpt_dir
+    committed_before = _committed_before(ckpt_dir) if args.resume else 0
+    ckpt_env = {
+        ENV_CHECKPOINT_MTBF: repr(args.mtbf),
+        ENV_CHECKPOINT_KEEP: str(args.checkpoint_keep),
+        ENV_RESUME: "1" if args.resume else "0",
+    }
     n = args.nproc_per_node
     slots = {s: s // n for s in range(args.nnodes * n)}
     coordinator = Coordinator(
@@ -166,6 +274,7 @@ def main(args: argparse.Namespace) -> int:
         settings=CoordinatorSettings(
             min_workers=args.min_workers,
             checkpoint=checkpoint,
+            committed_before=committed_before,
             readmit_after_s=args.readmit_after,
             give_up_after_s=args.give_up_after,
         ),
@@ -185,6 +294,7 @@ def main(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 checkpoint=checkpoint,
                 checkpoint_every=args.checkpoint_every,
+                env=ckpt_env,
             ),
             coordinator,
             events,
@@ -202,6 +312,10 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     interrupted = False
     t0 = time.time()
+
+    def usage() -> bool:
+        return coordinator.store.check([usage_key(args.task)])
+
     threads = [
         threading.Thread(target=a.run, args=(stop,), name=f"agent{a.node}", daemon=True)
         for a in agents
@@ -211,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
             agent.start()
         for t in threads:
             t.start()
-        while not stop.is_set() and not coordinator.finished():
+        while not stop.is_set() and not coordinator.finished() and not usage():
             coordinator.tick(time.time())  # notices a node whose agent fell silent
             time.sleep(0.05)
         stop.set()
@@ -229,6 +343,11 @@ def main(args: argparse.Namespace) -> int:
             agent.stop()
         if display is not None:
             display.close()
+    _record_progress(checkpoint, coordinator)
+    if usage():  # a worker found the input unusable (a checkpoint of another model)
+        reason = coordinator.store.get(usage_key(args.task)).decode()
+        events.emit("task_end", task=args.task, status="failed", reason=reason)
+        raise UsageError(reason)
     outcome = coordinator.outcome
     interrupted = interrupted or terminated.is_set()
     if interrupted or outcome is None:

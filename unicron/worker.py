@@ -13,13 +13,11 @@ membership changes. The user's model code does not change.
 
 from __future__ import annotations
 
-import copy
 import datetime
 import hashlib
 import io
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unicron import checkpoint as C
 from unicron import ledger as L
 from unicron.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.inject import Fault, parse
@@ -36,17 +35,21 @@ from unicron.link import AgentLink, connect_agent
 from unicron.protocol import (
     ENV_CHECKPOINT,
     ENV_CHECKPOINT_EVERY,
+    ENV_CHECKPOINT_KEEP,
+    ENV_CHECKPOINT_MTBF,
     ENV_FAULTS,
     ENV_INCARNATION,
     ENV_NODE,
     ENV_ON_LOST,
     ENV_REDUCE,
+    ENV_RESUME,
     ENV_SLOT,
     ENV_STORE,
     ENV_TASK,
     EpochInfo,
     done_key,
     trained_key,
+    usage_key,
 )
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -87,9 +90,14 @@ class WorkerContext:
     max_reattempts: int = 2
     """SEV3 errors retried in place per step before the error ends the process"""
     checkpoint: Path | None = None
-    """the persistent checkpoint: written by rank 0, read only when no replica holds state"""
-    checkpoint_every: int = 0
-    """committed steps between two checkpoints (0: never write one)"""
+    """the persistent checkpoints' directory: written by rank 0, read only when no replica
+    holds the state (docs/checkpoint.md)"""
+    checkpoint_every: int | None = 0
+    """committed steps between two checkpoints (0: never write one; None: auto, Young/Daly)"""
+    checkpoint_mtbf_s: float = C.IntervalSettings.mtbf_s
+    checkpoint_keep: int = C.IntervalSettings.keep
+    resume: bool = False
+    """the task goes on from the newest checkpoint (``unicron run --resume``)"""
 
     @classmethod
     def from_env(cls) -> WorkerContext:
@@ -110,9 +118,16 @@ class WorkerContext:
             faults=tuple(parse(s) for s in specs.split(";") if s),
             reduce=os.environ.get(ENV_REDUCE, "exact"),
             checkpoint=Path(os.environ[ENV_CHECKPOINT]) if os.environ.get(ENV_CHECKPOINT) else None,
-            checkpoint_every=int(os.environ.get(ENV_CHECKPOINT_EVERY, "0")),
+            checkpoint_every=_every(os.environ.get(ENV_CHECKPOINT_EVERY, "0")),
+            checkpoint_mtbf_s=float(os.environ.get(ENV_CHECKPOINT_MTBF, cls.checkpoint_mtbf_s)),
+            checkpoint_keep=int(os.environ.get(ENV_CHECKPOINT_KEEP, cls.checkpoint_keep)),
+            resume=os.environ.get(ENV_RESUME) == "1",
             on_lost=os.environ.get(ENV_ON_LOST, "recompute"),
         )
+
+
+def _every(raw: str) -> int | None:
+    return None if raw == "auto" else int(raw)
 
 
 def params_sha256(model: torch.nn.Module) -> str:
@@ -205,7 +220,7 @@ class _Runner:
     fired: set[str] = field(default_factory=set)
     groups: list[EpochGroup] = field(default_factory=list)
     _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
-    _writer: threading.Thread | None = None  # the checkpoint being written
+    ckpt: C.Checkpointer | None = None  # rank 0's checkpoints (every member may become it)
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -222,6 +237,19 @@ class _Runner:
         # a freshly built model is the task's state only until the first step commits (the
         # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self.store.check([trained_key(self.ctx.task)])
+        self.has_state = self.has_state and not self.ctx.resume
+        if self.ctx.checkpoint is not None:
+            every, keep = self.ctx.checkpoint_every, self.ctx.checkpoint_keep
+            settings = C.IntervalSettings(
+                every_steps=every, mtbf_s=self.ctx.checkpoint_mtbf_s, keep=keep
+            )
+            self.ckpt = C.Checkpointer(
+                root=self.ctx.checkpoint,
+                settings=settings,
+                reduce=self.ctx.reduce,
+                ledger=self._ledger_desc(),
+                emit=self._event,
+            )
         self.watch = EpochWatch(self.store, self.ctx.task)
         self.M = self.ledger.num_microbatches
 
@@ -263,8 +291,8 @@ class _Runner:
                 )
             except EpochOver:
                 pass
-        if self._writer is not None:
-            self._writer.join()
+        if self.ckpt is not None:
+            self.ckpt.join()
         group = self.groups[-1]
         sha = params_sha256(self.model)
         if group.rank == 0 and self.out is not None:
@@ -311,6 +339,8 @@ class _Runner:
         self.groups.append(g)
         ABANDONED.append(g)  # an old gloo group with a pending operation blocks its destructor
         g.rendezvous()
+        if info.urgent and self.ckpt is not None:
+            self.ckpt.note_failure()  # the observed failure rate sets the checkpoint interval
         reused, source = self._sync(g)
         if reused and self.ctx.on_lost == "drop":
             self._missing = []  # the control: the interrupted step's global batch shrinks
@@ -376,31 +406,45 @@ class _Runner:
         return self.M - len(self._missing), source
 
     def _load_checkpoint(self) -> None:
-        path = self.ctx.checkpoint
-        if path is None or not path.exists():
+        """Every replica is gone: go on from the newest valid checkpoint (a checkpoint of
+        another model, data layout or reduce mode stops the task: exit 2)."""
+        root = self.ctx.checkpoint
+        found = C.load_newest(root) if root is not None else None
+        if found is None:
             raise RuntimeError("no member of the epoch holds the model state and no checkpoint")
-        state = torch.load(path, weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
-        self.step, self.has_state = int(state["step"]), True
+        manifest, parts = found
+        why = C.mismatch(
+            manifest,
+            model=C.describe_model(self.model.state_dict()),
+            ledger=self._ledger_desc(),
+            reduce=self.ctx.reduce,
+        )
+        if why is not None:
+            flag = "--resume" if self.ctx.resume else "--checkpoint-dir"
+            self.store.set(usage_key(self.ctx.task), f"{flag} {root}: {why}")
+            raise SystemExit(2)
+        self.step, self.has_state = C.restore(parts, self.model, self.optimizer), True
+        if self.ckpt is not None:
+            self.ckpt.last_step = self.step  # no need to write what was just read
         self.acc.zero_()
         self.done.clear()
 
-    def _maybe_checkpoint(self, rank: int) -> None:
-        """Rank 0 writes the committed state every ``checkpoint_every`` steps, atomically and
-        off the training thread (a copy is taken first; the previous write is awaited)."""
-        every, path = self.ctx.checkpoint_every, self.ctx.checkpoint
-        if rank != 0 or not every or path is None or self.step % every:
-            return
-        if self._writer is not None:
-            self._writer.join()
-        state = {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optim": copy.deepcopy(self.optimizer.state_dict()),
-            "step": self.step,
+    def _ledger_desc(self) -> dict[str, int]:
+        lg = self.ledger
+        return {
+            "dataset_len": lg.dataset_len,
+            "micro_batch_size": lg.micro_batch_size,
+            "num_microbatches": lg.num_microbatches,
+            "seed": lg.seed,
         }
-        self._writer = threading.Thread(target=save_atomic, args=(state, path), daemon=True)
-        self._writer.start()
+
+    def _maybe_checkpoint(self, rank: int) -> None:
+        """Rank 0 checkpoints the committed state when the interval says so: the copy is
+        taken here, at the step boundary; the write runs in the background."""
+        if rank != 0 or self.ckpt is None:
+            return
+        world, now = self.groups[-1].world, time.time()
+        self.ckpt.at_boundary(self.model, self.optimizer, step=self.step, world=world, now=now)
 
     def _broadcast_state(self, g: EpochGroup, src: int, *, receive: bool, step: int) -> None:
         if not receive and g.rank == src:

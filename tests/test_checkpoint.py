@@ -1,0 +1,212 @@
+"""Durable checkpoints, unit level: atomic under kill -9, checksummed, pruned; the interval.
+
+The writer runs in forked children that are SIGKILLed at random moments; afterwards every
+checkpoint directory that exists is complete and the newest loads to exactly what was saved.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from unicron import checkpoint as C
+
+pytestmark = pytest.mark.timeout(120)
+
+LEDGER = {"dataset_len": 100, "micro_batch_size": 4, "num_microbatches": 8, "seed": 0}
+N = 1 << 18  # 1 MiB of float32 per tensor: a write takes long enough to be interrupted
+
+
+def _parts(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    model = {"w": torch.rand(N, generator=g), "b": torch.full((7,), float(step))}
+    return {
+        "model": model,
+        "optim": {"state": {0: {"exp_avg": torch.rand(N, generator=g)}}, "param_groups": []},
+        "train": {"step": step, "ledger": LEDGER},
+    }
+
+
+def _write(root: Path, step: int, keep: int = 0) -> Path:
+    parts = _parts(step)
+    return C.write(
+        root, parts, step=step, world=2, reduce="exact", model=C.describe_model(parts["model"]),
+        ledger=LEDGER, keep=keep, now=time.time(),
+    )  # fmt: skip
+
+
+def _writer_loop(root: str, first: int) -> None:
+    torch.set_num_threads(1)
+    step = first
+    while True:
+        _write(Path(root), step, keep=2)
+        step += 1
+
+
+def _assert_equal(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b) and a.dtype == b.dtype
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_equal(a[k], b[k])
+    else:
+        assert a == b
+
+
+def test_kill_9_of_the_writer_never_leaves_a_broken_checkpoint(tmp_path: Path) -> None:
+    ctx = mp.get_context("fork")
+    rng = random.Random(14)
+    root, first, loaded = tmp_path / "ck", 0, 0
+    for _ in range(24):
+        p = ctx.Process(target=_writer_loop, args=(str(root), first), daemon=True)
+        p.start()
+        time.sleep(rng.uniform(0.0, 0.25))
+        assert p.pid is not None
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        # every checkpoint directory is whole: a kill leaves at most a temporary directory
+        for path in C.steps(root):
+            C.verify(path)
+        found = C.load_newest(root)
+        if found is not None:
+            manifest, parts = found
+            _assert_equal(parts, _parts(manifest.step))
+            first, loaded = manifest.step + 1, loaded + 1
+    assert loaded >= 10, f"only {loaded} of 24 trials had a checkpoint to load"
+    # the next writer removes what dead writers left
+    _write(root, first)
+    assert not list(root.glob(f"{C.TMP_PREFIX}*"))
+
+
+def test_a_flipped_byte_is_detected_and_the_previous_checkpoint_used(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ck"
+    _write(root, 5)
+    bad = _write(root, 10)
+    data = bytearray((bad / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (bad / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(C.CheckpointError, match=r"model\.pt fails its SHA-256"):
+        C.verify(bad)
+    with caplog.at_level(logging.WARNING, logger="unicron.checkpoint"):
+        found = C.newest(root)
+        loaded = C.load_newest(root)
+    assert found is not None and found[1].step == 5
+    assert loaded is not None and loaded[0].step == 5
+    _assert_equal(loaded[1], _parts(5))
+    assert "skipping checkpoint" in caplog.text and "step-000000010" in caplog.text
+
+
+def test_a_truncated_file_or_missing_manifest_is_skipped(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    _write(root, 1)
+    p2, p3 = _write(root, 2), _write(root, 3)
+    (p3 / C.MANIFEST).unlink()
+    with open(p2 / "optim.pt", "r+b") as f:
+        f.truncate(100)
+    found = C.newest(root)
+    assert found is not None and found[1].step == 1
+
+
+def test_retention_keeps_the_newest(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    for step in (2, 4, 6, 8):
+        _write(root, step, keep=2)
+    assert [p.name for p in C.steps(root)] == ["step-000000006", "step-000000008"]
+    manifest = C.verify(C.step_dir(root, 8))
+    assert manifest.step == 8 and manifest.world == 2 and manifest.reduce == "exact"
+    assert set(manifest.files) == {"model.pt", "optim.pt", "train.pt"}
+    assert manifest.model == {"w": [[N], "float32"], "b": [[7], "float32"]}
+
+
+def test_mismatch_names_the_model_layout_or_reduce_mode(tmp_path: Path) -> None:
+    m = C.verify(_write(tmp_path, 3))
+    same = {"model": m.model, "ledger": LEDGER, "reduce": "exact"}
+    assert C.mismatch(m, **same) is None  # type: ignore[arg-type]
+    assert "--reduce exact" in str(C.mismatch(m, **{**same, "reduce": "fast"}))  # type: ignore[arg-type]
+    other = {"w": [[N + 1], "float32"], "b": [[7], "float32"]}
+    assert "another model" in str(C.mismatch(m, **{**same, "model": other}))  # type: ignore[arg-type]
+    layout = {**LEDGER, "micro_batch_size": 2}
+    assert "data layout" in str(C.mismatch(m, **{**same, "ledger": layout}))  # type: ignore[arg-type]
+
+
+# -- the interval ------------------------------------------------------------------------------
+def test_young_daly_and_the_failure_rate() -> None:
+    assert C.young_daly_s(2.0, 3600.0) == pytest.approx(120.0)
+    # the prior counts as one failure over its MTBF; observed failures pull it down
+    assert C.mtbf_estimate_s(prior_mtbf_s=3600.0, elapsed_s=0.0, failures=0) == 3600.0
+    assert C.mtbf_estimate_s(prior_mtbf_s=3600.0, elapsed_s=3600.0, failures=3) == 1800.0
+    s = C.IntervalSettings(mtbf_s=3600.0)
+    calm = C.choose_interval(s, cost_s=2.0, write_s=1.0, elapsed_s=0.0, failures=0)
+    stormy = C.choose_interval(s, cost_s=2.0, write_s=1.0, elapsed_s=3600.0, failures=3)
+    assert calm.seconds == pytest.approx(120.0) and "Young/Daly" in calm.reason
+    assert stormy.seconds == pytest.approx(math.sqrt(2 * 2.0 * 1800.0))
+    # never more often than a write takes
+    slow = C.choose_interval(s, cost_s=0.001, write_s=30.0, elapsed_s=0.0, failures=0)
+    assert slow.seconds == 30.0 and "write time" in slow.reason
+    first = C.choose_interval(s, cost_s=None, write_s=None, elapsed_s=0.0, failures=0)
+    assert first.seconds == math.inf and "measured" in first.reason
+    fixed = C.choose_interval(
+        C.IntervalSettings(every_steps=5), cost_s=2.0, write_s=1.0, elapsed_s=0.0, failures=9
+    )
+    assert fixed.steps == 5 and fixed.seconds is None and "fixed" in fixed.reason
+
+
+@pytest.mark.parametrize(
+    "kw", [{"every_steps": -1}, {"mtbf_s": 0.0}, {"mtbf_s": math.inf}, {"keep": -1}]
+)
+def test_interval_settings_are_validated(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        C.IntervalSettings(**kw)
+
+
+def test_the_checkpointer_writes_at_its_interval_and_logs_why(tmp_path: Path) -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = C.Checkpointer(
+        root=tmp_path, settings=C.IntervalSettings(mtbf_s=100.0), reduce="fast", ledger=LEDGER,
+        emit=lambda e, **f: events.append((e, f)), started=0.0,
+    )  # fmt: skip
+    ck.at_boundary(model, opt, step=1, world=3, now=1.0)  # measures the copy, writes nothing
+    assert ck.cost_s is not None and not C.steps(tmp_path)
+    interval = math.sqrt(2 * ck.cost_s * 101.0)
+    ck.at_boundary(model, opt, step=2, world=3, now=1.0 + interval * 0.5)
+    assert not C.steps(tmp_path)
+    ck.at_boundary(model, opt, step=3, world=3, now=1.0 + interval * 1.01)
+    ck.join()
+    assert [p.name for p in C.steps(tmp_path)] == ["step-000000003"]
+    names = [e for e, _ in events]
+    assert names[:2] == ["checkpoint_interval", "checkpoint_saved"], names
+    assert "Young/Daly" in events[0][1]["reason"]
+    assert events[1][1]["ok"] and events[1][1]["step"] == 3 and events[1][1]["write_s"] > 0
+    manifest, parts = C.load(C.step_dir(tmp_path, 3))
+    assert manifest.world == 3 and manifest.reduce == "fast"
+    fresh = torch.nn.Linear(3, 2)
+    assert C.restore(parts, fresh, torch.optim.AdamW(fresh.parameters())) == 3
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_fixed_interval_writes_every_k_steps(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = C.Checkpointer(
+        root=tmp_path, settings=C.IntervalSettings(every_steps=2, keep=0), reduce="exact",
+        ledger=LEDGER, emit=lambda e, **f: None,
+    )  # fmt: skip
+    for step in range(1, 6):
+        ck.at_boundary(model, opt, step=step, world=1, now=float(step))
+    ck.join()
+    assert [p.name for p in C.steps(tmp_path)] == ["step-000000002", "step-000000004"]

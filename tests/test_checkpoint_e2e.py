@@ -1,0 +1,206 @@
+"""Durable checkpoints end to end: the last tier of the nearest principle never loses work.
+
+Every replica killed at once: the task goes on from the newest checkpoint and ends with the
+bits of a run without faults. ``unicron run`` stopped (SIGTERM) and resumed with ``--resume``
+at another world size: the same bits again. Bad ``--resume`` input: one line, exit 2, nothing
+in the directory changed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, TRAIN, RunResult, run_unicron
+from unicron import checkpoint as C
+from unicron.events import read_events
+
+pytestmark = pytest.mark.timeout(180)
+
+STEPS = 20
+SMALL = ("--microbatches", "4")  # half the example's global batch: a faster test
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    d = tmp_path_factory.mktemp("clean")
+    r = run_unicron(
+        d, "--nproc-per-node", "2", "--checkpoint-every", "0", steps=STEPS, script_args=SMALL
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_every_replica_killed_resumes_from_the_checkpoint_bitwise(
+    clean: RunResult, run: Any
+) -> None:
+    faults = ("--inject", "crash:rank=0,step=12", "--inject", "crash:rank=1,step=12")
+    r = run(
+        "--nproc-per-node", "2", "--checkpoint-every", "5", *faults, steps=STEPS, script_args=SMALL
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    back = [e for e in r.of("transition_end") if e["state_source"] == "checkpoint"]
+    assert [(e["step"], e["steps_redone"]) for e in back] == [(10, 2)]
+    saved = [e["step"] for e in r.of("checkpoint_saved") if e["ok"]]
+    assert {5, 10, 15, 20} <= set(saved)
+    assert sorted({e["step"] for e in r.of("step_end")}) == list(range(STEPS))
+    root = r.out.parent / "logs" / "checkpoints"
+    assert len(C.steps(root)) == 3  # --checkpoint-keep 3
+    interval = r.of("checkpoint_interval")[0]
+    assert interval["interval_steps"] == 5 and "fixed" in interval["reason"]
+
+
+def test_resume_after_a_full_stop_is_bitwise_identical(clean: RunResult, tmp_path: Path) -> None:
+    first, ck = tmp_path / "first", tmp_path / "ck"
+    first.mkdir()
+    events = first / "events.jsonl"
+    cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", "2", "--quiet",
+           "--events", str(events), "--log-dir", str(first / "logs"), "--checkpoint-dir",
+           str(ck), "--checkpoint-every", "4", str(TRAIN), "--steps", str(STEPS),
+           *SMALL]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=first, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            steps = [e["step"] for e in _events(events) if e["event"] == "step_end"]
+            if steps and max(steps) >= 9:
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr[-3000:]
+    committed = max(e["step"] for e in _events(events) if e["event"] == "step_end") + 1
+    assert committed < STEPS, "the run finished before it was stopped"
+
+    second = tmp_path / "second"
+    second.mkdir()
+    r = run_unicron(
+        second, "--nproc-per-node", "3", "--resume", str(ck), steps=STEPS, script_args=SMALL
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    state = torch.load(r.out / "final.pt", weights_only=True)
+    ref = torch.load(clean.out / "final.pt", weights_only=True)
+    assert all(torch.equal(state[k], ref[k]) for k in ref)
+    start = r.of("transition_end")[0]
+    assert start["state_source"] == "checkpoint" and start["step"] % 4 == 0
+    assert start["steps_redone"] == committed - start["step"]
+    assert min(e["step"] for e in r.of("step_end")) == start["step"]
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    try:
+        return read_events(path)
+    except (OSError, ValueError):  # not there yet, or a line being written
+        return []
+
+
+def _unicron(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "unicron", "run", "--log-dir", str(tmp / "logs"), *args,
+         str(TRAIN), "--steps", "5"],
+        capture_output=True, text=True, timeout=120, cwd=tmp,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
+def _checkpoint(root: Path, *, reduce: str = "exact", model: dict[str, Any] | None = None) -> None:
+    parts = {"model": {"w": torch.zeros(3)}, "optim": {}, "train": {"step": 4}}
+    C.write(
+        root, parts, step=4, world=2, reduce=reduce, now=0.0,
+        model=model or C.describe_model(parts["model"]), ledger={"seed": 0},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "corrupt", "reduce", "taken"])
+def test_bad_resume_input_is_one_line_exit_2_and_nothing_overwritten(
+    case: str, tmp_path: Path
+) -> None:
+    ck = tmp_path / "ck"
+    args = ["--resume", str(ck)]
+    if case != "missing":
+        ck.mkdir()
+    if case in ("reduce", "taken", "corrupt"):
+        _checkpoint(ck, reduce="fast" if case == "reduce" else "exact")
+    if case == "corrupt":
+        (C.step_dir(ck, 4) / "model.pt").write_bytes(b"not a checkpoint")
+    if case == "taken":  # a directory of checkpoints given as a fresh run's --checkpoint-dir
+        args = ["--checkpoint-dir", str(ck)]
+    before = _tree(ck) if ck.exists() else None
+    p = _unicron(tmp_path, *args)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unicron: error:"), p.stderr
+    expected = {"missing": "no such directory", "empty": "empty", "corrupt": "none valid",
+                "reduce": "--reduce fast", "taken": "--resume"}[case]  # fmt: skip
+    assert expected in lines[0], lines[0]
+    assert (_tree(ck) if ck.exists() else None) == before
+    assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["--checkpoint-every", "x"], "--checkpoint-every"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every"),
+        (["--mtbf", "0"], "--mtbf"),
+        (["--checkpoint-keep", "-1"], "--checkpoint-keep"),
+        (["--resume", "a", "--checkpoint-dir", "b"], "--checkpoint-dir"),
+    ],
+)
+def test_bad_checkpoint_options_are_one_line_exit_2(
+    args: list[str], names: str, tmp_path: Path
+) -> None:
+    (tmp_path / "a").mkdir()
+    p = _unicron(tmp_path, *args)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert names in p.stderr
+
+
+def test_a_directory_without_write_permission_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unicron.errors import UsageError
+    from unicron.runner import _check_resume
+
+    ck = tmp_path / "ck"
+    _checkpoint(ck)
+    if os.geteuid() != 0:  # root may write anywhere: then only the check itself is exercised
+        ck.chmod(0o555)
+    else:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, m: False if Path(p) == ck else real(p, m))
+    try:
+        with pytest.raises(UsageError, match="no permission to write"):
+            _check_resume(ck, "exact")
+    finally:
+        ck.chmod(0o755)
+
+
+def test_a_checkpoint_of_another_model_stops_the_run_with_exit_2(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    _checkpoint(ck)
+    before = _tree(ck)
+    p = _unicron(tmp_path, "--nproc-per-node", "2", "--resume", str(ck))
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("unicron: error:")]
+    assert len(errors) == 1 and "another model" in errors[0], p.stderr[-2000:]
+    assert _tree(ck) == before

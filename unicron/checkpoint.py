@@ -1,0 +1,575 @@
+"""Durable checkpoints: the last tier of the nearest principle (docs/checkpoint.md).
+
+A checkpoint is a directory per committed step, ``ROOT/step-000000120/``, holding state dicts
+written with ``torch.save`` (``model.pt``, ``optim.pt``, ``train.pt``: the committed step, the
+ledger's parameters and the RNG states) and ``manifest.json`` (step, world, reduce mode, a
+description of the model, and each file's size and SHA-256). It is written under a temporary
+name (``.tmp-step-...-PID``), every file and the directory are fsynced, then it is renamed into
+place and the root is fsynced: a reader sees a whole checkpoint or none. A checkpoint whose
+files do not match its manifest is skipped with a warning and the previous one is used.
+
+The state is the full (data-parallel) state, so a checkpoint written by W workers loads at
+any other world size. Three parts, who calls them:
+
+- storage (:func:`write`, :func:`newest`, :func:`load`, :func:`prune`): the worker's writer
+  thread, the runner's ``--resume`` checks, the coordinator (:func:`has_checkpoint`);
+- the interval policy (:func:`choose_interval`): pure, ``now`` and rates passed in;
+- :class:`Checkpointer`: rank 0 of each epoch, at every step boundary (``due`` then ``save``:
+  the copy is taken on the training thread, the write happens on a background thread).
+
+torch is imported where it is used, so that ``unicron run`` checks ``--resume`` input without
+paying for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("unicron.checkpoint")
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+PREFIX = "step-"
+TMP_PREFIX = ".tmp-"
+PROGRESS = "progress.json"
+"""written by ``unicron run`` when it stops: how many steps the run had committed, so a
+``--resume`` can say how many steps it redoes"""
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message is one line saying why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What a checkpoint directory holds (``manifest.json``)."""
+
+    step: int
+    """committed steps in this state: training goes on with step ``step``"""
+    world: int
+    """replicas of the epoch that wrote it (any world size can load it)"""
+    reduce: str
+    """``exact`` or ``fast``: a run goes on only in the mode that wrote it"""
+    model: dict[str, list[Any]]
+    """the model's state_dict: name -> [shape, dtype]"""
+    ledger: dict[str, int]
+    """the micro-batch ledger's parameters (with ``step``: the data position)"""
+    files: dict[str, dict[str, Any]]
+    """file name -> {"size": bytes, "sha256": hex}"""
+    created_ts: float
+    format: int = FORMAT
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: str) -> Manifest:
+        d = json.loads(raw)
+        if d.get("format") != FORMAT:
+            raise CheckpointError(f"manifest format {d.get('format')!r}, expected {FORMAT}")
+        return cls(**d)
+
+    def nbytes(self) -> int:
+        return sum(int(f["size"]) for f in self.files.values())
+
+
+def describe_model(state: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
+    """The model description kept in a manifest: each state_dict entry's shape and dtype."""
+    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in state.items()}
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"{PREFIX}{step:09d}"
+
+
+# -- writing ---------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """A small JSON file through a temporary name, fsynced, renamed (the progress record)."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
+    _write_file(tmp, json.dumps(obj).encode())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write(
+    root: Path,
+    parts: Mapping[str, Any],
+    *,
+    step: int,
+    world: int,
+    reduce: str,
+    model: dict[str, list[Any]],
+    ledger: dict[str, int],
+    keep: int = 0,
+    now: float,
+) -> Path:
+    """Write ``parts`` (file stem -> object for ``torch.save``) as the checkpoint of ``step``.
+
+    Temporary directory, each file and the manifest fsynced, the directory fsynced, renamed,
+    the root fsynced; then ``keep`` > 0 prunes all but the newest ``keep``. If a valid
+    checkpoint of ``step`` already exists (a step redone after a fallback) it is kept.
+    """
+    import torch
+
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale(root)
+    final = step_dir(root, step)
+    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}-{threading.get_ident()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    files: dict[str, dict[str, Any]] = {}
+    for stem, obj in parts.items():
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = buf.getvalue()
+        name = f"{stem}.pt"
+        _write_file(tmp / name, data)
+        files[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = Manifest(
+        step=step, world=world, reduce=reduce, model=model, ledger=ledger, files=files,
+        created_ts=now,
+    )  # fmt: skip
+    _write_file(tmp / MANIFEST, manifest.to_json().encode())
+    _fsync_dir(tmp)
+    if final.exists():
+        try:
+            verify(final)
+            shutil.rmtree(tmp)  # the same committed step: the same bits
+            return final
+        except CheckpointError:
+            _discard(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    if keep > 0:
+        prune(root, keep)
+    return final
+
+
+def remove_stale(root: Path) -> None:
+    """Remove temporary directories left by writers that died (their pid is gone)."""
+    for p in root.glob(f"{TMP_PREFIX}{PREFIX}*"):
+        try:
+            pid = int(p.name.rsplit("-", 2)[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints (complete ones: with a manifest);
+    returns what was deleted. Called by :func:`write` after each new checkpoint."""
+    assert keep > 0
+    complete = [p for p in steps(root) if (p / MANIFEST).exists()]
+    gone = complete[:-keep]
+    for p in gone:
+        _discard(p)
+    return gone
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory: renamed out of the way first (a kill while its files
+    are being deleted must not leave a step directory without its manifest)."""
+    trash = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}-del")
+    shutil.rmtree(trash, ignore_errors=True)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:  # another writer discarded it first
+        return
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# -- reading ---------------------------------------------------------------------------------
+def steps(root: Path) -> list[Path]:
+    """Checkpoint directories under ``root``, oldest first (by step)."""
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and p.is_dir():
+            found.append((int(p.name[len(PREFIX) :]), p))
+    return [p for _, p in sorted(found)]
+
+
+def read_manifest(path: Path) -> Manifest:
+    try:
+        raw = (path / MANIFEST).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: no readable {MANIFEST} ({exc.strerror})") from exc
+    try:
+        manifest = Manifest.from_json(raw)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path}: {MANIFEST} is not a manifest ({exc})") from exc
+    if step_dir(path.parent, manifest.step).name != path.name:
+        raise CheckpointError(f"{path}: manifest says step {manifest.step}")
+    return manifest
+
+
+def _read_checked(path: Path, name: str, expect: Mapping[str, Any]) -> bytes:
+    try:
+        data = (path / name).read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {name} unreadable ({exc.strerror})") from exc
+    if len(data) != expect["size"]:
+        raise CheckpointError(f"{path}: {name} has {len(data)} bytes, manifest {expect['size']}")
+    if hashlib.sha256(data).hexdigest() != expect["sha256"]:
+        raise CheckpointError(f"{path}: {name} fails its SHA-256 checksum")
+    return data
+
+
+def verify(path: Path) -> Manifest:
+    """The manifest of ``path`` if every file matches its size and checksum, else raise
+    :class:`CheckpointError` with the reason."""
+    manifest = read_manifest(path)
+    for name, expect in manifest.files.items():
+        _read_checked(path, name, expect)
+    return manifest
+
+
+def newest(
+    root: Path, *, check_files: bool = True, skipped: list[str] | None = None
+) -> tuple[Path, Manifest] | None:
+    """The newest checkpoint under ``root`` that passes :func:`verify` (only the manifest
+    with ``check_files=False``); each one that fails is skipped with a warning (or, given
+    ``skipped``, its reason appended there)."""
+    for path in reversed(steps(root)):
+        try:
+            manifest = verify(path) if check_files else read_manifest(path)
+        except CheckpointError as exc:
+            if skipped is None:
+                log.warning("skipping checkpoint: %s", exc)
+            else:
+                skipped.append(str(exc))
+            continue
+        return path, manifest
+    return None
+
+
+def has_checkpoint(root: Path | None) -> bool:
+    """Whether ``root`` holds a complete checkpoint (manifest present; cheap: the coordinator
+    asks it when deciding whether a task can outlive its last replica)."""
+    return root is not None and any((p / MANIFEST).exists() for p in steps(root))
+
+
+def load(path: Path) -> tuple[Manifest, dict[str, Any]]:
+    """Read a checkpoint, checking each file's bytes against the manifest as it is read;
+    returns the manifest and file stem -> loaded object."""
+    import torch
+
+    manifest = read_manifest(path)
+    parts = {}
+    for name, expect in manifest.files.items():
+        data = _read_checked(path, name, expect)
+        parts[name.removesuffix(".pt")] = torch.load(io.BytesIO(data), weights_only=True)
+    return manifest, parts
+
+
+def load_newest(root: Path) -> tuple[Manifest, dict[str, Any]] | None:
+    """The newest checkpoint under ``root`` that reads back whole (each one that does not is
+    skipped with a warning), or ``None``. Called by a worker when no replica holds the state."""
+    for path in reversed(steps(root)):
+        try:
+            return load(path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+    return None
+
+
+def mismatch(
+    manifest: Manifest, *, model: dict[str, list[Any]], ledger: dict[str, int], reduce: str
+) -> str | None:
+    """Why a run cannot go on from ``manifest`` (another model, data layout or reduce mode),
+    or ``None``. One line."""
+    if manifest.reduce != reduce:
+        return f"checkpoint step {manifest.step} was written with --reduce {manifest.reduce}"
+    if manifest.model != model:
+        names = sorted(set(manifest.model) ^ set(model))
+        diff = [k for k in model if k in manifest.model and manifest.model[k] != model[k]]
+        what = f"entries {names[:3]}" if names else f"{diff[:1]} {manifest.model[diff[0]]}"
+        return f"checkpoint step {manifest.step} holds another model ({what} differ)"
+    if manifest.ledger != ledger:
+        return f"checkpoint step {manifest.step} has another data layout: {manifest.ledger}"
+    return None
+
+
+# -- the interval (pure) -----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class IntervalSettings:
+    """How often rank 0 writes a checkpoint."""
+
+    every_steps: int | None = None
+    """a fixed interval in committed steps; ``None``: Young/Daly from the measured cost and
+    the failure rate (the default); 0: never"""
+    mtbf_s: float = 3 * 3600.0
+    """the configured mean time between failures of the task: the prior that the observed
+    failures refine (``--mtbf``)"""
+    keep: int = 3
+    """checkpoints kept on disk (older ones are pruned); 0: all"""
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps < 0:
+            raise ValueError(f"every_steps must be >= 0 or None, got {self.every_steps}")
+        if not self.mtbf_s > 0 or math.isinf(self.mtbf_s):
+            raise ValueError(f"mtbf_s must be a finite number > 0, got {self.mtbf_s}")
+        if self.keep < 0:
+            raise ValueError(f"keep must be >= 0, got {self.keep}")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The chosen interval: in seconds of training (auto) or in steps (fixed), and why."""
+
+    seconds: float | None
+    steps: int | None
+    reason: str
+
+
+def young_daly_s(cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum, sqrt(2 x cost x MTBF), which Daly's refinement keeps as its
+    leading term: the interval that minimises checkpoint cost plus expected lost work."""
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def mtbf_estimate_s(*, prior_mtbf_s: float, elapsed_s: float, failures: int) -> float:
+    """The failure rate's estimate: the configured MTBF counts as one failure observed over
+    ``prior_mtbf_s`` (a Gamma prior), to which this run's failures and time are added."""
+    return (prior_mtbf_s + max(elapsed_s, 0.0)) / (failures + 1)
+
+
+def choose_interval(
+    settings: IntervalSettings,
+    *,
+    cost_s: float | None,
+    write_s: float | None,
+    elapsed_s: float,
+    failures: int,
+) -> Interval:
+    """The interval to use now. ``cost_s``: the measured step-time cost of one checkpoint
+    (the copy on the training thread plus any wait for the previous write), ``write_s``: the
+    measured background write time; ``None`` before the first checkpoint."""
+    if settings.every_steps is not None:
+        what = "never" if settings.every_steps == 0 else f"every {settings.every_steps} steps"
+        return Interval(None, settings.every_steps, f"fixed: {what} (--checkpoint-every)")
+    if cost_s is None:
+        return Interval(math.inf, None, "auto: the copy cost is measured at a step boundary")
+    mtbf = mtbf_estimate_s(prior_mtbf_s=settings.mtbf_s, elapsed_s=elapsed_s, failures=failures)
+    yd = young_daly_s(max(cost_s, 1e-6), mtbf)
+    why = (
+        f"auto: Young/Daly sqrt(2 x cost {cost_s:.4f} s x MTBF {mtbf:.0f} s) = {yd:.1f} s "
+        f"(MTBF: prior {settings.mtbf_s:.0f} s, {failures} failure(s) in {elapsed_s:.0f} s)"
+    )
+    if write_s is not None and write_s > yd:
+        return Interval(write_s, None, why + f"; raised to the write time {write_s:.2f} s")
+    return Interval(yd, None, why)
+
+
+# -- rank 0's writer --------------------------------------------------------------------------
+@dataclass
+class Snapshot:
+    """A copy of the committed state, taken at a step boundary (independent of later steps)."""
+
+    step: int
+    parts: dict[str, Any]
+    model: dict[str, list[Any]]
+
+
+def snapshot(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int, ledger: dict[str, int]
+) -> Snapshot:
+    """Copy everything needed to continue exactly: model, optimizer, committed step, ledger
+    position and RNG states."""
+    import torch
+
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    train = {
+        "step": step,
+        "ledger": dict(ledger),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+    parts = {"model": state, "optim": copy.deepcopy(optimizer.state_dict()), "train": train}
+    return Snapshot(step=step, parts=parts, model=describe_model(state))
+
+
+def restore(
+    parts: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    """Load a checkpoint's parts into ``model`` and ``optimizer`` and the RNGs; the step."""
+    import torch
+
+    model.load_state_dict(parts["model"])
+    optimizer.load_state_dict(parts["optim"])
+    rng = parts["train"]["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    return int(parts["train"]["step"])
+
+
+@dataclass(kw_only=True)
+class Checkpointer:
+    """Rank 0's checkpoints: decides at each step boundary (:meth:`due`), copies the state on
+    the training thread and writes it on a background thread (:meth:`save`); one write at a
+    time. ``emit(event, **fields)`` goes to the event log (``checkpoint_interval``,
+    ``checkpoint_saved``); it may be called from the writer thread."""
+
+    root: Path
+    settings: IntervalSettings
+    reduce: str
+    ledger: dict[str, int]
+    emit: Callable[..., None]
+    started: float = field(default_factory=time.time)
+    failures: int = 0
+    cost_s: float | None = None
+    write_s: float | None = None
+    last_step: int = -1
+    last_ts: float = 0.0
+    interval: Interval | None = None
+    _writer: threading.Thread | None = None
+
+    def note_failure(self) -> None:
+        """A member was lost (an urgent epoch): the observed failure rate goes up."""
+        self.failures += 1
+
+    def at_boundary(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: int,
+        world: int,
+        now: float,
+    ) -> None:
+        """Called by rank 0 right after each commit (``step`` steps committed): checkpoint if
+        the interval says so. With the automatic interval the first call only measures the
+        cost (a copy, discarded), so the first checkpoint comes one interval later."""
+        if self.settings.every_steps is None and self.cost_s is None:
+            t0 = time.perf_counter()
+            snapshot(model, optimizer, step=step, ledger=self.ledger)
+            self.cost_s, self.last_ts = time.perf_counter() - t0, now
+            self._update_interval(now)
+        elif self.due(step, now):
+            self.save(model, optimizer, step=step, world=world, now=now)
+
+    def due(self, step: int, now: float) -> bool:
+        """Whether the state committed at ``step`` should be checkpointed."""
+        if step <= self.last_step:
+            return False
+        self._update_interval(now)
+        assert self.interval is not None
+        if self.interval.steps is not None:
+            return self.interval.steps > 0 and step % self.interval.steps == 0
+        assert self.interval.seconds is not None
+        return now - self.last_ts >= self.interval.seconds
+
+    def _update_interval(self, now: float) -> None:
+        new = choose_interval(
+            self.settings,
+            cost_s=self.cost_s,
+            write_s=self.write_s,
+            elapsed_s=now - self.started,
+            failures=self.failures,
+        )
+        if _differs(self.interval, new):
+            self.interval = new
+            self.emit(
+                "checkpoint_interval",
+                interval_s=None if new.seconds is None else round(new.seconds, 3),
+                interval_steps=new.steps,
+                cost_s=None if self.cost_s is None else round(self.cost_s, 6),
+                failures=self.failures,
+                reason=new.reason,
+            )
+
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
+             world: int, now: float) -> None:  # fmt: skip
+        """Copy the committed state now (the step-time cost, measured), write it in the
+        background. Called by rank 0 right after step ``step - 1`` committed."""
+        t0 = time.perf_counter()
+        if self._writer is not None:
+            self._writer.join()
+        snap = snapshot(model, optimizer, step=step, ledger=self.ledger)
+        self.cost_s = time.perf_counter() - t0
+        self.last_step, self.last_ts = step, now
+        self._writer = threading.Thread(
+            target=self._write, args=(snap, world, self.cost_s), daemon=True, name="checkpoint"
+        )
+        self._writer.start()
+
+    def _write(self, snap: Snapshot, world: int, cost_s: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = write(
+                self.root, snap.parts, step=snap.step, world=world, reduce=self.reduce,
+                model=snap.model, ledger=self.ledger, keep=self.settings.keep, now=time.time(),
+            )  # fmt: skip
+        except Exception as exc:  # a failed write must not end training: report it
+            log.warning("checkpoint of step %d not written: %s", snap.step, exc)
+            self.emit("checkpoint_saved", step=snap.step, ok=False, error=str(exc)[:300])
+            return
+        self.write_s = time.perf_counter() - t0
+        self.emit(
+            "checkpoint_saved",
+            step=snap.step,
+            ok=True,
+            path=str(path),
+            bytes=read_manifest(path).nbytes(),
+            copy_s=round(cost_s, 6),
+            write_s=round(self.write_s, 6),
+        )
+
+    def join(self) -> None:
+        """Wait for the write in flight (the worker calls it before it reports ``done``)."""
+        if self._writer is not None:
+            self._writer.join()
+
+
+def _differs(old: Interval | None, new: Interval) -> bool:
+    """Whether ``new`` is worth announcing: another kind, or 20% away from ``old``."""
+    if old is None or (old.seconds is None) != (new.seconds is None):
+        return True
+    if new.seconds is None or old.seconds is None:
+        return old.steps != new.steps
+    return abs(new.seconds - old.seconds) > 0.2 * max(new.seconds, old.seconds)
