@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
+from unicron import device as D
 from unicron.classify import Verdict, classify_detector, classify_exit, classify_message
 from unicron.coordinator import Coordinator
 from unicron.events import EventLog
@@ -210,7 +211,7 @@ class Agent:
         with open(log_path, "wb") as out:  # the child keeps its own descriptor
             proc = subprocess.Popen(
                 [sys.executable, "-m", "unicron.health", "--slot", str(slot)],
-                env=self._base_env(),
+                env={**self._base_env(), **self._device_env(slot)},  # the slot's own device
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -398,6 +399,8 @@ class Agent:
                     slot, msg["step"], msg["compute_s"], now, microbatches=mbs
                 )
             self.coordinator.escalation.healthy(slot=slot, now=now)
+        elif kind == "error" and msg.get("usage"):  # bad input: the whole run ends, exit 2
+            self.coordinator.fail(msg["message"], now, usage=True)
         elif kind == "error":
             if not msg.get("in_band"):
                 w.error = {**msg, "ts": now, "slot": slot}  # the error that ends this process
@@ -568,7 +571,14 @@ class Agent:
             ENV_SLOT: str(slot),
             ENV_INCARNATION: str(self.workers[slot].incarnation),
             ENV_FAULTS: ";".join(faults),
+            **self._device_env(slot),
         }
+
+    def _device_env(self, slot: int) -> dict[str, str]:
+        """The slot's device (this node's GPUs round robin) and torchrun's LOCAL_RANK."""
+        kind = self.config.env.get(D.ENV_DEVICE_KIND, "cpu")
+        gpus = D.gpu_count() if kind == "cuda" else 0
+        return D.slot_env(kind, self.config.slots.index(slot), len(self.config.slots), gpus)
 
     def _launch(self, slot: int) -> None:
         w = self.workers[slot]

@@ -109,6 +109,7 @@ class Outcome:
     state: TaskState
     reason: str = ""
     result: dict[str, Any] = field(default_factory=dict)
+    usage: bool = False  # failed on bad input (a worker's check before training): exit 2
 
 
 class Coordinator:
@@ -524,13 +525,14 @@ class Coordinator:
     def _has_checkpoint(self) -> bool:
         return self.settings.checkpoint is not None and self.settings.checkpoint.exists()
 
-    def fail(self, reason: str, now: float) -> None:
-        """Give the task up: waiting workers exit, the runner exits 1 with ``reason``."""
+    def fail(self, reason: str, now: float, *, usage: bool = False) -> None:
+        """Give the task up: waiting workers exit, the runner exits 1 with ``reason`` (2 with
+        ``usage``: a worker found bad input before training, e.g. a model too large)."""
         with self._lock:
             if self.state in (TaskState.DONE, TaskState.FAILED):
                 return
             self.state = TaskState.FAILED
-            self.outcome = Outcome(TaskState.FAILED, reason)
+            self.outcome = Outcome(TaskState.FAILED, reason, usage=usage)
             self.store.set(done_key(self.task), "failed")
             log.error("task %s failed: %s", self.task, reason)
 

@@ -42,9 +42,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reduce",
         choices=("exact", "fast"),
-        default="exact",
+        default=None,
         help="exact: float64 gradient sums, bitwise independent of failures "
-        "(default); fast: float32",
+        "(the default on cpu); fast: float32 (the default, and the only mode, on cuda)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default; gloo), or cuda: each slot gets one of the node's GPUs (round "
+        "robin; NCCL when every slot has its own, else gloo); the script learns it from "
+        "unicron.worker.device() and LOCAL_RANK",
     )
     p.add_argument(
         "--on-lost",
@@ -116,6 +124,10 @@ def validate(args: argparse.Namespace) -> list[Fault]:
         raise UsageError(f"--readmit-after must be > 0 seconds, got {args.readmit_after}")
     if not Path(args.script).is_file():
         raise UsageError(f"script not found: {args.script}")
+    from unicron import device as D
+
+    args.reduce = args.reduce or D.default_reduce(args.device)
+    D.check(args.device, args.reduce, D.gpu_count() if args.device == "cuda" else 0)
     faults = [parse(spec, KINDS) for spec in args.inject]
     for f in faults:
         if f.node is not None and f.node >= args.nnodes:
@@ -131,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
     faults = validate(args)
     from rich.console import Console
 
+    from unicron import device as D
     from unicron.agent import Agent, AgentConfig
     from unicron.coordinator import Coordinator, CoordinatorSettings, TaskState
     from unicron.escalation import Escalation, EscalationSettings
@@ -173,6 +186,7 @@ def main(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 checkpoint=checkpoint,
                 checkpoint_every=args.checkpoint_every,
+                env=D.run_env(args.device, n, D.gpu_count() if args.device == "cuda" else 0),
             ),
             coordinator,
             events,
@@ -233,6 +247,9 @@ def main(args: argparse.Namespace) -> int:
         )
         console.print(f"unicron: {reason}; every process was stopped")
         return 130 if interrupted else 1
+    if outcome.usage:  # a worker refused the input before training; everything is stopped
+        events.emit("task_end", task=args.task, status="failed", reason=outcome.reason)
+        raise UsageError(outcome.reason)
     r = outcome.result
     ok = outcome.state is TaskState.DONE
     events.emit(
