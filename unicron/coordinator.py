@@ -534,7 +534,8 @@ class Coordinator:
             self.state = TaskState.FAILED
             self.outcome = Outcome(TaskState.FAILED, reason, usage=usage)
             self.store.set(done_key(self.task), "failed")
-            log.error("task %s failed: %s", self.task, reason)
+            if not usage:  # bad input is the runner's one line on stderr
+                log.error("task %s failed: %s", self.task, reason)
 
     # -- effects ----------------------------------------------------------------------------
     def _announce(self, members: tuple[int, ...], *, urgent: bool, now: float, reason: str) -> None:
