@@ -9,6 +9,7 @@ single ``compare_set`` on the store, so every living member acts on the same out
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import time
 from typing import Any
@@ -105,6 +106,7 @@ class EpochGroup:
         self.store = dist.PrefixStore(epoch_prefix(watch.task, info.epoch), store)
         self.pg: Any = None
         self._left = False
+        self.subgroups: list[EpochGroup] = []  # kept (and left) with this group
 
     # -- membership -------------------------------------------------------------------------
     def _check(self, *, urgent_only: bool = True) -> None:
@@ -150,9 +152,26 @@ class EpochGroup:
         """Give up this epoch's communicator. NCCL: abort it, so that kernels of an abandoned
         collective stop and the device is free for the next epoch's. Gloo: nothing (an
         abandoned gloo operation ends when its peers' sockets close; TORCH-FACTS.md)."""
+        for sub in self.subgroups:
+            sub.leave()
         if self.backend == "nccl" and self.pg is not None and not self._left:
             self._left = True
             self.pg.abort()
+
+    def subgroup(self, ranks: list[int], name: str) -> EpochGroup:
+        """A process group of some members (``ranks``: this epoch's ranks; this member is one
+        of them), e.g. a state holder and the members it sends to. Its collectives are waited
+        for in slices like this group's; it lives and is left with this group. Every member
+        in ``ranks`` calls it with the same ``name``."""
+        sub = copy.copy(self)
+        sub.rank, sub.world = ranks.index(self.rank), len(ranks)
+        sub.subgroups, sub._left = [], False
+        try:
+            sub.pg = sub._build(dist.PrefixStore(f"sub/{name}", self.store))
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise CollectiveError(exc) from exc
+        self.subgroups.append(sub)
+        return sub
 
     # -- collectives ------------------------------------------------------------------------
     def _wait(self, work: Any) -> None:
@@ -165,7 +184,7 @@ class EpochGroup:
                 work.wait(self.slice)
                 return
             except RuntimeError as exc:
-                if "timed out" not in str(exc):
+                if "timed out" not in str(exc).lower():
                     raise CollectiveError(exc) from exc
                 # any newer epoch ends a collective that is still waiting: members leave an old
                 # epoch at different step boundaries, so a peer may never join this one
@@ -195,16 +214,16 @@ class EpochGroup:
             raise CollectiveError(exc) from exc
 
     def wait(self, work: Any) -> None:
-        """Wait for ``work`` (from :meth:`send` or :meth:`recv`) in slices, like a collective."""
+        """Wait for ``work`` (from :meth:`ibroadcast`) in slices, like any collective. (Gloo's
+        point-to-point ``send``/``recv`` are not used: a timed-out wait on them closes the
+        connection, so they cannot be waited for in slices.)"""
         self._wait(work)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        """Start sending ``tensor`` (on :attr:`wire`) to member ``dst``; wait with :meth:`wait`."""
-        return self.pg.send([tensor], dst, tag)
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
-        """Start receiving into ``tensor`` (on :attr:`wire`) from member ``src``."""
-        return self.pg.recv([tensor], src, tag)
+    def ibroadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        """Start broadcasting ``tensor`` (on :attr:`wire`) from member ``src``; see :meth:`wait`."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self.pg.broadcast([tensor], opts)
 
     def allreduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the members (staged through :attr:`wire`)."""

@@ -8,7 +8,9 @@ and the *needers* (joiners, restarted workers). Nothing is serialized into one b
    with every tensor replaced by a ``meta`` tensor of the same shape and dtype (a few KB);
 2. the state's tensors, in a fixed order, form one virtual byte stream cut into chunks of
    :data:`CHUNK_BYTES`; chunk ``k`` comes from holder ``k mod H`` (several holders send in
-   parallel, each a share), point to point, to every needer;
+   parallel, each a share), broadcast in a small group of that holder and the needers (a
+   collective, because a gloo point-to-point wait cannot be left in slices: it closes the
+   connection when it times out);
 3. a chunk that lies inside one tensor is sent from, and received into, that tensor's own
    memory (no copy); a chunk that spans several small tensors is packed into a buffer. At
    most :data:`WINDOW` chunks per peer are in flight, so the extra memory on either side is
@@ -44,9 +46,9 @@ class Wire(Protocol):
     wire: torch.device
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any: ...
-    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any: ...
+    def ibroadcast(self, tensor: torch.Tensor, src: int) -> Any: ...
     def wait(self, work: Any) -> None: ...
+    def subgroup(self, ranks: list[int], name: str) -> Wire: ...
 
 
 @dataclass(frozen=True)
@@ -246,40 +248,47 @@ def transfer(
     if g.rank in needers:
         skeleton, tensors = _targets(skeleton, model, optimizer, device)
         stream = _Stream(tensors, chunk_bytes)
-        stats = _receive(g, stream, holders, window)
+        stats = _receive(g, stream, holders, needers, window)
         optim_sd = _fill(skeleton, iter(tensors))["optim"]
         optimizer.load_state_dict(optim_sd)
         return stats
     return Stats(nbytes=0, chunks=0, packed=0)
 
 
+def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, Wire]:
+    """Holder -> the group of that holder (its rank 0) and every needer, for this member."""
+    mine = holders if g.rank in needers else [g.rank]
+    return {h: g.subgroup([h, *needers], f"transfer/{h}") for h in mine}
+
+
 def _send(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: int) -> Stats:
+    link = _links(g, holders, needers)[g.rank]
     mine = [k for k in range(s.count) if share(k, holders) == g.rank]
     inflight: list[tuple[Any, torch.Tensor]] = []
     packed = 0
-    for dst in needers:
-        for k in mine:
-            buf = s.view(k, g.wire)
-            if buf is None:
-                buf = s.pack(k, g.wire)
-                packed += 1
-            inflight.append((g.send(buf, dst, k), buf))
-            if len(inflight) >= window:
-                g.wait(inflight.pop(0)[0])
+    for k in mine:
+        buf = s.view(k, g.wire)
+        if buf is None:
+            buf = s.pack(k, g.wire)
+            packed += 1
+        inflight.append((link.ibroadcast(buf, 0), buf))
+        if len(inflight) >= window:
+            link.wait(inflight.pop(0)[0])
     for work, _ in inflight:
-        g.wait(work)
+        link.wait(work)
     nbytes = sum(s.size(k) for k in mine) * len(needers)
     return Stats(nbytes=nbytes, chunks=len(mine) * len(needers), packed=packed)
 
 
-def _receive(g: Wire, s: _Stream, holders: list[int], window: int) -> Stats:
-    inflight: list[tuple[Any, int, torch.Tensor, bool]] = []
+def _receive(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: int) -> Stats:
+    links = _links(g, holders, needers)
+    inflight: list[tuple[Wire, Any, int, torch.Tensor, bool]] = []
     packed = 0
     limit = window * len(holders)
 
-    def land(item: tuple[Any, int, torch.Tensor, bool]) -> None:
-        work, k, buf, direct = item
-        g.wait(work)
+    def land(item: tuple[Wire, Any, int, torch.Tensor, bool]) -> None:
+        link, work, k, buf, direct = item
+        link.wait(work)
         if not direct:
             s.unpack(k, buf)
 
@@ -289,7 +298,8 @@ def _receive(g: Wire, s: _Stream, holders: list[int], window: int) -> Stats:
         if buf is None:
             buf = torch.empty(s.size(k), dtype=torch.uint8, device=g.wire)
             packed += 1
-        inflight.append((g.recv(buf, share(k, holders), k), k, buf, direct))
+        link = links[share(k, holders)]
+        inflight.append((link, link.ibroadcast(buf, 0), k, buf, direct))
         if len(inflight) >= limit:
             land(inflight.pop(0))
     for item in inflight:
