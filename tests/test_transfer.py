@@ -117,6 +117,22 @@ def test_a_chunk_inside_one_tensor_moves_in_place_and_small_tensors_are_packed()
 
 
 @pytest.mark.timeout(60)
+def test_one_holder_streams_to_two_joiners_over_the_epochs_own_group() -> None:
+    reference = _trained(seed=0, steps=2)
+    members = [_trained(seed=0, steps=2), _model(seed=5), _model(seed=6)]
+
+    def body(g: EpochGroup) -> Any:
+        return transfer(g, *members[g.rank], holders=[0], needers=[1, 2],
+                        device=torch.device("cpu"), chunk_bytes=1000)  # fmt: skip
+
+    stats = _run_group(3, body)
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    _same(reference, members[1])
+    _same(reference, members[2])
+    assert stats[0].nbytes == 2 * state_nbytes(*reference)  # one share per joiner
+
+
+@pytest.mark.timeout(60)
 def test_a_receiver_leaves_a_superseded_epoch_at_once() -> None:
     """Rank 0 holds the state but never sends (as if frozen); rank 1 waits for it in slices
     and leaves when epoch 2 is announced, not at the 30 s group timeout."""

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from unicron.errors import UsageError
+
+if TYPE_CHECKING:  # torch is imported where needed: `unicron run` checks its flags without it
+    import torch
 
 ENV_DEVICE = "UNICRON_DEVICE"
 """the slot's device, ``cpu`` or ``cuda:N`` (set per slot by the agent)"""
@@ -68,6 +70,8 @@ def backend(kind: str, nproc_per_node: int, gpus: int) -> str:
 
 def gpu_count() -> int:
     """CUDA devices this process sees (0 on a CPU build)."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -93,6 +97,8 @@ def slot_env(kind: str, local_rank: int, local_world: int, gpus: int) -> dict[st
 def current(env: Mapping[str, str] | None = None) -> torch.device:
     """This worker's device: ``UNICRON_DEVICE``, else ``cuda:LOCAL_RANK`` when CUDA was asked
     for, else the CPU. Raises :class:`UsageError` for a device this node lacks."""
+    import torch
+
     env = os.environ if env is None else env
     name = env.get(ENV_DEVICE)
     if name is None and env.get(ENV_DEVICE_KIND) == "cuda":
@@ -116,6 +122,8 @@ def slot_memory(dev: torch.device, local_world: int, sharing: int = 1) -> int:
     """Bytes one slot may use: its GPU's memory divided among the slots sharing it, or the
     node's memory (``MemTotal``) divided among the node's slots."""
     if dev.type == "cuda":
+        import torch
+
         _, total = torch.cuda.mem_get_info(dev)
         return int(total) // max(1, sharing)
     with open("/proc/meminfo") as f:
@@ -139,6 +147,8 @@ def check_fits(numel: int, reduce: str, available: int, dev: torch.device) -> No
 
 def to_device(batch: object, dev: torch.device) -> object:
     """A micro-batch (a tensor, or a tuple/list of them) moved to ``dev``."""
+    import torch
+
     if isinstance(batch, torch.Tensor):
         return batch.to(dev, non_blocking=True)
     if isinstance(batch, tuple | list):

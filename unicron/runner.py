@@ -124,10 +124,6 @@ def validate(args: argparse.Namespace) -> list[Fault]:
         raise UsageError(f"--readmit-after must be > 0 seconds, got {args.readmit_after}")
     if not Path(args.script).is_file():
         raise UsageError(f"script not found: {args.script}")
-    from unicron import device as D
-
-    args.reduce = args.reduce or D.default_reduce(args.device)
-    D.check(args.device, args.reduce, D.gpu_count() if args.device == "cuda" else 0)
     faults = [parse(spec, KINDS) for spec in args.inject]
     for f in faults:
         if f.node is not None and f.node >= args.nnodes:
@@ -136,6 +132,10 @@ def validate(args: argparse.Namespace) -> list[Fault]:
             )
         if f.rank is not None and f.rank >= world:
             raise UsageError(f"--inject {f.spec!r}: rank {f.rank} out of range 0..{world - 1}")
+    from unicron import device as D  # imports torch only to count GPUs, for --device cuda
+
+    args.reduce = args.reduce or D.default_reduce(args.device)
+    D.check(args.device, args.reduce, D.gpu_count() if args.device == "cuda" else 0)
     return faults
 
 

@@ -43,6 +43,7 @@ class Wire(Protocol):
     """What the transfer needs of an epoch's group (:class:`unicron.group.EpochGroup`)."""
 
     rank: int
+    world: int
     wire: torch.device
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
@@ -255,14 +256,17 @@ def transfer(
     return Stats(nbytes=0, chunks=0, packed=0)
 
 
-def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, Wire]:
-    """Holder -> the group of that holder (its rank 0) and every needer, for this member."""
+def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, tuple[Wire, int]]:
+    """Holder -> (the group of that holder and every needer, the holder's rank in it), for
+    this member: the epoch's own group when it has no other member, else a subgroup."""
+    if len(holders) == 1 and g.world == 1 + len(needers):
+        return {holders[0]: (g, holders[0])}
     mine = holders if g.rank in needers else [g.rank]
-    return {h: g.subgroup([h, *needers], f"transfer/{h}") for h in mine}
+    return {h: (g.subgroup([h, *needers], f"transfer/{h}"), 0) for h in mine}
 
 
 def _send(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: int) -> Stats:
-    link = _links(g, holders, needers)[g.rank]
+    link, src = _links(g, holders, needers)[g.rank]
     mine = [k for k in range(s.count) if share(k, holders) == g.rank]
     inflight: list[tuple[Any, torch.Tensor]] = []
     packed = 0
@@ -271,7 +275,7 @@ def _send(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: i
         if buf is None:
             buf = s.pack(k, g.wire)
             packed += 1
-        inflight.append((link.ibroadcast(buf, 0), buf))
+        inflight.append((link.ibroadcast(buf, src), buf))
         if len(inflight) >= window:
             link.wait(inflight.pop(0)[0])
     for work, _ in inflight:
@@ -298,8 +302,8 @@ def _receive(g: Wire, s: _Stream, holders: list[int], needers: list[int], window
         if buf is None:
             buf = torch.empty(s.size(k), dtype=torch.uint8, device=g.wire)
             packed += 1
-        link = links[share(k, holders)]
-        inflight.append((link, link.ibroadcast(buf, 0), k, buf, direct))
+        link, src = links[share(k, holders)]
+        inflight.append((link, link.ibroadcast(buf, src), k, buf, direct))
         if len(inflight) >= limit:
             land(inflight.pop(0))
     for item in inflight:
