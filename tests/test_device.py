@@ -110,3 +110,56 @@ def test_each_worker_trains_on_its_device_and_learns_its_local_rank(
     assert r.returncode == 0, r.stderr[-3000:]
     lines = sorted(p.read_text() for p in out.glob("slot*.txt"))
     assert lines == ["cpu 0 2 ['cpu']", "cpu 1 2 ['cpu']"], lines
+
+
+class _StuckWork:
+    """An NCCL work that never completes (a peer is gone)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+
+class _Communicator:
+    def __init__(self) -> None:
+        self.aborted = 0
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+@pytest.mark.timeout(30)
+def test_a_superseded_nccl_epoch_is_left_by_aborting_its_communicator() -> None:
+    """The NCCL wait logic on the CPU: a collective that never completes is polled in slices;
+    once a newer epoch is announced the communicator is aborted (once) and the epoch left,
+    long before the group's timeout. (The real NCCL path is unverified: docs/runtime.md.)"""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from unicron.group import EpochGroup, EpochOver, EpochWatch
+    from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set(epoch_info_key("t", 1), EpochInfo(1, (0, 1), (0, 0), False).to_json())
+    store.set(epoch_key("t"), "1")
+    watch = EpochWatch(store, "t")
+    g = EpochGroup(store, watch, watch.info(1), 0, slice_s=0.05, timeout_s=60.0,
+                   backend="nccl", device=torch.device("cuda", 0))  # fmt: skip
+    assert g.wire == torch.device("cuda", 0)
+    comm = _Communicator()
+    g.pg = comm
+
+    def announce() -> None:
+        time.sleep(0.3)
+        store.set(epoch_info_key("t", 2), EpochInfo(2, (0,), (0,), True).to_json())
+        store.set(epoch_key("t"), "2")
+
+    threading.Thread(target=announce).start()
+    t0 = time.monotonic()
+    with pytest.raises(EpochOver, match="aborted"):
+        g.wait(_StuckWork())
+    assert time.monotonic() - t0 < 5.0
+    assert comm.aborted == 1
+    g.leave()  # the worker leaves again on EpochOver: still aborted once
+    assert comm.aborted == 1
