@@ -20,7 +20,8 @@ state, parameters plus AdamW's two moments). For each, in one run:
   finished by an epoch that has the restarted worker back (it forked, built its model and
   received the state), ``transfer_s`` that epoch's transition (``transition_end``).
 
-The machine is shared with other jobs (2 cores): figures are medians of few repetitions.
+The machine is shared with other jobs (2 cores): figures are medians of two repetitions
+(one recovery run per size in `--quick` and at 1 GB).
 ``python -m bench --scenario transfer`` (or ``python -m bench.transfer [--quick]``) writes
 ``bench/results/transfer.json`` and the plot ``bench/results/transfer.png``.
 """
@@ -196,8 +197,14 @@ def measure(arm: str, size: str) -> dict[str, float]:
 
 
 # -- recovery in a real run -----------------------------------------------------------------
-def recovery(size: str, workdir: Path, steps: int = 5, fault_step: int = 2) -> dict[str, float]:
+RUN_STEPS = {"5MB": 80, "100MB": 30, "1GB": 10}
+"""steps of a recovery run: enough that the survivor, stepping alone, is still training when
+the restarted worker is ready (a worker that comes back after the last step is not counted)"""
+
+
+def recovery(size: str, workdir: Path, fault_step: int = 2) -> dict[str, float]:
     """A real ``unicron run`` of ``size`` with worker 1 SIGKILLed at ``fault_step``."""
+    steps = RUN_STEPS[size]
     workdir.mkdir(parents=True)
     events = workdir / "events.jsonl"
     cmd = [
@@ -225,7 +232,7 @@ def recovery(size: str, workdir: Path, steps: int = 5, fault_step: int = 2) -> d
         str(steps),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run(cmd, check=True, cwd=ROOT, timeout=900, capture_output=True, env=env)
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=600, capture_output=True, env=env)
     evs = read_events(events)
     fault = next(e["ts"] for e in evs if e["event"] == "fault_injected")
     after = [e for e in evs if e["ts"] > fault]
@@ -244,11 +251,11 @@ def recovery(size: str, workdir: Path, steps: int = 5, fault_step: int = 2) -> d
 def run(quick: bool) -> list[Row]:
     """The rows of this scenario (called by ``python -m bench``)."""
     sizes = ("5MB", "100MB") if quick else ("5MB", "100MB", "1GB")
-    reps = 2 if quick else 3
+    reps = 2
     samples: dict[tuple[str, str], list[dict[str, float]]] = {}
     failed: dict[tuple[str, str], str] = {}
     for size in sizes:
-        for rep in range(min(reps, 2) if size == "1GB" else reps):  # 1 GB: ~10 GB of RAM
+        for rep in range(reps):
             for arm in ARMS:  # interleaved: every arm once per repetition
                 key = (arm, size)
                 if key in failed:
@@ -349,7 +356,7 @@ def _rows(
                         metric=f"{metric}[{size}]",
                         unit="s",
                         values=[r[metric] for r in rec[size]],
-                        note="2 workers, --reduce fast, crash:rank=1,step=2",
+                        note=f"2 workers, {RUN_STEPS[size]} steps, --reduce fast, crash at step 2",
                     )
                 )
     return rows

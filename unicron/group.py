@@ -184,7 +184,7 @@ class EpochGroup:
                 work.wait(self.slice)
                 return
             except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
+                if "timed out" not in str(exc):
                     raise CollectiveError(exc) from exc
                 # any newer epoch ends a collective that is still waiting: members leave an old
                 # epoch at different step boundaries, so a peer may never join this one
