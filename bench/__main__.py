@@ -31,7 +31,7 @@ from bench.common import (
     save_scenario,
     write_summary,
 )
-from bench.suite import SYSTEMS, known_scenarios, run_suite
+from bench.suite import ALONE, SYSTEMS, known_scenarios, run_suite
 from bench.systems.base import Settings
 
 
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started, began = now_iso(), time.monotonic()
     try:
         results = run_suite(
-            args.scenario or scenarios,
+            args.scenario or [s for s in scenarios if s not in ALONE],
             args.system or list(SYSTEMS),
             settings,
             args.results,

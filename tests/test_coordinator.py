@@ -238,6 +238,20 @@ def test_replicas_that_disagree_fail_the_task(tmp_path: Path) -> None:
     assert c.finished()
 
 
+def test_a_member_that_left_after_the_end_does_not_keep_the_task_open(tmp_path: Path) -> None:
+    """A restarted worker announced in a last epoch as the others finished leaves without a
+    report (exit 0): the task is finished all the same (it used to wait for ever)."""
+    k = Cluster(tmp_path)
+    c = k.c
+    c.worker_failed(3, verdict_for_kind("killed"), 1.0)
+    c.worker_ready(3, 1.5)  # epoch 3 includes it; it never trains there
+    for m in (0, 1, 2):
+        c.worker_done(m, {"params_sha256": "aa", "rank": m, "steps": 3}, 2.0)
+    assert c.state is TaskState.DONE and not c.finished()
+    c.worker_left(3)
+    assert c.finished()
+
+
 def test_the_first_commit_report_is_the_one_source_of_trained(tmp_path: Path) -> None:
     """Workers started before the first commit hold a fresh model; once a commit is reported
     the coordinator (and the store key a new worker reads) says it is no longer the state."""

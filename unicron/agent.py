@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
+from unicron import device as D
 from unicron.classify import Verdict, classify_exit, classify_message
 from unicron.coordinator import Coordinator, Kill, Probe, Spawn, emit_detection
 from unicron.events import EventLog
@@ -215,7 +216,7 @@ class Agent:
         with open(log_path, "wb") as out:  # the child keeps its own descriptor
             proc = subprocess.Popen(
                 [sys.executable, "-m", "unicron.health", "--slot", str(slot)],
-                env=self._base_env(),
+                env={**self._base_env(), **self._device_env(slot)},  # the slot's own device
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -404,6 +405,8 @@ class Agent:
                 compute_s=msg["compute_s"],
                 microbatches=msg.get("microbatches") or None,
             )
+        elif kind == "error" and msg.get("usage"):  # bad input: the whole run ends, exit 2
+            c.fail(msg["message"], now, usage=True)
         elif kind == "error":
             if not msg.get("in_band"):
                 w.error = {**msg, "ts": now, "slot": slot}  # the error that ends this process
@@ -443,7 +446,10 @@ class Agent:
         if self._stop.is_set() or w.finished or self.coordinator.finished():
             return
         if returncode == 0 and self.coordinator.over():
-            return  # a waiting worker that left because the task ended
+            # a worker that left because the task ended (maybe announced in a last epoch it
+            # never trained in): nothing to heal, but the task must not wait for its report
+            self.coordinator.worker_left(slot)
+            return
         detected = min(t for t in (w.eof_ts, time.time()) if t is not None)
         if w.verdict is not None:  # the agent killed it and already logged why
             verdict = w.verdict
@@ -520,7 +526,14 @@ class Agent:
             ENV_SLOT: str(slot),
             ENV_INCARNATION: str(self.workers[slot].incarnation),
             ENV_FAULTS: ";".join(faults),
+            **self._device_env(slot),
         }
+
+    def _device_env(self, slot: int) -> dict[str, str]:
+        """The slot's device (this node's GPUs round robin) and torchrun's LOCAL_RANK."""
+        kind = self.config.env.get(D.ENV_DEVICE_KIND, "cpu")
+        gpus = D.gpu_count() if kind == "cuda" else 0
+        return D.slot_env(kind, self.config.slots.index(slot), len(self.config.slots), gpus)
 
     def _launch(self, slot: int) -> None:
         w = self.workers[slot]

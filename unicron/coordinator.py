@@ -176,6 +176,7 @@ class Outcome:
     state: TaskState
     reason: str = ""
     result: dict[str, Any] = field(default_factory=dict)
+    usage: bool = False  # failed on bad input (a worker's check before training): exit 2
 
 
 class Coordinator:
@@ -391,6 +392,13 @@ class Coordinator:
                 self._kill(slot, verdict)
             else:
                 self._action(Action.RECONFIGURE, slot, f"straggler kept: {reason}", 1, now)
+
+    def worker_left(self, slot: int) -> None:
+        """The worker in ``slot`` exited cleanly after the task ended, without a report (it
+        was waiting to join, or joined a last epoch as the others finished): the task does not
+        wait for it (:meth:`finished`)."""
+        with self._lock:
+            self.slots[slot].alive = self.slots[slot].ready = False
 
     def worker_done(self, slot: int, report: dict[str, Any], now: float) -> None:
         """The worker in ``slot`` finished the last step (every member of the epoch will)."""
@@ -903,16 +911,18 @@ class Coordinator:
         committed = self.committed_steps()
         return None if committed is None else max(committed - step, 0)
 
-    def fail(self, reason: str, now: float) -> None:
-        """Give the task up: waiting workers exit, the runner exits 1 with ``reason``. Also from
+    def fail(self, reason: str, now: float, *, usage: bool = False) -> None:
+        """Give the task up: waiting workers exit, the runner exits 1 with ``reason`` (2 with
+        ``usage``: a worker found bad input before training, e.g. a model too large). Also from
         DONE: replicas that finish with different parameters fail a task that looked done."""
         with self._lock:
             if self.state is TaskState.FAILED:
                 return
             self.state = TaskState.FAILED
-            self.outcome = Outcome(TaskState.FAILED, reason)
+            self.outcome = Outcome(TaskState.FAILED, reason, usage=usage)
             self.store.set(done_key(self.task), "failed")
-            log.error("task %s failed: %s", self.task, reason)
+            if not usage:  # bad input is the runner's one line on stderr
+                log.error("task %s failed: %s", self.task, reason)
 
     # -- effects ----------------------------------------------------------------------------
     def _send(self, node: int, action: AgentAction) -> None:

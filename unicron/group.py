@@ -16,6 +16,7 @@ vote of the worker behind it: the transition that stalls for ever.
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import time
 from collections.abc import Callable
@@ -80,9 +81,12 @@ class EpochWatch:
 
 
 class EpochGroup:
-    """The members of one epoch, their gloo process group and the commit vote.
+    """The members of one epoch, their process group and the commit vote.
 
     Built by the worker on entering an epoch; abandoned (never reused) when the epoch is over.
+    ``backend`` is ``gloo`` (CPU tensors on the wire; CUDA tensors are staged through the
+    CPU) or ``nccl`` (tensors on ``device``; a superseded epoch's communicator is aborted,
+    never waited out): :func:`unicron.device.backend` chooses.
     """
 
     def __init__(
@@ -95,7 +99,13 @@ class EpochGroup:
         slice_s: float,
         timeout_s: float,
         pg_store: Callable[[], dist.Store] | None = None,
+        backend: str = "gloo",
+        device: torch.device | None = None,
     ) -> None:
+        assert backend in ("gloo", "nccl"), backend
+        self.backend = backend
+        self.wire = device if backend == "nccl" and device is not None else torch.device("cpu")
+        """where tensors handed to this group's collectives and point-to-point ops live"""
         self.info = info
         self.rank = rank
         self.world = len(info.members)
@@ -105,6 +115,8 @@ class EpochGroup:
         self.store = dist.PrefixStore(epoch_prefix(watch.task, info.epoch), store)
         self._pg_store = pg_store or (lambda: store)
         self.pg: Any = None
+        self._left = False
+        self.subgroups: list[EpochGroup] = []  # kept (and left) with this group
 
     # -- membership -------------------------------------------------------------------------
     def _check(self, *, urgent_only: bool = True) -> None:
@@ -134,18 +146,53 @@ class EpochGroup:
         # inside the first collective, which is waited for in slices like any other, so a
         # member that vanishes after arriving cannot block the others here
         try:
-            own = dist.PrefixStore(epoch_prefix(self.watch.task, self.info.epoch), self._pg_store())
-            self.pg = dist.ProcessGroupGloo(
-                dist.PrefixStore("pg", own),
-                self.rank,
-                self.world,
-                dt.timedelta(seconds=self.timeout_s),
-            )
+            self.pg = self._build(dist.PrefixStore("pg", self._own_store()))
         except (RuntimeError, dist.DistStoreError) as exc:
             raise CollectiveError(exc) from exc
 
+    def _own_store(self) -> dist.Store:
+        """This epoch's keys on a store connection that no other group and no control path
+        shares (see the module docstring)."""
+        return dist.PrefixStore(epoch_prefix(self.watch.task, self.info.epoch), self._pg_store())
+
+    def _build(self, store: dist.Store) -> Any:
+        timeout = dt.timedelta(seconds=self.timeout_s)
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(store, self.rank, self.world, timeout)
+        opts = dist.ProcessGroupNCCL.Options()  # CUDA builds only
+        opts._timeout = timeout  # the watchdog's last resort; a superseded epoch aborts first
+        return dist.ProcessGroupNCCL(store, self.rank, self.world, opts)
+
+    def leave(self) -> None:
+        """Give up this epoch's communicator. NCCL: abort it, so that kernels of an abandoned
+        collective stop and the device is free for the next epoch's. Gloo: nothing (an
+        abandoned gloo operation ends when its peers' sockets close; TORCH-FACTS.md)."""
+        for sub in self.subgroups:
+            sub.leave()
+        if self.backend == "nccl" and self.pg is not None and not self._left:
+            self._left = True
+            self.pg.abort()
+
+    def subgroup(self, ranks: list[int], name: str) -> EpochGroup:
+        """A process group of some members (``ranks``: this epoch's ranks; this member is one
+        of them), e.g. a state holder and the members it sends to. Its collectives are waited
+        for in slices like this group's; it lives and is left with this group. Every member
+        in ``ranks`` calls it with the same ``name``."""
+        sub = copy.copy(self)
+        sub.rank, sub.world = ranks.index(self.rank), len(ranks)
+        sub.subgroups, sub._left = [], False
+        try:
+            sub.pg = sub._build(dist.PrefixStore(f"sub/{name}", self._own_store()))
+        except (RuntimeError, dist.DistStoreError) as exc:
+            raise CollectiveError(exc) from exc
+        self.subgroups.append(sub)
+        return sub
+
     # -- collectives ------------------------------------------------------------------------
     def _wait(self, work: Any) -> None:
+        if self.backend == "nccl":
+            self._poll(work)
+            return
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -160,19 +207,59 @@ class EpochGroup:
                 if time.monotonic() > deadline:
                     raise CollectiveError(exc) from exc
 
+    def _poll(self, work: Any) -> None:
+        """NCCL: ``wait(timeout)`` does not return control to the CPU in slices, so poll the
+        work's completion and look at the epoch between polls; a superseded epoch aborts the
+        communicator (:meth:`leave`) instead of waiting for a watchdog timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        next_look = time.monotonic() + self.slice.total_seconds()
+        while not work.is_completed():
+            time.sleep(0.0005)
+            if time.monotonic() < next_look:
+                continue
+            next_look = time.monotonic() + self.slice.total_seconds()
+            if self.watch.superseded(self.info.epoch, urgent_only=False) or (
+                time.monotonic() > deadline
+            ):
+                self.leave()
+                raise EpochOver(f"epoch {self.info.epoch} superseded; NCCL communicator aborted")
+        try:
+            work.wait()  # raises the collective's error, if any; orders the current stream
+        except RuntimeError as exc:
+            raise CollectiveError(exc) from exc
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work`` (from :meth:`ibroadcast`) in slices, like any collective. (Gloo's
+        point-to-point ``send``/``recv`` are not used: a timed-out wait on them closes the
+        connection, so they cannot be waited for in slices.)"""
+        self._wait(work)
+
+    def ibroadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        """Start broadcasting ``tensor`` (on :attr:`wire`) from member ``src``; see :meth:`wait`."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self.pg.broadcast([tensor], opts)
+
     def allreduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` in place over the members."""
-        self._wait(self.pg.allreduce([tensor]))
+        """Sum ``tensor`` in place over the members (staged through :attr:`wire`)."""
+        wired = tensor if tensor.device == self.wire else tensor.to(self.wire)
+        self._wait(self.pg.allreduce([wired]))
+        if wired is not tensor:
+            tensor.copy_(wired)
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(tensor) for _ in range(self.world)]
-        self._wait(self.pg.allgather([out], [tensor]))
-        return out
+        wired = tensor.to(self.wire)
+        out = [torch.empty_like(wired) for _ in range(self.world)]
+        self._wait(self.pg.allgather([out], [wired]))
+        return [t.to(tensor.device) for t in out]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._wait(self.pg.broadcast([tensor], opts))
+        wired = tensor if tensor.device == self.wire else tensor.to(self.wire)
+        self._wait(self.pg.broadcast([wired], opts))
+        if wired is not tensor:
+            tensor.copy_(wired)
 
     # -- commit -----------------------------------------------------------------------------
     def vote(self, step: int) -> bool:

@@ -7,9 +7,9 @@ the exit status: 0 and the slot is readmitted (a new worker starts there and joi
 epoch), anything else and it stays out for twice as long.
 
 The probe does what a training step needs of the device, on a small scale, and checks the
-answer: a matrix product against a float64 reference, and an all-reduce-shaped sum. On a
-machine with CUDA it runs on ``cuda:{slot % device_count}`` (an assumption: the runtime's
-workers do not pick a device themselves yet) and synchronises, so a sticky device error (an
+answer: a matrix product against a float64 reference, and an all-reduce-shaped sum. It runs
+on the slot's own device, the one its workers train on (``UNICRON_DEVICE``, set by the agent
+as for a worker: :mod:`unicron.device`); on CUDA it synchronises, so a sticky device error (an
 uncorrectable ECC error, a lost context) fails it; on CPU it checks the arithmetic and the
 process start (imports, memory). The agent writes its output to ``health<slot>.<k>.log``.
 """
@@ -17,10 +17,13 @@ process start (imports, memory). The agent writes its output to ``health<slot>.<
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
+
+from unicron.device import ENV_DEVICE
 
 SIZE = 256
 """Side of the probe's square matrices (a few MFLOP: milliseconds on any device)."""
@@ -32,9 +35,7 @@ def probe(slot: int) -> str:
     """Exercise the slot's device; return a one-line summary, raise ``RuntimeError`` if the
     results are wrong (device errors raise on their own)."""
     start = time.perf_counter()
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", slot % torch.cuda.device_count())
+    device = torch.device(os.environ.get(ENV_DEVICE, "cpu"))
     gen = torch.Generator().manual_seed(slot)
     a = torch.randn(SIZE, SIZE, generator=gen)
     b = torch.randn(SIZE, SIZE, generator=gen)

@@ -46,9 +46,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--reduce",
         choices=("exact", "fast"),
-        default="exact",
+        default=None,
         help="exact: float64 gradient sums, bitwise independent of failures "
-        "(default); fast: float32",
+        "(the default on cpu); fast: float32 (the default, and the only mode, on cuda)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default; gloo), or cuda: each slot gets one of the node's GPUs (round "
+        "robin; NCCL when every slot has its own, else gloo); the script learns it from "
+        "unicron.worker.device() and LOCAL_RANK",
     )
     p.add_argument(
         "--on-lost",
@@ -159,6 +167,10 @@ def validate(args: argparse.Namespace) -> list[Fault]:
             )
         if f.rank is not None and f.rank >= world:
             raise UsageError(f"--inject {f.spec!r}: rank {f.rank} out of range 0..{world - 1}")
+    from unicron import device as D  # imports torch only to count GPUs, for --device cuda
+
+    args.reduce = args.reduce or D.default_reduce(args.device)
+    D.check(args.device, args.reduce, D.gpu_count() if args.device == "cuda" else 0)
     return faults
 
 
@@ -243,6 +255,7 @@ def main(args: argparse.Namespace) -> int:
     faults = validate(args)
     from rich.console import Console
 
+    from unicron import device as D
     from unicron.agent import Agent, AgentConfig
     from unicron.coordinator import Coordinator, CoordinatorSettings, TaskState
     from unicron.escalation import Escalation, EscalationSettings
@@ -294,7 +307,10 @@ def main(args: argparse.Namespace) -> int:
                 threads=args.threads,
                 checkpoint=checkpoint,
                 checkpoint_every=args.checkpoint_every,
-                env=ckpt_env,
+                env={
+                    **ckpt_env,
+                    **D.run_env(args.device, n, D.gpu_count() if args.device == "cuda" else 0),
+                },
             ),
             coordinator,
             events,
@@ -361,6 +377,9 @@ def main(args: argparse.Namespace) -> int:
         )
         console.print(f"unicron: {reason}; every process was stopped")
         return 130 if interrupted else 1
+    if outcome.usage:  # a worker refused the input before training; everything is stopped
+        events.emit("task_end", task=args.task, status="failed", reason=outcome.reason)
+        raise UsageError(outcome.reason)
     r = outcome.result
     ok = outcome.state is TaskState.DONE
     events.emit(

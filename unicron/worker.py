@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import io
 import os
 import signal
 import time
@@ -28,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from unicron import checkpoint as C
+from unicron import device as D
 from unicron import ledger as L
+from unicron.errors import UsageError
 from unicron.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.inject import Fault, parse
 from unicron.link import AgentLink, connect_agent
@@ -51,6 +52,7 @@ from unicron.protocol import (
     trained_key,
     usage_key,
 )
+from unicron.transfer import transfer
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -139,6 +141,13 @@ def params_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def device() -> torch.device:
+    """This worker's device (``cpu`` or ``cuda:N``), as the agent mapped its slot; the script
+    may build its model there (``train`` moves it there in any case). ``LOCAL_RANK`` is set
+    too, as under torchrun."""
+    return D.current()
+
+
 def default_collate(items: Sequence[Any]) -> Any:
     """Stack a list of samples (tensors, or tuples of tensors) into one batch."""
     first = items[0]
@@ -178,6 +187,7 @@ def train(
         raise ValueError(f"train(): steps must be >= 1, got {steps}")
     ctx = WorkerContext.from_env()
     link = connect_agent()
+    dev = _device_for(model, ctx, link)
     runner = _Runner(
         ctx=ctx,
         link=link,
@@ -195,8 +205,29 @@ def train(
             seed=seed,
         ),
         seed=seed,
+        device=dev,
     )
     return runner.run()
+
+
+def _device_for(model: torch.nn.Module, ctx: WorkerContext, link: AgentLink) -> torch.device:
+    """Check the slot's device and memory before anything is built, then move the model there.
+    Bad input (a device the node lacks, a model too large for the slot) ends the whole run with
+    exit code 2: the agent is told first, then this process exits."""
+    try:
+        dev = D.current()
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        sharing = -(-local_world // max(1, D.gpu_count())) if dev.type == "cuda" else 1
+        D.check_fits(numel, ctx.reduce, D.slot_memory(dev, local_world, sharing), dev)
+    except UsageError as exc:
+        link.send({"type": "error", "usage": True, "type_name": "UsageError",
+                   "message": str(exc), "traceback": "", "in_band": False})  # fmt: skip
+        raise SystemExit(2) from exc
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    model.to(dev)  # in place: the optimizer keeps the same parameter objects
+    return dev
 
 
 @dataclass(kw_only=True)
@@ -214,6 +245,7 @@ class _Runner:
     out: Path | None
     ledger: L.Ledger
     seed: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0  # committed steps
     has_state: bool = True
     done: set[int] = field(default_factory=set)  # micro-batches of `step` in `acc`
@@ -227,7 +259,7 @@ class _Runner:
         self.numel = sum(p.numel() for p in self.params)
         dtype = torch.float64 if self.ctx.reduce == "exact" else torch.float32
         # [gradient sum..., loss sum, micro-batch count]
-        self.acc = torch.zeros(self.numel + 2, dtype=dtype)
+        self.acc = torch.zeros(self.numel + 2, dtype=dtype, device=self.device)
         self.store = dist.TCPStore(
             self.ctx.store_host,
             self.ctx.store_port,
@@ -278,6 +310,7 @@ class _Runner:
             try:
                 last_loss = self._run_epoch(info)
             except CollectiveError as exc:
+                self.groups[-1].leave()
                 self.link.send(
                     {
                         "type": "error",
@@ -290,7 +323,7 @@ class _Runner:
                     }
                 )
             except EpochOver:
-                pass
+                self.groups[-1].leave()
         if self.ckpt is not None:
             self.ckpt.join()
         group = self.groups[-1]
@@ -335,6 +368,8 @@ class _Runner:
             slice_s=self.ctx.slice_s,
             timeout_s=self.ctx.timeout_s,
             pg_store=self._store_client,
+            backend=os.environ.get(D.ENV_BACKEND, "gloo"),
+            device=self.device,
         )
         self.groups.append(g)
         ABANDONED.append(g)  # an old gloo group with a pending operation blocks its destructor
@@ -395,10 +430,14 @@ class _Runner:
         needers = [r for r in range(len(rows)) if r not in holders]
         source = "local"
         if needers:
+            # the nearest holders (on the needers' node, else all) each stream a share
             near = [h for h in holders if rows[h][1] == rows[needers[0]][1]]
-            src = (near or holders)[0]
             source = "peer_node" if near else "peer_remote"
-            self._broadcast_state(g, src, receive=g.rank in needers, step=target)
+            transfer(g, self.model, self.optimizer, holders=near or holders, needers=needers,
+                     device=self.device)  # fmt: skip
+            if g.rank in needers:
+                self.step, self.has_state = target, True
+                self.acc.zero_()
         done_sets = [{mb for mb in range(self.M) if rows[r][3 + mb]} for r in holders]
         if g.rank in needers:
             self.done.clear()
@@ -445,27 +484,6 @@ class _Runner:
             return
         world, now = self.groups[-1].world, time.time()
         self.ckpt.at_boundary(self.model, self.optimizer, step=self.step, world=world, now=now)
-
-    def _broadcast_state(self, g: EpochGroup, src: int, *, receive: bool, step: int) -> None:
-        if not receive and g.rank == src:
-            buf = io.BytesIO()
-            torch.save(
-                {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}, buf
-            )
-            payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        g.broadcast(size, src)
-        if g.rank != src:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        g.broadcast(payload, src)
-        if receive:
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optim"])
-            self.step, self.has_state = step, True
-            self.acc.zero_()
 
     # -- one step ---------------------------------------------------------------------------
     def _step(self, g: EpochGroup, todo: list[int]) -> float:
@@ -555,6 +573,7 @@ class _Runner:
     def _microbatch(self, step: int, mb: int) -> None:
         torch.manual_seed(L.mb_seed(self.seed, step, mb))
         batch = self.collate([self.dataset[i] for i in self.ledger.samples(step, mb)])
+        batch = D.to_device(batch, self.device)
         for p in self.params:
             p.grad = None
         loss = self.loss_fn(self.model, batch)

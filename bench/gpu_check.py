@@ -1,0 +1,175 @@
+"""The accelerator check: the demo's faults on CUDA, and what that verified. One command:
+
+    python -m bench.gpu_check [--steps 40] [--workdir DIR]
+
+Needs a machine with CUDA (exits 2 without one). It runs, with ``unicron run --device cuda``:
+
+1. the health probe on ``cuda:0`` (``python -m unicron.health``, as the agent runs it);
+2. ``tests/scripts/device_report.py`` on every slot: the device each worker got from
+   ``unicron.worker.device()``, its ``LOCAL_RANK``, and where its parameters and AdamW
+   moments live after training;
+3. the demo (``examples/train_gpt.py``) fault-free, then with the demo's faults (worker 1
+   SIGKILLed at a quarter of the run, worker 0 at five eighths) and, with NCCL, a hang of
+   worker 2 (its peers must leave the stuck collective by aborting the communicator). The
+   faulty run must finish every step, restart the killed workers, stream their state from a
+   peer (``transition_end`` with ``state_source`` ``peer_node``), and end with a final loss
+   close to the fault-free one (``--reduce fast`` on CUDA: not bitwise).
+
+Workers: one per GPU (NCCL) when there are two or more GPUs, else two workers sharing the
+one GPU (gloo with CUDA tensors staged through the CPU: NCCL refuses two ranks on one device).
+It prints one line per verified fact and exits 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _unicron(workdir: Path, nproc: int, script: Path, args: list[str], faults: list[str]) -> Any:
+    workdir.mkdir(parents=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "unicron",
+        "run",
+        "--device",
+        "cuda",
+        "--nproc-per-node",
+        str(nproc),
+        "--quiet",
+        "--events",
+        str(workdir / "events.jsonl"),
+        "--log-dir",
+        str(workdir / "logs"),
+        "--checkpoint-every",
+        "0",
+    ]
+    for spec in faults:
+        cmd += ["--inject", spec]
+    proc = _run([*cmd, str(script), *args], timeout=900)
+    events = workdir / "events.jsonl"
+    return proc, _events(events) if events.exists() else []
+
+
+class Checks:
+    """Collects verified (or failed) facts and prints each as it is decided."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+
+    def __call__(self, ok: bool, what: str, detail: str = "") -> None:
+        self.failed += not ok
+        print(f"{'VERIFIED' if ok else 'FAILED  '}  {what}{f'  ({detail})' if detail else ''}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--workdir", default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("python -m bench.gpu_check: no CUDA device here; run it on a GPU machine")
+        return 2
+    gpus = torch.cuda.device_count()
+    nccl = gpus >= 2
+    nproc = min(gpus, 4) if nccl else 2
+    backend = "nccl" if nccl else "gloo (2 workers share cuda:0)"
+    print(f"{gpus} GPU(s): {torch.cuda.get_device_name(0)}; {nproc} workers, backend {backend}")
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="unicron-gpu-check-"))
+    check = Checks()
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UNICRON_DEVICE": "cuda:0"}
+    probe = subprocess.run(
+        [sys.executable, "-m", "unicron.health", "--slot", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    check(
+        probe.returncode == 0 and "cuda:0" in probe.stdout,
+        "health probe on cuda:0",
+        probe.stdout.strip() or probe.stderr.strip()[-300:],
+    )
+
+    where = work / "where"
+    proc, _ = _unicron(
+        work / "device", nproc, ROOT / "tests/scripts/device_report.py", ["--out", str(where)], []
+    )
+    files = [where / f"slot{r}.txt" for r in range(nproc)]
+    lines = [f.read_text() for f in files if f.exists()]
+    # "DEVICE LOCAL_RANK LOCAL_WORLD_SIZE [devices of the parameters and AdamW moments]"
+    expected = [f"cuda:{r % gpus} {r} {nproc} ['cuda:{r % gpus}']" for r in range(nproc)]
+    ok = proc.returncode == 0 and lines == expected
+    check(
+        ok,
+        "each slot's device, LOCAL_RANK, parameters and AdamW moments on its GPU",
+        "; ".join(lines) or proc.stderr[-500:],
+    )
+
+    s = args.steps
+    faults = [f"crash:rank=1,step={s // 4}", f"crash:rank=0,step={s * 5 // 8}"]
+    if nccl and nproc >= 3:
+        faults.append(f"hang:rank=2,step={s // 2}")
+    train = ROOT / "examples" / "train_gpt.py"
+    clean_p, clean = _unicron(work / "clean", nproc, train, ["--steps", str(s)], [])
+    healed_p, healed = _unicron(work / "healed", nproc, train, ["--steps", str(s)], faults)
+    check(clean_p.returncode == 0, "fault-free CUDA run finished", clean_p.stderr[-300:])
+    check(
+        healed_p.returncode == 0,
+        f"faulty CUDA run finished ({', '.join(faults)})",
+        healed_p.stderr[-300:],
+    )
+    ends = [e for e in healed if e["event"] == "task_end"]
+    steps = ends[-1].get("steps") if ends else None
+    check(steps == s, f"all {s} steps committed", f"steps={steps}")
+    restarts = [e for e in healed if e["event"] == "action" and e.get("action") == "restart"]
+    check(len(restarts) >= 2, "killed workers restarted in their slots", f"{len(restarts)}")
+    peers = [
+        e
+        for e in healed
+        if e["event"] == "transition_end" and str(e.get("state_source", "")).startswith("peer")
+    ]
+    check(
+        bool(peers),
+        "a restarted worker received the state streamed from a peer on CUDA",
+        f"{len(peers)} transitions",
+    )
+    if nccl and nproc >= 3:
+        hang = [e for e in healed if e["event"] == "error_detected" and e.get("slot") == 2]
+        check(
+            bool(hang),
+            "a hung NCCL member detected; its peers left the collective",
+            json.dumps(hang[:1]),
+        )
+    a = next((e.get("final_loss") for e in clean if e["event"] == "task_end"), None)
+    b = ends[-1].get("final_loss") if ends else None
+    close = a is not None and b is not None and abs(a - b) <= 0.05 * abs(a)
+    check(close, "final loss of the faulty run within 5% of the fault-free one", f"{a} vs {b}")
+    print(f"logs: {work}")
+    print(f"{'all checks passed' if not check.failed else f'{check.failed} check(s) FAILED'}")
+    return 1 if check.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

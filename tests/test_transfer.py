@@ -1,0 +1,152 @@
+"""State transfer (:mod:`unicron.transfer`): members of one real epoch group (gloo, one thread
+each, on a TCPStore) stream the model and AdamW state to members without it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unicron.group import EpochGroup, EpochOver, EpochWatch
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
+from unicron.transfer import _Stream, share, state_nbytes, transfer
+
+
+def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(40, 30), torch.nn.LayerNorm(30), torch.nn.Linear(30, 7)
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _trained(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, opt = _model(seed)
+    gen = torch.Generator().manual_seed(99)
+    for _ in range(steps):
+        model(torch.randn(5, 40, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _announce(store: dist.TCPStore, epoch: int, members: int, *, urgent: bool = False) -> None:
+    info = EpochInfo(epoch, tuple(range(members)), (0,) * members, urgent)
+    store.set(epoch_info_key("t", epoch), info.to_json())
+    store.set(epoch_key("t"), str(epoch))
+
+
+def _run_group(world: int, body: Callable[[EpochGroup], Any]) -> list[Any]:
+    """Run ``body(group)`` on ``world`` members of epoch 1 in threads; results by rank."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _announce(master, 1, world)
+    results: list[Any] = [None] * world
+
+    def member(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+        watch = EpochWatch(store, "t")
+        g = EpochGroup(store, watch, watch.info(1), rank, slice_s=0.05, timeout_s=30.0)
+        try:
+            g.rendezvous()
+            results[rank] = body(g)
+        except Exception as exc:  # reported to the test, not lost in the thread
+            results[rank] = exc
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    if world == 2:  # the superseded-epoch test: a newer urgent epoch once rank 1 waits
+        time.sleep(0.5)
+        _announce(master, 2, world, urgent=True)
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+def _same(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: Any) -> None:
+    for x, y in zip(a[0].state_dict().values(), b[0].state_dict().values(), strict=True):
+        assert torch.equal(x, y)
+    sa, sb = a[1].state_dict(), b[1].state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for i in sa["state"]:
+        for k, v in sa["state"][i].items():
+            assert torch.equal(v, sb["state"][i][k]), (i, k)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("chunk", [64, 1000, 8192])
+def test_two_holders_stream_the_state_to_a_joiner_and_it_trains_on_identically(
+    chunk: int,
+) -> None:
+    reference = _trained(seed=0, steps=3)
+    members = [_trained(seed=0, steps=3), _model(seed=7), _trained(seed=0, steps=3)]
+
+    def body(g: EpochGroup) -> Any:
+        model, opt = members[g.rank]
+        return transfer(g, model, opt, holders=[0, 2], needers=[1], device=torch.device("cpu"),
+                        chunk_bytes=chunk, window=3)  # fmt: skip
+
+    stats = _run_group(3, body)
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    _same(reference, members[1])
+    nbytes = state_nbytes(*reference)
+    assert stats[1].nbytes == nbytes
+    assert stats[0].nbytes + stats[2].nbytes == nbytes  # each holder sent a share
+    assert stats[0].nbytes > 0 and stats[2].nbytes > 0
+    # the received optimizer state is live: one more step on both gives the same bits
+    for model, opt in (reference, members[1]):
+        model(torch.ones(2, 40)).sum().backward()
+        opt.step()
+    _same(reference, members[1])
+
+
+def test_a_chunk_inside_one_tensor_moves_in_place_and_small_tensors_are_packed() -> None:
+    tensors = [torch.zeros(100), torch.zeros(3), torch.zeros(2), torch.zeros(1000)]
+    s = _Stream(tensors, chunk=64)
+    assert s.count == -(-(1105 * 4) // 64)
+    assert s.view(0, torch.device("cpu")) is not None  # bytes 0..63 of the first tensor
+    assert s.pieces(6) == [(0, 384, 400), (1, 0, 12), (2, 0, 8), (3, 0, 28)]
+    assert s.view(6, torch.device("cpu")) is None
+    assert [share(k, [4, 9]) for k in range(4)] == [4, 9, 4, 9]
+
+
+@pytest.mark.timeout(60)
+def test_one_holder_streams_to_two_joiners_over_the_epochs_own_group() -> None:
+    reference = _trained(seed=0, steps=2)
+    members = [_trained(seed=0, steps=2), _model(seed=5), _model(seed=6)]
+
+    def body(g: EpochGroup) -> Any:
+        return transfer(g, *members[g.rank], holders=[0], needers=[1, 2],
+                        device=torch.device("cpu"), chunk_bytes=1000)  # fmt: skip
+
+    stats = _run_group(3, body)
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    _same(reference, members[1])
+    _same(reference, members[2])
+    assert stats[0].nbytes == 2 * state_nbytes(*reference)  # one share per joiner
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_leaves_a_superseded_epoch_at_once() -> None:
+    """Rank 0 holds the state but never sends (as if frozen); rank 1 waits for it in slices
+    and leaves when epoch 2 is announced, not at the 30 s group timeout."""
+    holder, joiner = _trained(seed=0, steps=1), _model(seed=3)
+
+    def body(g: EpochGroup) -> Any:
+        if g.rank == 0:
+            return None  # never takes part
+        t0 = time.monotonic()
+        with pytest.raises(EpochOver):
+            transfer(g, *joiner, holders=[0], needers=[1], device=torch.device("cpu"))
+        return time.monotonic() - t0
+
+    results = _run_group(2, body)
+    assert isinstance(results[1], float), results
+    assert results[1] < 5.0  # announced after ~0.5 s; sliced waits of 0.05 s
+    del holder
