@@ -231,7 +231,8 @@ def test_straggler_is_detected_and_the_planner_decides(
     if decided["reason"].startswith("straggler dropped"):
         assert decided["action"] == "exclude"
         assert not _rejoined(r, 0, after=decided["ts"])
-        assert r.of("step_end")[-1]["workers"] == 3
+        later = [e for e in r.of("epoch_begin") if e["ts"] > decided["ts"]]
+        assert all(0 not in e["members"] for e in later)  # (the drop may come at the end)
 
 
 def test_workers_exit_promptly_after_a_straggler_is_dropped(straggler: RunResult) -> None:

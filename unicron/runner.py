@@ -150,6 +150,10 @@ def validate(args: argparse.Namespace) -> list[Fault]:
     world = args.nnodes * args.nproc_per_node
     if not 1 <= args.min_workers <= world:
         raise UsageError(f"--min-workers must be in 1..{world}, got {args.min_workers}")
+    from unicron import device as D  # imports torch only to count GPUs, for --device cuda
+
+    args.reduce = args.reduce or D.default_reduce(args.device)  # before --resume's check
+    D.check(args.device, args.reduce, D.gpu_count() if args.device == "cuda" else 0)
     _validate_checkpoint_args(args)
     if args.threads < 1:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
@@ -167,10 +171,6 @@ def validate(args: argparse.Namespace) -> list[Fault]:
             )
         if f.rank is not None and f.rank >= world:
             raise UsageError(f"--inject {f.spec!r}: rank {f.rank} out of range 0..{world - 1}")
-    from unicron import device as D  # imports torch only to count GPUs, for --device cuda
-
-    args.reduce = args.reduce or D.default_reduce(args.device)
-    D.check(args.device, args.reduce, D.gpu_count() if args.device == "cuda" else 0)
     return faults
 
 
