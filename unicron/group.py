@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -162,6 +163,34 @@ class EpochGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self._wait(self.pg.broadcast([tensor], opts))
+
+    # asynchronous collectives of the gradient exchange (:mod:`unicron.reduce`): started from
+    # gradient hooks, waited for in slices by :meth:`wait`
+    def start_alltoall(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Any:
+        """Send ``in_splits[j]`` elements of ``inp`` to member j, receive into ``out``."""
+        return self._start(
+            lambda: self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
+        )
+
+    def start_allgather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        """Every member's ``inp`` into ``out``, in rank order (equal sizes)."""
+        return self._start(lambda: self.pg._allgather_base(out, inp))
+
+    def start_allreduce(self, tensor: torch.Tensor) -> Any:
+        """Sum ``tensor`` in place over the members (asynchronously)."""
+        return self._start(lambda: self.pg.allreduce([tensor]))
+
+    def wait(self, work: Any) -> None:
+        """Wait for a started collective, leaving at once if the epoch is superseded."""
+        self._wait(work)
+
+    def _start(self, issue: Callable[[], Any]) -> Any:
+        try:
+            return issue()
+        except RuntimeError as exc:
+            raise CollectiveError(exc) from exc
 
     # -- commit -----------------------------------------------------------------------------
     def vote(self, step: int) -> bool:

@@ -195,9 +195,7 @@ class LocalSums:
         self._mb: int | None = None
         self._target = torch.empty(0)
         self._chain: list[torch.Tensor] = []
-        self._chain_nodes: list[Node] = []
         self._first = False
-        self._result: Node = (0, 0)
         self._added: list[bool] = []
         self._pending: list[int] = []
 
@@ -221,16 +219,15 @@ class LocalSums:
             if not self.nodes:
                 self.nodes[(0, self.m)] = self._buffer().zero_()
             self._target, self._chain = self.nodes[(0, self.m)], []
-            self._first, self._chain_nodes = False, []
+            self._first = False
             return
-        chain, self._result = absorb(self.nodes, mb, self.m)
-        if chain:
-            self._target = self.nodes[chain[0]]
-            self._chain = [self.nodes[n] for n in chain[1:]]
-        else:
-            self._target, self._chain = self._buffer(), []
-        self._first = not chain
-        self._chain_nodes = chain
+        chain, result = absorb(self.nodes, mb, self.m)
+        # the nodes take their final shape now (the exchange may read a finished bucket of the
+        # result before the backward pass is over); the merged siblings are read until then
+        bufs = [self.nodes.pop(n) for n in chain]
+        self._target = bufs[0] if bufs else self._buffer()
+        self._chain, self._first = bufs[1:], not bufs
+        self.nodes[result] = self._target
 
     def add(self, index: int, grad: torch.Tensor | None) -> int | None:
         """Parameter ``index``'s gradient of the current micro-batch (None: no gradient, i.e.
@@ -254,15 +251,11 @@ class LocalSums:
     def end(self, loss: float) -> list[int]:
         """The micro-batch's backward is over: parameters without a gradient count as zeros.
         Returns the buckets completed by them."""
-        done = [b for i, a in enumerate(self._added) if not a and (b := self.add(i, None)) is not None]
+        done = [
+            b for i, a in enumerate(self._added) if not a and (b := self.add(i, None)) is not None
+        ]
         assert self._mb is not None
-        if self.exact:
-            for n in self._chain_nodes:
-                buf = self.nodes.pop(n)
-                if buf is not self._target:
-                    self._free.append(buf)
-            self._free = self._free[:1]  # a spare for the next leaf; the rest goes back
-            self.nodes[self._result] = self._target
+        self._free = (self._free + self._chain)[:1]  # a spare for the next leaf
         self.losses[self._mb] = loss
         self._mb = None
         self._chain = []
@@ -270,7 +263,7 @@ class LocalSums:
 
     def abandon(self) -> None:
         """A micro-batch failed half-way: its partial additions spoiled the sums; drop all."""
-        self._mb = None
+        self._mb, self._chain = None, []
         self.clear()
 
     def clear(self) -> None:
