@@ -47,10 +47,11 @@ TRAINING = ("steady", "crash", "error", "hang", "node", "soak")
 MODULES = {
     "floor": "bench.floor",
     "reduce": "bench.reduce",
+    "scale": "bench.scale",
     "planner": "bench.planner",
     "simulator": "bench.simulator",
 }
-ORDER = ("floor", *TRAINING, "reduce", "planner", "simulator")
+ORDER = ("floor", *TRAINING, "reduce", "scale", "planner", "simulator")
 SHOWN = {  # metrics reported per scenario, in this order (the default: faulted scenarios)
     "steady": ("wall_s", "step_time_s", "false_alarms"),
     "soak": ("wall_s", "false_alarms", "epochs", "step_time_s", "step_time_p99_s"),

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 import threading
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
