@@ -75,6 +75,7 @@ def test_bucket_plan() -> None:
     assert layout.buckets == ((1903, 1999), (703, 1903), (0, 703))
     assert layout.bucket_of == (2, 2, 1, 0)
     assert Layout.plan(SIZES, 10**9).buckets == ((0, 1999),)
+    assert Layout.plan(SIZES, 10**9, first_cap=100).buckets == ((1903, 1999), (0, 1903))
     assert chunks(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
     assert chunks(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
     starts, total = layout.out_starts(4)

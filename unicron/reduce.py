@@ -37,6 +37,8 @@ Node = tuple[int, int]
 T = TypeVar("T")
 BUCKET_CAP_MB = 25.0
 """bucket size bound (DDP's default ``bucket_cap_mb``)"""
+FIRST_BUCKET_MB = 1.0
+"""the first bucket's bound (DDP's too): the exchange starts early in the backward pass"""
 
 
 # -- the tree (pure) -------------------------------------------------------------------------
@@ -146,19 +148,21 @@ class Layout:
         return sum(self.sizes)
 
     @classmethod
-    def plan(cls, sizes: Sequence[int], cap: int) -> Layout:
-        """Buckets of at most ``cap`` elements (a larger parameter gets one of its own)."""
+    def plan(cls, sizes: Sequence[int], cap: int, first_cap: int | None = None) -> Layout:
+        """Buckets of at most ``cap`` elements, the first of at most ``first_cap`` (default
+        ``cap``); a larger parameter gets a bucket of its own."""
         if cap < 1:
             raise ValueError(f"bucket cap must be >= 1 element, got {cap}")
+        limit = cap if first_cap is None else first_cap
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         buckets: list[tuple[int, int]] = []
         bucket_of = [0] * len(sizes)
         end = sum(sizes)
         start = end
         for i in reversed(range(len(sizes))):
-            if start < end and end - offsets[i] > cap:
+            if start < end and end - offsets[i] > limit:
                 buckets.append((start, end))
-                end = start
+                end, limit = start, cap
             start = offsets[i]
             bucket_of[i] = len(buckets)
         if start < end or not buckets:

@@ -215,8 +215,10 @@ class _Runner:
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
-        cap = int(R.BUCKET_CAP_MB * 2**20) // dtype.itemsize
-        self.layout = R.Layout.plan([p.numel() for p in self.params], cap)
+        cap, first = (
+            int(mb * 2**20) // dtype.itemsize for mb in (R.BUCKET_CAP_MB, R.FIRST_BUCKET_MB)
+        )
+        self.layout = R.Layout.plan([p.numel() for p in self.params], cap, first)
         self.sums = R.LocalSums(
             self.layout,
             self.ledger.num_microbatches,
@@ -440,7 +442,7 @@ class _Runner:
         reused = owned[g.rank] - set(todo)
         for attempt in range(self.ctx.max_reattempts + 1):
             # the last micro-batch's gradient hooks start the exchange's buckets
-            self._exchange = ex = R.Exchange(g, self.sums, self._space(g.world), held)
+            self._exchange = ex = R.Exchange(g, self.sums, self._space(g), held)
             try:
                 self._compute(step, todo)
                 break
@@ -560,10 +562,13 @@ class _Runner:
         if bucket is not None and self._last and self._exchange is not None:
             self._exchange.ready(bucket)
 
-    def _space(self, world: int) -> R.Workspace:
-        if world not in self._spaces:  # one group size at a time: free the previous one's
-            self._spaces = {world: R.Workspace(self.layout, world, self.sums.dtype)}
-        return self._spaces[world]
+    def _space(self, g: EpochGroup) -> R.Workspace:
+        """The exchange's buffers of epoch ``g``: fresh in each epoch, since a collective of
+        an abandoned epoch may still write into the buffers it was given."""
+        epoch = g.info.epoch
+        if epoch not in self._spaces:
+            self._spaces = {epoch: R.Workspace(self.layout, g.world, self.sums.dtype)}
+        return self._spaces[epoch]
 
     def _apply(self, grads: list[torch.Tensor], count: int) -> None:
         """Step the optimizer with the mean gradient of the step's reduced sums."""
