@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench bench-quick clean
+.PHONY: demo test lint typecheck pytest bench bench-quick soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench-quick: $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench
+
+# about 100 mixed faults in one run, bit-exact against the fault-free run (bench/chaos.py)
+soak: $(STAMP)
+	$(BIN)/python -m bench.chaos
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

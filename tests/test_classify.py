@@ -136,6 +136,8 @@ def test_exit_rows(code: int, kind: str) -> None:
     ("name", "severity", "action", "scope"),
     [
         ("hang", S2, Action.RESTART, Scope.SLOT),
+        ("stall", S2, Action.RESTART, Scope.SLOT),
+        ("collective_stall", Severity.SEV3, Action.REATTEMPT, Scope.SLOT),
         ("straggler", S1, Action.RECONFIGURE, Scope.SLOT),
         ("heartbeat_lost", S1, Action.EXCLUDE, Scope.NODE),
     ],
@@ -147,7 +149,7 @@ def test_detector_rows(name: str, severity: Severity, action: Action, scope: Sco
 
 def test_every_row_is_tested() -> None:
     tested = {m[2] for m in MESSAGES} | {e[1] for e in EXITS}
-    tested |= {"hang", "straggler", "heartbeat_lost"}
+    tested |= {"hang", "stall", "collective_stall", "straggler", "heartbeat_lost"}
     assert {r.kind for r in RULES} == tested
 
 

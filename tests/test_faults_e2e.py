@@ -194,13 +194,14 @@ def test_an_excluded_slot_passes_its_health_probe_and_rejoins(run: Any) -> None:
 
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    """One run with a 4x slower worker from step 10 on, shared by the tests below."""
+    """One run with a 2x slower worker from step 10 on, shared by the tests below (over the
+    straggler factor, 1.5, and under the hang factor, 3, even on a loaded machine)."""
     return run_unicron(
         tmp_path_factory.mktemp("straggler"),
         "--nproc-per-node",
         "4",
         "--inject",
-        "slow:rank=0,step=10,factor=4",
+        "slow:rank=0,step=10,factor=2",
         steps=STEPS,
     )
 
@@ -242,15 +243,11 @@ def test_workers_exit_promptly_after_a_straggler_is_dropped(straggler: RunResult
 
 
 def test_too_few_slots_for_min_workers_fails_with_the_reason(run: Any) -> None:
+    """Below the minimum with no way back (probes turned off): it fails at once."""
     r = run(
-        "--nproc-per-node",
-        "4",
-        "--min-workers",
-        "4",
-        "--inject",
-        "error:rank=1,step=3,kind=ecc",
-        steps=STEPS,
-    )
+        "--nproc-per-node", "4", "--min-workers", "4", "--readmit-after", "inf",
+        "--inject", "error:rank=1,step=3,kind=ecc", steps=STEPS,
+    )  # fmt: skip
     assert [e["slot"] for e in _actions(r, "exclude")] == [1], r.of("action")
     assert not _actions(r, "restart")
     # the task is worth nothing below its minimum: no epoch of fewer workers begins
@@ -260,6 +257,32 @@ def test_too_few_slots_for_min_workers_fails_with_the_reason(run: Any) -> None:
     assert "minimum of 4" in r.task_end["reason"], r.task_end
     assert "minimum of 4" in r.stderr
     assert len(r.of("step_end")) < STEPS
+
+
+def test_below_the_minimum_the_task_waits_for_readmission(run: Any, clean: RunResult) -> None:
+    """The slot's exclusion leaves fewer workers than the minimum: the task waits (the event
+    log and the progress output say why), the health probe readmits the slot, and the run
+    ends as the fault-free one, bit for bit."""
+    r = run(
+        "--nproc-per-node", "4", "--min-workers", "4", "--readmit-after", "0.5",
+        "--inject", "error:rank=1,step=3,kind=ecc", steps=STEPS,
+    )  # fmt: skip
+    _healed(r, clean)
+    assert [e["action"] for e in r.of("action")] == ["exclude", "wait", "readmit"]
+    wait = _actions(r, "wait")[0]
+    assert "fewer than the minimum of 4" in wait["reason"] and "health probe" in wait["reason"]
+    assert "'action': 'wait'" in r.stderr and "health probe" in r.stderr
+    assert all(len(e["members"]) >= 4 for e in r.of("epoch_begin")), r.of("epoch_begin")
+
+
+def test_a_task_that_waits_past_its_give_up_deadline_fails(run: Any) -> None:
+    r = run(
+        "--nproc-per-node", "2", "--min-workers", "2", "--readmit-after", "600",
+        "--give-up-after", "1", "--inject", "error:rank=1,step=3,kind=ecc", steps=STEPS,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "gave up after waiting" in r.task_end["reason"], r.task_end
+    assert _actions(r, "wait")
 
 
 def test_script_that_cannot_start_fails_fast_with_its_error(run: Any) -> None:

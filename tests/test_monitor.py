@@ -196,17 +196,20 @@ def _restart(m: StepMonitor, run: Run, worker: int, compute_s: float = 0.1) -> N
     """What the agent does when ``worker`` is restarted into the running task: forget it, then
     the new epoch's ``reset_expectation``, then the new process's first (cold) step."""
     m.forget(worker)
+    pace = m._pace()
     m.reset_expectation()
     assert m.hang_deadline(worker) is None
     m.step_started(worker, run.step, run.t)
     s = m.settings
-    assert m.hang_deadline(worker) == run.t + s.warmup_hang_s  # the cold step: warm-up deadline
+    if pace is not None:  # the cold step of a restart: lenient, but not the start's 300 s
+        cold = max(s.hang_factor * s.relearn_factor * pace, s.rejoin_hang_s)
+        assert m.hang_deadline(worker) == pytest.approx(run.t + cold)
     run.t += 2.0  # slow, as a fresh process's first step is
     m.step_finished(worker, run.step, compute_s, run.t)
     assert m.check(run.t) == []
 
 
-def test_a_restarted_worker_gets_the_rejoin_deadline_after_its_cold_first_step() -> None:
+def test_a_restarted_worker_gets_the_tasks_pace_after_its_cold_first_step() -> None:
     s = MonitorSettings(warmup_steps=2)
     m = StepMonitor(s)
     run = Run(m)
@@ -214,17 +217,33 @@ def test_a_restarted_worker_gets_the_rejoin_deadline_after_its_cold_first_step()
     _restart(m, run, 1)
     # its peers re-learn too (their windows emptied), but their previous pace stands in
     m.step_started(1, run.step + 1, run.t)
-    assert m.hang_deadline(1) == run.t + s.rejoin_hang_s  # 12 x ~0.1 s is under 30 s
-    assert m.check(run.t + s.rejoin_hang_s - 0.01) == []
-    (found,) = m.check(run.t + s.rejoin_hang_s)
+    pace = m._pace()
+    assert pace is not None and pace < 0.2
+    limit = max(s.hang_factor * s.relearn_factor * pace, s.hang_floor_s)
+    assert m.hang_deadline(1) == pytest.approx(run.t + limit)  # seconds, not the old 30 s
+    assert m.check(run.t + limit - 0.01) == []
+    (found,) = m.check(run.t + limit)
     assert (found.kind, found.worker) == ("hang", 1) and "joined a running task" in found.reason
+
+
+def test_a_restarted_workers_cold_step_gets_the_rejoin_deadline() -> None:
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=0.1)
+    m.forget(2)
+    m.reset_expectation()
+    m.step_started(2, run.step, run.t)
+    assert m.hang_deadline(2) == run.t + s.rejoin_hang_s
+    (found,) = m.check(run.t + s.rejoin_hang_s)
+    assert found.worker == 2 and "cold step" in found.reason
 
 
 def test_a_rejoining_worker_with_slow_peers_gets_their_pace_times_the_leniency() -> None:
     s = MonitorSettings(warmup_steps=2)
     m = StepMonitor(s)
     run = Run(m)
-    run.steps(20, base_s=4.0, sigma=0.0, spike_p=0.0)  # 4 s steps: 12 x 4.8 s > rejoin_hang_s
+    run.steps(20, base_s=4.0, sigma=0.0, spike_p=0.0)  # 4 s steps: 12 x 4.8 s > the floor
     m.forget(3)
     pace = m.expected_step_s()  # the other three's
     assert pace is not None
@@ -234,11 +253,48 @@ def test_a_rejoining_worker_with_slow_peers_gets_their_pace_times_the_leniency()
     assert limit > s.rejoin_hang_s and m.hang_deadline(3) == pytest.approx(run.t + limit)
 
 
+def test_a_hang_in_the_first_steps_is_found_from_the_early_pace() -> None:
+    """Only the very first (cold) step has the long warm-up deadline: from the second step on,
+    every worker's warm-up steps give the task's early pace (issue: a hang at step 5 of 4
+    workers took the whole 300 s warm-up deadline)."""
+    s = MonitorSettings(warmup_steps=5)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(1, base_s=3.0, sigma=0.0, spike_p=0.0)  # the cold step: imports, allocator
+    run.steps(2, base_s=0.1)
+    assert m.expected_step_s() is None  # nobody has an expectation yet
+    m.step_started(0, run.step, run.t)
+    assert m.hang_deadline(0) == run.t + s.hang_floor_s  # 3 x ~0.1 s is under the floor
+    (found,) = m.check(run.t + s.hang_floor_s)
+    assert found.worker == 0 and "early pace" in found.reason
+
+
+def test_peers_that_finished_the_step_tighten_a_relearning_allowance() -> None:
+    """After a membership change every worker re-learns with a 12x allowance; a worker late on
+    a step its peers already computed is judged by their durations of that step instead."""
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=0.5, sigma=0.0, spike_p=0.0)
+    m.reset_expectation()
+    for w in range(WORKERS):
+        m.step_started(w, run.step, run.t)
+    lenient = m.hang_deadline(3)
+    assert lenient is not None and lenient - run.t > s.hang_factor * s.relearn_factor * 0.5
+    for w in range(3):
+        m.step_finished(w, run.step, 0.6, run.t + 0.6)  # the new membership: 0.6 s steps
+    assert m.hang_deadline(3) == pytest.approx(run.t + s.hang_factor * 0.6)
+    (found,) = m.check(run.t + s.hang_factor * 0.6)
+    assert found.worker == 3 and "peers computed step" in found.reason
+
+
 def test_without_warm_peers_the_warmup_deadline_stands() -> None:
     s = MonitorSettings(warmup_steps=5)
     m = StepMonitor(s)
     run = Run(m)
-    run.steps(3)  # everyone still warming up: nobody knows the pace
+    run.steps(1)  # only the cold step: nobody knows the pace
+    m.step_started(2, run.step, run.t)
+    assert m.hang_deadline(2) == run.t + s.warmup_hang_s
     _restart(m, run, 2)
     m.step_started(2, run.step + 1, run.t)
     assert m.hang_deadline(2) == run.t + s.warmup_hang_s

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from unicron import health
-from unicron.classify import Verdict, verdict_for_kind
-from unicron.coordinator import Coordinator, CoordinatorSettings, TaskState
+from unicron.classify import verdict_for_kind
+from unicron.coordinator import Coordinator, CoordinatorSettings, Kill, Probe, Spawn, TaskState
 from unicron.escalation import Escalation, EscalationSettings
 from unicron.events import EventLog, read_events
 from unicron.health import main as health_main
@@ -23,19 +23,27 @@ from unicron.health import probe
 
 @dataclass
 class FakeAgent:
+    """Takes the coordinator's actions for its node and records them (in order, per kind)."""
+
+    c: Coordinator
     node: int
-    probes: list[int] = field(default_factory=list)
-    spawns: list[int] = field(default_factory=list)
-    kills: list[int] = field(default_factory=list)
+    taken: list[Spawn | Kill | Probe] = field(default_factory=list)
 
-    def spawn(self, slot: int) -> None:
-        self.spawns.append(slot)
+    def _of(self, kind: type) -> list[int]:
+        self.taken += self.c.take_actions(self.node)
+        return [a.slot for a in self.taken if isinstance(a, kind)]
 
-    def kill(self, slot: int, verdict: Verdict | None = None) -> None:
-        self.kills.append(slot)
+    @property
+    def probes(self) -> list[int]:
+        return self._of(Probe)
 
-    def probe(self, slot: int) -> None:
-        self.probes.append(slot)
+    @property
+    def spawns(self) -> list[int]:
+        return self._of(Spawn)
+
+    @property
+    def kills(self) -> list[int]:
+        return self._of(Kill)
 
 
 def _running(tmp_path: Path, **settings: float) -> tuple[Coordinator, FakeAgent, Path]:
@@ -48,8 +56,8 @@ def _running(tmp_path: Path, **settings: float) -> tuple[Coordinator, FakeAgent,
         escalation=Escalation(EscalationSettings()),
         settings=CoordinatorSettings(**settings),  # type: ignore[arg-type]
     )
-    agent = FakeAgent(node=0)
-    c.attach(agent)
+    agent = FakeAgent(c, node=0)
+    c.attach(0)
     for s in range(4):
         c.worker_ready(s, 0.0)
     assert c.state is TaskState.RUNNING and c.members == (0, 1, 2, 3)
@@ -122,18 +130,14 @@ def test_a_dropped_worker_is_probed_only_once_its_exit_is_handled(tmp_path: Path
 def test_a_probe_that_cannot_start_is_tried_again_later(tmp_path: Path) -> None:
     c, agent, _ = _running(tmp_path, readmit_after_s=1.0)
     c.worker_failed(3, verdict_for_kind("ecc"), 0.0)
-
-    def no_fds(slot: int) -> None:
-        raise OSError(24, "Too many open files")
-
-    agent.probe = no_fds  # type: ignore[method-assign]
-    c.tick(1.0)  # does not raise: the next epoch's work in tick goes on
-    assert 3 not in c._probing
-    agent.probe = FakeAgent.probe.__get__(agent)  # type: ignore[method-assign]
+    c.tick(1.0)
+    assert agent.probes == [3]  # asked for; the agent cannot start it (out of descriptors)
+    c.probe_not_started(3, "[Errno 24] Too many open files", 1.0)
+    assert 3 not in c._probing and c.slots[3].excluded
     c.tick(1.5)
-    assert agent.probes == []
-    c.tick(2.0)  # one more cool-down after the failed start
     assert agent.probes == [3]
+    c.tick(2.0)  # one more cool-down after the failed start
+    assert agent.probes == [3, 3]
 
 
 def test_readmission_can_be_turned_off_and_bad_settings_are_refused(tmp_path: Path) -> None:

@@ -56,6 +56,8 @@ BAD_INPUT = {
     "min-workers too high": (["--min-workers", "5", str(TRAIN)], "--min-workers"),
     "nproc not a number": (["--nproc-per-node", "x", str(TRAIN)], "--nproc-per-node"),
     "readmit-after zero": (["--readmit-after", "0", str(TRAIN)], "--readmit-after"),
+    "give-up-after zero": (["--give-up-after", "0", str(TRAIN)], "--give-up-after"),
+    "give-up-after nan": (["--give-up-after", "nan", str(TRAIN)], "--give-up-after"),
 }
 
 

@@ -2,11 +2,15 @@
 
 It listens on an authenticated local socket for its workers' reports, starts workers through
 the warm zygote (:mod:`unicron.launcher`; a plain spawn when the zygote is gone), notices a
-worker that exits or is killed (its socket closes; the zygote reports the exit status), runs
-the online statistical monitor on step times (:mod:`unicron.monitor`), writes what it sees to
-the event log and reports it to the coordinator, and carries out the coordinator's actions
-(:meth:`Agent.spawn`, :meth:`Agent.kill`, and :meth:`Agent.probe`, the health probe of an
-excluded slot). Everything runs on one thread, :meth:`Agent.run`.
+worker that exits or is killed (its socket closes; the zygote reports the exit status), writes
+what it sees to the event log and reports it to the coordinator (step times, epochs entered,
+errors, exits: the coordinator runs the task's detectors over every node's workers), and
+carries out the coordinator's actions (:class:`unicron.coordinator.Spawn`, ``Kill`` and
+``Probe``, the health probe of an excluded slot), which it takes on every round.
+
+Threads: everything the agent owns is touched by one thread, the one in :meth:`Agent.run`
+(its ``accept`` thread only queues new connections). The coordinator never calls the agent;
+the agent calls the coordinator, whose methods take its own lock.
 """
 
 from __future__ import annotations
@@ -26,11 +30,10 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
-from unicron.classify import Verdict, classify_detector, classify_exit, classify_message
-from unicron.coordinator import Coordinator
+from unicron.classify import Verdict, classify_exit, classify_message
+from unicron.coordinator import Coordinator, Kill, Probe, Spawn, emit_detection
 from unicron.events import EventLog
 from unicron.inject import Fault
-from unicron.monitor import StepMonitor
 from unicron.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
@@ -53,9 +56,6 @@ EXIT_GRACE_S = 0.3
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
 PROBE_TIMEOUT_S = 120.0
 """a health probe (a fresh process: imports, then milliseconds of work) that takes longer fails"""
-LONE_HANG_OVERRUN = 2.0
-"""a lone member's step is a hang once it lasts this many times its hang allowance (with a
-peer, the peer finishing the step is the evidence; alone, killing costs a checkpoint reload)"""
 
 
 @dataclass
@@ -79,7 +79,7 @@ class _Worker:
     popen: subprocess.Popen[bytes] | None = None
     eof_ts: float | None = None
     error: dict[str, Any] | None = None  # the last error it reported before exiting
-    verdict: Verdict | None = None  # set when the agent itself killed it (hang, escalation)
+    verdict: Verdict | None = None  # set when it was killed for a logged reason (hang, ...)
     gone: bool = True
     step: int | None = None
     finished: bool = False  # it reported "done": its exit is the normal end
@@ -110,22 +110,15 @@ class Agent:
         config: AgentConfig,
         coordinator: Coordinator,
         events: EventLog,
-        monitor: StepMonitor | None = None,
     ) -> None:
         self.config = config
         self.node = config.node
         self.coordinator = coordinator
         self.events = events
-        self.monitor = monitor
         self.workers = {s: _Worker(s) for s in config.slots}
         self.fired: set[str] = set()
         self.errors: list[dict[str, Any]] = []  # every error that ended a worker, in order
-        self.mb_compute_s: dict[int, float] = {}  # latest compute time per micro-batch, by slot
-        self._seen_epoch = 0
         self.vanished = False
-        self._step_done: dict[int, int] = {}  # last step each slot finished computing
-        # slot -> (step past its deadline, verdict, the monitor's reason): not yet confirmed
-        self._suspects: dict[int, tuple[int, Verdict, str]] = {}
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
@@ -153,6 +146,7 @@ class Agent:
             start_new_session=True,
         )
         out.close()
+        self.coordinator.attach(self.node)
         for slot in self.config.slots:
             self.spawn(slot)
 
@@ -174,17 +168,28 @@ class Agent:
             self._zygote.wait()
         self._listener.close()
 
-    # -- actions (called by the coordinator) ------------------------------------------------
+    # -- actions (the coordinator's, taken on every round) ------------------------------------
+    def _act(self, now: float) -> None:
+        """Carry out what the coordinator asked of this node since the last round."""
+        for action in self.coordinator.take_actions(self.node):
+            if self.vanished:
+                return
+            if isinstance(action, Spawn):
+                self.spawn(action.slot)
+            elif isinstance(action, Kill):
+                self.kill(action.slot, action.verdict)
+            elif isinstance(action, Probe):
+                try:
+                    self.probe(action.slot)
+                except OSError as exc:  # could not start it: tried again after another wait
+                    self.coordinator.probe_not_started(action.slot, str(exc), now)
+
     def spawn(self, slot: int) -> None:
         """Start a new incarnation of the worker in ``slot``."""
         w = self.workers[slot]
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
         w.gone = w.finished = w.kill_pending = False
-        self._step_done.pop(slot, None)
-        self._suspects.pop(slot, None)
-        if self.monitor is not None:
-            self.monitor.forget(slot)
         if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
             self._pending_spawns.append(slot)  # the zygote is still importing torch
         else:
@@ -270,10 +275,13 @@ class Agent:
         if self._zygote_conn is not None:
             conns.append(self._zygote_conn)
         if conns:
-            for conn in wait(conns, timeout=timeout):
+            ready = wait(conns, timeout=timeout)
+            read_until = time.time()  # every report sent before now is in a ready socket
+            for conn in ready:
                 self._read(conn)  # type: ignore[arg-type]
         else:
             time.sleep(timeout)
+            read_until = time.time()
         now = time.time()
         if self._pending_spawns and self._zygote is not None and self._zygote.poll() is not None:
             log.warning("node %d: the zygote died while starting; spawning plainly", self.node)
@@ -283,13 +291,9 @@ class Agent:
         self._check_exits(now)
         if self._probes:
             self._check_probes(now)
-        if self.monitor is not None:
-            if self.coordinator.epoch != self._seen_epoch:  # membership changed: re-learn
-                self._seen_epoch = self.coordinator.epoch
-                self.monitor.reset_expectation()
-            self._check_monitor(now)
-        self.coordinator.heartbeat(self.node, now)
+        self.coordinator.heartbeat(self.node, now, read_until=read_until)
         self.coordinator.tick(now)
+        self._act(now)
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -369,13 +373,15 @@ class Agent:
     def _from_worker(self, slot: int, kind: str | None, msg: dict[str, Any]) -> None:
         now = time.time()
         w = self.workers[slot]
+        c = self.coordinator
         if kind == "ready":
-            self.coordinator.microbatches = msg.get("microbatches") or self.coordinator.microbatches
-            self.coordinator.worker_ready(slot, now)
+            c.worker_ready(
+                slot, now, microbatches=msg.get("microbatches"), state_bytes=msg.get("bytes", 0)
+            )
         elif kind == "event":
             fields = msg["fields"]
-            if msg["event"] == "step_end" and not self.coordinator.first_commit_report(
-                fields["epoch"], fields["step"]
+            if msg["event"] == "step_end" and not c.step_committed(
+                fields["epoch"], fields["step"], now
             ):
                 return  # another member of the epoch already reported this commit
             if msg["event"] == "fault_injected" and "spec" in fields:
@@ -383,21 +389,19 @@ class Agent:
                     return  # a node fault fires in every worker of the node: log it once
                 self.fired.add(fields["spec"])
             self.events.emit(msg["event"], **fields)
+        elif kind == "epoch":
+            c.epoch_entered(slot, msg["epoch"], now)
         elif kind == "step_begin":
             w.step = msg["step"]
-            if self.monitor is not None:
-                self.monitor.step_started(slot, msg["step"], now)
+            c.step_started(slot, msg["step"], now, epoch=msg.get("epoch"))
         elif kind == "step_done":
-            self._step_done[slot] = msg["step"]
-            self.coordinator.step_computed(slot, msg["step"])
-            mbs = msg.get("microbatches") or None
-            if mbs:
-                self.mb_compute_s[slot] = msg["compute_s"] / mbs
-            if self.monitor is not None:
-                self.monitor.step_finished(
-                    slot, msg["step"], msg["compute_s"], now, microbatches=mbs
-                )
-            self.coordinator.escalation.healthy(slot=slot, now=now)
+            c.step_computed(
+                slot,
+                msg["step"],
+                now,
+                compute_s=msg["compute_s"],
+                microbatches=msg.get("microbatches") or None,
+            )
         elif kind == "error":
             if not msg.get("in_band"):
                 w.error = {**msg, "ts": now, "slot": slot}  # the error that ends this process
@@ -405,8 +409,8 @@ class Agent:
             verdict = classify_message(msg["type_name"], msg["message"])
             self._emit_detection(slot, msg.get("step", w.step), verdict, now, "exception")
             if msg.get("in_band"):
-                self.coordinator.worker_error(
-                    slot, verdict, now, in_place=bool(msg.get("in_place"))
+                c.worker_error(
+                    slot, verdict, now, in_place=bool(msg.get("in_place")), epoch=msg.get("epoch")
                 )
             else:  # the error ends the process: do not wait for its interpreter to wind down
                 self.kill(slot, verdict)
@@ -414,7 +418,7 @@ class Agent:
             self.vanish()
         elif kind == "done":
             w.finished = True
-            self.coordinator.worker_done(slot, msg, now)
+            c.worker_done(slot, msg, now)
 
     # -- process supervision ----------------------------------------------------------------
     def _check_exits(self, now: float) -> None:
@@ -453,59 +457,7 @@ class Agent:
         if w.conn is not None:
             w.conn.close()
             w.conn = None
-        if self.monitor is not None:
-            self.monitor.forget(slot)
         self.coordinator.worker_failed(slot, verdict, detected)
-
-    def _check_monitor(self, now: float) -> None:
-        """Act on the monitor's verdicts. A step past its hang deadline is a hang only once a
-        peer has finished computing that step: when every member is late together the machine
-        is slow (or a collective is stuck), and killing them all would lose the state. A lone
-        member has no peer to vouch: its hang is confirmed once the step has lasted
-        :data:`LONE_HANG_OVERRUN` times its allowance."""
-        assert self.monitor is not None
-        for slot in list(self._suspects):
-            self._check_monitor_suspect(slot, now)
-        for d in self.monitor.check(now):
-            target = self.workers.get(d.worker)
-            if target is None or target.gone:
-                continue
-            verdict = classify_detector(d.kind)
-            if d.kind == "hang":
-                self._suspects[d.worker] = (d.step, verdict, d.reason)
-                self._check_monitor_suspect(d.worker, now)
-                continue
-            self._emit_detection(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
-            self.coordinator.worker_slow(d.worker, verdict, dict(self.mb_compute_s), now)
-
-    def _check_monitor_suspect(self, slot: int, now: float) -> None:
-        step, verdict, reason = self._suspects[slot]
-        w = self.workers[slot]
-        if w.gone or w.step != step or self._step_done.get(slot, -1) >= step:
-            del self._suspects[slot]  # it moved on, or it is gone
-            return
-        peer = self.coordinator.peer_ahead(slot, step)
-        lone = not peer and self._lone_overrun(slot, now)
-        if not (peer or lone):
-            return
-        del self._suspects[slot]
-        # alone, and the task's only copy of its state: if it is merely slow it may still
-        # finish, so it is reported and left running
-        spare = lone and not self.coordinator.state_survives(slot)
-        if lone:
-            reason += f"; alone in its epoch: confirmed at {LONE_HANG_OVERRUN:g}x the allowance"
-        if spare:
-            reason += "; not killed: no other replica and no checkpoint hold the state"
-            log.warning("slot %d: %s", slot, reason)
-        self._emit_detection(slot, step, verdict, now, "monitor", reason=reason)
-        if not spare:
-            self.kill(slot, verdict)
-
-    def _lone_overrun(self, slot: int, now: float) -> bool:
-        """``slot`` is alone in its epoch and its step has overrun the lone worker's bound."""
-        assert self.monitor is not None
-        overrun = self.monitor.overrun(slot, now)
-        return overrun is not None and overrun >= LONE_HANG_OVERRUN and self.coordinator.alone(slot)
 
     def _emit_detection(
         self,
@@ -519,18 +471,16 @@ class Agent:
         **extra: Any,
     ) -> None:
         """One ``error_detected`` event about the worker in ``slot``."""
-        self.events.emit(
-            "error_detected",
-            ts=ts,
+        emit_detection(
+            self.events,
             task=self.coordinator.task,
-            rank=slot,
             slot=slot,
             node=self.node,
             step=step,
-            kind=verdict.kind,
-            severity=int(verdict.severity),
+            verdict=verdict,
+            ts=ts,
             method=method,
-            reason=reason or verdict.reason,
+            reason=reason,
             **extra,
         )
 

@@ -7,9 +7,10 @@ action). It is data, read top to bottom, first match wins; the functions below o
   (or, when the error arrives from another process as a type name and a text, the agent or
   the coordinator calls :func:`classify_message`);
 - the agent calls :func:`classify_exit` when a worker process ends;
-- the agent's monitor (:mod:`unicron.monitor`) and the coordinator's heartbeat check call
-  :func:`classify_detector` with the detector's name (``hang``, ``straggler``,
-  ``heartbeat_lost``);
+- the coordinator's detectors call :func:`classify_detector` with the detector's name:
+  ``hang`` and ``straggler`` (the step monitor, :mod:`unicron.monitor`), ``stall`` and
+  ``collective_stall`` (a transition or reduce that never ends, :mod:`unicron.stall`),
+  ``heartbeat_lost`` (node heartbeats);
 - fault injection (``--inject error:kind=K``) and the simulator use :data:`KINDS`,
   :func:`make_exception` and :func:`verdict_for_kind`.
 
@@ -198,6 +199,12 @@ RULES: tuple[Rule, ...] = (
     # ---- detectors
     Rule(kind="hang", severity=SEV2, action=RESTART,
          about="step far longer than expected: kill and restart the hung worker", detector="hang"),
+    Rule(kind="stall", severity=SEV2, action=RESTART,
+         about="the other members waited past the stall deadline for this one, outside a step "
+               "(joining an epoch, or reducing): kill and restart it", detector="stall"),
+    Rule(kind="collective_stall", severity=SEV3, action=REATTEMPT,
+         about="every member waited past the stall deadline in the same collective: the "
+               "epoch starts again with a fresh process group", detector="collective_stall"),
     Rule(kind="straggler", severity=SEV1, action=RECONFIGURE,
          about="worker persistently slower than its peers: replan", detector="straggler"),
     Rule(kind="heartbeat_lost", severity=SEV1, action=EXCLUDE,
@@ -308,8 +315,9 @@ def classify_exit(returncode: int) -> Verdict:
 
 
 def classify_detector(name: str) -> Verdict:
-    """Classify a detector's report: ``hang`` and ``straggler`` (the agent's
-    :class:`unicron.monitor.StepMonitor`), ``heartbeat_lost`` (the coordinator). Never raises."""
+    """Classify a detector's report: ``hang`` and ``straggler`` (the step monitor),
+    ``stall`` and ``collective_stall`` (:mod:`unicron.stall`), ``heartbeat_lost``. Never
+    raises."""
     for rule in RULES:
         if rule.detector is not None and rule.detector == name:
             return rule.verdict(f"detector {name!r}")

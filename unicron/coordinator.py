@@ -2,12 +2,22 @@
 
 It hosts the ``TCPStore`` that every process group rendezvous on (keys scoped by task and
 epoch, :mod:`unicron.protocol`), turns what agents report (a worker ready, failed, raised,
-finished) into decisions through the escalation policy (:mod:`unicron.escalation`), announces
-epochs, and asks agents to restart or kill workers. Agents call the ``worker_*`` methods and
-:meth:`Coordinator.tick` from their supervision loop; nothing here blocks.
+began or finished a step, entered an epoch, finished) into decisions through the escalation
+policy (:mod:`unicron.escalation`), runs the task's detectors (the step monitor,
+:mod:`unicron.monitor`, over every worker of the task whatever its node; the stall check,
+:mod:`unicron.stall`; node heartbeats), and announces epochs.
 
-Task states (:class:`TaskState`): ``PENDING`` (workers starting) -> ``RUNNING`` -> ``DONE`` or
-``FAILED``; ``RUNNING`` stays ``RUNNING`` across epochs (a transition is an epoch change).
+Agents call the ``worker_*`` and ``step_*`` methods and :meth:`Coordinator.tick` from their
+own supervision threads, and the runner calls :meth:`Coordinator.tick` from its main thread;
+every method takes the coordinator's lock and nothing here blocks or touches an agent. What
+an agent must do (start, kill or probe a worker) is queued for it as an :data:`AgentAction`
+and taken by that agent's own thread with :meth:`Coordinator.take_actions`.
+
+Task states (:class:`TaskState`)::
+
+    PENDING --first epoch--> RUNNING <--> WAITING (below the minimum, capacity may come back)
+       RUNNING | WAITING --> DONE (the last step committed) | FAILED (nothing left to heal,
+                                                                or the give-up deadline passed)
 """
 
 from __future__ import annotations
@@ -15,45 +25,73 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import logging
+import math
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
 from unicron.classify import Action, Scope, Verdict, classify_detector
 from unicron.escalation import Escalation
 from unicron.events import EventLog
-from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key
+from unicron.monitor import StepMonitor
+from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, trained_key
+from unicron.stall import Phase, Progress, find_stall, stall_deadline_s
 
 log = logging.getLogger("unicron.coordinator")
 
+LONE_HANG_OVERRUN = 2.0
+"""a step past its hang allowance is confirmed hung when every other member finished it;
+with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
+checkpoint reload), once it has lasted this many times its allowance"""
+
 
 class TaskState(enum.Enum):
-    """PENDING -> RUNNING (first epoch announced) -> DONE (a member finished the last step)
-    or FAILED (fewer usable slots than the minimum, or no replica holds the state)."""
+    """PENDING -> RUNNING (first epoch announced) <-> WAITING (fewer live workers than the
+    minimum while capacity can come back: restarts, health probes) -> DONE (a member finished
+    the last step) or FAILED (no way back to the minimum, no replica and no checkpoint holding
+    the state, replicas that disagree, or the give-up deadline passed while waiting)."""
 
     PENDING = "pending"
     RUNNING = "running"
+    WAITING = "waiting"
     DONE = "done"
     FAILED = "failed"
 
 
-class AgentHandle(Protocol):
-    """What the coordinator asks of a node's agent."""
+@dataclass(frozen=True)
+class Spawn:
+    """Start a new incarnation of the worker in ``slot``."""
 
-    node: int
+    slot: int
 
-    def spawn(self, slot: int) -> None: ...
-    def kill(self, slot: int, verdict: Verdict | None = None) -> None: ...
-    def probe(self, slot: int) -> None: ...
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL the worker in ``slot``; its exit is reported with ``verdict`` (already logged)."""
+
+    slot: int
+    verdict: Verdict | None = None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Run the health probe of the excluded ``slot``; report with :meth:`Coordinator.probe_done`
+    (or :meth:`Coordinator.probe_not_started`)."""
+
+    slot: int
+
+
+AgentAction = Spawn | Kill | Probe
 
 
 @dataclass(frozen=True, kw_only=True)
 class CoordinatorSettings:
     min_workers: int = 1
-    """the task is worth nothing below this many workers: it fails (exit 1) instead"""
+    """the task is worth nothing below this many workers: it waits (or fails) instead"""
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""
     checkpoint: Path | None = None
@@ -66,28 +104,52 @@ class CoordinatorSettings:
     worker elsewhere reports a failed collective (the in-band symptom of a lost peer), so a
     node loss need not wait out the whole heartbeat timeout"""
     readmit_after_s: float = 60.0
-    """an excluded slot (not a lost or excluded node) gets a health probe this long after its
-    exclusion, twice as long after each further one; a probe that passes brings it back (a
-    new worker joins the next epoch). ``math.inf``: never"""
+    """an excluded slot, or a slot of an excluded (not lost) node, gets a health probe this
+    long after its exclusion, twice as long after each further one; a probe that passes brings
+    it (and its node) back: a new worker joins the next epoch. ``math.inf``: never"""
     error_grace_s: float = 2.5
-    """an in-band error with no process or node failure within this long is healed by a
-    reattempt: a new epoch of the same members (fresh process group), keeping every local sum.
-    Longer than the heartbeat timeout, so a lost node is not mistaken for a flaky link."""
+    """an in-band error of the current epoch with no process or node failure within this long
+    is healed by a reattempt: a new epoch of the same members (fresh process group), keeping
+    every local sum. Longer than the heartbeat timeout, so a lost node is not mistaken for a
+    flaky link"""
+    give_up_after_s: float = 600.0
+    """a task below its minimum waits this long for capacity (restarts, readmitted slots and
+    nodes), then fails; ``math.inf``: wait for ever"""
+    stall_factor: float = 20.0
+    """a member waiting on its peers outside a step (joining an epoch, reducing) for longer
+    than this many step times (see ``stall_floor_s``) is stalled"""
+    stall_floor_s: float = 5.0
+    """... and never before this many seconds"""
+    stall_cold_s: float = 120.0
+    """the stall deadline before the task has a pace (its first epoch: imports, first
+    connections)"""
+    stall_transfer_bytes_per_s: float = 50e6
+    """a conservative bandwidth for moving the task's state to a joiner: the stall deadline
+    grows by the state size over it"""
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
             raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
-        if not self.start_timeout_s > 0:
-            raise ValueError(f"start_timeout_s must be > 0, got {self.start_timeout_s}")
-        if not self.error_grace_s >= 0:
-            raise ValueError(f"error_grace_s must be >= 0, got {self.error_grace_s}")
+        for name in ("start_timeout_s", "heartbeat_timeout_s", "give_up_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.readmit_after_s > 0:
             raise ValueError(f"readmit_after_s must be > 0, got {self.readmit_after_s}")
-        if not self.heartbeat_timeout_s > 0:
-            raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
         if not 0 < self.suspect_after_s <= self.heartbeat_timeout_s:
             raise ValueError(
                 f"suspect_after_s must be in (0, heartbeat_timeout_s], got {self.suspect_after_s}"
+            )
+        if not self.error_grace_s > self.heartbeat_timeout_s:
+            raise ValueError(
+                f"error_grace_s must be > heartbeat_timeout_s ({self.heartbeat_timeout_s}), "
+                f"got {self.error_grace_s}"
+            )
+        for name in ("stall_factor", "stall_floor_s", "stall_cold_s"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.stall_transfer_bytes_per_s > 0:
+            raise ValueError(
+                f"stall_transfer_bytes_per_s must be > 0, got {self.stall_transfer_bytes_per_s}"
             )
 
 
@@ -100,6 +162,7 @@ class _Slot:
     done: dict[str, Any] | None = None
     last_error: str = ""
     has_state: bool = True  # it holds the task's committed state (or will after a sync)
+    fresh: bool = True  # started while no step had committed, and has computed none since
 
 
 @dataclass
@@ -112,7 +175,7 @@ class Outcome:
 
 
 class Coordinator:
-    """Membership and decisions for one task (the embedded coordinator of ``unicron run``)."""
+    """Membership, detection and decisions for one task (see the module docstring)."""
 
     def __init__(
         self,
@@ -122,47 +185,74 @@ class Coordinator:
         events: EventLog,
         escalation: Escalation,
         settings: CoordinatorSettings,
+        monitor: StepMonitor | None = None,
         host: str = "127.0.0.1",
     ) -> None:
         self.task = task
         self.events = events
         self.escalation = escalation
         self.settings = settings
+        self.monitor = monitor
         self.slots = {s: _Slot(node=n) for s, n in slots.items()}
-        self.agents: dict[int, AgentHandle] = {}
+        self.nodes: set[int] = set()  # nodes whose agent is attached
         self.state = TaskState.PENDING
         self.epoch = 0
         self.members: tuple[int, ...] = ()
         self.outcome: Outcome | None = None
         self.started_at: float | None = None
-        self._pending_errors: dict[int, tuple[float, Verdict]] = {}
+        self.waiting_since: float | None = None
+        self.waiting_reason = ""
+        self.microbatches: int | None = None  # per global batch, learned from the workers
+        self.state_bytes = 0  # the task's state (model + optimizer), learned from the workers
+        self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
+        self._read_until: dict[int, float] = {}  # node -> its reports are all in up to then
+        self.lost_nodes: set[int] = set()
+        self._outbox: dict[int, deque[AgentAction]] = {n: deque() for n in set(slots.values())}
+        self._pending_errors: dict[int, tuple[float, Verdict, int]] = {}  # slot -> ts, v, epoch
         self._last_failure_ts = float("-inf")
         self._lock = threading.RLock()
-        self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
         self._computed: dict[int, int] = {}  # slot -> last step it finished computing
+        self._progress: dict[int, Progress] = {}  # slot -> where its worker last said it was
+        self._mb_compute_s: dict[int, float] = {}  # slot -> its latest compute time per mb
+        self._suspects: dict[int, tuple[int, Verdict, str]] = {}  # slot -> step, verdict, why
         self._trained = False  # a step committed: a fresh worker's model is no longer the state
         self._commits: set[tuple[int, int]] = set()  # (epoch, step) reported committed
         self._last_error = ""
         self._last_tick: float | None = None
-        self.lost_nodes: set[int] = set()
         self._excluded_at: dict[int, float] = {}  # slot -> when it was excluded (or re-probed)
         self._exclusions: dict[int, int] = {}  # slot -> times excluded: the probe backoff
         self._probing: set[int] = set()
-        self.microbatches: int | None = None  # per global batch, learned from the workers
         self.store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
         )
         self.store_address = f"{host}:{self.store.port}"
 
-    def attach(self, agent: AgentHandle) -> None:
-        self.agents[agent.node] = agent
+    def attach(self, node: int) -> None:
+        """The agent of ``node`` is up and takes its actions (:meth:`take_actions`)."""
+        with self._lock:
+            self.nodes.add(node)
+            self._outbox.setdefault(node, deque())
+
+    def take_actions(self, node: int) -> list[AgentAction]:
+        """What the agent of ``node`` must do now, in order (called by that agent's thread)."""
+        with self._lock:
+            box = self._outbox.get(node)
+            if not box:
+                return []
+            actions = list(box)
+            box.clear()
+            return actions
 
     # -- reports from agents ----------------------------------------------------------------
-    def worker_ready(self, slot: int, now: float) -> None:
+    def worker_ready(
+        self, slot: int, now: float, *, microbatches: int | None = None, state_bytes: int = 0
+    ) -> None:
         """The worker in ``slot`` built its model and waits for an epoch."""
         with self._lock:
             self.slots[slot].ready = True
             self.slots[slot].alive = True
+            self.microbatches = microbatches or self.microbatches
+            self.state_bytes = max(self.state_bytes, state_bytes)
             self.tick(now)
 
     def worker_failed(self, slot: int, verdict: Verdict, now: float) -> None:
@@ -172,60 +262,115 @@ class Coordinator:
             s.ready = s.alive = False
             s.last_error = verdict.reason
             self._last_failure_ts = now
-            self._pending_errors.pop(slot, None)
-            if self.state in (TaskState.DONE, TaskState.FAILED):
+            self._forget(slot)
+            if self.over():
                 return
             self._last_error = verdict.reason
-            if s.excluded:  # the coordinator itself took it out (a dropped straggler)
+            if s.excluded:  # taken out already (a dropped straggler, a slot of an excluded node)
                 self._reform(now, f"slot {slot} excluded")
                 return
             decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
             self._action(decision.action, slot, decision.reason, int(decision.severity), now)
+            if decision.exclude_slot or decision.action is Action.EXCLUDE:
+                self._exclude(slot, now)
             if decision.exclude_node or (
                 verdict.scope is Scope.NODE and decision.action is Action.EXCLUDE
             ):
-                for other, o in self.slots.items():
-                    if o.node == s.node:
-                        o.excluded = True
-                        if o.alive:
-                            o.alive = o.ready = False  # doomed: not a member of the next epoch
-                            self.agents[o.node].kill(other, verdict)
-            if decision.exclude_slot or decision.action is Action.EXCLUDE:
-                self._exclude(slot, now)
+                self._exclude_node(s.node, verdict, now)
             if not self._reform(now, f"slot {slot} lost: {verdict.kind}"):
                 return
             if not s.excluded:
-                s.alive = True  # its restart: a member of a later epoch once it is ready
-                s.has_state = not self._trained
-                self.agents[s.node].spawn(slot)
+                self._spawn(slot)
 
-    def worker_error(self, slot: int, verdict: Verdict, now: float, *, in_place: bool) -> None:
+    def worker_error(
+        self, slot: int, verdict: Verdict, now: float, *, in_place: bool, epoch: int | None = None
+    ) -> None:
         """An error raised inside a living worker (in-band).
 
         ``in_place``: the worker already retried the step in place (SEV3), and the decision is
         only recorded, unless the escalation says the retries are used up (then the worker is
-        restarted). Otherwise (a collective failed) it is healed in :meth:`tick`.
+        restarted). Otherwise a collective of ``epoch`` failed and the worker left it to wait
+        for a newer epoch: it is healed in :meth:`tick` (a newer epoch announced meanwhile, for
+        a process or node failure, heals it too).
         """
         with self._lock:
             if not in_place:
-                self._pending_errors.setdefault(slot, (now, verdict))
+                epoch = self.epoch if epoch is None else epoch
+                if epoch >= self.epoch:
+                    self._progress[slot] = Progress(epoch, Phase.LEFT, -1, now)
+                self._pending_errors.setdefault(slot, (now, verdict, epoch))
                 return
             s = self.slots[slot]
             decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
             self._action(decision.action, slot, decision.reason, int(decision.severity), now)
             if decision.action is not Action.REATTEMPT:
-                self.agents[s.node].kill(slot, verdict)
+                self._kill(slot, verdict)
 
-    def worker_slow(
-        self, slot: int, verdict: Verdict, mb_compute_s: dict[int, float], now: float
+    def epoch_entered(self, slot: int, epoch: int, now: float) -> None:
+        """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
+        with self._lock:
+            self._progress[slot] = Progress(epoch, Phase.JOIN, -1, now)
+
+    def step_started(self, slot: int, step: int, now: float, *, epoch: int | None = None) -> None:
+        """The worker in ``slot`` began computing ``step``: the monitor's clock starts."""
+        with self._lock:
+            known = self._progress.get(slot)
+            ep = epoch if epoch is not None else (known.epoch if known else self.epoch)
+            self._progress[slot] = Progress(ep, Phase.COMPUTE, step, now)
+            if self.monitor is not None:
+                self.monitor.step_started(slot, step, now)
+
+    def step_computed(
+        self,
+        slot: int,
+        step: int,
+        now: float,
+        *,
+        compute_s: float = math.nan,
+        microbatches: int | None = None,
     ) -> None:
+        """The worker in ``slot`` finished computing ``step`` (it now reduces): it holds the
+        state; the monitor learns the step time."""
+        with self._lock:
+            self._computed[slot] = step
+            s = self.slots[slot]
+            s.has_state, s.fresh = True, False
+            known = self._progress.get(slot)
+            ep = known.epoch if known else self.epoch
+            self._progress[slot] = Progress(ep, Phase.REDUCE, step, now)
+            if microbatches:
+                self._mb_compute_s[slot] = compute_s / microbatches
+            if self.monitor is not None:
+                self.monitor.step_finished(slot, step, compute_s, now, microbatches=microbatches)
+            self.escalation.healthy(slot=slot, now=now)
+
+    def step_committed(self, epoch: int, step: int, now: float) -> bool:
+        """A member reports that ``step`` committed in ``epoch``. True for the first report of
+        it (every member sends one; the event log keeps one). The first commit makes a freshly
+        built model no longer the task's state: the coordinator is the one source of that fact
+        (the ``trained`` store key, which starting workers read, is written here)."""
+        with self._lock:
+            key = (epoch, step)
+            if key in self._commits:
+                return False
+            self._commits.add(key)
+            if not self._trained:
+                self._trained = True
+                self.store.set(trained_key(self.task), "1")
+                for o in self.slots.values():
+                    if o.fresh:  # a fresh model started before the first commit: not the state
+                        o.has_state = False
+            return True
+
+    def worker_slow(self, slot: int, verdict: Verdict, now: float) -> None:
         """A straggler: ask the planner whether the task's WAF is higher without it; act on
         the answer (drop the slot, or keep it and say why)."""
         with self._lock:
             if slot not in self.members or self.state is not TaskState.RUNNING:
                 return
-            peers = [t for s, t in mb_compute_s.items() if s != slot and s in self.members]
-            if slot not in mb_compute_s or not peers:
+            mb_s = self._mb_compute_s
+            peers = [t for s, t in mb_s.items() if s != slot and s in self.members]
+            if slot not in mb_s or not peers:
                 return
             from unicron.straggler import straggler_plan
 
@@ -233,14 +378,13 @@ class Coordinator:
                 world=len(self.members),
                 microbatches=self.microbatches or len(self.members),
                 peer_mb_s=sorted(peers)[len(peers) // 2],
-                slow_mb_s=mb_compute_s[slot],
+                slow_mb_s=mb_s[slot],
                 min_workers=self.settings.min_workers,
             )
-            s = self.slots[slot]
             if drop:
                 self._action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", 1, now)
                 self._exclude(slot, now)
-                self.agents[s.node].kill(slot, verdict)
+                self._kill(slot, verdict)
             else:
                 self._action(Action.RECONFIGURE, slot, f"straggler kept: {reason}", 1, now)
 
@@ -250,18 +394,18 @@ class Coordinator:
             if self.state is TaskState.FAILED:
                 return
             self.slots[slot].done = report
+            known = self._progress.get(slot)
+            self._progress[slot] = Progress(
+                known.epoch if known else self.epoch, Phase.DONE, report.get("steps", -1), now
+            )
             shas = {o.done["params_sha256"] for o in self.slots.values() if o.done}
             if len(shas) > 1:  # every replica applied every update: they must agree bit for bit
-                self.state = TaskState.DONE
-                self.store.set(done_key(self.task), "failed")
-                self.outcome = Outcome(
-                    TaskState.FAILED, f"replicas finished with different parameters: {sorted(shas)}"
-                )
+                self.fail(f"replicas finished with different parameters: {sorted(shas)}", now)
                 return
-            if self.state is TaskState.RUNNING:
+            if self.state in (TaskState.RUNNING, TaskState.WAITING):
                 self.state = TaskState.DONE
                 self.store.set(done_key(self.task), "done")
-            if (report.get("rank") == 0 or not self.outcome) and len(shas) == 1:
+            if report.get("rank") == 0 or not self.outcome:
                 self.outcome = Outcome(TaskState.DONE, "finished", report)
 
     def finished(self) -> bool:
@@ -275,20 +419,61 @@ class Coordinator:
                 self.slots[m].done is not None or not self.slots[m].alive for m in self.members
             )
 
-    # -- decisions over time ----------------------------------------------------------------
-    def step_computed(self, slot: int, step: int) -> None:
-        """The worker in ``slot`` finished computing ``step`` (it may still be reducing): it
-        holds the state; and once anyone computes step 1, step 0 has committed."""
+    def probe_done(self, slot: int, ok: bool, detail: str, now: float) -> None:
+        """The health probe of the excluded ``slot`` ended (called by its agent): readmit it
+        (and its node, if the node was excluded) and start a worker there, or keep it out for
+        twice as long (an ``action`` either way)."""
         with self._lock:
-            self._computed[slot] = step
-            self.slots[slot].has_state = True
-            self._trained = self._trained or step >= 1
+            self._probing.discard(slot)
+            o = self.slots[slot]
+            if not o.excluded or o.alive or not self._active():
+                return
+            if o.node in self.lost_nodes:
+                return  # its node went meanwhile: the slot's own health no longer matters
+            if not ok:
+                self._exclude(slot, now)  # again: the next wait doubles
+                wait_s = self._probe_due(slot) - now
+                reason = f"slot {slot} failed its health probe ({detail}); next in {wait_s:.0f} s"
+                self._action(Action.EXCLUDE, slot, reason, 1, now)
+                return
+            excluded_s = now - self._excluded_at[slot]
+            reason = f"slot {slot} passed its health probe after {excluded_s:.1f} s out: {detail}"
+            node_back = o.node in self.escalation.excluded_nodes()
+            if node_back:
+                self.escalation.readmit(node=o.node)
+                reason += f"; node {o.node} readmitted"
+            self.escalation.readmit(slot=slot)
+            self._action(Action.READMIT, slot, reason, 1, now)
+            own = self.escalation.excluded_slots()  # slots excluded on their own account
+            for k, x in sorted(self.slots.items()):
+                if k != slot and not (node_back and x.node == o.node and x.excluded):
+                    continue
+                if k in own or k in self._probing:
+                    continue  # its own exclusion (or probe) stands
+                x.excluded = False
+                if not x.alive:  # a kept last copy of the state just stays a member
+                    self._spawn(k)
 
+    def probe_not_started(self, slot: int, error: str, now: float) -> None:
+        """The agent could not start the probe of ``slot`` (e.g. out of file descriptors):
+        it is tried again after another cool-down, without counting as a failed probe."""
+        with self._lock:
+            self._probing.discard(slot)
+            self._excluded_at[slot] = now
+            log.warning("task %s: probe of slot %d not started: %s", self.task, slot, error)
+
+    # -- questions --------------------------------------------------------------------------
     def peer_ahead(self, slot: int, step: int) -> bool:
         """Whether another member of the current epoch finished computing ``step``: the
         evidence that ``slot``, still in that step past its deadline, hangs alone."""
         with self._lock:
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
+
+    def peers_all_ahead(self, slot: int, step: int) -> bool:
+        """Whether every other member of the current epoch finished computing ``step``."""
+        with self._lock:
+            others = [m for m in self.members if m != slot]
+            return bool(others) and all(self._computed.get(m, -1) >= step for m in others)
 
     def alone(self, slot: int) -> bool:
         """Whether ``slot`` is the only member of the current epoch: no peer can vouch that
@@ -302,48 +487,58 @@ class Coordinator:
         with self._lock:
             return any(s != slot for s in self._holders()) or self._has_checkpoint()
 
-    def first_commit_report(self, epoch: int, step: int) -> bool:
-        """True for the first report of ``step`` committed in ``epoch`` (every member sends
-        one; the event log keeps one)."""
-        with self._lock:
-            key = (epoch, step)
-            if key in self._commits:
-                return False
-            self._commits.add(key)
-            return True
-
     def over(self) -> bool:
         """The task is done or failed (waiting workers are leaving)."""
         return self.state in (TaskState.DONE, TaskState.FAILED)
 
-    def heartbeat(self, node: int, now: float) -> None:
-        """The agent of ``node`` is alive (called on every round of its loop)."""
+    def heartbeat(self, node: int, now: float, *, read_until: float | None = None) -> None:
+        """The agent of ``node`` is alive (called on every round of its loop), and every
+        report its workers sent before ``read_until`` has been handed over: the detectors
+        judge that node's workers at that moment, never on reports still in flight."""
         with self._lock:
             self.heartbeats[node] = now
+            self._read_until[node] = now if read_until is None else read_until
 
+    # -- decisions over time ----------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """Notice lost nodes, start the first epoch, grow with ready workers, heal lone
-        in-band errors. Called by every agent's loop and by the runner."""
+        """Notice lost nodes, hangs, stragglers and stalls, start the first epoch, grow with
+        ready workers, heal in-band errors, probe excluded slots, give up a task that waited
+        too long. Called by every agent's loop and by the runner."""
         with self._lock:
             self._check_heartbeats(now)
             if self.state is TaskState.PENDING:
                 self._maybe_start(now)
-            elif self.state is TaskState.RUNNING:
-                self._heal_errors(now)
-                self._probe_excluded(now)
-                joiners = tuple(
-                    s
-                    for s, o in sorted(self.slots.items())
-                    if o.ready and o.alive and not o.excluded and s not in self.members
-                )
-                grown = self.members + joiners
-                if joiners and len(grown) >= self.settings.min_workers:
-                    self._announce(
-                        grown,
-                        urgent=len(self.members) < self.settings.min_workers,
-                        now=now,
-                        reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
-                    )
+            if not self._active():
+                return
+            self._heal_errors(now)
+            self._check_monitor(now)
+            self._check_stalls(now)
+            self._probe_excluded(now)
+            self._grow(now)
+            if self.state is TaskState.WAITING:
+                self._check_give_up(now)
+
+    def _active(self) -> bool:
+        return self.state in (TaskState.RUNNING, TaskState.WAITING)
+
+    def _grow(self, now: float) -> None:
+        """Ready workers outside the membership join the next epoch (at a step boundary, or at
+        once when the task is below its minimum)."""
+        joiners = tuple(
+            s
+            for s, o in sorted(self.slots.items())
+            if o.ready and o.alive and not o.excluded and s not in self.members
+        )
+        grown = self.members + joiners
+        if joiners and len(grown) >= self.settings.min_workers:
+            below = self.state is TaskState.WAITING or len(self.members) < self.settings.min_workers
+            self._running(now)
+            self._announce(
+                grown,
+                urgent=below,
+                now=now,
+                reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
+            )
 
     def _check_heartbeats(self, now: float) -> None:
         stalled = (
@@ -354,7 +549,7 @@ class Coordinator:
             for node in self.heartbeats:
                 self.heartbeats[node] = max(self.heartbeats[node], now)
             return
-        symptoms = [ts for ts, _ in self._pending_errors.values()]
+        symptoms = [ts for ts, _, _ in self._pending_errors.values()]
         for node, last in self.heartbeats.items():
             silent = now - last
             suspect_confirmed = silent > self.settings.suspect_after_s and any(
@@ -380,7 +575,7 @@ class Coordinator:
                 reason=f"no heartbeat from node {node} for {silent:.2f} s"
                 + (" and a collective failed on a living peer" if suspect_confirmed else ""),
             )
-            if self.state in (TaskState.DONE, TaskState.FAILED):
+            if self.over():
                 continue
             decision = self.escalation.decide(verdict, slot=slots[0], node=node, now=now)
             self.events.emit(
@@ -396,6 +591,7 @@ class Coordinator:
             for s in slots:
                 o = self.slots[s]
                 o.excluded, o.alive, o.ready = True, False, False
+                self._forget(s)
             self._last_error = decision.reason
             self._reform(now, f"node {node} lost")
 
@@ -412,9 +608,18 @@ class Coordinator:
             self._announce(ready, urgent=False, now=now, reason="start")
 
     def _heal_errors(self, now: float) -> None:
-        for slot, (ts, verdict) in list(self._pending_errors.items()):
-            if self._last_failure_ts >= ts - self.settings.error_grace_s:
-                del self._pending_errors[slot]  # a symptom of a process failure, already healed
+        """An in-band error whose epoch is still the current one after the grace period (no
+        process or node failure explained it with a newer epoch) gets a reattempt: a new epoch
+        of the same members. Dropping it would leave the reporter waiting for an epoch that
+        never comes, and its peers blocked in a collective it left."""
+        for slot, (ts, verdict, epoch) in list(self._pending_errors.items()):
+            if (
+                self.epoch > epoch
+                or slot not in self.members
+                or not self.slots[slot].alive
+                or self.state is TaskState.WAITING  # the epoch that ends the wait heals it
+            ):
+                del self._pending_errors[slot]  # a newer epoch (or its exit) heals it
             elif now - ts > self.settings.error_grace_s:
                 del self._pending_errors[slot]
                 s = self.slots[slot]
@@ -428,50 +633,237 @@ class Coordinator:
                         reason=f"reattempt after {verdict.kind} on slot {slot}",
                     )
                 else:  # escalated: restart the process; its exit is handled as a failure
-                    self.agents[s.node].kill(slot, verdict)
+                    self._kill(slot, verdict)
+
+    def _check_monitor(self, now: float) -> None:
+        """Act on the step monitor's verdicts. A step past its hang deadline is a hang only
+        once every other member has finished computing that step: when several members are
+        late together the machine is slow (or a collective is stuck), and killing them would
+        lose work or the state. With only some peers done, or alone in its epoch, the step
+        must have lasted :data:`LONE_HANG_OVERRUN` times its allowance."""
+        if self.monitor is None:
+            return
+        for slot in list(self._suspects):
+            self._check_suspect(slot, now)
+        for d in self.monitor.check(now, self._known_until(now)):
+            o = self.slots.get(d.worker)
+            if o is None or not o.alive:
+                continue
+            verdict = classify_detector(d.kind)
+            if d.kind == "hang":
+                self._suspects[d.worker] = (d.step, verdict, d.reason)
+                self._check_suspect(d.worker, now)
+                continue
+            self._detected(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
+            self.worker_slow(d.worker, verdict, now)
+
+    def _known_until(self, now: float) -> dict[int, float]:
+        """Per slot, the moment up to which its worker's reports are in (its agent's last
+        read; ``now`` for a node not heard from yet, or lost)."""
+        return {
+            s: now if o.node in self.lost_nodes else min(now, self._read_until.get(o.node, now))
+            for s, o in self.slots.items()
+        }
+
+    def _check_suspect(self, slot: int, now: float) -> None:
+        step, verdict, reason = self._suspects[slot]
+        p = self._progress.get(slot)
+        if (
+            not self.slots[slot].alive
+            or p is None
+            or p.phase is not Phase.COMPUTE
+            or p.step != step
+        ):
+            del self._suspects[slot]  # it moved on, or it is gone
+            return
+        # the evidence: every peer finished the step (a starved machine slows several workers
+        # at once, a hang one); or one did and the step has lasted twice its allowance (two
+        # hangs at once); or, alone in the epoch, the step has lasted twice its allowance
+        at = self._known_until(now)[slot]
+        overrun = self._overrun(slot, at) >= LONE_HANG_OVERRUN
+        peer = self.peers_all_ahead(slot, step) or (overrun and self.peer_ahead(slot, step))
+        lone = not peer and overrun and self.alone(slot)
+        if not (peer or lone):
+            return
+        del self._suspects[slot]
+        # alone, and the task's only copy of its state: if it is merely slow it may still
+        # finish, so it is reported and left running
+        spare = lone and not self.state_survives(slot)
+        if lone:
+            reason += f"; alone in its epoch: confirmed at {LONE_HANG_OVERRUN:g}x the allowance"
+        if spare:
+            reason += "; not killed: no other replica and no checkpoint hold the state"
+            log.warning("slot %d: %s", slot, reason)
+        self._detected(slot, step, verdict, now, "monitor", reason=reason)
+        if not spare:
+            self._kill(slot, verdict)
+
+    def _overrun(self, slot: int, at: float) -> float:
+        """How many hang allowances the current step of ``slot`` has lasted at ``at``."""
+        assert self.monitor is not None
+        overrun = self.monitor.overrun(slot, at)
+        return 0.0 if overrun is None else overrun
+
+    def stall_deadline(self) -> float:
+        """How long a member may wait on its peers outside a step (see :mod:`unicron.stall`)."""
+        with self._lock:
+            s = self.settings
+            pace = self.monitor.pace_s() if self.monitor is not None else None
+            return stall_deadline_s(
+                pace_s=pace,
+                state_bytes=self.state_bytes,
+                factor=s.stall_factor,
+                floor_s=s.stall_floor_s,
+                cold_s=s.stall_cold_s,
+                transfer_bytes_per_s=s.stall_transfer_bytes_per_s,
+            )
+
+    def _check_stalls(self, now: float) -> None:
+        """A transition or reduce that never ends: kill the members the others wait for (a
+        hang outside a step), or start the epoch again when the collective itself is stuck."""
+        if self.state is not TaskState.RUNNING or not self.members:
+            return
+        known = self._known_until(now)
+        stall = find_stall(
+            epoch=self.epoch,
+            members=self.members,
+            progress=self._progress,
+            now=min(known[m] for m in self.members),
+            deadline_s=self.stall_deadline(),
+        )
+        if stall is None:
+            return
+        if stall.stuck:
+            slot = self.members[0]
+            verdict = classify_detector("collective_stall")
+            self._detected(slot, None, verdict, now, "stall", reason=stall.reason)
+            node = self.slots[slot].node
+            decision = self.escalation.decide(verdict, slot=slot, node=node, now=now)
+            self._action(decision.action, slot, decision.reason, int(decision.severity), now)
+            if decision.action is Action.REATTEMPT:
+                self._announce(self.members, urgent=True, now=now, reason=stall.reason)
+            else:
+                self._kill(slot, verdict)
+            for m in self.members:  # judged once: their clocks restart with the new epoch
+                self._progress.pop(m, None)
+            return
+        verdict = classify_detector("stall")
+        for slot in stall.behind:
+            if not self.slots[slot].alive:
+                continue
+            p = self._progress.get(slot)
+            self._detected(slot, p.step if p else None, verdict, now, "stall", reason=stall.reason)
+            self._progress.pop(slot, None)
+            self._kill(slot, verdict)
+        for m in self.members:  # the waiters' clocks restart: judged once per stall
+            p = self._progress.get(m)
+            if p is not None and p.epoch == self.epoch:
+                self._progress[m] = Progress(p.epoch, p.phase, p.step, now)
+
+    def _check_give_up(self, now: float) -> None:
+        assert self.waiting_since is not None
+        if now - self.waiting_since > self.settings.give_up_after_s:
+            self.fail(
+                f"gave up after waiting {now - self.waiting_since:.0f} s for capacity "
+                f"(give-up deadline {self.settings.give_up_after_s:g} s): {self.waiting_reason}; "
+                f"last error: {self._last_error}",
+                now,
+            )
 
     def _reform(self, now: float, reason: str) -> bool:
         """After members were lost: fail the task if it cannot go on, else announce an epoch of
         the survivors, or (below the task's minimum, where it is worth nothing) wait for
-        restarted workers to bring it back. Returns False if the task failed."""
+        restarted or readmitted workers to bring it back. Returns False if the task failed."""
         survivors = tuple(m for m in self.members if self.slots[m].alive)
         usable = [s for s, o in self.slots.items() if not o.excluded]
-        holders = self._holders()
+        # slots that can come back: usable ones, and excluded ones a health probe may readmit
+        # (not those of lost nodes: no agent to run a probe; none if probes are turned off)
+        probing = math.isfinite(self.settings.readmit_after_s)
+        recoverable = [
+            s
+            for s, o in self.slots.items()
+            if not o.excluded or (probing and o.node not in self.lost_nodes)
+        ]
         why = ""
-        if len(usable) < self.settings.min_workers:
+        if len(recoverable) < self.settings.min_workers:
             why = (
-                f"{len(usable)} usable slot(s) left, fewer than the minimum of "
-                f"{self.settings.min_workers}"
+                f"{len(recoverable)} slot(s) left that can be used again, fewer than the "
+                f"minimum of {self.settings.min_workers}"
             )
-        elif self.state is TaskState.RUNNING and not holders and not self._has_checkpoint():
+        elif self._active() and not self._holders() and not self._has_checkpoint():
             why = "every replica holding the model state is gone (no checkpoint to fall back on)"
         if why:
             self.fail(f"{why}; last error: {self._last_error}", now)
             return False
-        if survivors == self.members:
+        if survivors == self.members and len(usable) >= self.settings.min_workers:
             return True
         if len(survivors) < self.settings.min_workers:
-            self.members = survivors  # no epoch below the minimum: wait for the restarts
-            log.warning(
-                "task %s below its minimum (%d workers): waiting", self.task, len(survivors)
+            self.members = survivors  # no epoch below the minimum: wait for capacity
+            restarting = len(usable) >= self.settings.min_workers
+            self._wait(
+                now,
+                f"{len(survivors)} live worker(s), fewer than the minimum of "
+                f"{self.settings.min_workers}; "
+                + (
+                    "waiting for restarted workers"
+                    if restarting
+                    else f"{len(usable)} usable slot(s): waiting for excluded slots or nodes to "
+                    "pass their health probe"
+                ),
             )
             return True
-        self._announce(survivors, urgent=True, now=now, reason=reason)
+        if survivors != self.members:
+            self._announce(survivors, urgent=True, now=now, reason=reason)
         return True
+
+    def _wait(self, now: float, reason: str) -> None:
+        """Below the minimum: WAITING (an ``action`` event says why), until capacity is back
+        or the give-up deadline passes."""
+        if self.state is TaskState.WAITING and reason == self.waiting_reason:
+            return
+        if self.state is not TaskState.WAITING:
+            self.waiting_since = now
+        self.state, self.waiting_reason = TaskState.WAITING, reason
+        log.warning("task %s waiting: %s", self.task, reason)
+        self.events.emit(
+            "action",
+            ts=now,
+            task=self.task,
+            epoch=self.epoch,
+            action="wait",
+            severity=1,
+            reason=f"{reason} (giving up after {self.settings.give_up_after_s:g} s)",
+        )
+
+    def _running(self, now: float) -> None:
+        if self.state is TaskState.WAITING:
+            assert self.waiting_since is not None
+            log.warning("task %s: capacity back after %.1f s", self.task, now - self.waiting_since)
+            self.state, self.waiting_since, self.waiting_reason = TaskState.RUNNING, None, ""
 
     def _holders(self) -> list[int]:
         """The live slots that hold the task's committed state (or will after a sync)."""
         return [s for s, o in self.slots.items() if o.alive and o.has_state]
-
-    def _nodes_out(self) -> set[int]:
-        """Nodes lost or excluded as a whole: their slots are not probed or readmitted."""
-        return self.lost_nodes | self.escalation.excluded_nodes()
 
     def _exclude(self, slot: int, now: float) -> None:
         """Take ``slot`` out of the plan until a health probe brings it back."""
         self.slots[slot].excluded = True
         self._excluded_at[slot] = now
         self._exclusions[slot] = self._exclusions.get(slot, 0) + 1
+
+    def _exclude_node(self, node: int, verdict: Verdict, now: float) -> None:
+        """Take every slot of ``node`` out of the plan. Its living workers are killed only if
+        the task's state lives on elsewhere (another node's replica): the last copies keep
+        running (no restarts there) rather than the task rolling back to a checkpoint."""
+        state_elsewhere = any(self.slots[h].node != node for h in self._holders())
+        for slot, o in self.slots.items():
+            if o.node != node:
+                continue
+            if not o.excluded:
+                self._exclude(slot, now)
+            if o.alive and state_elsewhere:
+                o.alive = o.ready = False  # doomed: not a member of the next epoch
+                self._kill(slot, verdict)
 
     def _probe_due(self, slot: int) -> float:
         """When the excluded ``slot`` may be probed: the cool-down doubles per exclusion."""
@@ -480,54 +872,25 @@ class Coordinator:
 
     def _probe_excluded(self, now: float) -> None:
         """Ask the agents to probe the excluded slots whose cool-down is over (slots of a
-        lost or excluded node stay out: their node, not the slot, is what failed)."""
-        dead_nodes = self._nodes_out()
+        lost node stay out: it has no agent to run a probe)."""
         for slot in self._excluded_at:
             o = self.slots[slot]
-            # o.alive: its last worker's exit is not handled yet (a dropped straggler)
-            if slot in self._probing or not o.excluded or o.alive or o.node in dead_nodes:
+            # o.alive: its worker runs (a kept last copy) or its exit is not handled yet
+            if slot in self._probing or not o.excluded or o.alive or o.node in self.lost_nodes:
                 continue
-            if now >= self._probe_due(slot) and o.node in self.agents:
+            if now >= self._probe_due(slot) and o.node in self.nodes:
                 log.info("task %s: probing excluded slot %d", self.task, slot)
-                try:
-                    self.agents[o.node].probe(slot)
-                except OSError as exc:  # could not start it: try again after another wait
-                    self._excluded_at[slot] = now
-                    log.warning("task %s: probe of slot %d not started: %s", self.task, slot, exc)
-                    continue
+                self._send(o.node, Probe(slot))
                 self._probing.add(slot)
-
-    def probe_done(self, slot: int, ok: bool, detail: str, now: float) -> None:
-        """The health probe of the excluded ``slot`` ended (called by its agent): readmit it
-        and start a worker there, or keep it out for twice as long (an ``action`` either way)."""
-        with self._lock:
-            self._probing.discard(slot)
-            o = self.slots[slot]
-            if not o.excluded or o.alive or self.state is not TaskState.RUNNING:
-                return
-            if o.node in self._nodes_out():
-                return  # its node went meanwhile: the slot's own health no longer matters
-            if not ok:
-                self._exclude(slot, now)  # again: the next wait doubles
-                wait_s = self._probe_due(slot) - now
-                reason = f"slot {slot} failed its health probe ({detail}); next in {wait_s:.0f} s"
-                self._action(Action.EXCLUDE, slot, reason, 1, now)
-                return
-            excluded_s = now - self._excluded_at[slot]
-            self.escalation.readmit(slot=slot)
-            o.excluded, o.alive, o.ready = False, True, False
-            o.has_state = not self._trained
-            reason = f"slot {slot} passed its health probe after {excluded_s:.1f} s out: {detail}"
-            self._action(Action.READMIT, slot, reason, 1, now)
-            self.agents[o.node].spawn(slot)
 
     def _has_checkpoint(self) -> bool:
         return self.settings.checkpoint is not None and self.settings.checkpoint.exists()
 
     def fail(self, reason: str, now: float) -> None:
-        """Give the task up: waiting workers exit, the runner exits 1 with ``reason``."""
+        """Give the task up: waiting workers exit, the runner exits 1 with ``reason``. Also from
+        DONE: replicas that finish with different parameters fail a task that looked done."""
         with self._lock:
-            if self.state in (TaskState.DONE, TaskState.FAILED):
+            if self.state is TaskState.FAILED:
                 return
             self.state = TaskState.FAILED
             self.outcome = Outcome(TaskState.FAILED, reason)
@@ -535,11 +898,35 @@ class Coordinator:
             log.error("task %s failed: %s", self.task, reason)
 
     # -- effects ----------------------------------------------------------------------------
+    def _send(self, node: int, action: AgentAction) -> None:
+        self._outbox.setdefault(node, deque()).append(action)
+
+    def _spawn(self, slot: int) -> None:
+        s = self.slots[slot]
+        s.alive, s.ready = True, False
+        s.has_state = s.fresh = not self._trained
+        self._forget(slot)
+        self._send(s.node, Spawn(slot))
+
+    def _kill(self, slot: int, verdict: Verdict | None) -> None:
+        self._send(self.slots[slot].node, Kill(slot, verdict))
+
+    def _forget(self, slot: int) -> None:
+        """Drop what the detectors know of the worker in ``slot`` (gone, or restarting)."""
+        self._computed.pop(slot, None)
+        self._progress.pop(slot, None)
+        self._suspects.pop(slot, None)
+        self._mb_compute_s.pop(slot, None)
+        if self.monitor is not None:
+            self.monitor.forget(slot)
+
     def _announce(self, members: tuple[int, ...], *, urgent: bool, now: float, reason: str) -> None:
         self.members = members
         if not members:
             return  # nobody to tell; the next epoch is made of the workers that come back
         self.epoch += 1
+        if self.monitor is not None:
+            self.monitor.reset_expectation()  # membership changed: step times may too
         info = EpochInfo(
             self.epoch,
             members,
@@ -581,6 +968,60 @@ class Coordinator:
             reason=reason,
         )
 
+    def _detected(
+        self,
+        slot: int,
+        step: int | None,
+        verdict: Verdict,
+        ts: float,
+        method: str,
+        *,
+        reason: str | None = None,
+    ) -> None:
+        """One ``error_detected`` event about the worker in ``slot`` (a detector's finding)."""
+        emit_detection(
+            self.events,
+            task=self.task,
+            slot=slot,
+            node=self.slots[slot].node,
+            step=step,
+            verdict=verdict,
+            ts=ts,
+            method=method,
+            reason=reason,
+        )
+
     def close(self) -> None:
         """Stop serving the store (after every worker is gone)."""
         del self.store
+
+
+def emit_detection(
+    events: EventLog,
+    *,
+    task: str,
+    slot: int,
+    node: int,
+    step: int | None,
+    verdict: Verdict,
+    ts: float,
+    method: str,
+    reason: str | None = None,
+    **extra: Any,
+) -> None:
+    """Write one ``error_detected`` event about the worker in ``slot`` (agent and coordinator
+    detections alike)."""
+    events.emit(
+        "error_detected",
+        ts=ts,
+        task=task,
+        rank=slot,
+        slot=slot,
+        node=node,
+        step=step,
+        kind=verdict.kind,
+        severity=int(verdict.severity),
+        method=method,
+        reason=reason or verdict.reason,
+        **extra,
+    )

@@ -5,6 +5,13 @@ and waited for in short slices; between slices the group asks the store whether 
 supersedes this one (TORCH-FACTS.md: in gloo only the ranks wired to a dead peer see an
 error, the others block until the process-group timeout). The commit vote is arbitrated by a
 single ``compare_set`` on the store, so every living member acts on the same outcome.
+
+Each epoch's process group talks to the store through a TCPStore client of its own (the
+``pg_store`` factory), never through the worker's control client. A store client serves one
+request at a time; gloo's threads may block in a store ``get`` for as long as the process
+group's timeout (a peer that left the epoch before connecting never publishes its address),
+and a group abandoned in that state would otherwise block every epoch check, barrier and
+vote of the worker behind it: the transition that stalls for ever.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class EpochGroup:
         *,
         slice_s: float,
         timeout_s: float,
+        pg_store: Callable[[], dist.Store] | None = None,
     ) -> None:
         self.info = info
         self.rank = rank
@@ -95,6 +103,7 @@ class EpochGroup:
         self.slice = dt.timedelta(seconds=slice_s)
         self.timeout_s = timeout_s
         self.store = dist.PrefixStore(epoch_prefix(watch.task, info.epoch), store)
+        self._pg_store = pg_store or (lambda: store)
         self.pg: Any = None
 
     # -- membership -------------------------------------------------------------------------
@@ -125,8 +134,9 @@ class EpochGroup:
         # inside the first collective, which is waited for in slices like any other, so a
         # member that vanishes after arriving cannot block the others here
         try:
+            own = dist.PrefixStore(epoch_prefix(self.watch.task, self.info.epoch), self._pg_store())
             self.pg = dist.ProcessGroupGloo(
-                dist.PrefixStore("pg", self.store),
+                dist.PrefixStore("pg", own),
                 self.rank,
                 self.world,
                 dt.timedelta(seconds=self.timeout_s),

@@ -1,9 +1,11 @@
 """The worker's end of its connection to the agent (authenticated, local).
 
 Opened once per process, by the bootstrap before the user's script runs (so an import error
-in the script is reported too) and reused by :func:`unicron.worker.train`. Sends never block
-training for long and never raise: a report that cannot be delivered is dropped, and a lost
-agent is noticed by the process supervision on the other side.
+in the script is reported too) and reused by :func:`unicron.worker.train`. Sends never raise:
+a report that cannot be delivered is dropped, and a lost agent is noticed by the process
+supervision on the other side. A send blocks only while the socket's buffer is full, i.e.
+when the agent has stopped reading (its loop reads every 20 ms; a report is ~100 bytes and
+the local buffer holds megabytes), which is the agent's failure, not training's.
 """
 
 from __future__ import annotations

@@ -13,17 +13,25 @@ Two detectors:
 - **hang**: a started step that outlasts ``max(hang_factor x expected step time,
   hang_floor_s)``. The expected step time is the median of the worker's recent wall-clock
   step durations (a sliding window, so one slow step does not move it), after the first
-  ``warmup_steps`` steps (imports, compilation, allocator growth), which are ignored. Until
-  there is an expectation, ``warmup_hang_s`` applies, except to a worker that joined a task
-  whose other workers know their pace (a restarted worker) and has finished its own first,
-  cold step: then ``max(hang_factor x relearn_factor x the task's pace, rejoin_hang_s)``, the
-  pace being the median of the others' expectations (or, while they re-learn after the
-  membership change, of their previous ones). When the step time shifts for
-  ``shift_steps`` consecutive steps (by more than ``shift_ratio`` either way) the window
-  restarts from those steps: the workload changed legitimately. A membership change is
-  announced with :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time,
-  with a deadline ``relearn_factor`` times as lenient meanwhile. A change larger than
-  ``hang_factor`` that is *not* announced is indistinguishable from a hang, by design.
+  ``warmup_steps`` steps (imports, compilation, allocator growth), which are not learned.
+  Only a worker's first step is *cold*. Before a worker has its own expectation, its peers'
+  evidence counts: with the task's pace (the median of the others' expectations, or of their
+  previous ones while they re-learn after a membership change) the allowance is
+  ``max(hang_factor x relearn_factor x pace, hang_floor_s)``; in the task's first steps,
+  before anyone has an expectation, the pooled durations of every worker's warm-up steps
+  after its cold one give an *early pace*, and the allowance is ``max(hang_factor x early
+  pace, hang_floor_s)``. A cold step gets ``warmup_hang_s`` when the task has no pace yet
+  (its start), and ``max(hang_factor x relearn_factor x pace, rejoin_hang_s)`` when the
+  worker was restarted into a running task. When the step time shifts for ``shift_steps``
+  consecutive steps (by more than ``shift_ratio`` either way) the window restarts from those
+  steps: the workload changed legitimately. A membership change is announced with
+  :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time, with a deadline
+  ``relearn_factor`` times as lenient meanwhile. Peers that already computed the same step
+  are the best evidence of what it costs now: a lenient allowance (warming up, re-learning)
+  never exceeds ``max(hang_factor x the slowest peer's duration of that step,
+  hang_floor_s)``.
+  A change larger than ``hang_factor`` that is *not* announced is indistinguishable from a
+  hang, by design.
 - **straggler**: a worker whose own compute time (excluding the wait for its peers) stays
   above ``straggler_factor`` x the median of its peers' compute times for the same step, for
   ``straggler_steps`` consecutive steps. A legitimate change moves every peer together and
@@ -41,12 +49,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["Detection", "MonitorSettings", "StepMonitor"]
 
 _MIN_SAMPLES = 3
 """post-warm-up steps a worker needs before its median counts as an expectation"""
+_EVIDENCE_STEPS = 8
+"""recent steps whose durations are kept as the peers' evidence for a late worker"""
 _MAX_PENDING_STEPS = 256
 """steps kept waiting for slow reporters before they are judged with the reports at hand"""
 
@@ -67,11 +78,12 @@ class MonitorSettings:
     warmup_steps: int = 5
     """first steps of each worker (and of each restarted worker) left out of the statistics"""
     warmup_hang_s: float = 300.0
-    """hang deadline while a worker has no expectation yet (warm-up); ``math.inf`` disables"""
-    rejoin_hang_s: float = 30.0
-    """the least hang deadline of a worker without an expectation whose peers know their pace
-    (it was restarted into a running task), from its second step on (the first is cold: a new
-    allocator, lazy initialisation, a compile; it keeps ``warmup_hang_s``)"""
+    """hang deadline of a cold (first) step while the task has no pace yet (its start:
+    imports, compilation); ``math.inf`` disables"""
+    rejoin_hang_s: float = 5.0
+    """the least hang deadline of the cold first step of a worker restarted into a running
+    task (a new allocator, lazy initialisation; raise it for a script that compiles on its
+    first step, e.g. ``torch.compile`` for the new world size)"""
     hang_factor: float = 3.0
     """k: a step longer than k x the expected step time is a hang"""
     hang_floor_s: float = 1.0
@@ -136,6 +148,7 @@ class _Worker:
     started_at: float | None = None
     hang_reported: bool = False
     previous: float | None = None  # expectation before reset_expectation, while re-learning
+    early: list[float] = field(default_factory=list)  # warm-up step durations after the cold one
     shifted: list[float] = field(default_factory=list)
     shift_side: int = 0
     slow_streak: int = 0
@@ -151,6 +164,7 @@ class StepMonitor:
         self.settings = settings
         self._workers: dict[int, _Worker] = {}
         self._compute: dict[int, dict[int, float]] = {}  # step -> worker -> compute rate
+        self._durations: dict[int, dict[int, float]] = {}  # step -> worker -> its duration
         self._found: list[Detection] = []
 
     # ---- reports (the agent, on each worker message) --------------------------------------
@@ -178,7 +192,13 @@ class StepMonitor:
         w.step, w.started_at, w.hang_reported = None, None, False
         w.finished += 1
         w.last_step = max(w.last_step, step)
+        if duration is not None and duration >= 0.0 and w.finished > 1:  # not a cold step
+            self._durations.setdefault(step, {})[worker] = duration
+            while len(self._durations) > _EVIDENCE_STEPS:
+                del self._durations[min(self._durations)]
         if w.finished <= self.settings.warmup_steps:
+            if w.finished > 1 and duration is not None and duration >= 0.0:
+                w.early.append(duration)  # not learned, but evidence of the task's early pace
             return
         if duration is not None and duration >= 0.0:
             self._learn(w, duration)
@@ -192,6 +212,8 @@ class StepMonitor:
         self._workers.pop(worker, None)
         for reports in self._compute.values():
             reports.pop(worker, None)
+        for durations in self._durations.values():
+            durations.pop(worker, None)
 
     def reset_expectation(self) -> None:
         """Membership changed (new epoch): step times may change legitimately. Each worker
@@ -213,13 +235,20 @@ class StepMonitor:
         values = [e for w in self._workers.values() if (e := self._expected(w)) is not None]
         return _median(values) if values else None
 
+    def pace_s(self) -> float | None:
+        """The task's step time as far as it is known: the workers' expectations (or previous
+        ones while they re-learn), else the early pace of the first steps; ``None`` before the
+        task has finished a warm step."""
+        pace = self._pace()
+        return pace if pace is not None else self._early_pace()
+
     def hang_deadline(self, worker: int) -> float | None:
         """Absolute time at which ``worker``'s current step counts as hung; ``None`` if the
         worker has no step in progress (or is unknown)."""
         w = self._workers.get(worker)
         if w is None or w.started_at is None:
             return None
-        return w.started_at + self._allowance(w, self._pace())[0]
+        return w.started_at + self._allowance(worker, w, self._pace())[0]
 
     def overrun(self, worker: int, now: float) -> float | None:
         """How many hang allowances ``worker``'s current step has lasted at ``now`` (1.0 at
@@ -228,21 +257,26 @@ class StepMonitor:
         w = self._workers.get(worker)
         if w is None or w.started_at is None:
             return None
-        return (now - w.started_at) / self._allowance(w, self._pace())[0]
+        return (now - w.started_at) / self._allowance(worker, w, self._pace())[0]
 
-    def check(self, now: float) -> list[Detection]:
+    def check(self, now: float, known_until: Mapping[int, float] | None = None) -> list[Detection]:
         """New detections since the last call: hangs past their deadline at ``now`` and the
-        stragglers found by the step reports. Each condition is returned once."""
+        stragglers found by the step reports. Each condition is returned once.
+
+        ``known_until`` (worker -> time): the moment up to which that worker's reports have
+        all been fed in (its agent's last read). A worker's step is judged at that moment, not
+        at ``now``: a report still unread in a busy agent's socket is not a hang."""
         found, self._found = self._found, []
         pace = self._pace()
         for worker, w in sorted(self._workers.items()):
             if w.started_at is None or w.step is None or w.hang_reported:
                 continue
-            allowance, basis = self._allowance(w, pace)
-            if now >= w.started_at + allowance:
+            at = min(now, known_until.get(worker, now)) if known_until else now
+            allowance, basis = self._allowance(worker, w, pace)
+            if at >= w.started_at + allowance:
                 w.hang_reported = True
                 reason = (
-                    f"worker {worker} step {w.step}: running {now - w.started_at:.2f} s "
+                    f"worker {worker} step {w.step}: running {at - w.started_at:.2f} s "
                     f"> {allowance:.2f} s ({basis})"
                 )
                 found.append(Detection("hang", worker, w.step, reason, now))
@@ -266,26 +300,60 @@ class StepMonitor:
         ]
         return _median(values) if values else None
 
-    def _allowance(self, w: _Worker, pace: float | None) -> tuple[float, str]:
-        """Seconds a step of ``w`` may take, and why (for the reason); ``pace`` is
-        :meth:`_pace` (``w`` counts in it only once it has an expectation)."""
+    def _early_pace(self) -> float | None:
+        """The task's pace in its first steps, before any worker has an expectation: the median
+        of every worker's warm-up step durations after its cold first step."""
+        values = [d for w in self._workers.values() for d in w.early]
+        return _median(values) if values else None
+
+    def _allowance(self, worker: int, w: _Worker, pace: float | None) -> tuple[float, str]:
+        """Seconds a step of ``w`` may take, and why (for the reason). Peers that finished the
+        same step are the best evidence of what it costs in the current membership: they can
+        only shorten a lenient allowance (warming up, re-learning), never a cold step's."""
+        base = self._base_allowance(w, pace)
         s = self.settings
+        done = self._durations.get(w.step, {}) if w.step is not None and w.finished >= 1 else {}
+        peers = [d for k, d in done.items() if k != worker]
+        if peers:
+            took = max(peers)  # the slowest peer: a loaded machine slows several at once
+            evidence = max(s.hang_factor * took, s.hang_floor_s)
+            if evidence < base[0]:
+                return evidence, (
+                    f"peers computed step {w.step} in up to {took:.3f} s: max({s.hang_factor:g} "
+                    f"x that, floor {s.hang_floor_s:g} s)"
+                )
+        return base
+
+    def _base_allowance(self, w: _Worker, pace: float | None) -> tuple[float, str]:
+        """The allowance from ``w``'s own statistics and the task's pace (see the module
+        docstring); ``pace`` is :meth:`_pace` (``w`` counts in it once it has an expectation)."""
+        s = self.settings
+        floor = f"floor {s.hang_floor_s:g} s"
         expected = self._expected(w)
         if expected is not None:
             return max(s.hang_factor * expected, s.hang_floor_s), (
-                f"max({s.hang_factor:g} x expected {expected:.3f} s, floor {s.hang_floor_s:g} s)"
+                f"max({s.hang_factor:g} x expected {expected:.3f} s, {floor})"
             )
+        lenient = s.hang_factor * s.relearn_factor
         if w.previous is not None:
-            factor = s.hang_factor * s.relearn_factor
-            return max(factor * w.previous, s.hang_floor_s), (
-                f"re-learning after a membership change: max({factor:g} x previous "
-                f"{w.previous:.3f} s, floor {s.hang_floor_s:g} s)"
+            return max(lenient * w.previous, s.hang_floor_s), (
+                f"re-learning after a membership change: max({lenient:g} x previous "
+                f"{w.previous:.3f} s, {floor})"
             )
         if pace is not None and w.finished >= 1:
-            factor = s.hang_factor * s.relearn_factor
-            return max(factor * pace, s.rejoin_hang_s), (
-                f"joined a running task: max({factor:g} x the task's pace "
-                f"{pace:.3f} s, {s.rejoin_hang_s:g} s)"
+            return max(lenient * pace, s.hang_floor_s), (
+                f"joined a running task: max({lenient:g} x the task's pace {pace:.3f} s, {floor})"
+            )
+        early = self._early_pace()
+        if early is not None and w.finished >= 1:
+            return max(s.hang_factor * early, s.hang_floor_s), (
+                f"warming up: max({s.hang_factor:g} x the task's early pace {early:.3f} s, {floor})"
+            )
+        known = pace if pace is not None else early
+        if known is not None:  # a cold first step, of a worker restarted into a running task
+            return max(lenient * known, s.rejoin_hang_s), (
+                f"cold step of a worker joining a running task: max({lenient:g} x the task's "
+                f"pace {known:.3f} s, {s.rejoin_hang_s:g} s)"
             )
         return s.warmup_hang_s, f"warm-up deadline {s.warmup_hang_s:g} s"
 

@@ -20,24 +20,30 @@ ENV_INCARNATION = "UNICRON_INCARNATION"  # 0 for the first start of a slot, +1 p
 ENV_STORE = "UNICRON_STORE"  # host:port of the coordinator's TCPStore
 ENV_AGENT = "UNICRON_AGENT"  # host:port of the agent's listener
 ENV_AUTHKEY = "UNICRON_AUTHKEY"  # hex
-ENV_FAULTS = "UNICRON_FAULTS"  # JSON list of --inject specs still to fire in this slot
+ENV_FAULTS = "UNICRON_FAULTS"  # --inject specs still to fire in this slot, joined by ";"
 ENV_REDUCE = "UNICRON_REDUCE"  # exact | fast
 ENV_ON_LOST = "UNICRON_ON_LOST"  # recompute | drop
 ENV_THREADS = "UNICRON_THREADS"
 ENV_CHECKPOINT = "UNICRON_CHECKPOINT"  # path of the persistent checkpoint (last resort)
 ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 0: none
 
-# -- worker -> agent messages --------------------------------------------------------------
+# -- messages to the agent -----------------------------------------------------------------
 MESSAGES = frozenset(
     {
+        # from a worker (unicron.worker, through unicron.link)
         "hello",  # slot, pid, incarnation: first message on connect
-        "ready",  # the model is built; waiting for an epoch that includes this slot
-        "event",  # an event-log record (fields) for the agent to write
-        "step_begin",  # step: the monitor's clock starts
-        "step_done",  # step, compute_s: the monitor's clock stops
-        "error",  # type_name, message, traceback: an error raised in the worker
-        "done",  # steps, final_loss, params_sha256, rank
+        "ready",  # microbatches, bytes: the model is built; waiting for an epoch with this slot
+        "epoch",  # epoch: entered it (rendezvous, ledger exchange, state transfer follow)
+        "event",  # event, fields: an event-log record for the agent to write
+        "step_begin",  # step, epoch: the monitor's clock starts
+        "step_done",  # step, compute_s, microbatches: computed; the reduce and vote follow
+        "error",  # type_name, message, traceback, step, in_band, in_place, epoch: an error
+        "done",  # steps, final_loss, params_sha256, rank, epoch: the last step committed
         "node_fault",  # the injected node fault: the agent takes its node down
+        # from the zygote (unicron.launcher)
+        "zygote",  # the fork server is up
+        "spawned",  # slot, pid: a worker was forked
+        "exit",  # pid, returncode: a forked worker ended
     }
 )
 

@@ -89,6 +89,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="an excluded slot gets a health probe S seconds after its exclusion (twice as "
         "long after each further one) and rejoins if it passes (default 60; inf: never)",
     )
+    p.add_argument(
+        "--give-up-after",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="below --min-workers the task waits for capacity (restarts, excluded slots or "
+        "nodes passing their health probe) this long, then fails (default 600; inf: never)",
+    )
     p.add_argument("--task", default="train", help="task name (event log, store keys)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--log-dir", metavar="DIR", help="workers' stdout/stderr (default: a temp dir)")
@@ -114,6 +122,8 @@ def validate(args: argparse.Namespace) -> list[Fault]:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if not args.readmit_after > 0:  # also NaN
         raise UsageError(f"--readmit-after must be > 0 seconds, got {args.readmit_after}")
+    if not args.give_up_after > 0:  # also NaN
+        raise UsageError(f"--give-up-after must be > 0 seconds, got {args.give_up_after}")
     if not Path(args.script).is_file():
         raise UsageError(f"script not found: {args.script}")
     faults = [parse(spec, KINDS) for spec in args.inject]
@@ -157,7 +167,9 @@ def main(args: argparse.Namespace) -> int:
             min_workers=args.min_workers,
             checkpoint=checkpoint,
             readmit_after_s=args.readmit_after,
+            give_up_after_s=args.give_up_after,
         ),
+        monitor=StepMonitor(MonitorSettings()),
     )
     agents = [
         Agent(
@@ -176,12 +188,9 @@ def main(args: argparse.Namespace) -> int:
             ),
             coordinator,
             events,
-            StepMonitor(MonitorSettings()),
         )
         for node in range(args.nnodes)
     ]
-    for agent in agents:
-        coordinator.attach(agent)
     display = None if args.quiet else _Display(console, events)
     stop = threading.Event()
     terminated = threading.Event()
@@ -291,10 +300,17 @@ class _Display:
 
     def _line(self) -> str:
         s = self.state
-        return f"step {s['step']}  loss {s['loss']}  workers {s['workers']}  epoch {s['epoch']}"
+        line = f"step {s['step']}  loss {s['loss']}  workers {s['workers']}  epoch {s['epoch']}"
+        if s.get("waiting"):
+            line += f"  WAITING: {s['waiting']}"
+        return line
 
     def _on_event(self, e: dict[str, Any]) -> None:
         kind = e["event"]
+        if kind == "action" and e.get("action") == "wait":
+            self.state["waiting"] = e.get("reason", "")
+        elif kind == "epoch_begin":
+            self.state["waiting"] = ""
         if kind == "step_end":
             self.state.update(
                 step=e["step"],
@@ -305,7 +321,8 @@ class _Display:
             if self.live is None and e["step"] % 25 == 0:
                 self.console.print(self._line())
         elif kind in ("fault_injected", "error_detected", "action", "epoch_begin"):
-            detail = {k: v for k, v in e.items() if k not in ("ts", "event", "task", "reason")}
+            hide = ("ts", "event", "task") + (() if e.get("action") == "wait" else ("reason",))
+            detail = {k: v for k, v in e.items() if k not in hide}
             self.console.print(
                 f"[{time.strftime('%H:%M:%S')}] {kind} {detail}", markup=False, highlight=False
             )

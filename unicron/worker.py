@@ -235,17 +235,29 @@ class _Runner:
             is_master=False,
             timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
         )
-        # a freshly built model is the task's state only until the first step commits
+        # a freshly built model is the task's state only until the first step commits (the
+        # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self.store.check([trained_key(self.ctx.task)])
         self.watch = EpochWatch(self.store, self.ctx.task)
         self.M = self.ledger.num_microbatches
+
+    def _store_client(self) -> dist.Store:
+        """A new connection to the coordinator's store, for one epoch's process group only."""
+        return dist.TCPStore(
+            self.ctx.store_host,
+            self.ctx.store_port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
+        )
 
     # -- the loops --------------------------------------------------------------------------
     def run(self) -> TrainResult | None:
         # an epoch announced before this process was ready names its previous incarnation (a
         # restart): never join it, even if it is still the newest (a lone worker's restart)
         epoch, last_loss = self.watch.latest(), float("nan")
-        self.link.send({"type": "ready", "microbatches": self.M})
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        # the state a joiner receives: the model and (AdamW-like) two moments per parameter
+        self.link.send({"type": "ready", "microbatches": self.M, "bytes": 3 * model_bytes})
         while self.step < self.steps:
             info = self._wait_for_epoch(after=epoch)
             if info is None:
@@ -301,6 +313,7 @@ class _Runner:
 
     def _run_epoch(self, info: EpochInfo) -> float:
         t0 = time.time()
+        self.link.send({"type": "epoch", "epoch": info.epoch})
         rank = info.members.index(self.ctx.slot)
         g = EpochGroup(
             self.store,
@@ -309,6 +322,7 @@ class _Runner:
             rank,
             slice_s=self.ctx.slice_s,
             timeout_s=self.ctx.timeout_s,
+            pg_store=self._store_client,
         )
         self.groups.append(g)
         ABANDONED.append(g)  # an old gloo group with a pending operation blocks its destructor
@@ -349,6 +363,8 @@ class _Runner:
 
         Returns (micro-batches reused, where this epoch's joiners got state from).
         """
+        if self.step == 0 and self.has_state and self.store.check([trained_key(self.ctx.task)]):
+            self.has_state = False  # a fresh model, and a step has committed since it was built
         mask = [1 if mb in self.done else 0 for mb in range(self.M)]
         digest = int.from_bytes(bytes.fromhex(params_sha256(self.model))[:7], "big")
         mine = torch.tensor(
@@ -436,7 +452,7 @@ class _Runner:
         """One step: ``todo`` are this member's micro-batches, ``owned[r]`` every member's
         micro-batches at the end of its computation (what its local sums will hold)."""
         step = self.step
-        self.link.send({"type": "step_begin", "step": step})
+        self.link.send({"type": "step_begin", "step": step, "epoch": g.info.epoch})
         t0 = time.perf_counter()
         held = [R.cover(ids, self.M) for ids in owned]
         reused = owned[g.rank] - set(todo)
@@ -470,8 +486,6 @@ class _Runner:
             self._exchange = None
         if not g.vote(step):
             raise EpochOver(f"step {step} not committed in epoch {g.info.epoch}")
-        if step == 0 and g.rank == 0:
-            self.store.set(trained_key(self.ctx.task), "1")
         kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
         self._apply(grads, len(kept))
         loss = sum(kept) / len(kept)

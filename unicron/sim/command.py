@@ -14,7 +14,16 @@ from typing import Any
 
 from unicron.errors import UsageError
 
-POLICY_NAMES = ("unicron", "megatron", "megatron-30m", "oobleck", "varuna", "bamboo", "torchft")
+POLICY_NAMES = (
+    "unicron",
+    "megatron",
+    "megatron-30m",
+    "megatron-wait",
+    "oobleck",
+    "varuna",
+    "bamboo",
+    "torchft",
+)
 DEFAULT_POLICIES = "unicron,megatron,oobleck,varuna,bamboo,torchft"
 
 
@@ -37,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload", metavar="YAML", help="cluster and tasks (default: the paper-style workload)"
     )
     parser.add_argument("--nodes", type=int, help="override the number of nodes")
-    parser.add_argument("--days", type=float, help="simulated days (default: trace end / 7)")
+    parser.add_argument(
+        "--days",
+        type=float,
+        help="simulated days (default: up to the trace's last event with --trace, 7 with --rate)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of a generated trace")
     parser.add_argument(
         "--initial",
@@ -111,8 +124,21 @@ def main(args: argparse.Namespace) -> int:
         label = f"generated: {args.rate}/node/day, Llama 3 cause mix, seed {args.seed}"
     prepared = engine.prepare(wl)
     results = _run_all(prepared, events, names, duration, args)
+    from unicron.sim import measured
+
+    m = measured.load()
     meta = {
         "trace": label,
+        "unicron_constants": {
+            "source": m.source,
+            "exception_detect_s": m.exception_detect_s,
+            "exit_detect_s": m.exit_detect_s,
+            "node_detect_s": m.node_detect_s,
+            "hang_floor_s": m.hang_floor_s,
+            "assumptions": {
+                k: {"value": v, "source": src} for k, (v, src) in measured.ASSUMPTIONS.items()
+            },
+        },
         "trace_events": len(events),
         "nodes": wl.nodes,
         "gpus_per_node": wl.gpus_per_node,

@@ -31,6 +31,7 @@ import numpy as np
 from unicron.sim.trace import DETECTORS, TraceEvent
 
 if TYPE_CHECKING:
+    from unicron.planner import GPUSpec, ModelSpec
     from unicron.sim.metrics import PolicyResult
     from unicron.sim.policies import Policy
 
@@ -39,6 +40,36 @@ LOSSES = ("detection", "transition", "lost_work", "sub_healthy", "idle")
 
 FALLBACK_ITER_S = 10.0
 """Iteration time assumed where the planner finds no configuration (no fit)."""
+
+
+def _extra_models() -> dict[str, ModelSpec]:
+    from unicron.planner import ModelSpec
+
+    # BERT-large (Devlin et al. 2019: 24 layers, hidden 1024, 16 heads, 512 tokens, WordPiece
+    # vocabulary 30,522): a model of the Oobleck artifact's scenarios (docs/simulator.md).
+    # Its layers cost what a decoder layer of the same shape costs, so the planner's GPT
+    # formulas apply.
+    return {
+        "bert-large": ModelSpec(
+            name="bert-large", layers=24, hidden=1024, heads=16, seq_len=512, vocab=30522
+        )
+    }
+
+
+def model_spec(name: str) -> ModelSpec:
+    """A model by name: the planner's presets, then the simulator's extra models."""
+    from unicron import planner
+
+    if name in planner.MODEL_PRESETS:
+        return planner.MODEL_PRESETS[name]
+    return _extra_models()[name]
+
+
+def model_names() -> list[str]:
+    """Every model name :func:`model_spec` knows."""
+    from unicron import planner
+
+    return [*planner.MODEL_PRESETS, *_extra_models()]
 
 
 class Mode(enum.StrEnum):
@@ -56,7 +87,7 @@ class TaskSpec:
 
     name: str
     model: str
-    """A :data:`unicron.planner.MODEL_PRESETS` name."""
+    """A :data:`unicron.planner.MODEL_PRESETS` name or one of :func:`model_names`."""
     global_batch: int
     weight: float = 1.0
     min_nodes: int = 1
@@ -84,8 +115,16 @@ class Workload:
     nodes: int
     gpus_per_node: int = 8
     gpu: str = "A800-80GB"
-    """A :data:`unicron.planner.GPU_PRESETS` name."""
+    """A :data:`unicron.planner.GPU_PRESETS` name (or the label of ``gpu_spec``)."""
     tasks: tuple[TaskSpec, ...]
+    gpu_spec: GPUSpec | None = None
+    """A GPU that is not a preset (the cross-check's calibrated one); overrides ``gpu``."""
+
+    def gpu_type(self) -> GPUSpec:
+        """The GPU the planner prices: ``gpu_spec``, else the preset named ``gpu``."""
+        from unicron import planner
+
+        return self.gpu_spec if self.gpu_spec is not None else planner.GPU_PRESETS[self.gpu]
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -110,6 +149,8 @@ class TaskPerf:
     """Iteration time at the reference allocation."""
     state_bytes: float
     """Training state to move or load (planner's :func:`~unicron.planner.state_bytes`)."""
+    model: ModelSpec
+    """The model's shape (:func:`model_spec`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,24 +175,38 @@ class Prepared:
         raise KeyError(name)
 
 
+def _monotone(flops: np.ndarray, cap: int) -> np.ndarray:
+    """A task given k nodes runs on the best k' <= k of them (the planner's table is 0 where
+    no configuration fits exactly k, e.g. a batch that does not split k ways); beyond its
+    ``max_nodes`` it stays at 0, so the planner never gives it more."""
+    out = np.maximum.accumulate(flops)
+    out[cap + 1 :] = 0.0
+    return out
+
+
 def prepare(workload: Workload) -> Prepared:
     """Performance tables, iteration times and the reference plan (the planner, D_run = inf)."""
     from unicron import planner
 
-    gpu = planner.GPU_PRESETS[workload.gpu]
+    gpu = workload.gpu_type()
     n, g = workload.nodes, workload.gpus_per_node
     perfs: list[TaskPerf] = []
     for spec in workload.tasks:
-        model = planner.MODEL_PRESETS[spec.model]
+        model = model_spec(spec.model)
         cap = n if spec.max_nodes is None else min(n, spec.max_nodes)
         table = planner.throughput_table(model, spec.global_batch, cap * g, gpu, g, unit=g)
         flops = np.zeros(n + 1)
         flops[: len(table)] = table[: n + 1]
         flops[cap + 1 :] = 0.0
         flops[: spec.min_nodes] = 0.0
+        flops = _monotone(flops, cap)
         perfs.append(
             TaskPerf(
-                spec=spec, flops=flops, iter_time_s=0.0, state_bytes=planner.state_bytes(model)
+                spec=spec,
+                flops=flops,
+                iter_time_s=0.0,
+                state_bytes=planner.state_bytes(model),
+                model=model,
             )
         )
     states = [
@@ -170,14 +225,19 @@ def prepare(workload: Workload) -> Prepared:
     for p in perfs:
         units = reference[p.spec.name]
         iter_s = FALLBACK_ITER_S
-        if units > 0:
-            cfg = planner.best_config(
-                planner.MODEL_PRESETS[p.spec.model], p.spec.global_batch, units * g, gpu, g
-            )
+        for k in range(units, 0, -1):  # the size it really runs on (see _monotone)
+            cfg = planner.best_config(p.model, p.spec.global_batch, k * g, gpu, g)
             if cfg is not None:
                 iter_s = cfg.iter_time_s
+                break
         final.append(
-            TaskPerf(spec=p.spec, flops=p.flops, iter_time_s=iter_s, state_bytes=p.state_bytes)
+            TaskPerf(
+                spec=p.spec,
+                flops=p.flops,
+                iter_time_s=iter_s,
+                state_bytes=p.state_bytes,
+                model=p.model,
+            )
         )
     return Prepared(workload=workload, perf=tuple(final), reference=reference)
 
@@ -195,6 +255,9 @@ class TaskRun:
     reason: str = "idle"
     since: float = 0.0
     token: int = 0
+    flops: np.ndarray | None = None
+    """F(nodes) this policy gets (None: the planner's, ``perf.flops``; Bamboo masks the node
+    counts where its doubled memory does not fit)."""
     factor: float = 1.0
     """Multiplier on F(nodes) while running (steady overhead x live replica fraction)."""
     sample_loss: float = 0.0
@@ -203,7 +266,15 @@ class TaskRun:
     loss: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSSES, 0.0))
     down_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSSES, 0.0))
     ckpt_clock: float = 0.0
+    """Running seconds since the last periodic checkpoint (its phase in the schedule)."""
+    ckpt_phase: float = 0.0
+    """``ckpt_clock`` at the last checkpoint: a rollback returns the schedule there."""
     work_since_ckpt: float = 0.0
+    run_start: float = 0.0
+    """When the task last started running (its step boundaries count from here)."""
+    overhead_s: float = 0.0
+    """Running seconds lost to the steady factor (checkpoint stalls, redundant computation):
+    the running time times ``1 - factor``, for the effective-time fraction."""
     lost_samples: float = 0.0
     faults: int = 0
     extra: dict[str, int] = field(default_factory=dict)
@@ -222,10 +293,8 @@ class TaskRun:
         n = len(self.nodes)
         if n < self.spec.min_nodes:
             return 0.0
-        return (
-            float(self.spec.weight * self.perf.flops[min(n, len(self.perf.flops) - 1)])
-            * self.factor
-        )
+        flops = self.perf.flops if self.flops is None else self.flops
+        return float(self.spec.weight * flops[min(n, len(flops) - 1)]) * self.factor
 
 
 def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -263,42 +332,57 @@ class Simulation:
         self.node_order: dict[str, int] = {}
         self.present: dict[str, bool] = {}
         self.owner: dict[str, TaskRun | None] = {}
+        self._healthy = 0
+        self.standby: list[str] = []
+        """Nodes alive in the trace beyond the cluster's size, first come first in."""
         self._bind_nodes(trace)
         self.tasks: dict[str, TaskRun] = {
             p.spec.name: TaskRun(perf=p, ref_waf=prepared.ref_waf(p.spec.name), target=0)
             for p in prepared.perf
         }
         for ev in trace:
-            if ev.node in self.present and ev.time_s <= duration_s:
+            if ev.time_s <= duration_s:
                 self.schedule(ev.time_s, self._dispatcher(ev))
-            else:
-                self.ignored_events += 1
         for i in range(samples + 1):
             self.schedule(duration_s * i / samples, self._sample)
 
     # ---- cluster --------------------------------------------------------------------
     def _bind_nodes(self, trace: Sequence[TraceEvent]) -> None:
-        """Cluster nodes: the first N names in the trace, then ``node{i}`` fill-ins, in natural
-        order (node2 before node10). A node whose first event is an ``add`` after time 0
-        starts absent."""
-        names: list[str] = []
+        """The cluster is a pool of ``workload.nodes`` places. At time 0 it holds the first N
+        nodes the trace has alive then (a node whose first event is an ``add`` after time 0
+        is not), in natural order (node2 before node10); nodes alive beyond N wait in
+        :attr:`standby`. A trace that adds its nodes (a CSV trace) says which nodes exist:
+        places it leaves empty stay empty until an ``add``. A trace that only fails nodes (a
+        generated one) is topped up with ``node{i}`` fill-ins that never fail. Later, an
+        ``add`` fills an empty place (or waits in standby) and a lost node's place goes to
+        the first standby node: spot traces name every replacement instance anew, and
+        replacements take the place of lost ones."""
+        alive: list[str] = []
         first: dict[str, TraceEvent] = {}
         for ev in trace:
             if ev.node not in first:
                 first[ev.node] = ev
-                if len(names) < self.workload.nodes:
-                    names.append(ev.node)
+                if not (ev.action == "add" and ev.time_s > 0):
+                    alive.append(ev.node)
+        names = alive[: self.workload.nodes]
+        self.standby = alive[self.workload.nodes :]
+        lists_members = any(ev.action == "add" for ev in first.values())
         i = 1
-        while len(names) < self.workload.nodes:
-            if f"node{i}" not in first and f"node{i}" not in names:
+        while len(names) < self.workload.nodes and not lists_members:
+            if f"node{i}" not in first:
                 names.append(f"node{i}")
             i += 1
         names.sort(key=_natural)
-        for k, name in enumerate(names):
-            self.node_order[name] = k
-            ev0 = first.get(name)
-            self.present[name] = not (ev0 is not None and ev0.action == "add" and ev0.time_s > 0)
-            self.owner[name] = None
+        for name in names:
+            self._join(name)
+
+    def _join(self, node: str) -> None:
+        """``node`` takes an empty place in the cluster."""
+        if node not in self.node_order:
+            self.node_order[node] = len(self.node_order)
+        self.present[node] = True
+        self.owner[node] = None
+        self._healthy += 1
 
     def free_nodes(self) -> list[str]:
         """Present nodes no task holds, in cluster order."""
@@ -306,7 +390,8 @@ class Simulation:
         return sorted(free, key=self.node_order.__getitem__)
 
     def healthy_count(self) -> int:
-        return sum(self.present.values())
+        """Nodes in the cluster now."""
+        return self._healthy
 
     def resize(self, task: TaskRun, n: int) -> None:
         """Give ``task`` exactly ``n`` nodes if the free pool allows (fewer otherwise): keeps
@@ -330,37 +415,54 @@ class Simulation:
             r = task.rate()
             task.useful += r * dt
             task.loss["sub_healthy"] += (task.ref_waf - r) * dt
+            task.overhead_s += max(0.0, 1.0 - task.factor) * dt
             if task.sample_loss > 0:
                 it = task.perf.iter_time_s
                 task.lost_samples += task.sample_loss * task.spec.global_batch * dt / it
-            interval = self.policy.ckpt_interval_s
+            interval = self.policy.ckpt_interval(task)
             if math.isinf(interval):
                 task.work_since_ckpt += r * dt
             else:
                 clock = task.ckpt_clock + dt
-                task.work_since_ckpt = (
-                    r * (clock % interval) if clock >= interval else (task.work_since_ckpt + r * dt)
-                )
+                if clock >= interval:  # a periodic checkpoint passed
+                    task.work_since_ckpt = r * (clock % interval)
+                    task.ckpt_phase = 0.0
+                else:
+                    task.work_since_ckpt += r * dt
                 task.ckpt_clock = clock % interval
         else:
             task.loss[task.reason] += task.ref_waf * dt
             task.down_s[task.reason] += dt
         task.since = now
 
-    def rollback(self, task: TaskRun) -> None:
-        """Lose the work since the last checkpoint (called by checkpoint-restart policies)."""
+    def rollback(self, task: TaskRun, *, keep_clock: bool = False) -> None:
+        """Lose the work since the last checkpoint (called by checkpoint-restart policies);
+        the checkpoint schedule resumes from where it was at that checkpoint, or, with
+        ``keep_clock``, goes on counting the discarded work (see Varuna)."""
         self.advance(task, self.now)
         task.useful -= task.work_since_ckpt
         task.loss["lost_work"] += task.work_since_ckpt
         if task.ref_waf > 0:
             task.down_s["lost_work"] += task.work_since_ckpt / task.ref_waf
         task.work_since_ckpt = 0.0
-        task.ckpt_clock = 0.0
+        if not keep_clock:
+            task.ckpt_clock = task.ckpt_phase
 
-    def lose_iterations(self, task: TaskRun, iterations: float) -> None:
-        """Lose ``iterations`` of the task's steps (an interrupted step not reused)."""
+    def checkpointed(self, task: TaskRun, *, keep_phase: bool = False) -> None:
+        """A checkpoint completed now: a later rollback keeps the work done before it.
+
+        ``keep_phase``: an extra checkpoint that leaves the periodic schedule where it is
+        (Varuna's, by iteration number); otherwise the schedule restarts from now."""
         self.advance(task, self.now)
-        work = min(task.work_since_ckpt, task.rate() * task.perf.iter_time_s * iterations)
+        task.work_since_ckpt = 0.0
+        if not keep_phase:
+            task.ckpt_clock = 0.0
+        task.ckpt_phase = task.ckpt_clock
+
+    def lose_running(self, task: TaskRun, seconds: float) -> None:
+        """Lose the work of the last ``seconds`` of running (an interrupted step not reused)."""
+        self.advance(task, self.now)
+        work = min(task.work_since_ckpt, task.rate() * seconds)
         task.work_since_ckpt -= work
         task.useful -= work
         task.loss["lost_work"] += work
@@ -416,8 +518,16 @@ class Simulation:
         self.schedule(self.now + dur, lambda _t: self._next_phase(task, phases, then, tok))
 
     def start(self, task: TaskRun) -> None:
-        """Run on the nodes it holds (IDLE if below its minimum)."""
+        """Run on the nodes it holds (IDLE if below its minimum); its steps start now."""
         self.set_mode(task, Mode.RUNNING)
+        task.run_start = self.now
+
+    def partial_step_s(self, task: TaskRun, step_s: float) -> float:
+        """Seconds of the step in flight (steps of ``step_s`` back to back since the task last
+        started): what a failure now throws away."""
+        if task.mode is not Mode.RUNNING or not step_s > 0:
+            return 0.0
+        return (self.now - task.run_start) % step_s
 
     def starter(self, task: TaskRun) -> Callable[[float], None]:
         """A ``then`` for :meth:`recover` that starts ``task``."""
@@ -436,12 +546,19 @@ class Simulation:
 
         node = ev.node
         if ev.action == "add":
-            if self.present[node]:
-                return
-            self.present[node] = True
-            self.policy.on_node_back(self, node)
+            if self.present.get(node) or node in self.standby:
+                return  # already in (an ``add`` at time 0 of a node the pool starts with)
+            if self.healthy_count() < self.workload.nodes:
+                self._join(node)
+                self.policy.on_node_back(self, node)
+            else:
+                self.standby.append(node)
             return
-        if not self.present[node]:
+        if not self.present.get(node):
+            if ev.action == "remove" and node in self.standby:
+                self.standby.remove(node)
+            else:
+                self.ignored_events += 1
             return
         signal = ev.signal or "heartbeat_lost"
         verdict = (
@@ -452,12 +569,17 @@ class Simulation:
         task = self.owner[node]
         if ev.action == "remove":
             self.present[node] = False
+            self._healthy -= 1
             if task is not None:
                 self.advance(task, self.now)
                 task.nodes.remove(node)
                 self.owner[node] = None
                 task.faults += 1
             self.policy.on_node_lost(self, task, node, signal, int(verdict.severity))
+            if self.standby:  # a replacement takes the lost node's place
+                spare = self.standby.pop(0)
+                self._join(spare)
+                self.policy.on_node_back(self, spare)
         elif task is not None:
             task.faults += 1
             self.policy.on_fault(self, task, node, signal, int(verdict.severity))
@@ -573,8 +695,8 @@ def workload_from_mapping(data: object, where: str) -> Workload:
         if not isinstance(t, dict):
             raise ValueError(f"{where}: tasks[{i}] must be a mapping")
         model = str(t.get("model", ""))
-        if model not in planner.MODEL_PRESETS:
-            known = ", ".join(planner.MODEL_PRESETS)
+        if model not in model_names():
+            known = ", ".join(model_names())
             raise ValueError(f"{where}: tasks[{i}].model {model!r} unknown (known: {known})")
         try:
             specs.append(

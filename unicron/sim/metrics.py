@@ -35,6 +35,9 @@ class TaskResult:
     lost_samples: float
     faults: int
     final_nodes: int
+    effective_time_fraction: float
+    """Share of wall time spent on useful steps: not down, not redone, not stalled by the
+    steady factor (the Oobleck artifact's "Effective Time"; docs/simulator.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +55,8 @@ class PolicyResult:
     """(seconds, accumulated WAF so far), for the plot."""
     tasks: list[TaskResult]
     ignored_events: int
+    effective_time_fraction: float
+    """The tasks' effective-time fractions, weighted by their reference WAF."""
 
     def to_json(self) -> dict[str, Any]:
         """The summary.json object for this policy (without the time series)."""
@@ -61,6 +66,7 @@ class PolicyResult:
             "reference_waf_flops": self.ref_waf,
             "accumulated_waf": self.accumulated_waf,
             "effective_fraction": self.effective_fraction,
+            "effective_time_fraction": self.effective_time_fraction,
             "breakdown_s": self.breakdown_s,
             "lost_samples": self.lost_samples,
             "ignored_trace_events": self.ignored_events,
@@ -70,6 +76,7 @@ class PolicyResult:
                     "reference_waf_flops": t.ref_waf,
                     "accumulated_waf": t.accumulated_waf,
                     "effective_fraction": t.effective_fraction,
+                    "effective_time_fraction": t.effective_time_fraction,
                     "breakdown_s": t.breakdown_s,
                     "down_s": t.down_s,
                     "lost_samples": t.lost_samples,
@@ -104,6 +111,7 @@ def collect(sim: Simulation) -> PolicyResult:
                 lost_samples=t.lost_samples,
                 faults=t.faults,
                 final_nodes=len(t.nodes),
+                effective_time_fraction=max(0.0, 1.0 - (sum(t.down_s.values()) + t.overhead_s) / T),
             )
         )
     ref = sum(t.ref_waf for t in sim.tasks.values())
@@ -119,6 +127,9 @@ def collect(sim: Simulation) -> PolicyResult:
         series=list(sim.series),
         tasks=tasks,
         ignored_events=sim.ignored_events,
+        effective_time_fraction=(
+            sum(t.effective_time_fraction * t.ref_waf for t in tasks) / ref if ref > 0 else 0.0
+        ),
     )
 
 

@@ -18,10 +18,13 @@ Constants marked *assumption* are this project's choices where no source gives a
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
+
+import numpy as np
 
 from unicron.sim.engine import Mode, Simulation, TaskRun
 
@@ -53,9 +56,10 @@ class Policy:
     """Initial nodes per task: the planner's reference plan (default, isolates recovery) or
     shares proportional to weight (``planner.proportional_share``, no planner at all)."""
 
-    @property
-    def ckpt_interval_s(self) -> float:
-        """Seconds between persistent checkpoints (inf: rollback never happens)."""
+    def ckpt_interval(self, task: TaskRun) -> float:
+        """Seconds between ``task``'s persistent checkpoints (inf: rollback never happens).
+
+        Called by the engine on every time step it books."""
         return math.inf
 
     def detect_s(self, task: TaskRun, method: Method) -> float:
@@ -125,17 +129,66 @@ class Policy:
                 sim.recover(task, [("transition", cost(task))], sim.starter(task))
 
 
+ARTIFACT_COMMIT = "796655600207cfb59fae5804740ff720f7428fc5"
+"""The Oobleck SOSP'23 artifact (github SymbioticLab/Oobleck, branch sosp23-artifact) whose
+``tools/simulator/*_simulator.py`` per-model constants the baselines use."""
+
+ARTIFACT_POINTS: dict[str, tuple[str, float]] = {
+    # our model name -> (the artifact's model, parameters) the per-model constants belong to
+    "bert-large": ("BERT-large", 0.34e9),
+    "gpt-350m": ("GPT-3-medium", 0.35e9),
+    "gpt-2.7b": ("GPT-3-2_7b", 2.7e9),
+    "gpt-6.7b": ("GPT-3-6_7b", 6.7e9),
+}
+"""Models the artifact has constants for; others are interpolated on the parameter count
+between the GPT points (:func:`per_model`)."""
+
+VARUNA_CHECKPOINT_S = {"bert-large": 15.8, "gpt-350m": 11.2, "gpt-2.7b": 50.0, "gpt-6.7b": 120.0}
+"""Varuna's checkpoint stall per model (varuna_simulator.py ``checkpointing_overhead``)."""
+VARUNA_RESTART_S = {"bert-large": 60.2, "gpt-350m": 67.5, "gpt-2.7b": 465.0, "gpt-6.7b": 581.0}
+"""Varuna's restart in a new configuration (varuna_simulator.py: the global rendezvous waits
+``local_rendezvous_timeout_delta - checkpointing_overhead``: 76-15.8, 78.7-11.2, 515-50,
+701-120 s)."""
+BAMBOO_REBALANCE_S = {"bert-large": 76.0, "gpt-350m": 100.0, "gpt-2.7b": 230.0, "gpt-6.7b": 450.0}
+"""Bamboo's reconfiguration after a loss (bamboo_simulator.py
+``local_rendezvous_timeout_delta``)."""
+OOBLECK_RECONFIGURE_S = {"bert-large": 2.0, "gpt-350m": 3.0, "gpt-2.7b": 6.0, "gpt-6.7b": 10.0}
+"""Oobleck's reconfiguration (oobleck_simulator.py ``local_rendezvous_timeout_delta``; its
+global rendezvous costs 0)."""
+
+
+def per_model(table: dict[str, float], task: TaskRun) -> float:
+    """A per-model artifact constant for ``task``'s model: the artifact's own value where it
+    has the model, else linear in the parameter count between the GPT points (extrapolated
+    with the nearest segment's slope, never below the smallest point's value)."""
+    name = task.spec.model
+    if name in table:
+        return table[name]
+    pts = sorted((ARTIFACT_POINTS[k][1], v) for k, v in table.items() if k.startswith("gpt-"))
+    x = float(task.perf.model.params)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    for a, b in itertools.pairwise(pts):
+        if x <= b[0]:
+            (x0, y0), (x1, y1) = a, b
+            break
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 @dataclass(kw_only=True)
 class Megatron(Policy):
-    """Megatron-LM checkpoint-restart with a fixed world size.
+    """Megatron-LM checkpoint-restart, as its users run it: restart on the nodes it has.
 
     Every failure stops the whole job: it is seen when the failing process exits
     (``exit_detect_s``) or, when nothing exits (a hang, a lost node, a broken link), only when
-    the distributed timeout fires (``timeout_s``). The job then restarts as a whole
-    (``restart_s``), loads the last checkpoint (state over the storage bandwidth) and redoes
-    the work since it. It needs its full node count back: a spare node if one is free, else
-    it waits (idle) for one to return. Checkpoints are synchronous and stall training for
-    their save time every ``checkpoint_interval_s``.
+    the distributed timeout fires (``timeout_s``). The job then restarts (``restart_s``) on
+    the nodes it can get (up to its target, at least ``min_nodes``: a smaller data-parallel
+    degree, the planner's F for that size), loads the last checkpoint and redoes the work
+    since it. Returned nodes are taken at the next periodic checkpoint: a restart from it,
+    no work lost (assumption: an operator restarts to regain nodes, not on every arrival).
+    Checkpoints are synchronous and stall training for their save time every
+    ``checkpoint_interval_s``. :class:`MegatronWait` keeps a fixed world size instead.
     """
 
     name: ClassVar[str] = "megatron"
@@ -150,20 +203,23 @@ class Megatron(Policy):
     """Persistent checkpoint interval (assumption; typical of large runs)."""
     storage_bw_per_node: float = LLAMA3_STORAGE_BW_PER_NODE
     """Checkpoint read/write bandwidth per node."""
+    fixed_world: ClassVar[bool] = False
+    """Wait for the full node count before restarting (:class:`MegatronWait`)."""
 
-    @property
-    def ckpt_interval_s(self) -> float:
+    def ckpt_interval(self, task: TaskRun) -> float:
         return self.checkpoint_interval_s
 
     def detect_s(self, task: TaskRun, method: Method) -> float:
         return self.exit_detect_s if method == "crash" else self.timeout_s
 
+    def _save_s(self, task: TaskRun) -> float:
+        return self._load_s(task, task.target, self.storage_bw_per_node)
+
     def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
-        save = self._load_s(task, task.target, self.storage_bw_per_node)
-        return max(0.0, 1.0 - save / self.checkpoint_interval_s)
+        return max(0.0, 1.0 - self._save_s(task) / self.checkpoint_interval_s)
 
     def _restart_cost(self, task: TaskRun) -> float:
-        return self.restart_s + self._load_s(task, task.target, self.storage_bw_per_node)
+        return self.restart_s + self._load_s(task, len(task.nodes), self.storage_bw_per_node)
 
     def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
         if task.mode is Mode.IDLE:
@@ -173,10 +229,14 @@ class Megatron(Policy):
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d)], lambda _t: self._restart(sim, task))
 
+    def _enough(self, task: TaskRun) -> bool:
+        need = task.target if self.fixed_world else task.spec.min_nodes
+        return len(task.nodes) >= max(need, 1)
+
     def _restart(self, sim: Simulation, task: TaskRun) -> None:
         sim.resize(task, task.target)
-        if len(task.nodes) < task.target:
-            sim.set_mode(task, Mode.IDLE)  # fixed world size: wait for a node
+        if not self._enough(task):
+            sim.set_mode(task, Mode.IDLE)  # wait for nodes
             return
         sim.recover(task, [("transition", self._restart_cost(task))], sim.starter(task))
 
@@ -184,31 +244,62 @@ class Megatron(Policy):
         for task in sim.tasks.values():
             if task.mode is Mode.IDLE and task.target > 0:
                 sim.resize(task, task.target)
-                if len(task.nodes) >= task.target:
-                    sim.recover(
-                        task,
-                        [("transition", self._restart_cost(task))],
-                        sim.starter(task),
-                    )
+                if self._enough(task):
+                    sim.recover(task, [("transition", self._restart_cost(task))], sim.starter(task))
+            elif (
+                not self.fixed_world
+                and task.mode is Mode.RUNNING
+                and len(task.nodes) < task.target
+                and not task.extra.get("grow_pending")
+            ):  # grow at the next periodic checkpoint: restart from it, no work lost
+                task.extra["grow_pending"] = 1
+                wait = max(0.0, self.checkpoint_interval_s - task.ckpt_clock)
+                sim.schedule(sim.now + wait, self._grower(sim, task))
+
+    def _grower(self, sim: Simulation, task: TaskRun) -> Callable[[float], None]:
+        return lambda _t: self._grow(sim, task)
+
+    def _grow(self, sim: Simulation, task: TaskRun) -> None:
+        task.extra["grow_pending"] = 0
+        if task.mode is not Mode.RUNNING or len(task.nodes) >= task.target:
+            return
+        if not sim.free_nodes():
+            return
+        sim.checkpointed(task)
+        sim.resize(task, task.target)
+        sim.recover(task, [("transition", self._restart_cost(task))], sim.starter(task))
 
 
 @dataclass(kw_only=True)
 class Megatron30(Megatron):
-    """Megatron-LM with a 30-minute distributed timeout (see :class:`Megatron`)."""
+    """:class:`Megatron` with a 30-minute distributed timeout."""
 
     name: ClassVar[str] = "megatron-30m"
     timeout_s: float = 1800.0
 
 
 @dataclass(kw_only=True)
+class MegatronWait(Megatron):
+    """:class:`Megatron` with a fixed world size: after a failure it waits (idle) until it has
+    its full node count again (a spare, or the lost node repaired)."""
+
+    name: ClassVar[str] = "megatron-wait"
+    fixed_world: ClassVar[bool] = True
+
+
+@dataclass(kw_only=True)
 class Varuna(Policy):
     """Varuna (Athlur et al., EuroSys'22): checkpoint-based job morphing.
 
-    On a lost node the job restarts from its last checkpoint in a new configuration for the
-    nodes it has (taking free ones up to its target), so it never waits for a replacement but
-    loses the work since the checkpoint. When nodes return it morphs up: it checkpoints first
-    (no work lost) and restarts. Errors that leave the node in place restart the job from
-    the checkpoint; hangs are found at the distributed timeout (Varuna has no hang detector).
+    As its paper and the Oobleck artifact's ``varuna_simulator.py`` model it: a checkpoint
+    every ``checkpoint_every_iters`` iterations (a stall of the per-model
+    :data:`VARUNA_CHECKPOINT_S`) and one right after each reconfiguration. On a lost node
+    the job restarts from its last checkpoint in a new configuration for the nodes it has
+    (:data:`VARUNA_RESTART_S`, taking free nodes up to its target), so it never waits for a
+    replacement but loses the work since the checkpoint. When nodes return it morphs up: it
+    checkpoints first (no work lost, the checkpoint counts) and restarts. Errors that leave
+    the node in place restart the job from the checkpoint; hangs are found at the
+    distributed timeout (Varuna has no hang detector).
     """
 
     name: ClassVar[str] = "varuna"
@@ -218,32 +309,42 @@ class Varuna(Policy):
     """As :class:`Megatron` (assumption)."""
     node_detect_s: float = 30.0
     """Varuna's manager notices a lost VM by its heartbeat (assumption)."""
-    restart_s: float = 300.0
-    """Job restart in a new configuration (assumption, as Megatron)."""
-    checkpoint_interval_s: float = 1800.0
-    """Varuna checkpoints often because it expects preemptions (assumption)."""
-    storage_bw_per_node: float = LLAMA3_STORAGE_BW_PER_NODE
-    """As :class:`Megatron`."""
+    checkpoint_every_iters: int = 10
+    """Iterations between checkpoints (varuna_simulator.py ``checkpoint_per_iter``)."""
+    max_stall_fraction: float = 0.1
+    """Checkpoints no more often than keeps their stall under this share of the time
+    (assumption: a user with short iterations checkpoints less often; the artifact's own
+    scenarios stall ~6 %, so this bound does not bind there)."""
+    cost_scale: float = 1.0
+    """Multiplier on the artifact's per-model checkpoint and restart times (sensitivity)."""
+    artifact_step_count: bool = False
+    """Count the steps a rollback discards toward the next every-10-iterations checkpoint,
+    as varuna_simulator.py does (its ``num_steps_complete`` is not rolled back with the
+    work). False: the schedule follows the restored iteration number, as Varuna restoring
+    a checkpoint does. The cross-check uses it to show where the two models part."""
 
-    @property
-    def ckpt_interval_s(self) -> float:
-        return self.checkpoint_interval_s
+    def ckpt_interval(self, task: TaskRun) -> float:
+        floor = self.checkpoint_s(task) * (1.0 - self.max_stall_fraction) / self.max_stall_fraction
+        return max(self.checkpoint_every_iters * _iter_s(task), floor)
+
+    def checkpoint_s(self, task: TaskRun) -> float:
+        return self.cost_scale * per_model(VARUNA_CHECKPOINT_S, task)
+
+    def restart_cost_s(self, task: TaskRun) -> float:
+        return self.cost_scale * per_model(VARUNA_RESTART_S, task)
 
     def detect_s(self, task: TaskRun, method: Method) -> float:
         return {"crash": self.exit_detect_s, "node": self.node_detect_s}.get(method, self.timeout_s)
 
     def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
-        save = self._load_s(task, task.target, self.storage_bw_per_node)
-        return max(0.0, 1.0 - save / self.checkpoint_interval_s)
-
-    def _cost(self, task: TaskRun) -> float:
-        return self.restart_s + self._load_s(task, len(task.nodes), self.storage_bw_per_node)
+        every = self.ckpt_interval(task)
+        return every / (every + self.checkpoint_s(task))
 
     def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
         if task.mode is Mode.IDLE:
             return
         if task.mode is Mode.RUNNING:
-            sim.rollback(task)
+            sim.rollback(task, keep_clock=self.artifact_step_count)
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d)], lambda _t: self._morph(sim, task))
 
@@ -252,14 +353,48 @@ class Varuna(Policy):
         if len(task.nodes) < task.spec.min_nodes:
             sim.set_mode(task, Mode.IDLE)
             return
-        sim.recover(task, [("transition", self._cost(task))], sim.starter(task))
+        self._restart(sim, task, save_first=False)
+
+    def _restart(self, sim: Simulation, task: TaskRun, *, save_first: bool) -> None:
+        """Restart in the new configuration; one iteration later, checkpoint (credited)."""
+        phases = [("transition", self.restart_cost_s(task))]
+        if save_first:
+            sim.checkpointed(task, keep_phase=True)
+            phases.insert(0, ("transition", self.checkpoint_s(task)))
+
+        def first_step(_t: float) -> None:
+            sim.start(task)
+            tok = task.token
+            sim.schedule(sim.now + _iter_s(task), lambda _u: self._post_morph_ckpt(sim, task, tok))
+
+        sim.recover(task, phases, first_step)
+
+    def _post_morph_ckpt(self, sim: Simulation, task: TaskRun, tok: int) -> None:
+        if task.mode is not Mode.RUNNING or task.token != tok:
+            return
+        sim.checkpointed(task, keep_phase=True)
+        sim.recover(task, [("transition", self.checkpoint_s(task))], sim.starter(task))
 
     def on_node_back(self, sim: Simulation, node: str) -> None:
-        def cost(t: TaskRun) -> float:  # checkpoint, then restart bigger: no work lost
-            save = self._load_s(t, t.target, self.storage_bw_per_node)
-            return save + self._cost(t)
+        for task in sim.tasks.values():
+            if len(task.nodes) >= task.target or not sim.free_nodes():
+                continue
+            if task.mode is Mode.IDLE:
+                self._morph(sim, task)
+            elif task.mode is Mode.RUNNING:
+                sim.resize(task, task.target)
+                self._restart(sim, task, save_first=True)
 
-        self._grow_below_target(sim, cost, running_too=True)
+
+def _iter_s(task: TaskRun) -> float:
+    """Iteration time at the task's current size (the reference one scaled by F)."""
+    n = min(len(task.nodes), len(task.perf.flops) - 1)
+    ref = task.ref_waf / task.spec.weight if task.spec.weight > 0 else 0.0
+    now = task.perf.flops[n] if n > 0 else 0.0
+    it = task.perf.iter_time_s
+    if now > 0 and ref > 0:
+        return float(it * ref / now)
+    return it
 
 
 @dataclass(kw_only=True)
@@ -268,10 +403,13 @@ class Oobleck(Policy):
 
     A lost node is handled without a checkpoint: the job re-instantiates its pipelines from
     precomputed templates on the nodes it has, copying missing layers from the other
-    pipelines' replicas; only the interrupted iteration is lost. Errors that leave the node
-    in place are handled the same way (the node's workers rejoin at the reconfiguration).
-    Returning nodes are added back by another reconfiguration. It cannot take nodes from
-    other tasks; hangs are found at the distributed timeout.
+    pipelines' replicas (the per-model :data:`OOBLECK_RECONFIGURE_S`); the interrupted
+    iteration is lost: the part of it done when the failure comes (oobleck_simulator.py
+    marks the step in flight wasted and books a ``step_delta``).
+    Errors that leave the node in place are handled the same way. Nodes that come back are
+    taken at the next reconfiguration, not at once (the artifact's Oobleck adds waiting
+    nodes only when it reconfigures); a task left below its minimum takes them at once.
+    It cannot take nodes from other tasks; hangs are found at the distributed timeout.
     """
 
     name: ClassVar[str] = "oobleck"
@@ -279,9 +417,13 @@ class Oobleck(Policy):
     """Distributed timeout, as :class:`Megatron`."""
     failure_detect_s: float = 5.0
     """Oobleck's agents see a worker or node drop through their connections (assumption)."""
-    reconfigure_s: float = 60.0
-    """Re-instantiate pipelines and copy layers from peers (assumption; the paper reports
-    reconfiguration in seconds to about a minute)."""
+    lost_step_scale: float = 1.0
+    """Multiplier on the interrupted step's lost part (sensitivity; 1: what was done of it)."""
+    cost_scale: float = 1.0
+    """Multiplier on the artifact's per-model reconfiguration time (sensitivity)."""
+
+    def reconfigure_s(self, task: TaskRun) -> float:
+        return self.cost_scale * per_model(OOBLECK_RECONFIGURE_S, task)
 
     def detect_s(self, task: TaskRun, method: Method) -> float:
         return self.timeout_s if method == "hang" else self.failure_detect_s
@@ -290,23 +432,36 @@ class Oobleck(Policy):
         if task.mode is Mode.IDLE:
             return
         if task.mode is Mode.RUNNING:
-            sim.lose_iterations(task, 0.5)
+            lost = sim.partial_step_s(task, _iter_s(task)) * self.lost_step_scale
+            sim.lose_running(task, lost)
         d = self.detect_s(task, method_of(signal))
-        sim.recover(task, [("detection", d), ("transition", self.reconfigure_s)], sim.starter(task))
+        sim.recover(task, [("detection", d)], lambda _t: self._reconfigure(sim, task))
+
+    def _reconfigure(self, sim: Simulation, task: TaskRun) -> None:
+        sim.resize(task, task.target)  # waiting nodes join at this reconfiguration
+        if len(task.nodes) < task.spec.min_nodes:
+            sim.set_mode(task, Mode.IDLE)
+            return
+        sim.recover(task, [("transition", self.reconfigure_s(task))], sim.starter(task))
 
     def on_node_back(self, sim: Simulation, node: str) -> None:
-        self._grow_below_target(sim, lambda _t: self.reconfigure_s, running_too=True)
+        self._grow_below_target(sim, self.reconfigure_s, running_too=False)
 
 
 @dataclass(kw_only=True)
 class Bamboo(Policy):
     """Bamboo (Thorpe et al., NSDI'23): redundant computation.
 
-    Every node also computes its pipeline successor's layers in the bubbles, which costs
-    throughput all the time (``redundancy_overhead``) but lets a single lost node fail over to
-    its redundant copy at once, with no work lost; the pipeline is then rebuilt smaller.
-    Returning nodes are added back by a reconfiguration. Hangs are found at the distributed
-    timeout.
+    Every node also holds and computes its pipeline successor's layers, which (1) costs
+    throughput all the time: the artifact's measured Bamboo throughput is
+    ``redundancy_factor`` of Oobleck's on the same nodes, and (2) needs memory for two
+    stages: a task runs only on node counts where the planner fits a model with twice the
+    layers (the artifact's Bamboo runs out of memory for GPT-3 medium and larger; our
+    memory model is the planner's, on the scenario's GPU). A lost node fails over to its
+    redundant copy; the pipeline is then rebuilt smaller (the per-model
+    :data:`BAMBOO_REBALANCE_S`) and the part of the interrupted iteration done is lost
+    (bamboo_simulator.py books one ``step_delta``). Returning nodes are added by another
+    rebuild. Hangs are found at the distributed timeout.
     """
 
     name: ClassVar[str] = "bamboo"
@@ -314,28 +469,66 @@ class Bamboo(Policy):
     """Distributed timeout, as :class:`Megatron`."""
     failure_detect_s: float = 5.0
     """Bamboo's agents see a worker or node drop (assumption, as Oobleck)."""
-    redundancy_overhead: float = 0.3
-    """Steady throughput lost to redundant computation (assumption; Bamboo trades roughly
-    this much throughput for resilience on spot instances)."""
-    failover_s: float = 10.0
-    """Switch to the redundant copy and rebuild the pipeline (assumption)."""
-    reconfigure_s: float = 60.0
-    """Add returning nodes (assumption, as Oobleck)."""
+    redundancy_factor: float = 0.288
+    """Bamboo's throughput over Oobleck's on the same nodes, both measured: the mean over 15..30
+    nodes of the ratio of the BERT-large ``tputs`` tables in the artifact's
+    bamboo_simulator.py and oobleck_simulator.py (0.23..0.33; 119.3 / 368.2 on 30 nodes)."""
+    cost_scale: float = 1.0
+    """Multiplier on the artifact's per-model rebuild time (sensitivity)."""
+    memory_limit: bool = True
+    """Run only where twice the layers fit (False: ignore Bamboo's extra memory)."""
+
+    def rebalance_s(self, task: TaskRun) -> float:
+        return self.cost_scale * per_model(BAMBOO_REBALANCE_S, task)
 
     def detect_s(self, task: TaskRun, method: Method) -> float:
         return self.timeout_s if method == "hang" else self.failure_detect_s
 
     def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
-        return 1.0 - self.redundancy_overhead
+        return self.redundancy_factor
+
+    def start(self, sim: Simulation) -> None:
+        if self.memory_limit:
+            for task in sim.tasks.values():
+                task.flops = task.perf.flops * (_doubled_table(sim, task) > 0)
+        super().start(sim)
 
     def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
         if task.mode is Mode.IDLE:
             return
+        if task.mode is Mode.RUNNING:
+            step = _iter_s(task) / self.redundancy_factor
+            sim.lose_running(task, sim.partial_step_s(task, step))
         d = self.detect_s(task, method_of(signal))
-        sim.recover(task, [("detection", d), ("transition", self.failover_s)], sim.starter(task))
+        sim.recover(
+            task, [("detection", d), ("transition", self.rebalance_s(task))], sim.starter(task)
+        )
 
     def on_node_back(self, sim: Simulation, node: str) -> None:
-        self._grow_below_target(sim, lambda _t: self.reconfigure_s, running_too=True)
+        self._grow_below_target(sim, self.rebalance_s, running_too=True)
+
+
+def _doubled_table(sim: Simulation, task: TaskRun) -> Any:
+    """F(k) of a model with twice ``task``'s layers (nonzero where Bamboo's memory fits)."""
+    from dataclasses import replace
+
+    from unicron import planner
+
+    wl = sim.workload
+    model = task.perf.model
+    doubled = replace(model, name=f"{model.name}-x2", layers=2 * model.layers)
+    n = len(task.perf.flops) - 1
+    table = planner.throughput_table(
+        doubled,
+        task.spec.global_batch,
+        n * wl.gpus_per_node,
+        wl.gpu_type(),
+        wl.gpus_per_node,
+        unit=wl.gpus_per_node,
+    )
+    out = np.zeros(n + 1)
+    out[: len(table)] = table[: n + 1]
+    return np.maximum.accumulate(out)
 
 
 @dataclass(kw_only=True)
@@ -415,6 +608,12 @@ class TorchFT(Policy):
 
     def on_node_back(self, sim: Simulation, node: str) -> None:
         for task in sim.tasks.values():
+            if task.mode is Mode.IDLE and task.target > 0 and not task.extra.get("waiting"):
+                sim.resize(task, task.target)  # never started (its nodes came later)
+                if len(task.nodes) >= task.spec.min_nodes:
+                    self._refresh(sim, task)
+                    sim.recover(task, [("transition", self.restart_s)], sim.starter(task))
+                continue
             while task.extra.get("waiting", 0) > 0 and sim.free_nodes():
                 sim.resize(task, len(task.nodes) + 1)
                 task.extra["waiting"] -= 1
@@ -425,7 +624,8 @@ class TorchFT(Policy):
 class Unicron(Policy):
     """Unicron (He et al. 2023): in-band detection, cost-aware replanning, fast transition.
 
-    Detection latencies are the runtime's targets (DESIGN.md, "Detection"). SEV3 reattempts
+    Detection latencies are the runtime's measured ones (:mod:`unicron.sim.measured` reads
+    them from ``bench/results``; :func:`make_policy` passes them in). SEV3 reattempts
     in place (one iteration); SEV2 restarts the process in its slot and pulls the state from
     the nearest peer; SEV1 (node lost) replans every task with the real planner
     (:func:`unicron.planner.solve`, transition costs from
@@ -436,23 +636,43 @@ class Unicron(Policy):
 
     name: ClassVar[str] = "unicron"
     exception_detect_s: float = 0.2
-    """Exception propagation target (DESIGN.md)."""
+    """A communication error seen by the peers (measured: bench/results error.json)."""
     exit_detect_s: float = 0.5
-    """Process supervision target (DESIGN.md)."""
+    """A crashed or raising process (measured: crash.json, error.json)."""
     node_detect_s: float = 3.0
-    """Node health monitoring (heartbeats) target (DESIGN.md)."""
+    """A lost node, through node health (measured: node.json ``detection_heartbeat_s``)."""
     hang_factor: float = 3.0
-    """Statistical hang threshold: max(hang_factor x step, 1 s) + 0.5 s (DESIGN.md)."""
-    regroup_s: float = 10.0
-    """Rebuild a process group and restart a worker at cluster scale (assumption)."""
+    """Statistical hang threshold: hang_factor x step (DESIGN.md), at least ``hang_floor_s``."""
+    hang_floor_s: float = 1.5
+    """The hang detector's floor (measured: hang.json ``detection_s``)."""
+    regroup_s: float = 30.0
+    """Rebuild the process groups and restart a worker at cluster scale (named assumption,
+    :data:`unicron.sim.measured.ASSUMPTIONS`)."""
     prior_rate_per_node_day: float = 419 / (2048 * 54)
     """Failure-rate prior for D_run before failures are seen (Llama 3, see trace.py)."""
     nodes_lost: int = field(default=0, init=False)
     """Node losses seen so far (the observed failure rate for D_run)."""
+    _states: dict[str, tuple[tuple[int, float, bool], Any]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    @classmethod
+    def measured(cls) -> Unicron:
+        """Unicron with the runtime's measured detection latencies and the named assumptions."""
+        from unicron.sim import measured
+
+        m = measured.load()
+        return cls(
+            exception_detect_s=m.exception_detect_s,
+            exit_detect_s=m.exit_detect_s,
+            node_detect_s=m.node_detect_s,
+            hang_floor_s=m.hang_floor_s,
+            regroup_s=measured.ASSUMPTIONS["regroup_s"][0],
+        )
 
     def detect_s(self, task: TaskRun, method: Method) -> float:
         if method == "hang":
-            return max(self.hang_factor * task.perf.iter_time_s, 1.0) + 0.5
+            return max(self.hang_factor * task.perf.iter_time_s, self.hang_floor_s)
         return {"crash": self.exit_detect_s, "comm": self.exception_detect_s}.get(
             method, self.node_detect_s
         )
@@ -461,8 +681,8 @@ class Unicron(Policy):
         from unicron import planner
 
         wl = sim.workload
-        bw = planner.GPU_PRESETS[wl.gpu].inter_node_bw * wl.gpus_per_node
-        return planner.transition_time_s(planner.MODEL_PRESETS[task.spec.model], bw, self.regroup_s)
+        bw = wl.gpu_type().inter_node_bw * wl.gpus_per_node
+        return planner.transition_time_s(task.perf.model, bw, self.regroup_s)
 
     def on_fault(self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int) -> None:
         if task.mode is Mode.IDLE:
@@ -497,23 +717,33 @@ class Unicron(Policy):
         )
         return planner.expected_time_to_failure_s(rate, max(nodes, 1))
 
+    def _state(self, task: TaskRun, cost: float, faulted: bool) -> Any:
+        """The planner's view of ``task``, reused while it is unchanged (building one copies
+        the task's F table: a tenth of a replan's time at 100 tasks)."""
+        from unicron import planner
+
+        key = (len(task.nodes), cost, faulted)
+        hit = self._states.get(task.name)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        state = planner.TaskState(
+            name=task.name,
+            weight=task.spec.weight,
+            min_units=task.spec.min_nodes,
+            current_units=len(task.nodes),
+            flops=task.perf.flops,
+            transition_s=cost,
+            must_transition=faulted,
+        )
+        self._states[task.name] = (key, state)
+        return state
+
     def _replan(self, sim: Simulation, faulted: TaskRun | None) -> None:
         """Run the real planner over every task and move the tasks whose nodes change."""
         from unicron import planner
 
         cost = {t.name: self.transition_s(sim, t) for t in sim.tasks.values()}
-        states = [
-            planner.TaskState(
-                name=t.name,
-                weight=t.spec.weight,
-                min_units=t.spec.min_nodes,
-                current_units=len(t.nodes),
-                flops=t.perf.flops,
-                transition_s=cost[t.name],
-                must_transition=t is faulted,
-            )
-            for t in sim.tasks.values()
-        ]
+        states = [self._state(t, cost[t.name], t is faulted) for t in sim.tasks.values()]
         plan = planner.solve(states, sim.healthy_count(), self._d_run_s(sim))
         changed: list[TaskRun] = []
         ordered = sorted(sim.tasks.values(), key=lambda t: plan.allocation[t.name] - len(t.nodes))
@@ -532,7 +762,8 @@ class Unicron(Policy):
 
 
 POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Unicron, Megatron, Megatron30, Oobleck, Varuna, Bamboo, TorchFT)
+    cls.name: cls
+    for cls in (Unicron, Megatron, Megatron30, MegatronWait, Oobleck, Varuna, Bamboo, TorchFT)
 }
 """Policy name -> class, in report order (``--policies`` takes these names)."""
 
@@ -541,5 +772,37 @@ def make_policy(name: str, *, initial: Literal["planner", "proportional"] = "pla
     """A policy with its default constants; ``initial`` applies to the baselines only."""
     cls = POLICIES[name]
     if cls is Unicron:
-        return Unicron()
+        return Unicron.measured()
     return cls(initial=initial)
+
+
+A = "Oobleck artifact"
+CONSTANTS: tuple[tuple[str, str, str], ...] = (
+    # (policy, field, source) for every constant docs/simulator.md lists; the value is the
+    # policy's default (Unicron's: make_policy's, read from bench/results).
+    ("unicron", "exception_detect_s", "measured: bench/results/error.json, comm kinds"),
+    ("unicron", "exit_detect_s", "measured: bench/results/crash.json, error.json"),
+    ("unicron", "node_detect_s", "measured: bench/results/node.json detection_heartbeat_s"),
+    ("unicron", "hang_floor_s", "measured: bench/results/hang.json detection_s"),
+    ("unicron", "hang_factor", "DESIGN.md: hang threshold 3 x step"),
+    ("unicron", "regroup_s", "assumption: MegaScale (NSDI'24) section 3.5, init < 30 s"),
+    ("megatron", "timeout_s", "Megatron-LM --distributed-timeout-minutes default 10"),
+    ("megatron", "exit_detect_s", "assumption: launcher tears the job down"),
+    ("megatron", "restart_s", "assumption: schedule, launch, NCCL init"),
+    ("megatron", "checkpoint_interval_s", "assumption: typical of large runs"),
+    ("megatron", "storage_bw_per_node", "Llama 3 (arXiv 2407.21783) 3.3.4: 2 TB/s / 2,048 nodes"),
+    ("varuna", "node_detect_s", "assumption: manager heartbeat"),
+    ("varuna", "checkpoint_every_iters", f"{A} varuna_simulator.py checkpoint_per_iter"),
+    ("varuna", "max_stall_fraction", "assumption: artifact's scenarios stall ~6 %"),
+    ("varuna", "cost_scale", f"{A}: per-model checkpoint and restart times (x1)"),
+    ("oobleck", "failure_detect_s", "assumption: agents' connections drop"),
+    ("oobleck", "lost_step_scale", f"{A} oobleck_simulator.py: the step in flight is wasted"),
+    ("oobleck", "cost_scale", f"{A}: per-model reconfiguration 2-10 s (x1)"),
+    ("bamboo", "redundancy_factor", f"{A}: Bamboo / Oobleck BERT-large tputs, 15-30 nodes"),
+    ("bamboo", "cost_scale", f"{A}: per-model rebuild 76-450 s (x1)"),
+    ("torchft", "timeout_s", "torchft Manager timeout default 60 s"),
+    ("torchft", "error_detect_s", "assumption"),
+    ("torchft", "restart_s", "assumption"),
+    ("torchft", "heal_bw_per_node", "A800 preset: 8 x 200 Gb/s NICs"),
+)
+"""Every tunable constant of the policies with its source (docs/simulator.md's table)."""

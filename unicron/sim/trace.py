@@ -6,8 +6,10 @@ A trace is a time-ordered list of :class:`TraceEvent` on named nodes. Two source
   spot-instance traces in ``../shared/data/traces/``, from the Oobleck SOSP'23 artifact,
   originally collected for Bamboo NSDI'23). ``remove`` means the node is gone (it is
   classified as the ``heartbeat_lost`` detector, SEV1); ``add`` means it is (back) in the
-  cluster. A malformed line raises :class:`~unicron.errors.UsageError` naming the file and
-  the line number.
+  cluster. A malformed line, an unknown action, a time going backwards or a ``remove`` of
+  a node not in the cluster raises :class:`~unicron.errors.UsageError` naming the file and
+  the line number. Spot traces name every replacement instance anew; the engine treats the
+  trace's nodes as a pool (see :class:`unicron.sim.engine.Simulation`).
 * :func:`generate` draws failures from a per-node rate (Poisson, seeded) with a mix of
   causes taken from a published report (:data:`LLAMA3_CAUSES`). Each cause is mapped to a
   classifier input (an error kind or a detector name); :func:`unicron.classify` turns it
@@ -109,21 +111,41 @@ def _classify_severity(signal: str) -> int:
 
 
 def load_csv(path: str | Path) -> list[TraceEvent]:
-    """Parse a ``milliseconds,add|remove,node`` trace; raise UsageError naming file:line."""
+    """Parse a ``milliseconds,add|remove,node`` trace; raise UsageError naming file:line.
+
+    Rejected (each names the line): a malformed line, an unknown action, a time earlier than
+    the line before it, a ``remove`` of a node that is not in the cluster at that point (never
+    added, or already removed), and an ``add`` of a node that is already in.
+    """
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise UsageError(f"{path}: cannot read trace: {exc.strerror}") from exc
     events: list[TraceEvent] = []
+    live: set[str] = set()
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        events.append(_parse_line(line, f"{path}:{lineno}"))
+        where = f"{path}:{lineno}"
+        ev = _parse_line(line, where)
+        if events and ev.time_s < events[-1].time_s:
+            raise UsageError(
+                f"{where}: time {ev.time_s * 1000:.0f} ms goes backwards "
+                f"(the line before is at {events[-1].time_s * 1000:.0f} ms)"
+            )
+        if ev.action == "remove":
+            if ev.node not in live:
+                raise UsageError(f"{where}: node {ev.node!r} removed but not in the cluster")
+            live.discard(ev.node)
+        else:
+            if ev.node in live:
+                raise UsageError(f"{where}: node {ev.node!r} added twice")
+            live.add(ev.node)
+        events.append(ev)
     if not events:
         raise UsageError(f"{path}: trace has no events")
-    events.sort(key=lambda e: e.time_s)  # stable: same-time lines keep file order
     return events
 
 

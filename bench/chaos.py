@@ -1,0 +1,197 @@
+"""The fault soak: about a hundred mixed faults in one run, healed, and still bit-exact.
+
+One node, 4 workers, the example GPT. A seeded schedule (:func:`schedule`) injects crashes,
+hangs, every error kind of the classification table and slow workers, on every slot, a few
+steps apart. The same training runs once without faults; both must end with the same
+``params_sha256``. From the faulty run's event log (:func:`measure_faults`), per fault: the
+time to its detection (the first ``error_detected`` about its slot at or after it) and to the
+next finished step; per kind the worst detection against the goal (a hang found within
+``max(3 x median step, 1 s) + 0.5 s`` after the first step); exclusions, readmissions and
+waits; steps lost (finished steps reported again, i.e. redone from a checkpoint).
+
+    python -m bench.chaos [--quick] [--faults N] [--seed S]      # or: make soak
+
+Writes ``bench/results/chaos.json`` (rows) and prints the table. Not part of ``python -m
+bench``: it is a long scenario of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import Row, make_row, print_table, save_scenario
+from bench.events import Event, read_events, steps_redone
+from unicron.classify import KINDS
+
+SCENARIO = "chaos"
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = 4
+FIRST_STEP = 4
+"""no fault before this step (the task's cold start has its own, long allowance)"""
+ERROR_KINDS = tuple(sorted(k for k in KINDS if k != "unknown"))
+FAULT_KINDS = ("crash", "hang", "slow", *(f"error:{k}" for k in ERROR_KINDS))
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One fault of the schedule: its ``--inject`` spec, and the kind it is reported under."""
+
+    spec: str
+    kind: str
+    rank: int
+    step: int
+
+
+def schedule(faults: int, seed: int, gap: int = 5) -> tuple[list[Planned], int]:
+    """``faults`` faults, one every ``gap`` steps from :data:`FIRST_STEP`, on random slots,
+    each kind in turn (shuffled rounds, so every kind occurs about equally often). Returns
+    the faults and the number of steps the run needs (a tail after the last fault)."""
+    rng = random.Random(seed)
+    kinds: list[str] = []
+    while len(kinds) < faults:
+        round_ = list(FAULT_KINDS)
+        rng.shuffle(round_)
+        kinds += round_
+    planned = []
+    for i, kind in enumerate(kinds[:faults]):
+        rank, step = rng.randrange(WORKERS), FIRST_STEP + i * gap
+        if kind == "crash":
+            spec = f"crash:rank={rank},step={step}"
+        elif kind == "hang":
+            spec = f"hang:rank={rank},step={step}"
+        elif kind == "slow":
+            spec = f"slow:rank={rank},step={step},factor=4"
+        else:
+            spec = f"error:rank={rank},step={step},kind={kind.split(':', 1)[1]}"
+        planned.append(Planned(spec, kind, rank, step))
+    return planned, FIRST_STEP + faults * gap + 20
+
+
+def _run(
+    workdir: Path, steps: int, specs: list[str], timeout_s: float
+) -> tuple[list[Event], float]:
+    workdir.mkdir(parents=True)
+    events = workdir / "events.jsonl"
+    cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(WORKERS), "--quiet",
+           "--events", str(events), "--log-dir", str(workdir / "logs"),
+           "--readmit-after", "2", "--checkpoint-every", "10",
+           *(a for s in specs for a in ("--inject", s)),
+           str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps),
+           "--out", str(workdir / "out")]  # fmt: skip
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"unicron run exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return read_events(events), wall
+
+
+def _kind(e: Event) -> str:
+    return e["fault"] if e["fault"] != "error" else f"error:{e.get('kind')}"
+
+
+def measure_faults(events: list[Event]) -> dict[str, Any]:
+    """Per fault fired: detection and recovery times, grouped by kind; and the run's counts."""
+    fired = [e for e in events if e["event"] == "fault_injected"]
+    detections = [e for e in events if e["event"] == "error_detected"]
+    ends = [e for e in events if e["event"] == "step_end"]
+    by_kind: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    undetected = 0
+    for f in fired:
+        ts, slot = float(f["ts"]), f.get("rank")
+        found = next((d for d in detections if d.get("slot") == slot and d["ts"] >= ts), None)
+        if found is None:
+            undetected += 1
+            continue
+        k = by_kind[_kind(f)]
+        k["detection_s"].append(float(found["ts"]) - ts)
+        nxt = next((e for e in ends if e["ts"] > found["ts"]), None)
+        if nxt is not None:
+            k["recovery_s"].append(float(nxt["ts"]) - ts)
+    acts = [e.get("action") for e in events if e["event"] == "action"]
+    durations = [float(e["duration_s"]) for e in ends if "duration_s" in e]
+    return {
+        "fired": len(fired),
+        "undetected": undetected,
+        "by_kind": by_kind,
+        "exclusions": acts.count("exclude"),
+        "readmissions": acts.count("readmit"),
+        "waits": acts.count("wait"),
+        "restarts": acts.count("restart"),
+        "reattempts": acts.count("reattempt"),
+        "steps_lost": steps_redone(events),
+        "median_step_s": statistics.median(durations) if durations else None,
+    }
+
+
+def run(quick: bool, faults: int | None = None, seed: int = 0) -> list[Row]:
+    """The rows of this scenario."""
+    n = faults if faults is not None else (24 if quick else 100)
+    planned, steps = schedule(n, seed)
+    timeout_s = 120.0 + steps * 2.0
+    with tempfile.TemporaryDirectory(prefix="unicron-bench-chaos-") as tmp:
+        clean, clean_wall = _run(Path(tmp) / "clean", steps, [], timeout_s)
+        faulty, wall = _run(Path(tmp) / "faulty", steps, [p.spec for p in planned], timeout_s)
+    end_clean = next(e for e in clean if e["event"] == "task_end")
+    end = next(e for e in faulty if e["event"] == "task_end")
+    m = measure_faults(faulty)
+    exact = end.get("params_sha256") == end_clean.get("params_sha256")
+    healed = m["fired"] - m["undetected"] if end.get("status") == "ok" else 0
+    median_step = m["median_step_s"] or 0.0
+    goal = max(3 * median_step, 1.0) + 0.5
+    base = dict(system="unicron", scenario=SCENARIO)
+    setup = f"{n} faults planned, seed {seed}, {steps} steps, {WORKERS} workers on 1 node"
+    rows = [
+        make_row(**base, metric="faults_injected", values=[m["fired"]], unit="", note=setup),
+        make_row(**base, metric="faults_healed", values=[healed], unit="",
+                 note=f"detected and followed by a finished step; {m['undetected']} undetected"),
+        make_row(**base, metric="steps_lost", values=[m["steps_lost"]], unit="",
+                 note="steps finished twice (redone after a checkpoint reload); goal 0"),
+        make_row(**base, metric="bitwise_identical", values=[1.0 if exact else 0.0], unit="",
+                 note="params_sha256 of the faulty run == the fault-free run's"),
+        make_row(**base, metric="wall_s", values=[wall], unit="s", note="the faulty run"),
+        make_row(**base, metric="wall_fault_free_s", values=[clean_wall], unit="s",
+                 note="the same steps without faults"),
+        make_row(**base, metric="median_step_s", values=[median_step], unit="s",
+                 note=f"detection goal max(3 x median step, 1 s) + 0.5 s = {goal:.2f} s"),
+    ]  # fmt: skip
+    for name in ("exclusions", "readmissions", "waits", "restarts", "reattempts"):
+        rows.append(make_row(**base, metric=name, values=[m[name]], unit="", note="actions"))
+    for kind, figs in sorted(m["by_kind"].items()):
+        det = figs["detection_s"]
+        over = sum(1 for d in det if d > goal)
+        note = f"{len(det)} faults; worst {max(det):.2f} s; {over} over the {goal:.2f} s goal"
+        rows.append(make_row(**base, metric=f"detection_s[{kind}]", values=det, unit="s",
+                             note=note))  # fmt: skip
+        if figs["recovery_s"]:
+            rows.append(make_row(**base, metric=f"recovery_s[{kind}]", values=figs["recovery_s"],
+                                 unit="s", note="fault to the next finished step"))  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="24 faults instead of 100")
+    p.add_argument("--faults", type=int, default=None, help="faults to plan (default 100)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.faults is not None and args.faults < 1:
+        p.error("--faults must be >= 1")
+    rows = run(args.quick, args.faults, args.seed)
+    print_table(rows, title="Fault soak: mixed faults in one run")
+    save_scenario(rows, SCENARIO, ROOT / "bench" / "results", replace=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

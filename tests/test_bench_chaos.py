@@ -1,0 +1,45 @@
+"""The fault soak's schedule and its per-fault measurement (bench/chaos.py), on plain data."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from bench.chaos import FAULT_KINDS, FIRST_STEP, WORKERS, measure_faults, schedule
+from unicron.inject import parse
+
+
+def test_the_schedule_is_seeded_mixed_and_parseable() -> None:
+    planned, steps = schedule(100, seed=3)
+    assert planned == schedule(100, seed=3)[0] and planned != schedule(100, seed=4)[0]
+    assert len(planned) == 100 and steps > planned[-1].step
+    kinds = Counter(p.kind for p in planned)
+    assert set(kinds) == set(FAULT_KINDS)  # every kind, about equally often
+    assert max(kinds.values()) - min(kinds.values()) <= 1
+    assert {p.rank for p in planned} == set(range(WORKERS))
+    assert len({p.step for p in planned}) == 100 and planned[0].step == FIRST_STEP
+    for p in planned:
+        f = parse(p.spec)
+        assert (f.rank, f.step) == (p.rank, p.step)
+
+
+def test_each_fault_is_measured_to_its_slots_detection_and_the_next_step() -> None:
+    events = [
+        {"ts": 1.0, "event": "fault_injected", "fault": "hang", "rank": 2, "step": 5},
+        {"ts": 1.2, "event": "error_detected", "slot": 1, "kind": "conn_reset"},  # another slot
+        {"ts": 2.1, "event": "error_detected", "slot": 2, "kind": "hang"},
+        {"ts": 2.2, "event": "action", "action": "restart"},
+        {"ts": 2.5, "event": "step_end", "rank": 0, "step": 5, "duration_s": 0.1},
+        {"ts": 3.0, "event": "fault_injected", "fault": "error", "kind": "ecc", "rank": 3},
+        {"ts": 3.01, "event": "error_detected", "slot": 3, "kind": "ecc"},
+        {"ts": 3.02, "event": "action", "action": "exclude"},
+        {"ts": 3.3, "event": "step_end", "rank": 0, "step": 6, "duration_s": 0.1},
+        {"ts": 4.0, "event": "fault_injected", "fault": "crash", "rank": 0, "step": 9},
+        {"ts": 5.0, "event": "action", "action": "readmit"},
+    ]
+    m = measure_faults(events)
+    assert (m["fired"], m["undetected"]) == (3, 1)  # the crash was never seen
+    hang = m["by_kind"]["hang"]
+    assert hang["detection_s"] == [2.1 - 1.0] and hang["recovery_s"] == [2.5 - 1.0]
+    assert m["by_kind"]["error:ecc"]["detection_s"][0] == 3.01 - 3.0
+    assert (m["exclusions"], m["readmissions"], m["restarts"]) == (1, 1, 1)
+    assert m["steps_lost"] == 0 and m["median_step_s"] == 0.1

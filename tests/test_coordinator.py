@@ -1,0 +1,308 @@
+"""The coordinator's decisions, driven with plain reports and a fake clock.
+
+The coordinator runs for real (its TCPStore, escalation, step monitor and event log); the
+agents are the coordinator's own action queues, read back here. End-to-end runs of the same
+paths are in ``tests/test_faults_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unicron.classify import verdict_for_kind
+from unicron.coordinator import (
+    Coordinator,
+    CoordinatorSettings,
+    Kill,
+    Probe,
+    Spawn,
+    TaskState,
+)
+from unicron.escalation import Escalation, EscalationSettings
+from unicron.events import EventLog, read_events
+from unicron.monitor import MonitorSettings, StepMonitor
+from unicron.protocol import done_key, trained_key
+
+
+class Cluster:
+    """A coordinator of ``nodes`` x ``per_node`` slots whose first epoch started at t = 0."""
+
+    def __init__(self, tmp: Path, nodes: int = 1, per_node: int = 4, **settings: Any) -> None:
+        self.path = tmp / "events.jsonl"
+        self.c = Coordinator(
+            task="t",
+            slots={s: s // per_node for s in range(nodes * per_node)},
+            events=EventLog(self.path),
+            escalation=Escalation(EscalationSettings()),
+            settings=CoordinatorSettings(**settings),
+            monitor=StepMonitor(MonitorSettings(warmup_steps=2)),
+        )
+        self.taken: list[Any] = []
+        for n in range(nodes):
+            self.c.attach(n)
+        for s in self.c.slots:
+            self.c.worker_ready(s, 0.0, microbatches=8)
+        assert self.c.state is TaskState.RUNNING and self.c.epoch == 1
+
+    def actions(self, kind: type) -> list[Any]:
+        for n in self.c.nodes:
+            self.taken += self.c.take_actions(n)
+        return [a for a in self.taken if isinstance(a, kind)]
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in read_events(self.path) if e["event"] == name]
+
+    def steps(self, n: int, t0: float, slots: tuple[int, ...] | None = None, dt: float = 0.1,
+              slow: dict[int, float] | None = None) -> float:  # fmt: skip
+        """Every member computes and commits ``n`` steps of ``dt`` seconds from ``t0``."""
+        c, t = self.c, t0
+        for _ in range(n):
+            members = slots or c.members
+            step = max(c._computed.values(), default=-1) + 1
+            for m in members:
+                c.step_started(m, step, t, epoch=c.epoch)
+            for m in members:
+                f = (slow or {}).get(m, 1.0)
+                c.step_computed(m, step, t + dt * f, compute_s=dt * f, microbatches=2)
+            t += dt * max((slow or {}).values(), default=1.0)
+            c.step_committed(c.epoch, step, t)
+            c.tick(t)
+        return t
+
+
+def test_an_in_band_error_of_the_current_epoch_gets_a_new_epoch(tmp_path: Path) -> None:
+    """The race behind a transition stalled for ever: a member's collective fails in the epoch
+    that replaced a failed worker, just after the failure. Such an error used to be dropped as
+    a symptom of the failure, so its reporter waited for an epoch that never came."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.worker_failed(1, verdict_for_kind("cuda"), t)  # epoch 2 without slot 1
+    assert c.epoch == 2 and [a.slot for a in k.actions(Spawn)] == [1]
+    c.worker_ready(1, t + 0.1)  # the restart joins: epoch 3
+    assert c.epoch == 3 and c.members == (0, 2, 3, 1)
+    c.worker_error(0, verdict_for_kind("conn_reset"), t + 0.2, in_place=False, epoch=3)
+    c.tick(t + 0.2 + c.settings.error_grace_s / 2)
+    assert c.epoch == 3  # a process or node failure may still explain it
+    c.tick(t + 0.3 + c.settings.error_grace_s)
+    assert c.epoch == 4 and c.members == (0, 2, 3, 1)
+    assert k.events("action")[-1]["action"] == "reattempt"
+
+
+def test_an_in_band_error_of_an_older_epoch_is_healed_by_the_newer_one(tmp_path: Path) -> None:
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.worker_failed(1, verdict_for_kind("killed"), t)  # epoch 2
+    c.worker_error(0, verdict_for_kind("conn_reset"), t + 0.01, in_place=False, epoch=1)
+    c.tick(t + 10.0)
+    assert c.epoch == 2 and [e["action"] for e in k.events("action")] == ["restart"]
+
+
+def test_a_member_that_never_enters_the_epoch_is_killed_as_stalled(tmp_path: Path) -> None:
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(10, 0.0)
+    c.worker_failed(3, verdict_for_kind("killed"), t)  # epoch 2 of 0, 1, 2
+    for m in (0, 1):
+        c.epoch_entered(m, 2, t + 0.01)
+    deadline = c.stall_deadline()
+    assert deadline == c.settings.stall_floor_s + c.state_bytes / 50e6
+    c.tick(t + 0.01 + deadline * 0.9)
+    assert k.actions(Kill) == []
+    c.tick(t + 0.02 + deadline)
+    (kill,) = k.actions(Kill)
+    assert kill.slot == 2 and kill.verdict.kind == "stall"
+    (found,) = [e for e in k.events("error_detected") if e.get("method") == "stall"]
+    assert found["slot"] == 2 and "outside epoch 2" in found["reason"]
+    c.tick(t + 0.03 + deadline)
+    assert len(k.actions(Kill)) == 1  # judged once
+
+
+def test_a_collective_stuck_on_every_member_starts_the_epoch_again(tmp_path: Path) -> None:
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(10, 0.0)
+    for m in c.members:
+        c.step_started(m, 10, t, epoch=1)
+        c.step_computed(m, 10, t + 0.1, compute_s=0.1, microbatches=2)
+    c.tick(t + 0.2 + c.stall_deadline())
+    assert c.epoch == 2 and c.members == (0, 1, 2, 3)  # a reattempt: same members
+    assert k.actions(Kill) == []
+    assert k.events("action")[-1]["action"] == "reattempt"
+
+
+def test_below_the_minimum_the_task_waits_for_a_readmitted_slot(tmp_path: Path) -> None:
+    """An excluded slot leaves the task under its minimum: it waits (an action says why) for
+    the health probe instead of failing, then runs again."""
+    k = Cluster(tmp_path, min_workers=4, readmit_after_s=5.0)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.worker_failed(3, verdict_for_kind("ecc"), t)
+    assert c.state is TaskState.WAITING and c.members == (0, 1, 2)
+    (wait,) = [e for e in k.events("action") if e["action"] == "wait"]
+    assert "fewer than the minimum of 4" in wait["reason"] and "health probe" in wait["reason"]
+    c.tick(t + 5.0)
+    assert [a.slot for a in k.actions(Probe)] == [3]
+    c.probe_done(3, True, "cpu: fine", t + 6.0)
+    assert [a.slot for a in k.actions(Spawn)] == [3]
+    c.worker_ready(3, t + 7.0)
+    assert c.state is TaskState.RUNNING and c.members == (0, 1, 2, 3) and c.epoch == 2
+
+
+def test_no_reattempt_epoch_below_the_minimum(tmp_path: Path) -> None:
+    """The survivors' collectives fail once their peer is gone; below the minimum that must
+    not bring an epoch of fewer workers: the epoch that ends the wait heals them."""
+    k = Cluster(tmp_path, min_workers=4, readmit_after_s=1000.0)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.worker_failed(3, verdict_for_kind("ecc"), t)
+    c.worker_error(0, verdict_for_kind("conn_reset"), t + 0.1, in_place=False, epoch=1)
+    c.tick(t + 10.0)
+    assert c.state is TaskState.WAITING and c.epoch == 1
+    assert [e["action"] for e in k.events("action")] == ["exclude", "wait"]
+
+
+def test_a_task_that_waits_too_long_gives_up(tmp_path: Path) -> None:
+    k = Cluster(tmp_path, min_workers=4, readmit_after_s=1000.0, give_up_after_s=30.0)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.worker_failed(3, verdict_for_kind("ecc"), t)
+    c.tick(t + 29.0)
+    assert c.state is TaskState.WAITING
+    c.tick(t + 31.0)
+    assert c.state is TaskState.FAILED and c.outcome is not None
+    assert "gave up after waiting 31 s" in c.outcome.reason
+    assert c.store.get(done_key("t")) == b"failed"
+
+
+def test_with_probes_turned_off_below_the_minimum_fails_at_once(tmp_path: Path) -> None:
+    k = Cluster(tmp_path, min_workers=4, readmit_after_s=math.inf)
+    k.c.worker_failed(3, verdict_for_kind("ecc"), 1.0)
+    assert k.c.state is TaskState.FAILED and k.c.outcome is not None
+    assert "3 slot(s) left that can be used again" in k.c.outcome.reason
+
+
+def test_without_a_way_back_the_task_fails_at_once(tmp_path: Path) -> None:
+    """Slots of a lost node have no agent to probe them: below the minimum, nothing to wait for."""
+    k = Cluster(tmp_path, nodes=2, per_node=2, min_workers=3)
+    c = k.c
+    t = k.steps(3, 0.0)
+    for n in (0, 1):
+        c.heartbeat(n, t)
+    for i in range(1, 26):  # node 1 falls silent; node 0's agent goes on ticking
+        c.heartbeat(0, t + i / 10)
+        c.tick(t + i / 10)
+    assert c.state is TaskState.FAILED and c.outcome is not None
+    assert "2 slot(s) left that can be used again" in c.outcome.reason
+
+
+def test_an_excluded_node_keeps_the_last_copies_of_the_state_running(tmp_path: Path) -> None:
+    """One node, failures on three of its slots: the node is excluded, but its living workers
+    hold the only copies of the state, so they go on (no restarts there) instead of the task
+    rolling back; a health probe brings the node back."""
+    k = Cluster(tmp_path, readmit_after_s=5.0)
+    c = k.c
+    t = k.steps(3, 0.0)
+    for i, (slot, kind) in enumerate([(0, "cuda"), (1, "hang"), (2, "ecc")]):
+        c.worker_failed(slot, verdict_for_kind(kind), t + i)
+        if slot != 2:
+            c.worker_ready(slot, t + i + 0.5)
+    assert 0 in c.escalation.excluded_nodes()
+    assert k.actions(Kill) == []  # nobody outside the node holds the state
+    assert c.slots[0].alive and c.slots[0].excluded and c.state is TaskState.RUNNING
+    assert c.members == (3, 0, 1)
+    c.worker_failed(0, verdict_for_kind("killed"), t + 3.0)  # not restarted: node excluded
+    assert [a.slot for a in k.actions(Spawn)] == [0, 1]  # the two restarts before exclusion
+    c.tick(t + 8.0)  # slot 0 was excluded with its node at t+2: probed (2 is its own: t+7)
+    probes = sorted(a.slot for a in k.actions(Probe))
+    assert 0 in probes
+    c.probe_done(0, True, "cpu: fine", t + 9.0)
+    assert 0 not in c.escalation.excluded_nodes()
+    assert not c.slots[1].excluded and not c.slots[3].excluded  # kept workers: back in plan
+    assert c.slots[2].excluded  # excluded on its own account (ecc): its own probe decides
+
+
+def test_replicas_that_disagree_fail_the_task(tmp_path: Path) -> None:
+    k = Cluster(tmp_path)
+    c = k.c
+    c.worker_done(0, {"params_sha256": "aa", "rank": 0, "steps": 3}, 1.0)
+    assert c.state is TaskState.DONE
+    c.worker_done(1, {"params_sha256": "bb", "rank": 1, "steps": 3}, 1.0)
+    assert c.state is TaskState.FAILED and c.outcome is not None
+    assert c.outcome.state is TaskState.FAILED and "different parameters" in c.outcome.reason
+    assert c.finished()
+
+
+def test_the_first_commit_report_is_the_one_source_of_trained(tmp_path: Path) -> None:
+    """Workers started before the first commit hold a fresh model; once a commit is reported
+    the coordinator (and the store key a new worker reads) says it is no longer the state."""
+    k = Cluster(tmp_path)
+    c = k.c
+    c.worker_failed(2, verdict_for_kind("killed"), 0.5)  # restarted before any commit
+    assert c.slots[2].has_state  # a fresh model is still the task's state
+    assert not c.store.check([trained_key("t")])
+    for m in (0, 1, 3):
+        c.step_started(m, 0, 0.6, epoch=c.epoch)
+        c.step_computed(m, 0, 0.7, compute_s=0.1, microbatches=2)
+    assert c.step_committed(c.epoch, 0, 0.8) and not c.step_committed(c.epoch, 0, 0.8)
+    assert c.store.check([trained_key("t")])
+    assert not c.slots[2].has_state and c.slots[0].has_state
+
+
+def test_a_hang_is_judged_only_on_reports_its_agent_has_read(tmp_path: Path) -> None:
+    """Under load an agent may not have read a worker's "step done" yet; the runner's tick must
+    not take that worker for hung (three healthy workers were killed at the last step)."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch)
+    c.step_computed(0, 20, t + 0.1, compute_s=0.1, microbatches=2)  # a peer is ahead
+    c.heartbeat(0, t + 0.2, read_until=t + 0.2)  # then the agent starves
+    c.tick(t + 5.0)  # the runner's thread ticks on
+    assert k.actions(Kill) == []
+    c.heartbeat(0, t + 5.0, read_until=t + 5.0)  # the agent read everything: still no report
+    c.tick(t + 5.0)
+    assert sorted(a.slot for a in k.actions(Kill)) == [1, 2, 3]
+
+
+def test_two_late_workers_are_hangs_only_at_twice_the_allowance(tmp_path: Path) -> None:
+    """A loaded machine slows several workers at once: with only some peers done, the late
+    ones are confirmed at twice their allowance, not at once."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch)
+    for m in (0, 1):
+        c.step_computed(m, 20, t + 0.1, compute_s=0.1, microbatches=2)
+    assert c.monitor is not None
+    allowance = c.monitor.settings.hang_floor_s  # 3 x 0.1 s steps is under the 1 s floor
+    c.tick(t + allowance * 1.5)
+    assert k.actions(Kill) == []
+    c.tick(t + allowance * 2.01)
+    assert sorted(a.slot for a in k.actions(Kill)) == [2, 3]
+
+
+def test_stragglers_are_compared_across_nodes(tmp_path: Path) -> None:
+    """One monitor per task: a whole slow node, with one worker on it, is found."""
+    k = Cluster(tmp_path, nodes=2, per_node=1)
+    t = k.steps(20, 0.0, slow={1: 3.0})
+    (found,) = [e for e in k.events("error_detected") if e["kind"] == "straggler"]
+    assert found["slot"] == 1 and found["node"] == 1
+    assert any("straggler" in e["reason"] for e in k.events("action"))
+    assert t > 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("error_grace_s", 2.0), ("give_up_after_s", 0.0), ("stall_floor_s", 0.5)],
+)
+def test_bad_settings_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        CoordinatorSettings(**{field: value})

@@ -1,0 +1,67 @@
+"""One epoch's group against a real store and gloo, in one process: leaving a broken epoch."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unicron.group import EpochGroup, EpochOver, EpochWatch
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
+
+TIMEOUT_S = 8.0
+KEEP: list[EpochGroup] = []  # an abandoned group is never freed (as the worker does)
+
+
+def _announce(store: dist.Store, info: EpochInfo) -> None:
+    store.set(epoch_info_key("t", info.epoch), info.to_json())
+    store.set(epoch_key("t"), str(info.epoch))
+
+
+def _client(port: int) -> dist.Store:
+    return dist.TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=dt.timedelta(seconds=TIMEOUT_S)
+    )
+
+
+def test_a_peer_that_never_connects_does_not_block_leaving_the_epoch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The transition that stalled for ever: a peer arrives at an epoch's rendezvous, then
+    leaves for a newer epoch before building its group. gloo's lazy connect on this member
+    then waits in a store ``get`` for the peer's address for the whole group timeout. Had the
+    group shared the worker's store client, every epoch check would wait behind that ``get``
+    (a store client serves one request at a time) and the newer epoch would go unseen."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first = EpochInfo(1, (0, 1), (0, 0), urgent=False)
+    _announce(server, first)
+    client = _client(server.port)
+    watch = EpochWatch(client, "t")
+    g = EpochGroup(
+        client,
+        watch,
+        first,
+        0,
+        slice_s=0.05,
+        timeout_s=TIMEOUT_S,
+        pg_store=lambda: _client(server.port),
+    )
+    server.set(f"{epoch_prefix('t', 1)}/arrived/1", "1")  # the peer arrived, then left
+    g.rendezvous()
+    later = EpochInfo(2, (0,), (0,), urgent=True)
+    announcer = threading.Timer(0.5, _announce, args=(server, later))
+    announcer.start()
+    t0 = time.monotonic()
+    with pytest.raises(EpochOver):
+        g.allgather(torch.zeros(2))
+    left_s = time.monotonic() - t0
+    announcer.join()
+    KEEP.append(g)  # its gloo thread still waits for the peer: freeing it would join that
+    assert left_s < TIMEOUT_S / 2, f"left the epoch after {left_s:.1f} s"  # ~0.5 s
+    t0 = time.monotonic()
+    assert watch.latest() == 2 and time.monotonic() - t0 < 1.0  # the control client is free
