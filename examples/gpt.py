@@ -101,6 +101,13 @@ class GPTConfig:
     dropout: float = 0.1
 
 
+SIZES = {
+    "example": GPTConfig(),  # 1.4M parameters: what the tests, the demo and the bench train
+    "100m": GPTConfig(layers=14, dim=768, heads=12),  # 99.7M: the reduce at scale (bench)
+}
+"""model sizes by name (``--model-size``)"""
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -151,11 +158,24 @@ def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def adversarial_loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """:func:`loss_fn` times 2^k, k drawn in -40..40 from the micro-batch's seeded generator:
+    one micro-batch's gradient up to 2^80 times another's, beyond what a float64 sum of
+    float32 values holds exactly."""
+    k = int(torch.randint(-40, 41, ()).item())
+    return loss_fn(model, batch) * 2.0**k
+
+
 def build(
-    seed: int = 0, cfg: GPTConfig | None = None
+    seed: int = 0, cfg: GPTConfig | None = None, *, size: str = "example"
 ) -> tuple[GPT, torch.optim.Optimizer, ByteDataset]:
-    """The model (seeded), its AdamW optimizer and the dataset, as every script uses them."""
-    cfg = cfg or GPTConfig()
+    """The model (seeded), its AdamW optimizer and the dataset, as every script uses them.
+
+    ``size`` names a configuration of :data:`SIZES` (``cfg``, if given, wins).
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}: choose from {', '.join(SIZES)}")
+    cfg = cfg or SIZES[size]
     torch.manual_seed(seed)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)

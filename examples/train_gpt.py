@@ -21,13 +21,20 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per global batch")
     p.add_argument("--out", default=None, help="rank 0 writes OUT/final.pt here")
+    p.add_argument("--model-size", choices=sorted(gpt.SIZES), default="example")
+    p.add_argument(
+        "--adversarial",
+        action="store_true",
+        help="scale each micro-batch's loss by 2^k, k in -40..40 drawn per micro-batch: "
+        "gradients whose float64 sum depends on the grouping (the exactness bench)",
+    )
     args = p.parse_args()
-    model, optimizer, dataset = gpt.build(seed=args.seed)
+    model, optimizer, dataset = gpt.build(seed=args.seed, size=args.model_size)
     model.train()
     result = unicron.worker.train(
         model=model,
         optimizer=optimizer,
-        loss_fn=gpt.loss_fn,
+        loss_fn=gpt.adversarial_loss_fn if args.adversarial else gpt.loss_fn,
         dataset=dataset,
         micro_batch_size=args.micro_batch_size,
         num_microbatches=args.microbatches,

@@ -36,9 +36,10 @@ def test_bad_arguments() -> None:
         Ledger(dataset_len=10, micro_batch_size=1, num_microbatches=2).samples(0, 2)
 
 
-def test_fresh_step_is_round_robin() -> None:
-    assert assign(range(8), 4) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert assign(range(8), 3) == [[0, 3, 6], [1, 4, 7], [2, 5]]
+def test_fresh_step_is_contiguous_blocks() -> None:
+    assert assign(range(8), 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert assign(range(8), 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert assign([1, 5, 6], 2) == [[1, 5], [6]]
     assert assign([], 2) == [[], []]
 
 

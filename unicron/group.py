@@ -229,7 +229,8 @@ class EpochGroup:
             raise CollectiveError(exc) from exc
 
     def wait(self, work: Any) -> None:
-        """Wait for ``work`` (from :meth:`ibroadcast`) in slices, like any collective. (Gloo's
+        """Wait for ``work`` (from :meth:`ibroadcast` or a ``start_*`` collective) in slices,
+        like any collective, leaving at once if the epoch is superseded. (Gloo's
         point-to-point ``send``/``recv`` are not used: a timed-out wait on them closes the
         connection, so they cannot be waited for in slices.)"""
         self._wait(work)
@@ -260,6 +261,30 @@ class EpochGroup:
         self._wait(self.pg.broadcast([wired], opts))
         if wired is not tensor:
             tensor.copy_(wired)
+
+    # asynchronous collectives of the gradient exchange (:mod:`unicron.reduce`): started from
+    # gradient hooks, waited for in slices by :meth:`wait`
+    def start_alltoall(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Any:
+        """Send ``in_splits[j]`` elements of ``inp`` to member j, receive into ``out``."""
+        return self._start(
+            lambda: self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
+        )
+
+    def start_allgather(self, out: torch.Tensor, inp: torch.Tensor) -> Any:
+        """Every member's ``inp`` into ``out``, in rank order (equal sizes)."""
+        return self._start(lambda: self.pg._allgather_base(out, inp))
+
+    def start_allreduce(self, tensor: torch.Tensor) -> Any:
+        """Sum ``tensor`` in place over the members (asynchronously)."""
+        return self._start(lambda: self.pg.allreduce([tensor]))
+
+    def _start(self, issue: Callable[[], Any]) -> Any:
+        try:
+            return issue()
+        except RuntimeError as exc:
+            raise CollectiveError(exc) from exc
 
     # -- commit -----------------------------------------------------------------------------
     def vote(self, step: int) -> bool:

@@ -65,16 +65,24 @@ def mb_seed(seed: int, step: int, mb: int) -> int:
 
 
 def assign(missing: Iterable[int], world: int) -> list[list[int]]:
-    """Spread the micro-batch ids not yet done by any member round-robin over ``world`` ranks.
+    """Spread the micro-batch ids not yet done by any member over ``world`` ranks, in
+    contiguous blocks whose sizes differ by at most one (the larger first).
 
-    A fresh step in a world of W gives rank r the ids r, r+W, ...; after a failure the same
-    rule spreads only the missing ids, so nothing a living member has done is redone.
+    A fresh step of M ids in a world of W gives rank r the block ``r * M / W ..`` (an aligned
+    subtree of the summation tree, :mod:`unicron.reduce`, when W divides M into powers of
+    two); after a failure the same rule spreads only the missing ids, so nothing a living
+    member has done is redone.
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    out: list[list[int]] = [[] for _ in range(world)]
-    for i, mb in enumerate(sorted(missing)):
-        out[i % world].append(mb)
+    ids = sorted(missing)
+    base, extra = divmod(len(ids), world)
+    out: list[list[int]] = []
+    at = 0
+    for r in range(world):
+        n = base + (1 if r < extra else 0)
+        out.append(ids[at : at + n])
+        at += n
     return out
 
 

@@ -6,14 +6,16 @@ A training script calls :func:`train` once, under ``unicron run``::
                                   dataset=ds, micro_batch_size=4, num_microbatches=8, steps=100)
 
 and Unicron runs the steps: the deterministic micro-batch ledger (:mod:`unicron.ledger`), a
-fresh gloo group per epoch (:mod:`unicron.group`), a local float64 gradient sum per replica
-kept until the step commits, partial-results reuse and state from the nearest replica when the
+fresh gloo group per epoch (:mod:`unicron.group`), local gradient sums per replica kept until
+the step commits and reduced exactly in buckets as the backward pass ends
+(:mod:`unicron.reduce`), partial-results reuse and state from the nearest replica when the
 membership changes. The user's model code does not change.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import os
 import signal
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from unicron import checkpoint as C
 from unicron import device as D
 from unicron import ledger as L
+from unicron import reduce as R
 from unicron.errors import UsageError
 from unicron.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.inject import Fault, parse
@@ -248,18 +251,32 @@ class _Runner:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0  # committed steps
     has_state: bool = True
-    done: set[int] = field(default_factory=set)  # micro-batches of `step` in `acc`
+    done: set[int] = field(default_factory=set)  # micro-batches of `step` in `sums`
     fired: set[str] = field(default_factory=set)
     groups: list[EpochGroup] = field(default_factory=list)
     _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
     ckpt: C.Checkpointer | None = None  # rank 0's checkpoints (every member may become it)
+    _held: list[set[int]] = field(default_factory=list)  # ids of `step` each member has done
+    _exchange: R.Exchange | None = None  # the reduction the last micro-batch's hooks start
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
-        dtype = torch.float64 if self.ctx.reduce == "exact" else torch.float32
-        # [gradient sum..., loss sum, micro-batch count]
-        self.acc = torch.zeros(self.numel + 2, dtype=dtype, device=self.device)
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
+        cap, first = (
+            int(mb * 2**20) // dtype.itemsize for mb in (R.BUCKET_CAP_MB, R.FIRST_BUCKET_MB)
+        )
+        self.layout = R.Layout.plan([p.numel() for p in self.params], cap, first)
+        self.sums = R.LocalSums(
+            self.layout,
+            self.ledger.num_microbatches,
+            exact=self.ctx.reduce == "exact",
+            dtype=dtype,
+            device=self.device,
+        )
+        self._spaces: dict[int, R.Workspace] = {}
+        self._in_backward = self._last = False
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
         self.store = dist.TCPStore(
             self.ctx.store_host,
             self.ctx.store_port,
@@ -379,7 +396,9 @@ class _Runner:
         reused, source = self._sync(g)
         if reused and self.ctx.on_lost == "drop":
             self._missing = []  # the control: the interrupted step's global batch shrinks
-        todo = L.assign(self._missing, g.world)[rank]
+        shares = L.assign(self._missing, g.world)
+        todo = shares[rank]
+        owned = [held | set(share) for held, share in zip(self._held, shares, strict=True)]
         if rank == 0:
             self._event(
                 "transition_end",
@@ -398,9 +417,10 @@ class _Runner:
             if not first and self.watch.superseded(info.epoch, urgent_only=False):
                 raise EpochOver("new epoch at the step boundary")
             if not first:
-                todo = L.assign(range(self.M), g.world)[rank]
+                shares = L.assign(range(self.M), g.world)
+                todo, owned = shares[rank], [set(share) for share in shares]
             first = False
-            loss = self._step(g, todo)
+            loss = self._step(g, todo, owned)
         return loss
 
     # -- transition: ledger exchange and nearest-source state ---------------------------------
@@ -421,6 +441,7 @@ class _Runner:
         if target < 0:  # every replica is gone: the last resort, the persistent checkpoint
             self._load_checkpoint()
             self._missing = list(range(self.M))
+            self._held = [set() for _ in rows]
             return 0, "checkpoint"
         # members at the newest step with the first such member's parameters hold the state;
         # the others (joiners, and replicas that differ, e.g. models built with other seeds)
@@ -437,10 +458,13 @@ class _Runner:
                      device=self.device)  # fmt: skip
             if g.rank in needers:
                 self.step, self.has_state = target, True
-                self.acc.zero_()
         done_sets = [{mb for mb in range(self.M) if rows[r][3 + mb]} for r in holders]
         if g.rank in needers:
             self.done.clear()
+            self.sums.clear()
+        self._held = [
+            done_sets[holders.index(r)] if r in holders else set() for r in range(len(rows))
+        ]
         self._missing = L.missing(done_sets, self.M)
         return self.M - len(self._missing), source
 
@@ -465,7 +489,7 @@ class _Runner:
         self.step, self.has_state = C.restore(parts, self.model, self.optimizer), True
         if self.ckpt is not None:
             self.ckpt.last_step = self.step  # no need to write what was just read
-        self.acc.zero_()
+        self.sums.clear()
         self.done.clear()
 
     def _ledger_desc(self) -> dict[str, int]:
@@ -486,16 +510,24 @@ class _Runner:
         self.ckpt.at_boundary(self.model, self.optimizer, step=self.step, world=world, now=now)
 
     # -- one step ---------------------------------------------------------------------------
-    def _step(self, g: EpochGroup, todo: list[int]) -> float:
+    def _step(self, g: EpochGroup, todo: list[int], owned: list[set[int]]) -> float:
+        """One step: ``todo`` are this member's micro-batches, ``owned[r]`` every member's
+        micro-batches at the end of its computation (what its local sums will hold)."""
         step = self.step
         self.link.send({"type": "step_begin", "step": step, "epoch": g.info.epoch})
         t0 = time.perf_counter()
+        held = [R.cover(ids, self.M) for ids in owned]
+        reused = owned[g.rank] - set(todo)
         for attempt in range(self.ctx.max_reattempts + 1):
+            # the last micro-batch's gradient hooks start the exchange's buckets
+            self._exchange = ex = R.Exchange(g, self.sums, self._space(g), held)
             try:
                 self._compute(step, todo)
                 break
             except Exception as exc:
-                if not self._reattempt(exc, step, attempt):
+                # a retry must not repeat a started collective nor miss a reused sum
+                retry = not ex.launched and reused <= self.done
+                if not (retry and self._reattempt(exc, step, attempt)):
                     raise
         compute_s = time.perf_counter() - t0
         self._slow(step, compute_s)
@@ -507,16 +539,18 @@ class _Runner:
                 "compute_s": time.perf_counter() - t0,
             }
         )
-        buf = self.acc.clone()
         try:
-            g.allreduce(buf)
+            grads, losses = ex.finish()
         except EpochOver:  # left the reduce (or it failed): make sure nobody commits the step
             g.abort(step)
             raise
+        finally:
+            self._exchange = None
         if not g.vote(step):
             raise EpochOver(f"step {step} not committed in epoch {g.info.epoch}")
-        self._apply(buf)
-        loss = float(buf[-2] / buf[-1])
+        kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
+        self._apply(grads, len(kept))
+        loss = sum(kept) / len(kept)
         # every member reports the commit (the agent logs one step_end per epoch and step), so
         # the record survives a rank 0 that dies right after committing
         self._event(
@@ -529,7 +563,7 @@ class _Runner:
             workers=g.world,
         )
         self.step += 1
-        self.acc.zero_()
+        self.sums.clear()
         self.done.clear()
         self._maybe_checkpoint(g.rank)
         return loss
@@ -540,11 +574,12 @@ class _Runner:
         self._maybe_fire("hang", step)
         self._maybe_fire("error", step)
         crash_at = self._crash_point(step, len(todo))
+        last = max((mb for mb in todo if mb not in self.done), default=None)
         for i, mb in enumerate(todo):
             if i == crash_at:
                 self._maybe_fire("crash", step)
             if mb not in self.done:
-                self._microbatch(step, mb)
+                self._microbatch(step, mb, last=mb == last)
         if crash_at >= len(todo):
             self._maybe_fire("crash", step)
 
@@ -570,36 +605,54 @@ class _Runner:
         )
         return True
 
-    def _microbatch(self, step: int, mb: int) -> None:
+    def _microbatch(self, step: int, mb: int, *, last: bool) -> None:
+        """Forward and backward one micro-batch; its gradients go into the local sums from the
+        gradient hooks (:meth:`_grad_ready`), the last one's also into the exchange."""
         torch.manual_seed(L.mb_seed(self.seed, step, mb))
         batch = self.collate([self.dataset[i] for i in self.ledger.samples(step, mb)])
         batch = D.to_device(batch, self.device)
         for p in self.params:
             p.grad = None
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is not None:
-                self.acc[offset : offset + n].add_(p.grad.reshape(-1))
-            offset += n
-        self.acc[-2] += float(loss.detach())
-        self.acc[-1] += 1
+        self.sums.begin(mb)
+        self._in_backward, self._last = True, last
+        try:
+            loss = self.loss_fn(self.model, batch)
+            loss.backward()
+            finished = self.sums.end(float(loss.detach()))
+        except BaseException:
+            self.sums.abandon()  # half-added gradients spoil the sums: redo the step's work
+            self.done.clear()
+            raise
+        finally:
+            self._in_backward = False
+        if last and self._exchange is not None:
+            for b in finished:
+                self._exchange.ready(b)
         self.done.add(mb)
 
-    def _apply(self, reduced: torch.Tensor) -> None:
-        count = reduced[-1].item()
-        expected = self.M if self.ctx.on_lost == "recompute" else count
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        """Gradient hook: parameter ``index``'s gradient of the current micro-batch is in."""
+        if not self._in_backward:
+            return  # a backward pass of the user's own, outside a step
+        bucket = self.sums.add(index, param.grad)
+        param.grad = None
+        if bucket is not None and self._last and self._exchange is not None:
+            self._exchange.ready(bucket)
+
+    def _space(self, g: EpochGroup) -> R.Workspace:
+        """The exchange's buffers of epoch ``g``: fresh in each epoch, since a collective of
+        an abandoned epoch may still write into the buffers it was given."""
+        epoch = g.info.epoch
+        if epoch not in self._spaces:
+            self._spaces = {epoch: R.Workspace(self.layout, g.world, self.sums.dtype, self.device)}
+        return self._spaces[epoch]
+
+    def _apply(self, grads: list[torch.Tensor], count: int) -> None:
+        """Step the optimizer with the mean gradient of the step's reduced sums."""
         assert count == self.M or self.ctx.on_lost == "drop", f"reduced {count} of {self.M}"
-        mean = reduced[:-2] / expected
-        dtypes = {p.dtype for p in self.params}
-        flat = mean.to(dtypes.pop()) if len(dtypes) == 1 else mean  # one cast, not one per tensor
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).to(p.dtype)
-            offset += n
+        expected = self.M if self.ctx.on_lost == "recompute" else count
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.div_(expected).view_as(p).to(p.dtype)
         self.optimizer.step()
         for p in self.params:
             p.grad = None

@@ -22,6 +22,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--workdir", required=True)
     p.add_argument("--events", default=None)
+    p.add_argument("--model-size", default="example", help="a name of examples.gpt.SIZES")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,6 +37,8 @@ def main() -> int:
         "0",
         "--ckpt-dir",
         args.workdir,
+        "--model-size",
+        args.model_size,
     ]
     if args.events:
         cmd += ["--events", args.events]

@@ -200,9 +200,10 @@ class Trainer:
     ledger: Ledger
 
     @classmethod
-    def create(cls) -> Trainer:
-        """Build the shared example model (seeded, identical on every worker)."""
-        model, opt, dataset = build(SEED)
+    def create(cls, size: str = "example") -> Trainer:
+        """Build the shared example model (seeded, identical on every worker) of ``size``
+        (:data:`examples.gpt.SIZES`)."""
+        model, opt, dataset = build(SEED, size=size)
         ledger = Ledger(
             dataset_len=len(dataset),
             micro_batch_size=MICRO_BATCH_SIZE,

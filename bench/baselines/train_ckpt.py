@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--events", default=None)
     p.add_argument("--inject", action="append", default=[])
     p.add_argument("--pg-timeout-s", type=float, default=1800.0, help="gloo default: 1800")
+    p.add_argument("--model-size", default="example", help="a name of examples.gpt.SIZES")
     return p.parse_args()
 
 
@@ -89,7 +90,7 @@ def main() -> None:
     )
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout_s))
-    trainer = Trainer.create()
+    trainer = Trainer.create(args.model_size)
     start = load_checkpoint(ckpt_path, trainer)
     model = DistributedDataParallel(trainer.model)
     ids = local_microbatches(rank, world)

@@ -1,0 +1,246 @@
+"""The exact reduction: the same bits for any grouping of micro-batches over replicas.
+
+Pure tests of the tree and the bucket plan; adversarial float32 gradients (the whole float32
+range, cancellations, one huge micro-batch among tiny ones) summed under many simulated
+groupings, against the float64 sum it replaces; and the real exchange over gloo, with one
+thread per member.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unicron.ledger import assign
+from unicron.reduce import (
+    Exchange,
+    Layout,
+    LocalSums,
+    Workspace,
+    absorb,
+    chunks,
+    combine,
+    cover,
+    split,
+)
+
+M = 8
+SIZES = (700, 3, 1200, 96)  # parameters of a small "model"
+CAP = 1000  # elements per bucket: three buckets
+Grouping = list[list[int]]  # per replica, its micro-batch ids in the order it adds them
+
+
+def test_the_tree_splits_at_the_largest_power_of_two() -> None:
+    assert split((0, 8)) == ((0, 4), (4, 8))
+    assert split((0, 6)) == ((0, 4), (4, 6))
+    assert split((4, 7)) == ((4, 6), (6, 7))
+    assert split((3, 4)) is None
+
+
+def test_cover_and_absorb() -> None:
+    assert cover(range(8), 8) == [(0, 8)]
+    assert cover([2, 3], 8) == [(2, 4)]
+    assert cover([0, 1, 2], 8) == [(0, 2), (2, 3)]
+    assert cover([1, 2], 8) == [(1, 2), (2, 3)]
+    assert cover([], 8) == []
+    assert absorb([(0, 2), (3, 4)], 2, 8) == ([(3, 4), (0, 2)], (0, 4))
+    assert absorb([(0, 1)], 2, 8) == ([], (2, 3))
+    with pytest.raises(AssertionError, match="already held"):
+        absorb([(0, 4)], 2, 8)
+
+
+def test_combine_evaluates_the_tree_over_any_partition() -> None:
+    # strings show the order of the additions: the same for every partition of the leaves
+    def leaves(nodes: list[tuple[int, int]]) -> str:
+        return combine({n: str(n[0]) for n in nodes}, 5, lambda a, b: f"({a}+{b})") or ""
+
+    want = "(((0+1)+(2+3))+4)"
+    assert leaves([(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]) == want
+    parts = {(0, 2): "(0+1)", (2, 4): "(2+3)", (4, 5): "4"}
+    assert combine(parts, 5, lambda a, b: f"({a}+{b})") == want
+    assert combine({(2, 3): "2"}, 5, lambda a, b: a + b) == "2"  # the rest dropped
+
+
+def test_bucket_plan() -> None:
+    layout = Layout.plan(SIZES, CAP)
+    assert layout.offsets == (0, 700, 703, 1903)
+    # from the last parameter backwards: [96 + 1200 > cap] -> {96}, {1200}, {3, 700}
+    assert layout.buckets == ((1903, 1999), (703, 1903), (0, 703))
+    assert layout.bucket_of == (2, 2, 1, 0)
+    assert Layout.plan(SIZES, 10**9).buckets == ((0, 1999),)
+    assert Layout.plan(SIZES, 10**9, first_cap=100).buckets == ((1903, 1999), (0, 1903))
+    assert chunks(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert chunks(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    starts, total = layout.out_starts(4)
+    assert starts == [0, 96, 1296] and total == 1296 + 704
+
+
+def adversarial_leaves(seed: int = 0) -> list[torch.Tensor]:
+    """M float32 gradients whose float64 sum depends on the order of addition."""
+    n = sum(SIZES)
+    g = torch.Generator().manual_seed(seed)
+    sign = torch.where(torch.rand(M, n, generator=g) < 0.5, -1.0, 1.0).double()
+    expo = torch.randint(-126, 127, (M, n), generator=g).double()
+    leaves = (sign * torch.rand(M, n, generator=g).double().add(1.0) * 2.0**expo).float()
+    leaves[:, :100] = 1.0  # cancellations: x + 1 - x
+    leaves[0, :100], leaves[5, :100] = 2.0**100, -(2.0**100)
+    leaves[3, 100:200] = 3.0e38  # one huge micro-batch among tiny ones
+    leaves[[0, 1, 2, 4, 5, 6, 7], 100:200] = 1.0e-30
+    return list(leaves)
+
+
+def groupings() -> list[Grouping]:
+    rng = random.Random(1)
+    out: list[Grouping] = [assign(range(M), w) for w in range(1, M + 1)]
+    out += [
+        [[0, 1, 5], [2, 3, 4, 6, 7]],  # after a failure: a survivor did a lost leaf
+        [[7, 6, 0], [5, 1], [4, 3, 2]],  # added out of order
+    ]
+    for _ in range(20):  # random partitions, random orders
+        ids = list(range(M))
+        rng.shuffle(ids)
+        cuts = sorted(rng.sample(range(1, M), rng.randint(0, M - 1)))
+        out.append([ids[a:b] for a, b in zip([0, *cuts], [*cuts, M], strict=True)])
+    return out
+
+
+def feed(
+    sums: LocalSums,
+    ids: list[int],
+    leaves: list[torch.Tensor],
+    on_bucket: Callable[[int], None] = lambda b: None,
+) -> LocalSums:
+    """Add micro-batches as the worker does: parameter by parameter, last one first, telling
+    ``on_bucket`` which buckets the last micro-batch completes, as they complete."""
+    layout = sums.layout
+    for k, mb in enumerate(ids):
+        sums.begin(mb)
+        for i in reversed(range(len(layout.sizes))):
+            if i == 1 and mb % 3 == 0:
+                continue  # a parameter without a gradient in this micro-batch: zeros
+            lo = layout.offsets[i]
+            b = sums.add(i, leaves[mb][lo : lo + layout.sizes[i]].clone())
+            if b is not None and k == len(ids) - 1:
+                on_bucket(b)
+        for b in sums.end(float(mb)):
+            if k == len(ids) - 1:
+                on_bucket(b)
+    return sums
+
+
+def local_sums(ids: list[int], leaves: list[torch.Tensor], layout: Layout) -> LocalSums:
+    sums = feed(LocalSums(layout, M, exact=True, dtype=torch.float32), ids, leaves)
+    assert sorted(sums.nodes) == cover(ids, M)
+    return sums
+
+
+def tree_reduce(grouping: Grouping, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """The exchange without processes: every owner combines its chunk of every bucket."""
+    layout = Layout.plan(SIZES, CAP)
+    replicas = [local_sums(ids, leaves, layout) for ids in grouping]
+    out = torch.empty(layout.numel)
+    for lo, hi in layout.buckets:
+        for a, z in chunks(hi - lo, len(grouping)):
+            got = {n: s.nodes[n][lo + a : lo + z].clone() for s in replicas for n in s.nodes}
+            root = combine(got, M, lambda x, y: x.add_(y))
+            assert root is not None
+            out[lo + a : lo + z] = root
+    return out
+
+
+def float64_reduce(grouping: Grouping, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """What exact mode did before: float64 sums per replica, summed in float64, cast."""
+    total = torch.zeros(leaves[0].numel(), dtype=torch.float64)
+    for ids in grouping:
+        local = torch.zeros_like(total)
+        for mb in ids:
+            local += leaves[mb].double()
+        total += local
+    return total.float()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def test_adversarial_gradients_same_bits_for_every_grouping() -> None:
+    leaves = adversarial_leaves()
+    ref = tree_reduce([list(range(M))], leaves)
+    assert ref[:100].eq(0.0).all()  # ((2^100 + 1) + 1...) loses the ones: fine, but fixed
+    for grouping in groupings():
+        assert torch.equal(bits(tree_reduce(grouping, leaves)), bits(ref)), grouping
+    # the float64 sum it replaces is not exact for these values: regrouping changes bits
+    old = float64_reduce([list(range(M))], leaves)
+    differ = [g for g in groupings() if not torch.equal(float64_reduce(g, leaves), old)]
+    assert len(differ) >= 5, differ
+
+
+class _Gloo:
+    """:class:`unicron.reduce.Collectives` over a plain gloo group (no epochs)."""
+
+    def __init__(self, pg: Any, rank: int, world: int) -> None:
+        self.pg, self.rank, self.world = pg, rank, world
+
+    def start_alltoall(self, out: Any, inp: Any, outs: list[int], ins: list[int]) -> Any:
+        return self.pg.alltoall_base(out, inp, outs, ins, dist.AllToAllOptions())
+
+    def start_allgather(self, out: Any, inp: Any) -> Any:
+        return self.pg._allgather_base(out, inp)
+
+    def start_allreduce(self, tensor: Any) -> Any:
+        return self.pg.allreduce([tensor])
+
+    def wait(self, work: Any) -> None:
+        work.wait(timedelta(seconds=30))
+
+
+def gloo_reduce(grouping: Grouping, leaves: list[torch.Tensor], *, exact: bool) -> torch.Tensor:
+    """The real :class:`Exchange`, one thread per member on a gloo group."""
+    world, layout = len(grouping), Layout.plan(SIZES, CAP)
+    store = dist.HashStore()
+    results: dict[int, torch.Tensor] = {}
+
+    def member(rank: int) -> None:
+        pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=30))
+        ids = grouping[rank]
+        sums = feed(LocalSums(layout, M, exact=exact, dtype=torch.float32), ids[:-1], leaves)
+        held = [cover(ids, M) for ids in grouping]
+        ex = Exchange(_Gloo(pg, rank, world), sums, Workspace(layout, world, torch.float32), held)
+        launched = []
+        # the last micro-batch starts the buckets as they are done, in order (0 waits for none)
+        feed(sums, ids[-1:], leaves, lambda b: launched.append((b, ex.ready(b), ex.launched)))
+        assert [(b, n) for b, _, n in launched] == ([(0, 1), (1, 2), (2, 3)] if ids else [])
+        grads, losses = ex.finish()
+        assert losses == [float(mb) for mb in range(M)]
+        results[rank] = torch.cat(grads)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == world
+    for r in range(1, world):
+        assert torch.equal(bits(results[r]), bits(results[0]))
+    return results[0]
+
+
+@pytest.mark.timeout(60)
+def test_the_exchange_over_gloo_gives_the_same_bits() -> None:
+    leaves = adversarial_leaves()
+    ref = tree_reduce([list(range(M))], leaves)
+    for grouping in ([list(range(M))], assign(range(M), 4), [[0, 1, 5], [2, 3, 4, 6, 7], []]):
+        assert torch.equal(bits(gloo_reduce(grouping, leaves, exact=True)), bits(ref))
+    # fast mode is a plain float32 sum: right to rounding on tame values, not exact
+    tame = [torch.linspace(-1, 1, sum(SIZES)) * (mb + 1) for mb in range(M)]
+    fast = gloo_reduce(assign(range(M), 2), tame, exact=False)
+    want = torch.stack(tame).sum(0)
+    want[700:703] -= tame[0][700:703] + tame[3][700:703] + tame[6][700:703]  # no gradient there
+    assert torch.allclose(fast, want, rtol=1e-5, atol=1e-5)
