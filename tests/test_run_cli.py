@@ -135,6 +135,8 @@ def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a shell's background job inherits SIGINT ignored: Ctrl-C must reach this run
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         started = _wait_for(
