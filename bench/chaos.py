@@ -134,14 +134,17 @@ def measure_faults(events: list[Event]) -> dict[str, Any]:
     }
 
 
-def run(quick: bool, faults: int | None = None, seed: int = 0) -> list[Row]:
-    """The rows of this scenario."""
+def run(
+    quick: bool, faults: int | None = None, seed: int = 0, keep: Path | None = None
+) -> list[Row]:
+    """The rows of this scenario; ``keep``: leave both runs' event logs and worker logs there."""
     n = faults if faults is not None else (24 if quick else 100)
     planned, steps = schedule(n, seed)
     timeout_s = 120.0 + steps * 2.0
     with tempfile.TemporaryDirectory(prefix="unicron-bench-chaos-") as tmp:
-        clean, clean_wall = _run(Path(tmp) / "clean", steps, [], timeout_s)
-        faulty, wall = _run(Path(tmp) / "faulty", steps, [p.spec for p in planned], timeout_s)
+        where = keep if keep is not None else Path(tmp)
+        clean, clean_wall = _run(where / "clean", steps, [], timeout_s)
+        faulty, wall = _run(where / "faulty", steps, [p.spec for p in planned], timeout_s)
     end_clean = next(e for e in clean if e["event"] == "task_end")
     end = next(e for e in faulty if e["event"] == "task_end")
     m = measure_faults(faulty)
@@ -184,10 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="24 faults instead of 100")
     p.add_argument("--faults", type=int, default=None, help="faults to plan (default 100)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", type=Path, default=None, help="keep the runs' logs in this new dir")
     args = p.parse_args(argv)
     if args.faults is not None and args.faults < 1:
         p.error("--faults must be >= 1")
-    rows = run(args.quick, args.faults, args.seed)
+    if args.keep is not None and args.keep.exists():
+        p.error(f"--keep {args.keep}: already exists")
+    rows = run(args.quick, args.faults, args.seed, args.keep)
     print_table(rows, title="Fault soak: mixed faults in one run")
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results", replace=True)
     return 0
