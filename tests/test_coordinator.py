@@ -227,6 +227,22 @@ def test_an_excluded_node_keeps_the_last_copies_of_the_state_running(tmp_path: P
     assert c.slots[2].excluded  # excluded on its own account (ecc): its own probe decides
 
 
+def test_a_kept_last_copy_is_not_killed_for_a_transient_error(tmp_path: Path) -> None:
+    """Found by the fault soak: on an excluded node, a SEV3 error of a kept worker was answered
+    with "node is excluded" and a kill, and the task lost its last copies of the state."""
+    k = Cluster(tmp_path, readmit_after_s=5.0)
+    c = k.c
+    t = k.steps(3, 0.0)
+    for i, (slot, kind) in enumerate([(0, "cuda"), (1, "hang"), (2, "ecc")]):
+        c.worker_failed(slot, verdict_for_kind(kind), t + i)
+    assert 0 in c.escalation.excluded_nodes() and c.slots[3].alive
+    c.worker_error(3, verdict_for_kind("timeout"), t + 3.0, in_place=True)
+    c.worker_error(3, verdict_for_kind("conn_reset"), t + 3.1, in_place=False, epoch=c.epoch)
+    c.tick(t + 3.2 + c.settings.error_grace_s)
+    assert k.actions(Kill) == []
+    assert [e["action"] for e in k.events("action")][-2:] == ["reattempt", "reattempt"]
+
+
 def test_replicas_that_disagree_fail_the_task(tmp_path: Path) -> None:
     k = Cluster(tmp_path)
     c = k.c

@@ -35,8 +35,8 @@ from typing import Any
 import torch.distributed as dist
 
 from unicron.checkpoint import has_checkpoint
-from unicron.classify import Action, Scope, Verdict, classify_detector
-from unicron.escalation import Escalation
+from unicron.classify import Action, Scope, Severity, Verdict, classify_detector
+from unicron.escalation import Decision, Escalation
 from unicron.events import EventLog
 from unicron.monitor import StepMonitor
 from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, trained_key
@@ -305,11 +305,23 @@ class Coordinator:
                     self._progress[slot] = Progress(epoch, Phase.LEFT, -1, now)
                 self._pending_errors.setdefault(slot, (now, verdict, epoch))
                 return
-            s = self.slots[slot]
-            decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
+            decision = self._decide_in_band(slot, verdict, now)
             self._action(decision.action, slot, decision.reason, int(decision.severity), now)
             if decision.action is not Action.REATTEMPT:
                 self._kill(slot, verdict)
+
+    def _decide_in_band(self, slot: int, verdict: Verdict, now: float) -> Decision:
+        """The escalation's decision on an in-band error, except for a worker kept running on
+        an excluded slot or node (the last copies of the state): a transient (SEV3) error there
+        is reattempted, never a reason to kill the state's last holder."""
+        s = self.slots[slot]
+        if s.excluded and s.alive and verdict.severity is Severity.SEV3:
+            reason = (
+                f"{verdict.kind} on slot {slot}: reattempt (kept on an excluded slot or node: it "
+                "holds the state and goes on until it fails)"
+            )
+            return Decision(Action.REATTEMPT, Severity.SEV3, reason, kind=verdict.kind)
+        return self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
 
     def epoch_entered(self, slot: int, epoch: int, now: float) -> None:
         """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
@@ -634,8 +646,7 @@ class Coordinator:
                 del self._pending_errors[slot]  # a newer epoch (or its exit) heals it
             elif now - ts > self.settings.error_grace_s:
                 del self._pending_errors[slot]
-                s = self.slots[slot]
-                decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
+                decision = self._decide_in_band(slot, verdict, now)
                 self._action(decision.action, slot, decision.reason, int(decision.severity), now)
                 if decision.action is Action.REATTEMPT:
                     self._announce(
