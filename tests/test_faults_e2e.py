@@ -194,14 +194,14 @@ def test_an_excluded_slot_passes_its_health_probe_and_rejoins(run: Any) -> None:
 
 @pytest.fixture(scope="module")
 def straggler(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    """One run with a 2x slower worker from step 10 on, shared by the tests below (over the
+    """One run with a 2x slower worker from step 6 on, shared by the tests below (over the
     straggler factor, 1.5, and under the hang factor, 3, even on a loaded machine)."""
     return run_unicron(
         tmp_path_factory.mktemp("straggler"),
         "--nproc-per-node",
         "4",
         "--inject",
-        "slow:rank=0,step=10,factor=2",
+        "slow:rank=0,step=6,factor=2",
         steps=STEPS,
     )
 

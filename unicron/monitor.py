@@ -34,8 +34,9 @@ Two detectors:
   hang, by design.
 - **straggler**: a worker whose own compute time (excluding the wait for its peers) stays
   above ``straggler_factor`` x the median of its peers' compute times for the same step, for
-  ``straggler_steps`` consecutive steps. A legitimate change moves every peer together and
-  leaves the ratio alone; a straggler moves alone.
+  ``straggler_steps`` of its last ``straggler_steps`` + 2 steps (two calm steps of noise are
+  tolerated inside a slow stretch). A legitimate change moves every peer together and leaves
+  the ratio alone; a straggler moves alone.
 
 Each condition is reported once: a hang once per (worker, step), a straggler once until it
 has been back within the factor for ``straggler_steps`` steps.
@@ -56,6 +57,9 @@ __all__ = ["Detection", "MonitorSettings", "StepMonitor"]
 
 _MIN_SAMPLES = 3
 """post-warm-up steps a worker needs before its median counts as an expectation"""
+_STRAGGLER_NOISE_STEPS = 2
+"""calm steps tolerated inside a straggler's slow stretch (a loaded machine's noise): it is
+``straggler_steps`` slow steps among the last ``straggler_steps`` + this many"""
 _EVIDENCE_STEPS = 8
 """recent steps whose durations are kept as the peers' evidence for a late worker"""
 _MAX_PENDING_STEPS = 256
@@ -99,7 +103,8 @@ class MonitorSettings:
     straggler_factor: float = 1.5
     """a worker whose compute time exceeds this factor x its peers' median is slow"""
     straggler_steps: int = 5
-    """consecutive slow steps that make a straggler (and calm steps that end one)"""
+    """slow steps (among the last this many + 2) that make a straggler; consecutive calm steps
+    that end one"""
     straggler_min_excess_s: float = 0.01
     """and it must exceed the peers' median by at least this much (ignores tiny steps' noise)"""
 
@@ -151,7 +156,7 @@ class _Worker:
     early: list[float] = field(default_factory=list)  # warm-up step durations after the cold one
     shifted: list[float] = field(default_factory=list)
     shift_side: int = 0
-    slow_streak: int = 0
+    recent: deque[bool] = field(default_factory=deque)  # slow or not, the last judged steps
     slow_since: int = 0
     calm_streak: int = 0
     straggling: bool = False
@@ -224,7 +229,8 @@ class StepMonitor:
                 w.previous = _median(list(w.window))
             w.window.clear()
             w.shifted, w.shift_side = [], 0
-            w.slow_streak, w.calm_streak, w.straggling = 0, 0, False
+            w.recent.clear()
+            w.calm_streak, w.straggling = 0, False
         self._compute.clear()
 
     # ---- questions (the agent, on its timer) ------------------------------------------------
@@ -397,20 +403,25 @@ class StepMonitor:
                 continue
             peers = _median([r for k, r in reports.items() if k != worker])
             slow = rate > s.straggler_factor * peers and rate - peers > s.straggler_min_excess_s
+            w.recent.append(slow)
+            while len(w.recent) > s.straggler_steps + _STRAGGLER_NOISE_STEPS:
+                w.recent.popleft()
             if not slow:
-                w.slow_streak = 0
                 w.calm_streak += 1
                 if w.straggling and w.calm_streak >= s.straggler_steps:
                     w.straggling = False
+                if w.calm_streak > _STRAGGLER_NOISE_STEPS:
+                    w.recent.clear()  # a calm stretch, not noise inside a slow one
                 continue
-            if w.slow_streak == 0:
+            if sum(w.recent) == 1:
                 w.slow_since = step
-            w.slow_streak += 1
             w.calm_streak = 0
-            if w.slow_streak >= s.straggler_steps and not w.straggling:
+            slow_steps = sum(w.recent)
+            if slow_steps >= s.straggler_steps and not w.straggling:
                 w.straggling = True
                 reason = (
                     f"worker {worker}: compute {rate:.3f} s > {s.straggler_factor:g} x peers' "
-                    f"median {peers:.3f} s for {w.slow_streak} steps ({w.slow_since}-{step})"
+                    f"median {peers:.3f} s in {slow_steps} of the last {len(w.recent)} steps "
+                    f"({w.slow_since}-{step})"
                 )
                 self._found.append(Detection("straggler", worker, step, reason, now))
