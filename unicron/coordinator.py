@@ -808,7 +808,13 @@ class Coordinator:
             if not o.excluded or (probing and o.node not in self.lost_nodes)
         ]
         why = ""
-        if len(recoverable) < self.settings.min_workers:
+        if self.state is TaskState.PENDING and len(usable) < self.settings.min_workers:
+            # never started (e.g. a script that cannot even import): nothing to wait for
+            why = (
+                f"{len(usable)} usable slot(s) left, fewer than the minimum of "
+                f"{self.settings.min_workers}, before the task started"
+            )
+        elif len(recoverable) < self.settings.min_workers:
             why = (
                 f"{len(recoverable)} slot(s) left that can be used again, fewer than the "
                 f"minimum of {self.settings.min_workers}"
