@@ -32,7 +32,7 @@ from typing import Any
 
 from unicron import device as D
 from unicron.classify import Verdict, classify_exit, classify_message
-from unicron.coordinator import Coordinator, Kill, Probe, Spawn, emit_detection
+from unicron.coordinator import Coordinator, Kill, Probe, Spawn
 from unicron.events import EventLog
 from unicron.inject import Fault
 from unicron.protocol import (
@@ -412,7 +412,7 @@ class Agent:
                 w.error = {**msg, "ts": now, "slot": slot}  # the error that ends this process
                 self.errors.append(w.error)  # kept across restarts: the task's failure report
             verdict = classify_message(msg["type_name"], msg["message"])
-            self._emit_detection(slot, msg.get("step", w.step), verdict, now, "exception")
+            self.coordinator.detected(slot, msg.get("step", w.step), verdict, now, "exception")
             if msg.get("in_band"):
                 c.worker_error(
                     slot, verdict, now, in_place=bool(msg.get("in_place")), epoch=msg.get("epoch")
@@ -461,36 +461,13 @@ class Agent:
                 verdict = classify_exit(returncode if returncode is not None else -9)
                 method = "process"
             if w.error is None or returncode is None or returncode < 0:
-                self._emit_detection(slot, w.step, verdict, detected, method, returncode=returncode)
+                self.coordinator.detected(
+                    slot, w.step, verdict, detected, method, returncode=returncode
+                )
         if w.conn is not None:
             w.conn.close()
             w.conn = None
         self.coordinator.worker_failed(slot, verdict, detected)
-
-    def _emit_detection(
-        self,
-        slot: int,
-        step: int | None,
-        verdict: Verdict,
-        ts: float,
-        method: str,
-        *,
-        reason: str | None = None,
-        **extra: Any,
-    ) -> None:
-        """One ``error_detected`` event about the worker in ``slot``."""
-        emit_detection(
-            self.events,
-            task=self.coordinator.task,
-            slot=slot,
-            node=self.node,
-            step=step,
-            verdict=verdict,
-            ts=ts,
-            method=method,
-            reason=reason,
-            **extra,
-        )
 
     # -- launching --------------------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:

@@ -677,7 +677,7 @@ class Coordinator:
                 self._suspects[d.worker] = (d.step, verdict, d.reason)
                 self._check_suspect(d.worker, now)
                 continue
-            self._detected(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
+            self.detected(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
             self.worker_slow(d.worker, verdict, now)
 
     def _known_until(self, now: float) -> dict[int, float]:
@@ -717,7 +717,7 @@ class Coordinator:
         if spare:
             reason += "; not killed: no other replica and no checkpoint hold the state"
             log.warning("slot %d: %s", slot, reason)
-        self._detected(slot, step, verdict, now, "monitor", reason=reason)
+        self.detected(slot, step, verdict, now, "monitor", reason=reason)
         if not spare:
             self._kill(slot, verdict)
 
@@ -759,7 +759,7 @@ class Coordinator:
         if stall.stuck:
             slot = self.members[0]
             verdict = classify_detector("collective_stall")
-            self._detected(slot, None, verdict, now, "stall", reason=stall.reason)
+            self.detected(slot, None, verdict, now, "stall", reason=stall.reason)
             node = self.slots[slot].node
             decision = self.escalation.decide(verdict, slot=slot, node=node, now=now)
             self._action(decision.action, slot, decision.reason, int(decision.severity), now)
@@ -775,7 +775,7 @@ class Coordinator:
             if not self.slots[slot].alive:
                 continue
             p = self._progress.get(slot)
-            self._detected(slot, p.step if p else None, verdict, now, "stall", reason=stall.reason)
+            self.detected(slot, p.step if p else None, verdict, now, "stall", reason=stall.reason)
             self._progress.pop(slot, None)
             self._kill(slot, verdict)
         for m in self.members:  # the waiters' clocks restart: judged once per stall
@@ -1012,7 +1012,7 @@ class Coordinator:
             reason=reason,
         )
 
-    def _detected(
+    def detected(
         self,
         slot: int,
         step: int | None,
@@ -1021,51 +1021,25 @@ class Coordinator:
         method: str,
         *,
         reason: str | None = None,
+        **extra: Any,
     ) -> None:
-        """One ``error_detected`` event about the worker in ``slot`` (a detector's finding)."""
-        emit_detection(
-            self.events,
+        """Write one ``error_detected`` event about the worker in ``slot``: the detectors here
+        and the agents' (an exception reported, a process exit) alike."""
+        self.events.emit(
+            "error_detected",
+            ts=ts,
             task=self.task,
+            rank=slot,
             slot=slot,
             node=self.slots[slot].node,
             step=step,
-            verdict=verdict,
-            ts=ts,
+            kind=verdict.kind,
+            severity=int(verdict.severity),
             method=method,
-            reason=reason,
+            reason=reason or verdict.reason,
+            **extra,
         )
 
     def close(self) -> None:
         """Stop serving the store (after every worker is gone)."""
         del self.store
-
-
-def emit_detection(
-    events: EventLog,
-    *,
-    task: str,
-    slot: int,
-    node: int,
-    step: int | None,
-    verdict: Verdict,
-    ts: float,
-    method: str,
-    reason: str | None = None,
-    **extra: Any,
-) -> None:
-    """Write one ``error_detected`` event about the worker in ``slot`` (agent and coordinator
-    detections alike)."""
-    events.emit(
-        "error_detected",
-        ts=ts,
-        task=task,
-        rank=slot,
-        slot=slot,
-        node=node,
-        step=step,
-        kind=verdict.kind,
-        severity=int(verdict.severity),
-        method=method,
-        reason=reason or verdict.reason,
-        **extra,
-    )
