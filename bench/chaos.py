@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.common import Row, make_row, print_table, save_scenario
 from bench.events import Event, read_events, steps_redone
-from unicron.classify import KINDS
+from unicron.detect.classify import KINDS
 
 SCENARIO = "chaos"
 ROOT = Path(__file__).resolve().parents[1]

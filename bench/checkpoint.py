@@ -30,7 +30,7 @@ import torch
 
 from bench.common import Row, make_row, print_table, save_scenario
 from bench.events import read_events
-from unicron import checkpoint as C
+from unicron.runtime import checkpoint as C
 
 SCENARIO = "checkpoint"
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@
 
 Needs a machine with CUDA (exits 2 without one). It runs, with ``unicron run --device cuda``:
 
-1. the health probe on ``cuda:0`` (``python -m unicron.health``, as the agent runs it);
+1. the health probe on ``cuda:0`` (``python -m unicron.runtime.health``, as the agent runs it);
 2. ``tests/scripts/device_report.py`` on every slot: the device each worker got from
    ``unicron.worker.device()``, its ``LOCAL_RANK``, and where its parameters and AdamW
    moments live after training;
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "UNICRON_DEVICE": "cuda:0"}
     probe = subprocess.run(
-        [sys.executable, "-m", "unicron.health", "--slot", "0"],
+        [sys.executable, "-m", "unicron.runtime.health", "--slot", "0"],
         capture_output=True,
         text=True,
         timeout=300,

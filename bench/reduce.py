@@ -30,8 +30,8 @@ import torch
 from bench.common import Row, make_row, print_table, save_scenario
 from bench.events import read_events
 from examples.gpt import build, loss_fn
-from unicron.ledger import Ledger, assign, mb_seed
-from unicron.reduce import Layout, LocalSums, Node, combine
+from unicron.runtime.ledger import Ledger, assign, mb_seed
+from unicron.runtime.reduce import Layout, LocalSums, Node, combine
 
 SCENARIO = "reduce"
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ from bench.systems.ddp import DdpArm
 from bench.systems.torchft import DEFAULT_TIMEOUT_S, TorchftArm
 from bench.systems.torchrun import GLOO_DEFAULT_TIMEOUT_S, TorchrunArm, TorchrunNodeArm
 from bench.systems.unicron import UnicronArm
-from unicron.classify import verdict_for_kind
+from unicron.detect.classify import verdict_for_kind
 
 log = logging.getLogger("bench")
 

@@ -4,7 +4,7 @@ Three sizes of the example GPT (``bench/sized_gpt.py``: about 5 MB, 100 MB and 1
 state, parameters plus AdamW's two moments). For each, in one run:
 
 - **bandwidth and peak memory** (processes on this machine, loopback, gloo): the streamed
-  transfer of :mod:`unicron.transfer` from one holder and from two holders in parallel to a
+  transfer of :mod:`unicron.runtime.transfer` from one holder and from two holders in parallel to a
   joiner whose model is built but whose optimizer has no state yet (as after a restart); the
   blob transfer it replaced (``torch.save`` of the whole state into one buffer, broadcast,
   ``torch.load``); and the floor, a plain ``ProcessGroupGloo.broadcast`` of the same bytes
@@ -44,8 +44,9 @@ from bench.events import read_events
 SCENARIO = "transfer"
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("floor", "stream", "stream x2", "blob")
-"""floor: plain broadcast of flat bytes; stream: unicron.transfer, one holder; stream x2: two
-holders, each a share; blob: one torch.save'd buffer, broadcast (what the stream replaced)"""
+"""floor: plain broadcast of flat bytes; stream: unicron.runtime.transfer, one holder;
+stream x2: two holders, each a share; blob: one torch.save'd buffer, broadcast (what the
+stream replaced)"""
 
 
 # -- memory ---------------------------------------------------------------------------------
@@ -74,9 +75,9 @@ def _member(arm: str, size: str, rank: int, world: int, port: int, out: Any) -> 
     import torch.distributed as dist
 
     from bench.sized_gpt import build
-    from unicron.group import EpochGroup, EpochWatch
-    from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
-    from unicron.transfer import state_tensors, transfer
+    from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
+    from unicron.runtime.group import EpochGroup, EpochWatch
+    from unicron.runtime.transfer import state_tensors, transfer
 
     torch.set_num_threads(1)
     joiner = rank == world - 1

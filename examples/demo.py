@@ -17,8 +17,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from unicron.events import read_events
-from unicron.report import steps_redone, task_end
+from unicron.control.events import read_events
+from unicron.control.report import steps_redone, task_end
 
 HERE = Path(__file__).resolve().parent
 

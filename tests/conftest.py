@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from unicron.events import read_events
+from unicron.control.events import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_gpt.py"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from bench.chaos import FAULT_KINDS, FIRST_STEP, WORKERS, measure_faults, schedule
-from unicron.inject import parse
+from unicron.runtime.inject import parse
 
 
 def test_the_schedule_is_seeded_mixed_and_parseable() -> None:

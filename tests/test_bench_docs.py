@@ -11,7 +11,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
 def _kinds(kinds: tuple[str, ...]) -> str:
     if kinds == error_kinds():
-        return f"every kind of `unicron.classify.KINDS` but `unknown` ({len(kinds)})"
+        return f"every kind of `unicron.detect.classify.KINDS` but `unknown` ({len(kinds)})"
     return ", ".join(f"`{k}`" for k in kinds)
 
 

@@ -37,7 +37,7 @@ from bench.systems.base import (
     figures,
 )
 from bench.systems.unicron import UnicronArm
-from unicron.classify import KINDS, Severity, verdict_for_kind
+from unicron.detect.classify import KINDS, Severity, verdict_for_kind
 
 
 def quick(reps: int = 2) -> Settings:

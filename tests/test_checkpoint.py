@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from unicron import checkpoint as C
+from unicron.runtime import checkpoint as C
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,7 +100,7 @@ def test_a_flipped_byte_is_detected_and_the_previous_checkpoint_used(
     (bad / "model.pt").write_bytes(bytes(data))
     with pytest.raises(C.CheckpointError, match=r"model\.pt fails its SHA-256"):
         C.verify(bad)
-    with caplog.at_level(logging.WARNING, logger="unicron.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="unicron.runtime.checkpoint"):
         found = C.newest(root)
         loaded = C.load_newest(root)
     assert found is not None and found[1].step == 5

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, TRAIN, RunResult, run_unicron
-from unicron import checkpoint as C
-from unicron.events import read_events
+from unicron.control.events import read_events
+from unicron.runtime import checkpoint as C
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -178,8 +178,8 @@ def test_bad_checkpoint_options_are_one_line_exit_2(
 def test_a_directory_without_write_permission_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from unicron.control.runner import _check_resume
     from unicron.errors import UsageError
-    from unicron.runner import _check_resume
 
     ck = tmp_path / "ck"
     _checkpoint(ck)

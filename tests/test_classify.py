@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unicron.classify import (
+from unicron.detect.classify import (
     DEFAULT,
     KINDS,
     RULES,

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from unicron.classify import verdict_for_kind
-from unicron.coordinator import (
+from unicron.control.coordinator import (
     Coordinator,
     CoordinatorSettings,
     Kill,
@@ -22,10 +21,11 @@ from unicron.coordinator import (
     Spawn,
     TaskState,
 )
-from unicron.escalation import Escalation, EscalationSettings
-from unicron.events import EventLog, read_events
-from unicron.monitor import MonitorSettings, StepMonitor
-from unicron.protocol import done_key, trained_key
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.control.events import EventLog, read_events
+from unicron.control.protocol import done_key, trained_key
+from unicron.detect.classify import verdict_for_kind
+from unicron.detect.monitor import MonitorSettings, StepMonitor
 
 
 class Cluster:

@@ -1,4 +1,4 @@
-"""Devices per slot (:mod:`unicron.device`): the pure rules, the worker API on the CPU path,
+"""Devices per slot (:mod:`unicron.runtime.device`): the pure rules, the worker API on the CPU path,
 and bad input (a device the node lacks, a reduce mode the device does not support, a model too
 large for a slot) refused with exit code 2 before training starts, nothing left running."""
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from unicron import device as D
 from unicron.errors import UsageError
+from unicron.runtime import device as D
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -137,8 +137,8 @@ def test_a_superseded_nccl_epoch_is_left_by_aborting_its_communicator() -> None:
 
     import torch.distributed as dist
 
-    from unicron.group import EpochGroup, EpochOver, EpochWatch
-    from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
+    from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
+    from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.set(epoch_info_key("t", 1), EpochInfo(1, (0, 1), (0, 0), False).to_json())

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from unicron.classify import Action, Severity, classify_detector, verdict_for_kind
-from unicron.escalation import Escalation, EscalationSettings
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.detect.classify import Action, Severity, classify_detector, verdict_for_kind
 
 RESET = verdict_for_kind("conn_reset")
 CUDA = verdict_for_kind("cuda")

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicron.group import EpochGroup, EpochOver, EpochWatch
-from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
+from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
+from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 
 TIMEOUT_S = 8.0
 KEEP: list[EpochGroup] = []  # an abandoned group is never freed (as the worker does)

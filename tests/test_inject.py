@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unicron.errors import UsageError
-from unicron.inject import parse
+from unicron.runtime.inject import parse
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unicron.ledger import Ledger, assign, mb_seed, missing
+from unicron.runtime.ledger import Ledger, assign, mb_seed, missing
 
 
 def test_samples_depend_only_on_seed_step_and_microbatch() -> None:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from unicron.monitor import Detection, MonitorSettings, StepMonitor
+from unicron.detect.monitor import Detection, MonitorSettings, StepMonitor
 
 WORKERS = 4
 

@@ -12,13 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from unicron import health
-from unicron.classify import verdict_for_kind
-from unicron.coordinator import Coordinator, CoordinatorSettings, Kill, Probe, Spawn, TaskState
-from unicron.escalation import Escalation, EscalationSettings
-from unicron.events import EventLog, read_events
-from unicron.health import main as health_main
-from unicron.health import probe
+from unicron.control.coordinator import (
+    Coordinator,
+    CoordinatorSettings,
+    Kill,
+    Probe,
+    Spawn,
+    TaskState,
+)
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.control.events import EventLog, read_events
+from unicron.detect.classify import verdict_for_kind
+from unicron.runtime import health
+from unicron.runtime.health import main as health_main
+from unicron.runtime.health import probe
 
 
 @dataclass

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicron.ledger import assign
-from unicron.reduce import (
+from unicron.runtime.ledger import assign
+from unicron.runtime.reduce import (
     Exchange,
     Layout,
     LocalSums,
@@ -183,7 +183,7 @@ def test_adversarial_gradients_same_bits_for_every_grouping() -> None:
 
 
 class _Gloo:
-    """:class:`unicron.reduce.Collectives` over a plain gloo group (no epochs)."""
+    """:class:`unicron.runtime.reduce.Collectives` over a plain gloo group (no epochs)."""
 
     def __init__(self, pg: Any, rank: int, world: int) -> None:
         self.pg, self.rank, self.world = pg, rank, world

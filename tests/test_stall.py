@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unicron.stall import Phase, Progress, Stall, find_stall, stall_deadline_s
+from unicron.detect.stall import Phase, Progress, Stall, find_stall, stall_deadline_s
 
 J, C, R, L, D = Phase.JOIN, Phase.COMPUTE, Phase.REDUCE, Phase.LEFT, Phase.DONE
 

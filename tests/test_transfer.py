@@ -1,5 +1,5 @@
-"""State transfer (:mod:`unicron.transfer`): members of one real epoch group (gloo, one thread
-each, on a TCPStore) stream the model and AdamW state to members without it."""
+"""State transfer (:mod:`unicron.runtime.transfer`): members of one real epoch group
+(gloo, one thread each, on a TCPStore) stream the model and AdamW state to members without it."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicron.group import EpochGroup, EpochOver, EpochWatch
-from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
-from unicron.transfer import _Stream, share, state_nbytes, transfer
+from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
+from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
+from unicron.runtime.transfer import _Stream, share, state_nbytes, transfer
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

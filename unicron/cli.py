@@ -17,7 +17,7 @@ from unicron.errors import UsageError
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("unicron.runner", "train a script on this machine, self-healing"),
+    "run": ("unicron.control.runner", "train a script on this machine, self-healing"),
     "plan": ("unicron.planner.command", "plan slots and parallel configs for tasks"),
     "simulate": ("unicron.sim.command", "trace-driven comparison of recovery policies"),
 }

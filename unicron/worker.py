@@ -5,10 +5,11 @@ A training script calls :func:`train` once, under ``unicron run``::
     result = unicron.worker.train(model=model, optimizer=opt, loss_fn=loss_fn,
                                   dataset=ds, micro_batch_size=4, num_microbatches=8, steps=100)
 
-and Unicron runs the steps: the deterministic micro-batch ledger (:mod:`unicron.ledger`), a
-fresh gloo group per epoch (:mod:`unicron.group`), local gradient sums per replica kept until
+and Unicron runs the steps: the deterministic micro-batch ledger
+(:mod:`unicron.runtime.ledger`), a fresh gloo group per epoch (:mod:`unicron.runtime.group`),
+local gradient sums per replica kept until
 the step commits and reduced exactly in buckets as the backward pass ends
-(:mod:`unicron.reduce`), partial-results reuse and state from the nearest replica when the
+(:mod:`unicron.runtime.reduce`), partial-results reuse and state from the nearest replica when the
 membership changes. The user's model code does not change.
 """
 
@@ -28,15 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron import checkpoint as C
-from unicron import device as D
-from unicron import ledger as L
-from unicron import reduce as R
-from unicron.errors import UsageError
-from unicron.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
-from unicron.inject import Fault, parse
-from unicron.link import AgentLink, connect_agent
-from unicron.protocol import (
+from unicron.control.protocol import (
     ENV_CHECKPOINT,
     ENV_CHECKPOINT_EVERY,
     ENV_CHECKPOINT_KEEP,
@@ -55,7 +48,15 @@ from unicron.protocol import (
     trained_key,
     usage_key,
 )
-from unicron.transfer import transfer
+from unicron.errors import UsageError
+from unicron.runtime import checkpoint as C
+from unicron.runtime import device as D
+from unicron.runtime import ledger as L
+from unicron.runtime import reduce as R
+from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
+from unicron.runtime.inject import Fault, parse
+from unicron.runtime.link import AgentLink, connect_agent
+from unicron.runtime.transfer import transfer
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -77,7 +78,8 @@ class TrainResult:
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerContext:
-    """What ``unicron run`` tells a worker through its environment (:mod:`unicron.protocol`)."""
+    """What ``unicron run`` tells a worker through its environment
+    (:mod:`unicron.control.protocol`)."""
 
     task: str
     slot: int
@@ -587,7 +589,7 @@ class _Runner:
         """SEV3 errors (a reset connection, a transient timeout) are retried in place, in the
         same epoch, a bounded number of times; the agent and coordinator are told. Anything
         else, or a retry that fails again, propagates: the process exits and is restarted."""
-        from unicron.classify import Severity, classify_exception
+        from unicron.detect.classify import Severity, classify_exception
 
         verdict = classify_exception(exc)
         if verdict.severity is not Severity.SEV3 or attempt >= self.ctx.max_reattempts:
@@ -686,7 +688,7 @@ class _Runner:
             elif kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "error":
-                from unicron.classify import make_exception
+                from unicron.detect.classify import make_exception
 
                 raise make_exception(f.kind or "user")
             elif kind == "node":

@@ -1,10 +1,11 @@
 """What every baseline script shares: the model and data, the step, the event log, the faults.
 
 The baselines train exactly what ``examples/train_gpt.py`` trains under Unicron: the model of
-:mod:`examples.gpt`, the micro-batches of :class:`unicron.ledger.Ledger` (8 micro-batches of 4
+:mod:`examples.gpt`, the micro-batches of :class:`unicron.runtime.ledger.Ledger`
+(8 micro-batches of 4
 sequences per step, global batch 32), one compute thread per worker. They write the same
 event log (DESIGN.md, Contracts) so that one parser measures every system, and they fire the
-same ``--inject`` faults (parsed by :mod:`unicron.inject`) at the same step.
+same ``--inject`` faults (parsed by :mod:`unicron.runtime.inject`) at the same step.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 from torch import nn
 
 from examples.gpt import build, loss_fn
-from unicron.inject import Fault, parse
-from unicron.ledger import Ledger, assign, mb_seed
+from unicron.runtime.inject import Fault, parse
+from unicron.runtime.ledger import Ledger, assign, mb_seed
 
 NUM_MICROBATCHES = 8
 MICRO_BATCH_SIZE = 4
@@ -50,7 +51,7 @@ class EventWriter:
 def make_error(kind: str) -> BaseException:
     """The exception an ``error:`` fault raises: Unicron's own table when it exists."""
     try:
-        from unicron.classify import make_exception
+        from unicron.detect.classify import make_exception
 
         return make_exception(kind)
     except ImportError:

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from bench.common import kind_metric
 from bench.events import Event, actions, alarms, detection_by_method, measure
-from unicron.classify import KINDS, RULES, verdict_for_kind
+from unicron.detect.classify import KINDS, RULES, verdict_for_kind
 
 REPO = Path(__file__).resolve().parents[2]
 ONE_PER_SEVERITY = ("conn_reset", "cuda", "ecc")
@@ -88,7 +88,7 @@ class Settings:
         bad = [k for k in self.error_kinds if k not in KINDS]
         if bad or self.error_kind not in self.error_kinds:
             raise ValueError(
-                f"error_kinds must be kinds of unicron.classify.KINDS and hold error_kind "
+                f"error_kinds must be kinds of unicron.detect.classify.KINDS and hold error_kind "
                 f"{self.error_kind!r}, got {self.error_kinds}"
             )
         if not set(self.torchrun_error_kinds) <= set(self.error_kinds) or (

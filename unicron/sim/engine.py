@@ -542,7 +542,7 @@ class Simulation:
         return lambda _t: self._on_trace(ev)
 
     def _on_trace(self, ev: TraceEvent) -> None:
-        from unicron import classify
+        from unicron.detect import classify
 
         node = ev.node
         if ev.action == "add":

@@ -12,7 +12,7 @@ A trace is a time-ordered list of :class:`TraceEvent` on named nodes. Two source
   trace's nodes as a pool (see :class:`unicron.sim.engine.Simulation`).
 * :func:`generate` draws failures from a per-node rate (Poisson, seeded) with a mix of
   causes taken from a published report (:data:`LLAMA3_CAUSES`). Each cause is mapped to a
-  classifier input (an error kind or a detector name); :func:`unicron.classify` turns it
+  classifier input (an error kind or a detector name); :func:`unicron.detect.classify` turns it
   into a severity at simulation time, the same table the runtime uses. SEV1 causes remove
   the node for a repair time and add it back.
 
@@ -100,7 +100,7 @@ LLAMA3_RATE_PER_NODE_DAY = 419 / (2048 * 54)
 
 def _classify_severity(signal: str) -> int:
     """Severity (1..3) of a classifier input, through the runtime's table."""
-    from unicron import classify  # the same table the runtime uses (issue 3)
+    from unicron.detect import classify  # the same table the runtime uses (issue 3)
 
     verdict = (
         classify.classify_detector(signal)

@@ -15,11 +15,11 @@ import threading
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from unicron.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_INCARNATION, ENV_SLOT
+from unicron.control.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_INCARNATION, ENV_SLOT
 
 
 class AgentLink:
-    """Sends messages (dicts with a ``type``, see :data:`unicron.protocol.MESSAGES`)."""
+    """Sends messages (dicts with a ``type``, see :data:`unicron.control.protocol.MESSAGES`)."""
 
     def __init__(self, conn: Connection | None) -> None:
         self._conn = conn

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unicron import checkpoint as C
+from unicron.control.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME, usage_key
 from unicron.errors import UsageError
-from unicron.inject import Fault, parse
-from unicron.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME, usage_key
+from unicron.runtime import checkpoint as C
+from unicron.runtime.inject import Fault, parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -141,7 +141,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> list[Fault]:
     """Check everything before starting anything; raise UsageError with one line."""
-    from unicron.classify import KINDS
+    from unicron.detect.classify import KINDS
 
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
@@ -150,7 +150,7 @@ def validate(args: argparse.Namespace) -> list[Fault]:
     world = args.nnodes * args.nproc_per_node
     if not 1 <= args.min_workers <= world:
         raise UsageError(f"--min-workers must be in 1..{world}, got {args.min_workers}")
-    from unicron import device as D  # imports torch only to count GPUs, for --device cuda
+    from unicron.runtime import device as D  # imports torch only to count GPUs, for --device cuda
 
     args.reduce = args.reduce or D.default_reduce(args.device)  # before --resume's check
     D.check(args.device, args.reduce, D.gpu_count() if args.device == "cuda" else 0)
@@ -248,20 +248,20 @@ def _record_progress(root: Path | None, coordinator: Any) -> None:
     try:
         C.write_json_atomic(root / C.PROGRESS, {"committed_steps": committed})
     except OSError as exc:
-        logging.getLogger("unicron.runner").warning("progress record not written: %s", exc)
+        logging.getLogger("unicron.control.runner").warning("progress record not written: %s", exc)
 
 
 def main(args: argparse.Namespace) -> int:
     faults = validate(args)
     from rich.console import Console
 
-    from unicron import device as D
-    from unicron.agent import Agent, AgentConfig
-    from unicron.coordinator import Coordinator, CoordinatorSettings, TaskState
-    from unicron.escalation import Escalation, EscalationSettings
-    from unicron.events import EventLog
-    from unicron.monitor import MonitorSettings, StepMonitor
-    from unicron.report import render
+    from unicron.control.agent import Agent, AgentConfig
+    from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
+    from unicron.control.escalation import Escalation, EscalationSettings
+    from unicron.control.events import EventLog
+    from unicron.control.report import render
+    from unicron.detect.monitor import MonitorSettings, StepMonitor
+    from unicron.runtime import device as D
 
     console = Console(stderr=True)
     if not console.is_terminal:

@@ -18,7 +18,7 @@ and the *needers* (joiners, restarted workers). Nothing is serialized into one b
 
 A needer writes the model's tensors in place and the optimizer's moments into fresh (or its
 own, when shapes agree) tensors, then hands them to ``optimizer.load_state_dict``, which
-keeps them without copying. Every wait goes through :class:`unicron.group.EpochGroup`'s
+keeps them without copying. Every wait goes through :class:`unicron.runtime.group.EpochGroup`'s
 sliced waits, so a superseded epoch is left at once. Method and measurements:
 ``docs/runtime.md`` ("State transfer").
 """
@@ -40,7 +40,7 @@ WINDOW = 4
 
 
 class Wire(Protocol):
-    """What the transfer needs of an epoch's group (:class:`unicron.group.EpochGroup`)."""
+    """What the transfer needs of an epoch's group (:class:`unicron.runtime.group.EpochGroup`)."""
 
     rank: int
     world: int
@@ -235,7 +235,7 @@ def transfer(
 ) -> Stats:
     """Bring every needer's model and optimizer to the holders' state (collective: every
     member of ``g`` calls it with the same ``holders`` and ``needers``; the others only take
-    part in the manifest's broadcast). Raises :class:`unicron.group.EpochOver` if the epoch
+    part in the manifest's broadcast). Raises :class:`unicron.runtime.group.EpochOver` if the epoch
     is superseded or a peer fails on the way."""
     assert holders and needers and not set(holders) & set(needers)
     if g.rank in holders:

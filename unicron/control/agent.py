@@ -1,11 +1,11 @@
 """The agent: one per node. Starts and supervises the node's workers.
 
 It listens on an authenticated local socket for its workers' reports, starts workers through
-the warm zygote (:mod:`unicron.launcher`; a plain spawn when the zygote is gone), notices a
+the warm zygote (:mod:`unicron.runtime.launcher`; a plain spawn when the zygote is gone), notices a
 worker that exits or is killed (its socket closes; the zygote reports the exit status), writes
 what it sees to the event log and reports it to the coordinator (step times, epochs entered,
 errors, exits: the coordinator runs the task's detectors over every node's workers), and
-carries out the coordinator's actions (:class:`unicron.coordinator.Spawn`, ``Kill`` and
+carries out the coordinator's actions (:class:`unicron.control.coordinator.Spawn`, ``Kill`` and
 ``Probe``, the health probe of an excluded slot), which it takes on every round.
 
 Threads: everything the agent owns is touched by one thread, the one in :meth:`Agent.run`
@@ -30,12 +30,9 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any
 
-from unicron import device as D
-from unicron.classify import Verdict, classify_exit, classify_message
-from unicron.coordinator import Coordinator, Kill, Probe, Spawn
-from unicron.events import EventLog
-from unicron.inject import Fault
-from unicron.protocol import (
+from unicron.control.coordinator import Coordinator, Kill, Probe, Spawn
+from unicron.control.events import EventLog
+from unicron.control.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
     ENV_CHECKPOINT,
@@ -50,8 +47,11 @@ from unicron.protocol import (
     ENV_TASK,
     ENV_THREADS,
 )
+from unicron.detect.classify import Verdict, classify_exit, classify_message
+from unicron.runtime import device as D
+from unicron.runtime.inject import Fault
 
-log = logging.getLogger("unicron.agent")
+log = logging.getLogger("unicron.control.agent")
 
 EXIT_GRACE_S = 0.3
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
@@ -139,7 +139,7 @@ class Agent:
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         out = open(self.config.log_dir / f"zygote-node{self.node}.log", "ab")  # noqa: SIM115
         self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "unicron.launcher", "zygote"],
+            [sys.executable, "-m", "unicron.runtime.launcher", "zygote"],
             env=self._base_env(),
             stdout=out,
             stderr=out,
@@ -207,7 +207,7 @@ class Agent:
             _kill(w.pid)
 
     def probe(self, slot: int) -> None:
-        """Start the health probe of the excluded ``slot`` (``python -m unicron.health``, a
+        """Start the health probe of the excluded ``slot`` (``python -m unicron.runtime.health``, a
         fresh process); :meth:`poll` reports its verdict with ``Coordinator.probe_done``."""
         if slot in self._probes or self.vanished:
             return
@@ -215,7 +215,7 @@ class Agent:
         log_path = self.config.log_dir / f"health{slot}.{n}.log"
         with open(log_path, "wb") as out:  # the child keeps its own descriptor
             proc = subprocess.Popen(
-                [sys.executable, "-m", "unicron.health", "--slot", str(slot)],
+                [sys.executable, "-m", "unicron.runtime.health", "--slot", str(slot)],
                 env={**self._base_env(), **self._device_env(slot)},  # the slot's own device
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -537,7 +537,7 @@ class Agent:
                 [
                     sys.executable,
                     "-m",
-                    "unicron.launcher",
+                    "unicron.runtime.launcher",
                     "worker",
                     self.config.script,
                     *self.config.argv,

@@ -2,14 +2,15 @@
 
 The coordinator excludes a slot that keeps failing (SEV1: an ECC error, too many restarts, a
 dropped straggler). After a cool-down it asks the slot's agent to probe it; the agent runs
-``python -m unicron.health --slot N`` as a fresh process in that slot's place and reports
+``python -m unicron.runtime.health --slot N`` as a fresh process in that slot's place and reports
 the exit status: 0 and the slot is readmitted (a new worker starts there and joins the next
 epoch), anything else and it stays out for twice as long.
 
 The probe does what a training step needs of the device, on a small scale, and checks the
 answer: a matrix product against a float64 reference, and an all-reduce-shaped sum. It runs
 on the slot's own device, the one its workers train on (``UNICRON_DEVICE``, set by the agent
-as for a worker: :mod:`unicron.device`); on CUDA it synchronises, so a sticky device error (an
+as for a worker: :mod:`unicron.runtime.device`); on CUDA it synchronises, so a sticky
+device error (an
 uncorrectable ECC error, a lost context) fails it; on CPU it checks the arithmetic and the
 process start (imports, memory). The agent writes its output to ``health<slot>.<k>.log``.
 """
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from unicron.device import ENV_DEVICE
+from unicron.runtime.device import ENV_DEVICE
 
 SIZE = 256
 """Side of the probe's square matrices (a few MFLOP: milliseconds on any device)."""
@@ -55,8 +56,8 @@ def probe(slot: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m unicron.health --slot N``: 0 and one line when healthy, else 1 and why."""
-    p = argparse.ArgumentParser(prog="python -m unicron.health", description=__doc__)
+    """``python -m unicron.runtime.health --slot N``: 0 and a line when healthy, else 1, why."""
+    p = argparse.ArgumentParser(prog="python -m unicron.runtime.health", description=__doc__)
     p.add_argument("--slot", type=int, required=True)
     args = p.parse_args(argv)
     try:

@@ -9,8 +9,8 @@ its agent's process; workers do not die with the zygote (a lost zygote only mean
 workers start as fresh processes), and a worker whose coordinator is gone fails at its next
 look at the store and exits.
 
-Run as ``python -m unicron.launcher zygote`` (by the agent) or
-``python -m unicron.launcher worker SCRIPT [ARGS]`` (the fallback: a plain fresh process).
+Run as ``python -m unicron.runtime.launcher zygote`` (by the agent) or
+``python -m unicron.runtime.launcher worker SCRIPT [ARGS]`` (the fallback: a plain fresh process).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import traceback
 from multiprocessing.connection import Client, Connection, wait
 from typing import Any
 
-from unicron.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_THREADS
+from unicron.control.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_THREADS
 
 _PR_SET_PDEATHSIG = 1
 
@@ -45,7 +45,7 @@ def run_script(script: str, argv: list[str]) -> int:
     """
     import torch
 
-    from unicron import link
+    from unicron.runtime import link
 
     torch.set_num_threads(int(os.environ.get(ENV_THREADS, "1")))
     agent = link.connect_agent()
@@ -145,7 +145,9 @@ def main(argv: list[str]) -> int:
         return _zygote()
     if argv[:1] == ["worker"] and len(argv) >= 2:
         return run_script(argv[1], argv[2:])
-    print("usage: python -m unicron.launcher zygote | worker SCRIPT [ARGS]", file=sys.stderr)
+    print(
+        "usage: python -m unicron.runtime.launcher zygote | worker SCRIPT [ARGS]", file=sys.stderr
+    )
     return 2
 
 

@@ -2,7 +2,7 @@
 
 Three callers, one set of rules:
 
-- ``unicron run`` (:mod:`unicron.runner`) checks ``--device`` against ``--reduce`` and the
+- ``unicron run`` (:mod:`unicron.control.runner`) checks ``--device`` against ``--reduce`` and the
   node's GPUs before starting anything (:func:`check`), and passes the choice to its agents
   in the environment (:func:`run_env`);
 - the agent maps its node's slots to GPUs (:func:`slot_env`: ``LOCAL_RANK`` as under

@@ -5,7 +5,8 @@ workers: :meth:`StepMonitor.step_started` when a worker begins a step,
 :meth:`StepMonitor.step_finished` when it ends one. It calls :meth:`StepMonitor.check` on a
 timer (every 0.1-0.2 s; anything under 0.5 s keeps the detection target below) and turns
 each returned :class:`Detection` into a verdict with
-``unicron.classify.classify_detector(d.kind)``. The clock is passed in (``now``); nothing here
+``unicron.detect.classify.classify_detector(d.kind)``. The clock is passed in (``now``);
+nothing here
 reads time, sleeps or does I/O.
 
 Two detectors:
@@ -126,7 +127,7 @@ class MonitorSettings:
 @dataclass(frozen=True)
 class Detection:
     """One detected condition: ``kind`` is ``"hang"`` or ``"straggler"`` (a detector name
-    for :func:`unicron.classify.classify_detector`), on ``worker`` at ``step``, detected at
+    for :func:`unicron.detect.classify.classify_detector`), on ``worker`` at ``step``, detected at
     ``detected_at`` (the caller's clock), with a one-line human ``reason``."""
 
     kind: str

@@ -1,11 +1,11 @@
 """The coordinator: one per cluster. Owns the task's membership and decides every epoch.
 
 It hosts the ``TCPStore`` that every process group rendezvous on (keys scoped by task and
-epoch, :mod:`unicron.protocol`), turns what agents report (a worker ready, failed, raised,
+epoch, :mod:`unicron.control.protocol`), turns what agents report (a worker ready, failed, raised,
 began or finished a step, entered an epoch, finished) into decisions through the escalation
-policy (:mod:`unicron.escalation`), runs the task's detectors (the step monitor,
-:mod:`unicron.monitor`, over every worker of the task whatever its node; the stall check,
-:mod:`unicron.stall`; node heartbeats), and announces epochs.
+policy (:mod:`unicron.control.escalation`), runs the task's detectors (the step monitor,
+:mod:`unicron.detect.monitor`, over every worker of the task whatever its node; the stall check,
+:mod:`unicron.detect.stall`; node heartbeats), and announces epochs.
 
 Agents call the ``worker_*`` and ``step_*`` methods and :meth:`Coordinator.tick` from their
 own supervision threads, and the runner calls :meth:`Coordinator.tick` from its main thread;
@@ -34,15 +34,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unicron.checkpoint import has_checkpoint
-from unicron.classify import Action, Scope, Severity, Verdict, classify_detector
-from unicron.escalation import Decision, Escalation
-from unicron.events import EventLog
-from unicron.monitor import StepMonitor
-from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, trained_key
-from unicron.stall import Phase, Progress, find_stall, stall_deadline_s
+from unicron.control.escalation import Decision, Escalation
+from unicron.control.events import EventLog
+from unicron.control.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, trained_key
+from unicron.detect.classify import Action, Scope, Severity, Verdict, classify_detector
+from unicron.detect.monitor import StepMonitor
+from unicron.detect.stall import Phase, Progress, find_stall, stall_deadline_s
+from unicron.runtime.checkpoint import has_checkpoint
 
-log = logging.getLogger("unicron.coordinator")
+log = logging.getLogger("unicron.control.coordinator")
 
 LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
@@ -389,7 +389,7 @@ class Coordinator:
             peers = [t for s, t in mb_s.items() if s != slot and s in self.members]
             if slot not in mb_s or not peers:
                 return
-            from unicron.straggler import straggler_plan
+            from unicron.detect.straggler import straggler_plan
 
             drop, reason = straggler_plan(
                 world=len(self.members),
@@ -728,7 +728,7 @@ class Coordinator:
         return 0.0 if overrun is None else overrun
 
     def stall_deadline(self) -> float:
-        """How long a member may wait on its peers outside a step (see :mod:`unicron.stall`)."""
+        """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`)."""
         with self._lock:
             s = self.settings
             pace = self.monitor.pace_s() if self.monitor is not None else None

@@ -1,6 +1,6 @@
 """Stalls outside the compute of a step: a transition or a reduce that never ends.
 
-The step monitor (:mod:`unicron.monitor`) times each worker's *compute*. Everything else a
+The step monitor (:mod:`unicron.detect.monitor`) times each worker's *compute*. Everything else a
 member of an epoch does waits on its peers: joining the epoch (rendezvous, ledger exchange,
 state transfer) and reducing a step (all-reduce, commit vote). Such a wait ends only when
 every member takes part, so a member that never arrives (stuck in an older epoch, or in a

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("unicron.checkpoint")
+log = logging.getLogger("unicron.runtime.checkpoint")
 
 FORMAT = 1
 MANIFEST = "manifest.json"

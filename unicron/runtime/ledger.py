@@ -69,7 +69,7 @@ def assign(missing: Iterable[int], world: int) -> list[list[int]]:
     contiguous blocks whose sizes differ by at most one (the larger first).
 
     A fresh step of M ids in a world of W gives rank r the block ``r * M / W ..`` (an aligned
-    subtree of the summation tree, :mod:`unicron.reduce`, when W divides M into powers of
+    subtree of the summation tree, :mod:`unicron.runtime.reduce`, when W divides M into powers of
     two); after a failure the same rule spreads only the missing ids, so nothing a living
     member has done is redone.
     """

@@ -33,7 +33,7 @@ ENV_RESUME = "UNICRON_RESUME"  # "1": the task goes on from the newest checkpoin
 # -- messages to the agent -----------------------------------------------------------------
 MESSAGES = frozenset(
     {
-        # from a worker (unicron.worker, through unicron.link)
+        # from a worker (unicron.worker, through unicron.runtime.link)
         "hello",  # slot, pid, incarnation: first message on connect
         "ready",  # microbatches, bytes: the model is built; waiting for an epoch with this slot
         "epoch",  # epoch: entered it (rendezvous, ledger exchange, state transfer follow)
@@ -43,7 +43,7 @@ MESSAGES = frozenset(
         "error",  # type_name, message, traceback, step, in_band, in_place, epoch: an error
         "done",  # steps, final_loss, params_sha256, rank, epoch: the last step committed
         "node_fault",  # the injected node fault: the agent takes its node down
-        # from the zygote (unicron.launcher)
+        # from the zygote (unicron.runtime.launcher)
         "zygote",  # the fork server is up
         "spawned",  # slot, pid: a worker was forked
         "exit",  # pid, returncode: a forked worker ended

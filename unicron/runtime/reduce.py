@@ -298,7 +298,7 @@ class LocalSums:
 
 # -- the exchange ----------------------------------------------------------------------------
 class Collectives(Protocol):
-    """What :class:`Exchange` needs of an epoch's group (:class:`unicron.group.EpochGroup`):
+    """What :class:`Exchange` needs of an epoch's group (:class:`unicron.runtime.group.EpochGroup`):
     asynchronous collectives, waited for by :meth:`wait` (which leaves a superseded epoch)."""
 
     rank: int

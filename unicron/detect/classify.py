@@ -8,14 +8,14 @@ action). It is data, read top to bottom, first match wins; the functions below o
   the coordinator calls :func:`classify_message`);
 - the agent calls :func:`classify_exit` when a worker process ends;
 - the coordinator's detectors call :func:`classify_detector` with the detector's name:
-  ``hang`` and ``straggler`` (the step monitor, :mod:`unicron.monitor`), ``stall`` and
-  ``collective_stall`` (a transition or reduce that never ends, :mod:`unicron.stall`),
+  ``hang`` and ``straggler`` (the step monitor, :mod:`unicron.detect.monitor`), ``stall`` and
+  ``collective_stall`` (a transition or reduce that never ends, :mod:`unicron.detect.stall`),
   ``heartbeat_lost`` (node heartbeats);
 - fault injection (``--inject error:kind=K``) and the simulator use :data:`KINDS`,
   :func:`make_exception` and :func:`verdict_for_kind`.
 
 The verdict is what the table says about *one* failure. Whether it is the first or the fifth
-failure on that slot is :mod:`unicron.escalation`'s business. Nothing here raises on odd
+failure on that slot is :mod:`unicron.control.escalation`'s business. Nothing here raises on odd
 input: an error that no rule matches gets :data:`DEFAULT` (SEV2, restart the process).
 No I/O, no clock, no torch import (the type names of torch's exceptions are matched as text,
 so the table also classifies errors reported across processes).
@@ -316,7 +316,7 @@ def classify_exit(returncode: int) -> Verdict:
 
 def classify_detector(name: str) -> Verdict:
     """Classify a detector's report: ``hang`` and ``straggler`` (the step monitor),
-    ``stall`` and ``collective_stall`` (:mod:`unicron.stall`), ``heartbeat_lost``. Never
+    ``stall`` and ``collective_stall`` (:mod:`unicron.detect.stall`), ``heartbeat_lost``. Never
     raises."""
     for rule in RULES:
         if rule.detector is not None and rule.detector == name:

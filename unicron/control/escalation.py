@@ -1,6 +1,7 @@
 """Escalation: from one classified failure to the action to take, given what came before.
 
-The table (:mod:`unicron.classify`) says what *one* failure deserves. The coordinator owns one
+The table (:mod:`unicron.detect.classify`) says what *one* failure deserves. The coordinator
+owns one
 :class:`Escalation` for the cluster and calls :meth:`Escalation.decide` on every detected
 error (a worker's report, a process exit, a detector), then carries out the returned
 :class:`Decision` and logs it as an ``action`` event with its ``reason``. It calls
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from unicron.classify import Action, Scope, Severity, Verdict
+from unicron.detect.classify import Action, Scope, Severity, Verdict
 
 __all__ = ["Decision", "Escalation", "EscalationSettings"]
 

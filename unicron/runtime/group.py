@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, epoch_prefix
+from unicron.control.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, epoch_prefix
 
 
 class EpochOver(Exception):
@@ -86,7 +86,7 @@ class EpochGroup:
     Built by the worker on entering an epoch; abandoned (never reused) when the epoch is over.
     ``backend`` is ``gloo`` (CPU tensors on the wire; CUDA tensors are staged through the
     CPU) or ``nccl`` (tensors on ``device``; a superseded epoch's communicator is aborted,
-    never waited out): :func:`unicron.device.backend` chooses.
+    never waited out): :func:`unicron.runtime.device.backend` chooses.
     """
 
     def __init__(
@@ -262,8 +262,8 @@ class EpochGroup:
         if wired is not tensor:
             tensor.copy_(wired)
 
-    # asynchronous collectives of the gradient exchange (:mod:`unicron.reduce`): started from
-    # gradient hooks, waited for in slices by :meth:`wait`
+    # asynchronous collectives of the gradient exchange (:mod:`unicron.runtime.reduce`):
+    # started from gradient hooks, waited for in slices by :meth:`wait`
     def start_alltoall(
         self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
     ) -> Any:
