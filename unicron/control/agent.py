@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from unicron.control.coordinator import Coordinator, Kill, Probe, Spawn
-from unicron.control.events import EventLog
+from unicron.control import messages as M
+from unicron.control.messages import Kill, Probe, Reply, Spawn
 from unicron.control.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
@@ -85,6 +85,7 @@ class _Worker:
     step: int | None = None
     finished: bool = False  # it reported "done": its exit is the normal end
     kill_pending: bool = False  # asked to die before its pid was known
+    waiting: bool = False  # reported ready, entered no epoch since
 
 
 @dataclass(kw_only=True)
@@ -103,19 +104,27 @@ class AgentConfig:
     env: dict[str, str] = field(default_factory=dict)
 
 
+class CoordinatorLink(Protocol):
+    """How an agent reaches its task's coordinator (see the module docstring)."""
+
+    def exchange(
+        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+    ) -> Reply: ...
+
+
 class Agent:
-    """Supervises the workers of one node; see the module docstring."""
+    """Supervises the workers of one task on one node; see the module docstring."""
 
     def __init__(
-        self,
-        config: AgentConfig,
-        coordinator: Coordinator,
-        events: EventLog,
+        self, config: AgentConfig, link: CoordinatorLink, *, task: str, store_address: str
     ) -> None:
         self.config = config
         self.node = config.node
-        self.coordinator = coordinator
-        self.events = events
+        self.link = link
+        self.task = task
+        self.store_address = store_address
+        self.reply = Reply()  # the coordinator's last answer
+        self._reports: list[M.Report] = []  # this round's, in order
         self.workers = {s: _Worker(s) for s in config.slots}
         self.fired: set[str] = set()
         self.errors: list[dict[str, Any]] = []  # every error that ended a worker, in order
@@ -147,7 +156,6 @@ class Agent:
             start_new_session=True,
         )
         out.close()
-        self.coordinator.attach(self.node)
         for slot in self.config.slots:
             self.spawn(slot)
 
@@ -170,9 +178,20 @@ class Agent:
         self._listener.close()
 
     # -- actions (the coordinator's, taken on every round) ------------------------------------
+    def _report(self, report: M.Report) -> None:
+        self._reports.append(report)
+
+    def census(self) -> M.Census:
+        """Which of this node's workers live, and which reported ready but entered no epoch
+        since: sent when the agent reconnects to a coordinator (one that restarted adopts the
+        task from it)."""
+        alive = tuple(s for s, w in self.workers.items() if not w.gone)
+        ready = tuple(s for s, w in self.workers.items() if not w.gone and w.waiting)
+        return M.Census(ts=time.time(), alive=alive, ready=ready)
+
     def _act(self, now: float) -> None:
-        """Carry out what the coordinator asked of this node since the last round."""
-        for action in self.coordinator.take_actions(self.node):
+        """Carry out what the coordinator asked of this node in its last answer."""
+        for action in self.reply.actions:
             if self.vanished:
                 return
             if isinstance(action, Spawn):
@@ -183,14 +202,14 @@ class Agent:
                 try:
                     self.probe(action.slot)
                 except OSError as exc:  # could not start it: tried again after another wait
-                    self.coordinator.probe_not_started(action.slot, str(exc), now)
+                    self._report(M.ProbeNotStarted(slot=action.slot, ts=now, error=str(exc)))
 
     def spawn(self, slot: int) -> None:
         """Start a new incarnation of the worker in ``slot``."""
         w = self.workers[slot]
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
-        w.gone = w.finished = w.kill_pending = False
+        w.gone = w.finished = w.kill_pending = w.waiting = False
         if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
             self._pending_spawns.append(slot)  # the zygote is still importing torch
         else:
@@ -207,8 +226,8 @@ class Agent:
             _kill(w.pid)
 
     def probe(self, slot: int) -> None:
-        """Start the health probe of the excluded ``slot`` (``python -m unicron.runtime.health``, a
-        fresh process); :meth:`poll` reports its verdict with ``Coordinator.probe_done``."""
+        """Start the health probe of the excluded ``slot`` (``python -m unicron.runtime.health``,
+        a fresh process); :meth:`poll` reports its verdict (``ProbeDone``)."""
         if slot in self._probes or self.vanished:
             return
         n = sum(1 for _ in self.config.log_dir.glob(f"health{slot}.*.log"))
@@ -241,7 +260,7 @@ class Agent:
                 lines = probe.log.read_text(errors="replace").strip().splitlines()
                 ok = code == 0
                 detail = lines[-1] if lines else f"exit code {code}"
-            self.coordinator.probe_done(slot, ok, detail, now)
+            self._report(M.ProbeDone(slot=slot, ts=now, ok=ok, detail=detail))
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, until: threading.Event) -> None:
@@ -252,7 +271,7 @@ class Agent:
             except Exception:  # keep supervising (and heartbeating) whatever one round hit
                 log.exception("node %d: supervision round failed", self.node)
                 time.sleep(0.1)
-            if self.coordinator.finished():
+            if self.reply.finished:
                 return
 
     def vanish(self) -> None:
@@ -292,8 +311,10 @@ class Agent:
         self._check_exits(now)
         if self._probes:
             self._check_probes(now)
-        self.coordinator.heartbeat(self.node, now, read_until=read_until)
-        self.coordinator.tick(now)
+        if self.vanished:
+            return  # a lost node says nothing more
+        reports, self._reports = self._reports, []
+        self.reply = self.link.exchange(self.node, reports, now, read_until=read_until)
         self._act(now)
 
     def _accept(self) -> None:
@@ -372,50 +393,63 @@ class Agent:
             _kill(pid)
 
     def _from_worker(self, slot: int, kind: str | None, msg: dict[str, Any]) -> None:
+        """One worker message (:data:`unicron.control.protocol.MESSAGES`) as this round's
+        reports."""
         now = time.time()
         w = self.workers[slot]
-        c = self.coordinator
         if kind == "ready":
-            c.worker_ready(
-                slot, now, microbatches=msg.get("microbatches"), state_bytes=msg.get("bytes", 0)
+            w.waiting = True
+            self._report(
+                M.Ready(
+                    slot=slot,
+                    ts=now,
+                    microbatches=msg.get("microbatches"),
+                    state_bytes=msg.get("bytes", 0),
+                )
             )
         elif kind == "event":
             fields = msg["fields"]
-            if msg["event"] == "step_end" and not c.step_committed(
-                fields["epoch"], fields["step"], now
-            ):
-                return  # another member of the epoch already reported this commit
             if msg["event"] == "fault_injected" and "spec" in fields:
                 if fields["spec"] in self.fired:
                     return  # a node fault fires in every worker of the node: log it once
                 self.fired.add(fields["spec"])
-            if msg["event"] == "transition_end" and fields.get("state_source") == "checkpoint":
-                fields["steps_redone"] = self.coordinator.steps_redone(fields["step"])
-            self.events.emit(msg["event"], **fields)
+            self._report(M.Event(ts=now, name=msg["event"], fields=fields))
         elif kind == "epoch":
-            c.epoch_entered(slot, msg["epoch"], now)
+            w.waiting = False
+            self._report(M.EpochEntered(slot=slot, ts=now, epoch=msg["epoch"]))
         elif kind == "step_begin":
             w.step = msg["step"]
-            c.step_started(slot, msg["step"], now, epoch=msg.get("epoch"))
+            self._report(M.StepBegan(slot=slot, ts=now, step=msg["step"], epoch=msg.get("epoch")))
         elif kind == "step_done":
-            c.step_computed(
-                slot,
-                msg["step"],
-                now,
-                compute_s=msg["compute_s"],
-                microbatches=msg.get("microbatches") or None,
+            self._report(
+                M.StepComputed(
+                    slot=slot,
+                    ts=now,
+                    step=msg["step"],
+                    compute_s=msg["compute_s"],
+                    microbatches=msg.get("microbatches") or None,
+                )
             )
         elif kind == "error" and msg.get("usage"):  # bad input: the whole run ends, exit 2
-            c.fail(msg["message"], now, usage=True)
+            self._report(M.BadInput(ts=now, message=msg["message"]))
         elif kind == "error":
             if not msg.get("in_band"):
                 w.error = {**msg, "ts": now, "slot": slot}  # the error that ends this process
                 self.errors.append(w.error)  # kept across restarts: the task's failure report
             verdict = classify_message(msg["type_name"], msg["message"])
-            self.coordinator.detected(slot, msg.get("step", w.step), verdict, now, "exception")
+            step = msg.get("step", w.step)
+            self._report(
+                M.Detected(slot=slot, ts=now, step=step, verdict=verdict, method="exception")
+            )
             if msg.get("in_band"):
-                c.worker_error(
-                    slot, verdict, now, in_place=bool(msg.get("in_place")), epoch=msg.get("epoch")
+                self._report(
+                    M.WorkerError(
+                        slot=slot,
+                        ts=now,
+                        verdict=verdict,
+                        in_place=bool(msg.get("in_place")),
+                        epoch=msg.get("epoch"),
+                    )
                 )
             else:  # the error ends the process: do not wait for its interpreter to wind down
                 self.kill(slot, verdict)
@@ -423,7 +457,7 @@ class Agent:
             self.vanish()
         elif kind == "done":
             w.finished = True
-            c.worker_done(slot, msg, now)
+            self._report(M.WorkerDone(slot=slot, ts=now, report=msg))
 
     # -- process supervision ----------------------------------------------------------------
     def _check_exits(self, now: float) -> None:
@@ -443,12 +477,12 @@ class Agent:
         if w.gone:
             return
         w.gone = True
-        if self._stop.is_set() or w.finished or self.coordinator.finished():
+        if self._stop.is_set() or w.finished or self.reply.finished:
             return
-        if returncode == 0 and self.coordinator.over():
+        if returncode == 0 and self.reply.over:
             # a worker that left because the task ended (maybe announced in a last epoch it
             # never trained in): nothing to heal, but the task must not wait for its report
-            self.coordinator.worker_left(slot)
+            self._report(M.WorkerLeft(slot=slot, ts=time.time()))
             return
         detected = min(t for t in (w.eof_ts, time.time()) if t is not None)
         if w.verdict is not None:  # the agent killed it and already logged why
@@ -461,13 +495,20 @@ class Agent:
                 verdict = classify_exit(returncode if returncode is not None else -9)
                 method = "process"
             if w.error is None or returncode is None or returncode < 0:
-                self.coordinator.detected(
-                    slot, w.step, verdict, detected, method, returncode=returncode
+                self._report(
+                    M.Detected(
+                        slot=slot,
+                        ts=detected,
+                        step=w.step,
+                        verdict=verdict,
+                        method=method,
+                        extra={"returncode": returncode},
+                    )
                 )
         if w.conn is not None:
             w.conn.close()
             w.conn = None
-        self.coordinator.worker_failed(slot, verdict, detected)
+        self._report(M.WorkerFailed(slot=slot, ts=detected, verdict=verdict))
 
     # -- launching --------------------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
@@ -477,9 +518,9 @@ class Agent:
         env.setdefault("TORCH_GLOO_LAZY_INIT", "1")  # connect inside the first (sliced) wait
         env.update(
             {
-                ENV_TASK: self.coordinator.task,
+                ENV_TASK: self.task,
                 ENV_NODE: str(self.node),
-                ENV_STORE: self.coordinator.store_address,
+                ENV_STORE: self.store_address,
                 ENV_AGENT: self.address,
                 ENV_AUTHKEY: self._authkey.hex(),
                 ENV_REDUCE: self.config.reduce,

@@ -34,10 +34,19 @@ from typing import Any
 
 import torch.distributed as dist
 
+from unicron.control import messages as M
 from unicron.control.escalation import Decision, Escalation
 from unicron.control.events import EventLog
+from unicron.control.messages import AgentAction, Kill, Probe, Reply, Spawn
 from unicron.control.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, trained_key
-from unicron.detect.classify import Action, Scope, Severity, Verdict, classify_detector
+from unicron.detect.classify import (
+    Action,
+    Scope,
+    Severity,
+    Verdict,
+    classify_detector,
+    classify_exit,
+)
 from unicron.detect.monitor import StepMonitor
 from unicron.detect.stall import Phase, Progress, find_stall, stall_deadline_s
 from unicron.runtime.checkpoint import has_checkpoint
@@ -61,32 +70,6 @@ class TaskState(enum.Enum):
     WAITING = "waiting"
     DONE = "done"
     FAILED = "failed"
-
-
-@dataclass(frozen=True)
-class Spawn:
-    """Start a new incarnation of the worker in ``slot``."""
-
-    slot: int
-
-
-@dataclass(frozen=True)
-class Kill:
-    """SIGKILL the worker in ``slot``; its exit is reported with ``verdict`` (already logged)."""
-
-    slot: int
-    verdict: Verdict | None = None
-
-
-@dataclass(frozen=True)
-class Probe:
-    """Run the health probe of the excluded ``slot``; report with :meth:`Coordinator.probe_done`
-    (or :meth:`Coordinator.probe_not_started`)."""
-
-    slot: int
-
-
-AgentAction = Spawn | Kill | Probe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +175,7 @@ class Coordinator:
         settings: CoordinatorSettings,
         monitor: StepMonitor | None = None,
         host: str = "127.0.0.1",
+        store: tuple[dist.Store, str] | None = None,
     ) -> None:
         self.task = task
         self.events = events
@@ -227,16 +211,130 @@ class Coordinator:
         self._excluded_at: dict[int, float] = {}  # slot -> when it was excluded (or re-probed)
         self._exclusions: dict[int, int] = {}  # slot -> times excluded: the probe backoff
         self._probing: set[int] = set()
-        self.store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
-        )
-        self.store_address = f"{host}:{self.store.port}"
+        self._adopted = False  # took over a running task after a restart (see adopt)
+        if store is None:  # a store of its own, served from this process
+            self.store: dist.Store = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
+            )
+            self.store_address = f"{host}:{self.store.port}"
+        else:  # a client of the cluster's store (:mod:`unicron.control.store`), which outlives us
+            self.store, self.store_address = store
+
+    def adopt(self, now: float) -> None:
+        """Take over the task as its workers left it when the previous coordinator died: the
+        current epoch and members from the store (which outlived it), every slot presumed alive
+        until its agent's :class:`~unicron.control.messages.Census` says otherwise, every node
+        heard from now (its agent reconnects within its backoff). Called once, before the
+        first exchange, by the cluster service for each task it finds running in its state."""
+        with self._lock:
+            self._adopted = True
+            if not self.store.check([epoch_key(self.task)]):
+                return  # no epoch was announced: it starts as a new task does
+            self.epoch = int(self.store.get(epoch_key(self.task)).decode())
+            info = EpochInfo.from_json(self.store.get(epoch_info_key(self.task, self.epoch)))
+            self.members = info.members
+            self._trained = self.store.check([trained_key(self.task)])
+            self.state = TaskState.RUNNING if self.members else TaskState.WAITING
+            if self.state is TaskState.WAITING:
+                self.waiting_since, self.waiting_reason = now, "adopted with no members"
+            for slot, o in self.slots.items():
+                o.ready = slot in self.members
+                o.has_state = self._trained or slot in self.members
+                o.fresh = not self._trained
+            for node in set(o.node for o in self.slots.values()):
+                self.heartbeats[node] = now
+            self._last_tick = now
 
     def attach(self, node: int) -> None:
         """The agent of ``node`` is up and takes its actions (:meth:`take_actions`)."""
         with self._lock:
             self.nodes.add(node)
             self._outbox.setdefault(node, deque())
+
+    def exchange(
+        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+    ) -> Reply:
+        """One round of the agent of ``node``: apply its ``reports`` in order, take its
+        heartbeat (every report its workers sent before ``read_until`` is in ``reports``), run
+        the detectors, and answer with the node's queued actions. The only call an agent makes
+        (in-process from :mod:`unicron.control.runner`'s agents, or through the cluster
+        service's HTTP API)."""
+        with self._lock:
+            self.attach(node)
+            for report in reports:
+                try:
+                    self._apply(node, report)
+                except Exception:  # one bad report must not stop the task's control
+                    log.exception("task %s: could not apply %r", self.task, report)
+            self.heartbeat(node, now, read_until=read_until)
+            self.tick(now)
+            return Reply(
+                actions=tuple(self.take_actions(node)), over=self.over(), finished=self.finished()
+            )
+
+    def _apply(self, node: int, r: M.Report) -> None:
+        if isinstance(r, M.Ready):
+            self.worker_ready(r.slot, r.ts, microbatches=r.microbatches, state_bytes=r.state_bytes)
+        elif isinstance(r, M.EpochEntered):
+            self.epoch_entered(r.slot, r.epoch, r.ts)
+        elif isinstance(r, M.StepBegan):
+            self.step_started(r.slot, r.step, r.ts, epoch=r.epoch)
+        elif isinstance(r, M.StepComputed):
+            self.step_computed(
+                r.slot, r.step, r.ts, compute_s=r.compute_s, microbatches=r.microbatches
+            )
+        elif isinstance(r, M.Event):
+            self._event(r)
+        elif isinstance(r, M.Detected):
+            if r.extra.get("returncode") == 0 and self.over():
+                return  # left because the task ended (the agent had not heard yet): no error
+            self.detected(r.slot, r.step, r.verdict, r.ts, r.method, **r.extra)
+        elif isinstance(r, M.WorkerError):
+            self.worker_error(r.slot, r.verdict, r.ts, in_place=r.in_place, epoch=r.epoch)
+        elif isinstance(r, M.WorkerFailed):
+            self.worker_failed(r.slot, r.verdict, r.ts)
+        elif isinstance(r, M.WorkerLeft):
+            self.worker_left(r.slot)
+        elif isinstance(r, M.WorkerDone):
+            self.worker_done(r.slot, r.report, r.ts)
+        elif isinstance(r, M.BadInput):
+            self.fail(r.message, r.ts, usage=True)
+        elif isinstance(r, M.ProbeDone):
+            self.probe_done(r.slot, r.ok, r.detail, r.ts)
+        elif isinstance(r, M.ProbeNotStarted):
+            self.probe_not_started(r.slot, r.error, r.ts)
+        elif isinstance(r, M.Census):
+            self.census(node, r)
+        else:
+            raise TypeError(f"not a report: {r!r}")
+
+    def _event(self, r: M.Event) -> None:
+        """A worker's event-log record: one ``step_end`` per committed step (every member
+        reports it), the steps a fallback to a checkpoint redoes added to its
+        ``transition_end``."""
+        fields = dict(r.fields)
+        if r.name == "step_end" and not self.step_committed(fields["epoch"], fields["step"], r.ts):
+            return
+        if r.name == "transition_end" and fields.get("state_source") == "checkpoint":
+            fields["steps_redone"] = self.steps_redone(fields["step"])
+        self.events.emit(r.name, **fields)
+
+    def census(self, node: int, r: M.Census) -> None:
+        """An agent's account of its workers, sent when it (re)connects. A coordinator that
+        adopted a running task after a restart (:meth:`adopt`) learns from it which workers
+        live; to one that never went away it says nothing new."""
+        with self._lock:
+            if not self._adopted:
+                return
+            for slot, o in self.slots.items():
+                if o.node != node:
+                    continue
+                o.alive = slot in r.alive
+                o.ready = slot in r.ready or (o.alive and slot in self.members)
+                if not o.alive and slot in self.members and not o.excluded:
+                    # gone while nobody listened: its exit report was lost with the old
+                    # coordinator; heal it as a process failure now
+                    self.worker_failed(slot, classify_exit(-9), r.ts)
 
     def take_actions(self, node: int) -> list[AgentAction]:
         """What the agent of ``node`` must do now, in order (called by that agent's thread)."""
@@ -477,6 +575,26 @@ class Coordinator:
                 x.excluded = False
                 if not x.alive:  # a kept last copy of the state just stays a member
                     self._spawn(k)
+
+    def node_returned(self, node: int, now: float) -> None:
+        """The agent of the lost ``node`` is back (a new process registered under the node's
+        name with the cluster service): its slots return to the task, a worker starts in each
+        and joins the next epoch with state from the nearest replica (a ``readmit`` action per
+        slot). Slots excluded on their own account before the loss stay out."""
+        with self._lock:
+            if node not in self.lost_nodes or not self._active():
+                return
+            self.lost_nodes.discard(node)
+            self.heartbeats[node] = now
+            self.escalation.readmit(node=node)
+            own = self.escalation.excluded_slots()
+            for slot, o in sorted(self.slots.items()):
+                if o.node != node or slot in own or o.alive:
+                    continue
+                o.excluded = False
+                self._excluded_at.pop(slot, None)
+                self._action(Action.READMIT, slot, f"node {node} is back", 1, now)
+                self._spawn(slot)
 
     def probe_not_started(self, slot: int, error: str, now: float) -> None:
         """The agent could not start the probe of ``slot`` (e.g. out of file descriptors):

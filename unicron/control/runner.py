@@ -313,7 +313,8 @@ def main(args: argparse.Namespace) -> int:
                 },
             ),
             coordinator,
-            events,
+            task=args.task,
+            store_address=coordinator.store_address,
         )
         for node in range(args.nnodes)
     ]
