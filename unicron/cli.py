@@ -1,7 +1,8 @@
 """The ``unicron`` command: one sub-command per module, dispatched here.
 
-Each command module exposes ``add_arguments(parser)`` and ``main(args) -> int`` and is
-imported only when its command runs, so ``unicron plan`` never pays for ``import torch``.
+Each command module exposes ``add_arguments(parser)`` and ``main(args) -> int`` (or, for
+``module:prefix``, ``add_PREFIX_arguments`` and ``PREFIX_main``) and is imported only when its
+command runs, so ``unicron plan`` never pays for ``import torch``.
 A :class:`~unicron.errors.UsageError` from any of them becomes one line on stderr and
 exit code 2; exit 0 means the task finished, 1 that it failed for good.
 """
@@ -18,6 +19,12 @@ from unicron.errors import UsageError
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("unicron.control.runner", "train a script on this machine, self-healing"),
+    "coordinator": ("unicron.control.service", "the cluster service (HTTP API, state, store)"),
+    "agent": ("unicron.control.node", "a node's agent: runs the workers the cluster places"),
+    "submit": ("unicron.control.client:submit", "submit a task file to the cluster"),
+    "status": ("unicron.control.client:status", "nodes and tasks of the cluster"),
+    "cancel": ("unicron.control.client:cancel", "cancel a task"),
+    "logs": ("unicron.control.client:logs", "a task's event log"),
     "plan": ("unicron.planner.command", "plan slots and parallel configs for tasks"),
     "simulate": ("unicron.sim.command", "trace-driven comparison of recovery policies"),
 }
@@ -38,7 +45,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
-            importlib.import_module(module).add_arguments(p)
+            mod, _, prefix = module.partition(":")
+            add = f"add_{prefix}_arguments" if prefix else "add_arguments"
+            getattr(importlib.import_module(mod), add)(p)
         p.set_defaults(_module=module)
     return parser
 
@@ -48,7 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     try:
         args = build_parser(command).parse_args(argv)
-        return int(importlib.import_module(args._module).main(args))
+        mod, _, prefix = args._module.partition(":")
+        run = getattr(importlib.import_module(mod), f"{prefix}_main" if prefix else "main")
+        return int(run(args))
     except UsageError as exc:
         print(f"unicron: error: {exc}", file=sys.stderr)
         return 2

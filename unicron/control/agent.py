@@ -205,13 +205,18 @@ class Agent:
                     self._report(M.ProbeNotStarted(slot=action.slot, ts=now, error=str(exc)))
 
     def spawn(self, slot: int) -> None:
-        """Start a new incarnation of the worker in ``slot``."""
+        """Start a new incarnation of the worker in ``slot``. Never two processes in one slot:
+        an earlier incarnation still running is killed (its pid, if the zygote has not told
+        it yet, is killed when it does), and a slot waiting for the zygote is launched once."""
         w = self.workers[slot]
+        if w.pid is not None and not w.gone:
+            _kill(w.pid)
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
         w.gone = w.finished = w.kill_pending = w.waiting = False
         if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
-            self._pending_spawns.append(slot)  # the zygote is still importing torch
+            if slot not in self._pending_spawns:  # the zygote is still importing torch
+                self._pending_spawns.append(slot)
         else:
             self._launch(slot)
 
@@ -366,8 +371,12 @@ class Agent:
                 self._launch(slot)
             self._pending_spawns.clear()
         elif kind == "spawned":
+            w = self.workers[msg["slot"]]
+            if msg.get("incarnation", w.incarnation) != w.incarnation:
+                _kill(msg["pid"])  # an earlier incarnation, replaced before it started
+                return
             self._by_pid[msg["pid"]] = msg["slot"]
-            self._set_pid(self.workers[msg["slot"]], msg["pid"])
+            self._set_pid(w, msg["pid"])
         elif kind == "exit":
             owner = self._by_pid.pop(msg["pid"], -1)
             if owner >= 0 and self.workers[owner].pid == msg["pid"]:
@@ -377,7 +386,9 @@ class Agent:
             if conn in self._anonymous:
                 self._anonymous.remove(conn)
             if msg.get("incarnation") != w.incarnation or w.gone:
-                conn.close()  # a late hello from an earlier incarnation of the slot
+                conn.close()  # a late hello from an earlier incarnation of the slot: it ends
+                if msg.get("pid") != w.pid:
+                    _kill(msg["pid"])
                 return
             w.conn = conn
             self._set_pid(w, msg["pid"])
@@ -562,6 +573,7 @@ class Agent:
                     {
                         "cmd": "spawn",
                         "slot": slot,
+                        "incarnation": w.incarnation,
                         "env": self._slot_env(slot),
                         "script": self.config.script,
                         "argv": self.config.argv,

@@ -212,6 +212,7 @@ class Coordinator:
         self._exclusions: dict[int, int] = {}  # slot -> times excluded: the probe backoff
         self._probing: set[int] = set()
         self._adopted = False  # took over a running task after a restart (see adopt)
+        self._logged_before = (-1, -1)  # (epoch, step): commits already in the event log
         if store is None:  # a store of its own, served from this process
             self.store: dist.Store = dist.TCPStore(
                 host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
@@ -220,7 +221,7 @@ class Coordinator:
         else:  # a client of the cluster's store (:mod:`unicron.control.store`), which outlives us
             self.store, self.store_address = store
 
-    def adopt(self, now: float) -> None:
+    def adopt(self, now: float, *, committed_step: int = -1) -> None:
         """Take over the task as its workers left it when the previous coordinator died: the
         current epoch and members from the store (which outlived it), every slot presumed alive
         until its agent's :class:`~unicron.control.messages.Census` says otherwise, every node
@@ -231,6 +232,8 @@ class Coordinator:
             if not self.store.check([epoch_key(self.task)]):
                 return  # no epoch was announced: it starts as a new task does
             self.epoch = int(self.store.get(epoch_key(self.task)).decode())
+            # members of this epoch or older report commits the old coordinator logged
+            self._logged_before = (self.epoch, committed_step)
             info = EpochInfo.from_json(self.store.get(epoch_info_key(self.task, self.epoch)))
             self.members = info.members
             self._trained = self.store.check([trained_key(self.task)])
@@ -468,6 +471,9 @@ class Coordinator:
             key = (epoch, step)
             if key in self._commits:
                 return False
+            old_epoch, old_step = self._logged_before
+            if epoch <= old_epoch and step <= old_step:
+                return False  # logged by the coordinator this one took over from
             self._commits.add(key)
             if not self._trained:
                 self._trained = True
@@ -578,9 +584,10 @@ class Coordinator:
 
     def node_returned(self, node: int, now: float) -> None:
         """The agent of the lost ``node`` is back (a new process registered under the node's
-        name with the cluster service): its slots return to the task, a worker starts in each
-        and joins the next epoch with state from the nearest replica (a ``readmit`` action per
-        slot). Slots excluded on their own account before the loss stay out."""
+        name with the cluster service): its slots return to the task (a ``readmit`` action per
+        slot); the new agent starts a worker in each, which joins the next epoch with state
+        from the nearest replica. Slots excluded on their own account before the loss stay
+        out."""
         with self._lock:
             if node not in self.lost_nodes or not self._active():
                 return
@@ -594,7 +601,10 @@ class Coordinator:
                 o.excluded = False
                 self._excluded_at.pop(slot, None)
                 self._action(Action.READMIT, slot, f"node {node} is back", 1, now)
-                self._spawn(slot)
+                # the new agent starts a worker in every slot of its task (no Spawn: twice)
+                o.alive, o.ready = True, False
+                o.has_state = o.fresh = not self._trained
+                self._forget(slot)
 
     def probe_not_started(self, slot: int, error: str, now: float) -> None:
         """The agent could not start the probe of ``slot`` (e.g. out of file descriptors):

@@ -27,6 +27,7 @@ EVENTS = frozenset(
         "task_end",
         "checkpoint_interval",
         "checkpoint_saved",
+        "control_plane",  # the cluster service restarted and adopted the task (away_s)
     }
 )
 

@@ -102,7 +102,14 @@ def _zygote() -> int:
             if cmd["cmd"] == "spawn":
                 pid = _fork_worker(conn, rfd, wfd, cmd)
                 children.add(pid)
-                conn.send({"type": "spawned", "slot": cmd["slot"], "pid": pid})
+                conn.send(
+                    {
+                        "type": "spawned",
+                        "slot": cmd["slot"],
+                        "pid": pid,
+                        "incarnation": cmd.get("incarnation"),
+                    }
+                )
 
 
 def _reap(conn: Connection, children: set[int]) -> None:

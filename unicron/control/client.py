@@ -1,0 +1,273 @@
+"""Talking to the cluster service over HTTP: the client, an agent's link, the user commands.
+
+:class:`Client` is the one HTTP client (httpx, the token on every request). :class:`TaskLink`
+is an agent's :class:`~unicron.control.agent.CoordinatorLink` on a cluster: it keeps the
+reports of rounds the coordinator did not answer (it is restarting, or the network is out),
+retries with backoff, and delivers them in order once it is back, the agent's
+:class:`~unicron.control.messages.Census` first. ``unicron submit|status|cancel|logs``
+(:func:`main`) use only the HTTP API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from unicron.control import messages as M
+from unicron.errors import UsageError
+
+ENV_COORDINATOR = "UNICRON_COORDINATOR"
+DEFAULT_URL = "http://127.0.0.1:29400"
+
+
+class ServiceError(RuntimeError):
+    """The service answered 4xx/5xx; ``status`` and its one-line ``detail``."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class Client:
+    """One HTTP connection pool to the coordinator, the token on every request."""
+
+    def __init__(self, url: str, token: str, *, timeout_s: float = 10.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            trust_env=False,  # never through a proxy: the coordinator is on our network
+        )
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The decoded JSON answer; :class:`ServiceError` for 4xx/5xx; ``httpx.TransportError``
+        when the coordinator cannot be reached."""
+        r = self._http.request(method, path, **kwargs)
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            if isinstance(detail, list):  # FastAPI's validation errors: the first, one line
+                first = detail[0] if detail else {}
+                where = ".".join(str(p) for p in first.get("loc", ())[1:])
+                detail = f"{where}: {first.get('msg', '')}".strip(": ")
+            raise ServiceError(r.status_code, str(detail))
+        if r.headers.get("content-type", "").startswith("application/json"):
+            return r.json()
+        return r.text
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class TaskLink:
+    """An agent's link to the coordinator of task ``uid`` over HTTP (see the module
+    docstring). ``census`` is the agent's :meth:`~unicron.control.agent.Agent.census`."""
+
+    MIN_INTERVAL_S = 0.05
+    """with nothing to report, exchange at most this often (the heartbeat rate)"""
+    MAX_BACKOFF_S = 1.0
+
+    def __init__(
+        self,
+        client: Client,
+        node_name: str,
+        instance: str,
+        uid: str,
+        census: Callable[[], M.Census],
+    ) -> None:
+        self.client = client
+        self.path = f"/v1/agents/{node_name}/tasks/{uid}/exchange"
+        self.instance = instance
+        self.census = census
+        self._pending: list[M.Report] = []
+        self._last = M.Reply()
+        self._last_ok = 0.0
+        self._retry_at = 0.0
+        self._backoff = 0.05
+        self._reconnect = True  # the first exchange carries the census too
+        self.down_since: float | None = None
+
+    def exchange(
+        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+    ) -> M.Reply:
+        import httpx
+
+        self._pending += reports
+        idle = M.Reply(over=self._last.over, finished=self._last.finished)
+        if now < self._retry_at or (
+            not self._pending and now - self._last_ok < self.MIN_INTERVAL_S
+        ):
+            return idle
+        batch = list(self._pending)
+        if self._reconnect:
+            batch.append(self.census())
+        body = {
+            "instance": self.instance,
+            "read_until": read_until,
+            "reports": [M.to_wire(r) for r in batch],
+        }
+        try:
+            reply = M.from_wire(self.client.request("POST", self.path, json=body))
+        except (httpx.TransportError, ServiceError) as exc:
+            if isinstance(exc, ServiceError) and exc.status < 500 and exc.status != 404:
+                raise  # refused (superseded, bad report): the agent's business
+            if self.down_since is None:
+                self.down_since = now
+            self._reconnect = True
+            self._retry_at = now + self._backoff
+            self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
+            return idle
+        self._pending.clear()
+        self._reconnect = False
+        self._backoff = 0.05
+        self.down_since = None
+        self._last, self._last_ok = reply, now
+        assert isinstance(reply, M.Reply)
+        return reply
+
+
+# -- the user commands -----------------------------------------------------------------------
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--coordinator",
+        metavar="URL",
+        default=os.environ.get(ENV_COORDINATOR, DEFAULT_URL),
+        help=f"the cluster service (default ${ENV_COORDINATOR} or {DEFAULT_URL})",
+    )
+    p.add_argument("--token-file", metavar="FILE", help="the token (else $UNICRON_TOKEN)")
+
+
+def connect(args: argparse.Namespace) -> Client:
+    from unicron.control.service import resolve_token
+
+    if not str(args.coordinator).startswith(("http://", "https://")):
+        raise UsageError(f"--coordinator must be an http(s) URL, got {args.coordinator!r}")
+    return Client(args.coordinator, resolve_token(args.token_file))
+
+
+def call(client: Client, method: str, path: str, **kwargs: Any) -> Any:
+    """One request as a command makes it: errors become one line (exit 2 for 4xx, 1 when
+    the service cannot be reached)."""
+    import httpx
+
+    try:
+        return client.request(method, path, **kwargs)
+    except ServiceError as exc:
+        if exc.status < 500:
+            raise UsageError(exc.detail) from None
+        raise SystemExit(f"unicron: error: the coordinator failed: {exc.detail}") from None
+    except httpx.TransportError as exc:
+        raise SystemExit(f"unicron: error: cannot reach {client.url}: {exc}") from None
+
+
+def add_submit_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task_file", metavar="TASK.yaml", help="the task file")
+    p.add_argument("--json", action="store_true", help="print the task as JSON")
+    add_connection_arguments(p)
+
+
+def submit_main(args: argparse.Namespace) -> int:
+    from unicron.control.taskspec import load
+
+    spec = load(Path(args.task_file))
+    client = connect(args)
+    view = call(client, "POST", "/v1/tasks", json=spec.model_dump())
+    if args.json:
+        print(json.dumps(view, indent=2))
+    else:
+        print(f"submitted {view['name']}: {view['state']}")
+    return 0
+
+
+def add_status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", nargs="?", metavar="TASK", help="one task (default: all, and nodes)")
+    p.add_argument("--json", action="store_true", help="JSON instead of tables")
+    add_connection_arguments(p)
+
+
+def status_main(args: argparse.Namespace) -> int:
+    client = connect(args)
+    if args.task:
+        tasks = [call(client, "GET", f"/v1/tasks/{args.task}")]
+        nodes = None
+    else:
+        tasks = call(client, "GET", "/v1/tasks")
+        nodes = call(client, "GET", "/v1/nodes")
+    if args.json:
+        print(json.dumps(tasks[0] if args.task else {"tasks": tasks, "nodes": nodes}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    if nodes is not None:
+        table = Table(title="nodes")
+        for col in ("node", "state", "slots", "used", "address", "silent"):
+            table.add_column(col)
+        for n in nodes:
+            table.add_row(
+                n["name"], n["state"], str(n["slots"]), str(n["used"]), n["address"],
+                f"{n['silent_s']:.1f} s",
+            )  # fmt: skip
+        console.print(table)
+    table = Table(title="tasks")
+    for col in ("task", "state", "epoch", "step", "workers", "min..max", "last fault", "note"):
+        table.add_column(col)
+    for t in tasks:
+        note = t["waiting"] or ((t.get("outcome") or {}).get("reason") or "")
+        table.add_row(
+            t["name"], t["state"], str(t["epoch"]), str(t["step"] + 1 if t["step"] >= 0 else "-"),
+            str(t["workers"]), f"{t['min_workers']}..{t['max_workers']}", t["last_fault"] or "-",
+            note[:60],
+        )  # fmt: skip
+    console.print(table)
+    return 0
+
+
+def add_cancel_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", metavar="TASK")
+    add_connection_arguments(p)
+
+
+def cancel_main(args: argparse.Namespace) -> int:
+    view = call(connect(args), "POST", f"/v1/tasks/{args.task}/cancel")
+    print(f"{view['name']}: {view['state']}")
+    return 0
+
+
+def add_logs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", metavar="TASK")
+    p.add_argument("--follow", "-f", action="store_true", help="wait for more until it ends")
+    add_connection_arguments(p)
+
+
+def logs_main(args: argparse.Namespace) -> int:
+    client = connect(args)
+    after = 0
+    while True:
+        got = call(client, "GET", f"/v1/tasks/{args.task}/events", params={"after": after})
+        for e in got["events"]:
+            print(json.dumps(e), flush=True)
+            if e["event"] == "task_end" and args.follow:
+                return 0
+        after = got["last"]
+        if not args.follow:
+            return 0
+        if not got["events"]:
+            time.sleep(0.5)
+
+
+def write_stdout(text: str) -> None:
+    sys.stdout.write(text)

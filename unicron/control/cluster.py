@@ -1,0 +1,554 @@
+"""The cluster: nodes, their slots, the tasks placed on them, one coordinator per task.
+
+The service (:mod:`unicron.control.service`) turns every HTTP request into one call here;
+a ticker thread calls :meth:`Cluster.tick`. Per task, the membership, detectors and
+decisions are a :class:`~unicron.control.coordinator.Coordinator` (the same class
+``unicron run`` drives), on a client connection to the cluster's store
+(:mod:`unicron.control.store`). Everything that must survive the service's death is in
+SQLite (:mod:`unicron.control.state`): a restarted service adopts every task it finds
+running (:meth:`Coordinator.adopt`), the agents reconnect and tell it which workers live.
+
+Locks: ``Cluster._lock`` guards the node and task tables only, and is never held while a
+task's coordinator is called (its events come back through :meth:`_on_event`, which takes
+no cluster lock), so the two locks are never taken in opposite orders.
+
+Task states: ``queued`` (not enough free slots yet) -> ``pending`` (placed, workers
+starting) -> ``running`` <-> ``waiting`` -> ``done`` | ``failed`` | ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unicron.control import messages as M
+from unicron.control import store as S
+from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.control.events import EventLog
+from unicron.control.state import NodeRow, State, TaskRow, open_state
+from unicron.control.taskspec import TaskSpec
+from unicron.detect.monitor import MonitorSettings, StepMonitor
+
+log = logging.getLogger("unicron.control.cluster")
+
+ACTIVE = ("pending", "running", "waiting")
+ENDED = ("done", "failed", "cancelled")
+
+
+class NotFound(LookupError):
+    """An unknown task or node (HTTP 404)."""
+
+
+class Conflict(RuntimeError):
+    """The request contradicts the cluster's state (HTTP 409)."""
+
+
+class Invalid(ValueError):
+    """The request is well-formed but unusable (HTTP 422)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSettings:
+    node_timeout_s: float = 2.0
+    """a node whose agent has not heartbeated for this long is shown lost, and a new agent
+    may register under its name (each task's coordinator judges its own workers' nodes with
+    the same timeout, from its own exchanges)"""
+    tick_s: float = 0.1
+    """how often the ticker runs every task's detectors and places queued tasks"""
+
+    def __post_init__(self) -> None:
+        for name in ("node_timeout_s", "tick_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class Node:
+    row: NodeRow
+    last_seen: float
+    lost: bool = False
+
+
+@dataclass
+class Task:
+    row: TaskRow
+    spec: TaskSpec
+    controller: Coordinator | None = None
+    events: EventLog | None = None
+    counts: Counter[str] = field(default_factory=Counter)
+
+
+class Cluster:
+    """See the module docstring. ``host`` is the address workers and agents reach this
+    machine at (the store is served there)."""
+
+    def __init__(
+        self, state_dir: Path, *, host: str, settings: ClusterSettings | None = None
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.settings = settings or ClusterSettings()
+        self.state: State = open_state(self.state_dir)
+        self.store, adopted = S.ensure(self.state_dir, host)
+        self._lock = threading.RLock()
+        self.started = time.time()
+        self.metrics = _Metrics()
+        now = time.time()
+        self.nodes: dict[int, Node] = {r.id: Node(r, last_seen=now) for r in self.state.nodes()}
+        self.tasks: dict[str, Task] = {}
+        last_alive = float(self.state.meta("alive_ts") or "nan")
+        self.away_s = now - last_alive if math.isfinite(last_alive) else None
+        for row in self.state.tasks():
+            task = Task(row, TaskSpec.model_validate(row.spec))
+            self.tasks[row.name] = task
+            if row.state in ACTIVE:
+                if not adopted:  # the store and every worker's epochs went with it
+                    self._end(task, "failed", "the cluster's store was lost", now)
+                    continue
+                self._start(task, now, adopt=True)
+        self.state.set_meta("alive_ts", repr(now))
+        self._alive_written = now
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start_ticker(self) -> None:
+        self._ticker = threading.Thread(target=self._tick_loop, name="cluster-tick", daemon=True)
+        self._ticker.start()
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self.settings.tick_s):
+            try:
+                self.tick(time.time())
+            except Exception:  # the control plane keeps running whatever one round hit
+                log.exception("cluster tick failed")
+
+    def close(self, *, stop_store: bool = False) -> None:
+        """Stop ticking and close the database; ``stop_store``: the cluster shuts down."""
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5.0)
+        for task in self.tasks.values():
+            if task.events is not None:
+                task.events.close()
+        self.state.close()
+        if stop_store:
+            S.stop(self.state_dir)
+
+    # -- nodes -----------------------------------------------------------------------------
+    def register(self, name: str, slots: int, address: str, instance: str, now: float) -> int:
+        """An agent starts (or reconnects): its node's id. A new process under the name of a
+        node that is still heartbeating is refused (:class:`Conflict`); under the name of a
+        lost one it brings the node back to the tasks placed there."""
+        returned: list[Task] = []
+        with self._lock:
+            node = next((n for n in self.nodes.values() if n.row.name == name), None)
+            if node is None:
+                nid = max(self.nodes, default=-1) + 1
+                node = Node(NodeRow(nid, name, slots, address, instance, now), last_seen=now)
+                self.nodes[nid] = node
+                self.state.save_node(node.row)
+                log.warning("node %s registered as node %d with %d slot(s)", name, nid, slots)
+                return nid
+            if node.row.instance != instance:
+                silent = now - node.last_seen
+                if not node.lost and silent < self.settings.node_timeout_s:
+                    raise Conflict(
+                        f"node {name} is live (its agent heartbeated {silent:.1f} s ago); "
+                        "stop it first or choose another --node-name"
+                    )
+                used = self._used(node.row.id)
+                if slots < used:
+                    raise Conflict(
+                        f"node {name} comes back with {slots} slot(s); its tasks hold {used}"
+                    )
+                node.row = NodeRow(node.row.id, name, slots, address, instance, now)
+                self.state.save_node(node.row)
+                returned = [
+                    t
+                    for t in self.tasks.values()
+                    if t.controller is not None and node.row.id in t.row.placement
+                ]
+                log.warning("node %s (node %d) is back", name, node.row.id)
+            node.last_seen, node.lost = now, False
+        for task in returned:
+            assert task.controller is not None
+            task.controller.node_returned(node.row.id, now)
+        return node.row.id
+
+    def heartbeat(self, name: str, instance: str, now: float) -> list[dict[str, Any]]:
+        """The agent of ``name`` is alive: the tasks it must run (one assignment each)."""
+        with self._lock:
+            node = self._node(name, instance)
+            node.last_seen, node.lost = now, False
+            return [
+                self._assignment(t, node.row.id)
+                for t in self.tasks.values()
+                if t.controller is not None and node.row.id in t.row.placement
+            ]
+
+    def exchange(
+        self,
+        name: str,
+        instance: str,
+        uid: str,
+        reports: list[M.Report],
+        now: float,
+        read_until: float | None,
+    ) -> M.Reply:
+        """One round of a node's supervisor of task ``uid`` (see ``Coordinator.exchange``)."""
+        with self._lock:
+            node = self._node(name, instance)
+            node.last_seen, node.lost = now, False
+            task = next((t for t in self.tasks.values() if t.row.uid == uid), None)
+            controller = None if task is None else task.controller
+        if controller is None:  # ended (or never known): its workers leave
+            return M.Reply(over=True, finished=True)
+        return controller.exchange(node.row.id, reports, now, read_until=read_until)
+
+    def _node(self, name: str, instance: str) -> Node:
+        node = next((n for n in self.nodes.values() if n.row.name == name), None)
+        if node is None:
+            raise NotFound(f"no node named {name}: register first")
+        if node.row.instance != instance:
+            raise Conflict(f"node {name} was taken over by another agent process")
+        return node
+
+    def _used(self, nid: int) -> int:
+        return sum(t.row.placement.count(nid) for t in self.tasks.values() if t.row.state in ACTIVE)
+
+    def _free(self, now: float) -> dict[int, int]:
+        return {
+            nid: n.row.slots - self._used(nid)
+            for nid, n in sorted(self.nodes.items())
+            if not n.lost and now - n.last_seen < self.settings.node_timeout_s
+        }
+
+    # -- tasks -----------------------------------------------------------------------------
+    def submit(self, spec: TaskSpec, now: float) -> dict[str, Any]:
+        """Accept a task: placed at once if its minimum fits, else queued."""
+        if not Path(spec.script).is_file():
+            raise Invalid(f"script: no such file on the coordinator's host: {spec.script}")
+        with self._lock:
+            if spec.name in self.tasks:
+                raise Conflict(
+                    f"a task named {spec.name} exists ({self.tasks[spec.name].row.state})"
+                )
+            uid = f"{spec.name}.{secrets.token_hex(3)}"
+            row = TaskRow(spec.name, uid, spec.model_dump(), "queued", now, [])
+            task = Task(row, spec)
+            self.tasks[spec.name] = task
+            self.state.save_task(row)
+            self._place(task, now)
+            return self.view(task)
+
+    def cancel(self, name: str, now: float) -> dict[str, Any]:
+        with self._lock:
+            task = self._task(name)
+            if task.row.state in ENDED:
+                raise Conflict(f"task {name} already ended ({task.row.state})")
+            controller = task.controller
+            if controller is None:
+                self._end(task, "cancelled", "cancelled before it started", now)
+                return self.view(task)
+            task.row.state = "cancelled"  # kept when its coordinator reports the failure
+            self.state.save_task(task.row)
+        controller.fail("cancelled by the user", now)
+        return self.view(task)
+
+    def _task(self, name: str) -> Task:
+        task = self.tasks.get(name)
+        if task is None:
+            raise NotFound(f"no task named {name}")
+        return task
+
+    def _place(self, task: Task, now: float) -> bool:
+        """Give a queued task min..max slots, packed onto the nodes with the most free slots
+        (the planner's turn comes with many tasks); False if its minimum does not fit."""
+        free = self._free(now)
+        want = task.spec.workers
+        if sum(free.values()) < want.min:
+            return False
+        placement: list[int] = []
+        for nid, n in sorted(free.items(), key=lambda kv: (-kv[1], kv[0])):
+            placement += [nid] * min(n, want.max - len(placement))
+        task.row.placement = placement
+        self._start(task, now, adopt=False)
+        return True
+
+    def _start(self, task: Task, now: float, *, adopt: bool) -> None:
+        spec, row = task.spec, task.row
+        task_dir = self.state_dir / "tasks" / row.uid
+        every = spec.checkpoint.every
+        checkpoint = None if every == 0 else task_dir / "checkpoints"
+        task.events = EventLog(task_dir / "events.jsonl")
+        task.events.subscribe(functools.partial(self._on_event, task))
+        address = self.store.address
+        task.controller = Coordinator(
+            task=row.uid,
+            slots=dict(enumerate(row.placement)),
+            events=task.events,
+            escalation=Escalation(EscalationSettings()),
+            settings=CoordinatorSettings(
+                min_workers=spec.workers.min,
+                checkpoint=checkpoint,
+                committed_before=max(row.committed_step + 1, 0),
+                readmit_after_s=spec.readmit_after,
+                give_up_after_s=spec.give_up_after,
+            ),
+            monitor=StepMonitor(MonitorSettings()),
+            store=(S.connect(address), address),  # type: ignore[arg-type]
+        )
+        if adopt:
+            task.controller.adopt(now, committed_step=row.committed_step)
+            task.events.emit(
+                "control_plane",
+                ts=now,
+                task=row.uid,
+                what="coordinator restarted: task adopted",
+                away_s=None if self.away_s is None else round(self.away_s, 3),
+                epoch=task.controller.epoch,
+            )
+        elif row.state == "queued":
+            row.state = "pending"
+            self.state.save_task(row)
+
+    def _assignment(self, task: Task, nid: int) -> dict[str, Any]:
+        """What a node's agent needs to run its part of ``task``."""
+        spec = task.spec
+        every = spec.checkpoint.every
+        return {
+            "uid": task.row.uid,
+            "name": task.row.name,
+            "slots": [rank for rank, n in enumerate(task.row.placement) if n == nid],
+            "script": spec.script,
+            "args": spec.args,
+            "inject": spec.inject,
+            "reduce": spec.reduce,
+            "on_lost": spec.on_lost,
+            "threads": spec.threads,
+            "store": self.store.address,
+            "checkpoint": None
+            if every == 0
+            else str(self.state_dir / "tasks" / task.row.uid / "checkpoints"),
+            "checkpoint_every": str(every),
+            "checkpoint_keep": spec.checkpoint.keep,
+            "checkpoint_mtbf": spec.checkpoint.mtbf,
+            "env": spec.env,
+        }
+
+    def _on_event(self, task: Task, e: dict[str, Any]) -> None:
+        """Every event of a task's log: into SQLite, the task's row and the metrics."""
+        row, kind = task.row, e["event"]
+        self.state.add_event(row.name, e)
+        self.metrics.observe(row.name, e)
+        changed = True
+        if kind == "epoch_begin":
+            row.epoch, row.workers = int(e["epoch"]), len(e.get("members", ()))
+            if row.state == "pending":
+                row.state = "running"
+        elif kind == "step_end":
+            row.committed_step = max(row.committed_step, int(e["step"]))
+        elif kind == "error_detected":
+            where = f"slot {e['slot']}" if "slot" in e else f"node {e.get('node')}"
+            row.last_fault = f"{e.get('kind')} (SEV{e.get('severity')}) on {where}"
+        elif kind == "action" and e.get("action") == "wait" and row.state in ACTIVE:
+            row.state = "waiting"
+        else:
+            changed = False
+        if changed:
+            self.state.save_task(row)
+
+    # -- time --------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Run every task's detectors, end finished tasks, place queued ones, mark nodes
+        lost, and record that the service is alive (the next start reports the gap)."""
+        with self._lock:
+            for node in self.nodes.values():
+                if not node.lost and now - node.last_seen > self.settings.node_timeout_s:
+                    node.lost = True
+                    log.warning(
+                        "node %s is lost (silent %.1f s)", node.row.name, now - node.last_seen
+                    )
+            active = [t for t in self.tasks.values() if t.controller is not None]
+        for task in active:
+            c = task.controller
+            assert c is not None
+            c.tick(now)
+            state = c.state
+            if state is TaskState.RUNNING and task.row.state == "waiting":
+                task.row.state = "running"
+                self.state.save_task(task.row)
+            if c.finished():
+                with self._lock:
+                    self._finish(task, now)
+        with self._lock:
+            for task in [t for t in self.tasks.values() if t.row.state == "queued"]:
+                self._place(task, now)
+        if now - self._alive_written >= 1.0:
+            self.state.set_meta("alive_ts", repr(now))
+            self._alive_written = now
+
+    def _finish(self, task: Task, now: float) -> None:
+        c = task.controller
+        assert c is not None and c.outcome is not None
+        outcome = c.outcome
+        if task.row.state == "cancelled":
+            status = "cancelled"
+        else:
+            status = "done" if outcome.state is TaskState.DONE else "failed"
+        r = outcome.result
+        assert task.events is not None
+        task.events.emit(
+            "task_end",
+            ts=now,
+            task=task.row.uid,
+            status="ok" if status == "done" else status,
+            steps=r.get("steps"),
+            final_loss=r.get("final_loss"),
+            params_sha256=r.get("params_sha256"),
+            reason=None if status == "done" else outcome.reason,
+            wall_s=round(now - task.row.submitted_ts, 3),
+        )
+        self._end(task, status, outcome.reason, now, result=r)
+
+    def _end(
+        self,
+        task: Task,
+        status: str,
+        reason: str,
+        now: float,
+        result: dict[str, Any] | None = None,
+    ) -> None:
+        task.row.state = status
+        task.row.outcome = {"status": status, "reason": reason, "ts": now, **(result or {})}
+        self.state.save_task(task.row)
+        if task.controller is not None:
+            task.controller.close()
+            task.controller = None
+        if task.events is not None:
+            task.events.close()
+            task.events = None
+        log.warning("task %s %s: %s", task.row.name, status, reason)
+
+    # -- views -------------------------------------------------------------------------------
+    def view(self, task: Task) -> dict[str, Any]:
+        row = task.row
+        c = task.controller
+        return {
+            "name": row.name,
+            "uid": row.uid,
+            "state": row.state,
+            "epoch": row.epoch,
+            "step": row.committed_step,
+            "workers": row.workers,
+            "placement": [self.nodes[n].row.name for n in row.placement if n in self.nodes],
+            "min_workers": task.spec.workers.min,
+            "max_workers": task.spec.workers.max,
+            "weight": task.spec.weight,
+            "last_fault": row.last_fault,
+            "waiting": c.waiting_reason if c is not None else "",
+            "submitted_ts": row.submitted_ts,
+            "outcome": row.outcome,
+        }
+
+    def task_views(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [self.view(t) for t in self.tasks.values()]
+
+    def task_view(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            return self.view(self._task(name))
+
+    def node_views(self, now: float) -> list[dict[str, Any]]:
+        with self._lock:
+            return [
+                {
+                    "name": n.row.name,
+                    "id": nid,
+                    "slots": n.row.slots,
+                    "used": self._used(nid),
+                    "address": n.row.address,
+                    "state": "lost" if n.lost else "up",
+                    "silent_s": round(now - n.last_seen, 3),
+                }
+                for nid, n in sorted(self.nodes.items())
+            ]
+
+    def events(self, name: str, after: int) -> tuple[list[dict[str, Any]], int]:
+        with self._lock:
+            self._task(name)
+        rows = self.state.events(name, after=after)
+        return [e for _, e in rows], (rows[-1][0] if rows else after)
+
+    def prometheus(self) -> bytes:
+        with self._lock:
+            tasks = [(t.row.state, t.row.workers if t.row.state in ACTIVE else 0, t.row.name,
+                      t.row.committed_step) for t in self.tasks.values()]  # fmt: skip
+        return self.metrics.render(tasks)
+
+
+class _Metrics:
+    """Prometheus metrics (``GET /metrics``): gauges read from the task table at scrape time,
+    counters and histograms fed from the task events."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.tasks = Gauge("unicron_tasks", "tasks by state", ["state"], registry=self.registry)
+        self.workers = Gauge("unicron_workers", "workers of active tasks", registry=self.registry)
+        self.steps = Gauge(
+            "unicron_committed_steps", "last committed step per task", ["task"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.failures = Counter(
+            "unicron_failures", "detected failures", ["kind", "severity"], registry=self.registry
+        )
+        self.detection = Histogram(
+            "unicron_detection_seconds",
+            "injected fault to its detection",
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 120),
+            registry=self.registry,
+        )
+        self.transition = Histogram(
+            "unicron_transition_seconds",
+            "transition durations (rendezvous to the first step of an epoch)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=self.registry,
+        )
+        self._faults: dict[tuple[str, int], float] = {}  # (task, rank) -> injected at
+        self._lock = threading.Lock()
+
+    def observe(self, task: str, e: dict[str, Any]) -> None:
+        kind = e["event"]
+        with self._lock:
+            if kind == "fault_injected" and e.get("rank") is not None:
+                self._faults[(task, int(e["rank"]))] = float(e["ts"])
+            elif kind == "error_detected":
+                self.failures.labels(str(e.get("kind")), str(e.get("severity"))).inc()
+                injected = self._faults.pop((task, int(e.get("rank", -1))), None)
+                if injected is not None:
+                    self.detection.observe(max(float(e["ts"]) - injected, 0.0))
+            elif kind == "transition_end" and e.get("rank") == 0 and "duration_s" in e:
+                self.transition.observe(float(e["duration_s"]))
+
+    def render(self, tasks: list[tuple[str, int, str, int]]) -> bytes:
+        from prometheus_client import generate_latest
+
+        with self._lock:
+            counts = Counter(state for state, *_ in tasks)
+            for state in ("queued", *ACTIVE, *ENDED):
+                self.tasks.labels(state).set(counts.get(state, 0))
+            self.workers.set(sum(w for _, w, _, _ in tasks))
+            for _, _, name, step in tasks:
+                self.steps.labels(name).set(step + 1)
+            return generate_latest(self.registry)

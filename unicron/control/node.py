@@ -1,0 +1,240 @@
+"""``unicron agent``: a node's agent on a cluster.
+
+It registers its node with the cluster service (name, slots, address), heartbeats, and for
+every task the service places on the node runs one supervisor (an
+:class:`~unicron.control.agent.Agent`, the class ``unicron run`` uses, on its own thread)
+whose link is a :class:`~unicron.control.client.TaskLink` over HTTP. When the coordinator is
+away (restarting), the supervisors go on watching their workers and keep their reports,
+and the node agent retries with backoff; when it is back, they reconnect and it adopts them.
+
+An injected node fault (``node:node=N,step=S``) takes the whole node down: every task's
+workers die and the agent exits without another word (exit code 3), as a lost machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from unicron.errors import UsageError
+
+log = logging.getLogger("unicron.control.node")
+
+HEARTBEAT_S = 0.25
+VANISHED = 3
+"""the exit code of an agent whose node fault fired"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from unicron.control.client import add_connection_arguments
+
+    p.add_argument("--slots", type=int, default=1, metavar="N", help="worker slots (default 1)")
+    p.add_argument(
+        "--node-name", metavar="NAME", help="the node's name (default: this host's name)"
+    )
+    p.add_argument(
+        "--log-dir", metavar="DIR", help="workers' output (default /tmp/unicron-agent-NAME)"
+    )
+    add_connection_arguments(p)
+
+
+@dataclass
+class _Running:
+    agent: Any  # unicron.control.agent.Agent
+    thread: threading.Thread
+    stop: threading.Event
+
+
+class NodeAgent:
+    """See the module docstring; :meth:`run` until ``stop`` is set or the node vanishes."""
+
+    def __init__(self, client: Any, *, name: str, slots: int, log_dir: Path) -> None:
+        self.client = client
+        self.name = name
+        self.slots = slots
+        self.log_dir = log_dir
+        self.instance = secrets.token_hex(8)
+        self.node: int | None = None
+        self.tasks: dict[str, _Running] = {}
+        self.vanished = False
+
+    def register(self, stop: threading.Event) -> None:
+        """Register, retrying with backoff while the service cannot be reached."""
+        import httpx
+
+        from unicron.control.client import ServiceError
+
+        backoff = 0.1
+        while not stop.is_set():
+            try:
+                got = self.client.request(
+                    "POST",
+                    "/v1/agents/register",
+                    json={
+                        "name": self.name,
+                        "slots": self.slots,
+                        "address": _address(self.client.url),
+                        "instance": self.instance,
+                    },
+                )
+                self.node = int(got["node"])
+                return
+            except httpx.TransportError:
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
+            except ServiceError as exc:
+                raise UsageError(
+                    f"the coordinator refused node {self.name}: {exc.detail}"
+                ) from None
+
+    def run(self, stop: threading.Event) -> int:
+        import httpx
+
+        from unicron.control.client import ServiceError
+
+        self.register(stop)
+        backoff = HEARTBEAT_S
+        while not stop.is_set():
+            if any(r.agent.vanished for r in self.tasks.values()):
+                self._vanish()
+                return VANISHED
+            try:
+                got = self.client.request(
+                    "POST", f"/v1/agents/{self.name}/heartbeat", json={"instance": self.instance}
+                )
+                backoff = HEARTBEAT_S
+                for assignment in got["tasks"]:
+                    if assignment["uid"] not in self.tasks:
+                        self._start(assignment)
+            except httpx.TransportError:
+                backoff = min(backoff * 2, 1.0)  # the coordinator is away: its tasks go on
+            except ServiceError as exc:
+                if exc.status == 404:  # a coordinator that lost us (a new state): register
+                    self.register(stop)
+                elif exc.status == 409:
+                    log.error("node %s: %s; exiting", self.name, exc.detail)
+                    self.stop()
+                    return 1
+            self._reap()
+            stop.wait(backoff)
+        self.stop()
+        return 0
+
+    def _start(self, a: dict[str, Any]) -> None:
+        from unicron.control.agent import Agent, AgentConfig
+        from unicron.control.client import TaskLink
+        from unicron.control.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME
+        from unicron.detect.classify import KINDS
+        from unicron.runtime.inject import parse
+
+        assert self.node is not None
+        uid = a["uid"]
+        config = AgentConfig(
+            node=self.node,
+            slots=list(a["slots"]),
+            script=a["script"],
+            argv=list(a["args"]),
+            faults=[parse(s, KINDS) for s in a["inject"]],
+            log_dir=self.log_dir / uid,
+            reduce=a["reduce"],
+            on_lost=a["on_lost"],
+            threads=int(a["threads"]),
+            checkpoint=Path(a["checkpoint"]) if a["checkpoint"] else None,
+            checkpoint_every=a["checkpoint_every"],
+            env={
+                ENV_CHECKPOINT_MTBF: repr(float(a["checkpoint_mtbf"])),
+                ENV_CHECKPOINT_KEEP: str(a["checkpoint_keep"]),
+                ENV_RESUME: "0",
+                **a["env"],
+            },
+        )
+        holder: list[Agent] = []
+        link = TaskLink(self.client, self.name, self.instance, uid, lambda: holder[0].census())
+        agent = Agent(config, link, task=uid, store_address=a["store"])
+        holder.append(agent)
+        stop = threading.Event()
+        agent.start()
+        thread = threading.Thread(target=agent.run, args=(stop,), name=f"task-{uid}", daemon=True)
+        thread.start()
+        self.tasks[uid] = _Running(agent, thread, stop)
+        log.warning("node %s: running task %s in slot(s) %s", self.name, uid, a["slots"])
+
+    def _reap(self) -> None:
+        """Supervisors whose task is over and whose workers are gone end."""
+        for uid, r in list(self.tasks.items()):
+            if r.thread.is_alive():
+                continue
+            if all(w.gone for w in r.agent.workers.values()) or r.agent.reply.finished:
+                deadline = time.time() + 10.0  # finished workers may still write their files
+                while time.time() < deadline and any(not w.gone for w in r.agent.workers.values()):
+                    r.agent.poll(0.05)
+                r.agent.stop()
+                del self.tasks[uid]
+
+    def _vanish(self) -> None:
+        self.vanished = True
+        for r in self.tasks.values():
+            r.agent.vanish()
+            r.stop.set()
+
+    def stop(self) -> None:
+        for r in self.tasks.values():
+            r.stop.set()
+        for r in self.tasks.values():
+            r.thread.join(timeout=5.0)
+            r.agent.stop()
+        self.tasks.clear()
+
+
+def _address(url: str) -> str:
+    """This host's address as the coordinator sees it (the source address of a connection to
+    it), for the node table."""
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        with socket.create_connection((u.hostname or "127.0.0.1", u.port or 80), timeout=2) as s:
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+
+
+def main(args: argparse.Namespace) -> int:
+    import re
+
+    from unicron.control.client import connect
+    from unicron.control.taskspec import NAME
+
+    if args.slots < 1:
+        raise UsageError(f"--slots must be >= 1, got {args.slots}")
+    name = args.node_name or socket.gethostname()
+    if not re.match(NAME, name):
+        raise UsageError(f"--node-name {name!r}: letters, digits, '.', '_', '-' only")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    log_dir = Path(args.log_dir or f"/tmp/unicron-agent-{name}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    client = connect(args)
+    agent = NodeAgent(client, name=name, slots=args.slots, log_dir=log_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        code = agent.run(stop)
+    except KeyboardInterrupt:
+        stop.set()
+        agent.stop()
+        return 130
+    if code == VANISHED:
+        os._exit(VANISHED)  # a lost machine says nothing more
+    return code

@@ -1,0 +1,257 @@
+"""``unicron coordinator``: the cluster service, an HTTP/JSON API (FastAPI on uvicorn).
+
+Users (``unicron submit|status|cancel|logs``, :mod:`unicron.control.client`) and agents
+(:mod:`unicron.control.node`) talk to it; every request carries the cluster's token
+(``Authorization: Bearer TOKEN``) and one without it, or with a wrong one, gets 401 and a
+log line, never data. The OpenAPI schema is served at ``/openapi.json``.
+
+========================================  ==================================================
+``POST /v1/tasks``                        submit a task (``unicron.control.taskspec.TaskSpec``)
+``GET /v1/tasks``, ``GET /v1/tasks/{n}``  list, show
+``POST /v1/tasks/{n}/cancel``             cancel
+``GET /v1/tasks/{n}/events?after=ID``     the task's event log from ``after`` on
+``GET /v1/nodes``                         nodes and their slots
+``GET /metrics``                          Prometheus text format
+``POST /v1/agents/register``              an agent starts or reconnects
+``POST /v1/agents/{node}/heartbeat``      an agent is alive; answers its assignments
+``POST /v1/agents/{node}/tasks/{uid}/exchange``  one round of a task's supervisor
+========================================  ==================================================
+
+Errors are 4xx with ``{"detail": "one line"}``: 404 unknown task or node, 409 a conflict
+with the cluster's state, 422 a body that is not valid (FastAPI names the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from unicron.control import messages as M
+from unicron.control.cluster import Conflict, Invalid, NotFound
+from unicron.control.taskspec import NAME, TaskSpec
+from unicron.errors import UsageError
+
+log = logging.getLogger("unicron.control.service")
+
+ENV_TOKEN = "UNICRON_TOKEN"
+"""the cluster's token, for the service and for every client (else ``--token-file``)"""
+DEFAULT_PORT = 29400
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument(
+        "--advertise",
+        metavar="ADDR",
+        help="address agents and workers reach this host at (default: --host; required with "
+        "--host 0.0.0.0)",
+    )
+    p.add_argument("--state-dir", required=True, metavar="DIR", help="where the state lives")
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help=f"the token (else ${ENV_TOKEN}; else DIR/token, created on first start)",
+    )
+    p.add_argument(
+        "--node-timeout",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="a node silent this long is lost (default 2)",
+    )
+
+
+class Register(BaseModel):
+    """An agent introduces itself (``POST /v1/agents/register``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=NAME)
+    slots: int = Field(ge=1, le=1024)
+    address: str = Field(max_length=256)
+    instance: str = Field(min_length=1, max_length=64)
+
+
+class Heartbeat(BaseModel):
+    """An agent is alive."""
+
+    model_config = ConfigDict(extra="forbid")
+    instance: str = Field(min_length=1, max_length=64)
+
+
+class Exchange(BaseModel):
+    """One round of a task supervisor: its reports (:mod:`unicron.control.messages`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    instance: str = Field(min_length=1, max_length=64)
+    read_until: float | None = Field(None, allow_inf_nan=False)
+    reports: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
+
+
+def resolve_token(token_file: str | None, state_dir: Path | None = None) -> str:
+    """The token: ``token_file``'s content, ``$UNICRON_TOKEN``, or (for the service only) the
+    state directory's ``token`` file, created with a fresh random token if missing."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise UsageError(f"--token-file {token_file}: {exc.strerror or exc}") from None
+        if not token:
+            raise UsageError(f"--token-file {token_file}: empty")
+        return token
+    if os.environ.get(ENV_TOKEN):
+        return os.environ[ENV_TOKEN].strip()
+    if state_dir is None:
+        raise UsageError(f"no token: pass --token-file FILE or set ${ENV_TOKEN}")
+    path = state_dir / "token"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        os.replace(tmp, path)
+    return path.read_text(encoding="utf-8").strip()
+
+
+def make_app(cluster: Any, token: str) -> Any:
+    """The FastAPI application over ``cluster`` (a :class:`~unicron.control.cluster.Cluster`)."""
+
+    def authorized(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip(), token):
+            peer = request.client.host if request.client else "?"
+            why = "no token" if not given else "a wrong token"
+            log.warning("refused %s %s from %s: %s", request.method, request.url.path, peer, why)
+            raise HTTPException(401, "missing or wrong token", {"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(
+        title="Unicron coordinator",
+        version="1",
+        description="The cluster service of Unicron: tasks, nodes, agents, metrics.",
+        dependencies=[Depends(authorized)],
+    )
+
+    @app.exception_handler(NotFound)
+    def _404(_: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(Conflict)
+    def _409(_: Request, exc: Conflict) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(Invalid)
+    def _422(_: Request, exc: Invalid) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    @app.post("/v1/tasks", status_code=201, summary="submit a task")
+    def submit(spec: TaskSpec) -> dict[str, Any]:
+        return dict(cluster.submit(spec, time.time()))
+
+    @app.get("/v1/tasks", summary="list tasks")
+    def tasks() -> list[dict[str, Any]]:
+        return list(cluster.task_views())
+
+    @app.get("/v1/tasks/{name}", summary="show a task")
+    def task(name: str) -> dict[str, Any]:
+        return dict(cluster.task_view(name))
+
+    @app.post("/v1/tasks/{name}/cancel", summary="cancel a task")
+    def cancel(name: str) -> dict[str, Any]:
+        return dict(cluster.cancel(name, time.time()))
+
+    @app.get("/v1/tasks/{name}/events", summary="a task's events after an id")
+    def events(name: str, after: int = 0) -> dict[str, Any]:
+        found, last = cluster.events(name, after)
+        return {"events": found, "last": last}
+
+    @app.get("/v1/nodes", summary="list nodes")
+    def nodes() -> list[dict[str, Any]]:
+        return list(cluster.node_views(time.time()))
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(cluster.prometheus(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/agents/register", summary="an agent starts or reconnects")
+    def register(body: Register) -> dict[str, Any]:
+        nid = cluster.register(body.name, body.slots, body.address, body.instance, time.time())
+        return {"node": nid}
+
+    @app.post("/v1/agents/{node}/heartbeat", summary="an agent is alive")
+    def heartbeat(node: str, body: Heartbeat) -> dict[str, Any]:
+        return {"tasks": cluster.heartbeat(node, body.instance, time.time())}
+
+    @app.post("/v1/agents/{node}/tasks/{uid}/exchange", summary="one round of a supervisor")
+    def exchange(node: str, uid: str, body: Exchange) -> dict[str, Any]:
+        try:
+            reports = [M.from_wire(r) for r in body.reports]
+        except ValueError as exc:
+            raise Invalid(f"reports: {exc}") from None
+        if any(isinstance(r, M.Spawn | M.Kill | M.Probe | M.Reply) for r in reports):
+            raise Invalid("reports: an action or reply is not a report")
+        reply = cluster.exchange(node, body.instance, uid, reports, time.time(), body.read_until)
+        return M.to_wire(reply)
+
+    return app
+
+
+def serve(cluster: Any, token: str, host: str, port: int) -> Any:
+    """A uvicorn server for the app (``server.run()`` blocks; ``server.should_exit`` stops)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        make_app(cluster, token),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
+    return uvicorn.Server(config)
+
+
+def main(args: argparse.Namespace) -> int:
+    from unicron.control.cluster import ACTIVE, Cluster, ClusterSettings
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    advertise = args.advertise or args.host
+    if advertise in ("0.0.0.0", "::"):
+        raise UsageError("--host 0.0.0.0 needs --advertise ADDR (where agents reach this host)")
+    if not args.node_timeout > 0:
+        raise UsageError(f"--node-timeout must be > 0 seconds, got {args.node_timeout}")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    state_dir = Path(args.state_dir)
+    cluster = Cluster(
+        state_dir, host=advertise, settings=ClusterSettings(node_timeout_s=args.node_timeout)
+    )
+    token = resolve_token(args.token_file, state_dir)
+    server = serve(cluster, token, args.host, args.port)
+    cluster.start_ticker()
+    print(
+        f"unicron coordinator on http://{advertise}:{args.port} (state {state_dir}, "
+        f"store {cluster.store.address})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        server.run()
+    finally:
+        active = any(t.row.state in ACTIVE for t in cluster.tasks.values())
+        cluster.close(stop_store=not active)  # with tasks running the store stays for them
+    return 0

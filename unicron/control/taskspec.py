@@ -1,0 +1,155 @@
+"""A task file (``unicron submit TASK.yaml``): what to train, on how many workers, how.
+
+::
+
+    name: gpt                       # letters, digits, '.', '_', '-'
+    script: examples/train_gpt.py   # relative to the task file; must exist on every node
+    args: [--steps, "60"]
+    workers: {min: 2, max: 4}       # the task waits (queued) until it can have min
+    weight: 1.0                     # the planner's priority (> 0)
+    reduce: exact                   # exact | fast
+    threads: 1                      # torch threads per worker
+    checkpoint: {every: auto, keep: 3, mtbf: 10800}
+    give_up_after: 600              # seconds below min before the task fails
+    readmit_after: 60               # seconds before an excluded slot is probed
+    inject: []                      # fault specs, as ``unicron run --inject``
+    model: {preset: gpt3-1.3b}      # the planner's description (optional), as ``unicron plan``
+
+Validated with pydantic (unknown fields, wrong types and inconsistent values are refused);
+:func:`load` turns any problem into one line (:class:`~unicron.errors.UsageError`). The
+service validates the same model again on ``POST /v1/tasks`` (a 422 naming the field).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from unicron.errors import UsageError
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+
+class Workers(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    min: int = Field(1, ge=1, le=4096)
+    max: int = Field(1, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Workers:
+        if self.min > self.max:
+            raise ValueError(f"workers: min ({self.min}) is above max ({self.max})")
+        return self
+
+
+class Checkpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    every: int | Literal["auto"] = "auto"
+    keep: int = Field(3, ge=0)
+    mtbf: float = Field(3 * 3600.0, gt=0, allow_inf_nan=False)
+
+    @field_validator("every")
+    @classmethod
+    def _every(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 0:
+            raise ValueError("must be an integer >= 0 or 'auto'")
+        return v
+
+
+class TaskSpec(BaseModel):
+    """One task, as submitted (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=NAME)
+    script: str = Field(min_length=1)
+    args: list[str] = Field(default_factory=list)
+    workers: Workers = Field(default_factory=lambda: Workers.model_validate({}))
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    reduce: Literal["exact", "fast"] = "exact"
+    on_lost: Literal["recompute", "drop"] = "recompute"
+    threads: int = Field(1, ge=1, le=256)
+    checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
+    give_up_after: float = Field(600.0, gt=0)
+    readmit_after: float = Field(60.0, gt=0)
+    inject: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    model: dict[str, Any] | None = None
+
+    @field_validator("inject")
+    @classmethod
+    def _faults(cls, v: list[str]) -> list[str]:
+        from unicron.detect.classify import KINDS
+        from unicron.runtime.inject import parse
+
+        for spec in v:
+            try:
+                parse(spec, KINDS)
+            except UsageError as exc:
+                raise ValueError(str(exc)) from exc
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            from unicron.planner.spec import _model
+
+            try:
+                _model(v, "model")
+            except UsageError as exc:
+                raise ValueError(str(exc)) from exc
+        return v
+
+    @field_validator("give_up_after", "readmit_after")
+    @classmethod
+    def _seconds(cls, v: float) -> float:
+        if math.isnan(v):
+            raise ValueError("must be a number of seconds")
+        return v
+
+    def check_script(self) -> None:
+        """The script must be a file here (the service checks on submit: the nodes share the
+        file system with it in every setup this repository runs)."""
+        if not Path(self.script).is_file():
+            raise UsageError(f"task {self.name}: script not found: {self.script}")
+
+
+def one_line(exc: ValidationError) -> str:
+    """A pydantic error as one line: the first problem, with the field's path."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "task"
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}"
+
+
+def parse(data: Any, *, base: Path | None = None) -> TaskSpec:
+    """A task spec from parsed YAML/JSON; a relative script is taken from ``base``."""
+    if not isinstance(data, dict):
+        raise UsageError("a task file must be a mapping of fields")
+    try:
+        spec = TaskSpec.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(one_line(exc)) from None
+    if base is not None and not Path(spec.script).is_absolute():
+        spec = spec.model_copy(update={"script": str((base / spec.script).resolve())})
+    return spec
+
+
+def load(path: Path) -> TaskSpec:
+    """Read and validate a task file; one line on any problem."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"{path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: not YAML: {str(exc).splitlines()[0]}") from None
+    try:
+        spec = parse(data, base=path.resolve().parent)
+        spec.check_script()
+    except UsageError as exc:
+        raise UsageError(f"{path}: {exc}") from None
+    return spec
