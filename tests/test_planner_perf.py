@@ -70,7 +70,9 @@ def test_every_family_is_plannable_at_its_published_scale(
     assert cfg is not None and cfg.layout is not None
     assert cfg.tp * cfg.pp * cfg.dp == gpus == cfg.layout.gpus
     assert cfg.memory_bytes_per_gpu <= 0.9 * gpu.memory_bytes
-    assert 0.25 * gpu.peak_flops < cfg.achieved_flops / gpus < 0.7 * gpu.peak_flops
+    # llm-foundry measured up to 79% of the A100's peak in hardware FLOPs (docs/planner.md):
+    # a layout without recomputation may reach ~70% in model FLOPs, not more than 75%
+    assert 0.25 * gpu.peak_flops < cfg.achieved_flops / gpus < 0.75 * gpu.peak_flops
     if m.is_moe:
         assert cfg.layout.ep > 1 or cfg.layout.sharding == "fsdp"
 

@@ -42,12 +42,12 @@ class PerfOptions:
     stack_efficiency: float = 1.0
     """Multiplier for the software stack: 1 for current Megatron-Core / PyTorch FSDP with
     flash attention; the Megatron-LM of 2021 (fp16, no fused kernels) was fitted lower."""
-    efficiency_half_hidden: float = 1000.0
+    efficiency_half_hidden: float = 940.0
     """Hidden size at which the hidden-size factor of the efficiency is 1/2 (fitted)."""
-    efficiency_half_tokens: float = 85.0
+    efficiency_half_tokens: float = 56.0
     """Tokens per micro-batch at which the micro-batch factor of the efficiency is 1/2
     (fitted)."""
-    fp8_efficiency: float = 0.97
+    fp8_efficiency: float = 0.83
     """An FP8 GEMM's fraction of FP8 peak relative to a bf16 GEMM's fraction of bf16 peak
     (fitted)."""
     precision: str = "bf16"
@@ -71,7 +71,7 @@ class PerfOptions:
     """Overlap data-parallel reduce-scatter / all-gather with the backward / forward pass,
     context-parallel ring exchange with attention, and pipeline sends in interleaved
     schedules, as Megatron-Core and PyTorch FSDP do."""
-    overlap_cost: float = 0.32
+    overlap_cost: float = 0.47
     """Share of an overlapped transfer's time that still slows the compute it hides behind
     (communication kernels take SMs and memory bandwidth; fitted)."""
     tp_comm_hidden: float = 0.5
