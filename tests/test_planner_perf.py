@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -78,10 +79,16 @@ def test_every_family_is_plannable_at_its_published_scale(
 
 
 def test_uneven_pipeline_stages() -> None:
-    # 126 layers on 16 stages: 8 on every stage but the last, which also runs the logits
-    first, last, work = _stages(126, 16, 0.5)
-    assert first == 8 and last <= 8 and work == 8.0
+    # 126 layers on 16 stages: Llama 3's 7, 14 x 8, 7 (the slowest stage does 8 either way;
+    # the first, with the most micro-batches in flight, takes the fewest)
+    assert _stages(126, 16, 0.5) == (7, 7, 8.0)
     assert _stages(96, 12, 0.3) == (8, 8, 8.3)  # even split: the logit layer on the last
+    assert _stages(10, 4, 0.2) == (2, 2, 3.0)  # 2, 3, 3, 2
+    for layers, pp in ((126, 16), (80, 9), (8, 7), (61, 4)):
+        first, last, work = _stages(layers, pp, 0.4)
+        per = math.ceil((layers - first - last) / max(pp - 2, 1)) if pp > 2 else 0
+        assert 1 <= first <= per or pp <= 2
+        assert max(per, last + 0.4) == pytest.approx(work)
     m = MODEL_PRESETS["llama3-405b"]
     cfg = evaluate(
         m, 2048, Layout(tp=8, pp=16, dp=64, vp=4, micro_batch=1, recompute="full"), H100, 8
