@@ -58,7 +58,8 @@ class GPUSpec:
 
 
 # Fitted on the calibration runs (unicron/planner/data/runs.yaml, docs/planner.md):
-# ``python -m unicron.planner.calibration --fit`` prints these.
+# ``python -m unicron.planner.calibration --fit`` refits (from the constants in force; the
+# calibration set leaves a ridge along which repeated refits drift, docs/planner.md).
 EFFICIENCY_AMPERE = 0.86
 EFFICIENCY_HOPPER = 0.645
 ATTENTION_AMPERE = 0.53
