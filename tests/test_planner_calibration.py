@@ -58,19 +58,37 @@ def test_calibration_set_is_fitted(preds: list[calibration.Prediction]) -> None:
 
 
 def test_held_out_accuracy(preds: list[calibration.Prediction]) -> None:
-    """The goal is 80% of held-out runs within 15% on each generation. A100 meets it; H100
-    does not yet (docs/planner.md: Llama 3 405B and NeMo Llama 3 8B); this pins what is
-    measured so that a change making it worse fails."""
+    """The goal: 80% of the held-out runs within 15% on each generation (docs/planner.md)."""
     rows = {(s["set"], s["generation"]): s for s in calibration.summary(preds)}
-    assert rows[("held-out", "A100")]["share_within"] >= 0.80
-    assert rows[("held-out", "H100")]["share_within"] >= 0.70
     for gen in ("A100", "H100"):
-        assert rows[("held-out", gen)]["rms_error"] < 0.20
+        assert rows[("held-out", gen)]["share_within"] >= 0.80
+        assert rows[("held-out", gen)]["rms_error"] < 0.15
+
+
+def test_published_layout_facts_are_priced_as_published(
+    preds: list[calibration.Prediction],
+) -> None:
+    # NeMo 24.07's recipes and Llama 3 at 8K train without recomputation; Llama 3 interleaves
+    by_id = {p.run.id: p for p in preds}
+    for p in preds:
+        if p.run.source == "nemo-24.07":
+            assert p.config.layout is not None and p.config.layout.recompute == "none"
+    for rid in ("llama3-405b-8k-8192", "llama3-405b-8k-16384", "llama3-405b-128k-16384"):
+        lay = by_id[rid].config.layout
+        assert lay is not None and lay.vp > 1
+        if "-8k-" in rid:
+            assert lay.recompute == "none"
 
 
 def test_memory_estimate_fits_most_published_layouts(preds: list[calibration.Prediction]) -> None:
+    """A published layout ran, so it fits. The memory model is conservative: what it calls
+    over are FSDP runs at the limit and the layouts without recomputation of NeMo and
+    Llama 3 (docs/planner.md), never a small model on a big GPU."""
     fits = [p.fits for p in preds]
-    assert sum(fits) / len(fits) >= 0.85
+    assert sum(fits) / len(fits) >= 0.75
+    for p in preds:
+        if p.run.source == "llm-foundry":  # FSDP: within 10% of the usable memory
+            assert p.config.memory_bytes_per_gpu <= 1.1 * p.config.usable_bytes
     # the A100-40GB runs are tight: the model must not call the big ones impossible
     tight = [p for p in preds if p.run.gpu.name == "A100-40GB" and p.run.model.params > 5e9]
     assert tight and all(p.fits for p in tight)

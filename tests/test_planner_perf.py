@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -70,16 +71,24 @@ def test_every_family_is_plannable_at_its_published_scale(
     assert cfg is not None and cfg.layout is not None
     assert cfg.tp * cfg.pp * cfg.dp == gpus == cfg.layout.gpus
     assert cfg.memory_bytes_per_gpu <= 0.9 * gpu.memory_bytes
-    assert 0.25 * gpu.peak_flops < cfg.achieved_flops / gpus < 0.7 * gpu.peak_flops
+    # llm-foundry measured up to 79% of the A100's peak in hardware FLOPs (docs/planner.md):
+    # a layout without recomputation may reach ~70% in model FLOPs, not more than 75%
+    assert 0.25 * gpu.peak_flops < cfg.achieved_flops / gpus < 0.75 * gpu.peak_flops
     if m.is_moe:
         assert cfg.layout.ep > 1 or cfg.layout.sharding == "fsdp"
 
 
 def test_uneven_pipeline_stages() -> None:
-    # 126 layers on 16 stages: 8 on every stage but the last, which also runs the logits
-    first, last, work = _stages(126, 16, 0.5)
-    assert first == 8 and last <= 8 and work == 8.0
+    # 126 layers on 16 stages: Llama 3's 7, 14 x 8, 7 (the slowest stage does 8 either way;
+    # the first, with the most micro-batches in flight, takes the fewest)
+    assert _stages(126, 16, 0.5) == (7, 7, 8.0)
     assert _stages(96, 12, 0.3) == (8, 8, 8.3)  # even split: the logit layer on the last
+    assert _stages(10, 4, 0.2) == (2, 2, 3.0)  # 2, 3, 3, 2
+    for layers, pp in ((126, 16), (80, 9), (8, 7), (61, 4)):
+        first, last, work = _stages(layers, pp, 0.4)
+        per = math.ceil((layers - first - last) / max(pp - 2, 1)) if pp > 2 else 0
+        assert 1 <= first <= per or pp <= 2
+        assert max(per, last + 0.4) == pytest.approx(work)
     m = MODEL_PRESETS["llama3-405b"]
     cfg = evaluate(
         m, 2048, Layout(tp=8, pp=16, dp=64, vp=4, micro_batch=1, recompute="full"), H100, 8

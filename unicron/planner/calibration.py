@@ -43,7 +43,7 @@ from unicron.planner.perf import (
 DATA = Path(__file__).with_name("data") / "runs.yaml"
 TOLERANCE = 0.15
 """The goal: predicted throughput per GPU within 15% of the published figure."""
-STACK_MEGATRON_2021 = 0.78
+STACK_MEGATRON_2021 = 0.74
 """Fitted software-stack multiplier of the Megatron-LM of 2021 (fp16, no fused attention)."""
 UNITS = ("tokens_per_s_per_gpu", "model_tflops_per_gpu", "megatron_tflops_per_gpu")
 
@@ -61,7 +61,8 @@ class Run:
     model: ModelSpec
     global_batch: int
     layout: dict[str, Any]
-    """The published layout fields; absent ones (micro-batch, vp, recompute) are searched."""
+    """The published layout fields; absent ones (micro-batch, vp, recompute) are searched
+    (``interleaved: true``: the source says the schedule is interleaved, vp > 1 searched)."""
     precision: str
     stack: str
     """``current`` or ``megatron-2021``."""
@@ -160,11 +161,12 @@ def _candidates(run: Run) -> list[Layout]:
     tp, pp, cp = lay.get("tp", 1), lay.get("pp", 1), lay.get("cp", 1)
     dp = run.gpus // (tp * pp * cp)
     assert dp * tp * pp * cp == run.gpus, run.id
-    vps = (
-        [lay["vp"]]
-        if "vp" in lay
-        else [1] + [v for v in (2, 4, 8) if pp > 1 and pp * v <= run.model.layers]
-    )
+    if "vp" in lay:
+        vps = [lay["vp"]]
+    else:
+        vps = [v for v in (2, 4, 8) if pp > 1 and pp * v <= run.model.layers]
+        if not lay.get("interleaved", False):
+            vps.insert(0, 1)
     mbs = [lay["mb"]] if "mb" in lay else [b for b in (1, 2, 4, 8) if run.global_batch % b == 0]
     recs = [lay["recompute"]] if "recompute" in lay else ["none", "selective", "full"]
     out = []

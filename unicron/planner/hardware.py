@@ -58,11 +58,12 @@ class GPUSpec:
 
 
 # Fitted on the calibration runs (unicron/planner/data/runs.yaml, docs/planner.md):
-# ``python -m unicron.planner.calibration --fit`` prints these.
-EFFICIENCY_AMPERE = 0.83
-EFFICIENCY_HOPPER = 0.64
-ATTENTION_AMPERE = 0.59
-ATTENTION_HOPPER = 0.36
+# ``python -m unicron.planner.calibration --fit`` refits (from the constants in force; the
+# calibration set leaves a ridge along which repeated refits drift, docs/planner.md).
+EFFICIENCY_AMPERE = 0.86
+EFFICIENCY_HOPPER = 0.645
+ATTENTION_AMPERE = 0.53
+ATTENTION_HOPPER = 0.38
 
 GPU_PRESETS: dict[str, GPUSpec] = {
     # A100 SXM 80GB: 312 TFLOP/s bf16, no FP8; HBM2e 2,039 GB/s; NVLink3 600 GB/s

@@ -42,12 +42,12 @@ class PerfOptions:
     stack_efficiency: float = 1.0
     """Multiplier for the software stack: 1 for current Megatron-Core / PyTorch FSDP with
     flash attention; the Megatron-LM of 2021 (fp16, no fused kernels) was fitted lower."""
-    efficiency_half_hidden: float = 1000.0
+    efficiency_half_hidden: float = 940.0
     """Hidden size at which the hidden-size factor of the efficiency is 1/2 (fitted)."""
-    efficiency_half_tokens: float = 85.0
+    efficiency_half_tokens: float = 56.0
     """Tokens per micro-batch at which the micro-batch factor of the efficiency is 1/2
     (fitted)."""
-    fp8_efficiency: float = 0.97
+    fp8_efficiency: float = 0.83
     """An FP8 GEMM's fraction of FP8 peak relative to a bf16 GEMM's fraction of bf16 peak
     (fitted)."""
     precision: str = "bf16"
@@ -71,7 +71,7 @@ class PerfOptions:
     """Overlap data-parallel reduce-scatter / all-gather with the backward / forward pass,
     context-parallel ring exchange with attention, and pipeline sends in interleaved
     schedules, as Megatron-Core and PyTorch FSDP do."""
-    overlap_cost: float = 0.32
+    overlap_cost: float = 0.47
     """Share of an overlapped transfer's time that still slows the compute it hides behind
     (communication kernels take SMs and memory bandwidth; fitted)."""
     tp_comm_hidden: float = 0.5
@@ -247,21 +247,27 @@ def _stages(layers: int, pp: int, logit_layers: float) -> tuple[int, int, float]
 
     The layers need not divide ``pp``: the last stage (which also runs the logit layer,
     worth ``logit_layers`` layers) may take fewer, as Megatron-Core's uneven first/last
-    stages and Llama 3's 126 layers on 16 stages do.
+    stages do. Among the splits with the least work on the slowest stage, the first stage
+    (which holds the most micro-batches in flight, hence the most activations) takes the
+    fewest layers: Llama 3's 126 layers on 16 stages run 7, 14 x 8, 7 (Grattafiori et al.
+    2024, section 3.3.2).
     """
     if pp == 1:
         return layers, layers, layers + logit_layers
-    best: tuple[int, int, float] | None = None
+    best: tuple[float, int, int] | None = None
     for last in range(1, math.ceil(layers / pp) + 1):
         rest = layers - last
         if rest < pp - 1:
             break
-        per = math.ceil(rest / (pp - 1))
+        per = math.ceil(rest / (pp - 1))  # the most on a middle stage
+        first = max(1, rest - (pp - 2) * per)
         work = max(float(per), last + logit_layers)
-        if best is None or work < best[2]:
-            best = (per, last, work)
+        key = (round(work, 9), first, last)
+        if best is None or key[:2] < best[:2]:
+            best = key
     assert best is not None, "pp <= layers is checked by the callers"
-    return best
+    work, first, last = best
+    return first, last, work
 
 
 def _exposed(comm: Any, window: float, o: PerfOptions) -> Any:
