@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -37,6 +38,7 @@ from unicron.control.events import EventLog
 from unicron.control.state import NodeRow, State, TaskRow, open_state
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
+from unicron.runtime import checkpoint as C
 
 log = logging.getLogger("unicron.control.cluster")
 
@@ -92,12 +94,23 @@ class Cluster:
     machine at (the store is served there)."""
 
     def __init__(
-        self, state_dir: Path, *, host: str, settings: ClusterSettings | None = None
+        self,
+        state_dir: Path,
+        *,
+        host: str,
+        settings: ClusterSettings | None = None,
+        embedded: bool = False,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.settings = settings or ClusterSettings()
         self.state: State = open_state(self.state_dir)
-        self.store, adopted = S.ensure(self.state_dir, host)
+        self._events_to: dict[str, Path] = {}
+        self.embedded = embedded
+        if embedded:  # ``unicron run``: the store lives and dies with this process
+            self._store_master = S.serve_here(host)
+            self.store, adopted = S.StoreInfo(host, self._store_master.port, os.getpid()), False
+        else:
+            self.store, adopted = S.ensure(self.state_dir, host)
         self._lock = threading.RLock()
         self.started = time.time()
         self.metrics = _Metrics()
@@ -156,7 +169,7 @@ class Cluster:
                 node = Node(NodeRow(nid, name, slots, address, instance, now), last_seen=now)
                 self.nodes[nid] = node
                 self.state.save_node(node.row)
-                log.warning("node %s registered as node %d with %d slot(s)", name, nid, slots)
+                log.info("node %s registered as node %d with %d slot(s)", name, nid, slots)
                 return nid
             if node.row.instance != instance:
                 silent = now - node.last_seen
@@ -177,7 +190,7 @@ class Cluster:
                     for t in self.tasks.values()
                     if t.controller is not None and node.row.id in t.row.placement
                 ]
-                log.warning("node %s (node %d) is back", name, node.row.id)
+                log.info("node %s (node %d) is back", name, node.row.id)
             node.last_seen, node.lost = now, False
         for task in returned:
             assert task.controller is not None
@@ -233,8 +246,11 @@ class Cluster:
         }
 
     # -- tasks -----------------------------------------------------------------------------
-    def submit(self, spec: TaskSpec, now: float) -> dict[str, Any]:
-        """Accept a task: placed at once if its minimum fits, else queued."""
+    def submit(
+        self, spec: TaskSpec, now: float, *, events_to: Path | None = None
+    ) -> dict[str, Any]:
+        """Accept a task: placed at once if its minimum fits, else queued. ``events_to``
+        (``unicron run --events``; never from the API): the task's event log goes there."""
         if not Path(spec.script).is_file():
             raise Invalid(f"script: no such file on the coordinator's host: {spec.script}")
         with self._lock:
@@ -242,10 +258,12 @@ class Cluster:
                 raise Conflict(
                     f"a task named {spec.name} exists ({self.tasks[spec.name].row.state})"
                 )
-            uid = f"{spec.name}.{secrets.token_hex(3)}"
+            uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(3)}"
             row = TaskRow(spec.name, uid, spec.model_dump(), "queued", now, [])
             task = Task(row, spec)
             self.tasks[spec.name] = task
+            if events_to is not None:
+                self._events_to[row.uid] = events_to
             self.state.save_task(row)
             self._place(task, now)
             return self.view(task)
@@ -287,20 +305,23 @@ class Cluster:
     def _start(self, task: Task, now: float, *, adopt: bool) -> None:
         spec, row = task.spec, task.row
         task_dir = self.state_dir / "tasks" / row.uid
-        every = spec.checkpoint.every
-        checkpoint = None if every == 0 else task_dir / "checkpoints"
-        task.events = EventLog(task_dir / "events.jsonl")
+        checkpoint = self._checkpoint_dir(task)
+        committed_before: int | None = max(row.committed_step + 1, 0)
+        if spec.checkpoint.resume and not adopt and checkpoint is not None:
+            committed_before = C.take_progress(checkpoint)
+        task.events = EventLog(self._events_to.get(row.uid, task_dir / "events.jsonl"))
         task.events.subscribe(functools.partial(self._on_event, task))
         address = self.store.address
         task.controller = Coordinator(
             task=row.uid,
+            label=row.name,
             slots=dict(enumerate(row.placement)),
             events=task.events,
             escalation=Escalation(EscalationSettings()),
             settings=CoordinatorSettings(
                 min_workers=spec.workers.min,
                 checkpoint=checkpoint,
-                committed_before=max(row.committed_step + 1, 0),
+                committed_before=committed_before,
                 readmit_after_s=spec.readmit_after,
                 give_up_after_s=spec.give_up_after,
             ),
@@ -312,7 +333,7 @@ class Cluster:
             task.events.emit(
                 "control_plane",
                 ts=now,
-                task=row.uid,
+                task=row.name,
                 what="coordinator restarted: task adopted",
                 away_s=None if self.away_s is None else round(self.away_s, 3),
                 epoch=task.controller.epoch,
@@ -325,6 +346,7 @@ class Cluster:
         """What a node's agent needs to run its part of ``task``."""
         spec = task.spec
         every = spec.checkpoint.every
+        checkpoint = self._checkpoint_dir(task)
         return {
             "uid": task.row.uid,
             "name": task.row.name,
@@ -336,14 +358,21 @@ class Cluster:
             "on_lost": spec.on_lost,
             "threads": spec.threads,
             "store": self.store.address,
-            "checkpoint": None
-            if every == 0
-            else str(self.state_dir / "tasks" / task.row.uid / "checkpoints"),
+            "checkpoint": None if checkpoint is None else str(checkpoint),
             "checkpoint_every": str(every),
+            "resume": spec.checkpoint.resume,
+            "device": spec.device,
             "checkpoint_keep": spec.checkpoint.keep,
             "checkpoint_mtbf": spec.checkpoint.mtbf,
             "env": spec.env,
         }
+
+    def _checkpoint_dir(self, task: Task) -> Path | None:
+        """Where the task's checkpoints go; ``None``: it writes none (and has none to read)."""
+        ck = task.spec.checkpoint
+        if ck.every == 0 and not ck.resume:
+            return None
+        return Path(ck.dir) if ck.dir else self.state_dir / "tasks" / task.row.uid / "checkpoints"
 
     def _on_event(self, task: Task, e: dict[str, Any]) -> None:
         """Every event of a task's log: into SQLite, the task's row and the metrics."""
@@ -382,6 +411,7 @@ class Cluster:
         for task in active:
             c = task.controller
             assert c is not None
+            c.check_input(now)
             c.tick(now)
             state = c.state
             if state is TaskState.RUNNING and task.row.state == "waiting":
@@ -410,7 +440,7 @@ class Cluster:
         task.events.emit(
             "task_end",
             ts=now,
-            task=task.row.uid,
+            task=task.row.name,
             status="ok" if status == "done" else status,
             steps=r.get("steps"),
             final_loss=r.get("final_loss"),
@@ -418,7 +448,7 @@ class Cluster:
             reason=None if status == "done" else outcome.reason,
             wall_s=round(now - task.row.submitted_ts, 3),
         )
-        self._end(task, status, outcome.reason, now, result=r)
+        self._end(task, status, outcome.reason, now, result={**r, "usage": outcome.usage})
 
     def _end(
         self,
@@ -437,7 +467,7 @@ class Cluster:
         if task.events is not None:
             task.events.close()
             task.events = None
-        log.warning("task %s %s: %s", task.row.name, status, reason)
+        log.info("task %s %s: %s", task.row.name, status, reason)
 
     # -- views -------------------------------------------------------------------------------
     def view(self, task: Task) -> dict[str, Any]:

@@ -38,7 +38,14 @@ from unicron.control import messages as M
 from unicron.control.escalation import Decision, Escalation
 from unicron.control.events import EventLog
 from unicron.control.messages import AgentAction, Kill, Probe, Reply, Spawn
-from unicron.control.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, trained_key
+from unicron.control.protocol import (
+    EpochInfo,
+    done_key,
+    epoch_info_key,
+    epoch_key,
+    trained_key,
+    usage_key,
+)
 from unicron.detect.classify import (
     Action,
     Scope,
@@ -176,8 +183,10 @@ class Coordinator:
         monitor: StepMonitor | None = None,
         host: str = "127.0.0.1",
         store: tuple[dist.Store, str] | None = None,
+        label: str | None = None,
     ) -> None:
-        self.task = task
+        self.task = task  # scopes its store keys: unique on the store
+        self.label = label or task  # its name in the event log
         self.events = events
         self.escalation = escalation
         self.settings = settings
@@ -316,6 +325,8 @@ class Coordinator:
         reports it), the steps a fallback to a checkpoint redoes added to its
         ``transition_end``."""
         fields = dict(r.fields)
+        if "task" in fields:
+            fields["task"] = self.label
         if r.name == "step_end" and not self.step_committed(fields["epoch"], fields["step"], r.ts):
             return
         if r.name == "transition_end" and fields.get("state_source") == "checkpoint":
@@ -718,7 +729,7 @@ class Coordinator:
             self.events.emit(
                 "error_detected",
                 ts=now,
-                task=self.task,
+                task=self.label,
                 node=node,
                 kind=verdict.kind,
                 severity=int(verdict.severity),
@@ -732,7 +743,7 @@ class Coordinator:
             decision = self.escalation.decide(verdict, slot=slots[0], node=node, now=now)
             self.events.emit(
                 "action",
-                task=self.task,
+                task=self.label,
                 epoch=self.epoch,
                 node=node,
                 action=str(decision.action),
@@ -985,7 +996,7 @@ class Coordinator:
         self.events.emit(
             "action",
             ts=now,
-            task=self.task,
+            task=self.label,
             epoch=self.epoch,
             action="wait",
             severity=1,
@@ -1056,6 +1067,15 @@ class Coordinator:
         committed = self.committed_steps()
         return None if committed is None else max(committed - step, 0)
 
+    def check_input(self, now: float) -> None:
+        """Fail the task with exit 2 if a worker found its input unusable (a checkpoint of
+        another model: it set the store's ``usage`` key and left). Called by the cluster's
+        ticker."""
+        with self._lock:
+            if self.state is TaskState.FAILED or not self.store.check([usage_key(self.task)]):
+                return
+            self.fail(self.store.get(usage_key(self.task)).decode(), now, usage=True)
+
     def fail(self, reason: str, now: float, *, usage: bool = False) -> None:
         """Give the task up: waiting workers exit, the runner exits 1 with ``reason`` (2 with
         ``usage``: a worker found bad input before training, e.g. a model too large). Also from
@@ -1109,7 +1129,7 @@ class Coordinator:
         self.events.emit(
             "plan",
             ts=now,
-            task=self.task,
+            task=self.label,
             epoch=self.epoch,
             allocation={self.task: len(members)},
             reason=reason,
@@ -1119,7 +1139,7 @@ class Coordinator:
         self.events.emit(
             "epoch_begin",
             ts=now,
-            task=self.task,
+            task=self.label,
             epoch=self.epoch,
             members=list(members),
             urgent=urgent,
@@ -1130,7 +1150,7 @@ class Coordinator:
         self.events.emit(
             "action",
             ts=now,
-            task=self.task,
+            task=self.label,
             epoch=self.epoch,
             rank=slot,
             slot=slot,
@@ -1156,7 +1176,7 @@ class Coordinator:
         self.events.emit(
             "error_detected",
             ts=ts,
-            task=self.task,
+            task=self.label,
             rank=slot,
             slot=slot,
             node=self.slots[slot].node,

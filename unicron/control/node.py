@@ -67,6 +67,9 @@ class NodeAgent:
         self.node: int | None = None
         self.tasks: dict[str, _Running] = {}
         self.vanished = False
+        self.errors: list[dict[str, Any]] = []  # every error that ended a worker, all tasks
+        self.drain_s = 10.0
+        """on stop, how long finished workers may take to exit by themselves (final files)"""
 
     def register(self, stop: threading.Event) -> None:
         """Register, retrying with backoff while the service cannot be reached."""
@@ -135,10 +138,12 @@ class NodeAgent:
         from unicron.control.client import TaskLink
         from unicron.control.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME
         from unicron.detect.classify import KINDS
+        from unicron.runtime import device as D
         from unicron.runtime.inject import parse
 
         assert self.node is not None
         uid = a["uid"]
+        gpus = D.gpu_count() if a["device"] == "cuda" else 0
         config = AgentConfig(
             node=self.node,
             slots=list(a["slots"]),
@@ -154,7 +159,8 @@ class NodeAgent:
             env={
                 ENV_CHECKPOINT_MTBF: repr(float(a["checkpoint_mtbf"])),
                 ENV_CHECKPOINT_KEEP: str(a["checkpoint_keep"]),
-                ENV_RESUME: "0",
+                ENV_RESUME: "1" if a["resume"] else "0",
+                **D.run_env(a["device"], len(a["slots"]), gpus),
                 **a["env"],
             },
         )
@@ -167,7 +173,7 @@ class NodeAgent:
         thread = threading.Thread(target=agent.run, args=(stop,), name=f"task-{uid}", daemon=True)
         thread.start()
         self.tasks[uid] = _Running(agent, thread, stop)
-        log.warning("node %s: running task %s in slot(s) %s", self.name, uid, a["slots"])
+        log.info("node %s: running task %s in slot(s) %s", self.name, uid, a["slots"])
 
     def _reap(self) -> None:
         """Supervisors whose task is over and whose workers are gone end."""
@@ -175,11 +181,17 @@ class NodeAgent:
             if r.thread.is_alive():
                 continue
             if all(w.gone for w in r.agent.workers.values()) or r.agent.reply.finished:
-                deadline = time.time() + 10.0  # finished workers may still write their files
-                while time.time() < deadline and any(not w.gone for w in r.agent.workers.values()):
-                    r.agent.poll(0.05)
-                r.agent.stop()
-                del self.tasks[uid]
+                self._end(uid)
+
+    def _end(self, uid: str) -> None:
+        """Let the task's finished workers exit by themselves (they may still be writing
+        their files; at most :attr:`drain_s`), then stop its supervisor."""
+        r = self.tasks.pop(uid)
+        deadline = time.time() + self.drain_s
+        while time.time() < deadline and any(not w.gone for w in r.agent.workers.values()):
+            r.agent.poll(0.02)
+        r.agent.stop()
+        self.errors += r.agent.errors
 
     def _vanish(self) -> None:
         self.vanished = True
@@ -188,12 +200,12 @@ class NodeAgent:
             r.stop.set()
 
     def stop(self) -> None:
+        """Stop every supervisor (after a drain of :attr:`drain_s`) and their workers."""
         for r in self.tasks.values():
             r.stop.set()
-        for r in self.tasks.values():
+        for uid, r in list(self.tasks.items()):
             r.thread.join(timeout=5.0)
-            r.agent.stop()
-        self.tasks.clear()
+            self._end(uid)
 
 
 def _address(url: str) -> str:
@@ -223,6 +235,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
+    log.setLevel(logging.INFO)
     log_dir = Path(args.log_dir or f"/tmp/unicron-agent-{name}")
     log_dir.mkdir(parents=True, exist_ok=True)
     client = connect(args)

@@ -10,7 +10,6 @@ usage (raised as UsageError), 130 interrupted (Ctrl-C or SIGTERM; every process 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -21,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unicron.control.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME, usage_key
 from unicron.errors import UsageError
 from unicron.runtime import checkpoint as C
 from unicron.runtime.inject import Fault, parse
@@ -228,97 +226,63 @@ def _check_resume(root: Path, reduce: str) -> None:
         )
 
 
-def _committed_before(root: Path) -> int | None:
-    """Steps the run being resumed had committed (its progress record, read once), or
-    ``None`` when it did not stop cleanly."""
-    path = root / C.PROGRESS
-    try:
-        committed = int(json.loads(path.read_text(encoding="utf-8"))["committed_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    path.unlink()  # a later resume after a crash of this run must not read a stale count
-    return committed
+def task_spec(args: argparse.Namespace, log_dir: Path) -> Any:
+    """The run's arguments as a task file would say them (:mod:`unicron.control.taskspec`)."""
+    from unicron.control.taskspec import TaskSpec
 
-
-def _record_progress(root: Path | None, coordinator: Any) -> None:
-    """Write how many steps this run committed beside its checkpoints (for ``--resume``)."""
-    committed = coordinator.committed_steps()
-    if root is None or committed is None or not C.has_checkpoint(root):
-        return
-    try:
-        C.write_json_atomic(root / C.PROGRESS, {"committed_steps": committed})
-    except OSError as exc:
-        logging.getLogger("unicron.control.runner").warning("progress record not written: %s", exc)
+    every = args.checkpoint_every
+    checkpoint: dict[str, Any] = {
+        "every": "auto" if every == "auto" else int(every),
+        "keep": args.checkpoint_keep,
+        "mtbf": args.mtbf,
+        "dir": str(Path(args.resume or args.checkpoint_dir or log_dir / "checkpoints")),
+        "resume": bool(args.resume),
+    }
+    return TaskSpec.model_validate(
+        {
+            "name": args.task,
+            "script": os.path.abspath(args.script),
+            "args": list(args.args),
+            "workers": {"min": args.min_workers, "max": args.nnodes * args.nproc_per_node},
+            "reduce": args.reduce,
+            "device": args.device,
+            "on_lost": args.on_lost,
+            "threads": args.threads,
+            "checkpoint": checkpoint,
+            "give_up_after": args.give_up_after,
+            "readmit_after": args.readmit_after,
+            "inject": list(args.inject),
+        }
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    faults = validate(args)
+    """A coordinator service, ``--nnodes`` agents and their workers on this machine, through
+    the cluster's own code: the service (:class:`~unicron.control.cluster.Cluster` behind its
+    HTTP API on 127.0.0.1 and a free port, with a fresh token), node agents
+    (:class:`~unicron.control.node.NodeAgent`, one thread each) talking to it over HTTP, the
+    task submitted to it; the main thread watches the task until it ends."""
+    validate(args)
     from rich.console import Console
 
-    from unicron.control.agent import Agent, AgentConfig
-    from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
-    from unicron.control.escalation import Escalation, EscalationSettings
-    from unicron.control.events import EventLog
+    from unicron.control.cluster import ENDED, Cluster
+    from unicron.control.node import NodeAgent
     from unicron.control.report import render
-    from unicron.detect.monitor import MonitorSettings, StepMonitor
-    from unicron.runtime import device as D
 
     console = Console(stderr=True)
     if not console.is_terminal:
         console = Console(stderr=True, width=160)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    events = EventLog(args.events)
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="unicron-"))
-    ckpt_dir = Path(args.resume or args.checkpoint_dir or log_dir / "checkpoints")
-    checkpoint = None if args.checkpoint_every == "0" and not args.resume else ckpt_dir
-    committed_before = _committed_before(ckpt_dir) if args.resume else 0
-    ckpt_env = {
-        ENV_CHECKPOINT_MTBF: repr(args.mtbf),
-        ENV_CHECKPOINT_KEEP: str(args.checkpoint_keep),
-        ENV_RESUME: "1" if args.resume else "0",
-    }
-    n = args.nproc_per_node
-    slots = {s: s // n for s in range(args.nnodes * n)}
-    coordinator = Coordinator(
-        task=args.task,
-        slots=slots,
-        events=events,
-        escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(
-            min_workers=args.min_workers,
-            checkpoint=checkpoint,
-            committed_before=committed_before,
-            readmit_after_s=args.readmit_after,
-            give_up_after_s=args.give_up_after,
-        ),
-        monitor=StepMonitor(MonitorSettings()),
-    )
-    agents = [
-        Agent(
-            AgentConfig(
-                node=node,
-                slots=[s for s, nd in slots.items() if nd == node],
-                script=os.path.abspath(args.script),
-                argv=list(args.args),
-                faults=faults,
-                log_dir=log_dir,
-                reduce=args.reduce,
-                on_lost=args.on_lost,
-                threads=args.threads,
-                checkpoint=checkpoint,
-                checkpoint_every=args.checkpoint_every,
-                env={
-                    **ckpt_env,
-                    **D.run_env(args.device, n, D.gpu_count() if args.device == "cuda" else 0),
-                },
-            ),
-            coordinator,
-            task=args.task,
-            store_address=coordinator.store_address,
-        )
-        for node in range(args.nnodes)
-    ]
-    display = None if args.quiet else _Display(console, events)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    spec = task_spec(args, log_dir)
+    ckpt_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else None
+    checkpoint = None if spec.checkpoint.every == 0 and not spec.checkpoint.resume else ckpt_dir
+    events_path = Path(args.events) if args.events else log_dir / "events.jsonl"
+    events_path.unlink(missing_ok=True)  # this run's log, not appended to an older one
+    state_dir = Path(tempfile.mkdtemp(prefix="cluster-", dir=log_dir))
+    cluster = Cluster(state_dir, host="127.0.0.1", embedded=True)
+    service = _Service(cluster)
     stop = threading.Event()
     terminated = threading.Event()
 
@@ -327,82 +291,78 @@ def main(args: argparse.Namespace) -> int:
         stop.set()
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    nodes = [
+        NodeAgent(service.client, name=f"node{k}", slots=args.nproc_per_node, log_dir=log_dir)
+        for k in range(args.nnodes)
+    ]
+    display = None
     interrupted = False
     t0 = time.time()
-
-    def usage() -> bool:
-        return coordinator.store.check([usage_key(args.task)])
-
-    threads = [
-        threading.Thread(target=a.run, args=(stop,), name=f"agent{a.node}", daemon=True)
-        for a in agents
-    ]
+    threads: list[threading.Thread] = []
     try:
-        for agent in agents:
-            agent.start()
-        for t in threads:
-            t.start()
-        while not stop.is_set() and not coordinator.finished() and not usage():
-            coordinator.tick(time.time())  # notices a node whose agent fell silent
+        for node in nodes:  # in order: node k is node k of the --inject specs
+            node.register(stop)
+        cluster.submit(spec, time.time(), events_to=events_path)
+        task = cluster.tasks[spec.name]
+        events = task.events
+        assert events is not None
+        display = None if args.quiet else _Display(console, events)
+        threads = [
+            threading.Thread(target=n.run, args=(stop,), name=n.name, daemon=True) for n in nodes
+        ]
+        for th in threads:
+            th.start()
+        while not stop.is_set() and task.row.state not in ENDED:
             time.sleep(0.05)
+        if terminated.is_set():
+            for node in nodes:
+                node.drain_s = 0.0  # stop now, not after the workers' own ending
         stop.set()
-        for t in threads:
-            t.join()
-        if not terminated.is_set():
-            _drain(agents, timeout_s=10.0)
+        for th in threads:  # each drains its finished workers (they may write final.pt)
+            th.join()
     except KeyboardInterrupt:
         interrupted = True
     finally:
         stop.set()
-        for t in threads:  # no agent may start a worker while the others are being stopped
-            t.join(timeout=5.0)
-        for agent in agents:
-            agent.stop()
+        for node in nodes:
+            node.drain_s = 0.0
+        for th in threads:  # no agent may start a worker while the others are being stopped
+            th.join(timeout=5.0)
+        for node in nodes:
+            node.stop()
         if display is not None:
             display.close()
-    _record_progress(checkpoint, coordinator)
-    if usage():  # a worker found the input unusable (a checkpoint of another model)
-        reason = coordinator.store.get(usage_key(args.task)).decode()
-        events.emit("task_end", task=args.task, status="failed", reason=reason)
-        raise UsageError(reason)
-    outcome = coordinator.outcome
-    interrupted = interrupted or terminated.is_set()
-    if interrupted or outcome is None:
-        reason = "interrupted" if interrupted else "ended without an outcome"
-        events.emit(
-            "task_end",
-            task=args.task,
-            status="failed",
-            reason=reason,
-            wall_s=round(time.time() - t0, 3),
-        )
-        console.print(f"unicron: {reason}; every process was stopped")
-        return 130 if interrupted else 1
-    if outcome.usage:  # a worker refused the input before training; everything is stopped
-        events.emit("task_end", task=args.task, status="failed", reason=outcome.reason)
-        raise UsageError(outcome.reason)
-    r = outcome.result
-    ok = outcome.state is TaskState.DONE
-    events.emit(
-        "task_end",
-        task=args.task,
-        status="ok" if ok else "failed",
-        steps=r.get("steps"),
-        final_loss=r.get("final_loss"),
-        params_sha256=r.get("params_sha256"),
-        reason=None if ok else outcome.reason,
-        wall_s=round(time.time() - t0, 3),
-        log_dir=str(log_dir),
+        service.close()
+    row = cluster.tasks[spec.name].row
+    committed = (
+        max(row.committed_step + 1, 0) if row.committed_step >= 0 or not args.resume else None
     )
-    events.close()
+    C.record_progress(checkpoint, committed)
+    outcome = row.outcome or {}
+    interrupted = interrupted or terminated.is_set()
+    if interrupted or row.state not in ENDED:
+        reason = "interrupted" if interrupted else "ended without an outcome"
+        _end_event(events_path, spec.name, "failed", reason, round(time.time() - t0, 3))
+        console.print(f"unicron: {reason}; every process was stopped")
+        cluster.close()
+        return 130 if interrupted else 1
+    cluster.close()
+    if outcome.get("usage"):  # a worker refused the input before training; all stopped
+        raise UsageError(outcome["reason"])
+    ok = row.state == "done"
     if not args.quiet:
-        render(events.events(), console)
+        from unicron.control.events import read_events
+
+        render(read_events(events_path), console)
         console.print(f"worker logs: {log_dir}")
     if not ok:
         console.print(
-            f"unicron: task failed: {outcome.reason}", style="red", soft_wrap=True, markup=False
+            f"unicron: task failed: {outcome.get('reason')}",
+            style="red",
+            soft_wrap=True,
+            markup=False,
         )
-        errors = sorted((e for a in agents for e in a.errors), key=lambda e: e["ts"])
+        errors = sorted((e for n in nodes for e in n.errors), key=lambda e: e["ts"])
         first = next((e for e in errors if e.get("traceback")), None)
         if first is not None:
             console.print(
@@ -413,13 +373,49 @@ def main(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _drain(agents: list[Any], timeout_s: float) -> None:
-    """Let finished workers exit by themselves (they may still be writing ``final.pt``)."""
-    deadline = time.time() + timeout_s
-    live = [a for a in agents if not a.vanished]
-    while time.time() < deadline and any(not w.gone for a in live for w in a.workers.values()):
-        for a in live:
-            a.poll(0.01)
+def _end_event(path: Path, task: str, status: str, reason: str, wall_s: float) -> None:
+    """A ``task_end`` for a run stopped before its task ended (the service is gone)."""
+    from unicron.control.events import EventLog
+
+    log = EventLog(path)
+    log.emit("task_end", task=task, status=status, reason=reason, wall_s=wall_s)
+    log.close()
+
+
+class _Service:
+    """The cluster service of this run: its HTTP API on 127.0.0.1 and a free port (uvicorn on
+    a thread), a fresh token, the cluster's ticker, and a client for the agents."""
+
+    def __init__(self, cluster: Any) -> None:
+        import secrets
+        import socket
+
+        from unicron.control.client import Client
+        from unicron.control.service import serve
+
+        self.cluster = cluster
+        token = secrets.token_urlsafe(24)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        self.server = serve(cluster, token, "127.0.0.1", port)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, name="service", daemon=True
+        )
+        self._thread.start()
+        deadline = time.time() + 30.0
+        while not self.server.started:
+            if not self._thread.is_alive() or time.time() > deadline:
+                raise RuntimeError("the embedded coordinator service did not start")
+            time.sleep(0.01)
+        cluster.start_ticker()
+        self.client = Client(f"http://127.0.0.1:{port}", token)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=5.0)
+        self.client.close()
 
 
 class _Display:

@@ -236,6 +236,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
+    logging.getLogger("unicron.control.cluster").setLevel(logging.INFO)
     state_dir = Path(args.state_dir)
     cluster = Cluster(
         state_dir, host=advertise, settings=ClusterSettings(node_timeout_s=args.node_timeout)

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 RECORD = "store.json"
 """in the state directory: the store's host, port and process id"""
@@ -55,6 +56,15 @@ def _answers(info: StoreInfo) -> bool:
         return True
     except Exception:  # refused, timed out: gone
         return False
+
+
+def serve_here(host: str) -> Any:
+    """A store served by this process (``unicron run``: nothing outlives it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
+    )
 
 
 def read_record(state_dir: Path) -> StoreInfo | None:

@@ -9,7 +9,8 @@
     weight: 1.0                     # the planner's priority (> 0)
     reduce: exact                   # exact | fast
     threads: 1                      # torch threads per worker
-    checkpoint: {every: auto, keep: 3, mtbf: 10800}
+    checkpoint: {every: auto, keep: 3, mtbf: 10800}   # also dir, resume
+    device: cpu                     # cpu | cuda
     give_up_after: 600              # seconds below min before the task fails
     readmit_after: 60               # seconds before an excluded slot is probed
     inject: []                      # fault specs, as ``unicron run --inject``
@@ -51,6 +52,16 @@ class Checkpoint(BaseModel):
     every: int | Literal["auto"] = "auto"
     keep: int = Field(3, ge=0)
     mtbf: float = Field(3 * 3600.0, gt=0, allow_inf_nan=False)
+    dir: str | None = None
+    """where checkpoints go (default: the coordinator's STATE_DIR/tasks/UID/checkpoints)"""
+    resume: bool = False
+    """go on from the newest valid checkpoint in ``dir``"""
+
+    @model_validator(mode="after")
+    def _resume_needs_dir(self) -> Checkpoint:
+        if self.resume and not self.dir:
+            raise ValueError("checkpoint: resume needs dir")
+        return self
 
     @field_validator("every")
     @classmethod
@@ -70,6 +81,7 @@ class TaskSpec(BaseModel):
     workers: Workers = Field(default_factory=lambda: Workers.model_validate({}))
     weight: float = Field(1.0, gt=0, allow_inf_nan=False)
     reduce: Literal["exact", "fast"] = "exact"
+    device: Literal["cpu", "cuda"] = "cpu"
     on_lost: Literal["recompute", "drop"] = "recompute"
     threads: int = Field(1, ge=1, le=256)
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))

@@ -573,3 +573,27 @@ def _differs(old: Interval | None, new: Interval) -> bool:
     if new.seconds is None or old.seconds is None:
         return old.steps != new.steps
     return abs(new.seconds - old.seconds) > 0.2 * max(new.seconds, old.seconds)
+
+
+def take_progress(root: Path) -> int | None:
+    """Steps the run being resumed from ``root`` had committed (its :data:`PROGRESS` record,
+    read once and removed: a later resume after a crash must not read a stale count), or
+    ``None`` when it did not stop cleanly. Called when a resumed task starts."""
+    path = root / PROGRESS
+    try:
+        committed = int(json.loads(path.read_text(encoding="utf-8"))["committed_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    path.unlink()
+    return committed
+
+
+def record_progress(root: Path | None, committed: int | None) -> None:
+    """Write how many steps a run committed beside its checkpoints (for a later resume);
+    nothing without checkpoints or a known count. Called when ``unicron run`` ends."""
+    if root is None or committed is None or not has_checkpoint(root):
+        return
+    try:
+        write_json_atomic(root / PROGRESS, {"committed_steps": committed})
+    except OSError as exc:
+        log.warning("progress record not written: %s", exc)
