@@ -38,6 +38,7 @@ from unicron.control.events import EventLog
 from unicron.control.state import NodeRow, State, TaskRow, open_state
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
+from unicron.errors import UsageError
 from unicron.runtime import checkpoint as C
 
 log = logging.getLogger("unicron.control.cluster")
@@ -253,6 +254,12 @@ class Cluster:
         (``unicron run --events``; never from the API): the task's event log goes there."""
         if not Path(spec.script).is_file():
             raise Invalid(f"script: no such file on the coordinator's host: {spec.script}")
+        ck = spec.checkpoint
+        if ck.resume and ck.dir:
+            try:
+                C.check_resume(Path(ck.dir), spec.reduce, flag="checkpoint.dir")
+            except UsageError as exc:
+                raise Invalid(str(exc)) from None
         with self._lock:
             if spec.name in self.tasks:
                 raise Conflict(

@@ -205,25 +205,10 @@ def _check_writable(root: Path, flag: str) -> None:
 
 
 def _check_resume(root: Path, reduce: str) -> None:
-    """``--resume DIR``: a writable directory whose newest valid checkpoint was written in the
-    same reduce mode (the worker checks the model when it loads it)."""
-    if not root.is_dir():
-        raise UsageError(f"--resume {root}: no such directory")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise UsageError(f"--resume {root}: no permission to write (new checkpoints go there)")
-    skipped: list[str] = []
-    found = C.newest(root, skipped=skipped)
-    if found is None:
-        why = f"{len(skipped)} checkpoint(s), none valid ({skipped[0]})" if skipped else "empty"
-        raise UsageError(f"--resume {root}: no checkpoint to go on from: {why}")
-    for reason in skipped:  # on stderr before the run starts; the newest valid one is used
+    """``--resume DIR`` (:func:`unicron.runtime.checkpoint.check_resume`); the checkpoints
+    skipped as invalid are named on stderr before the run starts."""
+    for reason in C.check_resume(root, reduce, flag="--resume"):
         print(f"unicron: warning: skipping checkpoint: {reason}", file=sys.stderr)
-    manifest = found[1]
-    if manifest.reduce != reduce:
-        raise UsageError(
-            f"--resume {root}: checkpoint step {manifest.step} was written with --reduce "
-            f"{manifest.reduce}; run with --reduce {manifest.reduce}"
-        )
 
 
 def task_spec(args: argparse.Namespace, log_dir: Path) -> Any:

@@ -597,3 +597,29 @@ def record_progress(root: Path | None, committed: int | None) -> None:
         write_json_atomic(root / PROGRESS, {"committed_steps": committed})
     except OSError as exc:
         log.warning("progress record not written: %s", exc)
+
+
+def check_resume(root: Path, reduce: str, *, flag: str) -> list[str]:
+    """Going on from ``root`` (``unicron run --resume DIR``, a task file's ``checkpoint:
+    {resume: true, dir: DIR}``): a writable directory whose newest valid checkpoint was
+    written in the same reduce mode (the worker checks the model when it loads it). Raises
+    :class:`~unicron.errors.UsageError` with one line (``flag`` names the setting); returns
+    the reasons checkpoints newer than the one used were skipped."""
+    from unicron.errors import UsageError
+
+    if not root.is_dir():
+        raise UsageError(f"{flag} {root}: no such directory")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {root}: no permission to write (new checkpoints go there)")
+    skipped: list[str] = []
+    found = newest(root, skipped=skipped)
+    if found is None:
+        why = f"{len(skipped)} checkpoint(s), none valid ({skipped[0]})" if skipped else "empty"
+        raise UsageError(f"{flag} {root}: no checkpoint to go on from: {why}")
+    manifest = found[1]
+    if manifest.reduce != reduce:
+        raise UsageError(
+            f"{flag} {root}: checkpoint step {manifest.step} was written in reduce mode "
+            f"{manifest.reduce}; go on in that mode (--reduce {manifest.reduce})"
+        )
+    return skipped
