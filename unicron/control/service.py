@@ -126,7 +126,7 @@ def resolve_token(token_file: str | None, state_dir: Path | None = None) -> str:
 def make_app(cluster: Any, token: str) -> Any:
     """The FastAPI application over ``cluster`` (a :class:`~unicron.control.cluster.Cluster`)."""
 
-    def authorized(request: Request) -> None:
+    async def authorized(request: Request) -> None:  # async: no thread hop per request
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip(), token):
@@ -190,12 +190,14 @@ def make_app(cluster: Any, token: str) -> Any:
         nid = cluster.register(body.name, body.slots, body.address, body.instance, time.time())
         return {"node": nid}
 
+    # the agents' calls run on the event loop (no thread hop) and answer JSON as is: they
+    # are the hot path (one per supervisor round), and the cluster's calls never block long
     @app.post("/v1/agents/{node}/heartbeat", summary="an agent is alive")
-    def heartbeat(node: str, body: Heartbeat) -> dict[str, Any]:
-        return {"tasks": cluster.heartbeat(node, body.instance, time.time())}
+    async def heartbeat(node: str, body: Heartbeat) -> JSONResponse:
+        return JSONResponse({"tasks": cluster.heartbeat(node, body.instance, time.time())})
 
     @app.post("/v1/agents/{node}/tasks/{uid}/exchange", summary="one round of a supervisor")
-    def exchange(node: str, uid: str, body: Exchange) -> dict[str, Any]:
+    async def exchange(node: str, uid: str, body: Exchange) -> JSONResponse:
         try:
             reports = [M.from_wire(r) for r in body.reports]
         except ValueError as exc:
@@ -203,7 +205,7 @@ def make_app(cluster: Any, token: str) -> Any:
         if any(isinstance(r, M.Spawn | M.Kill | M.Probe | M.Reply) for r in reports):
             raise Invalid("reports: an action or reply is not a report")
         reply = cluster.exchange(node, body.instance, uid, reports, time.time(), body.read_until)
-        return M.to_wire(reply)
+        return JSONResponse(M.to_wire(reply))
 
     return app
 
