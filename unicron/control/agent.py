@@ -86,6 +86,7 @@ class _Worker:
     finished: bool = False  # it reported "done": its exit is the normal end
     kill_pending: bool = False  # asked to die before its pid was known
     waiting: bool = False  # reported ready, entered no epoch since
+    leaving: bool = False  # killed because its slot goes to another task
 
 
 @dataclass(kw_only=True)
@@ -195,8 +196,13 @@ class Agent:
             if self.vanished:
                 return
             if isinstance(action, Spawn):
+                w = self.workers.get(action.slot)
+                if action.fresh and w is not None and not w.gone and w.incarnation >= 0:
+                    continue  # a slot given to the task, already started with its supervisor
                 self.spawn(action.slot)
             elif isinstance(action, Kill):
+                if action.leave and action.slot in self.workers:
+                    self.workers[action.slot].leaving = True
                 self.kill(action.slot, action.verdict)
             elif isinstance(action, Probe):
                 try:
@@ -208,12 +214,15 @@ class Agent:
         """Start a new incarnation of the worker in ``slot``. Never two processes in one slot:
         an earlier incarnation still running is killed (its pid, if the zygote has not told
         it yet, is killed when it does), and a slot waiting for the zygote is launched once."""
+        if slot not in self.workers:  # a slot the task was given while it ran
+            self.workers[slot] = _Worker(slot)
+            self.config.slots.append(slot)
         w = self.workers[slot]
         if w.pid is not None and not w.gone:
             _kill(w.pid)
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
-        w.gone = w.finished = w.kill_pending = w.waiting = False
+        w.gone = w.finished = w.kill_pending = w.waiting = w.leaving = False
         if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
             if slot not in self._pending_spawns:  # the zygote is still importing torch
                 self._pending_spawns.append(slot)
@@ -489,6 +498,9 @@ class Agent:
             return
         w.gone = True
         if self._stop.is_set() or w.finished or self.reply.finished:
+            return
+        if w.leaving:  # a planned move: nothing to heal
+            self._report(M.WorkerLeft(slot=slot, ts=time.time()))
             return
         if returncode == 0 and self.reply.over:
             # a worker that left because the task ended (maybe announced in a last epoch it

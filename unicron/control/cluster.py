@@ -26,10 +26,12 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unicron.control import allocation as A
 from unicron.control import messages as M
 from unicron.control import store as S
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
@@ -39,6 +41,7 @@ from unicron.control.state import NodeRow, State, TaskRow, open_state
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.errors import UsageError
+from unicron.planner.solver import expected_time_to_failure_s
 from unicron.runtime import checkpoint as C
 
 log = logging.getLogger("unicron.control.cluster")
@@ -87,7 +90,7 @@ class Task:
     spec: TaskSpec
     controller: Coordinator | None = None
     events: EventLog | None = None
-    counts: Counter[str] = field(default_factory=Counter)
+    leaving: set[int] = field(default_factory=set)  # ranks given back, worker not yet gone
 
 
 class Cluster:
@@ -118,6 +121,7 @@ class Cluster:
         now = time.time()
         self.nodes: dict[int, Node] = {r.id: Node(r, last_seen=now) for r in self.state.nodes()}
         self.tasks: dict[str, Task] = {}
+        self._triggers: list[str] = []  # what happened since the last plan
         last_alive = float(self.state.meta("alive_ts") or "nan")
         self.away_s = now - last_alive if math.isfinite(last_alive) else None
         for row in self.state.tasks():
@@ -132,6 +136,8 @@ class Cluster:
         self._alive_written = now
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._pending_adds: list[tuple[str, int]] = []  # (task, node): planned, not yet free
+        self.plan_error = ""  # the planner's last error, shown by status
 
     # -- lifecycle -------------------------------------------------------------------------
     def start_ticker(self) -> None:
@@ -171,6 +177,7 @@ class Cluster:
                 self.nodes[nid] = node
                 self.state.save_node(node.row)
                 log.info("node %s registered as node %d with %d slot(s)", name, nid, slots)
+                self._triggers.append(f"node {name} registered")
                 return nid
             if node.row.instance != instance:
                 silent = now - node.last_seen
@@ -192,6 +199,7 @@ class Cluster:
                     if t.controller is not None and node.row.id in t.row.placement
                 ]
                 log.info("node %s (node %d) is back", name, node.row.id)
+                self._triggers.append(f"node {name} back")
             node.last_seen, node.lost = now, False
         for task in returned:
             assert task.controller is not None
@@ -239,13 +247,6 @@ class Cluster:
     def _used(self, nid: int) -> int:
         return sum(t.row.placement.count(nid) for t in self.tasks.values() if t.row.state in ACTIVE)
 
-    def _free(self, now: float) -> dict[int, int]:
-        return {
-            nid: n.row.slots - self._used(nid)
-            for nid, n in sorted(self.nodes.items())
-            if not n.lost and now - n.last_seen < self.settings.node_timeout_s
-        }
-
     # -- tasks -----------------------------------------------------------------------------
     def submit(
         self, spec: TaskSpec, now: float, *, events_to: Path | None = None
@@ -272,8 +273,11 @@ class Cluster:
             if events_to is not None:
                 self._events_to[row.uid] = events_to
             self.state.save_task(row)
-            self._place(task, now)
-            return self.view(task)
+            calls = self._replan(now, f"task {spec.name} submitted")
+            self._settle(now, calls)
+            view = self.view(task)
+        self._call(calls)
+        return view
 
     def cancel(self, name: str, now: float) -> dict[str, Any]:
         with self._lock:
@@ -295,19 +299,131 @@ class Cluster:
             raise NotFound(f"no task named {name}")
         return task
 
-    def _place(self, task: Task, now: float) -> bool:
-        """Give a queued task min..max slots, packed onto the nodes with the most free slots
-        (the planner's turn comes with many tasks); False if its minimum does not fit."""
-        free = self._free(now)
-        want = task.spec.workers
-        if sum(free.values()) < want.min:
-            return False
-        placement: list[int] = []
-        for nid, n in sorted(free.items(), key=lambda kv: (-kv[1], kv[0])):
-            placement += [nid] * min(n, want.max - len(placement))
-        task.row.placement = placement
-        self._start(task, now, adopt=False)
-        return True
+    # -- the planner in the loop ------------------------------------------------------------
+    def _replan(self, now: float, trigger: str) -> list[Callable[[], None]]:
+        """Ask the planner for every task's worker count (:mod:`unicron.control.allocation`)
+        on a trigger; queue the slots to add, and return the releases to make (calls into
+        task coordinators, made by the caller after it lets go of the cluster lock). One
+        ``plan`` event per task concerned: the allocation before and after, both WAFs, why."""
+        capacity = {nid: n.slots for nid, n in self._free_capacity(now).items()}
+        views = []
+        for task in self.tasks.values():
+            if task.row.state not in ("queued", *ACTIVE) or task.row.state == "cancelled":
+                continue
+            ranks = {
+                r: n for r, n in enumerate(task.row.placement) if n >= 0 and r not in task.leaving
+            }
+            planned = [n for name, n in self._pending_adds if name == task.row.name]
+            for k, node in enumerate(planned):  # planned, not yet free: held where they go
+                ranks[-1 - k] = node
+            c = task.controller
+            views.append(
+                A.TaskView(
+                    name=task.row.name,
+                    weight=task.spec.weight,
+                    min_workers=task.spec.workers.min,
+                    max_workers=task.spec.workers.max,
+                    ranks=ranks,
+                    running=c is not None,
+                    microbatches=None if c is None else c.microbatches,
+                )
+            )
+        if not views or not capacity:
+            return []
+        try:
+            decision = A.decide(views, capacity, self._d_run_s(now, len(capacity)))
+        except Exception as exc:  # a planner error never stops the cluster
+            self.plan_error = f"{trigger}: {exc}"
+            log.exception("planner failed; the allocation stays as it is")
+            return []
+        self.plan_error = ""
+        if not decision.changed:
+            return []
+        calls: list[Callable[[], None]] = []
+        before = {m.task: m.before for m in decision.moves}
+        after = {m.task: m.after for m in decision.moves}
+        for m in decision.moves:
+            task = self.tasks[m.task]
+            why = f"planner on {trigger}: {before} -> {after}"
+            if m.release:
+                task.leaving.update(m.release)
+                c = task.controller
+                assert c is not None
+                calls.append(functools.partial(c.release_slots, list(m.release), now, why))
+            self._pending_adds += [(m.task, n) for n in m.add_on]
+            if task.events is not None and m.before != m.after:
+                task.events.emit(
+                    "plan",
+                    ts=now,
+                    task=task.row.name,
+                    trigger=trigger,
+                    allocation=after,
+                    allocation_before=before,
+                    waf_before=round(decision.waf_before, 6),
+                    waf_after=round(decision.waf_after, 6),
+                    reason=decision.reasons.get(m.task, ""),
+                )
+        log.info("plan on %s: %s -> %s", trigger, before, after)
+        return calls
+
+    def _settle(self, now: float, calls: list[Callable[[], None]]) -> None:
+        """Carry out the queued additions whose slot is free: a running task gets a new rank
+        there (its coordinator's ``add_slot``, appended to ``calls``); a queued task starts
+        once all its planned slots are free. Called under the cluster lock."""
+        free = {nid: n.slots - self._used(nid) for nid, n in self._free_capacity(now).items()}
+        waiting: dict[str, list[int]] = {}
+        kept: list[tuple[str, int]] = []
+        for name, node in self._pending_adds:
+            task = self.tasks.get(name)
+            if task is None or task.row.state in ENDED or task.row.state == "cancelled":
+                continue
+            if node not in free:
+                continue  # the node went meanwhile: the next plan decides again
+            if task.controller is None:
+                waiting.setdefault(name, []).append(node)
+                kept.append((name, node))
+                continue
+            if free[node] <= 0:
+                kept.append((name, node))
+                continue
+            free[node] -= 1
+            rank = len(task.row.placement)
+            task.row.placement.append(node)
+            self.state.save_task(task.row)
+            c = task.controller
+            calls.append(functools.partial(c.add_slot, rank, node, now, "planner"))
+        self._pending_adds = kept
+        for name, nodes in waiting.items():
+            need = {n: nodes.count(n) for n in nodes}
+            if all(free.get(n, 0) >= k for n, k in need.items()):
+                task = self.tasks[name]
+                task.row.placement = sorted(nodes)
+                self._pending_adds = [(m, n) for m, n in self._pending_adds if m != name]
+                for n in nodes:
+                    free[n] -= 1
+                self._start(task, now, adopt=False)
+
+    def _call(self, calls: list[Callable[[], None]]) -> None:
+        """Make the planned calls into task coordinators (never under the cluster lock)."""
+        for call in calls:
+            try:
+                call()
+            except Exception:
+                log.exception("a planned move failed")
+
+    def _free_capacity(self, now: float) -> dict[int, NodeRow]:
+        return {
+            nid: n.row
+            for nid, n in sorted(self.nodes.items())
+            if not n.lost and now - n.last_seen < self.settings.node_timeout_s
+        }
+
+    def _d_run_s(self, now: float, nodes: int) -> float:
+        """Expected time to the next failure: a prior of one failure per node and day,
+        refined by the failures the cluster saw since it started (docs/planner.md)."""
+        days = max(now - self.started, 0.0) / 86400.0
+        rate = (1.0 + self.metrics.failures_seen) / (1.0 + days)  # per node and day
+        return expected_time_to_failure_s(rate, max(nodes, 1))
 
     def _start(self, task: Task, now: float, *, adopt: bool) -> None:
         spec, row = task.spec, task.row
@@ -411,6 +527,7 @@ class Cluster:
             for node in self.nodes.values():
                 if not node.lost and now - node.last_seen > self.settings.node_timeout_s:
                     node.lost = True
+                    self._triggers.append(f"node {node.row.name} lost")
                     log.warning(
                         "node %s is lost (silent %.1f s)", node.row.name, now - node.last_seen
                     )
@@ -427,9 +544,19 @@ class Cluster:
             if c.finished():
                 with self._lock:
                     self._finish(task, now)
+        calls: list[Callable[[], None]] = []
         with self._lock:
-            for task in [t for t in self.tasks.values() if t.row.state == "queued"]:
-                self._place(task, now)
+            for task in active:
+                c = task.controller
+                for rank in c.released() if c is not None else ():
+                    task.row.placement[rank] = -1  # the slot is free for the next task
+                    task.leaving.discard(rank)
+                    self.state.save_task(task.row)
+            if self._triggers:
+                calls += self._replan(now, "; ".join(self._triggers))
+                self._triggers.clear()
+            self._settle(now, calls)
+        self._call(calls)
         if now - self._alive_written >= 1.0:
             self.state.set_meta("alive_ts", repr(now))
             self._alive_written = now
@@ -465,6 +592,7 @@ class Cluster:
         now: float,
         result: dict[str, Any] | None = None,
     ) -> None:
+        self._triggers.append(f"task {task.row.name} {status}")
         task.row.state = status
         task.row.outcome = {"status": status, "reason": reason, "ts": now, **(result or {})}
         self.state.save_task(task.row)
@@ -499,7 +627,10 @@ class Cluster:
 
     def task_views(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [self.view(t) for t in self.tasks.values()]
+            views = [self.view(t) for t in self.tasks.values()]
+            for v in views:  # a planner error keeps the allocation; status says so
+                v["plan_error"] = self.plan_error
+            return views
 
     def task_view(self, name: str) -> dict[str, Any]:
         with self._lock:
@@ -563,6 +694,7 @@ class _Metrics:
             registry=self.registry,
         )
         self._faults: dict[tuple[str, int], float] = {}  # (task, rank) -> injected at
+        self.failures_seen = 0  # SEV1 and SEV2 detections: the planner's failure rate
         self._lock = threading.Lock()
 
     def observe(self, task: str, e: dict[str, Any]) -> None:
@@ -572,6 +704,8 @@ class _Metrics:
                 self._faults[(task, int(e["rank"]))] = float(e["ts"])
             elif kind == "error_detected":
                 self.failures.labels(str(e.get("kind")), str(e.get("severity"))).inc()
+                if int(e.get("severity", 3)) <= 2:
+                    self.failures_seen += 1
                 injected = self._faults.pop((task, int(e.get("rank", -1))), None)
                 if injected is not None:
                     self.detection.observe(max(float(e["ts"]) - injected, 0.0))

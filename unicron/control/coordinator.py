@@ -157,6 +157,8 @@ class _Slot:
     last_error: str = ""
     has_state: bool = True  # it holds the task's committed state (or will after a sync)
     fresh: bool = True  # started while no step had committed, and has computed none since
+    leaving: bool = False  # given to another task: out at the next epoch, then stopped
+    stop_sent: bool = False
 
 
 @dataclass
@@ -222,6 +224,7 @@ class Coordinator:
         self._probing: set[int] = set()
         self._adopted = False  # took over a running task after a restart (see adopt)
         self._logged_before = (-1, -1)  # (epoch, step): commits already in the event log
+        self._released: set[int] = set()  # given back, worker gone, not yet told the cluster
         if store is None:  # a store of its own, served from this process
             self.store: dist.Store = dist.TCPStore(
                 host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
@@ -285,6 +288,9 @@ class Coordinator:
             )
 
     def _apply(self, node: int, r: M.Report) -> None:
+        slot = getattr(r, "slot", None)
+        if slot is not None and slot not in self.slots:
+            return  # a slot given to another task meanwhile: nothing of it matters here
         if isinstance(r, M.Ready):
             self.worker_ready(r.slot, r.ts, microbatches=r.microbatches, state_bytes=r.state_bytes)
         elif isinstance(r, M.EpochEntered):
@@ -377,6 +383,10 @@ class Coordinator:
         with self._lock:
             s = self.slots[slot]
             s.ready = s.alive = False
+            if s.leaving:  # given back anyway: no healing, the slot is the task's no more
+                self.worker_left(slot)
+                self._reform(now, f"slot {slot} released")
+                return
             s.last_error = verdict.reason
             self._last_failure_ts = now
             self._forget(slot)
@@ -523,9 +533,74 @@ class Coordinator:
     def worker_left(self, slot: int) -> None:
         """The worker in ``slot`` exited cleanly after the task ended, without a report (it
         was waiting to join, or joined a last epoch as the others finished): the task does not
-        wait for it (:meth:`finished`)."""
+        wait for it (:meth:`finished`). Or it was stopped because its slot goes to another
+        task (:meth:`release_slot`): the slot is the task's no more (:meth:`released`)."""
         with self._lock:
-            self.slots[slot].alive = self.slots[slot].ready = False
+            s = self.slots.get(slot)
+            if s is None:
+                return
+            s.alive = s.ready = False
+            if s.leaving:
+                self._forget(slot)
+                del self.slots[slot]
+                self._released.add(slot)
+
+    # -- the cluster's planner moves slots ---------------------------------------------------
+    def add_slot(self, slot: int, node: int, now: float, reason: str) -> None:
+        """The cluster gives the task ``slot`` on ``node`` (a planner decision): a worker
+        starts there and joins the next epoch, at a step boundary, with the state from the
+        nearest replica. A ``reconfigure`` action says why."""
+        with self._lock:
+            if slot in self.slots or self.over():
+                return
+            s = self.slots[slot] = _Slot(node=node)
+            s.has_state = s.fresh = not self._trained
+            self._action(Action.RECONFIGURE, slot, f"slot {slot} added: {reason}", 1, now)
+            self._send(node, Spawn(slot, fresh=True))
+
+    def release_slots(self, slots: list[int], now: float, reason: str) -> None:
+        """The cluster takes ``slots`` back for another task: one epoch (at a step boundary,
+        nothing recomputed) goes on without them; once every remaining member has entered it
+        their workers are stopped, and the slots are the task's no more (:meth:`released`).
+        A ``reconfigure`` action per slot says why."""
+        with self._lock:
+            leaving = []
+            for slot in slots:
+                s = self.slots.get(slot)
+                if s is None or s.leaving:
+                    continue
+                s.leaving = s.excluded = True
+                self._action(Action.RECONFIGURE, slot, f"slot {slot} released: {reason}", 1, now)
+                if not s.alive:
+                    self._forget(slot)
+                    del self.slots[slot]
+                    self._released.add(slot)
+                else:
+                    leaving.append(slot)
+            rest = tuple(m for m in self.members if m not in leaving)
+            if rest != self.members and self._active():
+                gone = ", ".join(map(str, leaving))
+                self._announce(rest, urgent=False, now=now, reason=f"slot(s) {gone} released")
+
+    def released(self) -> set[int]:
+        """Slots given back whose worker is gone (each reported once)."""
+        with self._lock:
+            out, self._released = self._released, set()
+            return out
+
+    def _stop_leavers(self) -> None:
+        """Stop the workers of released slots once every member entered the epoch without
+        them (they finished the step they were in; nothing of theirs is needed)."""
+        for slot, s in list(self.slots.items()):
+            if not s.leaving or s.stop_sent or slot in self.members:
+                continue
+            entered = all(
+                (p := self._progress.get(m)) is not None and p.epoch >= self.epoch
+                for m in self.members
+            )
+            if entered or not self.members or self.over():
+                s.stop_sent = True
+                self._send(s.node, Kill(slot, None, leave=True))
 
     def worker_done(self, slot: int, report: dict[str, Any], now: float) -> None:
         """The worker in ``slot`` finished the last step (every member of the epoch will)."""
@@ -677,6 +752,7 @@ class Coordinator:
             self._check_monitor(now)
             self._check_stalls(now)
             self._probe_excluded(now)
+            self._stop_leavers()
             self._grow(now)
             if self.state is TaskState.WAITING:
                 self._check_give_up(now)
@@ -1131,7 +1207,7 @@ class Coordinator:
             ts=now,
             task=self.label,
             epoch=self.epoch,
-            allocation={self.task: len(members)},
+            allocation={self.label: len(members)},
             reason=reason,
         )
         self.store.set(epoch_info_key(self.task, self.epoch), info.to_json())

@@ -25,17 +25,22 @@ from unicron.detect.classify import Action, Scope, Severity, Verdict
 # -- actions: coordinator -> agent -------------------------------------------------------------
 @dataclass(frozen=True)
 class Spawn:
-    """Start a new incarnation of the worker in ``slot``."""
+    """Start a new incarnation of the worker in ``slot``; ``fresh``: a slot the task was just
+    given (started unless a worker already runs there)."""
 
     slot: int
+    fresh: bool = False
 
 
 @dataclass(frozen=True)
 class Kill:
-    """SIGKILL the worker in ``slot``; its exit is reported with ``verdict`` (already logged)."""
+    """SIGKILL the worker in ``slot``; its exit is reported with ``verdict`` (already logged).
+    ``leave``: the slot goes to another task (a planned move, not a failure): its exit is
+    reported as :class:`WorkerLeft`."""
 
     slot: int
     verdict: Verdict | None = None
+    leave: bool = False
 
 
 @dataclass(frozen=True)

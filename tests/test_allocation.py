@@ -1,0 +1,108 @@
+"""The cluster's allocation (:mod:`unicron.control.allocation`) and a task coordinator's
+side of a planned move (``release_slots``, ``add_slot``): pure decisions, no processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unicron.control.allocation import TaskView, decide
+from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.control.events import EventLog, read_events
+from unicron.control.messages import Kill, Spawn
+
+DAY = 86400.0
+
+
+def view(name: str, weight: float, lo: int, hi: int, ranks: dict[int, int], *, running: bool,
+         mb: int | None = 8) -> TaskView:  # fmt: skip
+    return TaskView(name=name, weight=weight, min_workers=lo, max_workers=hi, ranks=ranks,
+                    running=running, microbatches=mb)  # fmt: skip
+
+
+def moves(d: object) -> dict[str, tuple[int, int]]:
+    return {m.task: (m.before, m.after) for m in d.moves}  # type: ignore[attr-defined]
+
+
+def test_a_new_task_is_packed_node_by_node_in_rank_order() -> None:
+    d = decide([view("a", 1, 1, 4, {}, running=False)], {0: 2, 1: 2}, DAY)
+    (m,) = d.moves
+    assert (m.before, m.after, m.add_on) == (0, 4, (0, 0, 1, 1))
+
+
+def test_a_heavier_task_takes_slots_but_a_running_one_keeps_its_minimum() -> None:
+    a = view("a", 1, 1, 4, {0: 0, 1: 0, 2: 1, 3: 1}, running=True)
+    b = view("b", 3, 2, 4, {}, running=False)
+    d = decide([a, b], {0: 2, 1: 2}, DAY)
+    assert moves(d) == {"a": (4, 1), "b": (0, 3)}
+    assert d.waf_after > d.waf_before
+    release = next(m for m in d.moves if m.task == "a").release
+    assert len(release) == 3 and 0 not in release  # the first rank stays
+    add = next(m for m in d.moves if m.task == "b").add_on
+    assert sorted(add) == sorted([1, 1, 0])  # the slots a gives back
+
+
+def test_a_lighter_task_waits_and_nothing_moves_for_a_gain_below_the_transition() -> None:
+    a = view("a", 3, 1, 4, {0: 0, 1: 0, 2: 1, 3: 1}, running=True)
+    b = view("b", 1, 2, 4, {}, running=False)
+    d = decide([a, b], {0: 2, 1: 2}, DAY)
+    assert not d.changed and moves(d) == {"a": (4, 4), "b": (0, 0)}
+
+
+def test_running_minimums_that_do_not_fit_move_nothing() -> None:
+    a = view("a", 1, 3, 4, {0: 0, 1: 0, 2: 1, 3: 1}, running=True)
+    b = view("b", 1, 2, 4, {4: 1, 5: 1}, running=True)
+    d = decide([a, b], {0: 2}, DAY)  # node 1 lost: 2 slots left, minimums 3 + 2
+    assert not d.changed
+
+
+def test_slots_on_lost_nodes_are_not_held_and_freed_slots_are_taken_back() -> None:
+    a = view("a", 1, 1, 4, {0: 0, 1: 0, 2: 1, 3: 1}, running=True)
+    d = decide([a], {0: 2, 2: 2}, DAY)  # node 1 lost, node 2 free
+    (m,) = d.moves
+    assert (m.before, m.after, m.add_on) == (2, 4, (2, 2))
+
+
+def _coordinator(tmp: Path) -> Coordinator:
+    c = Coordinator(
+        task="t",
+        slots={s: 0 for s in range(4)},
+        events=EventLog(tmp / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(),
+    )
+    c.attach(0)
+    for s in range(4):
+        c.worker_ready(s, 0.0, microbatches=8)
+    assert c.state is TaskState.RUNNING and c.members == (0, 1, 2, 3)
+    return c
+
+
+def test_a_released_slot_leaves_at_a_step_boundary_then_is_stopped(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path)
+    c.release_slots([2, 3], 1.0, "planner")
+    assert c.members == (0, 1) and c.epoch == 2
+    info = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "epoch_begin"]
+    assert info[-1]["urgent"] is False  # members switch at the step boundary: no recompute
+    c.tick(1.1)
+    assert not any(isinstance(a, Kill) for a in c.take_actions(0))  # members not there yet
+    for m in (0, 1):
+        c.epoch_entered(m, 2, 1.2)
+    c.tick(1.3)
+    kills = [a for a in c.take_actions(0) if isinstance(a, Kill)]
+    assert sorted(k.slot for k in kills) == [2, 3] and all(k.leave for k in kills)
+    c.worker_left(2)
+    c.worker_left(3)
+    assert c.released() == {2, 3} and sorted(c.slots) == [0, 1]
+    assert c.released() == set()  # told once
+
+
+def test_an_added_slot_starts_fresh_and_joins_the_next_epoch(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path)
+    c.step_committed(1, 0, 0.5)
+    c.add_slot(4, 0, 1.0, "planner")
+    (spawn,) = [a for a in c.take_actions(0) if isinstance(a, Spawn)]
+    assert spawn == Spawn(4, fresh=True)
+    assert not c.slots[4].has_state  # a step committed: it receives the state
+    c.worker_ready(4, 2.0, microbatches=8)
+    assert c.members == (0, 1, 2, 3, 4)
