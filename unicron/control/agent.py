@@ -288,6 +288,15 @@ class Agent:
             if self.reply.finished:
                 return
 
+    def kill_all(self) -> None:
+        """SIGKILL every worker and the zygote now (the run is interrupted). Safe from another
+        thread: it only sends signals; :meth:`stop` cleans up after."""
+        for w in list(self.workers.values()):
+            if w.pid is not None and not w.gone:
+                _kill(w.pid)
+        if self._zygote is not None:
+            _killpg(self._zygote.pid)
+
     def vanish(self) -> None:
         """The injected node fault: this node's workers and zygote die at once and the agent
         falls silent (no more reports, no heartbeats), as when a machine is lost."""

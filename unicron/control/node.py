@@ -193,6 +193,13 @@ class NodeAgent:
         r.agent.stop()
         self.errors += r.agent.errors
 
+    def kill_all(self) -> None:
+        """Every worker of every task on this node dies now (``unicron run`` interrupted);
+        from any thread. :meth:`stop` then cleans up."""
+        self.drain_s = 0.0
+        for r in list(self.tasks.values()):
+            r.agent.kill_all()
+
     def _vanish(self) -> None:
         self.vanished = True
         for r in self.tasks.values():

@@ -301,7 +301,7 @@ def main(args: argparse.Namespace) -> int:
             time.sleep(0.05)
         if terminated.is_set():
             for node in nodes:
-                node.drain_s = 0.0  # stop now, not after the workers' own ending
+                node.kill_all()  # stop now: no step after the signal
         stop.set()
         for th in threads:  # each drains its finished workers (they may write final.pt)
             th.join()
@@ -309,8 +309,9 @@ def main(args: argparse.Namespace) -> int:
         interrupted = True
     finally:
         stop.set()
-        for node in nodes:
-            node.drain_s = 0.0
+        if interrupted or terminated.is_set():
+            for node in nodes:
+                node.kill_all()
         for th in threads:  # no agent may start a worker while the others are being stopped
             th.join(timeout=5.0)
         for node in nodes:
@@ -398,9 +399,9 @@ class _Service:
         self.client = Client(f"http://127.0.0.1:{port}", token)
 
     def close(self) -> None:
+        self.client.close()  # first: the server waits for open connections to close
         self.server.should_exit = True
         self._thread.join(timeout=5.0)
-        self.client.close()
 
 
 class _Display:
