@@ -26,6 +26,7 @@ from multiprocessing.connection import Client, Connection, wait
 from typing import Any
 
 from unicron.control.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_THREADS
+from unicron.errors import UsageError
 
 _PR_SET_PDEATHSIG = 1
 
@@ -56,6 +57,11 @@ def run_script(script: str, argv: list[str]) -> int:
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except UsageError as exc:  # bad use of the worker API: the whole run ends with exit 2
+        sys.stderr.write(f"unicron: error: {exc}\n")
+        agent.send({"type": "error", "usage": True, "type_name": "UsageError",
+                    "message": str(exc), "traceback": "", "in_band": False})  # fmt: skip
+        return 2
     except BaseException as exc:  # report everything the script raised, then exit 1
         tb = traceback.format_exc()
         sys.stderr.write(tb)
