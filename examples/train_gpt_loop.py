@@ -26,7 +26,6 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per global batch")
     p.add_argument("--out", default=None, help="rank 0 writes OUT/final.pt here")
     p.add_argument("--sampler", action="store_true", help="a DistributedSampler's order")
-    p.add_argument("--misuse", default=None, help=argparse.SUPPRESS)  # tests: bad use of the API
     args = p.parse_args()
     model, optimizer, dataset = gpt.build(seed=args.seed)
     model.train()
@@ -47,17 +46,9 @@ def main() -> None:
         out=args.out,
     )
     for step in loop:
-        if args.misuse == "wrong-microbatch" and step.index == 2:
-            step.batch((step.microbatches[0] + args.microbatches // 2) % args.microbatches)
         for batch in step:
             loss = gpt.loss_fn(model, batch)
-            if args.misuse == "plain-backward" and step.index == 2:
-                loss.backward()  # not step.backward(loss): refused
             step.backward(loss)
-            if args.misuse == "partial" and step.index == 2:
-                break  # commits with micro-batches left: refused
-        if args.misuse == "optimizer-step" and step.index == 2:
-            optimizer.step()  # the commit steps the optimizer: refused
         if step.commit() and step.index % 10 == 0 and step.rank == 0:
             print(f"step {step.index}: loss {step.loss:.4f} ({step.world} replicas)", flush=True)
     result = loop.result

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 EXAMPLES = ROOT / "examples"
 GPT_LOOP = EXAMPLES / "train_gpt_loop.py"
 LLAMA = EXAMPLES / "train_llama.py"
+MISUSE_SCRIPT = ROOT / "tests" / "scripts" / "misuse.py"
 
 
 def _run(tmp: Path, script: Path, *run_args: str, steps: int, extra: tuple[str, ...] = ()) -> Any:
@@ -116,7 +117,7 @@ def test_bad_use_of_the_step_api_exits_2_naming_the_mistake_before_the_commit(
     tmp_path: Path, misuse: str
 ) -> None:
     misused = ("--misuse", misuse)
-    r = _run(tmp_path, GPT_LOOP, "--nproc-per-node", "2", "--quiet", steps=4, extra=misused)
+    r = _run(tmp_path, MISUSE_SCRIPT, "--nproc-per-node", "2", "--quiet", steps=4, extra=misused)
     assert r.returncode == 2, r.stderr[-3000:]
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and MISUSE[misuse] in lines[0], r.stderr

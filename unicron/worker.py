@@ -374,12 +374,14 @@ class Step:
         (None: zero), and its loss."""
         self._r.add_gradients(self, grads, loss)
 
-    def commit(self) -> bool:
+    def commit(self, *, before_optimizer: Callable[[], object] | None = None) -> bool:
         """Reduce every replica's sums, vote, step the optimizer with the mean gradient.
         True: the step committed (:attr:`loss` holds its loss). False: the membership changed
         (a peer failed or one joined mid-step); the loop hands this step out again in the new
-        epoch, with whatever is left to compute."""
-        return self._r.commit(self)
+        epoch, with whatever is left to compute. ``before_optimizer`` runs once the mean
+        gradient is in each parameter's ``.grad``, right before ``optimizer.step()`` (e.g.
+        ``lambda: clip_grad_norm_(model.parameters(), 1.0)``)."""
+        return self._r.commit(self, before_optimizer)
 
 
 class Loop:
@@ -968,7 +970,7 @@ class _Runner:
                 "after the reduce and the vote; remove the call"
             )
 
-    def commit(self, s: Step) -> bool:
+    def commit(self, s: Step, before_optimizer: Callable[[], object] | None) -> bool:
         """Reduce, vote, apply (see :meth:`Step.commit`)."""
         self._check_open(s, "step.commit()")
         if self.current is not None:
@@ -1009,7 +1011,7 @@ class _Runner:
             s.broken = exc
             return False
         kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
-        self._apply(grads, len(kept))
+        self._apply(grads, len(kept), before_optimizer)
         s.loss = sum(kept) / len(kept)
         # every member reports the commit (the agent logs one step_end per epoch and step), so
         # the record survives a rank 0 that dies right after committing
@@ -1060,12 +1062,19 @@ class _Runner:
             self._spaces = {epoch: R.Workspace(self.layout, g.world, self.sums.dtype, self.device)}
         return self._spaces[epoch]
 
-    def _apply(self, grads: list[torch.Tensor], count: int) -> None:
+    def _apply(
+        self,
+        grads: list[torch.Tensor],
+        count: int,
+        before_optimizer: Callable[[], object] | None = None,
+    ) -> None:
         """Step the optimizer with the mean gradient of the step's reduced sums."""
         assert count == self.M or self.ctx.on_lost == "drop", f"reduced {count} of {self.M}"
         expected = self.M if self.ctx.on_lost == "recompute" else count
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.div_(expected).view_as(p).to(p.dtype)
+        if before_optimizer is not None:
+            before_optimizer()
         self._stepping = True
         try:
             self.optimizer.step()
