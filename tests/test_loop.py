@@ -70,6 +70,21 @@ def test_the_example_gpt_as_a_plain_loop_heals_bit_for_bit_and_matches_train(
     assert "hang" in [e["kind"] for e in faulty.of("error_detected") if e["slot"] == 3]
 
 
+def test_gradients_handed_over_and_clipped_by_the_loop_heal_bit_for_bit(tmp_path: Path) -> None:
+    steps = 6
+    clipped = ("--misuse", "none", "--clip")
+    hooks = _run(tmp_path / "hooks", MISUSE_SCRIPT, "--nproc-per-node", "2", steps=steps,
+                 extra=clipped)  # fmt: skip
+    crash = ("--inject", "crash:rank=1,step=2")
+    explicit = _run(tmp_path / "explicit", MISUSE_SCRIPT, "--nproc-per-node", "2", *crash,
+                    steps=steps, extra=(*clipped, "--explicit"))  # fmt: skip
+    assert _ok(explicit, steps) == _ok(hooks, steps)
+    assert explicit.of("fault_injected")
+    # the clipping ran on every committed step, on the mean gradient
+    log = (tmp_path / "hooks" / "logs" / "worker0.0.log").read_text()
+    assert [f"step {s}: clipped" in log for s in range(steps)] == [True] * steps, log
+
+
 SAMPLER_STEPS = 10
 
 
