@@ -65,10 +65,14 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         events.emit("step_end", step=step, rank=rank, loss=sum(losses) / len(losses),
                     duration_s=round(time.perf_counter() - t0, 6), workers=world)  # fmt: skip
-    dist.destroy_process_group()
+    dist.barrier()  # every rank done; then exit without tearing the group down
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    raise SystemExit(main())
+    code = main()
+    # no interpreter teardown: destroying the gloo group, or its threads at exit, may hang or
+    # abort once the peers are gone (bench/baselines/train_ckpt.py does the same)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
