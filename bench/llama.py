@@ -75,6 +75,7 @@ def crash(steps: int, workdir: Path) -> tuple[float, float]:
 def run(quick: bool) -> list[Row]:
     """The rows of this scenario (``python -m bench --scenario llama``)."""
     steps, warmup, reps = PLAN[quick]
+    load = os.getloadavg()[0]  # the figures' context: a shared machine's other work
     times: dict[str, list[float]] = {a: [] for a in ARMS}
     detect: list[float] = []
     recover: list[float] = []
@@ -85,7 +86,10 @@ def run(quick: bool) -> list[Row]:
             d, r = crash(steps, Path(tmp) / f"{rep}-crash")
             detect.append(d)
             recover.append(r)
-    note = f"HF Llama 2x64, {NPROC} workers, {steps} steps, median after step {warmup}"
+    note = (
+        f"HF Llama 2x64, {NPROC} workers, {steps} steps, median after step {warmup}; "
+        f"load average {load:.1f} / {os.cpu_count()} CPUs at the start"
+    )
     rows = [make_row(system=arm, scenario=SCENARIO, metric="step_time_s", values=times[arm],
                      note=note) for arm in ARMS]  # fmt: skip
     ratio = statistics.median(times[ARMS[0]]) / statistics.median(times[ARMS[1]])

@@ -964,7 +964,8 @@ class _Runner:
             self._broken = exc
 
     def _optimizer_step(self, *_: Any) -> None:
-        if not self._stepping:
+        """Optimizer pre-step hook: while the task trains, only the commit steps it."""
+        if not self._stepping and self.result is None:
             self.refuse(
                 "optimizer.step() called by the script: step.commit() steps the optimizer "
                 "after the reduce and the vote; remove the call"
