@@ -11,6 +11,7 @@ the pure parts: the sampler's committed position, the API outside ``unicron run`
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +50,13 @@ def test_hugging_face_llama_with_its_own_loop_heals_bit_for_bit(
     steps = 12
     clean = _run(tmp_path / "clean", LLAMA, "--nproc-per-node", "2", steps=steps)
     faults = ("--inject", "crash:rank=1,step=4", "--inject", "error:rank=2,step=8,kind=cuda")
-    faulty = _run(tmp_path / "faulty", LLAMA, "--nproc-per-node", "3", *faults, steps=steps)
+    # a checkpoint every 2 steps: on a loaded machine the restarted workers may not be back
+    # before the next fault, and the last holder of the state is the one that fails
+    faulty = _run(tmp_path / "faulty", LLAMA, "--nproc-per-node", "3", "--checkpoint-every",
+                  "2", *faults, steps=steps)  # fmt: skip
     assert _ok(faulty, steps) == _ok(clean, steps)
     assert len(faulty.of("fault_injected")) == 2
-    assert sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart") == [1, 2]
+    assert {e["slot"] for e in faulty.of("action") if e["action"] == "restart"} >= {1, 2}
     assert any(e.get("microbatches_reused") for e in faulty.of("transition_end"))
 
 
@@ -83,6 +87,14 @@ def test_gradients_handed_over_and_clipped_by_the_loop_heal_bit_for_bit(tmp_path
     # the clipping ran on every committed step, on the mean gradient
     log = (tmp_path / "hooks" / "logs" / "worker0.0.log").read_text()
     assert [f"step {s}: clipped" in log for s in range(steps)] == [True] * steps, log
+    # torchrun's variables, as the surviving worker saw them at each commit, are those of the
+    # epoch the step committed in (the crash shrinks the world, the restart grows it back)
+    survivor = (tmp_path / "explicit" / "logs" / "worker0.0.log").read_text()
+    seen = re.findall(r"step (\d+): RANK=(\d+) WORLD_SIZE=(\d+) UNICRON_EPOCH=(\d+)", survivor)
+    assert len(seen) == steps, survivor
+    commits = {(e["step"], e["epoch"], e["rank"]): e["workers"] for e in explicit.of("step_end")}
+    assert all(commits[(int(s), int(e), int(r))] == int(w) for s, r, w, e in seen), seen
+    assert len({w for _, _, w, _ in seen}) == 2, seen  # alone after the crash, then two again
 
 
 SAMPLER_STEPS = 10

@@ -3,11 +3,12 @@ must refuse it with one line and exit 2 before the step commits (``tests/test_lo
 ``--misuse none --explicit``: no mistake, and the gradients handed over by the loop
 (``torch.autograd.grad``, ``step.add_gradients``) instead of taken by the hooks; ``--clip``:
 gradients clipped before the optimizer step (``commit(before_optimizer=...)``), with the
-number of clipped steps printed at the end."""
+norm printed at each commit, with torchrun's variables as the worker sees them."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -60,8 +61,12 @@ def main() -> None:
         if args.misuse == "optimizer-step" and step.index == 2:
             optimizer.step()  # the commit steps the optimizer
         clipped.clear()
-        if step.commit(before_optimizer=clip if args.clip else None) and clipped:
+        if not step.commit(before_optimizer=clip if args.clip else None):
+            continue
+        if clipped:
             print(f"step {step.index}: clipped a gradient norm of {clipped[0]:.4f}", flush=True)
+        env = " ".join(f"{k}={os.environ[k]}" for k in ("RANK", "WORLD_SIZE", "UNICRON_EPOCH"))
+        print(f"step {step.index}: {env}", flush=True)  # torchrun's variables of this epoch
 
 
 if __name__ == "__main__":
