@@ -92,8 +92,8 @@ def test_gradients_handed_over_and_clipped_by_the_loop_heal_bit_for_bit(tmp_path
     survivor = (tmp_path / "explicit" / "logs" / "worker0.0.log").read_text()
     seen = re.findall(r"step (\d+): RANK=(\d+) WORLD_SIZE=(\d+) UNICRON_EPOCH=(\d+)", survivor)
     assert len(seen) == steps, survivor
-    commits = {(e["step"], e["epoch"], e["rank"]): e["workers"] for e in explicit.of("step_end")}
-    assert all(commits[(int(s), int(e), int(r))] == int(w) for s, r, w, e in seen), seen
+    commits = {(e["step"], e["epoch"]): e["workers"] for e in explicit.of("step_end")}
+    assert all(commits[(int(s), int(e))] == int(w) > int(r) for s, r, w, e in seen), seen
     assert len({w for _, _, w, _ in seen}) == 2, seen  # alone after the crash, then two again
 
 
