@@ -142,7 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--standalone",
         action="store_true",
         help="accepted for torchrun's sake: what unicron run always does (one machine, its own "
-        "coordinator on a free port)",
+        "coordinator on a free port); torchrun's other flags: docs/loop.md",
     )
     for flags, takes_value, _reason in TORCHRUN_REFUSED:
         p.add_argument(
