@@ -48,15 +48,19 @@ MODULES = {
     "floor": "bench.floor",
     "reduce": "bench.reduce",
     "scale": "bench.scale",
+    "llama": "bench.llama",
     "transfer": "bench.transfer",
     "checkpoint": "bench.checkpoint",
     "planner": "bench.planner",
     "simulator": "bench.simulator",
 }
-ORDER = ("floor", *TRAINING, "reduce", "scale", "transfer", "checkpoint", "planner", "simulator")
-ALONE = frozenset({"scale", "transfer", "checkpoint"})
+ORDER = (
+    "floor", *TRAINING, "reduce", "scale", "llama", "transfer", "checkpoint", "planner",
+    "simulator",
+)  # fmt: skip
+ALONE = frozenset({"scale", "llama", "transfer", "checkpoint"})
 """scenarios run only when named (``--scenario``): they are long (a 100M-parameter model, a
-1 GB state), and the whole suite keeps to its hour"""
+1 GB state, a Hugging Face model and torchrun), and the whole suite keeps to its hour"""
 SHOWN = {  # metrics reported per scenario, in this order (the default: faulted scenarios)
     "steady": ("wall_s", "step_time_s", "false_alarms"),
     "soak": ("wall_s", "false_alarms", "epochs", "step_time_s", "step_time_p99_s"),

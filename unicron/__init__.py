@@ -1,6 +1,7 @@
 """Unicron: self-healing large-model training on PyTorch's distributed engine.
 
-The public worker-facing API is :func:`unicron.worker.train`; the command line is
+The public worker-facing API is :mod:`unicron.worker`: :func:`~unicron.worker.train`, or the
+step API (:class:`~unicron.worker.Loop`) for a script with its own loop; the command line is
 ``unicron`` (see :mod:`unicron.cli`).
 """
 

@@ -1,16 +1,27 @@
-"""The worker API: the user's script hands over its model, optimizer, loss and dataset.
+"""The worker API: Unicron's step loop, or the user's own.
 
-A training script calls :func:`train` once, under ``unicron run``::
+Two ways in, one implementation. A script that has no loop of its own hands everything over
+to :func:`train`, under ``unicron run``::
 
     result = unicron.worker.train(model=model, optimizer=opt, loss_fn=loss_fn,
                                   dataset=ds, micro_batch_size=4, num_microbatches=8, steps=100)
 
-and Unicron runs the steps: the deterministic micro-batch ledger
-(:mod:`unicron.runtime.ledger`), a fresh gloo group per epoch (:mod:`unicron.runtime.group`),
-local gradient sums per replica kept until
-the step commits and reduced exactly in buckets as the backward pass ends
-(:mod:`unicron.runtime.reduce`), partial-results reuse and state from the nearest replica when the
-membership changes. The user's model code does not change.
+A script that keeps its loop uses the step API (:class:`Loop`, :class:`Step`;
+``docs/loop.md`` shows the diff against a plain PyTorch loop)::
+
+    loop = unicron.worker.Loop(model=model, optimizer=opt, dataset=ds,
+                               micro_batch_size=4, num_microbatches=8, steps=100)
+    for step in loop:                    # a step of the task, as often as it takes to commit
+        for batch in step:               # this replica's micro-batches of it, seeded
+            step.backward(loss_fn(model, batch))
+        step.commit()                    # reduce, vote, optimizer step; False: epoch changed
+
+:func:`train` is that loop. Behind both: the deterministic micro-batch ledger
+(:mod:`unicron.runtime.ledger`) or the user's sampler, a fresh gloo group per epoch
+(:mod:`unicron.runtime.group`), local gradient sums per replica kept until the step commits and
+reduced exactly in buckets as the backward pass ends (:mod:`unicron.runtime.reduce`),
+partial-results reuse and state from the nearest replica when the membership changes. The
+user's model code does not change.
 """
 
 from __future__ import annotations
@@ -21,10 +32,10 @@ import hashlib
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
@@ -64,10 +75,13 @@ ABANDONED: list[EpochGroup] = []
 """every group this process built, kept until it exits: freeing a gloo group whose abandoned
 collective still waits on a dead peer joins its I/O thread, which never returns"""
 
+LAUNCHER = "`unicron run --nproc-per-node N SCRIPT [ARGS]`"
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainResult:
-    """What :func:`train` returns on every worker that finished the task."""
+    """What :func:`train` returns (and :attr:`Loop.result` holds) on every worker that
+    finished the task."""
 
     steps: int
     final_loss: float
@@ -107,12 +121,11 @@ class WorkerContext:
     """the task goes on from the newest checkpoint (``unicron run --resume``)"""
 
     @classmethod
-    def from_env(cls) -> WorkerContext:
+    def from_env(cls, api: str = "unicron.worker.train()") -> WorkerContext:
+        """The context of this worker; :class:`UsageError` naming ``api`` outside ``unicron
+        run``."""
         if ENV_STORE not in os.environ:
-            raise RuntimeError(
-                "unicron.worker.train() runs under the launcher: "
-                "`unicron run --nproc-per-node N SCRIPT [ARGS]`"
-            )
+            raise UsageError(f"{api} runs under the launcher: {LAUNCHER}")
         host, port = os.environ[ENV_STORE].rsplit(":", 1)
         specs = os.environ.get(ENV_FAULTS, "")
         return cls(
@@ -148,14 +161,17 @@ def params_sha256(model: torch.nn.Module) -> str:
 
 def device() -> torch.device:
     """This worker's device (``cpu`` or ``cuda:N``), as the agent mapped its slot; the script
-    may build its model there (``train`` moves it there in any case). ``LOCAL_RANK`` is set
-    too, as under torchrun."""
+    may build its model there (``train`` and ``Loop`` move it there in any case). It stays the
+    same in every epoch, unlike ``LOCAL_RANK`` (:func:`epoch_env`)."""
     return D.current()
 
 
 def default_collate(items: Sequence[Any]) -> Any:
-    """Stack a list of samples (tensors, or tuples of tensors) into one batch."""
+    """Stack a list of samples (tensors, tuples of tensors, or dicts of tensors) into one
+    batch; ``torch.utils.data.default_collate`` works as well."""
     first = items[0]
+    if isinstance(first, Mapping):
+        return {k: torch.stack([it[k] for it in items]) for k in first}
     if isinstance(first, tuple | list):
         return type(first)(torch.stack([it[i] for it in items]) for i in range(len(first)))
     return torch.stack(list(items))
@@ -167,6 +183,274 @@ def save_atomic(obj: Any, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def epoch_env(info: EpochInfo, slot: int, store: tuple[str, int]) -> dict[str, str]:
+    """torchrun's variables for this worker in epoch ``info`` (``docs/loop.md``): ``RANK`` and
+    ``WORLD_SIZE`` of the epoch, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` among the epoch's
+    members on this worker's node, ``GROUP_RANK`` the node's index among the epoch's nodes,
+    ``MASTER_ADDR``/``MASTER_PORT`` the coordinator's store (the same in every epoch).
+    The worker sets them in ``os.environ`` as it enters each epoch."""
+    rank = info.members.index(slot)
+    node = info.nodes[rank]
+    local = [s for s, n in zip(info.members, info.nodes, strict=True) if n == node]
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(len(info.members)),
+        "LOCAL_RANK": str(local.index(slot)),
+        "LOCAL_WORLD_SIZE": str(len(local)),
+        "GROUP_RANK": str(sorted(set(info.nodes)).index(node)),
+        "MASTER_ADDR": store[0],
+        "MASTER_PORT": str(store[1]),
+        "UNICRON_EPOCH": str(info.epoch),
+    }
+
+
+# -- where a step's samples come from --------------------------------------------------------
+class _Data(Protocol):
+    """The samples of each micro-batch of the step being computed. ``state()`` is part of the
+    committed state: exchanged with the ledger, given to joiners, written into checkpoints."""
+
+    def samples(self, step: int, mb: int) -> list[int]: ...
+
+    def state(self) -> tuple[int, int]: ...
+
+    def load(self, state: Sequence[int]) -> None: ...
+
+    def advance(self) -> None: ...
+
+
+@dataclass
+class _LedgerData:
+    """The ledger's seeded permutation: the samples of (step, mb) follow from the step alone,
+    so there is no state of its own (``(-1, -1)``)."""
+
+    ledger: L.Ledger
+
+    def samples(self, step: int, mb: int) -> list[int]:
+        return self.ledger.samples(step, mb)
+
+    def state(self) -> tuple[int, int]:
+        return (-1, -1)
+
+    def load(self, state: Sequence[int]) -> None:
+        pass
+
+    def advance(self) -> None:
+        pass
+
+
+@dataclass
+class _SamplerData:
+    """A user's ``torch.utils.data.Sampler``: each step takes the next M x B indices of its
+    stream, from the committed ``(epoch, position)``; a new pass over the data calls the
+    sampler's ``set_epoch(epoch)`` (as ``DistributedSampler`` has), so a pass must list the same
+    indices on every replica. The state moves on only when a step commits."""
+
+    sampler: Any
+    num_microbatches: int
+    micro_batch_size: int
+    epoch: int = 0
+    position: int = 0
+    _orders: dict[int, list[int]] = field(default_factory=dict)
+    _batch: tuple[tuple[int, int], list[int], tuple[int, int]] | None = None
+
+    def __post_init__(self) -> None:
+        first = self._order(0)
+        self._orders.clear()
+        if first != self._order(0):
+            raise UsageError(
+                "the sampler lists other indices each time it is iterated, so replicas would "
+                "read different samples: use one whose order follows set_epoch(epoch), e.g. "
+                "DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=S)"
+            )
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            if hasattr(self.sampler, "set_epoch"):
+                self.sampler.set_epoch(epoch)
+            order = [int(i) for i in self.sampler]
+            if not order:
+                raise UsageError("the sampler yields no index: nothing to train on")
+            self._orders = {epoch: order}  # steps move forward: one pass cached
+        return self._orders[epoch]
+
+    def _global(self) -> tuple[list[int], tuple[int, int]]:
+        """The committed step's M x B indices and the state after them."""
+        key = (self.epoch, self.position)
+        if self._batch is None or self._batch[0] != key:
+            want = self.num_microbatches * self.micro_batch_size
+            epoch, pos = self.epoch, self.position
+            out: list[int] = []
+            while len(out) < want:
+                order = self._order(epoch)
+                take = order[pos : pos + want - len(out)]
+                out += take
+                pos += len(take)
+                if pos >= len(order):
+                    epoch, pos = epoch + 1, 0
+            self._batch = (key, out, (epoch, pos))
+        return self._batch[1], self._batch[2]
+
+    def samples(self, step: int, mb: int) -> list[int]:
+        b = self.micro_batch_size
+        return self._global()[0][mb * b : (mb + 1) * b]
+
+    def state(self) -> tuple[int, int]:
+        return (self.epoch, self.position)
+
+    def load(self, state: Sequence[int]) -> None:
+        self.epoch, self.position = int(state[0]), int(state[1])
+
+    def advance(self) -> None:
+        self.epoch, self.position = self._global()[1]
+
+
+# -- the step API ------------------------------------------------------------------------------
+class Step:
+    """One attempt at a step of the task, handed out by :class:`Loop`.
+
+    Iterate it for this replica's micro-batches (each collated, moved to the device, with the
+    RNG seeded by (seed, step, micro-batch)), call :meth:`backward` with each one's loss, then
+    :meth:`commit`. Or, with a data pipeline of your own: :attr:`microbatches` are the ids,
+    :meth:`samples` their dataset indices, and :meth:`batch` seeds and returns one batch. A
+    step whose commit returns False is handed out again, with only the micro-batches that
+    nobody living has computed.
+    """
+
+    def __init__(self, runner: _Runner, index: int, todo: list[int], group: EpochGroup) -> None:
+        self._r = runner
+        self.index = index
+        """the step of the task (steps committed before it)"""
+        self.microbatches = tuple(todo)
+        """ids of this replica's micro-batches in this attempt (0 .. num_microbatches-1)"""
+        self.epoch = group.info.epoch
+        self.rank = group.rank
+        self.world = group.world
+        self.loss: float | None = None
+        """the step's mean loss over all its micro-batches, once committed"""
+        self.committed = False
+        self.closed = False
+        self.broken: EpochOver | None = None
+        """why the commit failed (the epoch changed); the loop goes to the next epoch"""
+        self.began = time.perf_counter()
+
+    def __repr__(self) -> str:
+        return f"Step({self.index}, microbatches={list(self.microbatches)}, epoch={self.epoch})"
+
+    def __iter__(self) -> Iterator[Any]:
+        for mb in self.microbatches:
+            if mb in self._r.done:
+                continue
+            yield self.batch(mb)
+            if self._r.current == mb:
+                self._r.refuse(
+                    f"step {self.index}: micro-batch {mb} was handed out but not computed: call "
+                    "step.backward(loss) for every batch the step yields"
+                )
+
+    def samples(self, mb: int) -> list[int]:
+        """Dataset indices of micro-batch ``mb`` of this step."""
+        return self._r.data.samples(self.index, mb)
+
+    def batch(self, mb: int) -> Any:
+        """Micro-batch ``mb``, collated and on the device; the RNG is seeded for it. Its
+        gradient goes in with the next :meth:`backward`."""
+        self._r.open_microbatch(self, mb)
+        return self._r.make_batch(self.index, mb)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` for the current micro-batch (its mean loss, not divided by the
+        number of micro-batches: the commit divides the sum): the gradient hooks add each
+        parameter's gradient into this replica's local sums, and the last micro-batch's start
+        the exchange."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            self._r.refuse(f"step.backward(loss): loss must be a one-element tensor, got {loss!r}")
+        self._r.backward(self, loss)
+
+    def add_gradients(self, grads: Sequence[torch.Tensor | None], loss: float) -> None:
+        """Hand over the current micro-batch's gradients yourself (e.g. from
+        ``torch.autograd.grad``): one per trainable parameter, in ``model.parameters()`` order
+        (None: zero), and its loss."""
+        self._r.add_gradients(self, grads, loss)
+
+    def commit(self, *, before_optimizer: Callable[[], object] | None = None) -> bool:
+        """Reduce every replica's sums, vote, step the optimizer with the mean gradient.
+        True: the step committed (:attr:`loss` holds its loss). False: the membership changed
+        (a peer failed or one joined mid-step); the loop hands this step out again in the new
+        epoch, with whatever is left to compute. ``before_optimizer`` runs once the mean
+        gradient is in each parameter's ``.grad``, right before ``optimizer.step()`` (e.g.
+        ``lambda: clip_grad_norm_(model.parameters(), 1.0)``)."""
+        return self._r.commit(self, before_optimizer)
+
+
+class Loop:
+    """Train with your own loop under ``unicron run``: iterate it for the steps.
+
+    ``dataset[i]`` returns sample ``i``; ``collate`` makes a batch of a list of samples. Each
+    step is ``num_microbatches`` micro-batches of ``micro_batch_size`` samples, spread over the
+    replicas. The samples come from the ledger's seeded permutation, or from ``sampler`` (any
+    ``torch.utils.data.Sampler`` whose order follows ``set_epoch``; its position is committed
+    with each step). Rank 0 of the final epoch writes ``out/final.pt``. When the loop ends,
+    :attr:`result` holds the outcome (None on a worker still waiting to join when the task
+    finished). Bad use raises :class:`UsageError` (``unicron run`` exits 2), before any state
+    changes.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        micro_batch_size: int,
+        num_microbatches: int,
+        steps: int,
+        seed: int = 0,
+        collate: Callable[[Sequence[Any]], Any] = default_collate,
+        sampler: Any = None,
+        out: str | Path | None = None,
+    ) -> None:
+        ctx = WorkerContext.from_env("unicron.worker.Loop")
+        if steps < 1:
+            raise UsageError(f"steps must be >= 1, got {steps}")
+        ledger = L.Ledger(
+            dataset_len=len(dataset),
+            micro_batch_size=micro_batch_size,
+            num_microbatches=num_microbatches,
+            seed=seed,
+        )  # ValueError for bad sizes
+        data: _Data = (
+            _LedgerData(ledger)
+            if sampler is None
+            else _SamplerData(sampler, num_microbatches, micro_batch_size)
+        )
+        link = connect_agent()
+        self._runner = _Runner(
+            ctx=ctx,
+            link=link,
+            model=model,
+            optimizer=optimizer,
+            dataset=dataset,
+            collate=collate,
+            steps=steps,
+            out=Path(out) if out else None,
+            ledger=ledger,
+            data=data,
+            seed=seed,
+            device=_device_for(model, ctx, link),
+        )
+        self._iterated = False
+
+    @property
+    def result(self) -> TrainResult | None:
+        return self._runner.result
+
+    def __iter__(self) -> Iterator[Step]:
+        if self._iterated:
+            raise UsageError("a unicron.worker.Loop is iterated once (it is the whole run)")
+        self._iterated = True
+        return self._runner.attempts()
 
 
 def train(
@@ -181,38 +465,29 @@ def train(
     seed: int = 0,
     out: str | Path | None = None,
     collate: Callable[[Sequence[Any]], Any] = default_collate,
+    sampler: Any = None,
 ) -> TrainResult | None:
-    """Train for ``steps`` global steps of ``num_microbatches`` x ``micro_batch_size`` samples.
-
-    ``loss_fn(model, batch)`` returns the mean loss of one micro-batch; ``dataset[i]`` returns
-    sample ``i``. Rank 0 of the final epoch writes ``out/final.pt`` (the model's state_dict).
-    Returns ``None`` on a worker that was still waiting to join when the task finished.
-    """
-    if steps < 1:
-        raise ValueError(f"train(): steps must be >= 1, got {steps}")
-    ctx = WorkerContext.from_env()
-    link = connect_agent()
-    dev = _device_for(model, ctx, link)
-    runner = _Runner(
-        ctx=ctx,
-        link=link,
+    """Train for ``steps`` global steps of ``num_microbatches`` x ``micro_batch_size`` samples:
+    the step API's loop (:class:`Loop`) with ``loss_fn(model, batch)``, the mean loss of one
+    micro-batch. Returns ``None`` on a worker that was still waiting to join when the task
+    finished."""
+    loop = Loop(
         model=model,
         optimizer=optimizer,
-        loss_fn=loss_fn,
         dataset=dataset,
-        collate=collate,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
         steps=steps,
-        out=Path(out) if out else None,
-        ledger=L.Ledger(
-            dataset_len=len(dataset),
-            micro_batch_size=micro_batch_size,
-            num_microbatches=num_microbatches,
-            seed=seed,
-        ),
         seed=seed,
-        device=dev,
+        collate=collate,
+        sampler=sampler,
+        out=out,
     )
-    return runner.run()
+    for step in loop:
+        for batch in step:
+            step.backward(loss_fn(model, batch))
+        step.commit()
+    return loop.result
 
 
 def _device_for(model: torch.nn.Module, ctx: WorkerContext, link: AgentLink) -> torch.device:
@@ -237,18 +512,19 @@ def _device_for(model: torch.nn.Module, ctx: WorkerContext, link: AgentLink) -> 
 
 @dataclass(kw_only=True)
 class _Runner:
-    """The epoch and step loop of one worker (everything :func:`train` does)."""
+    """The epoch and step machinery of one worker, driven by :class:`Loop`: epochs, the
+    ledger exchange and state transfer, each attempt's micro-batches, the commit."""
 
     ctx: WorkerContext
     link: AgentLink
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    loss_fn: LossFn
     dataset: Any
     collate: Callable[[Sequence[Any]], Any]
     steps: int
     out: Path | None
     ledger: L.Ledger
+    data: _Data
     seed: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0  # committed steps
@@ -256,10 +532,15 @@ class _Runner:
     done: set[int] = field(default_factory=set)  # micro-batches of `step` in `sums`
     fired: set[str] = field(default_factory=set)
     groups: list[EpochGroup] = field(default_factory=list)
+    result: TrainResult | None = None
+    current: int | None = None  # the micro-batch handed out and not yet computed
     _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
     ckpt: C.Checkpointer | None = None  # rank 0's checkpoints (every member may become it)
     _held: list[set[int]] = field(default_factory=list)  # ids of `step` each member has done
     _exchange: R.Exchange | None = None  # the reduction the last micro-batch's hooks start
+    _broken: EpochOver | None = None  # a collective the hooks started failed
+    _attempt: Step | None = None  # the step handed out and not yet committed
+    _crash_at: int = -1
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -276,9 +557,10 @@ class _Runner:
             device=self.device,
         )
         self._spaces: dict[int, R.Workspace] = {}
-        self._in_backward = self._last = False
+        self._in_backward = self._last = self._stepping = False
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+        self.optimizer.register_step_pre_hook(self._optimizer_step)
         self.store = dist.TCPStore(
             self.ctx.store_host,
             self.ctx.store_port,
@@ -313,8 +595,15 @@ class _Runner:
             timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
         )
 
+    def refuse(self, message: str) -> NoReturn:
+        """Bad use of the step API: one line, :class:`UsageError` (``unicron run`` exits 2;
+        the launcher reports it). Raised before the step's state changes."""
+        raise UsageError(message)
+
     # -- the loops --------------------------------------------------------------------------
-    def run(self) -> TrainResult | None:
+    def attempts(self) -> Iterator[Step]:
+        """The steps to compute, epoch after epoch, until the task's last step committed
+        (:class:`Loop` hands this generator to the user's ``for`` loop)."""
         # an epoch announced before this process was ready names its previous incarnation (a
         # restart): never join it, even if it is still the newest (a lone worker's restart)
         epoch, last_loss = self.watch.latest(), float("nan")
@@ -324,25 +613,54 @@ class _Runner:
         while self.step < self.steps:
             info = self._wait_for_epoch(after=epoch)
             if info is None:
-                return None  # the task finished (or failed) without this worker
+                return  # the task finished (or failed) without this worker
             epoch = info.epoch
             try:
-                last_loss = self._run_epoch(info)
-            except CollectiveError as exc:
-                self.groups[-1].leave()
-                self.link.send(
-                    {
-                        "type": "error",
-                        "type_name": type(exc.cause).__name__,
-                        "message": str(exc.cause),
-                        "traceback": "",
-                        "in_band": True,
-                        "step": self.step,
-                        "epoch": epoch,
-                    }
-                )
-            except EpochOver:
-                self.groups[-1].leave()
+                g, todo = self._enter(info)
+            except EpochOver as exc:
+                self._leave(exc, epoch)
+                continue
+            first = True
+            while self.step < self.steps:
+                if not first:
+                    if self.watch.superseded(info.epoch, urgent_only=False):
+                        self._leave(EpochOver("new epoch at the step boundary"), epoch)
+                        break
+                    todo = L.assign(range(self.M), g.world)[g.rank]
+                    self._held = [set(share) for share in L.assign(range(self.M), g.world)]
+                first = False
+                attempt = self._begin(g, todo)
+                yield attempt
+                if not attempt.closed:
+                    self.refuse(
+                        f"step {attempt.index}: the loop went on without step.commit() "
+                        "(call it once per step, after the step's micro-batches)"
+                    )
+                self._attempt = None
+                if attempt.broken is not None:
+                    self._leave(attempt.broken, epoch)
+                    break
+                assert attempt.loss is not None
+                last_loss = attempt.loss
+        self._finish(epoch, last_loss)
+
+    def _leave(self, exc: EpochOver, epoch: int) -> None:
+        """Leave the current epoch's group; a failed collective is reported to the agent."""
+        self.groups[-1].leave()
+        if isinstance(exc, CollectiveError):
+            self.link.send(
+                {
+                    "type": "error",
+                    "type_name": type(exc.cause).__name__,
+                    "message": str(exc.cause),
+                    "traceback": "",
+                    "in_band": True,
+                    "step": self.step,
+                    "epoch": epoch,
+                }
+            )
+
+    def _finish(self, epoch: int, last_loss: float) -> None:
         if self.ckpt is not None:
             self.ckpt.join()
         group = self.groups[-1]
@@ -359,7 +677,7 @@ class _Runner:
                 "epoch": epoch,
             }
         )
-        return TrainResult(
+        self.result = TrainResult(
             steps=self.step, final_loss=last_loss, params_sha256=sha, rank=group.rank, epoch=epoch
         )
 
@@ -375,10 +693,14 @@ class _Runner:
                 return None
             time.sleep(self.ctx.slice_s / 5)
 
-    def _run_epoch(self, info: EpochInfo) -> float:
+    def _enter(self, info: EpochInfo) -> tuple[EpochGroup, list[int]]:
+        """Join epoch ``info``: rendezvous, ledger exchange, state; this member's share of
+        the interrupted step's missing micro-batches."""
         t0 = time.time()
         self.link.send({"type": "epoch", "epoch": info.epoch})
         rank = info.members.index(self.ctx.slot)
+        store = (self.ctx.store_host, self.ctx.store_port)
+        os.environ.update(epoch_env(info, self.ctx.slot, store))  # torchrun's variables
         g = EpochGroup(
             self.store,
             self.watch,
@@ -399,8 +721,7 @@ class _Runner:
         if reused and self.ctx.on_lost == "drop":
             self._missing = []  # the control: the interrupted step's global batch shrinks
         shares = L.assign(self._missing, g.world)
-        todo = shares[rank]
-        owned = [held | set(share) for held, share in zip(self._held, shares, strict=True)]
+        self._held = [held | set(share) for held, share in zip(self._held, shares, strict=True)]
         if rank == 0:
             self._event(
                 "transition_end",
@@ -413,17 +734,7 @@ class _Runner:
                 microbatches_recomputed=len(self._missing) if reused else 0,
                 members=list(info.members),
             )
-        loss = float("nan")
-        first = True
-        while self.step < self.steps:
-            if not first and self.watch.superseded(info.epoch, urgent_only=False):
-                raise EpochOver("new epoch at the step boundary")
-            if not first:
-                shares = L.assign(range(self.M), g.world)
-                todo, owned = shares[rank], [set(share) for share in shares]
-            first = False
-            loss = self._step(g, todo, owned)
-        return loss
+        return g, shares[rank]
 
     # -- transition: ledger exchange and nearest-source state ---------------------------------
     def _sync(self, g: EpochGroup) -> tuple[int, str]:
@@ -436,7 +747,8 @@ class _Runner:
         mask = [1 if mb in self.done else 0 for mb in range(self.M)]
         digest = int.from_bytes(bytes.fromhex(params_sha256(self.model))[:7], "big")
         mine = torch.tensor(
-            [self.step if self.has_state else -1, self.ctx.node, digest, *mask], dtype=torch.int64
+            [self.step if self.has_state else -1, self.ctx.node, digest, *self.data.state(), *mask],
+            dtype=torch.int64,
         )
         rows = [r.tolist() for r in g.allgather(mine)]
         target = max(r[0] for r in rows)
@@ -448,8 +760,8 @@ class _Runner:
         # members at the newest step with the first such member's parameters hold the state;
         # the others (joiners, and replicas that differ, e.g. models built with other seeds)
         # receive it, as DDP's first broadcast would
-        ref = next(row[2] for row in rows if row[0] == target)
-        holders = [r for r, row in enumerate(rows) if row[0] == target and row[2] == ref]
+        ref = next(row for row in rows if row[0] == target)
+        holders = [r for r, row in enumerate(rows) if row[0] == target and row[2] == ref[2]]
         needers = [r for r in range(len(rows)) if r not in holders]
         source = "local"
         if needers:
@@ -460,7 +772,8 @@ class _Runner:
                      device=self.device)  # fmt: skip
             if g.rank in needers:
                 self.step, self.has_state = target, True
-        done_sets = [{mb for mb in range(self.M) if rows[r][3 + mb]} for r in holders]
+                self.data.load(ref[3:5])  # the data position is committed state too
+        done_sets = [{mb for mb in range(self.M) if rows[r][5 + mb]} for r in holders]
         if g.rank in needers:
             self.done.clear()
             self.sums.clear()
@@ -489,6 +802,7 @@ class _Runner:
             self.store.set(usage_key(self.ctx.task), f"{flag} {root}: {why}")
             raise SystemExit(2)
         self.step, self.has_state = C.restore(parts, self.model, self.optimizer), True
+        self.data.load(parts["train"].get("data", (-1, -1)))
         if self.ckpt is not None:
             self.ckpt.last_step = self.step  # no need to write what was just read
         self.sums.clear()
@@ -509,50 +823,197 @@ class _Runner:
         if rank != 0 or self.ckpt is None:
             return
         world, now = self.groups[-1].world, time.time()
-        self.ckpt.at_boundary(self.model, self.optimizer, step=self.step, world=world, now=now)
+        self.ckpt.at_boundary(
+            self.model, self.optimizer, step=self.step, world=world, now=now,
+            data=self.data.state(),
+        )  # fmt: skip
 
-    # -- one step ---------------------------------------------------------------------------
-    def _step(self, g: EpochGroup, todo: list[int], owned: list[set[int]]) -> float:
-        """One step: ``todo`` are this member's micro-batches, ``owned[r]`` every member's
-        micro-batches at the end of its computation (what its local sums will hold)."""
+    # -- one attempt at a step ------------------------------------------------------------------
+    def _begin(self, g: EpochGroup, todo: list[int]) -> Step:
+        """Hand out step ``self.step`` with this member's micro-batches ``todo``; ``_held``
+        says what every member's local sums will hold once it computed its own."""
         step = self.step
         self.link.send({"type": "step_begin", "step": step, "epoch": g.info.epoch})
-        t0 = time.perf_counter()
-        held = [R.cover(ids, self.M) for ids in owned]
-        reused = owned[g.rank] - set(todo)
         for attempt in range(self.ctx.max_reattempts + 1):
-            # the last micro-batch's gradient hooks start the exchange's buckets
-            self._exchange = ex = R.Exchange(g, self.sums, self._space(g), held)
             try:
-                self._compute(step, todo)
+                self._maybe_fire("node", step)
+                self._maybe_fire("hang", step)
+                self._maybe_fire("error", step)
                 break
-            except Exception as exc:
-                # a retry must not repeat a started collective nor miss a reused sum
-                retry = not ex.launched and reused <= self.done
-                if not (retry and self._reattempt(exc, step, attempt)):
+            except Exception as exc:  # nothing is computed yet: a SEV3 error is retried here
+                if not self._reattempt(exc, step, attempt):
                     raise
-        compute_s = time.perf_counter() - t0
+        held = [R.cover(ids, self.M) for ids in self._held]
+        self._exchange = R.Exchange(g, self.sums, self._space(g), held)
+        self._broken = None
+        self._crash_at = self._crash_point(step, len(todo))
+        self._attempt = Step(self, step, todo, g)
+        return self._attempt
+
+    def _check_open(self, s: Step, what: str) -> None:
+        if s is not self._attempt or s.closed:
+            self.refuse(f"step {s.index}: {what} after its commit (use the loop's current step)")
+
+    def open_microbatch(self, s: Step, mb: int) -> None:
+        """Micro-batch ``mb`` of step ``s`` is about to be computed (the checks of bad use)."""
+        self._check_open(s, f"micro-batch {mb} asked for")
+        if mb not in s.microbatches:
+            self.refuse(
+                f"step {s.index}: micro-batch {mb} is not this replica's to compute "
+                f"(its micro-batches: {list(s.microbatches)})"
+            )
+        if mb in self.done:
+            self.refuse(f"step {s.index}: micro-batch {mb} is computed already (once per step)")
+        if self.current is not None:
+            self.refuse(
+                f"step {s.index}: micro-batch {mb} asked for before micro-batch {self.current} "
+                "was computed: call step.backward(loss) for each batch before the next"
+            )
+        if s.microbatches.index(mb) == self._crash_at:
+            self._maybe_fire("crash", s.index)
+        self.current = mb
+
+    def make_batch(self, step: int, mb: int) -> Any:
+        """Seed the micro-batch's randomness, collate its samples, move them to the device."""
+        torch.manual_seed(L.mb_seed(self.seed, step, mb))
+        batch = self.collate([self.dataset[i] for i in self.data.samples(step, mb)])
+        return D.to_device(batch, self.device)
+
+    def _take(self, s: Step, api: str) -> tuple[int, bool]:
+        """The micro-batch whose gradient comes now, and whether it is the attempt's last."""
+        self._check_open(s, api)
+        mb = self.current
+        if mb is None:
+            self.refuse(
+                f"step {s.index}: {api} without a micro-batch: iterate the step "
+                "(for batch in step) or call step.batch(j) first"
+            )
+        left = [j for j in s.microbatches if j not in self.done and j != mb]
+        for p in self.params:
+            p.grad = None
+        self.sums.begin(mb)
+        return mb, not left
+
+    def backward(self, s: Step, loss: torch.Tensor) -> None:
+        """Backward of the current micro-batch; the gradient hooks take each gradient."""
+        mb, last = self._take(s, "step.backward(loss)")
+        self._in_backward, self._last = True, last
+        try:
+            loss.backward()
+            finished = self.sums.end(float(loss.detach()))
+        except BaseException:
+            self.sums.abandon()  # half-added gradients spoil the sums: redo the step's work
+            self.done.clear()
+            self.current = None
+            raise
+        finally:
+            self._in_backward = False
+        self._close_microbatch(mb, last, finished)
+
+    def add_gradients(self, s: Step, grads: Sequence[torch.Tensor | None], loss: float) -> None:
+        """The current micro-batch's gradients, handed over (one per trainable parameter)."""
+        if len(grads) != len(self.params):
+            self.refuse(
+                f"step {s.index}: add_gradients got {len(grads)} gradients for "
+                f"{len(self.params)} trainable parameters"
+            )
+        for i, (p, grad) in enumerate(zip(self.params, grads, strict=True)):
+            if grad is not None and grad.shape != p.shape:
+                self.refuse(
+                    f"step {s.index}: add_gradients: gradient {i} has shape "
+                    f"{tuple(grad.shape)}, its parameter {tuple(p.shape)}"
+                )
+        mb, last = self._take(s, "step.add_gradients()")
+        finished: list[int] = []
+        for i, grad in enumerate(grads):
+            if grad is not None and (b := self.sums.add(i, grad.detach())) is not None:
+                finished.append(b)
+        finished += self.sums.end(float(loss))
+        self._close_microbatch(mb, last, finished)
+
+    def _close_microbatch(self, mb: int, last: bool, finished: list[int]) -> None:
+        if last:
+            for b in finished:
+                self._ready(b)
+        self.done.add(mb)
+        self.current = None
+
+    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
+        """Gradient hook: parameter ``index``'s gradient of the current micro-batch is in."""
+        if not self._in_backward:
+            if self._attempt is not None and not self._attempt.closed:
+                self.refuse(
+                    f"step {self._attempt.index}: a backward pass outside step.backward(loss): "
+                    "call step.backward(loss) instead of loss.backward(), so that Unicron "
+                    "takes the micro-batch's gradient and loss"
+                )
+            return  # a backward pass of the user's own, between steps
+        bucket = self.sums.add(index, param.grad)
+        param.grad = None
+        if bucket is not None and self._last:
+            self._ready(bucket)
+
+    def _ready(self, bucket: int) -> None:
+        """Launch a finished bucket's exchange; a failed launch is kept for the commit (the
+        backward pass goes on, so that the local sums stay whole for the next epoch)."""
+        if self._exchange is None or self._broken is not None:
+            return
+        try:
+            self._exchange.ready(bucket)
+        except EpochOver as exc:
+            self._broken = exc
+
+    def _optimizer_step(self, *_: Any) -> None:
+        """Optimizer pre-step hook: while the task trains, only the commit steps it."""
+        if not self._stepping and self.result is None:
+            self.refuse(
+                "optimizer.step() called by the script: step.commit() steps the optimizer "
+                "after the reduce and the vote; remove the call"
+            )
+
+    def commit(self, s: Step, before_optimizer: Callable[[], object] | None) -> bool:
+        """Reduce, vote, apply (see :meth:`Step.commit`)."""
+        self._check_open(s, "step.commit()")
+        if self.current is not None:
+            self.refuse(
+                f"step {s.index}: commit() before micro-batch {self.current} was computed: "
+                "call step.backward(loss) for it first"
+            )
+        left = [mb for mb in s.microbatches if mb not in self.done]
+        if left:
+            self.refuse(
+                f"step {s.index}: commit() before computing this replica's micro-batches "
+                f"{left}: compute every batch the step yields"
+            )
+        if self._crash_at >= len(s.microbatches):
+            self._maybe_fire("crash", s.index)
+        s.closed = True
+        g, step = self.groups[-1], s.index
+        compute_s = time.perf_counter() - s.began
         self._slow(step, compute_s)
         self.link.send(
             {
                 "type": "step_done",
                 "step": step,
-                "microbatches": len(todo),
-                "compute_s": time.perf_counter() - t0,
+                "microbatches": len(s.microbatches),
+                "compute_s": time.perf_counter() - s.began,
             }
         )
+        ex, self._exchange = self._exchange, None
+        assert ex is not None
         try:
+            if self._broken is not None:
+                raise self._broken
             grads, losses = ex.finish()
-        except EpochOver:  # left the reduce (or it failed): make sure nobody commits the step
+            if not g.vote(step):
+                raise EpochOver(f"step {step} not committed in epoch {g.info.epoch}")
+        except EpochOver as exc:  # left the reduce (or it failed): make sure nobody commits
             g.abort(step)
-            raise
-        finally:
-            self._exchange = None
-        if not g.vote(step):
-            raise EpochOver(f"step {step} not committed in epoch {g.info.epoch}")
+            s.broken = exc
+            return False
         kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
-        self._apply(grads, len(kept))
-        loss = sum(kept) / len(kept)
+        self._apply(grads, len(kept), before_optimizer)
+        s.loss = sum(kept) / len(kept)
         # every member reports the commit (the agent logs one step_end per epoch and step), so
         # the record survives a rank 0 that dies right after committing
         self._event(
@@ -560,30 +1021,17 @@ class _Runner:
             epoch=g.info.epoch,
             rank=g.rank,
             step=step,
-            loss=round(loss, 6),
-            duration_s=round(time.perf_counter() - t0, 6),
+            loss=round(s.loss, 6),
+            duration_s=round(time.perf_counter() - s.began, 6),
             workers=g.world,
         )
         self.step += 1
+        self.data.advance()
         self.sums.clear()
         self.done.clear()
         self._maybe_checkpoint(g.rank)
-        return loss
-
-    def _compute(self, step: int, todo: list[int]) -> None:
-        """This replica's micro-batches of ``step`` (those not already in its local sum)."""
-        self._maybe_fire("node", step)
-        self._maybe_fire("hang", step)
-        self._maybe_fire("error", step)
-        crash_at = self._crash_point(step, len(todo))
-        last = max((mb for mb in todo if mb not in self.done), default=None)
-        for i, mb in enumerate(todo):
-            if i == crash_at:
-                self._maybe_fire("crash", step)
-            if mb not in self.done:
-                self._microbatch(step, mb, last=mb == last)
-        if crash_at >= len(todo):
-            self._maybe_fire("crash", step)
+        s.committed = True
+        return True
 
     def _reattempt(self, exc: Exception, step: int, attempt: int) -> bool:
         """SEV3 errors (a reset connection, a transient timeout) are retried in place, in the
@@ -607,40 +1055,6 @@ class _Runner:
         )
         return True
 
-    def _microbatch(self, step: int, mb: int, *, last: bool) -> None:
-        """Forward and backward one micro-batch; its gradients go into the local sums from the
-        gradient hooks (:meth:`_grad_ready`), the last one's also into the exchange."""
-        torch.manual_seed(L.mb_seed(self.seed, step, mb))
-        batch = self.collate([self.dataset[i] for i in self.ledger.samples(step, mb)])
-        batch = D.to_device(batch, self.device)
-        for p in self.params:
-            p.grad = None
-        self.sums.begin(mb)
-        self._in_backward, self._last = True, last
-        try:
-            loss = self.loss_fn(self.model, batch)
-            loss.backward()
-            finished = self.sums.end(float(loss.detach()))
-        except BaseException:
-            self.sums.abandon()  # half-added gradients spoil the sums: redo the step's work
-            self.done.clear()
-            raise
-        finally:
-            self._in_backward = False
-        if last and self._exchange is not None:
-            for b in finished:
-                self._exchange.ready(b)
-        self.done.add(mb)
-
-    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
-        """Gradient hook: parameter ``index``'s gradient of the current micro-batch is in."""
-        if not self._in_backward:
-            return  # a backward pass of the user's own, outside a step
-        bucket = self.sums.add(index, param.grad)
-        param.grad = None
-        if bucket is not None and self._last and self._exchange is not None:
-            self._exchange.ready(bucket)
-
     def _space(self, g: EpochGroup) -> R.Workspace:
         """The exchange's buffers of epoch ``g``: fresh in each epoch, since a collective of
         an abandoned epoch may still write into the buffers it was given."""
@@ -649,13 +1063,24 @@ class _Runner:
             self._spaces = {epoch: R.Workspace(self.layout, g.world, self.sums.dtype, self.device)}
         return self._spaces[epoch]
 
-    def _apply(self, grads: list[torch.Tensor], count: int) -> None:
+    def _apply(
+        self,
+        grads: list[torch.Tensor],
+        count: int,
+        before_optimizer: Callable[[], object] | None = None,
+    ) -> None:
         """Step the optimizer with the mean gradient of the step's reduced sums."""
         assert count == self.M or self.ctx.on_lost == "drop", f"reduced {count} of {self.M}"
         expected = self.M if self.ctx.on_lost == "recompute" else count
         for p, g in zip(self.params, grads, strict=True):
             p.grad = g.div_(expected).view_as(p).to(p.dtype)
-        self.optimizer.step()
+        if before_optimizer is not None:
+            before_optimizer()
+        self._stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._stepping = False
         for p in self.params:
             p.grad = None
 

@@ -28,18 +28,18 @@ from unicron.runtime.inject import Fault, parse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nnodes",
-        type=int,
-        default=1,
+        default="1",
         metavar="K",
         help="agents (nodes) to start on this machine, each with its own zygote and heartbeat; "
-        "node k's workers get launch ranks k*N .. k*N+N-1 (default 1)",
+        "node k's workers get launch ranks k*N .. k*N+N-1 (default 1; torchrun's K:K too)",
     )
     p.add_argument(
         "--nproc-per-node",
-        type=int,
-        default=1,
+        "--nproc_per_node",
+        default="1",
         metavar="N",
-        help="worker processes on this machine (default 1)",
+        help="worker processes per node (default 1; as under torchrun, also cpu: the CPU "
+        "count, gpu: the GPU count, auto: gpu with --device cuda, else cpu)",
     )
     p.add_argument(
         "--reduce",
@@ -129,9 +129,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="below --min-workers the task waits for capacity (restarts, excluded slots or "
         "nodes passing their health probe) this long, then fails (default 600; inf: never)",
     )
-    p.add_argument("--task", default="train", help="task name (event log, store keys)")
+    p.add_argument(
+        "--task",
+        "--rdzv-id",
+        "--rdzv_id",
+        default="train",
+        help="task name (event log, store keys); torchrun's --rdzv-id means the same",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        help="accepted for torchrun's sake: what unicron run always does (one machine, its own "
+        "coordinator on a free port); torchrun's other flags: docs/loop.md",
+    )
+    for flags, takes_value, _reason in TORCHRUN_REFUSED:
+        p.add_argument(
+            *flags,
+            dest=_refused_dest(flags),
+            action="store" if takes_value else "store_true",
+            default=None,
+            help=argparse.SUPPRESS,
+        )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
-    p.add_argument("--log-dir", metavar="DIR", help="workers' stdout/stderr (default: a temp dir)")
+    p.add_argument(
+        "--log-dir", "--log_dir", metavar="DIR", help="workers' stdout/stderr (default: a temp dir)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress display, no report")
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments")
@@ -141,6 +163,11 @@ def validate(args: argparse.Namespace) -> list[Fault]:
     """Check everything before starting anything; raise UsageError with one line."""
     from unicron.detect.classify import KINDS
 
+    for flags, _takes_value, reason in TORCHRUN_REFUSED:
+        if getattr(args, _refused_dest(flags)) not in (None, False):
+            raise UsageError(f"{flags[0]} is not supported by unicron run: {reason}")
+    args.nnodes = _nnodes(str(args.nnodes))
+    args.nproc_per_node = _nproc_per_node(str(args.nproc_per_node), args.device)
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     if args.nnodes < 1:
@@ -170,6 +197,75 @@ def validate(args: argparse.Namespace) -> list[Fault]:
         if f.rank is not None and f.rank >= world:
             raise UsageError(f"--inject {f.spec!r}: rank {f.rank} out of range 0..{world - 1}")
     return faults
+
+
+_NO_RDZV = "the rendezvous is the coordinator's store (on a cluster: unicron coordinator and agent)"
+_OUTPUT = "each worker's output goes to its own file in --log-dir"
+TORCHRUN_REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
+    (("--max-restarts", "--max_restarts"), True,
+     "unicron restarts only the failed worker, in place, as the escalation policy allows (3 "
+     "restarts in 60 s exclude its slot, docs/detection.md); the task fails below --min-workers"),
+    (("--rdzv-backend", "--rdzv_backend"), True, _NO_RDZV),
+    (("--rdzv-endpoint", "--rdzv_endpoint"), True, _NO_RDZV),
+    (("--rdzv-conf", "--rdzv_conf"), True, _NO_RDZV),
+    (("--node-rank", "--node_rank"), True,
+     "unicron run starts every node on this machine (on a cluster each node runs unicron agent)"),
+    (("--master-addr", "--master_addr"), True,
+     "the coordinator hosts the store on 127.0.0.1 and a free port; workers find it in "
+     "MASTER_ADDR/MASTER_PORT"),
+    (("--master-port", "--master_port"), True,
+     "the coordinator hosts the store on 127.0.0.1 and a free port; workers find it in "
+     "MASTER_ADDR/MASTER_PORT"),
+    (("--monitor-interval", "--monitor_interval"), True,
+     "workers are supervised through their socket to the agent: an exit is seen at once"),
+    (("--start-method", "--start_method"), True,
+     "the agent forks workers from a warm zygote (a plain spawn as the fallback)"),
+    (("--redirects",), True, _OUTPUT),
+    (("--tee",), True, _OUTPUT),
+    (("--local-ranks-filter", "--local_ranks_filter"), True, _OUTPUT),
+    (("--logs-specs", "--logs_specs"), True, _OUTPUT),
+    (("--role",), True, "every worker of a task runs the same script"),
+    (("--local-addr", "--local_addr"), True, "the agent and its workers talk over 127.0.0.1"),
+    (("--module", "-m"), False, "unicron run takes the path of a Python script"),
+    (("--no-python", "--no_python"), False, "unicron run takes the path of a Python script"),
+    (("--run-path", "--run_path"), False, "unicron run takes the path of a Python script"),
+)  # fmt: skip
+"""torchrun's flags that mean nothing here, each with why: ``unicron run`` exits 2 naming it"""
+
+
+def _refused_dest(flags: tuple[str, ...]) -> str:
+    return "torchrun_" + flags[0].lstrip("-").replace("-", "_")
+
+
+def _nnodes(raw: str) -> int:
+    """``--nnodes K``, or torchrun's ``K:K``; an elastic range is refused."""
+    lo, _, hi = raw.partition(":")
+    if not lo.isdigit() or (hi and not hi.isdigit()):
+        raise UsageError(f"--nnodes must be a number of nodes (or K:K), got {raw!r}")
+    if hi and hi != lo:
+        raise UsageError(
+            f"--nnodes {raw}: elastic ranges are not supported: unicron run starts K nodes "
+            "and heals the task down to --min-workers workers; give one number"
+        )
+    return int(lo)
+
+
+def _nproc_per_node(raw: str, device: str) -> int:
+    """``--nproc-per-node N``, or torchrun's ``cpu``, ``gpu``, ``auto``."""
+    if raw.lstrip("-").isdigit():
+        return int(raw)
+    if raw == "auto":
+        raw = "gpu" if device == "cuda" else "cpu"
+    if raw == "cpu":
+        return os.cpu_count() or 1
+    if raw == "gpu":
+        from unicron.runtime import device as D
+
+        gpus = D.gpu_count()
+        if gpus < 1:
+            raise UsageError("--nproc-per-node gpu: this node has no CUDA device")
+        return gpus
+    raise UsageError(f"--nproc-per-node must be a number, cpu, gpu or auto, got {raw!r}")
 
 
 def _validate_checkpoint_args(args: argparse.Namespace) -> None:

@@ -34,7 +34,7 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -418,16 +418,23 @@ class Snapshot:
 
 
 def snapshot(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int, ledger: dict[str, int]
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    step: int,
+    ledger: dict[str, int],
+    data: Sequence[int] = (-1, -1),
 ) -> Snapshot:
     """Copy everything needed to continue exactly: model, optimizer, committed step, ledger
-    position and RNG states."""
+    description, the data position (a user's sampler's epoch and position; ``(-1, -1)`` with
+    the ledger's own order) and RNG states."""
     import torch
 
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     train = {
         "step": step,
         "ledger": dict(ledger),
+        "data": [int(x) for x in data],
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
     parts = {"model": state, "optim": copy.deepcopy(optimizer.state_dict()), "train": train}
@@ -481,17 +488,18 @@ class Checkpointer:
         step: int,
         world: int,
         now: float,
+        data: Sequence[int] = (-1, -1),
     ) -> None:
         """Called by rank 0 right after each commit (``step`` steps committed): checkpoint if
         the interval says so. With the automatic interval the first call only measures the
         cost (a copy, discarded), so the first checkpoint comes one interval later."""
         if self.settings.every_steps is None and self.cost_s is None:
             t0 = time.perf_counter()
-            snapshot(model, optimizer, step=step, ledger=self.ledger)
+            snapshot(model, optimizer, step=step, ledger=self.ledger, data=data)
             self.cost_s, self.last_ts = time.perf_counter() - t0, now
             self._update_interval(now)
         elif self.due(step, now):
-            self.save(model, optimizer, step=step, world=world, now=now)
+            self.save(model, optimizer, step=step, world=world, now=now, data=data)
 
     def due(self, step: int, now: float) -> bool:
         """Whether the state committed at ``step`` should be checkpointed."""
@@ -524,13 +532,13 @@ class Checkpointer:
             )
 
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
-             world: int, now: float) -> None:  # fmt: skip
+             world: int, now: float, data: Sequence[int] = (-1, -1)) -> None:  # fmt: skip
         """Copy the committed state now (the step-time cost, measured), write it in the
         background. Called by rank 0 right after step ``step - 1`` committed."""
         t0 = time.perf_counter()
         if self._writer is not None:
             self._writer.join()
-        snap = snapshot(model, optimizer, step=step, ledger=self.ledger)
+        snap = snapshot(model, optimizer, step=step, ledger=self.ledger, data=data)
         self.cost_s = time.perf_counter() - t0
         self.last_step, self.last_ts = step, now
         self._writer = threading.Thread(

@@ -146,11 +146,13 @@ def check_fits(numel: int, reduce: str, available: int, dev: torch.device) -> No
 
 
 def to_device(batch: object, dev: torch.device) -> object:
-    """A micro-batch (a tensor, or a tuple/list of them) moved to ``dev``."""
+    """A micro-batch (a tensor, or a tuple, list or dict of them) moved to ``dev``."""
     import torch
 
     if isinstance(batch, torch.Tensor):
         return batch.to(dev, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, dev) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
         return type(batch)(to_device(b, dev) for b in batch)
     return batch

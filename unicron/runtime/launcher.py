@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import runpy
 import signal
@@ -26,8 +27,12 @@ from multiprocessing.connection import Client, Connection, wait
 from typing import Any
 
 from unicron.control.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_THREADS
+from unicron.errors import UsageError
 
 _PR_SET_PDEATHSIG = 1
+ENV_PRELOAD = "UNICRON_PRELOAD"
+"""modules the zygote imports before it forks workers, comma-separated (e.g. ``transformers``:
+~3-10 s per worker here otherwise, paid again by every restarted worker)"""
 
 
 def die_with_parent() -> None:
@@ -56,6 +61,11 @@ def run_script(script: str, argv: list[str]) -> int:
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except UsageError as exc:  # bad use of the worker API: the whole run ends with exit 2
+        sys.stderr.write(f"unicron: error: {exc}\n")
+        agent.send({"type": "error", "usage": True, "type_name": "UsageError",
+                    "message": str(exc), "traceback": "", "in_band": False})  # fmt: skip
+        return 2
     except BaseException as exc:  # report everything the script raised, then exit 1
         tb = traceback.format_exc()
         sys.stderr.write(tb)
@@ -80,6 +90,12 @@ def _zygote() -> int:
     torch.set_num_threads(int(os.environ.get(ENV_THREADS, "1")))
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # pulls in torch._dynamo
     import unicron.worker  # noqa: F401
+
+    for name in filter(None, os.environ.get(ENV_PRELOAD, "").split(",")):
+        try:  # the script's own heavy imports, paid once (a failure is the script's to report)
+            importlib.import_module(name)
+        except Exception as exc:
+            sys.stderr.write(f"unicron: zygote: cannot preload {name}: {exc}\n")
 
     host, port = os.environ[ENV_AGENT].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
