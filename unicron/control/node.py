@@ -70,6 +70,7 @@ class NodeAgent:
         self.errors: list[dict[str, Any]] = []  # every error that ended a worker, all tasks
         self.drain_s = 10.0
         """on stop, how long finished workers may take to exit by themselves (final files)"""
+        self.interrupted = False  # set by interrupt(): stop without waiting for anyone
 
     def register(self, stop: threading.Event) -> None:
         """Register, retrying with backoff while the service cannot be reached."""
@@ -184,19 +185,24 @@ class NodeAgent:
                 self._end(uid)
 
     def _end(self, uid: str) -> None:
-        """Let the task's finished workers exit by themselves (they may still be writing
-        their files; at most :attr:`drain_s`), then stop its supervisor."""
+        """Let a finished task's workers exit by themselves (they may still be writing their
+        files; at most :attr:`drain_s`), then stop its supervisor and any worker left."""
         r = self.tasks.pop(uid)
-        deadline = time.time() + self.drain_s
+        deadline = time.time() + (0.0 if self.interrupted else self.drain_s)
         while time.time() < deadline and any(not w.gone for w in r.agent.workers.values()):
             r.agent.poll(0.02)
         r.agent.stop()
         self.errors += r.agent.errors
 
+    def interrupt(self) -> None:
+        """The run is interrupted: from now on nothing waits for workers to end by
+        themselves (a signal handler may call it)."""
+        self.interrupted = True
+
     def kill_all(self) -> None:
         """Every worker of every task on this node dies now (``unicron run`` interrupted);
         from any thread. :meth:`stop` then cleans up."""
-        self.drain_s = 0.0
+        self.interrupted = True
         for r in list(self.tasks.values()):
             r.agent.kill_all()
 

@@ -366,16 +366,18 @@ def main(args: argparse.Namespace) -> int:
     service = _Service(cluster)
     stop = threading.Event()
     terminated = threading.Event()
-
-    def on_sigterm(*_: object) -> None:
-        terminated.set()
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
     nodes = [
         NodeAgent(service.client, name=f"node{k}", slots=args.nproc_per_node, log_dir=log_dir)
         for k in range(args.nnodes)
     ]
+
+    def on_sigterm(*_: object) -> None:
+        for node in nodes:  # before ``stop``: the node threads must not wait for anyone
+            node.interrupt()
+        terminated.set()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     display = None
     interrupted = False
     t0 = time.time()
@@ -403,6 +405,8 @@ def main(args: argparse.Namespace) -> int:
             th.join()
     except KeyboardInterrupt:
         interrupted = True
+        for node in nodes:
+            node.interrupt()
     finally:
         stop.set()
         if interrupted or terminated.is_set():
