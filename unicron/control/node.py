@@ -31,6 +31,9 @@ from unicron.errors import UsageError
 log = logging.getLogger("unicron.control.node")
 
 HEARTBEAT_S = 0.25
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+"""gloo's interface; without it gloo uses the address this host's name resolves to, which a
+network namespace does not have (docs: unicron/control/netns.py)"""
 VANISHED = 3
 """the exit code of an agent whose node fault fired"""
 
@@ -67,6 +70,11 @@ class NodeAgent:
         self.node: int | None = None
         self.tasks: dict[str, _Running] = {}
         self.vanished = False
+        self.address = ""
+        self.ifname: str | None = None
+        """the interface this node reaches the coordinator through (found on registering):
+        its workers' gloo traffic goes there too (``GLOO_SOCKET_IFNAME``) unless the
+        environment names one"""
 
     def register(self, stop: threading.Event) -> None:
         """Register, retrying with backoff while the service cannot be reached."""
@@ -76,6 +84,8 @@ class NodeAgent:
 
         backoff = 0.1
         while not stop.is_set():
+            self.address = _address(self.client.url)
+            self.ifname = _interface(self.address)
             try:
                 got = self.client.request(
                     "POST",
@@ -83,7 +93,7 @@ class NodeAgent:
                     json={
                         "name": self.name,
                         "slots": self.slots,
-                        "address": _address(self.client.url),
+                        "address": self.address,
                         "instance": self.instance,
                     },
                 )
@@ -139,6 +149,14 @@ class NodeAgent:
 
         assert self.node is not None
         uid = a["uid"]
+        env = {
+            ENV_CHECKPOINT_MTBF: repr(float(a["checkpoint_mtbf"])),
+            ENV_CHECKPOINT_KEEP: str(a["checkpoint_keep"]),
+            ENV_RESUME: "0",
+        }
+        if self.ifname is not None and GLOO_IFNAME not in os.environ:
+            env[GLOO_IFNAME] = self.ifname
+        env.update(a["env"])  # the task file's word is last
         config = AgentConfig(
             node=self.node,
             slots=list(a["slots"]),
@@ -151,12 +169,7 @@ class NodeAgent:
             threads=int(a["threads"]),
             checkpoint=Path(a["checkpoint"]) if a["checkpoint"] else None,
             checkpoint_every=a["checkpoint_every"],
-            env={
-                ENV_CHECKPOINT_MTBF: repr(float(a["checkpoint_mtbf"])),
-                ENV_CHECKPOINT_KEEP: str(a["checkpoint_keep"]),
-                ENV_RESUME: "0",
-                **a["env"],
-            },
+            env=env,
         )
         holder: list[Agent] = []
         link = TaskLink(self.client, self.name, self.instance, uid, lambda: holder[0].census())
@@ -207,6 +220,24 @@ def _address(url: str) -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
+
+
+def _interface(address: str) -> str | None:
+    """The name of the interface (in this network namespace) that holds IPv4 ``address``;
+    ``None`` if none does (or not on Linux)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915  # Linux: an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(got[20:24]) == address:
+                return name
+    return None
 
 
 def main(args: argparse.Namespace) -> int:
