@@ -139,6 +139,20 @@ class LocalCluster:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
+    def wait_nodes(self, count: int, *, timeout_s: float = 60.0) -> None:
+        """Until ``count`` nodes are up (an agent that exits first fails it)."""
+
+        def up() -> bool:
+            for host, proc in self.agents.items():
+                _exited(proc, f"agent n{host}")
+            nodes = self.client.request("GET", "/v1/nodes")
+            return sum(n["state"] == "up" for n in nodes) >= count
+
+        self._until(up, timeout_s, f"{count} nodes up")
+
+    def wait_until(self, check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+        self._until(check, timeout_s, what)
+
     def node(self, name: str) -> dict[str, Any]:
         nodes = self.client.request("GET", "/v1/nodes")
         return next((n for n in nodes if n["name"] == name), {})
