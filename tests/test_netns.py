@@ -85,3 +85,11 @@ def test_the_loopback_fallback() -> None:
         assert out.communicate(timeout=10)[0] == b"hi\n"
     with pytest.raises(ValueError, match=r"hosts must be in 1\.\.200"):
         netns.LoopbackLab(0)
+
+
+def test_the_agent_finds_the_interface_of_its_address() -> None:
+    """What the agent hands its workers as GLOO_SOCKET_IFNAME (unicron.control.node)."""
+    from unicron.control.node import _interface
+
+    assert _interface("127.0.0.1") == "lo"
+    assert _interface("192.0.2.254") is None  # an address no interface here holds

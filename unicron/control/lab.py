@@ -131,14 +131,6 @@ class LocalCluster:
                 f"node {name} up",
             )
 
-    def kill_agent(self, host: int) -> None:
-        """SIGKILL the agent of ``host`` and everything in its session (not its workers,
-        which live in sessions of their own: a lost machine is :meth:`lose_host`)."""
-        proc = self.agents.pop(host)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
     def wait_nodes(self, count: int, *, timeout_s: float = 60.0) -> None:
         """Until ``count`` nodes are up (an agent that exits first fails it)."""
 
