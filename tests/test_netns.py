@@ -93,3 +93,11 @@ def test_the_agent_finds_the_interface_of_its_address() -> None:
 
     assert _interface("127.0.0.1") == "lo"
     assert _interface("192.0.2.254") is None  # an address no interface here holds
+
+
+@needs_netns
+def test_a_taken_tag_is_refused_and_the_other_lab_untouched() -> None:
+    with netns.Lab(1) as first:
+        with pytest.raises(netns.LabError, match="is taken"):
+            netns.Lab(1, tag=first.tag)
+        assert leftovers(first.tag)  # the refused lab removed nothing of the first

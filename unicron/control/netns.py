@@ -98,11 +98,14 @@ class Lab:
     :meth:`close` is idempotent and runs after any failure of the set-up too."""
 
     hosts: int = 2
-    tag: str = field(default_factory=lambda: secrets.token_hex(2))
-    members: list[Host] = field(default_factory=list)
-    host_address: str = ""
-    bridge: str = ""
-    _closed: bool = False
+    tag: str = field(default_factory=lambda: secrets.token_hex(3))
+    """names its devices (``uc{tag}br``, ``uc{tag}n0``, ...); taken only if no lab holds it"""
+    members: list[Host] = field(default_factory=list, init=False)
+    host_address: str = field(default="", init=False)
+    """the bridge's address: where a service on the host side listens for the namespaces"""
+    bridge: str = field(default="", init=False)
+    _closed: bool = field(default=False, init=False)
+    _owned: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 200:
@@ -120,7 +123,12 @@ class Lab:
             fcntl.flock(lock, fcntl.LOCK_EX)
             sweep()
             net = _free_subnet()
+            if (RECORDS / f"{self.tag}.json").exists() or f"uc{self.tag}n0" in _ip(
+                "netns", "list", check=False
+            ).stdout:
+                raise LabError(f"lab tag {self.tag} is taken")  # never remove another lab's
             self._record(net)
+            self._owned = True
             _ip("link", "add", self.bridge, "type", "bridge")
             self.host_address = f"{net}.1"
             _ip("addr", "add", f"{self.host_address}/24", "dev", self.bridge)
@@ -168,7 +176,8 @@ class Lab:
         if self._closed:
             return
         self._closed = True
-        _remove(self.tag, self.hosts)
+        if self._owned:
+            _remove(self.tag, self.hosts)
 
     def __enter__(self) -> Lab:
         return self
@@ -184,8 +193,8 @@ class LoopbackLab:
     this machine's network)."""
 
     hosts: int = 2
-    members: list[Host] = field(default_factory=list)
-    host_address: str = "127.0.0.1"
+    members: list[Host] = field(default_factory=list, init=False)
+    host_address: str = field(default="127.0.0.1", init=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 200:
