@@ -106,6 +106,7 @@ class Lab:
     bridge: str = field(default="", init=False)
     _closed: bool = field(default=False, init=False)
     _owned: bool = field(default=False, init=False)
+    _started: list[subprocess.Popen[bytes]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 200:
@@ -169,13 +170,21 @@ class Lab:
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` in host ``host`` (its own session, so that it can be killed with
         everything it started)."""
-        return _popen(self.command(host, argv), env, stdout, stderr, cwd)
+        proc = _popen(self.command(host, argv), env, stdout, stderr, cwd)
+        self._started.append(proc)
+        return proc
 
     def close(self) -> None:
         """Kill what runs in the namespaces, remove them, the veths and the bridge."""
         if self._closed:
             return
         self._closed = True
+        for proc in self._started:  # one still entering its namespace is not listed there yet
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self._started:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         if self._owned:
             _remove(self.tag, self.hosts)
 
