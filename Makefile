@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck pytest bench bench-quick soak clean
+.PHONY: demo cluster-demo test lint typecheck pytest bench bench-quick soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# a coordinator and three agents in network namespaces (root + iproute2; else loopback)
+cluster-demo: $(STAMP)
+	$(BIN)/python examples/cluster_demo.py
 
 SRC := unicron tests bench examples
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -22,8 +23,35 @@ from typing import Any
 from unicron.control import messages as M
 from unicron.errors import UsageError
 
+ENV_TOKEN = "UNICRON_TOKEN"
+"""the cluster's token, for the service and for every client (else ``--token-file``)"""
 ENV_COORDINATOR = "UNICRON_COORDINATOR"
 DEFAULT_URL = "http://127.0.0.1:29400"
+
+
+def resolve_token(token_file: str | None, state_dir: Path | None = None) -> str:
+    """The token: ``token_file``'s content, ``$UNICRON_TOKEN``, or (for the service only) the
+    state directory's ``token`` file, created with a fresh random token if missing."""
+    if token_file:
+        try:
+            token = Path(token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise UsageError(f"--token-file {token_file}: {exc.strerror or exc}") from None
+        if not token:
+            raise UsageError(f"--token-file {token_file}: empty")
+        return token
+    if os.environ.get(ENV_TOKEN):
+        return os.environ[ENV_TOKEN].strip()
+    if state_dir is None:
+        raise UsageError(f"no token: pass --token-file FILE or set ${ENV_TOKEN}")
+    path = state_dir / "token"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        os.replace(tmp, path)
+    return path.read_text(encoding="utf-8").strip()
 
 
 class ServiceError(RuntimeError):
@@ -150,8 +178,6 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace) -> Client:
-    from unicron.control.service import resolve_token
-
     if not str(args.coordinator).startswith(("http://", "https://")):
         raise UsageError(f"--coordinator must be an http(s) URL, got {args.coordinator!r}")
     return Client(args.coordinator, resolve_token(args.token_file))

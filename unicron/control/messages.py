@@ -283,6 +283,29 @@ def to_wire(msg: Any) -> dict[str, Any]:
     return out
 
 
+_SCALARS: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+}
+
+
+def _check(cls: type, f: dataclasses.Field[Any], value: Any) -> None:
+    """A scalar field's value has its declared type (containers and verdicts are checked by
+    their own decoding): a report from the network must not carry a string for a slot."""
+    kinds = [k.strip() for k in str(f.type).split("|")]
+    if value is None and "None" in kinds:
+        return
+    for kind in kinds:
+        allowed = _SCALARS.get(kind)
+        if allowed is None and kind != "None":
+            return
+        if allowed and isinstance(value, allowed) and (kind == "bool" or type(value) is not bool):
+            return
+    raise ValueError(f"{cls.__name__}.{f.name}: {value!r} is not {f.type}")
+
+
 def from_wire(d: dict[str, Any]) -> Any:
     """The message a :func:`to_wire` dict describes; ``ValueError`` for anything else."""
     try:
@@ -292,6 +315,7 @@ def from_wire(d: dict[str, Any]) -> Any:
             if f.name not in d:
                 continue
             value = d[f.name]
+            _check(cls, f, value)
             if f.name == "verdict" and value is not None:
                 value = _verdict_from_wire(value)
             elif f.name == "actions":

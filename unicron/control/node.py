@@ -31,6 +31,9 @@ from unicron.errors import UsageError
 log = logging.getLogger("unicron.control.node")
 
 HEARTBEAT_S = 0.25
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+"""gloo's interface; without it gloo uses the address this host's name resolves to, which a
+network namespace does not have (docs: unicron/control/netns.py)"""
 VANISHED = 3
 """the exit code of an agent whose node fault fired"""
 
@@ -71,6 +74,11 @@ class NodeAgent:
         self.drain_s = 10.0
         """on stop, how long finished workers may take to exit by themselves (final files)"""
         self.interrupted = False  # set by interrupt(): stop without waiting for anyone
+        self.address = ""
+        self.ifname: str | None = None
+        """the interface this node reaches the coordinator through (found on registering):
+        its workers' gloo traffic goes there too (``GLOO_SOCKET_IFNAME``) unless the
+        environment names one"""
 
     def register(self, stop: threading.Event) -> None:
         """Register, retrying with backoff while the service cannot be reached."""
@@ -80,6 +88,8 @@ class NodeAgent:
 
         backoff = 0.1
         while not stop.is_set():
+            self.address = _address(self.client.url)
+            self.ifname = _interface(self.address)
             try:
                 got = self.client.request(
                     "POST",
@@ -87,7 +97,7 @@ class NodeAgent:
                     json={
                         "name": self.name,
                         "slots": self.slots,
-                        "address": _address(self.client.url),
+                        "address": self.address,
                         "instance": self.instance,
                     },
                 )
@@ -145,6 +155,15 @@ class NodeAgent:
         assert self.node is not None
         uid = a["uid"]
         gpus = D.gpu_count() if a["device"] == "cuda" else 0
+        env = {
+            ENV_CHECKPOINT_MTBF: repr(float(a["checkpoint_mtbf"])),
+            ENV_CHECKPOINT_KEEP: str(a["checkpoint_keep"]),
+            ENV_RESUME: "1" if a["resume"] else "0",
+            **D.run_env(a["device"], len(a["slots"]), gpus),
+        }
+        if self.ifname is not None and GLOO_IFNAME not in os.environ:
+            env[GLOO_IFNAME] = self.ifname
+        env.update(a["env"])  # the task file's word is last
         config = AgentConfig(
             node=self.node,
             slots=list(a["slots"]),
@@ -157,13 +176,7 @@ class NodeAgent:
             threads=int(a["threads"]),
             checkpoint=Path(a["checkpoint"]) if a["checkpoint"] else None,
             checkpoint_every=a["checkpoint_every"],
-            env={
-                ENV_CHECKPOINT_MTBF: repr(float(a["checkpoint_mtbf"])),
-                ENV_CHECKPOINT_KEEP: str(a["checkpoint_keep"]),
-                ENV_RESUME: "1" if a["resume"] else "0",
-                **D.run_env(a["device"], len(a["slots"]), gpus),
-                **a["env"],
-            },
+            env=env,
         )
         holder: list[Agent] = []
         link = TaskLink(self.client, self.name, self.instance, uid, lambda: holder[0].census())
@@ -232,6 +245,24 @@ def _address(url: str) -> str:
             return str(s.getsockname()[0])
     except OSError:
         return socket.gethostname()
+
+
+def _interface(address: str) -> str | None:
+    """The name of the interface (in this network namespace) that holds IPv4 ``address``;
+    ``None`` if none does (or not on Linux)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915  # Linux: an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(got[20:24]) == address:
+                return name
+    return None
 
 
 def main(args: argparse.Namespace) -> int:

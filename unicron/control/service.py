@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import secrets
 import sys
 import time
@@ -37,14 +36,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from unicron.control import messages as M
+from unicron.control.client import ENV_TOKEN, resolve_token
 from unicron.control.cluster import Conflict, Invalid, NotFound
 from unicron.control.taskspec import NAME, TaskSpec
 from unicron.errors import UsageError
 
 log = logging.getLogger("unicron.control.service")
 
-ENV_TOKEN = "UNICRON_TOKEN"
-"""the cluster's token, for the service and for every client (else ``--token-file``)"""
 DEFAULT_PORT = 29400
 
 
@@ -96,31 +94,6 @@ class Exchange(BaseModel):
     instance: str = Field(min_length=1, max_length=64)
     read_until: float | None = Field(None, allow_inf_nan=False)
     reports: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
-
-
-def resolve_token(token_file: str | None, state_dir: Path | None = None) -> str:
-    """The token: ``token_file``'s content, ``$UNICRON_TOKEN``, or (for the service only) the
-    state directory's ``token`` file, created with a fresh random token if missing."""
-    if token_file:
-        try:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise UsageError(f"--token-file {token_file}: {exc.strerror or exc}") from None
-        if not token:
-            raise UsageError(f"--token-file {token_file}: empty")
-        return token
-    if os.environ.get(ENV_TOKEN):
-        return os.environ[ENV_TOKEN].strip()
-    if state_dir is None:
-        raise UsageError(f"no token: pass --token-file FILE or set ${ENV_TOKEN}")
-    path = state_dir / "token"
-    if not path.exists():
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
-        os.replace(tmp, path)
-    return path.read_text(encoding="utf-8").strip()
 
 
 def make_app(cluster: Any, token: str) -> Any:

@@ -1,0 +1,108 @@
+"""The cluster end to end, as separate processes: ``unicron coordinator`` on the host side of
+a network-namespace lab, one ``unicron agent`` in each of two namespaces, one task of four
+workers spanning them over gloo (:mod:`unicron.control.lab`; on distinct loopback addresses
+where namespaces cannot be made, which ``test_the_hosts_are_namespaces`` reports as a skip).
+
+Both tests train the same script for the same steps and must end with the parameters of a
+fault-free ``unicron run --nproc-per-node 4``, bit for bit: one loses a node (its agent and
+workers vanish) that then comes back under the same name; the other loses the coordinator
+to ``kill -9`` mid-training and restarts it on the same state directory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import TRAIN, run_unicron
+from unicron.control import netns
+from unicron.control.lab import LocalCluster
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The fault-free run's params_sha256 (``unicron run``, 4 workers, same steps)."""
+    r = run_unicron(tmp_path_factory.mktemp("ref"), "--nproc-per-node", "4", steps=STEPS)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return str(r.task_end["params_sha256"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), hosts=2, slots=2) as c:
+        c.start_coordinator()
+        for host in range(2):
+            c.start_agent(host, wait=False)
+        c.wait_nodes(2)
+        yield c
+
+
+def task(name: str, **more: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "script": str(TRAIN),
+        "args": ["--steps", str(STEPS)],
+        "workers": {"min": 1, "max": 4},
+        **more,
+    }
+
+
+def of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == name]
+
+
+def check_steps(events: list[dict[str, Any]]) -> None:
+    """Every step committed exactly once, in order: nothing started twice or rolled back."""
+    steps = [e["step"] for e in of(events, "step_end")]
+    assert steps == list(range(STEPS)), steps
+
+
+def test_the_hosts_are_namespaces() -> None:
+    why = netns.available()
+    if why is not None:
+        pytest.skip(f"network namespaces unavailable ({why}): the cluster tests ran on loopback")
+
+
+def test_node_lost_and_back(cluster: LocalCluster, reference: str) -> None:
+    host = next(h for h in range(2) if cluster.node(f"n{h}")["id"] == 0)  # agents raced
+    cluster.submit(task("node", inject=["node:node=0,step=5"]))
+    assert cluster.agents[host].wait(timeout=60) == 3  # the node vanished (exit code 3)
+    cluster.wait_until(lambda: cluster.node(f"n{host}")["state"] == "lost", "node lost")
+    cluster.start_agent(host)  # the same name, a new process: the node returns
+    view = cluster.wait_task("node")
+    assert view["state"] == "done", view
+    events = cluster.events("node")
+    (lost,) = [e for e in of(events, "error_detected") if e["kind"] == "heartbeat_lost"]
+    assert lost["severity"] == 1 and lost["node"] == 0 and lost["silent_s"] < 10
+    epochs = of(events, "epoch_begin")
+    without = next(i for i, e in enumerate(epochs) if e["reason"] == "node 0 lost")
+    assert not {0, 1} & set(epochs[without]["members"])
+    readmitted = [e for e in of(events, "action") if e["action"] == "readmit"]
+    assert {e["slot"] for e in readmitted} == {0, 1} and readmitted[0]["reason"] == "node 0 is back"
+    assert sorted(epochs[-1]["members"]) == [0, 1, 2, 3]  # grown back to the whole task
+    check_steps(events)
+    assert view["outcome"]["params_sha256"] == reference
+
+
+def test_coordinator_killed_and_restarted(cluster: LocalCluster, reference: str) -> None:
+    cluster.submit(task("crash"))
+    cluster.wait_task("crash", lambda v: v["step"] >= 8)
+    cluster.kill_coordinator()
+    killed = time.time()
+    time.sleep(1.0)  # the agents and workers go on alone
+    cluster.start_coordinator()
+    view = cluster.wait_task("crash")
+    assert view["state"] == "done", view
+    events = cluster.events("crash")
+    (back,) = of(events, "control_plane")
+    assert back["away_s"] >= 1.0 and back["ts"] > killed
+    before = max(e["epoch"] for e in of(events, "epoch_begin") if e["ts"] < killed)
+    assert back["epoch"] == before  # adopted as it ran: the same membership, nobody restarted
+    check_steps(events)
+    assert len(of(events, "task_end")) == 1
+    assert view["outcome"]["params_sha256"] == reference

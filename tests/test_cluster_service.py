@@ -1,0 +1,243 @@
+"""The cluster service's API and the commands that use it: tokens, 4xx paths, bad input, a
+fuzz of the API against its own OpenAPI schema, and the CLI's one-line errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from unicron.control.cluster import Cluster, ClusterSettings
+from unicron.control.service import make_app, serve
+from unicron.control.state import open_state
+from unicron.control.taskspec import TaskSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples" / "train_gpt.py")
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("state"), host="127.0.0.1", settings=ClusterSettings())
+    try:
+        yield c
+    finally:
+        c.close(stop_store=True)
+
+
+@pytest.fixture(scope="module")
+def api(cluster: Cluster) -> TestClient:
+    return TestClient(make_app(cluster, TOKEN), raise_server_exceptions=False)
+
+
+def spec(name: str, **more: Any) -> dict[str, Any]:
+    return {"name": name, "script": SCRIPT, "args": ["--steps", "3"], **more}
+
+
+def test_no_token_or_a_wrong_one_gets_401_and_a_log_line(
+    api: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="unicron.control.service"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            for method, path in (("GET", "/v1/tasks"), ("GET", "/metrics"),
+                                 ("POST", "/v1/tasks"), ("GET", "/v1/nodes")):  # fmt: skip
+                r = api.request(method, path, headers=headers, json=spec("x"))
+                assert r.status_code == 401, (method, path, headers)
+                assert r.json() == {"detail": "missing or wrong token"}
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 12
+    assert "no token" in refused[0] and "a wrong token" in refused[-1]
+    assert api.get("/v1/tasks", headers=AUTH).status_code == 200
+
+
+def test_unknown_task_and_node_are_404(api: TestClient) -> None:
+    for method, path in (("GET", "/v1/tasks/nope"), ("POST", "/v1/tasks/nope/cancel"),
+                         ("GET", "/v1/tasks/nope/events")):  # fmt: skip
+        r = api.request(method, path, headers=AUTH)
+        assert r.status_code == 404 and r.json()["detail"] == "no task named nope"
+    r = api.post("/v1/agents/ghost/heartbeat", headers=AUTH, json={"instance": "i"})
+    assert r.status_code == 404 and "register first" in r.json()["detail"]
+
+
+def test_bad_bodies_are_422_naming_the_field(api: TestClient) -> None:
+    for body, field in (
+        (spec("a", workers={"min": 3, "max": 2}), "min (3) is above max (2)"),
+        (spec("a", colour="red"), "colour"),
+        (spec("a", threads="many"), "threads"),
+        ({"script": SCRIPT}, "name"),
+    ):
+        r = api.post("/v1/tasks", headers=AUTH, json=body)
+        assert r.status_code == 422 and field in r.text, r.text
+    r = api.post("/v1/tasks", headers=AUTH, json=spec("a", script="/no/such.py"))
+    assert r.status_code == 422
+    assert r.json()["detail"] == "script: no such file on the coordinator's host: /no/such.py"
+    for data in (b"{not json", b"", b"\xff\xfe"):
+        r = api.post(
+            "/v1/tasks", headers={**AUTH, "Content-Type": "application/json"}, content=data
+        )
+        assert r.status_code == 422, (data, r.status_code)
+    r = api.post("/v1/agents/register", headers=AUTH, json={"name": "bad name", "slots": 1,
+                 "address": "x", "instance": "i"})  # fmt: skip
+    assert r.status_code == 422
+    names = [t["name"] for t in api.get("/v1/tasks", headers=AUTH).json()]
+    assert "a" not in names  # nothing half-written
+
+
+def test_conflicts_are_409(api: TestClient, cluster: Cluster) -> None:
+    r = api.post("/v1/tasks", headers=AUTH, json=spec("queued", workers={"min": 64, "max": 64}))
+    assert r.status_code == 201 and r.json()["state"] == "queued"
+    r = api.post("/v1/tasks", headers=AUTH, json=spec("queued"))
+    assert r.status_code == 409 and "a task named queued exists (queued)" in r.json()["detail"]
+    r = api.post("/v1/tasks/queued/cancel", headers=AUTH)
+    assert r.status_code == 200 and r.json()["state"] == "cancelled"
+    r = api.post("/v1/tasks/queued/cancel", headers=AUTH)
+    assert r.status_code == 409 and "already ended (cancelled)" in r.json()["detail"]
+    body = {"name": "n9", "slots": 1, "address": "10.0.0.9", "instance": "first"}
+    assert api.post("/v1/agents/register", headers=AUTH, json=body).status_code == 200
+    r = api.post("/v1/agents/register", headers=AUTH, json={**body, "instance": "second"})
+    assert r.status_code == 409 and "node n9 is live" in r.json()["detail"]
+    r = api.post("/v1/agents/n9/heartbeat", headers=AUTH, json={"instance": "second"})
+    assert r.status_code == 409 and "taken over" in r.json()["detail"]
+    # an exchange carrying an action, or something that is not a message: refused, not applied
+    for reports in ([{"type": "Spawn", "slot": 0}], [{"type": "Ready", "slot": "x", "ts": 1}]):
+        r = api.post("/v1/agents/n9/tasks/x.1/exchange", headers=AUTH,
+                     json={"instance": "first", "reports": reports})  # fmt: skip
+        assert r.status_code == 422, r.text
+
+
+def test_metrics_are_prometheus_text(api: TestClient) -> None:
+    r = api.get("/metrics", headers=AUTH)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert (
+        'unicron_tasks{state="queued"}' in r.text and "unicron_detection_seconds_bucket" in r.text
+    )
+
+
+def test_fuzz_the_api_against_its_own_schema(tmp_path: Path) -> None:
+    """schemathesis: every operation, bounded examples; no 5xx, and the state still loads."""
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1")
+    try:
+        cluster.submit(
+            TaskSpec.model_validate(spec("seed", workers={"min": 2, "max": 2})), time.time()
+        )
+        fuzz(cluster)
+    finally:
+        cluster.close(stop_store=True)
+    again = Cluster(tmp_path / "state", host="127.0.0.1")  # a restart loads what it left
+    try:
+        assert again.state.meta("schema") == "unicron-state/1" and "seed" in again.tasks
+        assert len(again.nodes) > 0  # the fuzz registered nodes
+    finally:
+        again.close(stop_store=True)
+
+
+def fuzz(cluster: Cluster) -> None:
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    app = make_app(cluster, TOKEN)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    seen: dict[int, int] = {}
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert len(ops) >= 10, [o.label for o in ops]
+    for op in ops:
+
+        @given(case=op.as_strategy())
+        @settings(max_examples=12, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        def check(case: Any) -> None:
+            response = case.call(headers=AUTH)
+            seen[response.status_code] = seen.get(response.status_code, 0) + 1
+            assert response.status_code < 500, (case.operation.label, case.body, response.text)
+
+        check()
+    assert any(400 <= s < 500 for s in seen) and any(s < 300 for s in seen), seen
+    reopened = open_state(cluster.state_dir)  # a second reader: the database is whole
+    assert {t.name for t in reopened.tasks()} == {t.name for t in cluster.state.tasks()}
+    reopened.close()
+
+
+# -- a real server, the commands -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(cluster: Cluster) -> Iterator[str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = serve(cluster, TOKEN, "127.0.0.1", port)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+def unicron(*args: str, url: str = "http://127.0.0.1:9", token: str = TOKEN) -> Any:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "UNICRON_TOKEN": token}
+    return subprocess.run([sys.executable, "-m", "unicron", *args, "--coordinator", url],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+
+
+def test_submit_of_a_bad_task_file_is_exit_2_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "t.yaml"
+    bad.write_text(f"name: t\nscript: {SCRIPT}\nworkers: {{min: 4, max: 2}}\n")
+    proc = unicron("submit", str(bad))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"unicron: error: {bad}: workers: Value error, workers: min (4) is above max (2)"
+    ]
+
+
+def test_status_json_submit_and_a_refused_token(server: str, tmp_path: Path) -> None:
+    task = tmp_path / "t.yaml"
+    task.write_text(f"name: waits\nscript: {SCRIPT}\nworkers: {{min: 99, max: 99}}\n")
+    proc = unicron("submit", str(task), url=server)
+    assert proc.returncode == 0 and proc.stdout.strip() == "submitted waits: queued", proc.stderr
+    proc = unicron("status", "--json", url=server)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    got = json.loads(proc.stdout)
+    waits = next(t for t in got["tasks"] if t["name"] == "waits")
+    assert (waits["state"], waits["min_workers"]) == ("queued", 99)
+    assert isinstance(got["nodes"], list)
+    proc = unicron("status", "nope", url=server)
+    assert proc.returncode == 2 and proc.stderr.strip() == "unicron: error: no task named nope"
+    proc = unicron("status", url=server, token="wrong")
+    assert proc.returncode == 2 and proc.stderr.strip() == "unicron: error: missing or wrong token"
+
+
+def test_a_second_agent_under_a_live_name_exits_2(server: str, cluster: Cluster) -> None:
+    cluster.register("busy", 1, "127.0.0.1", "the-first", time.time())
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.2):
+            cluster.heartbeat("busy", "the-first", time.time())
+
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        proc = unicron("agent", "--node-name", "busy", "--slots", "1", url=server)
+    finally:
+        stop.set()
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the coordinator refused node busy: node busy is live" in lines[0]
