@@ -51,14 +51,16 @@ def test_no_token_or_a_wrong_one_gets_401_and_a_log_line(
     with caplog.at_level(logging.WARNING, logger="unicron.control.service"):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
             for method, path in (("GET", "/v1/tasks"), ("GET", "/metrics"),
-                                 ("POST", "/v1/tasks"), ("GET", "/v1/nodes")):  # fmt: skip
+                                 ("POST", "/v1/tasks"), ("GET", "/v1/nodes"),
+                                 ("GET", "/openapi.json"), ("GET", "/docs")):  # fmt: skip
                 r = api.request(method, path, headers=headers, json=spec("x"))
                 assert r.status_code == 401, (method, path, headers)
                 assert r.json() == {"detail": "missing or wrong token"}
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert len(refused) == 12
+    assert len(refused) == 18
     assert "no token" in refused[0] and "a wrong token" in refused[-1]
     assert api.get("/v1/tasks", headers=AUTH).status_code == 200
+    assert api.get("/openapi.json", headers=AUTH).status_code == 200
 
 
 def test_unknown_task_and_node_are_404(api: TestClient) -> None:
@@ -147,7 +149,7 @@ def fuzz(cluster: Cluster) -> None:
     from hypothesis import HealthCheck, given, settings
 
     app = make_app(cluster, TOKEN)
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app, headers=AUTH)
     seen: dict[int, int] = {}
     ops = [r.ok() for r in schema.get_all_operations()]
     assert len(ops) >= 10, [o.label for o in ops]

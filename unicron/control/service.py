@@ -114,6 +114,18 @@ def make_app(cluster: Any, token: str) -> Any:
         description="The cluster service of Unicron: tasks, nodes, agents, metrics.",
         dependencies=[Depends(authorized)],
     )
+    unguarded = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
+
+    @app.middleware("http")
+    async def _guard_docs(request: Request, call_next: Any) -> Any:
+        """The schema and the docs pages are routes the app-wide dependency does not reach:
+        they need the token too."""
+        if request.url.path in unguarded:
+            try:
+                await authorized(request)
+            except HTTPException as exc:
+                return JSONResponse({"detail": exc.detail}, 401, exc.headers)
+        return await call_next(request)
 
     @app.exception_handler(NotFound)
     def _404(_: Request, exc: NotFound) -> JSONResponse:
