@@ -21,7 +21,7 @@ from tests.conftest import TRAIN, run_unicron
 from unicron.control import netns
 from unicron.control.lab import LocalCluster
 
-STEPS = 40
+STEPS = 60  # long enough for the returned node to start its workers and rejoin
 
 
 @pytest.fixture(scope="module")
