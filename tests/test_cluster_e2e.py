@@ -106,3 +106,32 @@ def test_coordinator_killed_and_restarted(cluster: LocalCluster, reference: str)
     check_steps(events)
     assert len(of(events, "task_end")) == 1
     assert view["outcome"]["params_sha256"] == reference
+
+
+def test_the_planner_moves_slots_between_tasks_and_both_stay_exact(
+    cluster: LocalCluster, reference: str
+) -> None:
+    """A heavier task arrives: the planner takes slots from the running one (down to its
+    minimum, at a step boundary) and starts the newcomer on them; when one of the two ends,
+    the other grows onto its slots. Both end with the failure-free parameters."""
+    cluster.submit(task("light", weight=1.0))
+    cluster.wait_task("light", lambda v: v["step"] >= 3)
+    cluster.submit(task("heavy", weight=3.0, workers={"min": 2, "max": 4}))
+    heavy = cluster.wait_task("heavy")
+    light = cluster.wait_task("light")
+    assert heavy["state"] == light["state"] == "done", (heavy, light)
+    logs = {name: cluster.events(name) for name in ("light", "heavy")}
+    took = next(e for e in of(logs["light"], "plan") if "trigger" in e)
+    assert took["trigger"] == "task heavy submitted"
+    assert took["allocation"] == {"light": 1, "heavy": 3}
+    assert took["waf_after"] > took["waf_before"]
+    released = [e for e in of(logs["light"], "action") if "released" in e.get("reason", "")]
+    assert sorted(e["slot"] for e in released) == [1, 2, 3]  # a move: no error, no restart
+    shrunk = next(e for e in of(logs["light"], "epoch_begin") if "released" in e["reason"])
+    assert shrunk["urgent"] is False and shrunk["members"] == [0]  # at a step boundary
+    first, second = sorted(("light", "heavy"), key=lambda n: of(logs[n], "task_end")[0]["ts"])
+    grew = [e for e in of(logs[second], "plan") if e.get("trigger") == f"task {first} done"]
+    assert grew and grew[0]["allocation"] == {second: 4}, of(logs[second], "plan")
+    for name in ("light", "heavy"):
+        check_steps(logs[name])
+    assert light["outcome"]["params_sha256"] == heavy["outcome"]["params_sha256"] == reference
