@@ -65,7 +65,7 @@ from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
-from unicron.runtime.inject import Fault, parse
+from unicron.runtime.inject import Fault, parse, slowdown
 from unicron.runtime.link import AgentLink, connect_agent
 from unicron.runtime.transfer import transfer
 
@@ -1121,7 +1121,6 @@ class _Runner:
                 time.sleep(3600)  # the agent takes the whole node down with this process
 
     def _slow(self, step: int, compute_s: float) -> None:
-        factors = [f.factor for f in self.ctx.faults if f.fault == "slow" and f.step <= step]
         for f in self.ctx.faults:
             if f.fault == "slow" and f.step == step and f.spec not in self.fired:
                 self.fired.add(f.spec)
@@ -1133,8 +1132,9 @@ class _Runner:
                     rank=self.ctx.slot,
                     factor=f.factor,
                 )
-        if factors:
-            time.sleep(compute_s * (max(f or 1.0 for f in factors) - 1.0))
+        factor = slowdown(self.ctx.faults, self.fired)
+        if factor > 1.0:
+            time.sleep(compute_s * (factor - 1.0))
 
     def _event(self, event: str, **fields: Any) -> None:
         fields.setdefault("task", self.ctx.task)
