@@ -40,6 +40,17 @@ FIRST_STEP = 4
 """no fault before this step (the task's cold start has its own, long allowance)"""
 ERROR_KINDS = tuple(sorted(k for k in KINDS if k != "unknown"))
 FAULT_KINDS = ("crash", "hang", "slow", *(f"error:{k}" for k in ERROR_KINDS))
+TIME_SCALE = 2.0
+"""the soak's minute, in seconds: its faults come ~100x as often as a real cluster's, so the
+escalation's window (``--restart-window``) and the probe cool-down (``--readmit-after``), a
+minute each by default, are scaled down to this; at full scale every slot would exceed its
+restart limit and the node its failing-slot limit within seconds, and the task would spend
+the run excluded rather than healing"""
+OUT_STEPS = {"slow": 50, "error:ecc": 40}
+"""steps after a fault during which its slot is presumed out (detected, restarted, or excluded
+until its health probe passes: a probe is a fresh Python process, seconds on a loaded
+machine); other kinds restart in a few steps, or reattempt in place"""
+OUT_STEPS_DEFAULT = 10
 
 
 @dataclass(frozen=True)
@@ -53,9 +64,11 @@ class Planned:
 
 
 def schedule(faults: int, seed: int, gap: int = 5) -> tuple[list[Planned], int]:
-    """``faults`` faults, one every ``gap`` steps from :data:`FIRST_STEP`, on random slots,
-    each kind in turn (shuffled rounds, so every kind occurs about equally often). Returns
-    the faults and the number of steps the run needs (a tail after the last fault)."""
+    """``faults`` faults, one every ``gap`` steps from :data:`FIRST_STEP`, each kind in turn
+    (shuffled rounds, so every kind occurs about equally often), on random slots among those
+    the earlier faults have presumably not taken out (:data:`OUT_STEPS`): a fault planned on
+    a slot that is restarting or excluded at its step never fires. Returns the faults and the
+    number of steps the run needs (a tail after the last fault)."""
     rng = random.Random(seed)
     kinds: list[str] = []
     while len(kinds) < faults:
@@ -63,8 +76,12 @@ def schedule(faults: int, seed: int, gap: int = 5) -> tuple[list[Planned], int]:
         rng.shuffle(round_)
         kinds += round_
     planned = []
+    back_at = dict.fromkeys(range(WORKERS), 0)  # slot -> first step it is presumed back
     for i, kind in enumerate(kinds[:faults]):
-        rank, step = rng.randrange(WORKERS), FIRST_STEP + i * gap
+        step = FIRST_STEP + i * gap
+        live = [r for r in range(WORKERS) if back_at[r] <= step]
+        rank = rng.choice(live) if live else min(back_at, key=lambda r: (back_at[r], r))
+        back_at[rank] = step + OUT_STEPS.get(kind, OUT_STEPS_DEFAULT)
         if kind == "crash":
             spec = f"crash:rank={rank},step={step}"
         elif kind == "hang":
@@ -84,7 +101,8 @@ def _run(
     events = workdir / "events.jsonl"
     cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(WORKERS), "--quiet",
            "--events", str(events), "--log-dir", str(workdir / "logs"),
-           "--readmit-after", "2", "--checkpoint-every", "10",
+           "--readmit-after", str(TIME_SCALE), "--restart-window", str(TIME_SCALE),
+           "--checkpoint-every", "10",
            *(a for s in specs for a in ("--inject", s)),
            str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps),
            "--out", str(workdir / "out")]  # fmt: skip
