@@ -2,14 +2,16 @@
 
 One node, 4 workers, the example GPT. A seeded schedule (:func:`schedule`) injects crashes,
 hangs, every error kind of the classification table and slow workers, on every slot, a few
-steps apart. The same training runs once without faults; both must end with the same
-``params_sha256``. From the faulty run's event log (:func:`measure_faults`), per fault: the
-time to its detection (the first ``error_detected`` about its slot at or after it) and to the
-next finished step; per kind the worst detection against the goal (a hang found within
-``max(3 x median step, 1 s) + 0.5 s`` after the first step); exclusions, readmissions and
-waits; steps lost (finished steps reported again, i.e. redone from a checkpoint).
+steps apart, each on a slot the earlier faults have not taken out; the escalation's minute is
+scaled to :data:`TIME_SCALE` seconds, as the faults are ~100x denser than a cluster's. The
+same training runs once without faults; both must end with the same ``params_sha256``. From
+the faulty run's event log (:func:`measure_faults`), per fault: the time to its detection
+(the first ``error_detected`` about its slot at or after it) and to the next finished step;
+per kind the worst detection against the goal (a hang found within ``max(3 x median step,
+1 s) + 0.5 s`` after the first step); exclusions, readmissions and waits; steps lost
+(finished steps reported again, i.e. redone from a checkpoint).
 
-    python -m bench.chaos [--quick] [--faults N] [--seed S]      # or: make soak
+    python -m bench.chaos [--quick] [--faults N] [--seed S] [--gap G] [--keep DIR]  # make soak
 
 Writes ``bench/results/chaos.json`` (rows) and prints the table. Not part of ``python -m
 bench``: it is a long scenario of its own.
