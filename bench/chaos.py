@@ -20,6 +20,7 @@ bench``: it is a long scenario of its own.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -195,7 +196,9 @@ def run(
                  note="steps finished twice (redone after a checkpoint reload); goal 0"),
         make_row(**base, metric="bitwise_identical", values=[1.0 if exact else 0.0], unit="",
                  note="params_sha256 of the faulty run == the fault-free run's"),
-        make_row(**base, metric="wall_s", values=[wall], unit="s", note="the faulty run"),
+        make_row(**base, metric="wall_s", values=[wall], unit="s",
+                 note=f"the faulty run; load average {os.getloadavg()[0]:.1f} at its end, "
+                 f"{os.cpu_count()} cores"),
         make_row(**base, metric="wall_fault_free_s", values=[clean_wall], unit="s",
                  note="the same steps without faults"),
         make_row(**base, metric="median_step_s", values=[median_step], unit="s",
