@@ -833,7 +833,10 @@ class _Runner:
         """Hand out step ``self.step`` with this member's micro-batches ``todo``; ``_held``
         says what every member's local sums will hold once it computed its own."""
         step = self.step
-        self.link.send({"type": "step_begin", "step": step, "epoch": g.info.epoch})
+        # ts: when it began here (the agent may read it late on a loaded machine)
+        self.link.send(
+            {"type": "step_begin", "step": step, "epoch": g.info.epoch, "ts": time.time()}
+        )
         for attempt in range(self.ctx.max_reattempts + 1):
             try:
                 self._maybe_fire("node", step)
@@ -997,6 +1000,7 @@ class _Runner:
                 "step": step,
                 "microbatches": len(s.microbatches),
                 "compute_s": time.perf_counter() - s.began,
+                "ts": time.time(),
             }
         )
         ex, self._exchange = self._exchange, None
