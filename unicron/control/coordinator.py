@@ -715,16 +715,34 @@ class Coordinator:
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
 
     def peers_all_ahead(self, slot: int, step: int) -> bool:
-        """Whether every other member of the current epoch finished computing ``step``."""
+        """Whether every other member of the current epoch that can vouch for ``slot``
+        (:meth:`_vouchers`) finished computing ``step``."""
         with self._lock:
-            others = [m for m in self.members if m != slot]
+            others = self._vouchers(slot)
             return bool(others) and all(self._computed.get(m, -1) >= step for m in others)
 
     def alone(self, slot: int) -> bool:
-        """Whether ``slot`` is the only member of the current epoch: no peer can vouch that
-        its step hangs rather than the machine being slow."""
+        """Whether no other member of the current epoch can vouch that the step of ``slot``
+        hangs rather than the machine being slow: it is the only member, or the others are
+        joiners that have computed nothing yet (:meth:`_vouchers`)."""
         with self._lock:
-            return self.members == (slot,)
+            return not self._vouchers(slot)
+
+    def _vouchers(self, slot: int) -> list[int]:
+        """The other members of the current epoch that compute alongside ``slot``: each has
+        finished a step since it (re)started, or is computing one. A worker that joined the
+        epoch while ``slot`` was in its step and has computed nothing waits in the
+        rendezvous for ``slot`` itself: it says nothing about the machine's speed, and counting
+        it as a peer not yet done held a hang back to twice its allowance."""
+        return [
+            m
+            for m in self.members
+            if m != slot
+            and (
+                m in self._computed
+                or ((p := self._progress.get(m)) is not None and p.phase is Phase.COMPUTE)
+            )
+        ]
 
     def state_survives(self, slot: int) -> bool:
         """Whether the task's state outlives the worker in ``slot``: another live replica
