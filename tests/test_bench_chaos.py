@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bench.chaos import FAULT_KINDS, FIRST_STEP, WORKERS, measure_faults, schedule
+from bench.chaos import (
+    FAULT_KINDS,
+    FIRST_STEP,
+    OUT_STEPS,
+    OUT_STEPS_DEFAULT,
+    WORKERS,
+    measure_faults,
+    schedule,
+)
 from unicron.runtime.inject import parse
 
 
@@ -20,6 +28,24 @@ def test_the_schedule_is_seeded_mixed_and_parseable() -> None:
     for p in planned:
         f = parse(p.spec)
         assert (f.rank, f.step) == (p.rank, p.step)
+
+
+def test_no_fault_is_planned_on_a_slot_an_earlier_one_took_out() -> None:
+    # a fault on a slot that is restarting or excluded at its step never fires: the plan
+    # keeps each slot free for its presumed time out after a fault (when every slot is out,
+    # the one back first)
+    for seed in range(5):
+        planned, _ = schedule(100, seed=seed)
+        back_at = dict.fromkeys(range(WORKERS), 0)
+        for p in planned:
+            if back_at[p.rank] > p.step:
+                assert back_at[p.rank] == min(back_at.values()), (seed, p)
+            back_at[p.rank] = p.step + OUT_STEPS.get(p.kind, OUT_STEPS_DEFAULT)
+    planned, _ = schedule(100, seed=0)  # the soak's default plan: never
+    back_at = dict.fromkeys(range(WORKERS), 0)
+    for p in planned:
+        assert back_at[p.rank] <= p.step, p
+        back_at[p.rank] = p.step + OUT_STEPS.get(p.kind, OUT_STEPS_DEFAULT)
 
 
 def test_each_fault_is_measured_to_its_slots_detection_and_the_next_step() -> None:

@@ -319,6 +319,34 @@ def test_two_late_workers_are_hangs_only_at_twice_the_allowance(tmp_path: Path) 
     assert sorted(a.slot for a in k.actions(Kill)) == [2, 3]
 
 
+@pytest.mark.parametrize("joiner_computes", [False, True])
+def test_a_joiner_that_computed_nothing_does_not_hold_a_hang_back(
+    tmp_path: Path, joiner_computes: bool
+) -> None:
+    """A restarted worker that joins while a member hangs waits for that member in the
+    rendezvous: it is no peer "not done yet" (the soak's 2.06 s hang: confirmed at twice the
+    allowance because of it), so the hang is confirmed once the computing peers are done. A
+    joiner that computes the same step is a peer like any other."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    c.worker_failed(3, verdict_for_kind("killed"), t)  # restarted: joins the next epoch
+    assert c.members == (0, 1, 2)
+    t = k.steps(5, t + 0.1)
+    for m in c.members:
+        c.step_started(m, 25, t, epoch=c.epoch)
+    for m in (1, 2):
+        c.step_computed(m, 25, t + 0.1, compute_s=0.1, microbatches=2)
+    c.worker_ready(3, t + 0.2)  # ready while slot 0 hangs: in the next epoch at once
+    c.epoch_entered(3, c.epoch, t + 0.3)
+    assert c.members == (0, 1, 2, 3)
+    if joiner_computes:
+        c.step_started(3, 25, t + 0.4, epoch=c.epoch)
+    assert c.monitor is not None
+    c.tick(t + c.monitor.settings.hang_floor_s * 1.05)
+    assert [a.slot for a in k.actions(Kill)] == ([] if joiner_computes else [0])
+
+
 def test_stragglers_are_compared_across_nodes(tmp_path: Path) -> None:
     """One monitor per task: a whole slow node, with one worker on it, is found."""
     k = Cluster(tmp_path, nodes=2, per_node=1)

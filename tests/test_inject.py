@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unicron.errors import UsageError
-from unicron.runtime.inject import parse
+from unicron.runtime.inject import parse, slowdown
 
 
 @pytest.mark.parametrize(
@@ -43,3 +43,13 @@ def test_errors_name_the_problem(spec: str, message: str) -> None:
     with pytest.raises(UsageError, match=message) as info:
         parse(spec, frozenset({"cuda"}))
     assert "\n" not in str(info.value)
+
+
+def test_only_a_slow_fault_that_fired_slows_the_worker() -> None:
+    # a slow fault whose step went by while its slot was out never fired (no event): a worker
+    # started past it must not be silently slow (the soak's ghost stragglers and hangs)
+    early, late = parse("slow:rank=2,step=5,factor=4"), parse("slow:rank=2,step=9,factor=2")
+    assert slowdown([early, late], fired=set()) == 1.0
+    assert slowdown([early, late], fired={late.spec}) == 2.0
+    assert slowdown([early, late], fired={early.spec, late.spec}) == 4.0
+    assert slowdown([parse("crash:rank=2,step=5")], fired={"crash:step=5,rank=2"}) == 1.0

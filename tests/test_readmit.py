@@ -113,6 +113,41 @@ def test_a_failed_probe_doubles_the_wait_each_time(tmp_path: Path) -> None:
     assert agent.probes == [3, 3, 3]
 
 
+def test_the_probe_backoff_starts_again_once_a_slot_stayed_in_for_a_window(
+    tmp_path: Path,
+) -> None:
+    # restart_window_s = 60: an exclusion more than a window after the last readmission is a
+    # new episode (the backoff counted every exclusion for ever: after a few, a slot that
+    # always passed its probe stayed out for minutes, and the task shrank to one worker)
+    c, agent, _ = _running(tmp_path, readmit_after_s=10.0)
+    for k, t in enumerate((0.0, 100.0)):  # excluded, back, excluded again 88 s later
+        c.worker_failed(3, verdict_for_kind("ecc"), t)
+        c.tick(t + 10.0)
+        assert agent.probes == [3] * (k + 1)  # 10 s each time: not doubled
+        c.probe_done(3, True, "cpu: fine", t + 12.0)
+        assert not c.slots[3].excluded
+    c.worker_failed(3, verdict_for_kind("ecc"), 130.0)  # 18 s after coming back: doubled
+    c.tick(149.9)
+    assert agent.probes == [3, 3]
+    c.tick(150.0)
+    assert agent.probes == [3, 3, 3]
+
+
+def test_the_probe_backoff_is_capped(tmp_path: Path) -> None:
+    # a slot that keeps failing its probe is still probed every 8 cool-downs, not after
+    # 2^k of them (at the defaults: within the 600 s a waiting task gives it)
+    c, agent, _ = _running(tmp_path, readmit_after_s=10.0)
+    c.worker_failed(3, verdict_for_kind("ecc"), 0.0)
+    t = 0.0
+    for k in range(6):  # waits of 10, 20, 40, 80, 80, 80 s
+        t += 10.0 * min(2**k, 8)
+        c.tick(t - 0.1)
+        assert agent.probes == [3] * k
+        c.tick(t)
+        assert agent.probes == [3] * (k + 1)
+        c.probe_done(3, False, "RuntimeError: matrix product wrong", t)
+
+
 def test_slots_of_a_lost_node_are_not_probed(tmp_path: Path) -> None:
     c, agent, _ = _running(tmp_path, readmit_after_s=1.0)
     c.worker_failed(2, verdict_for_kind("ecc"), 0.0)

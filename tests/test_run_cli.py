@@ -58,6 +58,7 @@ BAD_INPUT = {
     "readmit-after zero": (["--readmit-after", "0", str(TRAIN)], "--readmit-after"),
     "give-up-after zero": (["--give-up-after", "0", str(TRAIN)], "--give-up-after"),
     "give-up-after nan": (["--give-up-after", "nan", str(TRAIN)], "--give-up-after"),
+    "restart-window zero": (["--restart-window", "0", str(TRAIN)], "--restart-window"),
 }
 
 

@@ -65,7 +65,7 @@ from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
-from unicron.runtime.inject import Fault, parse
+from unicron.runtime.inject import Fault, parse, slowdown
 from unicron.runtime.link import AgentLink, connect_agent
 from unicron.runtime.transfer import transfer
 
@@ -833,7 +833,10 @@ class _Runner:
         """Hand out step ``self.step`` with this member's micro-batches ``todo``; ``_held``
         says what every member's local sums will hold once it computed its own."""
         step = self.step
-        self.link.send({"type": "step_begin", "step": step, "epoch": g.info.epoch})
+        # ts: when it began here (the agent may read it late on a loaded machine)
+        self.link.send(
+            {"type": "step_begin", "step": step, "epoch": g.info.epoch, "ts": time.time()}
+        )
         for attempt in range(self.ctx.max_reattempts + 1):
             try:
                 self._maybe_fire("node", step)
@@ -997,6 +1000,7 @@ class _Runner:
                 "step": step,
                 "microbatches": len(s.microbatches),
                 "compute_s": time.perf_counter() - s.began,
+                "ts": time.time(),
             }
         )
         ex, self._exchange = self._exchange, None
@@ -1121,7 +1125,6 @@ class _Runner:
                 time.sleep(3600)  # the agent takes the whole node down with this process
 
     def _slow(self, step: int, compute_s: float) -> None:
-        factors = [f.factor for f in self.ctx.faults if f.fault == "slow" and f.step <= step]
         for f in self.ctx.faults:
             if f.fault == "slow" and f.step == step and f.spec not in self.fired:
                 self.fired.add(f.spec)
@@ -1133,8 +1136,9 @@ class _Runner:
                     rank=self.ctx.slot,
                     factor=f.factor,
                 )
-        if factors:
-            time.sleep(compute_s * (max(f or 1.0 for f in factors) - 1.0))
+        factor = slowdown(self.ctx.faults, self.fired)
+        if factor > 1.0:
+            time.sleep(compute_s * (factor - 1.0))
 
     def _event(self, event: str, **fields: Any) -> None:
         fields.setdefault("task", self.ctx.task)

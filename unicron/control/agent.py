@@ -448,12 +448,13 @@ class Agent:
             self._report(M.EpochEntered(slot=slot, ts=now, epoch=msg["epoch"]))
         elif kind == "step_begin":
             w.step = msg["step"]
-            self._report(M.StepBegan(slot=slot, ts=now, step=msg["step"], epoch=msg.get("epoch")))
+            sent = min(float(msg.get("ts", now)), now)  # the monitor times the worker's step,
+            self._report(M.StepBegan(slot=slot, ts=sent, step=msg["step"], epoch=msg.get("epoch")))
         elif kind == "step_done":
             self._report(
                 M.StepComputed(
                     slot=slot,
-                    ts=now,
+                    ts=min(float(msg.get("ts", now)), now),  # not this agent's read latency
                     step=msg["step"],
                     compute_s=msg["compute_s"],
                     microbatches=msg.get("microbatches") or None,

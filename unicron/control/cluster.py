@@ -440,7 +440,7 @@ class Cluster:
             label=row.name,
             slots=dict(enumerate(row.placement)),
             events=task.events,
-            escalation=Escalation(EscalationSettings()),
+            escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
             settings=CoordinatorSettings(
                 min_workers=spec.workers.min,
                 checkpoint=checkpoint,

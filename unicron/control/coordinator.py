@@ -60,6 +60,11 @@ from unicron.runtime.checkpoint import has_checkpoint
 
 log = logging.getLogger("unicron.control.coordinator")
 
+PROBE_BACKOFF_MAX = 8.0
+"""the probe cool-down doubles per exclusion up to this many times ``readmit_after_s`` (8 min
+at the default), so a slot that failed often is still probed before the default give-up
+deadline (10 min) of a task waiting for it"""
+
 LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
 with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
@@ -221,6 +226,7 @@ class Coordinator:
         self._last_tick: float | None = None
         self._excluded_at: dict[int, float] = {}  # slot -> when it was excluded (or re-probed)
         self._exclusions: dict[int, int] = {}  # slot -> times excluded: the probe backoff
+        self._readmitted_at: dict[int, float] = {}  # slot -> when it last came back
         self._probing: set[int] = set()
         self._adopted = False  # took over a running task after a restart (see adopt)
         self._logged_before = (-1, -1)  # (epoch, step): commits already in the event log
@@ -665,6 +671,7 @@ class Coordinator:
                 if k in own or k in self._probing:
                     continue  # its own exclusion (or probe) stands
                 x.excluded = False
+                self._readmitted_at[k] = now
                 if not x.alive:  # a kept last copy of the state just stays a member
                     self._spawn(k)
 
@@ -708,16 +715,34 @@ class Coordinator:
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
 
     def peers_all_ahead(self, slot: int, step: int) -> bool:
-        """Whether every other member of the current epoch finished computing ``step``."""
+        """Whether every other member of the current epoch that can vouch for ``slot``
+        (:meth:`_vouchers`) finished computing ``step``."""
         with self._lock:
-            others = [m for m in self.members if m != slot]
+            others = self._vouchers(slot)
             return bool(others) and all(self._computed.get(m, -1) >= step for m in others)
 
     def alone(self, slot: int) -> bool:
-        """Whether ``slot`` is the only member of the current epoch: no peer can vouch that
-        its step hangs rather than the machine being slow."""
+        """Whether no other member of the current epoch can vouch that the step of ``slot``
+        hangs rather than the machine being slow: it is the only member, or the others are
+        joiners that have computed nothing yet (:meth:`_vouchers`)."""
         with self._lock:
-            return self.members == (slot,)
+            return not self._vouchers(slot)
+
+    def _vouchers(self, slot: int) -> list[int]:
+        """The other members of the current epoch that compute alongside ``slot``: each has
+        finished a step since it (re)started, or is computing one. A worker that joined the
+        epoch while ``slot`` was in its step and has computed nothing waits in the
+        rendezvous for ``slot`` itself: it says nothing about the machine's speed, and counting
+        it as a peer not yet done held a hang back to twice its allowance."""
+        return [
+            m
+            for m in self.members
+            if m != slot
+            and (
+                m in self._computed
+                or ((p := self._progress.get(m)) is not None and p.phase is Phase.COMPUTE)
+            )
+        ]
 
     def state_survives(self, slot: int) -> bool:
         """Whether the task's state outlives the worker in ``slot``: another live replica
@@ -1090,7 +1115,12 @@ class Coordinator:
         return [s for s, o in self.slots.items() if o.alive and o.has_state]
 
     def _exclude(self, slot: int, now: float) -> None:
-        """Take ``slot`` out of the plan until a health probe brings it back."""
+        """Take ``slot`` out of the plan until a health probe brings it back. The probe
+        backoff counts the exclusions since the slot last stayed in the plan for a whole
+        escalation window (``restart_window_s``): older ones are independent events."""
+        back = self._readmitted_at.pop(slot, None)
+        if back is not None and now - back >= self.escalation.settings.restart_window_s:
+            self._exclusions[slot] = 0
         self.slots[slot].excluded = True
         self._excluded_at[slot] = now
         self._exclusions[slot] = self._exclusions.get(slot, 0) + 1
@@ -1110,8 +1140,9 @@ class Coordinator:
                 self._kill(slot, verdict)
 
     def _probe_due(self, slot: int) -> float:
-        """When the excluded ``slot`` may be probed: the cool-down doubles per exclusion."""
-        backoff = 2.0 ** (self._exclusions.get(slot, 1) - 1)
+        """When the excluded ``slot`` may be probed: the cool-down doubles per exclusion (see
+        :meth:`_exclude`), up to :data:`PROBE_BACKOFF_MAX` times ``readmit_after_s``."""
+        backoff = min(2.0 ** (self._exclusions.get(slot, 1) - 1), PROBE_BACKOFF_MAX)
         return self._excluded_at[slot] + self.settings.readmit_after_s * backoff
 
     def _probe_excluded(self, now: float) -> None:

@@ -122,6 +122,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "long after each further one) and rejoins if it passes (default 60; inf: never)",
     )
     p.add_argument(
+        "--restart-window",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="the escalation's memory: more than 3 restarts of a slot, or 3 failing slots of a "
+        "node, within S seconds exclude it; an excluded slot that stayed back for S seconds "
+        "starts its probe backoff again (default 60)",
+    )
+    p.add_argument(
         "--give-up-after",
         type=float,
         default=600.0,
@@ -184,6 +193,10 @@ def validate(args: argparse.Namespace) -> list[Fault]:
         raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if not args.readmit_after > 0:  # also NaN
         raise UsageError(f"--readmit-after must be > 0 seconds, got {args.readmit_after}")
+    if not 0.001 <= args.restart_window <= 86_400:  # also NaN
+        raise UsageError(
+            f"--restart-window must be in 0.001..86400 seconds, got {args.restart_window}"
+        )
     if not args.give_up_after > 0:  # also NaN
         raise UsageError(f"--give-up-after must be > 0 seconds, got {args.give_up_after}")
     if not Path(args.script).is_file():
@@ -332,6 +345,7 @@ def task_spec(args: argparse.Namespace, log_dir: Path) -> Any:
             "checkpoint": checkpoint,
             "give_up_after": args.give_up_after,
             "readmit_after": args.readmit_after,
+            "restart_window": args.restart_window,
             "inject": list(args.inject),
         }
     )

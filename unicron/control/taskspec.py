@@ -13,6 +13,7 @@
     device: cpu                     # cpu | cuda
     give_up_after: 600              # seconds below min before the task fails
     readmit_after: 60               # seconds before an excluded slot is probed
+    restart_window: 60              # seconds over which the escalation counts failures
     inject: []                      # fault specs, as ``unicron run --inject``
     model: {preset: gpt3-1.3b}      # the planner's description (optional), as ``unicron plan``
 
@@ -87,6 +88,7 @@ class TaskSpec(BaseModel):
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
     give_up_after: float = Field(600.0, gt=0)
     readmit_after: float = Field(60.0, gt=0)
+    restart_window: float = Field(60.0, ge=0.001, le=86_400)
     inject: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     model: dict[str, Any] | None = None

@@ -5,6 +5,7 @@
 ``hang:rank=R,step=S``           the worker stops making progress without exiting
 ``error:rank=R,step=S,kind=K``   the worker raises an error of classified kind K
 ``slow:rank=R,step=S,factor=F``  the worker's compute becomes F times slower from step S on
+                                 (until that process ends: a restarted worker is not slow)
 ``node:node=N,step=S``           node N's agent and workers vanish at step S
 
 ``rank`` is the worker's launch rank (its slot on the node, like torchrun's ``RANK``): it stays
@@ -14,6 +15,7 @@ The runner, the worker, the tests and the benchmark baselines all parse specs he
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -101,3 +103,13 @@ def parse(spec: str, known_kinds: frozenset[str] | None = None) -> Fault:
             if values[key] < 0:
                 raise UsageError(f"--inject {spec!r}: {key} must be >= 0, got {value}")
     return Fault(fault=head, **values)
+
+
+def slowdown(faults: Iterable[Fault], fired: Collection[str]) -> float:
+    """How many times slower a worker computes: the largest factor among the ``slow`` faults
+    it has fired (their specs in ``fired``), 1.0 if none. The worker calls it after each
+    step's compute. A slow fault whose step went by while the slot was out (excluded, or a
+    worker restarted past it) never fired: it slows nothing, as any other unfired fault."""
+    return max(
+        (f.factor or 1.0 for f in faults if f.fault == "slow" and f.spec in fired), default=1.0
+    )
