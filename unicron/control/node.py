@@ -61,11 +61,14 @@ class _Running:
 class NodeAgent:
     """See the module docstring; :meth:`run` until ``stop`` is set or the node vanishes."""
 
-    def __init__(self, client: Any, *, name: str, slots: int, log_dir: Path) -> None:
+    def __init__(
+        self, client: Any, *, name: str, slots: int, log_dir: Path, per_task: bool = True
+    ) -> None:
         self.client = client
         self.name = name
         self.slots = slots
         self.log_dir = log_dir
+        self.per_task = per_task  # a directory per task under log_dir (``unicron run``: one task)
         self.instance = secrets.token_hex(8)
         self.node: int | None = None
         self.tasks: dict[str, _Running] = {}
@@ -170,7 +173,7 @@ class NodeAgent:
             script=a["script"],
             argv=list(a["args"]),
             faults=[parse(s, KINDS) for s in a["inject"]],
-            log_dir=self.log_dir / uid,
+            log_dir=self.log_dir / uid if self.per_task else self.log_dir,
             reduce=a["reduce"],
             on_lost=a["on_lost"],
             threads=int(a["threads"]),

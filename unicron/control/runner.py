@@ -381,7 +381,13 @@ def main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     terminated = threading.Event()
     nodes = [
-        NodeAgent(service.client, name=f"node{k}", slots=args.nproc_per_node, log_dir=log_dir)
+        NodeAgent(
+            service.client,
+            name=f"node{k}",
+            slots=args.nproc_per_node,
+            log_dir=log_dir,
+            per_task=False,  # worker<slot>.<incarnation>.log right in --log-dir, as always
+        )
         for k in range(args.nnodes)
     ]
 
