@@ -3,10 +3,11 @@
 ``unicron cluster``: a real ``unicron coordinator`` and two ``unicron agent`` processes of 2
 slots each on loopback (this machine, no network namespaces), one task of 4 workers
 training ``examples/train_gpt.py`` with ``inject: [node:node=1,step=S]``: at step S node 1
-vanishes (its agent and its workers SIGKILLed at once, the agent exits without a word). Against it, the ``node`` scenario's
-torchrun arms (:class:`bench.systems.torchrun.TorchrunNodeArm`: two ``torchrun --nnodes 1:2``
-agents on a c10d rendezvous, tuned and, in the full run, default settings), interleaved
-with it repetition after repetition. Figures from each run's event log by the suite's
+vanishes (its agent and its workers SIGKILLed at once, the agent exits without a word).
+Against it, the ``node`` scenario's torchrun arms
+(:class:`bench.systems.torchrun.TorchrunNodeArm`: two ``torchrun --nnodes 1:2`` agents on a
+c10d rendezvous, tuned and, in the full run, default settings), interleaved with it
+repetition after repetition. Figures from each run's event log by the suite's
 parser (:mod:`bench.events`): detection (first ``error_detected``), for Unicron also the
 coordinator's heartbeat verdict (``detection_heartbeat_s``), recovery (the fault to the
 next finished step; goal < 1 s), steps redone, wall time (submission or launch to the end).
