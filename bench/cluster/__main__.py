@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synthetic agents' heartbeat period (load; default 1)")  # fmt: skip
     p.add_argument("--step-s", type=float, default=0.25, metavar="S",
                    help="synthetic tasks' step time (load; default 0.25)")  # fmt: skip
+    p.add_argument("--exchange-s", type=float, metavar="S",
+                   help="synthetic supervisors' idle exchange period (load; default: the real "
+                   "supervisors' TaskLink.MIN_INTERVAL_S, 0.05)")  # fmt: skip
     p.add_argument("--results", type=Path, default=RESULTS_DIR, metavar="DIR")
     return p
 
@@ -55,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tasks=args.tasks,
             heartbeat_s=args.heartbeat_s,
             step_s=args.step_s,
+            **({} if args.exchange_s is None else {"exchange_s": args.exchange_s}),
             duration_s=args.soak_s or (60.0 if args.quick else 600.0),
         )
     except ValueError as exc:
