@@ -171,7 +171,7 @@ def run(
 ) -> list[Row]:
     """The rows of this scenario: a fault-free reference run, then ``reps`` kills."""
     reps = reps or (2 if quick else 5)
-    steps = steps or (40 if quick else 80)
+    steps = steps or (60 if quick else 150)  # enough left after the kill to outlast a restart
     kill_step = steps // 3
     timeout_s = 300.0 + 3.0 * steps
     samples: dict[str, list[float]] = {m: [] for m in METRICS}

@@ -117,6 +117,9 @@ class Samples:
 
 # -- the load generator (one process) ----------------------------------------------------------
 class _Generator:
+    """One load generator process's agents: registers them, heartbeats each on its own phase,
+    and runs a synthetic supervisor for every task a heartbeat's answer places on one."""
+
     def __init__(self, url: str, token: str, names: list[str], s: LoadSettings) -> None:
         import httpx
 
