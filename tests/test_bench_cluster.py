@@ -66,6 +66,8 @@ def test_load_figures_keep_the_window_and_split_by_kind() -> None:
         **dict.fromkeys(("coordinator_cpu", "coordinator_cpu_max", "store_cpu"), 0.5),
         **dict.fromkeys(("state_mb", "state_growth_mb_per_h"), 1.0),
         **dict.fromkeys(("running", "committed", "nodes_lost", "alarms", "events"), 0),
+        "alarm_kinds": "none",
+        "states": "running x1",
     }
     got = load.figures(raw, s)
     assert got["requests_per_s"] == pytest.approx(10.1)

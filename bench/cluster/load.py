@@ -33,6 +33,7 @@ import os
 import secrets
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -353,11 +354,14 @@ def measure(s: LoadSettings, workdir: Path, on_progress: Any = print) -> dict[st
             conn.send("stop")
         samples = [Samples.load(conn.recv()) for conn in conns]
         alarms = logged = 0
+        kinds: Counter[str] = Counter()
         for v in views:
             after = 0
             while True:  # the service answers at most 10 000 events a call
                 got = c.client.request("GET", f"/v1/tasks/{v['name']}/events?after={after}")
-                alarms += sum(e["event"] == "error_detected" for e in got["events"])
+                found = [e for e in got["events"] if e["event"] == "error_detected"]
+                alarms += len(found)
+                kinds.update(str(e.get("kind")) for e in found)
                 logged += len(got["events"])
                 if not got["events"]:
                     break
@@ -375,6 +379,8 @@ def measure(s: LoadSettings, workdir: Path, on_progress: Any = print) -> dict[st
             "committed": sum(v["step"] + 1 for v in views),
             "nodes_lost": sum(n["state"] == "lost" for n in nodes),
             "alarms": alarms,
+            "alarm_kinds": ", ".join(f"{k} x{n}" for k, n in kinds.most_common()) or "none",
+            "states": ", ".join(f"{k} x{n}" for k, n in Counter(v["state"] for v in views).items()),
             "events": logged,
         }
     finally:
@@ -490,6 +496,10 @@ def run(
             continue
         if metric == "state_mb":
             note = f"{note}: {raw['state_parts']}; {raw['events']} events in SQLite"
+        if metric == "alarms":
+            note = f"{note}: {raw['alarm_kinds']}"
+        if metric == "tasks_running":
+            note = f"{note}; states at the end: {raw['states']}"
         if metric == "latency_p99_ms":
             met = "met" if got[metric] < GOAL_P99_MS else "NOT met"
             note = f"{note}: {met}; {setup}"
