@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo cluster-demo test lint typecheck pytest bench bench-quick soak clean
+.PHONY: demo cluster-demo test lint typecheck pytest bench bench-quick bench-cluster soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,11 @@ bench-quick: $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench
+
+# the cluster: coordinator kill -9, the service under load (a 10-minute soak), node loss
+# (bench/cluster; SOAK_S=60 for a shorter soak)
+bench-cluster: $(BENCH_STAMP)
+	$(BIN)/python -m bench.cluster $(if $(SOAK_S),--soak-s $(SOAK_S))
 
 # about 100 mixed faults in one run, bit-exact against the fault-free run (bench/chaos.py)
 soak: $(STAMP)

@@ -53,14 +53,19 @@ MODULES = {
     "checkpoint": "bench.checkpoint",
     "planner": "bench.planner",
     "simulator": "bench.simulator",
+    "cluster-kill": "bench.cluster.kill",
+    "cluster-load": "bench.cluster.load",
+    "cluster-node": "bench.cluster.node",
 }
+CLUSTER = ("cluster-kill", "cluster-load", "cluster-node")
 ORDER = (
     "floor", *TRAINING, "reduce", "scale", "llama", "transfer", "checkpoint", "planner",
-    "simulator",
+    "simulator", *CLUSTER,
 )  # fmt: skip
-ALONE = frozenset({"scale", "llama", "transfer", "checkpoint"})
+ALONE = frozenset({"scale", "llama", "transfer", "checkpoint", *CLUSTER})
 """scenarios run only when named (``--scenario``): they are long (a 100M-parameter model, a
-1 GB state, a Hugging Face model and torchrun), and the whole suite keeps to its hour"""
+1 GB state, a Hugging Face model and torchrun, a 10-minute soak of the cluster service), and
+the whole suite keeps to its hour; the cluster's also run as ``python -m bench.cluster``"""
 SHOWN = {  # metrics reported per scenario, in this order (the default: faulted scenarios)
     "steady": ("wall_s", "step_time_s", "false_alarms"),
     "soak": ("wall_s", "false_alarms", "epochs", "step_time_s", "step_time_p99_s"),

@@ -174,6 +174,20 @@ def test_sev1_error_excludes_the_slot_and_the_task_goes_on_with_three(
     assert r.of("step_end")[-1]["workers"] == 3
 
 
+def test_a_lost_node_is_logged_detected_and_the_survivors_go_on(run: Any, clean: RunResult) -> None:
+    r = run(
+        "--nnodes", "2", "--nproc-per-node", "2", "--inject", "node:node=1,step=10", steps=STEPS
+    )
+    _healed(r, clean)
+    # the vanishing node's agent hands the injector's record over before it falls silent
+    fault = _fault(r, "node")
+    assert fault["node"] == 1 and fault["step"] == 10
+    lost = [e for e in r.of("error_detected") if e["kind"] == "heartbeat_lost"]
+    assert [e["node"] for e in lost] == [1], r.of("error_detected")
+    assert [(e["action"], e["node"]) for e in r.of("action")] == [("exclude", 1)]
+    assert r.of("step_end")[-1]["workers"] == 2
+
+
 def test_an_excluded_slot_passes_its_health_probe_and_rejoins(run: Any) -> None:
     steps = 60
     ref = run("--nproc-per-node", "4", steps=steps)

@@ -484,6 +484,10 @@ class Agent:
             else:  # the error ends the process: do not wait for its interpreter to wind down
                 self.kill(slot, verdict)
         elif kind == "node_fault":
+            # what the node's workers said before the fault (the injector's fault_injected
+            # record among it) goes out first; from then on the node says nothing
+            reports, self._reports = self._reports, []
+            self.link.exchange(self.node, reports, now, read_until=now)
             self.vanish()
         elif kind == "done":
             w.finished = True

@@ -105,7 +105,7 @@ class TaskLink:
 
     MIN_INTERVAL_S = 0.05
     """with nothing to report, exchange at most this often (the heartbeat rate)"""
-    MAX_BACKOFF_S = 1.0
+    MAX_BACKOFF_S = 0.5
 
     def __init__(
         self,

@@ -108,7 +108,7 @@ class NodeAgent:
                 return
             except httpx.TransportError:
                 stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
+                backoff = min(backoff * 2, 0.5)
             except ServiceError as exc:
                 raise UsageError(
                     f"the coordinator refused node {self.name}: {exc.detail}"
@@ -134,7 +134,7 @@ class NodeAgent:
                     if assignment["uid"] not in self.tasks:
                         self._start(assignment)
             except httpx.TransportError:
-                backoff = min(backoff * 2, 1.0)  # the coordinator is away: its tasks go on
+                backoff = min(backoff * 2, 0.5)  # the coordinator is away: its tasks go on
             except ServiceError as exc:
                 if exc.status == 404:  # a coordinator that lost us (a new state): register
                     self.register(stop)

@@ -97,9 +97,17 @@ class Exchange(BaseModel):
 
 
 def make_app(cluster: Any, token: str) -> Any:
-    """The FastAPI application over ``cluster`` (a :class:`~unicron.control.cluster.Cluster`)."""
+    """The FastAPI application over ``cluster`` (a :class:`~unicron.control.cluster.Cluster`).
 
-    async def authorized(request: Request) -> None:  # async: no thread hop per request
+    The token check and the agents' two calls (``heartbeat``, ``exchange``: nearly every
+    request of a busy cluster) are ``async``: they run on the event loop, not in the thread
+    pool FastAPI gives plain functions. Each hop into the pool and back cost more CPU than
+    the call itself (about half of a request's 1.2 ms; docs/benchmarks.md, "The cluster").
+    What they call is short and in memory but for a task's events going to SQLite (a local
+    commit each) and, on an epoch change, a write to the store (a local process); the other
+    endpoints stay in the pool."""
+
+    async def authorized(request: Request) -> None:
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(value.strip(), token):
