@@ -282,7 +282,8 @@ class Coordinator:
         service's HTTP API)."""
         with self._lock:
             self.attach(node)
-            for report in reports:
+            # bad input first: the exits it causes (read in the same round) are not failures
+            for report in sorted(reports, key=lambda r: not isinstance(r, M.BadInput)):
                 try:
                     self._apply(node, report)
                 except Exception:  # one bad report must not stop the task's control
@@ -297,6 +298,8 @@ class Coordinator:
         slot = getattr(r, "slot", None)
         if slot is not None and slot not in self.slots:
             return  # a slot given to another task meanwhile: nothing of it matters here
+        if isinstance(r, M.Detected | M.WorkerFailed) and self.finished():
+            return  # the task is over (e.g. failed on bad input): its exits heal nothing
         if isinstance(r, M.Ready):
             self.worker_ready(r.slot, r.ts, microbatches=r.microbatches, state_bytes=r.state_bytes)
         elif isinstance(r, M.EpochEntered):
