@@ -183,8 +183,6 @@ def make_app(cluster: Any, token: str) -> Any:
         nid = cluster.register(body.name, body.slots, body.address, body.instance, time.time())
         return {"node": nid}
 
-    # the agents' calls run on the event loop (no thread hop) and answer JSON as is: they
-    # are the hot path (one per supervisor round), and the cluster's calls never block long
     @app.post("/v1/agents/{node}/heartbeat", summary="an agent is alive")
     async def heartbeat(node: str, body: Heartbeat) -> JSONResponse:
         return JSONResponse({"tasks": cluster.heartbeat(node, body.instance, time.time())})
