@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from unicron.control.coordinator import (
+    FAST_EXCHANGE_S,
     Coordinator,
     CoordinatorSettings,
     Kill,
@@ -364,3 +365,40 @@ def test_stragglers_are_compared_across_nodes(tmp_path: Path) -> None:
 def test_bad_settings_are_refused(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         CoordinatorSettings(**{field: value})
+
+
+def test_the_exchange_rhythm_is_slow_when_nothing_is_due_and_fast_when_a_detector_waits(
+    tmp_path: Path,
+) -> None:
+    """``Reply.next_s``: half the suspect delay when nothing is due; a node with a step in
+    progress is read again at its hang deadline; fast while a hang is suspected, an in-band
+    error waits out its grace period or an epoch is not entered by every member yet."""
+    k = Cluster(tmp_path, nodes=2, per_node=2)
+    c = k.c
+    slow, fast = c.settings.suspect_after_s / 2, FAST_EXCHANGE_S
+    t = k.steps(20, 0.0)
+    assert c.exchange(0, [], t, read_until=t).next_s == slow
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch)
+    assert c.monitor is not None
+    deadline = c.monitor.hang_deadline(0)
+    assert deadline is not None and deadline - t > slow
+    assert c.exchange(0, [], t, read_until=t).next_s == slow  # the deadline is far
+    now = deadline - 0.1
+    assert c.exchange(0, [], now, read_until=now).next_s == pytest.approx(0.1)  # read it then
+    for m in (1, 2, 3):
+        c.step_computed(m, 20, t + 0.1, compute_s=0.1, microbatches=2)
+    c.tick(deadline)  # past the deadline, but node 0's reports are in only up to ``now``
+    assert k.actions(Kill) == []
+    # its next exchange, at the deadline, confirms the hang (every peer finished the step):
+    # the kill goes out in that very reply, and a new epoch follows
+    reply = c.exchange(0, [], deadline, read_until=deadline)
+    assert [a.slot for a in reply.actions if isinstance(a, Kill)] == [0]
+    c.worker_failed(0, verdict_for_kind("hang"), deadline + 0.01)
+    assert c.exchange(1, [], deadline + 0.02, read_until=deadline + 0.02).next_s == fast
+    for m in c.members:  # every member entered the new epoch: nothing is due any more
+        c.epoch_entered(m, c.epoch, deadline + 0.03)
+    assert c.exchange(1, [], deadline + 0.04, read_until=deadline + 0.04).next_s == slow
+    c.worker_error(2, verdict_for_kind("conn_reset"), deadline + 0.05, in_place=False,
+                   epoch=c.epoch)  # fmt: skip
+    assert c.exchange(1, [], deadline + 0.06, read_until=deadline + 0.06).next_s == fast

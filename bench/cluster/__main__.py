@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-s", type=float, default=0.25, metavar="S",
                    help="synthetic tasks' step time (load; default 0.25)")  # fmt: skip
     p.add_argument("--exchange-s", type=float, metavar="S",
-                   help="synthetic supervisors' idle exchange period (load; default: the real "
-                   "supervisors' TaskLink.MIN_INTERVAL_S, 0.05)")  # fmt: skip
+                   help="synthetic supervisors' idle exchange period, fixed (load; default: "
+                   "the rhythm the coordinator asks for, as real supervisors)")  # fmt: skip
     p.add_argument("--results", type=Path, default=RESULTS_DIR, metavar="DIR")
     return p
 

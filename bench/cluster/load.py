@@ -10,9 +10,10 @@ protocol (:mod:`unicron.control.messages`, the rhythm of
 :class:`unicron.control.client.TaskLink`): a first exchange with its census and a ``Ready``
 per slot (all slots ready start the first epoch), then, once the task is running, per step
 of ``step_s``: ``StepBegan``, ``StepComputed`` and the ``step_end`` event of every slot, each
-sent at once, and an exchange every ``TaskLink.MIN_INTERVAL_S`` when there is nothing to
-report. No worker process exists: the reports stand in for them (synthetic agents are
-acceptable for this load test only; the other cluster figures use real ones).
+sent at once, and with nothing to report an exchange at the rhythm the coordinator's last
+reply asked for (``Reply.next_s`` within ``TaskLink``'s bounds, as a real supervisor does).
+No worker process exists: the reports stand in for them (synthetic agents are acceptable for
+this load test only; the other cluster figures use real ones).
 
 Measured, over a window of ``duration_s`` after every task runs: the client-side latency of
 every request (p50, p99, max; per kind too), the coordinator's CPU (``/proc/PID/stat``), the
@@ -62,8 +63,9 @@ class LoadSettings:
     heartbeat_s: float = 1.0
     step_s: float = 0.25
     """each task's step time: per step and slot three reports"""
-    exchange_s: float = TaskLink.MIN_INTERVAL_S
-    """a supervisor with nothing to report exchanges this often (as a real one does)"""
+    exchange_s: float | None = None
+    """a supervisor with nothing to report exchanges this often; ``None``: at the rhythm the
+    coordinator asks for (as a real one does)"""
     duration_s: float = 600.0
     """the measured window, after every task runs"""
     warmup_s: float = 10.0
@@ -74,7 +76,7 @@ class LoadSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("heartbeat_s", "step_s", "exchange_s", "duration_s"):
-            if not getattr(self, name) > 0:
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.tasks * self.workers > self.agents * self.slots:
             raise ValueError("more workers than slots: the tasks would queue")
@@ -188,6 +190,7 @@ class _Generator:
         pending: list[Any] = [M.Census(ts=now, alive=tuple(slots))]
         pending += [M.Ready(slot=s, ts=now, microbatches=8, state_bytes=1 << 20) for s in slots]
         last = asked = 0.0
+        every = self.s.exchange_s or TaskLink.MIN_INTERVAL_S  # until the first reply says
         t0 = 0.0
         epoch: int | None = None
         step, schedule = 0, []  # (due, reports) of the current step
@@ -209,8 +212,8 @@ class _Generator:
                     step += 1
                     assert epoch is not None
                     schedule = _step(step, t0, epoch, slots, uid, self.nid[node], self.s)
-            if pending or now - last >= self.s.exchange_s:
-                due = now if pending else last + self.s.exchange_s
+            if pending or now - last >= every:
+                due = now if pending else last + every
                 body = {"instance": self.instance[node], "read_until": now,
                         "reports": [M.to_wire(r) for r in pending]}  # fmt: skip
                 pending = []
@@ -218,12 +221,19 @@ class _Generator:
                 last = time.time()
                 if got is not None:
                     self.samples.actions += len(got.get("actions", ()))
+                    if self.s.exchange_s is None:
+                        every = _interval(float(got.get("next_s", TaskLink.MIN_INTERVAL_S)))
                     if got.get("over"):
                         return
-            wake = last + self.s.exchange_s
+            wake = last + every
             if schedule:
                 wake = min(wake, schedule[0][0])
             await asyncio.sleep(max(min(wake - time.time(), 0.02), 0.0))
+
+
+def _interval(asked: float) -> float:
+    """The idle rhythm a real supervisor keeps for a reply's ``next_s`` (``TaskLink``)."""
+    return min(max(asked, TaskLink.MIN_INTERVAL_S), TaskLink.MAX_INTERVAL_S)
 
 
 def _step(
@@ -460,8 +470,8 @@ METRICS = {  # name: (unit, note)
 
 def system(s: LoadSettings) -> str:
     """The rows' system: ``unicron cluster``, with the idle exchange interval where it is
-    not the real supervisors' (a what-if of a slower rhythm)."""
-    if s.exchange_s == TaskLink.MIN_INTERVAL_S:
+    fixed instead of the coordinator's (a what-if)."""
+    if s.exchange_s is None:
         return SYSTEM
     return f"{SYSTEM} idle exchange {s.exchange_s * 1e3:g} ms"
 
@@ -483,10 +493,15 @@ def run(
             return [make_row(system=system(s), scenario=SCENARIO, metric="trial", status="failed",
                              note=str(exc), host=host)]  # fmt: skip
     after = loadavg()
+    rhythm = (
+        "exchanging at the coordinator's rhythm when idle (Reply.next_s)"
+        if s.exchange_s is None
+        else f"exchanging every {s.exchange_s * 1e3:g} ms when idle"
+    )
     setup = (
         f"{s.agents} synthetic agents heartbeating every {s.heartbeat_s:g} s; {s.tasks} tasks x "
         f"{s.workers} workers ({s.tasks * s.workers // s.slots} supervisors) stepping every "
-        f"{s.step_s:g} s, exchanging every {s.exchange_s * 1e3:g} ms when idle; "
+        f"{s.step_s:g} s, {rhythm}; "
         f"{s.duration_s:g} s window; {s.procs} generator processes; machine: {before} before, "
         f"{after} after"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import sys
@@ -101,10 +102,17 @@ class Client:
 
 class TaskLink:
     """An agent's link to the coordinator of task ``uid`` over HTTP (see the module
-    docstring). ``census`` is the agent's :meth:`~unicron.control.agent.Agent.census`."""
+    docstring). ``census`` is the agent's :meth:`~unicron.control.agent.Agent.census`.
+
+    Reports go out at once (on the agent's next round, within 20 ms); with nothing to report
+    the link exchanges at the rhythm the coordinator's last reply asked for (:meth:`interval`:
+    every 250 ms when nothing is due, every 50 ms while the coordinator waits on this node;
+    docs/cluster.md, The rhythm)."""
 
     MIN_INTERVAL_S = 0.05
-    """with nothing to report, exchange at most this often (the heartbeat rate)"""
+    """with nothing to report, never exchange more often than this"""
+    MAX_INTERVAL_S = 1.0
+    """... nor less often than this, whatever the coordinator asks"""
     MAX_BACKOFF_S = 0.5
 
     def __init__(
@@ -127,6 +135,15 @@ class TaskLink:
         self._reconnect = True  # the first exchange carries the census too
         self.down_since: float | None = None
 
+    def interval(self) -> float:
+        """With nothing to report, the next exchange is due this long after the last one: the
+        rhythm the coordinator's last reply asked for (:attr:`~unicron.control.messages.Reply.
+        next_s`), within [:attr:`MIN_INTERVAL_S`, :attr:`MAX_INTERVAL_S`]."""
+        asked = self._last.next_s
+        if math.isnan(asked):
+            return self.MIN_INTERVAL_S
+        return min(max(asked, self.MIN_INTERVAL_S), self.MAX_INTERVAL_S)
+
     def exchange(
         self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
     ) -> M.Reply:
@@ -134,9 +151,7 @@ class TaskLink:
 
         self._pending += reports
         idle = M.Reply(over=self._last.over, finished=self._last.finished)
-        if now < self._retry_at or (
-            not self._pending and now - self._last_ok < self.MIN_INTERVAL_S
-        ):
+        if now < self._retry_at or (not self._pending and now - self._last_ok < self.interval()):
             return idle
         batch = list(self._pending)
         if self._reconnect:

@@ -65,6 +65,10 @@ PROBE_BACKOFF_MAX = 8.0
 at the default), so a slot that failed often is still probed before the default give-up
 deadline (10 min) of a task waiting for it"""
 
+FAST_EXCHANGE_S = 0.05
+"""the rhythm asked of a node the coordinator waits on (:meth:`Coordinator.next_exchange_s`);
+the slow rhythm is half of ``suspect_after_s``, so a healthy idle node is never suspect"""
+
 LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
 with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
@@ -291,7 +295,10 @@ class Coordinator:
             self.heartbeat(node, now, read_until=read_until)
             self.tick(now)
             return Reply(
-                actions=tuple(self.take_actions(node)), over=self.over(), finished=self.finished()
+                actions=tuple(self.take_actions(node)),
+                over=self.over(),
+                finished=self.finished(),
+                next_s=self.next_exchange_s(node, now),
             )
 
     def _apply(self, node: int, r: M.Report) -> None:
@@ -764,6 +771,42 @@ class Coordinator:
         with self._lock:
             self.heartbeats[node] = now
             self._read_until[node] = now if read_until is None else read_until
+
+    # -- the exchange rhythm (docs/cluster.md, The rhythm) --------------------------------------
+    def next_exchange_s(self, node: int, now: float) -> float:
+        """How soon this coordinator wants the agent of ``node`` back when it has nothing to
+        report (:attr:`Reply.next_s`; an agent with reports exchanges at once anyway).
+
+        Slow (``suspect_after_s / 2``) while nothing is due: often enough that a healthy node
+        is never suspect, and an action queued between two exchanges (the ticker's) waits at
+        most that long. Fast (:data:`FAST_EXCHANGE_S`) while a detector or an action waits on
+        fresh reports: an in-band error in its grace period, a suspected hang, an epoch that
+        not every member entered yet (or a leaver not yet stopped). And timed: a worker of
+        the node computing a step is read again at its hang deadline, so a hang is judged
+        there, not up to one slow interval later (the detectors judge a node's workers only
+        up to its last read, ``read_until``)."""
+        idle = self.settings.suspect_after_s / 2
+        with self._lock:
+            if not self._active():
+                return idle
+            if self._pending_errors or self._suspects or self._in_transition():
+                return FAST_EXCHANGE_S
+            wait = idle
+            if self.monitor is not None:
+                read = self._read_until.get(node, now)  # the agent's clock, as the deadlines
+                for slot, o in self.slots.items():
+                    deadline = self.monitor.hang_deadline(slot) if o.node == node else None
+                    if deadline is not None and deadline > read:
+                        wait = min(wait, deadline - read)
+            return max(wait, FAST_EXCHANGE_S)
+
+    def _in_transition(self) -> bool:
+        """An epoch not every member has entered yet, or a leaver not yet stopped."""
+        if self.state is not TaskState.RUNNING:
+            return False
+        return any(
+            (p := self._progress.get(m)) is None or p.epoch < self.epoch for m in self.members
+        ) or any(o.leaving and not o.stop_sent for o in self.slots.values())
 
     # -- decisions over time ----------------------------------------------------------------
     def tick(self, now: float) -> None:

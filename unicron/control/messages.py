@@ -214,12 +214,17 @@ Report = (
 
 @dataclass(frozen=True, kw_only=True)
 class Reply:
-    """The coordinator's answer to one exchange: what this node must do, in order, and
-    whether the task is over (waiting workers leave) and finished (every member reported)."""
+    """The coordinator's answer to one exchange: what this node must do, in order, whether
+    the task is over (waiting workers leave) and finished (every member reported), and
+    ``next_s``: with nothing to report, exchange again within this many seconds (the rhythm
+    the coordinator needs from this node now: slow when nothing is due, fast while a
+    detector waits on the node's reports or an action may follow; docs/cluster.md, The
+    rhythm)."""
 
     actions: tuple[AgentAction, ...] = ()
     over: bool = False
     finished: bool = False
+    next_s: float = 0.05
 
 
 # -- the codec ---------------------------------------------------------------------------------

@@ -30,7 +30,10 @@ from unicron.errors import UsageError
 
 log = logging.getLogger("unicron.control.node")
 
-HEARTBEAT_S = 0.25
+HEARTBEAT_S = 1.0
+"""the node's heartbeat (the cluster's view of it: placement, ``status``; new assignments
+come with its answer). A task's own judgement of the node comes from its supervisor's
+exchanges (:class:`~unicron.control.client.TaskLink`), not from this"""
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 """gloo's interface; without it gloo uses the address this host's name resolves to, which a
 network namespace does not have (docs: unicron/control/netns.py)"""

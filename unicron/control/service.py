@@ -124,16 +124,25 @@ def make_app(cluster: Any, token: str) -> Any:
     )
     unguarded = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
 
-    @app.middleware("http")
-    async def _guard_docs(request: Request, call_next: Any) -> Any:
+    class GuardDocs:
         """The schema and the docs pages are routes the app-wide dependency does not reach:
-        they need the token too."""
-        if request.url.path in unguarded:
-            try:
-                await authorized(request)
-            except HTTPException as exc:
-                return JSONResponse({"detail": exc.detail}, 401, exc.headers)
-        return await call_next(request)
+        they need the token too. A plain ASGI middleware: Starlette's ``@app.middleware``
+        (``BaseHTTPMiddleware``) would cost every request a task group and a stream."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["path"] in unguarded:
+                try:
+                    await authorized(Request(scope))
+                except HTTPException as exc:
+                    refused = JSONResponse({"detail": exc.detail}, 401, exc.headers)
+                    await refused(scope, receive, send)
+                    return
+            await self.inner(scope, receive, send)
+
+    app.add_middleware(GuardDocs)
 
     @app.exception_handler(NotFound)
     def _404(_: Request, exc: NotFound) -> JSONResponse:

@@ -1,0 +1,106 @@
+"""The exchange rhythm over the real service: an idle supervisor's link exchanges at the slow
+rhythm the coordinator asks for, and a decision the coordinator takes on its own (a cancel
+from the API, on the ticker's side of the service) still reaches it within that rhythm.
+
+The service is the real one (a :class:`~unicron.control.cluster.Cluster` with its ticker
+behind uvicorn on a free port); the supervisor is a real
+:class:`~unicron.control.client.TaskLink` driven as an agent's loop drives it (a round every
+20 ms), with reports that stand in for one worker. The decisions behind the rhythm are in
+``tests/test_coordinator.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unicron.control import messages as M
+from unicron.control.client import Client, TaskLink
+from unicron.control.cluster import Cluster
+from unicron.control.service import serve
+from unicron.control.taskspec import TaskSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "rhythm-token"
+ROUND_S = 0.02  # the agent's loop: unicron.control.agent.Agent.run
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1", embedded=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = serve(cluster, TOKEN, "127.0.0.1", port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    cluster.start_ticker()
+    try:
+        yield cluster, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        cluster.close()
+
+
+def test_an_idle_agent_exchanges_slowly_and_still_gets_a_cancel_within_its_rhythm(
+    service: tuple[Cluster, str],
+) -> None:
+    cluster, url = service
+    client = Client(url, TOKEN)
+    try:
+        nid = cluster.register("n0", 1, "127.0.0.1", "inst", time.time())
+        spec = {"name": "t", "script": str(ROOT / "examples" / "train_gpt.py"),
+                "workers": {"min": 1, "max": 1}, "checkpoint": {"every": 0}}  # fmt: skip
+        cluster.submit(TaskSpec.model_validate(spec), time.time())
+        (assignment,) = cluster.heartbeat("n0", "inst", time.time())
+        (slot,) = assignment["slots"]
+        link = TaskLink(client, "n0", "inst", assignment["uid"],
+                        lambda: M.Census(ts=time.time(), alive=(slot,)))  # fmt: skip
+        sent: list[float] = []
+
+        def round_(reports: list[Any]) -> M.Reply:
+            """One round of the agent's loop; ``sent``: when the link really exchanged."""
+            now = time.time()
+            reply = link.exchange(nid, reports, now, read_until=now)
+            if link._last_ok == now:
+                sent.append(now)
+            time.sleep(ROUND_S)
+            return reply
+
+        round_([M.Ready(slot=slot, ts=time.time(), microbatches=8)])  # the first epoch starts
+        epoch = cluster.tasks["t"].row.epoch
+        assert epoch >= 1, cluster.task_view("t")
+        round_([M.EpochEntered(slot=slot, ts=time.time(), epoch=epoch)])
+        assert link.interval() == pytest.approx(0.25)  # nothing is due: the slow rhythm
+
+        sent.clear()
+        t0 = time.time()
+        while time.time() - t0 < 2.0:
+            round_([])
+        # idle: about every 250 ms (8 in 2 s), not every 50 ms (40) nor every round (100)
+        assert 4 <= len(sent) <= 12, [round(b - a, 3) for a, b in itertools.pairwise(sent)]
+
+        cancelled = time.time()
+        cluster.cancel("t", cancelled)  # the coordinator's decision, between two exchanges
+        while not (reply := round_([])).over:
+            assert time.time() - cancelled < 5.0, "the cancel never reached the agent"
+        latency = time.time() - cancelled
+        # within one slow interval and a request (loosely: the machine is shared)
+        assert latency < 0.75, latency
+        assert reply.over and link.interval() == pytest.approx(0.25)
+    finally:
+        client.close()
