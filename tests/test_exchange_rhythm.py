@@ -96,11 +96,10 @@ def test_an_idle_agent_exchanges_slowly_and_still_gets_a_cancel_within_its_rhyth
 
         cancelled = time.time()
         cluster.cancel("t", cancelled)  # the coordinator's decision, between two exchanges
-        while not (reply := round_([])).over:
+        while not round_([]).over:
             assert time.time() - cancelled < 5.0, "the cancel never reached the agent"
         latency = time.time() - cancelled
         # within one slow interval and a request (loosely: the machine is shared)
         assert latency < 0.75, latency
-        assert reply.over and link.interval() == pytest.approx(0.25)
     finally:
         client.close()
