@@ -1,6 +1,7 @@
 """Starved or hung (``unicron.detect.busy``): a late worker whose CPU time advances, and has
-not spent much more than a step costs, is left to finish; one whose CPU time stands still, or
-that spins past the budget, is a hang. Without evidence nothing is held back."""
+not spent much more than a step costs, is WORKING (left to finish); one whose CPU time stands
+still is IDLE, one that spins past the budget SPINNING (hangs). Without fresh samples it is
+UNKNOWN: the wall clock decides."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from unicron.detect.busy import CpuTimes, Sample, read_cpu_s, still_working
+from unicron.detect.busy import Cpu, CpuTimes, Sample, judge, read_cpu_s
 
 T0 = 1000.0
 
@@ -24,52 +25,51 @@ def _samples(
 
 
 def test_a_starved_worker_is_still_working() -> None:
-    ok, why = still_working(
+    cpu, why = judge(
         began=Sample(T0, 1.0),
         samples=_samples(0.1),
         typical_cpu_s=0.3,
         factor=3.0,
         now=T0 + 1.6,
     )
-    assert ok and "starved" in why
+    assert cpu is Cpu.WORKING and "starved" in why
 
 
 def test_a_stopped_worker_is_hung() -> None:
-    ok, why = still_working(
-        began=Sample(T0, 1.0), samples=_samples(0.0), typical_cpu_s=0.3, factor=3.0, now=T0 + 1.6
-    )
-    assert not ok and "stood still" in why
+    for began, typical in ((Sample(T0, 1.0), 0.3), (None, None)):  # no yardstick needed
+        cpu, why = judge(
+            began=began, samples=_samples(0.0), typical_cpu_s=typical, factor=3.0, now=T0 + 1.6
+        )
+        assert cpu is Cpu.IDLE and "stood still" in why
 
 
 def test_a_worker_that_spins_past_its_budget_is_hung() -> None:
     """An endless loop keeps the CPU busy: past ``factor`` x what a step costs it is a hang."""
-    ok, why = still_working(
+    cpu, why = judge(
         began=Sample(T0, 1.0),
         samples=_samples(1.0, cpu0=1.0 + 0.8),
         typical_cpu_s=0.25,
         factor=3.0,
         now=T0 + 1.6,
     )
-    assert not ok and "spins" in why
+    assert cpu is Cpu.SPINNING and "spins" in why
 
 
 @pytest.mark.parametrize(
     ("began", "samples", "typical", "now", "why"),
     [
-        (None, _samples(0.1), 0.3, T0 + 1.6, "no CPU samples"),
-        (Sample(T0, 1.0), _samples(0.1), None, T0 + 1.6, "no CPU samples"),
+        (None, _samples(0.1), 0.3, T0 + 1.6, "no yardstick"),
+        (Sample(T0, 1.0), _samples(0.1), None, T0 + 1.6, "no yardstick"),
         (Sample(T0, 1.0), _samples(0.1, n=1), 0.3, T0 + 1.6, "no CPU samples"),
         (Sample(T0, 1.0), _samples(0.1, n=2), 0.3, T0 + 1.0, "apart"),
         (Sample(T0, 1.0), _samples(0.1), 0.3, T0 + 5.0, "no CPU sample for"),
     ],
 )
-def test_without_fresh_evidence_nothing_is_held_back(
+def test_without_fresh_evidence_it_is_unknown(
     began: Sample | None, samples: list[Sample], typical: float | None, now: float, why: str
 ) -> None:
-    ok, reason = still_working(
-        began=began, samples=samples, typical_cpu_s=typical, factor=3.0, now=now
-    )
-    assert not ok and why in reason
+    cpu, reason = judge(began=began, samples=samples, typical_cpu_s=typical, factor=3.0, now=now)
+    assert cpu is Cpu.UNKNOWN and why in reason
 
 
 def test_the_peers_cost_of_the_step_is_the_yardstick() -> None:
@@ -79,10 +79,10 @@ def test_the_peers_cost_of_the_step_is_the_yardstick() -> None:
     cpu.computed(0, 7, 10.3)  # the peer needed 0.3 s of CPU for step 7
     for s in _samples(0.2, cpu0=10.0):
         cpu.sampled(1, s)
-    assert cpu.working(1, 7, factor=3.0, now=T0 + 1.6)[0]
-    assert not cpu.working(1, 8, factor=3.0, now=T0 + 1.6)[0]  # another step: no evidence
+    assert cpu.judge(1, 7, factor=3.0, now=T0 + 1.6)[0] is Cpu.WORKING
+    assert cpu.judge(1, 8, factor=3.0, now=T0 + 1.6)[0] is Cpu.UNKNOWN  # another step
     cpu.forget(1)
-    assert not cpu.working(1, 7, factor=3.0, now=T0 + 1.6)[0]
+    assert cpu.judge(1, 7, factor=3.0, now=T0 + 1.6)[0] is Cpu.UNKNOWN
 
 
 def test_its_own_steps_are_the_yardstick_without_peers() -> None:
@@ -93,8 +93,8 @@ def test_its_own_steps_are_the_yardstick_without_peers() -> None:
     cpu.began(0, 3, Sample(T0 + 10, 5.0))
     for s in _samples(0.5, start=T0 + 10.5, cpu0=5.0):
         cpu.sampled(0, s)
-    ok, why = cpu.working(0, 3, factor=3.0, now=T0 + 11.6)
-    assert not ok and "spins" in why  # 0.5 s of CPU against 0.05 s a step
+    verdict, why = cpu.judge(0, 3, factor=3.0, now=T0 + 11.6)
+    assert verdict is Cpu.SPINNING and "spins" in why  # 0.5 s of CPU against 0.05 s a step
 
 
 def test_read_cpu_s_follows_the_process_clock() -> None:

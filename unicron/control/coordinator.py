@@ -46,7 +46,7 @@ from unicron.control.protocol import (
     trained_key,
     usage_key,
 )
-from unicron.detect.busy import CpuTimes, Sample
+from unicron.detect.busy import Cpu, CpuTimes, Sample
 from unicron.detect.classify import (
     Action,
     Scope,
@@ -965,23 +965,27 @@ class Coordinator:
             return
         # the evidence: every peer finished the step (a starved machine slows several workers
         # at once, a hang one); or one did and the step has lasted twice its allowance (two
-        # hangs at once); or, alone in the epoch, the step has lasted twice its allowance
+        # hangs at once) or its CPU time stood still; or, alone in the epoch, the step has
+        # lasted twice its allowance. A worker whose CPU time advances is starved: left to run
         at = self._known_until(now)[slot]
         overrun = self._overrun(slot, at) >= LONE_HANG_OVERRUN
-        peer = self.peers_all_ahead(slot, step) or (overrun and self.peer_ahead(slot, step))
-        lone = not peer and overrun and self.alone(slot)
-        if not (peer or lone):
-            return
         assert self.monitor is not None
-        working, why = self._cpu.working(
-            slot, step, factor=self.monitor.settings.hang_factor, now=now
-        )
-        if working:  # starved on a loaded machine, not hung: judged again on the next tick
+        cpu, why = self._cpu.judge(slot, step, factor=self.monitor.settings.hang_factor, now=now)
+        if cpu is Cpu.WORKING:  # starved on a loaded machine, not hung: judged again next tick
             if self._held.get(slot) != step:
                 self._held[slot] = step
                 log.info("task %s: slot %d past its hang allowance but %s", self.label, slot, why)
             return
-        reason += f"; {why}"
+        # its CPU time standing still is what several late peers would otherwise have to show
+        idle = cpu is Cpu.IDLE
+        peer = self.peers_all_ahead(slot, step) or (
+            (overrun or idle) and self.peer_ahead(slot, step)
+        )
+        lone = not peer and overrun and self.alone(slot)
+        if not (peer or lone):
+            return
+        if cpu is not Cpu.UNKNOWN:
+            reason += f"; {why}"
         del self._suspects[slot]
         # alone, and the task's only copy of its state: if it is merely slow it may still
         # finish, so it is reported and left running

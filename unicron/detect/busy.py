@@ -9,22 +9,25 @@ whenever it runs, and needs about what its peers needed for the same step.
 The worker sends its process CPU time (all threads, ``time.process_time``) with each step's
 begin and end; while a step lasts long, the agent samples the same clock from outside
 (``/proc/<pid>/stat``: a stopped process cannot answer for itself) and reports
-:class:`~unicron.control.messages.CpuTime`. The coordinator asks :func:`still_working` before it
-kills a hang suspect: a worker whose CPU time still advances, and has not yet spent
-``factor`` times what the step cost its peers (or itself, lately), is left to finish. Past that
-budget it is a hang that spins (an endless loop): killed like any other. Without samples (no
-``/proc``, an agent too busy to send them) nothing is held back: the wall-clock verdict stands.
+:class:`~unicron.control.messages.CpuTime`. Before it kills a hang suspect the coordinator
+asks :func:`judge`. A worker whose CPU time still advances, and has not yet spent ``factor``
+times what the step cost its peers (or itself, lately), is WORKING: left to finish. One whose
+CPU time stood still is IDLE: hung, and that is evidence enough once a single peer finished
+the step (without it the coordinator waited for every peer, or for twice the allowance). Past
+the budget it is SPINNING (an endless loop): a hang like any other. Without samples (no
+``/proc``, an agent too busy to send them) the wall-clock verdict stands.
 
-:func:`still_working` is pure (no clock, no I/O); :func:`read_cpu_s` is the agent's one read.
+:func:`judge` is pure (no clock, no I/O); :func:`read_cpu_s` is the agent's one read.
 """
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["CpuTimes", "Sample", "read_cpu_s", "still_working"]
+__all__ = ["Cpu", "CpuTimes", "Sample", "judge", "read_cpu_s"]
 
 MIN_BUSY = 0.02
 """a process using less than this share of one core between two samples is not working"""
@@ -43,40 +46,52 @@ class Sample:
     cpu_s: float
 
 
-def still_working(
+class Cpu(enum.Enum):
+    """What a late worker's CPU time says (:func:`judge`)."""
+
+    UNKNOWN = "unknown"  # no fresh samples: the wall-clock verdict stands
+    IDLE = "idle"  # it stood still: stopped, deadlocked or blocked (a hang)
+    WORKING = "working"  # it advances within the step's budget: starved, not hung
+    SPINNING = "spinning"  # it advances past the budget: an endless loop (a hang)
+
+
+def judge(
     *,
     began: Sample | None,
     samples: Sequence[Sample],
     typical_cpu_s: float | None,
     factor: float,
     now: float,
-) -> tuple[bool, str]:
-    """Whether a worker late in its step is still working (starved), and why, for the log.
+) -> tuple[Cpu, str]:
+    """What the CPU time of a worker late in its step says, and why (for the event log).
 
     ``began`` is its CPU time when the step began; ``samples`` the agent's readings since (in
     time order); ``typical_cpu_s`` what the step cost its peers (or its own recent steps);
     ``factor`` the hang factor: a step that has used more than ``factor x typical_cpu_s`` of CPU
-    spins rather than computes.
+    spins rather than computes. Without a yardstick a worker that advances is UNKNOWN.
     """
-    if began is None or typical_cpu_s is None or len(samples) < 2:
-        return False, "no CPU samples"
+    if len(samples) < 2:
+        return Cpu.UNKNOWN, "no CPU samples"
     last = samples[-1]
     if now - last.ts > FRESH_S:
-        return False, f"no CPU sample for {now - last.ts:.2f} s"
+        return Cpu.UNKNOWN, f"no CPU sample for {now - last.ts:.2f} s"
     prev = next((s for s in reversed(samples[:-1]) if last.ts - s.ts >= MIN_GAP_S), None)
     if prev is None:
-        return False, f"no two CPU samples {MIN_GAP_S:g} s apart"
+        return Cpu.UNKNOWN, f"no two CPU samples {MIN_GAP_S:g} s apart"
     busy = (last.cpu_s - prev.cpu_s) / (last.ts - prev.ts)
-    used = last.cpu_s - began.cpu_s
     if busy < MIN_BUSY:
-        return False, f"its CPU time stood still ({busy:.0%} of a core over the last samples)"
-    budget = factor * typical_cpu_s
-    if used > budget:
-        return False, (
+        return Cpu.IDLE, (
+            f"its CPU time stood still ({busy:.0%} of a core over {last.ts - prev.ts:.2f} s)"
+        )
+    if began is None or typical_cpu_s is None:
+        return Cpu.UNKNOWN, f"it uses {busy:.0%} of a core; no yardstick for the step's cost"
+    used = last.cpu_s - began.cpu_s
+    if used > factor * typical_cpu_s:
+        return Cpu.SPINNING, (
             f"it used {used:.2f} s of CPU in the step, over {factor:g} x the "
             f"{typical_cpu_s:.3f} s a step costs: it spins"
         )
-    return True, (
+    return Cpu.WORKING, (
         f"still computing ({busy:.0%} of a core; {used:.2f} s of CPU so far against "
         f"{typical_cpu_s:.3f} s a step costs): starved, not hung"
     )
@@ -129,17 +144,17 @@ class CpuTimes:
         for costs in self._cost.values():
             costs.pop(slot, None)
 
-    def working(self, slot: int, step: int, *, factor: float, now: float) -> tuple[bool, str]:
-        """:func:`still_working` for the worker in ``slot``, late in ``step``: its peers'
-        CPU cost of that step is the yardstick (the most any of them took), else its own
-        recent steps' median."""
+    def judge(self, slot: int, step: int, *, factor: float, now: float) -> tuple[Cpu, str]:
+        """:func:`judge` for the worker in ``slot``, late in ``step``: its peers' CPU cost
+        of that step is the yardstick (the most any of them took), else its own recent
+        steps' median."""
         began = self._began.get(slot)
         if began is None or began[0] != step:
-            return False, "no CPU time at the step's start"
+            return Cpu.UNKNOWN, "no CPU time at the step's start"
         peers = [c for s, c in self._cost.get(step, {}).items() if s != slot]
         own = sorted(self._own.get(slot, ()))
         typical = max(peers) if peers else (own[len(own) // 2] if own else None)
-        return still_working(
+        return judge(
             began=began[1],
             samples=list(self._samples.get(slot, ())),
             typical_cpu_s=typical,
