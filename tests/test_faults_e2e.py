@@ -98,7 +98,7 @@ def test_a_starved_worker_is_not_killed_as_hung(run: Any) -> None:
     allowance = max(3 * statistics.median(d for s, d in ends.items() if 2 <= s < 8), 1.0)
     assert not r.of("error_detected"), r.of("error_detected")
     assert not r.of("action") and len(r.of("epoch_begin")) == 1
-    if ends[8] < 1.2 * allowance:  # the throttle runs it >= 4 % of the time (see the script)
+    if ends[8] < 1.2 * allowance:  # the throttle runs it >= 8 % of the time (see the script)
         pytest.skip(f"too loaded to starve a worker past its allowance: {ends[8]:.2f} s")
 
 
@@ -127,9 +127,10 @@ def test_a_lone_worker_hang_is_confirmed_at_twice_its_deadline_and_healed_from_t
 
 
 def test_a_lone_slow_worker_with_no_copy_of_its_state_is_reported_not_killed(run: Any) -> None:
-    # alone and no checkpoint: a kill would lose the only state; 30x slower steps overrun the
-    # lone deadline (2 x max(3 x ~0.1 s, 1 s)), are reported, and the run still finishes
-    steps = 16
+    # alone and no checkpoint: a kill would lose the only state; a 30x slower step overruns
+    # the lone deadline (2 x max(3 x ~0.1 s, 1 s)), is reported, and the run still finishes
+    # (one slow step: on a loaded machine each lasts 30 loaded steps)
+    steps = 13
     r = run(
         "--nproc-per-node", "1", "--checkpoint-every", "0",
         "--inject", "slow:rank=0,step=12,factor=30", steps=steps,

@@ -44,7 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--out", default=None)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--starve-rank", type=int, default=1)
     p.add_argument("--starve-step", type=int, default=8)
     args = p.parse_args()
@@ -71,7 +71,7 @@ def main() -> None:
         ):
             starved = True
             target = 2 * max(3 * statistics.median(walls[2:]), 1.0)
-            duty = min(max(statistics.median(cpus[2:]) / target, 0.04), 0.5)
+            duty = min(max(statistics.median(cpus[2:]) / target, 0.08), 0.5)
             argv = [sys.executable, "-c", THROTTLE, str(os.getpid()), str(duty)]
             throttler = subprocess.Popen(argv)
             print(f"starved at {duty:.0%} of the time for about {target:.2f} s", flush=True)
