@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exchange-s", type=float, metavar="S",
                    help="synthetic supervisors' idle exchange period, fixed (load; default: "
                    "the rhythm the coordinator asks for, as real supervisors)")  # fmt: skip
+    p.add_argument("--procs", type=int, default=2, metavar="N",
+                   help="load generator processes (load; default 2)")  # fmt: skip
     p.add_argument("--results", type=Path, default=RESULTS_DIR, metavar="DIR")
     return p
 
@@ -58,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tasks=args.tasks,
             heartbeat_s=args.heartbeat_s,
             step_s=args.step_s,
+            procs=args.procs,
             **({} if args.exchange_s is None else {"exchange_s": args.exchange_s}),
             duration_s=args.soak_s or (60.0 if args.quick else 600.0),
         )

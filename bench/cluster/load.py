@@ -505,6 +505,8 @@ def run(
         f"{s.duration_s:g} s window; {s.procs} generator processes; machine: {before} before, "
         f"{after} after"
     )
+    if os.nice(0) != 0:  # a shared machine: the run may have asked the scheduler for a share
+        setup += f"; generator and service at nice {os.nice(0)}"
     rows = []
     for metric, (unit, note) in METRICS.items():
         if metric not in got:
