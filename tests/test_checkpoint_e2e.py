@@ -99,18 +99,26 @@ def test_resume_after_a_full_stop_is_bitwise_identical(clean: RunResult, tmp_pat
     committed = max(e["step"] for e in _events(events) if e["event"] == "step_end") + 1
     assert committed < STEPS, "the run finished before it was stopped"
 
+    # the newest checkpoint damaged (one flipped byte): skipped with a warning, the one
+    # before it used, and the run still ends with the fault-free bits
+    *_, previous, newest = C.steps(ck)
+    data = bytearray((newest / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (newest / "model.pt").write_bytes(bytes(data))
     second = tmp_path / "second"
     second.mkdir()
     r = run_unicron(
         second, "--nproc-per-node", "3", "--resume", str(ck), steps=STEPS, script_args=SMALL
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "warning: skipping checkpoint" in r.stderr and newest.name in r.stderr, r.stderr
     assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
     state = torch.load(r.out / "final.pt", weights_only=True)
     ref = torch.load(clean.out / "final.pt", weights_only=True)
     assert all(torch.equal(state[k], ref[k]) for k in ref)
     start = r.of("transition_end")[0]
     assert start["state_source"] == "checkpoint" and start["step"] % 4 == 0
+    assert start["step"] == C.read_manifest(previous).step
     assert start["steps_redone"] == committed - start["step"]
     assert min(e["step"] for e in r.of("step_end")) == start["step"]
 
