@@ -263,3 +263,28 @@ def test_the_benchmark_measures_the_extra_cost_within_one_run() -> None:
     assert f["train_s"] == pytest.approx(9.0)  # steps 4..11 (3 is the first one timed)
     assert f["overhead_est_pct"] == pytest.approx(100 * 0.5 * 2 / 9.0)
     assert f["step_median_s"] == 1.0 and f["copy_s"] == 0.1 and f["write_s"] == 0.3
+
+
+def test_failures_seen_shorten_the_automatic_interval_and_the_log_says_why(
+    tmp_path: Path,
+) -> None:
+    """Each member lost (an urgent epoch) counts as a failure: the MTBF estimate falls, the
+    Young/Daly interval with it, and a new ``checkpoint_interval`` event gives the reason."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = C.Checkpointer(
+        root=tmp_path, settings=C.IntervalSettings(mtbf_s=100.0), reduce="exact", ledger=LEDGER,
+        emit=lambda e, **f: events.append((e, f)), started=0.0,
+    )  # fmt: skip
+    ck.at_boundary(model, opt, step=1, world=2, now=0.0)  # measures the copy
+    calm = ck.interval
+    for _ in range(3):
+        ck.note_failure()
+    ck.due(2, now=0.0)
+    stormy = ck.interval
+    assert calm is not None and stormy is not None and calm.seconds and stormy.seconds
+    assert stormy.seconds == pytest.approx(calm.seconds / 2)  # MTBF 100 s -> 25 s
+    logged = [f for e, f in events if e == "checkpoint_interval"]
+    assert len(logged) == 2 and logged[1]["failures"] == 3, logged
+    assert "3 failure(s)" in logged[1]["reason"] and "MTBF 25 s" in logged[1]["reason"]
