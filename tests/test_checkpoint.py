@@ -288,3 +288,29 @@ def test_failures_seen_shorten_the_automatic_interval_and_the_log_says_why(
     logged = [f for e, f in events if e == "checkpoint_interval"]
     assert len(logged) == 2 and logged[1]["failures"] == 3, logged
     assert "3 failure(s)" in logged[1]["reason"] and "MTBF 25 s" in logged[1]["reason"]
+
+
+def test_the_rng_states_come_back_through_a_written_checkpoint(tmp_path: Path) -> None:
+    """torch's, Python's and numpy's global generators draw the same after a restore (the
+    GPUs' too where CUDA is initialised: not on these machines)."""
+    import numpy as np
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    snap = C.snapshot(model, opt, step=5, ledger=LEDGER)
+    expected = (torch.rand(4), random.random(), np.random.rand(4))
+    C.write(
+        tmp_path, snap.parts, step=5, world=1, reduce="exact", model=snap.model,
+        ledger=LEDGER, keep=0, now=time.time(),
+    )  # fmt: skip
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    _, parts = C.load(C.step_dir(tmp_path, 5))
+    assert C.restore(parts, model, opt) == 5
+    assert torch.equal(torch.rand(4), expected[0])
+    assert random.random() == expected[1]
+    assert np.array_equal(np.random.rand(4), expected[2])
