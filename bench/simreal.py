@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,8 @@ class RealRun:
     t1: float
     kills: list[tuple[int, float]]
     isolated: bool
+    placements: dict[str, list[str]] = field(default_factory=dict)
+    """task -> the nodes it ran on when the trace began"""
 
 
 def _descendants(pid: int) -> list[int]:
@@ -139,6 +141,7 @@ def run_real(sc: Any, placement: str, root: Path, *, say: Any = print) -> RealRu
 
         c.wait_until(settled, "every task running on its first allocation", timeout_s=180)
         t0 = time.time()
+        placements = {t.name: list(c.task(t.name)["placement"]) for t in sc.tasks}
         say(f"  [{placement}] every task runs; trace starts ({'netns' if c.isolated else 'lo'})")
         kills: list[tuple[int, float]] = []
         for ev in sc.trace:
@@ -156,7 +159,7 @@ def run_real(sc: Any, placement: str, root: Path, *, say: Any = print) -> RealRu
             with contextlib.suppress(Exception):
                 c.client.request("POST", f"/v1/tasks/{t.name}/cancel")
         events = {t.name: c.events(t.name) for t in sc.tasks}
-        return RealRun(placement, events, t0, t1, kills, c.isolated)
+        return RealRun(placement, events, t0, t1, kills, c.isolated, placements)
 
 
 # -- the analysis (pure) -------------------------------------------------------------------------
@@ -176,19 +179,19 @@ def step_rates(events: Events, until: float) -> dict[int, float]:
 
 
 def detections(events: Events, kills: list[tuple[int, float]], t0: float, t1: float) -> list[float]:
-    """For each node kill in the window that this task saw: the kill to its first
-    ``error_detected`` about that node (within 30 s)."""
+    """For each node kill in the window that took a worker of this task: the kill to the
+    epoch its coordinator began without that node (what the simulator books as detection:
+    the task is down until then)."""
     out = []
-    errors = _of(events, "error_detected")
+    epochs = _of(events, "epoch_begin")
     for host, tk in kills:
         if not t0 <= tk <= t1:
             continue
         seen = next(
             (
                 float(e["ts"]) - tk
-                for e in errors
-                if tk <= float(e["ts"]) <= tk + 30.0
-                and (e.get("node") == host or e.get("kind") == "heartbeat_lost")
+                for e in epochs
+                if tk <= float(e["ts"]) <= tk + 30.0 and e.get("reason") == f"node {host} lost"
             ),
             None,
         )
@@ -222,42 +225,40 @@ def transitions(
     return count, costs
 
 
-def joins(events: Events, name: str, t1: float) -> list[float]:
-    """A planned growth of task ``name`` (a ``plan`` event raising its count) or a readmitted
-    slot, to the first epoch with that many members (with that slot); growths a later plan
-    superseded before they joined are left out."""
+def joins(
+    events: Events, nodes_at_t0: list[int], kills: list[tuple[int, float]], t1: float
+) -> tuple[list[float], list[float]]:
+    """Each slot a task got (``slot N added`` by the planner, or readmitted when its node came
+    back) to the first epoch with it as a member; a slot given back first is left out.
+    Split by whether the task already had a process on that node (warm: it ran there since
+    the node last started; ``nodes_at_t0`` where it ran when the trace began) or not (cold)."""
     epochs = _of(events, "epoch_begin")
-    plans = [e for e in _of(events, "plan") if "allocation_before" in e]
-    out = []
-    for i, p in enumerate(plans):
-        want, had = int(p["allocation"][name]), int(p["allocation_before"].get(name, 0))
-        if not 0 < had < want or float(p["ts"]) > t1:
+    actions = _of(events, "action")
+    warm_nodes = set(nodes_at_t0)
+    lost = sorted(kills, key=lambda k: k[1])
+    warm: list[float] = []
+    cold: list[float] = []
+    for a in actions:
+        ts, slot, node = float(a["ts"]), a.get("slot"), int(a.get("node", -1))
+        while lost and lost[0][1] <= ts:
+            warm_nodes.discard(lost.pop(0)[0])
+        added = a.get("action") == "reconfigure" and f"slot {slot} added" in a.get("reason", "")
+        if ts > t1 or not (added or a.get("action") == "readmit"):
             continue
-        until = float(plans[i + 1]["ts"]) if i + 1 < len(plans) else t1
+        released = next(
+            (float(r["ts"]) for r in actions
+             if float(r["ts"]) > ts and f"slot {slot} released" in r.get("reason", "")),
+            t1,
+        )  # fmt: skip
         hit = next(
-            (
-                float(e["ts"])
-                for e in epochs
-                if float(p["ts"]) <= float(e["ts"]) <= until and len(e["members"]) >= want
-            ),
+            (float(e["ts"]) for e in epochs
+             if ts <= float(e["ts"]) <= released and slot in e["members"]),
             None,
-        )
+        )  # fmt: skip
         if hit is not None:
-            out.append(hit - float(p["ts"]))
-    for a in _of(events, "action"):
-        if a.get("action") != "readmit" or float(a["ts"]) > t1:
-            continue
-        hit = next(
-            (
-                float(e["ts"])
-                for e in epochs
-                if float(e["ts"]) >= float(a["ts"]) and a.get("slot") in e["members"]
-            ),
-            None,
-        )
-        if hit is not None:
-            out.append(hit - float(a["ts"]))
-    return out
+            (warm if node in warm_nodes else cold).append(hit - ts)
+        warm_nodes.add(node)
+    return warm, cold
 
 
 def task_figures(
@@ -301,16 +302,22 @@ def constants(run: RealRun, sc: Any) -> Any:
     from unicron.sim.scenario import Constants
 
     rates = {t.name: step_rates(run.events[t.name], run.t1) for t in sc.tasks}
-    det, costs, join = [], [], []
+    det: list[float] = []
+    costs: list[float] = []
+    warm: list[float] = []
+    cold: list[float] = []
     for t in sc.tasks:
         det += detections(run.events[t.name], run.kills, run.t0, run.t1)
         costs += transitions(run.events[t.name], rates[t.name], run.kills, run.t0, run.t1)[1]
-        join += joins(run.events[t.name], t.name, run.t1)
-    return Constants(
+        at_t0 = [int(n[1:]) for n in run.placements.get(t.name, [])]
+        w, c = joins(run.events[t.name], at_t0, run.kills, run.t1)
+        warm, cold = warm + w, cold + c
+    return Constants(  # means: the simulator's totals then carry the real run's
         rates=rates,
-        node_detect_s=statistics.median(det) if det else measured.load().node_detect_s,
-        transition_s=statistics.median(costs) if costs else 0.0,
-        join_s=statistics.median(join) if join else 0.0,
+        node_detect_s=statistics.mean(det) if det else measured.load().node_detect_s,
+        transition_s=statistics.mean(costs) if costs else 0.0,
+        join_s=statistics.median(warm) if warm else 0.0,
+        join_cold_s=statistics.median(cold) if cold else 0.0,
     )
 
 
@@ -350,6 +357,8 @@ def compare(sc: Any, run: RealRun, consts: Any, sim: Any) -> dict[str, Any]:
         "constants": {
             "node_detect_s": consts.node_detect_s,
             "transition_s": consts.transition_s,
+            "join_s": consts.join_s,
+            "join_cold_s": consts.join_cold_s,
             "rates_steps_per_s": {
                 t: {str(k): v for k, v in r.items()} for t, r in consts.rates.items()
             },
@@ -421,9 +430,11 @@ def markdown(
         f"| cluster | {c['real']:.0f} | {c['sim']:.1f} | {_pct(c['real'], c['sim'])} | | | | |",
         "",
         "Constants measured in the planner run: node-loss detection "
-        f"{cmp['constants']['node_detect_s']:.2f} s (median), transition "
-        f"{cmp['constants']['transition_s']:.2f} s (median), a growth to its new workers' "
-        f"epoch {cmp['constants']['join_s']:.2f} s (median), steps/s per worker count: "
+        f"{cmp['constants']['node_detect_s']:.2f} s (mean), transition "
+        f"{cmp['constants']['transition_s']:.2f} s (mean), a new slot to the epoch its worker "
+        f"joins {cmp['constants']['join_s']:.2f} s on a node where the task runs already, "
+        f"{cmp['constants']['join_cold_s']:.2f} s on a node new to it (medians); "
+        "steps/s per worker count: "
         + "; ".join(
             f"{name} " + ", ".join(f"{k}: {v:.2f}" for k, v in r.items())
             for name, r in cmp["constants"]["rates_steps_per_s"].items()

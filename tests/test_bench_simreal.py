@@ -22,13 +22,25 @@ def log() -> list[dict[str, Any]]:
     ev += [step(0.5 * i, i, 1, 3) for i in range(1, 21)]  # to t=10.0
     ev += [
         {"event": "error_detected", "ts": 10.7, "node": 4, "kind": "heartbeat_lost"},
-        {"event": "epoch_begin", "ts": 10.7, "epoch": 2, "members": [0, 1]},
+        {
+            "event": "epoch_begin",
+            "ts": 10.7,
+            "epoch": 2,
+            "members": [0, 1],
+            "reason": "node 4 lost",
+        },
     ]
     ev += [step(11.9 + i, 21 + i, 2, 2) for i in range(5)]  # 11.9 .. 15.9
     ev += [
         {"event": "plan", "ts": 15.0, "trigger": "node n4 back", "decision_ms": 0.8,
          "allocation": {"t": 3}, "allocation_before": {"t": 2}},
+        {"event": "action", "ts": 15.1, "action": "reconfigure", "slot": 3, "node": 5,
+         "reason": "slot 3 added: planner"},
         {"event": "epoch_begin", "ts": 17.0, "epoch": 3, "members": [0, 1, 3]},
+        {"event": "action", "ts": 18.0, "action": "readmit", "slot": 2, "node": 4,
+         "reason": "node 4 is back"},
+        {"event": "action", "ts": 18.5, "action": "reconfigure", "slot": 2, "node": 4,
+         "reason": "slot 2 released: planner"},
     ]  # fmt: skip
     ev += [step(17.8 + 0.5 * i, 26 + i, 3, 3) for i in range(5)]  # 17.8 .. 19.8
     return ev
@@ -42,8 +54,8 @@ def test_step_rates_come_from_commits_of_one_epoch() -> None:
     assert rates == pytest.approx({3: 2.0, 2: 1.0})
 
 
-def test_detection_is_the_kill_to_the_first_error_about_it() -> None:
-    assert B.detections(log(), KILLS, 0.0, 30.0) == pytest.approx([0.5])
+def test_detection_is_the_kill_to_the_epoch_without_the_node() -> None:
+    assert B.detections(log(), KILLS, 0.0, 30.0) == pytest.approx([0.5])  # to its new epoch
     assert B.detections(log(), [(4, 40.0)], 0.0, 30.0) == []  # outside the window
 
 
@@ -54,8 +66,12 @@ def test_a_transition_costs_the_gap_less_one_step_and_the_detection() -> None:
     assert costs == pytest.approx([0.4, 1.4])
 
 
-def test_a_growth_joins_when_an_epoch_has_the_planned_members() -> None:
-    assert B.joins(log(), "t", 30.0) == pytest.approx([2.0])
+def test_a_new_slot_joins_at_the_first_epoch_that_has_it() -> None:
+    # slot 3 on node 5 (new to the task): cold, 15.1 -> 17.0; slot 2 released before joining
+    assert B.joins(log(), [0, 1, 4], KILLS, 30.0) == ([], [pytest.approx(1.9)])
+    # had the task run on node 5 already (and no kill there since), the join is warm
+    assert B.joins(log(), [5], KILLS, 30.0) == ([pytest.approx(1.9)], [])
+    assert B.joins(log(), [5], [(5, 12.0)], 30.0) == ([], [pytest.approx(1.9)])  # node restarted
 
 
 def test_task_figures_book_the_window_as_the_simulator_does() -> None:

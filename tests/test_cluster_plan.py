@@ -130,3 +130,27 @@ def _status(cluster: Cluster) -> str:
 def test_the_placement_setting_is_validated() -> None:
     with pytest.raises(ValueError, match="placement must be one of planner, keep, equal"):
         ClusterSettings(placement="fifo")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("more", "says"),
+    [
+        ({"weight": 0}, '"weight"],"msg":"Input should be greater than 0"'),
+        ({"weight": -2.5}, '"weight"],"msg":"Input should be greater than 0"'),
+        ({"workers": {"min": 3, "max": 2}}, "min (3) is above max (2)"),
+        ({"model": {"preset": "no-such-model"}}, "model"),
+        ({"model": {"layers": 2}}, "model"),
+    ],
+)
+def test_what_the_planner_cannot_take_is_refused_at_submit(
+    cluster: Cluster, more: dict[str, Any], says: str
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from unicron.control.service import make_app
+
+    api = TestClient(make_app(cluster, TOKEN), raise_server_exceptions=False)
+    body = {"name": "bad", "script": SCRIPT, **more}
+    r = api.post("/v1/tasks", headers={"Authorization": f"Bearer {TOKEN}"}, json=body)
+    assert r.status_code == 422 and says in r.text, r.text
+    assert "bad" not in cluster.tasks

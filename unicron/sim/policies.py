@@ -655,9 +655,12 @@ class Unicron(Policy):
     figure of its own real run); None: the planner's ``transition_time_s`` (state at the GPU
     preset's bandwidth + ``regroup_s``)."""
     join_s: float = 0.0
-    """Seconds a task that grows keeps running at its old size while its new workers start
-    (the sim-to-real scenario passes its measured figure: a new worker on a node where the
-    task had none pays a fresh process's imports). 0: the new workers are ready at once."""
+    """Seconds a task that grows keeps running at its old size while its new workers start,
+    on nodes where it already has a warm process (it ran there since the node came up). 0:
+    the new workers are ready at once. The sim-to-real scenario passes its measured figure."""
+    join_cold_s: float = 0.0
+    """As :attr:`join_s`, on a node new to the task (its first worker there starts a fresh
+    process that imports torch: seconds on a CPU machine)."""
     preempt_below_min: bool = False
     """Off (as the runtime, ``unicron/control/allocation.py``): a replan reserves every
     task's minimum and shares the rest. On: the solver may leave a task below its minimum
@@ -667,6 +670,12 @@ class Unicron(Policy):
     _states: dict[str, tuple[tuple[int, float, bool, int, int], Any]] = field(
         default_factory=dict, init=False, repr=False
     )
+    _warm: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
+    """(task, node): the task has run on the node since the node came up."""
+
+    def start(self, sim: Simulation) -> None:
+        super().start(sim)
+        self._warm = {(t.name, n) for t in sim.tasks.values() for n in t.nodes}
 
     @classmethod
     def measured(cls) -> Unicron:
@@ -712,6 +721,7 @@ class Unicron(Policy):
         self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
     ) -> None:
         self.nodes_lost += 1
+        self._warm = {(t, n) for t, n in self._warm if n != node}
         if task is None:
             return
         d = self.detect_s(task, method_of(signal))
@@ -797,29 +807,50 @@ class Unicron(Policy):
                 sim.set_mode(task, Mode.IDLE)
                 continue
             grows = len(task.nodes) > had[task.name] >= task.spec.min_nodes
-            if self.join_s > 0 and grows and task.mode is Mode.RUNNING and task is not faulted:
-                self._join_later(sim, task, had[task.name], cost[task.name])
+            delay = self._join_delay(task, had[task.name])
+            if delay > 0 and grows and (task.mode is Mode.RUNNING or task is faulted):
+                self._join_later(sim, task, had[task.name], cost[task.name], delay, faulted)
                 continue
+            self._warm |= {(task.name, n) for n in task.nodes}
             sim.recover(task, [("transition", cost[task.name])], sim.starter(task))
 
-    def _join_later(self, sim: Simulation, task: TaskRun, old: int, cost: float) -> None:
-        """``task`` grows from ``old`` nodes: it runs at its old size for :attr:`join_s` (the
-        new workers start), then transitions onto all its nodes."""
+    def _join_delay(self, task: TaskRun, old: int) -> float:
+        """How long the new workers of ``task`` (its nodes past the first ``old``) take to
+        start: :attr:`join_cold_s` if one of them is on a node new to it, else :attr:`join_s`."""
+        cold = any((task.name, n) not in self._warm for n in task.nodes[old:])
+        return self.join_cold_s if cold else self.join_s
+
+    def _join_later(
+        self,
+        sim: Simulation,
+        task: TaskRun,
+        old: int,
+        cost: float,
+        delay: float,
+        faulted: TaskRun | None,
+    ) -> None:
+        """``task`` grows from ``old`` nodes: it runs at its old size for ``delay`` (the new
+        workers start; a task that lost a node first transitions onto its survivors, as the
+        runtime does), then transitions onto all its nodes."""
         new_rate = task.rate()
         task.nodes, kept = task.nodes[:old], task.nodes
         old_rate = task.rate()
         task.nodes = kept
         sim.set_factor(task, old_rate / new_rate if new_rate > 0 else 1.0)
-        sim.cancel(task)
+        if task is faulted:
+            sim.recover(task, [("transition", cost)], sim.starter(task))
+        else:
+            sim.cancel(task)
         tok = task.token
 
         def join(_now: float) -> None:
             if task.token != tok:  # a later replan or fault took over
                 return
+            self._warm |= {(task.name, n) for n in task.nodes}
             sim.set_factor(task, 1.0)
             sim.recover(task, [("transition", cost)], sim.starter(task))
 
-        sim.schedule(sim.now + self.join_s, join)
+        sim.schedule(sim.now + delay, join)
 
 
 POLICIES: dict[str, type[Policy]] = {

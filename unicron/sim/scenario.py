@@ -276,7 +276,10 @@ class Constants:
     transition_s: float
     """an epoch's start to its first step, less one step (median)"""
     join_s: float = 0.0
-    """a planned growth to the epoch its new workers join (median)"""
+    """a growth onto a node where the task already runs a process, to the epoch its new
+    worker joins (median)"""
+    join_cold_s: float = 0.0
+    """the same onto a node new to the task (a fresh process: median)"""
     prior_rate_per_node_day: float = 1.0
     """the runtime's failure-rate prior for D_run (``Cluster._d_run_s``)"""
 
@@ -292,6 +295,7 @@ def simulate(sc: Scenario, constants: Constants) -> Any:
         node_detect_s=constants.node_detect_s,
         transition_fixed_s=constants.transition_s,
         join_s=constants.join_s,
+        join_cold_s=constants.join_cold_s,
         prior_rate_per_node_day=constants.prior_rate_per_node_day,
     )
     return engine.simulate(prepared, sim_trace(sc), policy, duration_s=sc.duration_s)
