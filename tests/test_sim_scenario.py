@@ -126,3 +126,22 @@ def test_plan_flops_are_what_the_planner_sees_and_flops_what_is_booked() -> None
     p = S.prepare(sc, RATES).by_name("heavy")
     assert p.plan_flops is not None and not np.array_equal(p.plan_flops, p.flops)
     assert p.flops[3] == pytest.approx(1.5)
+
+
+def test_a_task_never_placed_reserves_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        f"nodes: 5\nduration_s: 30\nmicrobatches: 10\nscript: {EXAMPLE}\n"
+        "tasks: [{name: light, weight: 1, max: 4}, {name: heavy, weight: 3, max: 5}]\n"
+        "trace: [[5, remove, n4]]\n"
+    )
+    sc = S.load(path)
+    assert S.prepare(sc, {"light": {1: 1.0}, "heavy": {5: 5.0}}).reference == {
+        "light": 0,
+        "heavy": 5,
+    }
+    consts = S.Constants(
+        rates={"light": {1: 1.0}, "heavy": {5: 5.0}}, node_detect_s=0.5, transition_s=0.2
+    )
+    r = S.simulate(sc, consts)  # queued in the runtime: heavy keeps the four nodes left
+    assert {t.name: t.final_nodes for t in r.tasks} == {"light": 0, "heavy": 4}

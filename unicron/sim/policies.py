@@ -673,9 +673,14 @@ class Unicron(Policy):
     _warm: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
     """(task, node): the task has run on the node since the node came up."""
 
+    _started: set[str] = field(default_factory=set, init=False, repr=False)
+    """Tasks that ran (as the runtime's started tasks, their minimum is reserved; one never
+    placed is queued there and reserves nothing)."""
+
     def start(self, sim: Simulation) -> None:
         super().start(sim)
         self._warm = {(t.name, n) for t in sim.tasks.values() for n in t.nodes}
+        self._started = {t.name for t in sim.tasks.values() if t.mode is Mode.RUNNING}
 
     @classmethod
     def measured(cls) -> Unicron:
@@ -771,14 +776,17 @@ class Unicron(Policy):
     def _replan(self, sim: Simulation, faulted: TaskRun | None) -> None:
         """Run the real planner over every task and move the tasks whose nodes change.
 
-        Unless :attr:`preempt_below_min`, every task's minimum is reserved first and the
-        solver shares the rest, as the runtime's allocation does; when the minimums do not
-        fit, nothing moves (tasks below theirs wait)."""
+        Unless :attr:`preempt_below_min`, every started task's minimum is reserved first and
+        the solver shares the rest, as the runtime's allocation does (a task never placed is
+        queued and reserves nothing); when the minimums do not fit, nothing moves."""
         from unicron import planner
 
         units = sim.healthy_count()
         base = {
-            t.name: 0 if self.preempt_below_min else t.spec.min_nodes for t in sim.tasks.values()
+            t.name: t.spec.min_nodes
+            if t.name in self._started and not self.preempt_below_min
+            else 0
+            for t in sim.tasks.values()
         }
         spare = units - sum(base.values())
         cost = {t.name: self.transition_s(sim, t) for t in sim.tasks.values()}
@@ -793,6 +801,7 @@ class Unicron(Policy):
             alloc = {n: base[n] + u for n, u in plan.allocation.items()}
         changed: list[TaskRun] = []
         had = {t.name: len(t.nodes) for t in sim.tasks.values()}
+        self._started |= {n for n, k in alloc.items() if k >= sim.tasks[n].spec.min_nodes}
         ordered = sorted(sim.tasks.values(), key=lambda t: alloc[t.name] - len(t.nodes))
         for task in ordered:  # shrink first, then grow
             want = alloc[task.name]
