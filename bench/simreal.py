@@ -106,7 +106,7 @@ def _spec(sc: Any, t: Any) -> dict[str, Any]:
         "args": list(sc.args),
         "weight": t.weight,
         "workers": {"min": t.min_workers, "max": t.max_workers},
-        "checkpoint": {"every": 0},  # the simulated Unicron never reads a checkpoint
+        "checkpoint": {"every": "auto"},  # the fallback when every replica is lost
     }
 
 
@@ -279,7 +279,9 @@ def task_figures(
     count, costs = transitions(events, rates, kills, t0, t1)
     span = t1 - t0
     useful_s = weight * steps / ref_rate if ref_rate > 0 else 0.0
+    end = next((e for e in _of(events, "task_end") if float(e["ts"]) < t1), None)
     return {
+        "ended": None if end is None else f"{end['status']} at {float(end['ts']) - t0:.0f} s",
         "steps": steps,
         "accumulated_waf": weight * steps,
         "breakdown_s": {
@@ -418,7 +420,8 @@ def markdown(
         r, s = v["real"], v["sim"]
         rb, sb = r["breakdown_s"], s["breakdown_s"]
         lines.append(
-            f"| {t.name} ({t.weight:g}) | {r['accumulated_waf']:.0f} | {s['accumulated_waf']:.1f} "
+            f"| {t.name} ({t.weight:g}){' ' + r['ended'] if r['ended'] else ''} "
+            f"| {r['accumulated_waf']:.0f} | {s['accumulated_waf']:.1f} "
             f"| {_pct(r['accumulated_waf'], s['accumulated_waf'])} "
             f"| {rb['detection']:.2f} / {sb['detection']:.2f} "
             f"| {rb['transition']:.2f} / {sb['transition']:.2f} "

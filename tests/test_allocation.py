@@ -127,14 +127,3 @@ def test_equal_shares_ignore_weights_and_respect_limits() -> None:
     assert moves(d) == {"a": (4, 3), "b": (0, 2)}  # 5 over 2: the first submitted gets 3
     capped = view("c", 1, 1, 1, {}, running=False)
     assert moves(decide([capped], cap, DAY, placement="equal")) == {"c": (0, 1)}
-
-
-def test_a_shrinking_task_gives_back_a_slot_that_has_not_joined_before_one_that_trains() -> None:
-    # rank 2 was readmitted on a returning node (its worker is starting); 3 trains
-    heavy = TaskView(name="h", weight=3, min_workers=1, max_workers=3,
-                     ranks={0: 0, 1: 1, 2: 2, 3: 3}, running=True, microbatches=8,
-                     members=frozenset({0, 1, 3}))  # fmt: skip
-    light = view("l", 1, 1, 4, {0: 4}, running=True)
-    d = decide([heavy, light], {n: 1 for n in range(5)}, DAY)
-    assert moves(d) == {"h": (4, 3), "l": (1, 2)}
-    assert next(m for m in d.moves if m.task == "h").release == (2,)

@@ -57,10 +57,6 @@ class TaskView:
     running: bool
     """started (its count never drops below its minimum, nor to 0, by a plan)"""
     microbatches: int | None = None
-    members: frozenset[int] | None = None
-    """launch ranks in its current epoch (None: all of them); a shrinking task gives back
-    the others first: a slot whose worker has not joined yet (a readmitted one still
-    starting) goes before one that trains"""
 
 
 @dataclass(frozen=True)
@@ -209,10 +205,7 @@ def _moves(
         if target[t.name] < held[t.name]:
             live = [(r, n) for r, n in sorted(t.ranks.items()) if n in capacity]
             count = {n: sum(1 for _, m in live if m == n) for _, n in live}
-            joined = t.members
-            order = sorted(  # slots not yet joined first, then thin nodes, then new ranks
-                live, key=lambda rn: (joined is None or rn[0] in joined, count[rn[1]], -rn[0])
-            )
+            order = sorted(live, key=lambda rn: (count[rn[1]], -rn[0]))  # thin nodes first
             give = order[: held[t.name] - target[t.name]]
             for _, n in give:
                 free[n] += 1

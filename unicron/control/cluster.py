@@ -341,7 +341,6 @@ class Cluster:
                     ranks=ranks,
                     running=c is not None,
                     microbatches=None if c is None else c.microbatches,
-                    members=None if c is None else frozenset(c.members),
                 )
             )
         if not views or not capacity:
