@@ -63,6 +63,8 @@ class RealRun:
     isolated: bool
     placements: dict[str, list[str]] = field(default_factory=dict)
     """task -> the nodes it ran on when the trace began"""
+    loadavg: float | None = None
+    """the machine's 1-minute load average at the end of the window"""
 
 
 def _descendants(pid: int) -> list[int]:
@@ -159,7 +161,8 @@ def run_real(sc: Any, placement: str, root: Path, *, say: Any = print) -> RealRu
             with contextlib.suppress(Exception):
                 c.client.request("POST", f"/v1/tasks/{t.name}/cancel")
         events = {t.name: c.events(t.name) for t in sc.tasks}
-        return RealRun(placement, events, t0, t1, kills, c.isolated, placements)
+        load = os.getloadavg()[0]
+        return RealRun(placement, events, t0, t1, kills, c.isolated, placements, load)
 
 
 # -- the analysis (pure) -------------------------------------------------------------------------
@@ -324,14 +327,14 @@ def constants(run: RealRun, sc: Any) -> Any:
 
 
 def decisions(events: dict[str, Events], t0: float, t1: float) -> dict[str, Any]:
-    """The planner's decisions on the coordinator (one per trigger that changed a task; the
-    plan events of one decision share ts and trigger): decision latency, and transitions
-    (epochs begun) per hour over the window."""
+    """The planner's decisions on the coordinator up to ``t1`` (one per trigger that changed
+    a task; the plan events of one decision share ts and trigger): decision latency, and
+    transitions (epochs begun) per hour over the window."""
     seen: dict[tuple[float, str], float] = {}
     epochs = 0
     for evs in events.values():
         for e in _of(evs, "plan"):
-            if "decision_ms" in e:
+            if "decision_ms" in e and float(e["ts"]) <= t1:
                 seen[(float(e["ts"]), str(e.get("trigger")))] = float(e["decision_ms"])
         epochs += sum(1 for e in _of(evs, "epoch_begin") if t0 < float(e["ts"]) <= t1)
     ms = sorted(seen.values())
@@ -609,11 +612,18 @@ def main(argv: list[str] | None = None) -> int:
     sim = S.simulate(sc, consts)
     cmp = compare(sc, runs["planner"], consts, sim)
     dec = decisions(runs["planner"].events, runs["planner"].t0, runs["planner"].t1)
-    load = os.getloadavg()
+    first, last = min(r.t0 for r in runs.values()), max(r.t1 for r in runs.values())
+    loads = [r.loadavg for r in runs.values() if r.loadavg is not None]
     note = (
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(first))}"
+        f"-{time.strftime('%H:%M UTC', time.gmtime(last))}, "
         f"{'network namespaces' if runs['planner'].isolated else 'loopback'}, "
-        f"load average {load[0]:.1f} on {os.cpu_count()} cores"
+        + (
+            f"load average {min(loads):.0f}-{max(loads):.0f} at the runs' ends"
+            if loads
+            else "load average not recorded"
+        )
+        + f" on {os.cpu_count()} cores shared with other sessions"
     )
     text = markdown(sc, cmp, totals, dec, runs, note)
     print(text)
