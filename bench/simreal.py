@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ from bench.common import (
     write_json_atomic,
     write_text_atomic,
 )
+from unicron.control.client import ServiceError
+from unicron.sim.scenario import Constants, Scenario, ScenarioTask
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENARIO_FILE = ROOT / "examples" / "sim" / "simreal.yaml"
@@ -101,7 +104,7 @@ def kill_node(cluster: Any, host: int) -> None:
     proc.wait()
 
 
-def _spec(sc: Any, t: Any) -> dict[str, Any]:
+def _spec(sc: Scenario, t: ScenarioTask) -> dict[str, Any]:
     return {
         "name": t.name,
         "script": str(sc.script),
@@ -112,7 +115,9 @@ def _spec(sc: Any, t: Any) -> dict[str, Any]:
     }
 
 
-def run_real(sc: Any, placement: str, root: Path, *, say: Any = print) -> RealRun:
+def run_real(
+    sc: Scenario, placement: str, root: Path, *, say: Callable[[str], None] = print
+) -> RealRun:
     """Run ``sc`` on a real cluster under ``placement``; see the module docstring."""
     from unicron.control import netns
     from unicron.control.lab import LocalCluster
@@ -158,7 +163,7 @@ def run_real(sc: Any, placement: str, root: Path, *, say: Any = print) -> RealRu
         time.sleep(max(0.0, t0 + sc.duration_s - time.time()))
         t1 = time.time()
         for t in sc.tasks:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ServiceError):  # 409: it ended already (a failed task)
                 c.client.request("POST", f"/v1/tasks/{t.name}/cancel")
         events = {t.name: c.events(t.name) for t in sc.tasks}
         load = os.getloadavg()[0]
@@ -300,11 +305,10 @@ def task_figures(
     }
 
 
-def constants(run: RealRun, sc: Any) -> Any:
+def constants(run: RealRun, sc: Scenario) -> Constants:
     """The simulator's constants from the real run (:class:`unicron.sim.scenario.Constants`):
     step rates per task and worker count, median detection, median transition cost."""
     from unicron.sim import measured
-    from unicron.sim.scenario import Constants
 
     rates = {t.name: step_rates(run.events[t.name], run.t1) for t in sc.tasks}
     det: list[float] = []
@@ -352,7 +356,7 @@ def _pct(real: float, sim: float) -> str:
     return f"{100.0 * (sim - real) / real:+.1f} %" if real else "-"
 
 
-def compare(sc: Any, run: RealRun, consts: Any, sim: Any) -> dict[str, Any]:
+def compare(sc: Scenario, run: RealRun, consts: Constants, sim: Any) -> dict[str, Any]:
     """Real against simulated, per task and for the cluster."""
     from unicron.sim.scenario import prepare
 
@@ -547,7 +551,7 @@ def rows(cmp: dict[str, Any], totals: dict[str, float], dec: dict[str, Any]) -> 
     return out
 
 
-def quick(sc: Any) -> Any:
+def quick(sc: Scenario) -> Scenario:
     """A 40-second smoke version of ``sc``: one node lost and back."""
     from unicron.sim.trace import TraceEvent
 
