@@ -835,7 +835,13 @@ class _Runner:
         step = self.step
         # ts: when it began here (the agent may read it late on a loaded machine)
         self.link.send(
-            {"type": "step_begin", "step": step, "epoch": g.info.epoch, "ts": time.time()}
+            {
+                "type": "step_begin",
+                "step": step,
+                "epoch": g.info.epoch,
+                "ts": time.time(),
+                "cpu_s": time.process_time(),
+            }
         )
         for attempt in range(self.ctx.max_reattempts + 1):
             try:
@@ -1001,6 +1007,7 @@ class _Runner:
                 "microbatches": len(s.microbatches),
                 "compute_s": time.perf_counter() - s.began,
                 "ts": time.time(),
+                "cpu_s": time.process_time(),
             }
         )
         ex, self._exchange = self._exchange, None
