@@ -315,7 +315,8 @@ class Cluster:
         ``plan`` event per task concerned: the allocation before and after, both WAFs, why."""
         capacity = {nid: n.slots for nid, n in self._free_capacity(now).items()}
         for task in self.tasks.values():  # an excluded slot is nobody's until readmitted
-            for r in task.excluded if task.row.state in ACTIVE else ():
+            excluded = list(task.excluded)  # a copy: coordinators change it (_trigger_of)
+            for r in excluded if task.row.state in ACTIVE else ():
                 node = task.row.placement[r] if r < len(task.row.placement) else -1
                 if node in capacity:
                     capacity[node] -= 1
