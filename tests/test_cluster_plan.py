@@ -154,3 +154,15 @@ def test_what_the_planner_cannot_take_is_refused_at_submit(
     r = api.post("/v1/tasks", headers={"Authorization": f"Bearer {TOKEN}"}, json=body)
     assert r.status_code == 422 and says in r.text, r.text
     assert "bad" not in cluster.tasks
+
+
+def test_an_unknown_placement_is_exit_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "unicron", "coordinator", "--state-dir", str(tmp_path),
+         "--placement", "fifo"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--placement: invalid choice: 'fifo'" in proc.stderr
