@@ -55,8 +55,9 @@ from unicron.runtime.inject import Fault
 log = logging.getLogger("unicron.control.agent")
 
 EXIT_GRACE_S = 0.3
-CPU_SAMPLE_AFTER_S = 0.5
-"""a step that has lasted this long gets its worker's CPU time sampled (half the hang floor)"""
+CPU_SAMPLE_AFTER_S = 0.2
+"""a step that has lasted this long gets its worker's CPU time sampled: early enough that at
+the 1 s hang floor two samples lie :data:`unicron.detect.busy.MIN_GAP_S` apart"""
 CPU_SAMPLE_EVERY_S = 0.2
 """and sampled again this often while it lasts (:mod:`unicron.detect.busy`)"""
 _TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
