@@ -152,18 +152,147 @@ class CoordinatorSettings:
             )
 
 
+class SlotState(enum.Enum):
+    """Where one of the task's slots stands: whether a worker runs there (and is ready), and
+    whether the slot is in the plan, excluded from it, or given to another task. Every change
+    goes through :meth:`_Slot.to`, which refuses a move not drawn here::
+
+        in the plan                              excluded: out of the plan
+        STARTING --ready--> READY                OUT_STARTING --ready--> OUT_READY
+            |   ^             |                       |                     |
+            |   +--start--+   |                       +-------gone----------+--> EXCLUDED
+            +---gone----> DOWN <--gone---+
+
+        exclude:   STARTING -> OUT_STARTING,  READY -> OUT_READY,  DOWN -> EXCLUDED
+        readmit:   OUT_STARTING -> STARTING,  OUT_READY -> READY,  EXCLUDED -> DOWN
+        start:     DOWN -> STARTING (a restart);  EXCLUDED -> STARTING (a lost node's new agent)
+        a worker thought gone is heard from (a late ready, an agent's census):
+                   DOWN -> READY | STARTING,  EXCLUDED -> OUT_READY | OUT_STARTING
+        a census:  READY -> STARTING,  OUT_READY -> OUT_STARTING (alive, not ready)
+
+        given to another task:  STARTING | READY | OUT_STARTING | OUT_READY --release--> LEAVING
+                                LEAVING --stop--> STOPPING
+                                LEAVING | STOPPING --gone--> LEFT (removed from the task)
+                                (DOWN and EXCLUDED slots are removed at once when released)
+
+    A worker runs (or is being started) in STARTING, READY, OUT_STARTING, OUT_READY, LEAVING
+    and STOPPING (:attr:`_Slot.alive`); READY and OUT_READY reported ready; all but STARTING,
+    READY and DOWN are out of the plan (:attr:`_Slot.excluded`: no epoch includes them). A
+    worker in OUT_READY is kept on an excluded slot: the last copy of the task's state, or one
+    killed whose exit is not in yet.
+    """
+
+    STARTING = "starting"  # in the plan; a worker is being started, not ready yet
+    READY = "ready"  # in the plan; its worker is ready: waiting to join, or a member
+    DOWN = "down"  # in the plan; no worker (gone, and not started again yet)
+    OUT_STARTING = "out_starting"  # excluded; its worker still starting
+    OUT_READY = "out_ready"  # excluded; its worker still runs and is ready
+    EXCLUDED = "excluded"  # excluded, no worker: a health probe may readmit it
+    LEAVING = "leaving"  # given to another task: out at the next epoch, then stopped
+    STOPPING = "stopping"  # given to another task, its worker told to stop
+    LEFT = "left"  # given to another task, its worker gone (removed once its exit is in)
+
+
+_S = SlotState
+_NEXT: dict[SlotState, frozenset[SlotState]] = {
+    _S.STARTING: frozenset({_S.READY, _S.DOWN, _S.OUT_STARTING, _S.LEAVING}),
+    _S.READY: frozenset({_S.STARTING, _S.DOWN, _S.OUT_READY, _S.LEAVING}),
+    _S.DOWN: frozenset({_S.STARTING, _S.READY, _S.EXCLUDED}),
+    _S.OUT_STARTING: frozenset({_S.OUT_READY, _S.EXCLUDED, _S.STARTING, _S.LEAVING}),
+    _S.OUT_READY: frozenset({_S.OUT_STARTING, _S.EXCLUDED, _S.READY, _S.LEAVING}),
+    _S.EXCLUDED: frozenset({_S.DOWN, _S.STARTING, _S.OUT_READY, _S.OUT_STARTING}),
+    _S.LEAVING: frozenset({_S.STOPPING, _S.LEFT}),
+    _S.STOPPING: frozenset({_S.LEFT}),
+    _S.LEFT: frozenset(),
+}
+"""the moves :class:`SlotState`'s diagram draws (staying in a state is always allowed)"""
+_ALIVE = frozenset({_S.STARTING, _S.READY, _S.OUT_STARTING, _S.OUT_READY, _S.LEAVING, _S.STOPPING})
+_IN_PLAN = frozenset({_S.STARTING, _S.READY, _S.DOWN})
+_GIVEN = frozenset({_S.LEAVING, _S.STOPPING, _S.LEFT})
+
+
+class IllegalTransition(RuntimeError):
+    """A slot asked to move where :class:`SlotState`'s diagram does not go: a bug here."""
+
+
 @dataclass
 class _Slot:
+    """One slot of the task: its node, its :class:`SlotState`, and facts that are not its
+    lifecycle (what its worker holds, its last error, its final report)."""
+
     node: int
-    ready: bool = False
-    alive: bool = True  # a process exists or is being started
-    excluded: bool = False
+    state: SlotState = SlotState.STARTING
     done: dict[str, Any] | None = None
     last_error: str = ""
     has_state: bool = True  # it holds the task's committed state (or will after a sync)
     fresh: bool = True  # started while no step had committed, and has computed none since
-    leaving: bool = False  # given to another task: out at the next epoch, then stopped
-    stop_sent: bool = False
+
+    def to(self, new: SlotState) -> None:
+        """Move to ``new``; :class:`IllegalTransition` if the diagram has no such move."""
+        if new is not self.state and new not in _NEXT[self.state]:
+            raise IllegalTransition(f"slot on node {self.node}: {self.state.name} -> {new.name}")
+        self.state = new
+
+    @property
+    def alive(self) -> bool:
+        """A worker process runs here, or is being started."""
+        return self.state in _ALIVE
+
+    @property
+    def ready(self) -> bool:
+        """Its worker reported ready (built its model) and runs."""
+        return self.state in (_S.READY, _S.OUT_READY)
+
+    @property
+    def excluded(self) -> bool:
+        """Out of the plan: no epoch includes it."""
+        return self.state not in _IN_PLAN
+
+    @property
+    def leaving(self) -> bool:
+        """Given to another task."""
+        return self.state in _GIVEN
+
+    # -- the moves, by what happened ----------------------------------------------------------
+    def start(self) -> None:
+        """A worker is (being) started here (a restart, or a lost node's new agent)."""
+        self.to(_S.STARTING)
+
+    def readied(self) -> None:
+        """Its worker reported ready."""
+        moves = {_S.STARTING: _S.READY, _S.DOWN: _S.READY, _S.OUT_STARTING: _S.OUT_READY}
+        moves[_S.EXCLUDED] = _S.OUT_READY
+        self.to(moves.get(self.state, self.state))
+
+    def gone(self) -> None:
+        """Its worker is gone (or doomed: killed, not a member of the next epoch)."""
+        if self.state in _IN_PLAN:
+            self.to(_S.DOWN)
+        elif self.state in _GIVEN:
+            self.to(_S.LEFT)
+        else:
+            self.to(_S.EXCLUDED)
+
+    def exclude(self) -> None:
+        """Out of the plan until a health probe brings it back (its worker, if any, runs on)."""
+        moves = {_S.STARTING: _S.OUT_STARTING, _S.READY: _S.OUT_READY, _S.DOWN: _S.EXCLUDED}
+        self.to(moves.get(self.state, self.state))
+
+    def readmit(self) -> None:
+        """Back in the plan (a passed health probe, a node that came back)."""
+        moves = {_S.OUT_STARTING: _S.STARTING, _S.OUT_READY: _S.READY, _S.EXCLUDED: _S.DOWN}
+        self.to(moves.get(self.state, self.state))
+
+    def seen(self, *, alive: bool, ready: bool) -> None:
+        """An agent's account of its worker (its census after a coordinator's restart)."""
+        if not alive:
+            self.gone()
+        elif ready:
+            self.readied()
+        else:
+            moves = {_S.READY: _S.STARTING, _S.DOWN: _S.STARTING}
+            moves |= {_S.OUT_READY: _S.OUT_STARTING, _S.EXCLUDED: _S.OUT_STARTING}
+            self.to(moves.get(self.state, self.state))
 
 
 @dataclass
@@ -259,7 +388,8 @@ class Coordinator:
             if self.state is TaskState.WAITING:
                 self.waiting_since, self.waiting_reason = now, "adopted with no members"
             for slot, o in self.slots.items():
-                o.ready = slot in self.members
+                if slot in self.members:
+                    o.readied()
                 o.has_state = self._trained or slot in self.members
                 o.fresh = not self._trained
             for node in set(o.node for o in self.slots.values()):
@@ -358,8 +488,8 @@ class Coordinator:
             for slot, o in self.slots.items():
                 if o.node != node:
                     continue
-                o.alive = slot in r.alive
-                o.ready = slot in r.ready or (o.alive and slot in self.members)
+                alive = slot in r.alive
+                o.seen(alive=alive, ready=slot in r.ready or (alive and slot in self.members))
                 if not o.alive and slot in self.members and not o.excluded:
                     # gone while nobody listened: its exit report was lost with the old
                     # coordinator; heal it as a process failure now
@@ -381,8 +511,7 @@ class Coordinator:
     ) -> None:
         """The worker in ``slot`` built its model and waits for an epoch."""
         with self._lock:
-            self.slots[slot].ready = True
-            self.slots[slot].alive = True
+            self.slots[slot].readied()
             self.microbatches = microbatches or self.microbatches
             self.state_bytes = max(self.state_bytes, state_bytes)
             self.tick(now)
@@ -391,7 +520,7 @@ class Coordinator:
         """The worker process in ``slot`` is gone (the agent already logged the detection)."""
         with self._lock:
             s = self.slots[slot]
-            s.ready = s.alive = False
+            s.gone()
             if s.leaving:  # given back anyway: no healing, the slot is the task's no more
                 self.worker_left(slot)
                 self._reform(now, f"slot {slot} released")
@@ -548,7 +677,7 @@ class Coordinator:
             s = self.slots.get(slot)
             if s is None:
                 return
-            s.alive = s.ready = False
+            s.gone()
             if s.leaving:
                 self._forget(slot)
                 del self.slots[slot]
@@ -578,13 +707,13 @@ class Coordinator:
                 s = self.slots.get(slot)
                 if s is None or s.leaving:
                     continue
-                s.leaving = s.excluded = True
                 self._action(Action.RECONFIGURE, slot, f"slot {slot} released: {reason}", 1, now)
                 if not s.alive:
                     self._forget(slot)
                     del self.slots[slot]
                     self._released.add(slot)
                 else:
+                    s.to(SlotState.LEAVING)
                     leaving.append(slot)
             rest = tuple(m for m in self.members if m not in leaving)
             if rest != self.members and self._active():
@@ -601,14 +730,14 @@ class Coordinator:
         """Stop the workers of released slots once every member entered the epoch without
         them (they finished the step they were in; nothing of theirs is needed)."""
         for slot, s in list(self.slots.items()):
-            if not s.leaving or s.stop_sent or slot in self.members:
+            if s.state is not SlotState.LEAVING or slot in self.members:
                 continue
             entered = all(
                 (p := self._progress.get(m)) is not None and p.epoch >= self.epoch
                 for m in self.members
             )
             if entered or not self.members or self.over():
-                s.stop_sent = True
+                s.to(SlotState.STOPPING)
                 self._send(s.node, Kill(slot, None, leave=True))
 
     def worker_done(self, slot: int, report: dict[str, Any], now: float) -> None:
@@ -671,9 +800,9 @@ class Coordinator:
             for k, x in sorted(self.slots.items()):
                 if k != slot and not (node_back and x.node == o.node and x.excluded):
                     continue
-                if k in own or k in self._probing:
-                    continue  # its own exclusion (or probe) stands
-                x.excluded = False
+                if k in own or k in self._probing or x.leaving:
+                    continue  # its own exclusion (or probe) stands; or it is another task's
+                x.readmit()
                 self._readmitted_at[k] = now
                 if not x.alive:  # a kept last copy of the state just stays a member
                     self._spawn(k)
@@ -692,13 +821,13 @@ class Coordinator:
             self.escalation.readmit(node=node)
             own = self.escalation.excluded_slots()
             for slot, o in sorted(self.slots.items()):
-                if o.node != node or slot in own or o.alive:
+                if o.node != node or slot in own or o.alive or o.leaving:
                     continue
-                o.excluded = False
+                o.readmit()
                 self._excluded_at.pop(slot, None)
                 self._action(Action.READMIT, slot, f"node {node} is back", 1, now)
                 # the new agent starts a worker in every slot of its task (no Spawn: twice)
-                o.alive, o.ready = True, False
+                o.start()
                 o.has_state = o.fresh = not self._trained
                 self._forget(slot)
 
@@ -857,7 +986,8 @@ class Coordinator:
             )
             for s in slots:
                 o = self.slots[s]
-                o.excluded, o.alive, o.ready = True, False, False
+                o.exclude()
+                o.gone()
                 self._forget(s)
             self._last_error = decision.reason
             self._reform(now, f"node {node} lost")
@@ -1124,7 +1254,7 @@ class Coordinator:
         back = self._readmitted_at.pop(slot, None)
         if back is not None and now - back >= self.escalation.settings.restart_window_s:
             self._exclusions[slot] = 0
-        self.slots[slot].excluded = True
+        self.slots[slot].exclude()
         self._excluded_at[slot] = now
         self._exclusions[slot] = self._exclusions.get(slot, 0) + 1
 
@@ -1139,7 +1269,7 @@ class Coordinator:
             if not o.excluded:
                 self._exclude(slot, now)
             if o.alive and state_elsewhere:
-                o.alive = o.ready = False  # doomed: not a member of the next epoch
+                o.gone()  # doomed: not a member of the next epoch
                 self._kill(slot, verdict)
 
     def _probe_due(self, slot: int) -> float:
@@ -1205,7 +1335,7 @@ class Coordinator:
 
     def _spawn(self, slot: int) -> None:
         s = self.slots[slot]
-        s.alive, s.ready = True, False
+        s.start()
         s.has_state = s.fresh = not self._trained
         self._forget(slot)
         self._send(s.node, Spawn(slot))
