@@ -22,12 +22,14 @@ Task states (:class:`TaskState`)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import enum
 import logging
 import math
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,14 @@ from typing import Any
 import torch.distributed as dist
 
 from unicron.control import messages as M
+from unicron.control.effects import (
+    AnnounceEpoch,
+    Effect,
+    Executor,
+    LogEvent,
+    Tell,
+    WriteStoreKey,
+)
 from unicron.control.escalation import Decision, Escalation
 from unicron.control.events import EventLog
 from unicron.control.messages import AgentAction, Kill, Probe, Reply, Spawn
@@ -367,6 +377,9 @@ class Coordinator:
             self.store_address = f"{host}:{self.store.port}"
         else:  # a client of the cluster's store (:mod:`unicron.control.store`), which outlives us
             self.store, self.store_address = store
+        self._effects: list[Effect] = []  # decided, not yet carried out
+        self._depth = 0  # decisions in progress (one calls another): the outermost executes
+        self.executor = Executor(store=self.store, events=events, outbox=self._outbox)
 
     def adopt(self, now: float, *, committed_step: int = -1) -> None:
         """Take over the task as its workers left it when the previous coordinator died: the
@@ -374,7 +387,7 @@ class Coordinator:
         until its agent's :class:`~unicron.control.messages.Census` says otherwise, every node
         heard from now (its agent reconnects within its backoff). Called once, before the
         first exchange, by the cluster service for each task it finds running in its state."""
-        with self._lock:
+        with self._deciding():
             self._adopted = True
             if not self.store.check([epoch_key(self.task)]):
                 return  # no epoch was announced: it starts as a new task does
@@ -398,19 +411,30 @@ class Coordinator:
 
     def attach(self, node: int) -> None:
         """The agent of ``node`` is up and takes its actions (:meth:`take_actions`)."""
-        with self._lock:
+        with self._deciding():
             self.nodes.add(node)
             self._outbox.setdefault(node, deque())
 
     def exchange(
         self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
     ) -> Reply:
-        """One round of the agent of ``node``: apply its ``reports`` in order, take its
-        heartbeat (every report its workers sent before ``read_until`` is in ``reports``), run
-        the detectors, and answer with the node's queued actions. The only call an agent makes
+        """One round of the agent of ``node``: decide (:meth:`decide_exchange`), carry the
+        decisions out, and answer with the node's queued actions. The only call an agent makes
         (in-process from :mod:`unicron.control.runner`'s agents, or through the cluster
         service's HTTP API)."""
         with self._lock:
+            self.executor.run(self.decide_exchange(node, reports, now, read_until=read_until))
+            return Reply(
+                actions=tuple(self.take_actions(node)), over=self.over(), finished=self.finished()
+            )
+
+    def decide_exchange(
+        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+    ) -> list[Effect]:
+        """Apply the ``reports`` of the agent of ``node`` in order, take its heartbeat (every
+        report its workers sent before ``read_until`` is in ``reports``) and run the detectors
+        (:meth:`tick`) at ``now``; return what that decided to do, not yet done."""
+        with self._collecting() as effects:
             self.attach(node)
             # bad input first: the exits it causes (read in the same round) are not failures
             for report in sorted(reports, key=lambda r: not isinstance(r, M.BadInput)):
@@ -420,9 +444,42 @@ class Coordinator:
                     log.exception("task %s: could not apply %r", self.task, report)
             self.heartbeat(node, now, read_until=read_until)
             self.tick(now)
-            return Reply(
-                actions=tuple(self.take_actions(node)), over=self.over(), finished=self.finished()
-            )
+        return effects
+
+    def decide_tick(self, now: float) -> list[Effect]:
+        """What the passing of time decides at ``now`` (:meth:`tick`), not yet done."""
+        with self._collecting() as effects:
+            self.tick(now)
+        return effects
+
+    @contextlib.contextmanager
+    def _deciding(self) -> Iterator[None]:
+        """Hold the lock while deciding; the outermost decision carries out its effects (in
+        the order decided) as it ends, also when it raised."""
+        with self._lock:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._effects:
+                    effects, self._effects = self._effects, []
+                    self.executor.run(effects)
+
+    @contextlib.contextmanager
+    def _collecting(self) -> Iterator[list[Effect]]:
+        """Hold the lock while deciding, and hand the effects decided to the caller instead
+        of carrying them out."""
+        out: list[Effect] = []
+        with self._lock:
+            self._depth += 1
+            start = len(self._effects)
+            try:
+                yield out
+            finally:
+                self._depth -= 1
+                out += self._effects[start:]
+                del self._effects[start:]
 
     def _apply(self, node: int, r: M.Report) -> None:
         slot = getattr(r, "slot", None)
@@ -476,13 +533,13 @@ class Coordinator:
             return
         if r.name == "transition_end" and fields.get("state_source") == "checkpoint":
             fields["steps_redone"] = self.steps_redone(fields["step"])
-        self.events.emit(r.name, **fields)
+        self._emit(r.name, **fields)
 
     def census(self, node: int, r: M.Census) -> None:
         """An agent's account of its workers, sent when it (re)connects. A coordinator that
         adopted a running task after a restart (:meth:`adopt`) learns from it which workers
         live; to one that never went away it says nothing new."""
-        with self._lock:
+        with self._deciding():
             if not self._adopted:
                 return
             for slot, o in self.slots.items():
@@ -510,7 +567,7 @@ class Coordinator:
         self, slot: int, now: float, *, microbatches: int | None = None, state_bytes: int = 0
     ) -> None:
         """The worker in ``slot`` built its model and waits for an epoch."""
-        with self._lock:
+        with self._deciding():
             self.slots[slot].readied()
             self.microbatches = microbatches or self.microbatches
             self.state_bytes = max(self.state_bytes, state_bytes)
@@ -518,7 +575,7 @@ class Coordinator:
 
     def worker_failed(self, slot: int, verdict: Verdict, now: float) -> None:
         """The worker process in ``slot`` is gone (the agent already logged the detection)."""
-        with self._lock:
+        with self._deciding():
             s = self.slots[slot]
             s.gone()
             if s.leaving:  # given back anyway: no healing, the slot is the task's no more
@@ -558,7 +615,7 @@ class Coordinator:
         for a newer epoch: it is healed in :meth:`tick` (a newer epoch announced meanwhile, for
         a process or node failure, heals it too).
         """
-        with self._lock:
+        with self._deciding():
             if not in_place:
                 epoch = self.epoch if epoch is None else epoch
                 if epoch >= self.epoch:
@@ -585,12 +642,12 @@ class Coordinator:
 
     def epoch_entered(self, slot: int, epoch: int, now: float) -> None:
         """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
-        with self._lock:
+        with self._deciding():
             self._progress[slot] = Progress(epoch, Phase.JOIN, -1, now)
 
     def step_started(self, slot: int, step: int, now: float, *, epoch: int | None = None) -> None:
         """The worker in ``slot`` began computing ``step``: the monitor's clock starts."""
-        with self._lock:
+        with self._deciding():
             known = self._progress.get(slot)
             ep = epoch if epoch is not None else (known.epoch if known else self.epoch)
             self._progress[slot] = Progress(ep, Phase.COMPUTE, step, now)
@@ -608,7 +665,7 @@ class Coordinator:
     ) -> None:
         """The worker in ``slot`` finished computing ``step`` (it now reduces): it holds the
         state; the monitor learns the step time."""
-        with self._lock:
+        with self._deciding():
             self._computed[slot] = step
             s = self.slots[slot]
             s.has_state, s.fresh = True, False
@@ -626,7 +683,7 @@ class Coordinator:
         it (every member sends one; the event log keeps one). The first commit makes a freshly
         built model no longer the task's state: the coordinator is the one source of that fact
         (the ``trained`` store key, which starting workers read, is written here)."""
-        with self._lock:
+        with self._deciding():
             key = (epoch, step)
             if key in self._commits:
                 return False
@@ -636,7 +693,7 @@ class Coordinator:
             self._commits.add(key)
             if not self._trained:
                 self._trained = True
-                self.store.set(trained_key(self.task), "1")
+                self._effects.append(WriteStoreKey(trained_key(self.task), "1"))
                 for o in self.slots.values():
                     if o.fresh:  # a fresh model started before the first commit: not the state
                         o.has_state = False
@@ -645,7 +702,7 @@ class Coordinator:
     def worker_slow(self, slot: int, verdict: Verdict, now: float) -> None:
         """A straggler: ask the planner whether the task's WAF is higher without it; act on
         the answer (drop the slot, or keep it and say why)."""
-        with self._lock:
+        with self._deciding():
             if slot not in self.members or self.state is not TaskState.RUNNING:
                 return
             mb_s = self._mb_compute_s
@@ -673,7 +730,7 @@ class Coordinator:
         was waiting to join, or joined a last epoch as the others finished): the task does not
         wait for it (:meth:`finished`). Or it was stopped because its slot goes to another
         task (:meth:`release_slot`): the slot is the task's no more (:meth:`released`)."""
-        with self._lock:
+        with self._deciding():
             s = self.slots.get(slot)
             if s is None:
                 return
@@ -688,7 +745,7 @@ class Coordinator:
         """The cluster gives the task ``slot`` on ``node`` (a planner decision): a worker
         starts there and joins the next epoch, at a step boundary, with the state from the
         nearest replica. A ``reconfigure`` action says why."""
-        with self._lock:
+        with self._deciding():
             if slot in self.slots or self.over():
                 return
             s = self.slots[slot] = _Slot(node=node)
@@ -701,7 +758,7 @@ class Coordinator:
         nothing recomputed) goes on without them; once every remaining member has entered it
         their workers are stopped, and the slots are the task's no more (:meth:`released`).
         A ``reconfigure`` action per slot says why."""
-        with self._lock:
+        with self._deciding():
             leaving = []
             for slot in slots:
                 s = self.slots.get(slot)
@@ -722,7 +779,7 @@ class Coordinator:
 
     def released(self) -> set[int]:
         """Slots given back whose worker is gone (each reported once)."""
-        with self._lock:
+        with self._deciding():
             out, self._released = self._released, set()
             return out
 
@@ -742,7 +799,7 @@ class Coordinator:
 
     def worker_done(self, slot: int, report: dict[str, Any], now: float) -> None:
         """The worker in ``slot`` finished the last step (every member of the epoch will)."""
-        with self._lock:
+        with self._deciding():
             if self.state is TaskState.FAILED:
                 return
             self.slots[slot].done = report
@@ -756,13 +813,13 @@ class Coordinator:
                 return
             if self.state in (TaskState.RUNNING, TaskState.WAITING):
                 self.state = TaskState.DONE
-                self.store.set(done_key(self.task), "done")
+                self._effects.append(WriteStoreKey(done_key(self.task), "done"))
             if report.get("rank") == 0 or not self.outcome:
                 self.outcome = Outcome(TaskState.DONE, "finished", report)
 
     def finished(self) -> bool:
         """True once the task is over and every member of the last epoch has reported."""
-        with self._lock:
+        with self._deciding():
             if self.state is TaskState.FAILED:
                 return True
             if self.state is not TaskState.DONE:
@@ -775,7 +832,7 @@ class Coordinator:
         """The health probe of the excluded ``slot`` ended (called by its agent): readmit it
         (and its node, if the node was excluded) and start a worker there, or keep it out for
         twice as long (an ``action`` either way)."""
-        with self._lock:
+        with self._deciding():
             self._probing.discard(slot)
             o = self.slots[slot]
             if not o.excluded or o.alive or not self._active():
@@ -813,7 +870,7 @@ class Coordinator:
         slot); the new agent starts a worker in each, which joins the next epoch with state
         from the nearest replica. Slots excluded on their own account before the loss stay
         out."""
-        with self._lock:
+        with self._deciding():
             if node not in self.lost_nodes or not self._active():
                 return
             self.lost_nodes.discard(node)
@@ -834,7 +891,7 @@ class Coordinator:
     def probe_not_started(self, slot: int, error: str, now: float) -> None:
         """The agent could not start the probe of ``slot`` (e.g. out of file descriptors):
         it is tried again after another cool-down, without counting as a failed probe."""
-        with self._lock:
+        with self._deciding():
             self._probing.discard(slot)
             self._excluded_at[slot] = now
             log.warning("task %s: probe of slot %d not started: %s", self.task, slot, error)
@@ -843,13 +900,13 @@ class Coordinator:
     def peer_ahead(self, slot: int, step: int) -> bool:
         """Whether another member of the current epoch finished computing ``step``: the
         evidence that ``slot``, still in that step past its deadline, hangs alone."""
-        with self._lock:
+        with self._deciding():
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
 
     def peers_all_ahead(self, slot: int, step: int) -> bool:
         """Whether every other member of the current epoch that can vouch for ``slot``
         (:meth:`_vouchers`) finished computing ``step``."""
-        with self._lock:
+        with self._deciding():
             others = self._vouchers(slot)
             return bool(others) and all(self._computed.get(m, -1) >= step for m in others)
 
@@ -857,7 +914,7 @@ class Coordinator:
         """Whether no other member of the current epoch can vouch that the step of ``slot``
         hangs rather than the machine being slow: it is the only member, or the others are
         joiners that have computed nothing yet (:meth:`_vouchers`)."""
-        with self._lock:
+        with self._deciding():
             return not self._vouchers(slot)
 
     def _vouchers(self, slot: int) -> list[int]:
@@ -879,7 +936,7 @@ class Coordinator:
     def state_survives(self, slot: int) -> bool:
         """Whether the task's state outlives the worker in ``slot``: another live replica
         holds it, or there is a checkpoint (the condition ``_reform`` goes on with)."""
-        with self._lock:
+        with self._deciding():
             return any(s != slot for s in self._holders()) or self._has_checkpoint()
 
     def over(self) -> bool:
@@ -890,7 +947,7 @@ class Coordinator:
         """The agent of ``node`` is alive (called on every round of its loop), and every
         report its workers sent before ``read_until`` has been handed over: the detectors
         judge that node's workers at that moment, never on reports still in flight."""
-        with self._lock:
+        with self._deciding():
             self.heartbeats[node] = now
             self._read_until[node] = now if read_until is None else read_until
 
@@ -899,7 +956,7 @@ class Coordinator:
         """Notice lost nodes, hangs, stragglers and stalls, start the first epoch, grow with
         ready workers, heal in-band errors, probe excluded slots, give up a task that waited
         too long. Called by every agent's loop and by the runner."""
-        with self._lock:
+        with self._deciding():
             self._check_heartbeats(now)
             if self.state is TaskState.PENDING:
                 self._maybe_start(now)
@@ -959,7 +1016,7 @@ class Coordinator:
             self._last_failure_ts = now
             verdict = classify_detector("heartbeat_lost")
             slots = sorted(s for s, o in self.slots.items() if o.node == node)
-            self.events.emit(
+            self._emit(
                 "error_detected",
                 ts=now,
                 task=self.label,
@@ -974,7 +1031,7 @@ class Coordinator:
             if self.over():
                 continue
             decision = self.escalation.decide(verdict, slot=slots[0], node=node, now=now)
-            self.events.emit(
+            self._emit(
                 "action",
                 task=self.label,
                 epoch=self.epoch,
@@ -1102,7 +1159,7 @@ class Coordinator:
 
     def stall_deadline(self) -> float:
         """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`)."""
-        with self._lock:
+        with self._deciding():
             s = self.settings
             pace = self.monitor.pace_s() if self.monitor is not None else None
             return stall_deadline_s(
@@ -1227,7 +1284,7 @@ class Coordinator:
             self.waiting_since = now
         self.state, self.waiting_reason = TaskState.WAITING, reason
         log.warning("task %s waiting: %s", self.task, reason)
-        self.events.emit(
+        self._emit(
             "action",
             ts=now,
             task=self.label,
@@ -1296,7 +1353,7 @@ class Coordinator:
 
     def committed_steps(self) -> int | None:
         """Steps committed so far, this run and any run it resumed (``None``: unknown)."""
-        with self._lock:
+        with self._deciding():
             here = max((step + 1 for _, step in self._commits), default=0)
         before = self.settings.committed_before
         return None if before is None and not here else max(here, before or 0)
@@ -1311,7 +1368,7 @@ class Coordinator:
         """Fail the task with exit 2 if a worker found its input unusable (a checkpoint of
         another model: it set the store's ``usage`` key and left). Called by the cluster's
         ticker."""
-        with self._lock:
+        with self._deciding():
             if self.state is TaskState.FAILED or not self.store.check([usage_key(self.task)]):
                 return
             self.fail(self.store.get(usage_key(self.task)).decode(), now, usage=True)
@@ -1320,18 +1377,21 @@ class Coordinator:
         """Give the task up: waiting workers exit, the runner exits 1 with ``reason`` (2 with
         ``usage``: a worker found bad input before training, e.g. a model too large). Also from
         DONE: replicas that finish with different parameters fail a task that looked done."""
-        with self._lock:
+        with self._deciding():
             if self.state is TaskState.FAILED:
                 return
             self.state = TaskState.FAILED
             self.outcome = Outcome(TaskState.FAILED, reason, usage=usage)
-            self.store.set(done_key(self.task), "failed")
+            self._effects.append(WriteStoreKey(done_key(self.task), "failed"))
             if not usage:  # bad input is the runner's one line on stderr
                 log.error("task %s failed: %s", self.task, reason)
 
     # -- effects ----------------------------------------------------------------------------
+    def _emit(self, name: str, /, **fields: Any) -> None:
+        self._effects.append(LogEvent(name, fields))
+
     def _send(self, node: int, action: AgentAction) -> None:
-        self._outbox.setdefault(node, deque()).append(action)
+        self._effects.append(Tell(node, action))
 
     def _spawn(self, slot: int) -> None:
         s = self.slots[slot]
@@ -1366,7 +1426,7 @@ class Coordinator:
             urgent,
             published_ts=now,
         )
-        self.events.emit(
+        self._emit(
             "plan",
             ts=now,
             task=self.label,
@@ -1374,9 +1434,8 @@ class Coordinator:
             allocation={self.label: len(members)},
             reason=reason,
         )
-        self.store.set(epoch_info_key(self.task, self.epoch), info.to_json())
-        self.store.set(epoch_key(self.task), str(self.epoch))
-        self.events.emit(
+        self._effects.append(AnnounceEpoch(self.task, info))
+        self._emit(
             "epoch_begin",
             ts=now,
             task=self.label,
@@ -1387,7 +1446,7 @@ class Coordinator:
         )
 
     def _action(self, action: Action, slot: int, reason: str, severity: int, now: float) -> None:
-        self.events.emit(
+        self._emit(
             "action",
             ts=now,
             task=self.label,
@@ -1413,7 +1472,21 @@ class Coordinator:
     ) -> None:
         """Write one ``error_detected`` event about the worker in ``slot``: the detectors here
         and the agents' (an exception reported, a process exit) alike."""
-        self.events.emit(
+        with self._deciding():
+            self._emit_detected(slot, step, verdict, ts, method, reason=reason, **extra)
+
+    def _emit_detected(
+        self,
+        slot: int,
+        step: int | None,
+        verdict: Verdict,
+        ts: float,
+        method: str,
+        *,
+        reason: str | None = None,
+        **extra: Any,
+    ) -> None:
+        self._emit(
             "error_detected",
             ts=ts,
             task=self.label,
@@ -1431,3 +1504,4 @@ class Coordinator:
     def close(self) -> None:
         """Stop serving the store (after every worker is gone)."""
         del self.store
+        self.executor.close()
