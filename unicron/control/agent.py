@@ -1,16 +1,17 @@
 """The agent: one per node. Starts and supervises the node's workers.
 
-It listens on an authenticated local socket for its workers' reports, starts workers through
+It listens on an authenticated local socket for its workers' reports (the typed messages of
+:mod:`unicron.control.protocol`, :data:`~unicron.control.protocol.KINDS`), starts workers through
 the warm zygote (:mod:`unicron.runtime.launcher`; a plain spawn when the zygote is gone), notices a
 worker that exits or is killed (its socket closes; the zygote reports the exit status), writes
 what it sees to the event log and reports it to the coordinator (step times, epochs entered,
 errors, exits: the coordinator runs the task's detectors over every node's workers), and
-carries out the coordinator's actions (:class:`unicron.control.coordinator.Spawn`, ``Kill`` and
-``Probe``, the health probe of an excluded slot), which it takes on every round.
+carries out the coordinator's actions (:class:`unicron.control.messages.Spawn`, ``Kill`` and
+``Probe``, the health probe of an excluded slot), which each exchange's reply carries.
 
 Threads: everything the agent owns is touched by one thread, the one in :meth:`Agent.run`
 (its ``accept`` thread only queues new connections). The coordinator never calls the agent;
-the agent calls the coordinator, whose methods take its own lock.
+the agent calls the coordinator's ``exchange`` once per round (:class:`CoordinatorLink`).
 """
 
 from __future__ import annotations

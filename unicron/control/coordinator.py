@@ -1,17 +1,34 @@
-"""The coordinator: one per cluster. Owns the task's membership and decides every epoch.
+"""A task's coordinator: one per task. Owns the task's membership and decides every epoch.
 
-It hosts the ``TCPStore`` that every process group rendezvous on (keys scoped by task and
-epoch, :mod:`unicron.control.protocol`), turns what agents report (a worker ready, failed, raised,
-began or finished a step, entered an epoch, finished) into decisions through the escalation
-policy (:mod:`unicron.control.escalation`), runs the task's detectors (the step monitor,
-:mod:`unicron.detect.monitor`, over every worker of the task whatever its node; the stall check,
-:mod:`unicron.detect.stall`; node heartbeats), and announces epochs.
+The cluster service (:mod:`unicron.control.cluster`, which ``unicron run`` also runs, on this
+machine) builds one per task, on a client connection to the cluster's store (keys scoped by
+task and epoch, :mod:`unicron.control.protocol`); a coordinator built without one serves a
+``TCPStore`` of its own (the unit tests). It turns what the task's supervisors report (a
+worker ready, failed, raised, began or finished a step, entered an epoch, finished) into
+decisions through the escalation policy (:mod:`unicron.control.escalation`), runs the task's
+detectors (the step monitor, :mod:`unicron.detect.monitor`, over every worker of the task
+whatever its node; the stall check, :mod:`unicron.detect.stall`; node heartbeats), and
+announces epochs.
 
-Agents call the ``worker_*`` and ``step_*`` methods and :meth:`Coordinator.tick` from their
-own supervision threads, and the runner calls :meth:`Coordinator.tick` from its main thread;
-every method takes the coordinator's lock and nothing here blocks or touches an agent. What
-an agent must do (start, kill or probe a worker) is queued for it as an :data:`AgentAction`
-and taken by that agent's own thread with :meth:`Coordinator.take_actions`.
+Who calls what: a supervisor (:mod:`unicron.control.agent`, on each node) calls only
+:meth:`Coordinator.exchange` with its round's typed reports (:mod:`unicron.control.messages`,
+in-process or through ``POST /v1/agents/{node}/tasks/{uid}/exchange``); the reply carries
+the actions queued for its node (start, kill or probe a worker). The cluster calls
+:meth:`~Coordinator.tick` and :meth:`~Coordinator.check_input` from its ticker, the planner's
+moves (:meth:`~Coordinator.add_slot`, :meth:`~Coordinator.release_slots`),
+:meth:`~Coordinator.node_returned` and, after a restart, :meth:`~Coordinator.adopt`. Every
+method takes the coordinator's lock; nothing here blocks or calls an agent.
+
+Decide, then do: the decision methods change only the coordinator's own state (slots,
+members, epoch, detectors) and describe everything else as effects
+(:mod:`unicron.control.effects`: an event-log record, a store key, an epoch announced, an
+action for a node's agent). When the outermost decision of a call ends, an
+:class:`~unicron.control.effects.Executor` carries them out in order.
+:meth:`~Coordinator.decide_exchange` and :meth:`~Coordinator.decide_tick` return them instead,
+undone (``tests/test_decide.py``).
+
+Each slot's lifecycle is a :class:`SlotState` (its diagram is there); a move it does not draw
+raises :class:`IllegalTransition`.
 
 Task states (:class:`TaskState`)::
 
