@@ -186,9 +186,10 @@ class SlotState(enum.Enum):
 
         in the plan                              excluded: out of the plan
         STARTING --ready--> READY                OUT_STARTING --ready--> OUT_READY
-            |   ^             |                       |                     |
-            |   +--start--+   |                       +-------gone----------+--> EXCLUDED
-            +---gone----> DOWN <--gone---+
+          ^    |              |                       |                      |
+    start |    +--gone--+   gone                      +--gone--+           gone
+          |             v     |                                v             |
+          +------------ DOWN <+                                EXCLUDED <----+
 
         exclude:   STARTING -> OUT_STARTING,  READY -> OUT_READY,  DOWN -> EXCLUDED
         readmit:   OUT_STARTING -> STARTING,  OUT_READY -> READY,  EXCLUDED -> DOWN
