@@ -25,13 +25,14 @@ def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> Non
     agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
     try:
         sent = time.time() - 1.2
-        agent._from_worker(0, P.StepBegin(step=7, epoch=2, ts=sent))
-        agent._from_worker(0, P.StepDone(step=7, microbatches=2, compute_s=0.1, ts=sent + 0.1))
+        agent._from_worker(0, P.StepBegin(step=7, epoch=2, ts=sent, cpu_s=1.0))
+        done = P.StepDone(step=7, microbatches=2, compute_s=0.1, ts=sent + 0.1, cpu_s=1.1)
+        agent._from_worker(0, done)
         began, computed = agent._reports
         assert isinstance(began, M.StepBegan) and began.ts == sent
         assert isinstance(computed, M.StepComputed) and computed.ts == sent + 0.1
         # a time in the future (never on one host's clock) is not believed
-        agent._from_worker(0, P.StepBegin(step=8, epoch=2, ts=time.time() + 60))
+        agent._from_worker(0, P.StepBegin(step=8, epoch=2, ts=time.time() + 60, cpu_s=1.2))
         assert agent._reports[-1].ts <= time.time()
     finally:
         agent.stop()
@@ -42,8 +43,8 @@ LOCAL = [
     P.Ready(microbatches=8, state_bytes=1 << 20),
     P.Entered(epoch=3),
     P.Event(name="step_end", fields={"step": 4, "loss": 2.5}),
-    P.StepBegin(step=4, epoch=3, ts=1.5),
-    P.StepDone(step=4, microbatches=2, compute_s=0.25, ts=1.75),
+    P.StepBegin(step=4, epoch=3, ts=1.5, cpu_s=3.0),
+    P.StepDone(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
     P.Error(type_name="RuntimeError", message="boom", in_band=True, step=4, epoch=3),
     P.Done(steps=10, final_loss=1.0, params_sha256="ab", rank=0, epoch=3),
     P.NodeFault(),

@@ -176,12 +176,31 @@ def test_a_noisy_straggler_is_still_found() -> None:
 
 
 def test_short_slowness_is_not_a_straggler() -> None:
-    m = StepMonitor(MonitorSettings())
+    """A mild slowdown needs ``straggler_steps`` slow steps; a strong one a single step alone
+    never makes a straggler (a GC pause, a page-cache miss)."""
+    s = MonitorSettings()
+    m = StepMonitor(s)
     run = Run(m, seed=8)
     run.steps(20)
-    run.steps(MonitorSettings().straggler_steps - 1, slow={1: 3.0})
+    run.steps(s.straggler_steps - 1, slow={1: 1.6})
+    run.steps(20)
+    run.steps(1, slow={2: 20.0})
     run.steps(20)
     assert run.found == []
+
+
+@pytest.mark.parametrize(("factor", "steps"), [(4.0, 2), (3.3, 2), (2.0, 5), (1.8, 5)])
+def test_a_stronger_slowdown_is_found_in_fewer_steps(factor: float, steps: int) -> None:
+    """``straggler_min_steps`` steps at ``straggler_strong_factor`` x the peers' median are
+    enough; a milder slowdown needs ``straggler_steps`` slow steps."""
+    s = MonitorSettings()
+    m = StepMonitor(s)
+    run = Run(m, seed=9)
+    run.steps(20, base_s=0.05, spike_p=0.0)
+    start = run.step
+    run.steps(10, base_s=0.05, slow={3: factor}, spike_p=0.0)
+    stragglers = [(d.worker, d.step) for d in run.found if d.kind == "straggler"]
+    assert stragglers == [(3, start + steps - 1)]
 
 
 def test_unequal_shares_are_judged_per_microbatch() -> None:

@@ -831,7 +831,9 @@ class _Runner:
         says what every member's local sums will hold once it computed its own."""
         step = self.step
         # ts: when it began here (the agent may read it late on a loaded machine)
-        self.link.send(P.StepBegin(step=step, epoch=g.info.epoch, ts=time.time()))
+        self.link.send(
+            P.StepBegin(step=step, epoch=g.info.epoch, ts=time.time(), cpu_s=time.process_time())
+        )
         for attempt in range(self.ctx.max_reattempts + 1):
             try:
                 self._maybe_fire("node", step)
@@ -995,6 +997,7 @@ class _Runner:
                 microbatches=len(s.microbatches),
                 compute_s=time.perf_counter() - s.began,
                 ts=time.time(),
+                cpu_s=time.process_time(),
             )
         )
         ex, self._exchange = self._exchange, None

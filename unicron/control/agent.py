@@ -49,6 +49,7 @@ from unicron.control.protocol import (
     ENV_TASK,
     ENV_THREADS,
 )
+from unicron.detect.busy import read_cpu_s
 from unicron.detect.classify import Verdict, classify_exit, classify_message
 from unicron.runtime import device as D
 from unicron.runtime.inject import Fault
@@ -56,6 +57,11 @@ from unicron.runtime.inject import Fault
 log = logging.getLogger("unicron.control.agent")
 
 EXIT_GRACE_S = 0.3
+CPU_SAMPLE_AFTER_S = 0.5
+"""a step that has lasted this long gets its worker's CPU time sampled (half the hang floor)"""
+CPU_SAMPLE_EVERY_S = 0.2
+"""and sampled again this often while it lasts (:mod:`unicron.detect.busy`)"""
+_TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
 PROBE_TIMEOUT_S = 120.0
 """a health probe (a fresh process: imports, then milliseconds of work) that takes longer fails"""
@@ -99,6 +105,8 @@ class _Worker:
     kill_pending: bool = False  # asked to die before its pid was known
     waiting: bool = False  # reported ready, entered no epoch since
     leaving: bool = False  # killed because its slot goes to another task
+    computing_since: float | None = None  # its step began then and has not ended yet
+    cpu_read_at: float = 0.0  # when its CPU time was last sampled (unicron.detect.busy)
 
 
 @dataclass(kw_only=True)
@@ -234,6 +242,7 @@ class Agent:
             _kill(w.pid)
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
+        w.computing_since = None
         w.gone = w.finished = w.kill_pending = w.waiting = w.leaving = False
         if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
             if slot not in self._pending_spawns:  # the zygote is still importing torch
@@ -344,6 +353,7 @@ class Agent:
             for slot in pending:
                 self._launch(slot)
         self._check_exits(now)
+        self._sample_cpu(now)
         if self._probes:
             self._check_probes(now)
         if self.vanished:
@@ -456,8 +466,12 @@ class Agent:
         elif isinstance(msg, P.StepBegin):
             w.step = msg.step
             sent = min(msg.ts, now)  # the monitor times the worker's step,
-            self._report(M.StepBegan(slot=slot, ts=sent, step=msg.step, epoch=msg.epoch))
+            w.computing_since = sent
+            self._report(
+                M.StepBegan(slot=slot, ts=sent, step=msg.step, epoch=msg.epoch, cpu_s=msg.cpu_s)
+            )
         elif isinstance(msg, P.StepDone):
+            w.computing_since = None
             self._report(
                 M.StepComputed(
                     slot=slot,
@@ -465,6 +479,7 @@ class Agent:
                     step=msg.step,
                     compute_s=msg.compute_s,
                     microbatches=msg.microbatches or None,
+                    cpu_s=msg.cpu_s,
                 )
             )
         elif isinstance(msg, P.Error) and msg.usage:  # bad input: the whole run ends, exit 2
@@ -499,6 +514,24 @@ class Agent:
             raise ValueError(f"not a worker's message: {msg!r}")
 
     # -- process supervision ----------------------------------------------------------------
+    def _sample_cpu(self, now: float) -> None:
+        """Report the CPU time of each worker whose step has lasted a while: the coordinator
+        tells a starved worker from a hung one by it before killing (:mod:`unicron.detect.busy`)."""
+        for w in self.workers.values():
+            since = w.computing_since
+            if (
+                w.gone
+                or w.pid is None
+                or since is None
+                or now - since < CPU_SAMPLE_AFTER_S
+                or now - w.cpu_read_at < CPU_SAMPLE_EVERY_S
+            ):
+                continue
+            w.cpu_read_at = now
+            cpu_s = read_cpu_s(w.pid, _TICKS_PER_S)
+            if cpu_s is not None:
+                self._report(M.CpuTime(slot=w.slot, ts=time.time(), cpu_s=cpu_s))
+
     def _check_exits(self, now: float) -> None:
         for w in self.workers.values():
             if w.gone:

@@ -73,6 +73,7 @@ from unicron.control.protocol import (
     trained_key,
     usage_key,
 )
+from unicron.detect.busy import Cpu, CpuTimes, Sample
 from unicron.detect.classify import (
     Action,
     Scope,
@@ -377,6 +378,8 @@ class Coordinator:
         self._progress: dict[int, Progress] = {}  # slot -> where its worker last said it was
         self._mb_compute_s: dict[int, float] = {}  # slot -> its latest compute time per mb
         self._suspects: dict[int, tuple[int, Verdict, str]] = {}  # slot -> step, verdict, why
+        self._cpu = CpuTimes()  # starved or hung: the workers' CPU time (unicron.detect.busy)
+        self._held: dict[int, int] = {}  # slot -> the step its CPU time held a kill back in
         self._trained = False  # a step committed: a fresh worker's model is no longer the state
         self._commits: set[tuple[int, int]] = set()  # (epoch, step) reported committed
         self._last_error = ""
@@ -510,11 +513,18 @@ class Coordinator:
         elif isinstance(r, M.EpochEntered):
             self.epoch_entered(r.slot, r.epoch, r.ts)
         elif isinstance(r, M.StepBegan):
-            self.step_started(r.slot, r.step, r.ts, epoch=r.epoch)
+            self.step_started(r.slot, r.step, r.ts, epoch=r.epoch, cpu_s=r.cpu_s)
         elif isinstance(r, M.StepComputed):
             self.step_computed(
-                r.slot, r.step, r.ts, compute_s=r.compute_s, microbatches=r.microbatches
+                r.slot,
+                r.step,
+                r.ts,
+                compute_s=r.compute_s,
+                microbatches=r.microbatches,
+                cpu_s=r.cpu_s,
             )
+        elif isinstance(r, M.CpuTime):
+            self._cpu.sampled(r.slot, Sample(r.ts, r.cpu_s))
         elif isinstance(r, M.Event):
             self._event(r)
         elif isinstance(r, M.Detected):
@@ -663,12 +673,21 @@ class Coordinator:
         with self._deciding():
             self._progress[slot] = Progress(epoch, Phase.JOIN, -1, now)
 
-    def step_started(self, slot: int, step: int, now: float, *, epoch: int | None = None) -> None:
+    def step_started(
+        self,
+        slot: int,
+        step: int,
+        now: float,
+        *,
+        epoch: int | None = None,
+        cpu_s: float | None = None,
+    ) -> None:
         """The worker in ``slot`` began computing ``step``: the monitor's clock starts."""
         with self._deciding():
             known = self._progress.get(slot)
             ep = epoch if epoch is not None else (known.epoch if known else self.epoch)
             self._progress[slot] = Progress(ep, Phase.COMPUTE, step, now)
+            self._cpu.began(slot, step, None if cpu_s is None else Sample(now, cpu_s))
             if self.monitor is not None:
                 self.monitor.step_started(slot, step, now)
 
@@ -680,11 +699,13 @@ class Coordinator:
         *,
         compute_s: float = math.nan,
         microbatches: int | None = None,
+        cpu_s: float | None = None,
     ) -> None:
         """The worker in ``slot`` finished computing ``step`` (it now reduces): it holds the
         state; the monitor learns the step time."""
         with self._deciding():
             self._computed[slot] = step
+            self._cpu.computed(slot, step, cpu_s)
             s = self.slots[slot]
             s.has_state, s.fresh = True, False
             known = self._progress.get(slot)
@@ -1149,13 +1170,27 @@ class Coordinator:
             return
         # the evidence: every peer finished the step (a starved machine slows several workers
         # at once, a hang one); or one did and the step has lasted twice its allowance (two
-        # hangs at once); or, alone in the epoch, the step has lasted twice its allowance
+        # hangs at once) or its CPU time stood still; or, alone in the epoch, the step has
+        # lasted twice its allowance. A worker whose CPU time advances is starved: left to run
         at = self._known_until(now)[slot]
         overrun = self._overrun(slot, at) >= LONE_HANG_OVERRUN
-        peer = self.peers_all_ahead(slot, step) or (overrun and self.peer_ahead(slot, step))
+        assert self.monitor is not None
+        cpu, why = self._cpu.judge(slot, step, factor=self.monitor.settings.hang_factor, now=now)
+        if cpu is Cpu.WORKING:  # starved on a loaded machine, not hung: judged again next tick
+            if self._held.get(slot) != step:
+                self._held[slot] = step
+                log.info("task %s: slot %d past its hang allowance but %s", self.label, slot, why)
+            return
+        # its CPU time standing still is what several late peers would otherwise have to show
+        idle = cpu is Cpu.IDLE
+        peer = self.peers_all_ahead(slot, step) or (
+            (overrun or idle) and self.peer_ahead(slot, step)
+        )
         lone = not peer and overrun and self.alone(slot)
         if not (peer or lone):
             return
+        if cpu is not Cpu.UNKNOWN:
+            reason += f"; {why}"
         del self._suspects[slot]
         # alone, and the task's only copy of its state: if it is merely slow it may still
         # finish, so it is reported and left running
@@ -1427,6 +1462,7 @@ class Coordinator:
         self._progress.pop(slot, None)
         self._suspects.pop(slot, None)
         self._mb_compute_s.pop(slot, None)
+        self._cpu.forget(slot)
         if self.monitor is not None:
             self.monitor.forget(slot)
 

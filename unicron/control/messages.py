@@ -82,6 +82,7 @@ class StepBegan:
     ts: float
     step: int
     epoch: int | None = None
+    cpu_s: float | None = None  # the worker's process CPU time then (unicron.detect.busy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +94,17 @@ class StepComputed:
     step: int
     compute_s: float
     microbatches: int | None = None
+    cpu_s: float | None = None  # the worker's process CPU time then (unicron.detect.busy)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuTime:
+    """The agent read the process CPU time of the worker in ``slot``, whose step has lasted a
+    while: evidence that it is starved rather than hung (:mod:`unicron.detect.busy`)."""
+
+    slot: int
+    ts: float
+    cpu_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +211,7 @@ Report = (
     | EpochEntered
     | StepBegan
     | StepComputed
+    | CpuTime
     | Event
     | Detected
     | WorkerError
@@ -233,6 +246,7 @@ _TYPES: dict[str, type] = {
         EpochEntered,
         StepBegan,
         StepComputed,
+        CpuTime,
         Event,
         Detected,
         WorkerError,

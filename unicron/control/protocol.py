@@ -74,22 +74,24 @@ class Event:
 @dataclass(frozen=True, kw_only=True)
 class StepBegin:
     """The worker began computing ``step`` at ``ts`` (its own clock): the monitor's clock
-    starts."""
+    starts. ``cpu_s``: the process's CPU time then (:mod:`unicron.detect.busy`)."""
 
     step: int
     epoch: int
     ts: float
+    cpu_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepDone:
     """The worker computed ``step`` (``microbatches`` of it, in ``compute_s``) at ``ts``; the
-    reduce and the commit vote follow."""
+    reduce and the commit vote follow. ``cpu_s``: the process's CPU time then."""
 
     step: int
     microbatches: int
     compute_s: float
     ts: float
+    cpu_s: float
 
 
 @dataclass(frozen=True, kw_only=True)

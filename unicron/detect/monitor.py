@@ -36,8 +36,11 @@ Two detectors:
 - **straggler**: a worker whose own compute time (excluding the wait for its peers) stays
   above ``straggler_factor`` x the median of its peers' compute times for the same step, for
   ``straggler_steps`` of its last ``straggler_steps`` + 2 steps (two calm steps of noise are
-  tolerated inside a slow stretch). A legitimate change moves every peer together and leaves
-  the ratio alone; a straggler moves alone.
+  tolerated inside a slow stretch); or sooner, when its last ``straggler_min_steps`` steps
+  were each ``straggler_strong_factor`` x its peers' median or more (a worker 4x slower than
+  its peers is found after 2 steps, one 2x slower after 5: a strong slowdown costs the task
+  more per step, and one step alone, a GC pause, never makes a straggler). A legitimate
+  change moves every peer together and leaves the ratio alone; a straggler moves alone.
 
 Each condition is reported once: a hang once per (worker, step), a straggler once until it
 has been back within the factor for ``straggler_steps`` steps.
@@ -108,6 +111,11 @@ class MonitorSettings:
     that end one"""
     straggler_min_excess_s: float = 0.01
     """and it must exceed the peers' median by at least this much (ignores tiny steps' noise)"""
+    straggler_strong_factor: float = 3.0
+    """a worker this many times slower than its peers' median ..."""
+    straggler_min_steps: int = 2
+    """... in this many consecutive steps is a straggler without waiting for
+    ``straggler_steps`` slow steps"""
 
     def __post_init__(self) -> None:
         _check_range("warmup_steps", self.warmup_steps, 0, 10_000)
@@ -122,6 +130,10 @@ class MonitorSettings:
         _check_range("straggler_factor", self.straggler_factor, 1.0, 100.0, lo_open=True)
         _check_range("straggler_steps", self.straggler_steps, 1, 10_000)
         _check_range("straggler_min_excess_s", self.straggler_min_excess_s, 0.0, 3_600.0)
+        _check_range(
+            "straggler_strong_factor", self.straggler_strong_factor, self.straggler_factor, 100.0
+        )
+        _check_range("straggler_min_steps", self.straggler_min_steps, 1, self.straggler_steps)
 
 
 @dataclass(frozen=True)
@@ -157,7 +169,7 @@ class _Worker:
     early: list[float] = field(default_factory=list)  # warm-up step durations after the cold one
     shifted: list[float] = field(default_factory=list)
     shift_side: int = 0
-    recent: deque[bool] = field(default_factory=deque)  # slow or not, the last judged steps
+    recent: deque[float] = field(default_factory=deque)  # ratio to peers (0: calm), last steps
     slow_since: int = 0
     calm_streak: int = 0
     straggling: bool = False
@@ -404,7 +416,7 @@ class StepMonitor:
                 continue
             peers = _median([r for k, r in reports.items() if k != worker])
             slow = rate > s.straggler_factor * peers and rate - peers > s.straggler_min_excess_s
-            w.recent.append(slow)
+            w.recent.append(rate / peers if slow else 0.0)
             while len(w.recent) > s.straggler_steps + _STRAGGLER_NOISE_STEPS:
                 w.recent.popleft()
             if not slow:
@@ -414,11 +426,15 @@ class StepMonitor:
                 if w.calm_streak > _STRAGGLER_NOISE_STEPS:
                     w.recent.clear()  # a calm stretch, not noise inside a slow one
                 continue
-            if sum(w.recent) == 1:
+            slow_steps = sum(1 for x in w.recent if x > 0.0)
+            if slow_steps == 1:
                 w.slow_since = step
             w.calm_streak = 0
-            slow_steps = sum(w.recent)
-            if slow_steps >= s.straggler_steps and not w.straggling:
+            last = list(w.recent)[-s.straggler_min_steps :]
+            strong = len(last) == s.straggler_min_steps and all(
+                x >= s.straggler_strong_factor for x in last
+            )
+            if (slow_steps >= s.straggler_steps or strong) and not w.straggling:
                 w.straggling = True
                 reason = (
                     f"worker {worker}: compute {rate:.3f} s > {s.straggler_factor:g} x peers' "

@@ -1,0 +1,112 @@
+"""Starved or hung (``unicron.detect.busy``): a late worker whose CPU time advances, and has
+not spent much more than a step costs, is WORKING (left to finish); one whose CPU time stands
+still is IDLE, one that spins past the budget SPINNING (hangs). Without fresh samples it is
+UNKNOWN: the wall clock decides."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from unicron.detect.busy import Cpu, CpuTimes, Sample, judge, read_cpu_s
+
+T0 = 1000.0
+
+
+def _samples(
+    rate: float, *, start: float = T0 + 0.5, n: int = 6, cpu0: float = 1.0
+) -> list[Sample]:
+    """Readings every 0.2 s of a process using ``rate`` of a core."""
+    return [Sample(start + 0.2 * i, cpu0 + rate * 0.2 * i) for i in range(n)]
+
+
+def test_a_starved_worker_is_still_working() -> None:
+    cpu, why = judge(
+        began=Sample(T0, 1.0),
+        samples=_samples(0.1),
+        typical_cpu_s=0.3,
+        factor=3.0,
+        now=T0 + 1.6,
+    )
+    assert cpu is Cpu.WORKING and "starved" in why
+
+
+def test_a_stopped_worker_is_hung() -> None:
+    for began, typical in ((Sample(T0, 1.0), 0.3), (None, None)):  # no yardstick needed
+        cpu, why = judge(
+            began=began, samples=_samples(0.0), typical_cpu_s=typical, factor=3.0, now=T0 + 1.6
+        )
+        assert cpu is Cpu.IDLE and "stood still" in why
+
+
+def test_a_worker_that_spins_past_its_budget_is_hung() -> None:
+    """An endless loop keeps the CPU busy: past ``factor`` x what a step costs it is a hang."""
+    cpu, why = judge(
+        began=Sample(T0, 1.0),
+        samples=_samples(1.0, cpu0=1.0 + 0.8),
+        typical_cpu_s=0.25,
+        factor=3.0,
+        now=T0 + 1.6,
+    )
+    assert cpu is Cpu.SPINNING and "spins" in why
+
+
+@pytest.mark.parametrize(
+    ("began", "samples", "typical", "now", "why"),
+    [
+        (None, _samples(0.1), 0.3, T0 + 1.6, "no yardstick"),
+        (Sample(T0, 1.0), _samples(0.1), None, T0 + 1.6, "no yardstick"),
+        (Sample(T0, 1.0), _samples(0.1, n=1), 0.3, T0 + 1.6, "no CPU samples"),
+        (Sample(T0, 1.0), _samples(0.1, n=2), 0.3, T0 + 1.0, "apart"),
+        (Sample(T0, 1.0), _samples(0.1), 0.3, T0 + 5.0, "no CPU sample for"),
+    ],
+)
+def test_without_fresh_evidence_it_is_unknown(
+    began: Sample | None, samples: list[Sample], typical: float | None, now: float, why: str
+) -> None:
+    cpu, reason = judge(began=began, samples=samples, typical_cpu_s=typical, factor=3.0, now=now)
+    assert cpu is Cpu.UNKNOWN and why in reason
+
+
+def test_the_peers_cost_of_the_step_is_the_yardstick() -> None:
+    cpu = CpuTimes()
+    for slot in (0, 1):
+        cpu.began(slot, 7, Sample(T0, 10.0))
+    cpu.computed(0, 7, 10.3)  # the peer needed 0.3 s of CPU for step 7
+    for s in _samples(0.2, cpu0=10.0):
+        cpu.sampled(1, s)
+    assert cpu.judge(1, 7, factor=3.0, now=T0 + 1.6)[0] is Cpu.WORKING
+    assert cpu.judge(1, 8, factor=3.0, now=T0 + 1.6)[0] is Cpu.UNKNOWN  # another step
+    cpu.forget(1)
+    assert cpu.judge(1, 7, factor=3.0, now=T0 + 1.6)[0] is Cpu.UNKNOWN
+
+
+def test_its_own_steps_are_the_yardstick_without_peers() -> None:
+    cpu = CpuTimes()
+    for step in range(3):
+        cpu.began(0, step, Sample(T0 + step, 1.0 + step))
+        cpu.computed(0, step, 1.0 + step + 0.05)  # 0.05 s of CPU a step
+    cpu.began(0, 3, Sample(T0 + 10, 5.0))
+    for s in _samples(0.5, start=T0 + 10.5, cpu0=5.0):
+        cpu.sampled(0, s)
+    verdict, why = cpu.judge(0, 3, factor=3.0, now=T0 + 11.6)
+    assert verdict is Cpu.SPINNING and "spins" in why  # 0.5 s of CPU against 0.05 s a step
+
+
+def test_read_cpu_s_follows_the_process_clock() -> None:
+    ticks = float(os.sysconf("SC_CLK_TCK"))
+    before = read_cpu_s(os.getpid(), ticks)
+    end = time.process_time() + 0.2
+    while time.process_time() < end:
+        pass
+    after = read_cpu_s(os.getpid(), ticks)
+    assert before is not None and after is not None
+    assert after - before == pytest.approx(0.2, abs=0.05)
+    assert abs(after - time.process_time()) < 0.1
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert read_cpu_s(child.pid, ticks) is None  # reaped: gone

@@ -1,0 +1,178 @@
+"""Starved or hung? A late worker's CPU time tells.
+
+A step past its hang allowance while every peer finished it is a hang in a quiet machine, but
+on a loaded one the late worker may simply not have been scheduled: its peers got the cores
+first. The two look the same on the wall clock and differ in CPU time. A hung process (stopped,
+deadlocked, blocked on a lock or a socket) accumulates none; a starved one accumulates CPU
+whenever it runs, and needs about what its peers needed for the same step.
+
+The worker sends its process CPU time (all threads, ``time.process_time``) with each step's
+begin and end; while a step lasts long, the agent samples the same clock from outside
+(``/proc/<pid>/stat``: a stopped process cannot answer for itself) and reports
+:class:`~unicron.control.messages.CpuTime`. Before it kills a hang suspect the coordinator
+asks :func:`judge`. A worker whose CPU time still advances, and has not yet spent ``factor``
+times what the step cost its peers (or itself, lately), is WORKING: left to finish. One whose
+CPU time stood still is IDLE: hung, and that is evidence enough once a single peer finished
+the step (without it the coordinator waited for every peer, or for twice the allowance). Past
+the budget it is SPINNING (an endless loop): a hang like any other. Without samples (no
+``/proc``, an agent too busy to send them) the wall-clock verdict stands.
+
+:func:`judge` is pure (no clock, no I/O); :func:`read_cpu_s` is the agent's one read.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Cpu", "CpuTimes", "Sample", "judge", "read_cpu_s"]
+
+MIN_BUSY = 0.02
+"""a process using less than this share of one core between two samples is not working"""
+MIN_GAP_S = 0.5
+"""the two samples compared are at least this far apart (the kernel counts CPU time in 10 ms
+ticks: over half a second that is 2 % of a core)"""
+FRESH_S = 1.0
+"""the newest sample must be this recent at the verdict: older evidence is no evidence"""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The worker's process CPU time ``cpu_s`` at time ``ts`` (seconds since the epoch)."""
+
+    ts: float
+    cpu_s: float
+
+
+class Cpu(enum.Enum):
+    """What a late worker's CPU time says (:func:`judge`)."""
+
+    UNKNOWN = "unknown"  # no fresh samples: the wall-clock verdict stands
+    IDLE = "idle"  # it stood still: stopped, deadlocked or blocked (a hang)
+    WORKING = "working"  # it advances within the step's budget: starved, not hung
+    SPINNING = "spinning"  # it advances past the budget: an endless loop (a hang)
+
+
+def judge(
+    *,
+    began: Sample | None,
+    samples: Sequence[Sample],
+    typical_cpu_s: float | None,
+    factor: float,
+    now: float,
+) -> tuple[Cpu, str]:
+    """What the CPU time of a worker late in its step says, and why (for the event log).
+
+    ``began`` is its CPU time when the step began; ``samples`` the agent's readings since (in
+    time order); ``typical_cpu_s`` what the step cost its peers (or its own recent steps);
+    ``factor`` the hang factor: a step that has used more than ``factor x typical_cpu_s`` of CPU
+    spins rather than computes. Without a yardstick a worker that advances is UNKNOWN.
+    """
+    if len(samples) < 2:
+        return Cpu.UNKNOWN, "no CPU samples"
+    last = samples[-1]
+    if now - last.ts > FRESH_S:
+        return Cpu.UNKNOWN, f"no CPU sample for {now - last.ts:.2f} s"
+    prev = next((s for s in reversed(samples[:-1]) if last.ts - s.ts >= MIN_GAP_S), None)
+    if prev is None:
+        return Cpu.UNKNOWN, f"no two CPU samples {MIN_GAP_S:g} s apart"
+    busy = (last.cpu_s - prev.cpu_s) / (last.ts - prev.ts)
+    if busy < MIN_BUSY:
+        return Cpu.IDLE, (
+            f"its CPU time stood still ({busy:.0%} of a core over {last.ts - prev.ts:.2f} s)"
+        )
+    if began is None or typical_cpu_s is None:
+        return Cpu.UNKNOWN, f"it uses {busy:.0%} of a core; no yardstick for the step's cost"
+    used = last.cpu_s - began.cpu_s
+    if used > factor * typical_cpu_s:
+        return Cpu.SPINNING, (
+            f"it used {used:.2f} s of CPU in the step, over {factor:g} x the "
+            f"{typical_cpu_s:.3f} s a step costs: it spins"
+        )
+    return Cpu.WORKING, (
+        f"still computing ({busy:.0%} of a core; {used:.2f} s of CPU so far against "
+        f"{typical_cpu_s:.3f} s a step costs): starved, not hung"
+    )
+
+
+_KEPT_STEPS = 8
+"""steps whose CPU cost per worker is kept as the peers' evidence"""
+
+
+class CpuTimes:
+    """What the coordinator knows of its workers' CPU time: fed from their step reports and
+    the agents' samples, asked by :meth:`working` before a hang suspect is killed."""
+
+    def __init__(self) -> None:
+        self._began: dict[int, tuple[int, Sample]] = {}  # slot -> step, CPU when it began
+        self._samples: dict[int, deque[Sample]] = {}  # slot -> the agent's readings since
+        self._cost: dict[int, dict[int, float]] = {}  # step -> slot -> CPU it took
+        self._own: dict[int, deque[float]] = {}  # slot -> CPU of its recent steps
+
+    def began(self, slot: int, step: int, sample: Sample | None) -> None:
+        """The worker in ``slot`` began ``step``, with ``sample`` its CPU time then."""
+        self._samples.pop(slot, None)
+        if sample is None:
+            self._began.pop(slot, None)
+        else:
+            self._began[slot] = (step, sample)
+
+    def computed(self, slot: int, step: int, cpu_s: float | None) -> None:
+        """The worker in ``slot`` finished computing ``step`` with ``cpu_s`` its CPU time."""
+        began = self._began.pop(slot, None)
+        self._samples.pop(slot, None)
+        if cpu_s is None or began is None or began[0] != step:
+            return
+        cost = max(0.0, cpu_s - began[1].cpu_s)
+        self._cost.setdefault(step, {})[slot] = cost
+        while len(self._cost) > _KEPT_STEPS:
+            del self._cost[min(self._cost)]
+        self._own.setdefault(slot, deque(maxlen=_KEPT_STEPS)).append(cost)
+
+    def sampled(self, slot: int, sample: Sample) -> None:
+        """The agent read the CPU time of the worker in ``slot`` during its step."""
+        if slot in self._began:
+            self._samples.setdefault(slot, deque(maxlen=_KEPT_STEPS)).append(sample)
+
+    def forget(self, slot: int) -> None:
+        """The worker in ``slot`` is gone or restarting."""
+        self._began.pop(slot, None)
+        self._samples.pop(slot, None)
+        self._own.pop(slot, None)
+        for costs in self._cost.values():
+            costs.pop(slot, None)
+
+    def judge(self, slot: int, step: int, *, factor: float, now: float) -> tuple[Cpu, str]:
+        """:func:`judge` for the worker in ``slot``, late in ``step``: its peers' CPU cost
+        of that step is the yardstick (the most any of them took), else its own recent
+        steps' median."""
+        began = self._began.get(slot)
+        if began is None or began[0] != step:
+            return Cpu.UNKNOWN, "no CPU time at the step's start"
+        peers = [c for s, c in self._cost.get(step, {}).items() if s != slot]
+        own = sorted(self._own.get(slot, ()))
+        typical = max(peers) if peers else (own[len(own) // 2] if own else None)
+        return judge(
+            began=began[1],
+            samples=list(self._samples.get(slot, ())),
+            typical_cpu_s=typical,
+            factor=factor,
+            now=now,
+        )
+
+
+def read_cpu_s(pid: int, ticks_per_s: float) -> float | None:
+    """The CPU time (user + system, every thread) of process ``pid`` from ``/proc``; ``None``
+    when it cannot be read (gone, or not Linux). Called by the agent for its own workers."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    try:
+        return (int(fields[11]) + int(fields[12])) / ticks_per_s  # utime, stime: 14 and 15
+    except (IndexError, ValueError):
+        return None
