@@ -52,10 +52,13 @@ def test_a_failed_worker_gives_a_new_epoch_and_its_restart_and_nothing_is_done_y
     assert effects[4] == Tell(0, M.Spawn(1))
     action = effects[0]
     assert isinstance(action, LogEvent) and action.fields["action"] == "restart"
-    # decided, not done: the store still points at epoch 1, no agent has anything to do
+    # decided, not done: the store still points at epoch 1, no agent has anything to do, the
+    # event log has not heard of it
     assert c.store.get(epoch_key("t")) == b"1" and c.take_actions(0) == []
+    assert [e["epoch"] for e in c.events.events() if e["event"] == "epoch_begin"] == [1]
     c.executor.run(effects)
     assert c.store.get(epoch_key("t")) == b"2" and c.take_actions(0) == [M.Spawn(1)]
+    assert [e["epoch"] for e in c.events.events() if e["event"] == "epoch_begin"] == [1, 2]
 
 
 def test_a_restarted_worker_that_is_ready_joins_at_the_step_boundary(tmp_path: Path) -> None:
