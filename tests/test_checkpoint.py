@@ -67,11 +67,16 @@ def _assert_equal(a: Any, b: Any) -> None:
 def test_kill_9_of_the_writer_never_leaves_a_broken_checkpoint(tmp_path: Path) -> None:
     ctx = mp.get_context("fork")
     rng = random.Random(14)
+    # kill moments spread over about three writes as long as one takes here and now (a
+    # loaded machine writes slower; a fixed window would kill most writers before their first)
+    t0 = time.perf_counter()
+    _write(tmp_path / "probe", 0)
+    window_s = max(0.25, 3 * (time.perf_counter() - t0))
     root, first, loaded = tmp_path / "ck", 0, 0
     for _ in range(24):
         p = ctx.Process(target=_writer_loop, args=(str(root), first), daemon=True)
         p.start()
-        time.sleep(rng.uniform(0.0, 0.25))
+        time.sleep(rng.uniform(0.0, window_s))
         assert p.pid is not None
         os.kill(p.pid, signal.SIGKILL)
         p.join()
@@ -87,6 +92,36 @@ def test_kill_9_of_the_writer_never_leaves_a_broken_checkpoint(tmp_path: Path) -
     # the next writer removes what dead writers left
     _write(root, first)
     assert not list(root.glob(f"{C.TMP_PREFIX}*"))
+
+
+def test_files_and_directories_are_fsynced_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a power cut may not undo: every file and the temporary directory reach the disk
+    before the rename publishes the checkpoint, and the root after it."""
+    log: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src: Any, dst: Any) -> None:
+        log.append(("rename", str(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    root = tmp_path / "ck"
+    final = _write(root, 7)
+    monkeypatch.undo()
+    at = log.index(("rename", str(final)))
+    synced = [Path(p) for what, p in log[:at] if what == "fsync"]
+    files = [p.name for p in synced if p.parent.parent == root]  # in the temporary directory
+    tmp = [i for i, p in enumerate(synced) if p.parent == root and p.name.startswith(C.TMP_PREFIX)]
+    assert sorted(files) == sorted(["model.pt", "optim.pt", "train.pt", C.MANIFEST]), log
+    assert tmp and tmp[-1] == len(synced) - 1, log  # the directory last, after its files
+    assert ("fsync", str(root)) in log[at + 1 :], log
 
 
 def test_a_flipped_byte_is_detected_and_the_previous_checkpoint_used(
@@ -210,3 +245,72 @@ def test_a_fixed_interval_writes_every_k_steps(tmp_path: Path) -> None:
         ck.at_boundary(model, opt, step=step, world=1, now=float(step))
     ck.join()
     assert [p.name for p in C.steps(tmp_path)] == ["step-000000002", "step-000000004"]
+
+
+def test_the_benchmark_measures_the_extra_cost_within_one_run() -> None:
+    """bench/checkpoint.py's figures: a step carrying a checkpoint against the steps of the
+    same run that carry none (the checkpoint of step s falls in step s's wall time)."""
+    from bench.checkpoint import figures
+
+    ts, events = 0.0, []
+    for step in range(12):
+        ts += 1.5 if step in (5, 10) else 1.0  # steps 5 and 10 carry checkpoints 5 and 10
+        events.append({"event": "step_end", "step": step, "ts": ts})
+    events += [{"event": "checkpoint_saved", "step": s, "ok": True, "copy_s": 0.1, "write_s": 0.3}
+               for s in (5, 10)]  # fmt: skip
+    f = figures(events, warmup=3)
+    assert f["step_extra_s"] == pytest.approx(0.5) and f["checkpoints"] == 2
+    assert f["train_s"] == pytest.approx(9.0)  # steps 4..11 (3 is the first one timed)
+    assert f["overhead_est_pct"] == pytest.approx(100 * 0.5 * 2 / 9.0)
+    assert f["step_median_s"] == 1.0 and f["copy_s"] == 0.1 and f["write_s"] == 0.3
+
+
+def test_failures_seen_shorten_the_automatic_interval_and_the_log_says_why(
+    tmp_path: Path,
+) -> None:
+    """Each member lost (an urgent epoch) counts as a failure: the MTBF estimate falls, the
+    Young/Daly interval with it, and a new ``checkpoint_interval`` event gives the reason."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = C.Checkpointer(
+        root=tmp_path, settings=C.IntervalSettings(mtbf_s=100.0), reduce="exact", ledger=LEDGER,
+        emit=lambda e, **f: events.append((e, f)), started=0.0,
+    )  # fmt: skip
+    ck.at_boundary(model, opt, step=1, world=2, now=0.0)  # measures the copy
+    calm = ck.interval
+    for _ in range(3):
+        ck.note_failure()
+    ck.due(2, now=0.0)
+    stormy = ck.interval
+    assert calm is not None and stormy is not None and calm.seconds and stormy.seconds
+    assert stormy.seconds == pytest.approx(calm.seconds / 2)  # MTBF 100 s -> 25 s
+    logged = [f for e, f in events if e == "checkpoint_interval"]
+    assert len(logged) == 2 and logged[1]["failures"] == 3, logged
+    assert "3 failure(s)" in logged[1]["reason"] and "MTBF 25 s" in logged[1]["reason"]
+
+
+def test_the_rng_states_come_back_through_a_written_checkpoint(tmp_path: Path) -> None:
+    """torch's, Python's and numpy's global generators draw the same after a restore (the
+    GPUs' too where CUDA is initialised: not on these machines)."""
+    import numpy as np
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    snap = C.snapshot(model, opt, step=5, ledger=LEDGER)
+    expected = (torch.rand(4), random.random(), np.random.rand(4))
+    C.write(
+        tmp_path, snap.parts, step=5, world=1, reduce="exact", model=snap.model,
+        ledger=LEDGER, keep=0, now=time.time(),
+    )  # fmt: skip
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    _, parts = C.load(C.step_dir(tmp_path, 5))
+    assert C.restore(parts, model, opt) == 5
+    assert torch.equal(torch.rand(4), expected[0])
+    assert random.random() == expected[1]
+    assert np.array_equal(np.random.rand(4), expected[2])

@@ -21,6 +21,8 @@ import torch
 
 from tests.conftest import ROOT, TRAIN, RunResult, run_unicron
 from unicron.control.events import read_events
+from unicron.control.lab import LocalCluster
+from unicron.control.taskspec import TaskSpec
 from unicron.runtime import checkpoint as C
 
 pytestmark = pytest.mark.timeout(180)
@@ -61,6 +63,13 @@ def test_every_replica_killed_resumes_from_the_checkpoint_bitwise(
     assert len(C.steps(root)) == 3  # --checkpoint-keep 3
     interval = r.of("checkpoint_interval")[0]
     assert interval["interval_steps"] == 5 and "fixed" in interval["reason"]
+    # resuming a run that had finished (its newest checkpoint is the last step) ends at once
+    again = run("--nproc-per-node", "1", "--resume", str(root), steps=STEPS, script_args=SMALL)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    start = again.of("transition_end")[0]
+    assert (start["state_source"], start["step"], start["steps_redone"]) == ("checkpoint", 20, 0)
+    assert not again.of("step_end")
 
 
 def test_resume_after_a_full_stop_is_bitwise_identical(clean: RunResult, tmp_path: Path) -> None:
@@ -90,18 +99,26 @@ def test_resume_after_a_full_stop_is_bitwise_identical(clean: RunResult, tmp_pat
     committed = max(e["step"] for e in _events(events) if e["event"] == "step_end") + 1
     assert committed < STEPS, "the run finished before it was stopped"
 
+    # the newest checkpoint damaged (one flipped byte): skipped with a warning, the one
+    # before it used, and the run still ends with the fault-free bits
+    *_, previous, newest = C.steps(ck)
+    data = bytearray((newest / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (newest / "model.pt").write_bytes(bytes(data))
     second = tmp_path / "second"
     second.mkdir()
     r = run_unicron(
         second, "--nproc-per-node", "3", "--resume", str(ck), steps=STEPS, script_args=SMALL
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "warning: skipping checkpoint" in r.stderr and newest.name in r.stderr, r.stderr
     assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
     state = torch.load(r.out / "final.pt", weights_only=True)
     ref = torch.load(clean.out / "final.pt", weights_only=True)
     assert all(torch.equal(state[k], ref[k]) for k in ref)
     start = r.of("transition_end")[0]
     assert start["state_source"] == "checkpoint" and start["step"] % 4 == 0
+    assert start["step"] == C.read_manifest(previous).step
     assert start["steps_redone"] == committed - start["step"]
     assert min(e["step"] for e in r.of("step_end")) == start["step"]
 
@@ -204,3 +221,66 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_exit_2(tmp_path: Path)
     errors = [line for line in p.stderr.splitlines() if line.startswith("unicron: error:")]
     assert len(errors) == 1 and "another model" in errors[0], p.stderr[-2000:]
     assert _tree(ck) == before
+
+
+def test_a_cluster_task_resumes_from_the_checkpoint_bitwise(
+    clean: RunResult, tmp_path: Path
+) -> None:
+    """A cluster task (``checkpoint: {dir, every}``) cancelled mid-run, then a second task
+    with ``checkpoint: {dir, resume: true}``: it goes on from the newest checkpoint, says how
+    many steps it redoes, and ends with the fault-free run's bits."""
+    ck = tmp_path / "ck"
+    task = {"script": str(TRAIN), "args": ["--steps", str(STEPS), *SMALL],
+            "workers": {"min": 2, "max": 2}}  # fmt: skip
+    with LocalCluster(tmp_path / "cluster", hosts=1, slots=2, loopback=True) as c:
+        c.start_coordinator()
+        c.start_agent(0)
+        c.submit({**task, "name": "first", "checkpoint": {"dir": str(ck), "every": 4}})
+        c.wait_task("first", lambda v: v["step"] >= 8 or v["state"] in ("done", "failed"))
+        c.client.request("POST", "/v1/tasks/first/cancel")
+        first = c.wait_task("first", lambda v: v["outcome"] is not None)  # ended
+        assert first["state"] == "cancelled", first
+        committed = max(e["step"] for e in c.events("first") if e["event"] == "step_end") + 1
+        assert committed < STEPS, "the first task finished before it was cancelled"
+        c.submit({**task, "name": "second", "checkpoint": {"dir": str(ck), "resume": True}})
+        view = c.wait_task("second")
+        events = c.events("second")
+    assert view["state"] == "done", view
+    assert view["outcome"]["params_sha256"] == clean.task_end["params_sha256"]
+    start = next(e for e in events if e["event"] == "transition_end")
+    assert start["state_source"] == "checkpoint" and start["step"] % 4 == 0, start
+    assert start["steps_redone"] == committed - start["step"], (start, committed)
+    steps = [e["step"] for e in events if e["event"] == "step_end"]
+    assert steps == list(range(start["step"], STEPS)), steps
+    interval = next(e for e in events if e["event"] == "checkpoint_interval")
+    assert "Young/Daly" in interval["reason"], interval  # the task file's default: auto
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "reduce", "in use"])
+def test_a_cluster_task_with_bad_resume_input_is_refused_at_submit(
+    case: str, tmp_path: Path
+) -> None:
+    """``checkpoint: {dir, resume: true}`` is checked when the task is submitted (a 422 or
+    409: ``unicron submit`` prints the line and exits 2), and the directory is left as it
+    was; two tasks never write into one directory."""
+    from unicron.control.cluster import Cluster, Conflict, Invalid
+
+    ck = tmp_path / "ck"
+    if case != "missing":
+        ck.mkdir()
+    if case in ("reduce", "in use"):
+        _checkpoint(ck, reduce="fast" if case == "reduce" else "exact")
+    before = _tree(ck) if ck.exists() else None
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1")
+    task = {"script": str(TRAIN), "checkpoint": {"dir": str(ck), "resume": True}}
+    try:
+        if case == "in use":  # queued: no node yet
+            cluster.submit(TaskSpec.model_validate({**task, "name": "first"}), time.time())
+        with pytest.raises((Invalid, Conflict)) as got:
+            cluster.submit(TaskSpec.model_validate({**task, "name": "second"}), time.time())
+    finally:
+        cluster.close(stop_store=True)
+    expected = {"missing": "no such directory", "empty": "empty", "reduce": "--reduce fast",
+                "in use": "task first (queued) writes there"}[case]  # fmt: skip
+    assert expected in str(got.value) and "\n" not in str(got.value), got.value
+    assert (_tree(ck) if ck.exists() else None) == before

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import math
 import os
 import signal
 import time
@@ -668,7 +669,8 @@ class _Runner:
         self.link.send(
             P.Done(
                 steps=self.step,
-                final_loss=last_loss,
+                # none when no step was computed here (a resume of a run that had finished)
+                final_loss=None if math.isnan(last_loss) else last_loss,
                 params_sha256=sha,
                 rank=group.rank,
                 epoch=epoch,

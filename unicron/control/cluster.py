@@ -266,6 +266,7 @@ class Cluster:
                 raise Conflict(
                     f"a task named {spec.name} exists ({self.tasks[spec.name].row.state})"
                 )
+            self._check_checkpoint_dir_free(spec)
             uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(3)}"
             row = TaskRow(spec.name, uid, spec.model_dump(), "queued", now, [])
             task = Task(row, spec)
@@ -278,6 +279,21 @@ class Cluster:
             view = self.view(task)
         self._call(calls)
         return view
+
+    def _check_checkpoint_dir_free(self, spec: TaskSpec) -> None:
+        """Two tasks never write into one checkpoint directory: a task that goes on from a
+        cancelled one waits until that one's workers are stopped (the caller holds the lock)."""
+        if not spec.checkpoint.dir:
+            return
+        mine = Path(spec.checkpoint.dir).resolve()
+        for t in self.tasks.values():
+            theirs = self._checkpoint_dir(t)
+            live = t.row.state not in ENDED or t.controller is not None
+            if live and theirs is not None and theirs.resolve() == mine:
+                raise Conflict(
+                    f"checkpoint.dir {spec.checkpoint.dir}: task {t.row.name} ({t.row.state}) "
+                    "writes there; submit again when it has ended"
+                )
 
     def cancel(self, name: str, now: float) -> dict[str, Any]:
         with self._lock:
@@ -582,6 +598,8 @@ class Cluster:
             reason=None if status == "done" else outcome.reason,
             wall_s=round(now - task.row.submitted_ts, 3),
         )
+        # how far it got, beside its checkpoints: a resume of it says how many steps it redoes
+        C.record_progress(self._checkpoint_dir(task), c.committed_steps())
         self._end(task, status, outcome.reason, now, result={**r, "usage": outcome.usage})
 
     def _end(

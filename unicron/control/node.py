@@ -204,11 +204,14 @@ class NodeAgent:
                 self._end(uid)
 
     def _end(self, uid: str) -> None:
-        """Let a finished task's workers exit by themselves (they may still be writing their
-        files; at most :attr:`drain_s`), then stop its supervisor and any worker left."""
+        """Let workers that finished the task exit by themselves (they may still be writing
+        their files; at most :attr:`drain_s`), then stop its supervisor and any worker left
+        (those of a failed or cancelled task at once: they would train on)."""
         r = self.tasks.pop(uid)
         deadline = time.time() + (0.0 if self.interrupted else self.drain_s)
-        while time.time() < deadline and any(not w.gone for w in r.agent.workers.values()):
+        while time.time() < deadline and any(
+            w.finished and not w.gone for w in r.agent.workers.values()
+        ):
             r.agent.poll(0.02)
         r.agent.stop()
         self.errors += r.agent.errors

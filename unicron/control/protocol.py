@@ -113,10 +113,11 @@ class Error:
 
 @dataclass(frozen=True, kw_only=True)
 class Done:
-    """The last step committed: the worker's result."""
+    """The last step committed: the worker's result (``final_loss``: none when this worker
+    computed no step, a resume of a run that had finished)."""
 
     steps: int
-    final_loss: float
+    final_loss: float | None
     params_sha256: str
     rank: int
     epoch: int

@@ -428,14 +428,13 @@ def snapshot(
     """Copy everything needed to continue exactly: model, optimizer, committed step, ledger
     description, the data position (a user's sampler's epoch and position; ``(-1, -1)`` with
     the ledger's own order) and RNG states."""
-    import torch
 
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     train = {
         "step": step,
         "ledger": dict(ledger),
         "data": [int(x) for x in data],
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "rng": _rng_states(),
     }
     parts = {"model": state, "optim": copy.deepcopy(optimizer.state_dict()), "train": train}
     return Snapshot(step=step, parts=parts, model=describe_model(state))
@@ -445,14 +444,45 @@ def restore(
     parts: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> int:
     """Load a checkpoint's parts into ``model`` and ``optimizer`` and the RNGs; the step."""
-    import torch
 
     model.load_state_dict(parts["model"])
     optimizer.load_state_dict(parts["optim"])
-    rng = parts["train"]["rng"]
+    _set_rng_states(parts["train"]["rng"])
+    return int(parts["train"]["step"])
+
+
+def _rng_states() -> dict[str, Any]:
+    """torch's CPU generator, Python's, numpy's global one and, once CUDA is initialised,
+    each GPU's: as tensors and plain values, so the checkpoint loads with ``weights_only``."""
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    assert isinstance(keys, np.ndarray)  # the legacy form: a tuple with the key array
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [str(kind), torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(rng: Mapping[str, Any]) -> None:
+    """Put back what :func:`_rng_states` read (a checkpoint without numpy's or the GPUs'
+    states, or written with another GPU count, leaves those generators as they are)."""
+    import numpy as np
+    import torch
+
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    return int(parts["train"]["step"])
+    if "numpy" in rng:
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    cuda = rng.get("cuda")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 @dataclass(kw_only=True)
