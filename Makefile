@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo cluster-demo test lint typecheck pytest bench bench-quick bench-cluster soak clean
+.PHONY: demo cluster-demo test lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,11 @@ bench: $(BENCH_STAMP)
 # (bench/cluster; SOAK_S=60 for a shorter soak)
 bench-cluster: $(BENCH_STAMP)
 	$(BIN)/python -m bench.cluster $(if $(SOAK_S),--soak-s $(SOAK_S))
+
+# one scenario on a real cluster (planner, keep, equal placements; ~12 min) and in the
+# simulator with the constants measured there (bench/simreal.py, docs/simulator.md)
+bench-simreal: $(STAMP)
+	$(BIN)/python -m bench.simreal
 
 # about 100 mixed faults in one run, bit-exact against the fault-free run (bench/chaos.py)
 soak: $(STAMP)

@@ -106,3 +106,24 @@ def test_an_added_slot_starts_fresh_and_joins_the_next_epoch(tmp_path: Path) -> 
     assert not c.slots[4].has_state  # a step committed: it receives the state
     c.worker_ready(4, 2.0, microbatches=8)
     assert c.members == (0, 1, 2, 3, 4)
+
+
+def test_keep_moves_nothing_between_tasks_on_node_events_but_places_on_task_events() -> None:
+    a = view("a", 1, 1, 4, {0: 0, 1: 1}, running=True)
+    b = view("b", 3, 1, 4, {0: 2, 1: 3}, running=True)
+    cap = {0: 1, 1: 1, 2: 1, 3: 1}
+    assert moves(decide([a, b], cap, DAY)) == {"a": (2, 1), "b": (2, 3)}  # the planner moves
+    kept = decide([a, b], cap, DAY, placement="keep", task_event=False)
+    assert not kept.changed and "keep" in kept.reasons["a"]
+    placed = decide([a, b], cap, DAY, placement="keep", task_event=True)
+    assert moves(placed) == {"a": (2, 1), "b": (2, 3)}
+
+
+def test_equal_shares_ignore_weights_and_respect_limits() -> None:
+    a = view("a", 1, 1, 4, {0: 0, 1: 1, 2: 2, 3: 3}, running=True)
+    b = view("b", 3, 1, 4, {}, running=False)
+    cap = {n: 1 for n in range(5)}
+    d = decide([a, b], cap, DAY, placement="equal")
+    assert moves(d) == {"a": (4, 3), "b": (0, 2)}  # 5 over 2: the first submitted gets 3
+    capped = view("c", 1, 1, 1, {}, running=False)
+    assert moves(decide([capped], cap, DAY, placement="equal")) == {"c": (0, 1)}

@@ -1,7 +1,8 @@
 """The cluster's allocation: how many slots each task gets, and which slots move.
 
 :func:`decide` is called by :class:`~unicron.control.cluster.Cluster` on every trigger (a task
-submitted or ended, a node lost or back). It asks the planner's solver
+submitted or ended, a node lost or back, a slot excluded or readmitted, a straggler found).
+Under the default placement (``planner``) it asks the planner's solver
 (:func:`unicron.planner.solve`) for the worker counts that maximise the cluster's weighted
 achieved throughput, counting each task's transition against the expected time to the next
 failure, then turns the counts into moves: which of a task's launch ranks to give back (on
@@ -13,12 +14,22 @@ Throughput model: a data-parallel task of ``M`` micro-batches per step makes
 (a step lasts as many rounds as its busiest worker computes), times its weight; until its
 workers report ``M`` it is taken as linear. A task's ``model`` in its file is not used yet:
 every task here trains on identical slots.
+
+Two baseline placements (``unicron coordinator --placement``; docs/cluster.md) exist to
+measure what the planner gains (``python -m bench.simreal``): ``keep`` places tasks with the
+planner when a task is submitted or ends (its initial slots) and moves nothing between tasks
+on node and slot events (a task shrinks when it loses a node and regains only its own slots,
+which its coordinator readmits); ``equal`` gives every task an equal share of the live
+slots on every trigger (``floor(slots / tasks)`` each, one more to each of the first
+``slots mod tasks`` in submission order; within each task's min and max), whatever the
+weights.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -27,6 +38,10 @@ from unicron.planner import TaskState, solve
 TRANSITION_S = 2.0
 """what a change of a task's worker count costs it (an epoch, a state transfer to joiners;
 ~0.1-0.4 s measured on this machine's example, 5-20x headroom)"""
+
+
+Placement = Literal["planner", "keep", "equal"]
+PLACEMENTS: tuple[Placement, ...] = ("planner", "keep", "equal")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,21 +93,80 @@ def throughput(t: TaskView, units: int) -> np.ndarray:
     return out
 
 
-def decide(tasks: list[TaskView], capacity: dict[int, int], d_run_s: float) -> Decision:
+def decide(
+    tasks: list[TaskView],
+    capacity: dict[int, int],
+    d_run_s: float,
+    *,
+    placement: Placement = "planner",
+    task_event: bool = True,
+) -> Decision:
     """The allocation of ``capacity`` (live node -> slots) to ``tasks`` (see the module
     docstring). A running task keeps at least its minimum (preemption is not done here): its
     minimum is reserved, and the solver shares the rest by each task's marginal throughput;
-    slots on lost nodes are not counted as held."""
+    slots on lost nodes are not counted as held. ``task_event``: the trigger includes a task
+    submitted or ended (the ``keep`` placement plans only then)."""
     units = sum(capacity.values())
     held = {t.name: min(sum(1 for n in t.ranks.values() if n in capacity), units) for t in tasks}
     reserved = {t.name: t.min_workers if t.running else 0 for t in tasks}
     spare = units - sum(reserved.values())
-    if spare < 0:  # not even the running tasks' minimums fit: nothing to move
-        return Decision(tuple(Move(t.name, held[t.name], held[t.name]) for t in tasks), 0.0, 0.0)
-    states, full = [], []
-    for t in tasks:
-        f = throughput(t, units)
-        full.append(f)
+    if spare < 0 or (placement == "keep" and not task_event):
+        # not even the running tasks' minimums fit, or a baseline that never moves a slot
+        # between tasks on node and slot events: nothing to move
+        why = "keep placement: nothing moves on node and slot events" if spare >= 0 else ""
+        return Decision(
+            tuple(Move(t.name, held[t.name], held[t.name]) for t in tasks),
+            0.0,
+            0.0,
+            dict.fromkeys((t.name for t in tasks), why),
+        )
+    full = [throughput(t, units) for t in tasks]
+    if placement == "equal":
+        target, reasons = _equal(tasks, units)
+    else:
+        target, reasons = _planned(tasks, full, held, reserved, spare, units, d_run_s)
+    waf_before = sum(
+        t.weight * f[held[t.name]] for t, f in zip(tasks, full, strict=True) if held[t.name]
+    )
+    waf_after = sum(
+        t.weight * f[target[t.name]]
+        for t, f in zip(tasks, full, strict=True)
+        if target[t.name] >= t.min_workers
+    )
+    moves = _moves(tasks, capacity, held, target)
+    return Decision(tuple(moves), float(waf_before), float(waf_after), reasons)
+
+
+def _equal(tasks: list[TaskView], units: int) -> tuple[dict[str, int], dict[str, str]]:
+    """Equal shares of ``units`` (the ``equal`` baseline; see the module docstring)."""
+    share, extra = divmod(units, len(tasks))
+    target = {
+        t.name: min(max(share + (1 if i < extra else 0), t.min_workers), t.max_workers)
+        for i, t in enumerate(tasks)
+    }
+    over = sum(target.values()) - units
+    for t in reversed(tasks):  # minimums above the share: the last submitted give way
+        if over <= 0:
+            break
+        cut = min(over, target[t.name])
+        target[t.name] -= cut
+        over -= cut
+    why = f"equal placement: {units} slot(s) over {len(tasks)} task(s)"
+    return target, dict.fromkeys(target, why)
+
+
+def _planned(
+    tasks: list[TaskView],
+    full: list[np.ndarray],
+    held: dict[str, int],
+    reserved: dict[str, int],
+    spare: int,
+    units: int,
+    d_run_s: float,
+) -> tuple[dict[str, int], dict[str, str]]:
+    """The planner's worker counts: running minimums reserved, the rest solved."""
+    states = []
+    for t, f in zip(tasks, full, strict=True):
         base = reserved[t.name]
         marginal = np.zeros(spare + 1)
         for k in range(1, spare + 1):
@@ -109,14 +183,18 @@ def decide(tasks: list[TaskView], capacity: dict[int, int], d_run_s: float) -> D
         )
     plan = solve(states, spare, d_run_s)
     target = {t.name: min(reserved[t.name] + plan.allocation[t.name], t.max_workers) for t in tasks}
-    waf_before = sum(
-        t.weight * f[held[t.name]] for t, f in zip(tasks, full, strict=True) if held[t.name]
-    )
-    waf_after = sum(
-        t.weight * f[target[t.name]]
-        for t, f in zip(tasks, full, strict=True)
-        if target[t.name] >= t.min_workers
-    )
+    reasons = {
+        t.name: (f"beyond its minimum of {t.min_workers}: " if t.running else "")
+        + plan.reasons[t.name]
+        for t in tasks
+    }
+    return target, reasons
+
+
+def _moves(
+    tasks: list[TaskView], capacity: dict[int, int], held: dict[str, int], target: dict[str, int]
+) -> list[Move]:
+    """Which ranks each shrinking task gives back, and where each growing one gets slots."""
     free = dict(capacity)
     for t in tasks:
         for n in t.ranks.values():
@@ -149,9 +227,4 @@ def decide(tasks: list[TaskView], capacity: dict[int, int], d_run_s: float) -> D
             moves.append(Move(t.name, held[t.name], after, add_on=tuple(nodes)))
         elif extra == 0:
             moves.append(Move(t.name, held[t.name], held[t.name]))
-    reasons = {
-        t.name: (f"beyond its minimum of {t.min_workers}: " if t.running else "")
-        + plan.reasons[t.name]
-        for t in tasks
-    }
-    return Decision(tuple(moves), float(waf_before), float(waf_after), reasons)
+    return moves

@@ -259,6 +259,9 @@ def status_main(args: argparse.Namespace) -> int:
             note[:60],
         )  # fmt: skip
     console.print(table)
+    errors = sorted({t["plan_error"] for t in tasks if t.get("plan_error")})
+    for error in errors:  # the cluster keeps its allocation while the planner fails
+        console.print(f"planner error (allocation kept): {error}", markup=False)
     return 0
 
 

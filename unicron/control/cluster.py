@@ -70,11 +70,18 @@ class ClusterSettings:
     the same timeout, from its own exchanges)"""
     tick_s: float = 0.1
     """how often the ticker runs every task's detectors and places queued tasks"""
+    placement: A.Placement = "planner"
+    """who decides each task's worker count: the planner (default), or one of the baselines
+    the benchmark compares it with, ``keep`` or ``equal`` (:mod:`unicron.control.allocation`)"""
 
     def __post_init__(self) -> None:
         for name in ("node_timeout_s", "tick_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.placement not in A.PLACEMENTS:
+            raise ValueError(
+                f"placement must be one of {', '.join(A.PLACEMENTS)}, got {self.placement!r}"
+            )
 
 
 @dataclass
@@ -91,6 +98,7 @@ class Task:
     controller: Coordinator | None = None
     events: EventLog | None = None
     leaving: set[int] = field(default_factory=set)  # ranks given back, worker not yet gone
+    excluded: set[int] = field(default_factory=set)  # ranks its coordinator took out of the plan
 
 
 class Cluster:
@@ -322,12 +330,20 @@ class Cluster:
         task coordinators, made by the caller after it lets go of the cluster lock). One
         ``plan`` event per task concerned: the allocation before and after, both WAFs, why."""
         capacity = {nid: n.slots for nid, n in self._free_capacity(now).items()}
+        for task in self.tasks.values():  # an excluded slot is nobody's until readmitted
+            excluded = list(task.excluded)  # a copy: coordinators change it (_trigger_of)
+            for r in excluded if task.row.state in ACTIVE else ():
+                node = task.row.placement[r] if r < len(task.row.placement) else -1
+                if node in capacity:
+                    capacity[node] -= 1
         views = []
         for task in self.tasks.values():
             if task.row.state not in ("queued", *ACTIVE) or task.row.state == "cancelled":
                 continue
             ranks = {
-                r: n for r, n in enumerate(task.row.placement) if n >= 0 and r not in task.leaving
+                r: n
+                for r, n in enumerate(task.row.placement)
+                if n >= 0 and r not in task.leaving and r not in task.excluded
             }
             planned = [n for name, n in self._pending_adds if name == task.row.name]
             for k, node in enumerate(planned):  # planned, not yet free: held where they go
@@ -346,12 +362,21 @@ class Cluster:
             )
         if not views or not capacity:
             return []
+        started = time.perf_counter()
         try:
-            decision = A.decide(views, capacity, self._d_run_s(now, len(capacity)))
+            decision = A.decide(
+                views,
+                capacity,
+                self._d_run_s(now, len(capacity)),
+                placement=self.settings.placement,
+                task_event=any(t.startswith("task ") for t in trigger.split("; ")),
+            )
         except Exception as exc:  # a planner error never stops the cluster
-            self.plan_error = f"{trigger}: {exc}"
-            log.exception("planner failed; the allocation stays as it is")
+            self.plan_error = f"{trigger}: {type(exc).__name__}: {exc}"
+            log.exception("planner failed on %s; the allocation stays as it is", trigger)
             return []
+        decision_s = time.perf_counter() - started
+        self.metrics.decision.observe(decision_s)
         self.plan_error = ""
         if not decision.changed:
             return []
@@ -378,6 +403,8 @@ class Cluster:
                     waf_before=round(decision.waf_before, 6),
                     waf_after=round(decision.waf_after, 6),
                     reason=decision.reasons.get(m.task, ""),
+                    placement=self.settings.placement,
+                    decision_ms=round(decision_s * 1000.0, 3),
                 )
         log.info("plan on %s: %s -> %s", trigger, before, after)
         return calls
@@ -532,8 +559,26 @@ class Cluster:
             row.state = "waiting"
         else:
             changed = False
+        self._trigger_of(task, e)
         if changed:
             self.state.save_task(row)
+
+    def _trigger_of(self, task: Task, e: dict[str, Any]) -> None:
+        """The task events that change what the planner sees: a slot excluded (a straggler
+        dropped, a device fault, restarts that keep failing) or readmitted, a straggler
+        found. The next tick replans (called from the task's coordinator, without the
+        cluster lock: only appends)."""
+        kind, name = e["event"], task.row.name
+        slot = e.get("slot")
+        if kind == "action" and e.get("action") in ("exclude", "readmit") and slot is not None:
+            if e["action"] == "exclude":
+                task.excluded.add(int(slot))
+            else:
+                task.excluded.discard(int(slot))
+            done = "excluded" if e["action"] == "exclude" else "readmitted"
+            self._triggers.append(f"slot {slot} of task {name} {done}")
+        elif kind == "error_detected" and e.get("kind") == "straggler":
+            self._triggers.append(f"straggler on slot {slot} of task {name}")
 
     # -- time --------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
@@ -568,9 +613,9 @@ class Cluster:
                     task.row.placement[rank] = -1  # the slot is free for the next task
                     task.leaving.discard(rank)
                     self.state.save_task(task.row)
-            if self._triggers:
-                calls += self._replan(now, "; ".join(self._triggers))
-                self._triggers.clear()
+            if self._triggers:  # swapped first: coordinators append without the cluster lock
+                triggers, self._triggers = self._triggers, []
+                calls += self._replan(now, "; ".join(triggers))
             self._settle(now, calls)
         self._call(calls)
         if now - self._alive_written >= 1.0:
@@ -641,14 +686,12 @@ class Cluster:
             "waiting": c.waiting_reason if c is not None else "",
             "submitted_ts": row.submitted_ts,
             "outcome": row.outcome,
+            "plan_error": self.plan_error,  # the planner failed: the allocation was kept
         }
 
     def task_views(self) -> list[dict[str, Any]]:
         with self._lock:
-            views = [self.view(t) for t in self.tasks.values()]
-            for v in views:  # a planner error keeps the allocation; status says so
-                v["plan_error"] = self.plan_error
-            return views
+            return [self.view(t) for t in self.tasks.values()]
 
     def task_view(self, name: str) -> dict[str, Any]:
         with self._lock:
@@ -709,6 +752,12 @@ class _Metrics:
             "unicron_transition_seconds",
             "transition durations (rendezvous to the first step of an epoch)",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.decision = Histogram(
+            "unicron_plan_decision_seconds",
+            "the planner's decision on a trigger (every trigger, changed or not)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
             registry=self.registry,
         )
         self._faults: dict[tuple[str, int], float] = {}  # (task, rank) -> injected at

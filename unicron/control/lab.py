@@ -43,11 +43,13 @@ class LocalCluster:
         slots: int = 2,
         node_timeout_s: float = 2.0,
         loopback: bool = False,
+        coordinator_args: tuple[str, ...] = (),
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.state_dir = self.root / "state"
         self.hosts, self.slots, self.node_timeout_s = hosts, slots, node_timeout_s
+        self.coordinator_args = coordinator_args  # more ``unicron coordinator`` options
         self.token = secrets.token_urlsafe(16)
         self.tag = secrets.token_hex(4)
         self.net: netns.Lab | netns.LoopbackLab = (
@@ -83,7 +85,7 @@ class LocalCluster:
         self.coordinator = subprocess.Popen(
             [sys.executable, "-m", "unicron", "coordinator", "--host", self.net.host_address,
              "--port", str(self.port), "--state-dir", str(self.state_dir),
-             "--node-timeout", str(self.node_timeout_s)],
+             "--node-timeout", str(self.node_timeout_s), *self.coordinator_args],
             env=self.env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip

@@ -68,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a node silent this long is lost (default 2)",
     )
+    p.add_argument(  # baselines for bench/simreal.py (docs/cluster.md, placement)
+        "--placement",
+        choices=("planner", "keep", "equal"),
+        default="planner",
+        help="who sets each task's worker count: the planner (default), or a baseline: keep "
+        "(nothing moves between tasks on node events) or equal (equal shares)",
+    )
 
 
 class Register(BaseModel):
@@ -232,7 +239,9 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("unicron.control.cluster").setLevel(logging.INFO)
     state_dir = Path(args.state_dir)
     cluster = Cluster(
-        state_dir, host=advertise, settings=ClusterSettings(node_timeout_s=args.node_timeout)
+        state_dir,
+        host=advertise,
+        settings=ClusterSettings(node_timeout_s=args.node_timeout, placement=args.placement),
     )
     token = resolve_token(args.token_file, state_dir)
     server = serve(cluster, token, args.host, args.port)

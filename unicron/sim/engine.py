@@ -151,6 +151,10 @@ class TaskPerf:
     """Training state to move or load (planner's :func:`~unicron.planner.state_bytes`)."""
     model: ModelSpec
     """The model's shape (:func:`model_spec`)."""
+    plan_flops: np.ndarray | None = None
+    """What the planner believes F(nodes) is, where that differs from what the task really
+    gets (``flops``): the sim-to-real scenario (:mod:`unicron.sim.scenario`) plans with the
+    runtime's model and books the rates measured on the real cluster. None: ``flops``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +281,8 @@ class TaskRun:
     the running time times ``1 - factor``, for the effective-time fraction."""
     lost_samples: float = 0.0
     faults: int = 0
+    transitions: int = 0
+    """Transition phases the policy started for the task (superseded ones included)."""
     extra: dict[str, int] = field(default_factory=dict)
     """Policy bookkeeping (torchft: replica groups out)."""
 
@@ -493,6 +499,7 @@ class Simulation:
         A later ``recover`` or :meth:`cancel` on the same task supersedes this one.
         """
         task.token += 1
+        task.transitions += sum(1 for reason, d in phases if reason == "transition" and d > 0)
         self._next_phase(task, list(phases), then, task.token)
 
     def cancel(self, task: TaskRun) -> None:

@@ -36,6 +36,7 @@ class TaskResult:
     faults: int
     final_nodes: int
     effective_time_fraction: float
+    transitions: int = 0
     """Share of wall time spent on useful steps: not down, not redone, not stalled by the
     steady factor (the Oobleck artifact's "Effective Time"; docs/simulator.md)."""
 
@@ -81,6 +82,7 @@ class PolicyResult:
                     "down_s": t.down_s,
                     "lost_samples": t.lost_samples,
                     "faults": t.faults,
+                    "transitions": t.transitions,
                     "final_nodes": t.final_nodes,
                 }
                 for t in self.tasks
@@ -112,6 +114,7 @@ def collect(sim: Simulation) -> PolicyResult:
                 faults=t.faults,
                 final_nodes=len(t.nodes),
                 effective_time_fraction=max(0.0, 1.0 - (sum(t.down_s.values()) + t.overhead_s) / T),
+                transitions=t.transitions,
             )
         )
     ref = sum(t.ref_waf for t in sim.tasks.values())

@@ -650,11 +650,37 @@ class Unicron(Policy):
     :data:`unicron.sim.measured.ASSUMPTIONS`)."""
     prior_rate_per_node_day: float = 419 / (2048 * 54)
     """Failure-rate prior for D_run before failures are seen (Llama 3, see trace.py)."""
+    transition_fixed_s: float | None = None
+    """A transition's cost measured on the runtime (the sim-to-real scenario passes the
+    figure of its own real run); None: the planner's ``transition_time_s`` (state at the GPU
+    preset's bandwidth + ``regroup_s``)."""
+    join_s: float = 0.0
+    """Seconds a task that grows keeps running at its old size while its new workers start,
+    on nodes where it already has a warm process (it ran there since the node came up). 0:
+    the new workers are ready at once. The sim-to-real scenario passes its measured figure."""
+    join_cold_s: float = 0.0
+    """As :attr:`join_s`, on a node new to the task (its first worker there starts a fresh
+    process that imports torch: seconds on a CPU machine)."""
+    preempt_below_min: bool = False
+    """Off (as the runtime, ``unicron/control/allocation.py``): a replan reserves every
+    task's minimum and shares the rest. On: the solver may leave a task below its minimum
+    to give its nodes to others, which the runtime does not do (beyond the runtime)."""
     nodes_lost: int = field(default=0, init=False)
     """Node losses seen so far (the observed failure rate for D_run)."""
-    _states: dict[str, tuple[tuple[int, float, bool], Any]] = field(
+    _states: dict[str, tuple[tuple[int, float, bool, int, int], Any]] = field(
         default_factory=dict, init=False, repr=False
     )
+    _warm: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
+    """(task, node): the task has run on the node since the node came up."""
+
+    _started: set[str] = field(default_factory=set, init=False, repr=False)
+    """Tasks that ran (as the runtime's started tasks, their minimum is reserved; one never
+    placed is queued there and reserves nothing)."""
+
+    def start(self, sim: Simulation) -> None:
+        super().start(sim)
+        self._warm = {(t.name, n) for t in sim.tasks.values() for n in t.nodes}
+        self._started = {t.name for t in sim.tasks.values() if t.mode is Mode.RUNNING}
 
     @classmethod
     def measured(cls) -> Unicron:
@@ -680,6 +706,8 @@ class Unicron(Policy):
     def transition_s(self, sim: Simulation, task: TaskRun) -> float:
         from unicron import planner
 
+        if self.transition_fixed_s is not None:
+            return self.transition_fixed_s
         wl = sim.workload
         bw = wl.gpu_type().inter_node_bw * wl.gpus_per_node
         return planner.transition_time_s(task.perf.model, bw, self.regroup_s)
@@ -698,6 +726,7 @@ class Unicron(Policy):
         self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
     ) -> None:
         self.nodes_lost += 1
+        self._warm = {(t, n) for t, n in self._warm if n != node}
         if task is None:
             return
         d = self.detect_s(task, method_of(signal))
@@ -717,21 +746,27 @@ class Unicron(Policy):
         )
         return planner.expected_time_to_failure_s(rate, max(nodes, 1))
 
-    def _state(self, task: TaskRun, cost: float, faulted: bool) -> Any:
-        """The planner's view of ``task``, reused while it is unchanged (building one copies
-        the task's F table: a tenth of a replan's time at 100 tasks)."""
+    def _state(self, task: TaskRun, cost: float, faulted: bool, base: int, spare: int) -> Any:
+        """The planner's view of ``task`` above its reserved ``base`` units, with ``spare``
+        units to share, reused while it is unchanged (building one copies the task's F
+        table: a tenth of a replan's time at 100 tasks)."""
         from unicron import planner
 
-        key = (len(task.nodes), cost, faulted)
+        key = (len(task.nodes), cost, faulted, base, spare)
         hit = self._states.get(task.name)
         if hit is not None and hit[0] == key:
             return hit[1]
+        f = task.perf.flops if task.perf.plan_flops is None else task.perf.plan_flops
+        if base:
+            top = len(f) - 1
+            # beyond its max_nodes a task's F drops to 0: no gain there, never a loss
+            f = np.maximum(f[np.minimum(base + np.arange(spare + 1), top)] - f[base], 0.0)
         state = planner.TaskState(
             name=task.name,
             weight=task.spec.weight,
-            min_units=task.spec.min_nodes,
-            current_units=len(task.nodes),
-            flops=task.perf.flops,
+            min_units=max(task.spec.min_nodes - base, 0),
+            current_units=min(max(len(task.nodes) - base, 0), len(f) - 1),
+            flops=f,
             transition_s=cost,
             must_transition=faulted,
         )
@@ -739,26 +774,92 @@ class Unicron(Policy):
         return state
 
     def _replan(self, sim: Simulation, faulted: TaskRun | None) -> None:
-        """Run the real planner over every task and move the tasks whose nodes change."""
+        """Run the real planner over every task and move the tasks whose nodes change.
+
+        Unless :attr:`preempt_below_min`, every started task's minimum is reserved first and
+        the solver shares the rest, as the runtime's allocation does (a task never placed is
+        queued and reserves nothing); when the minimums do not fit, nothing moves."""
         from unicron import planner
 
+        units = sim.healthy_count()
+        base = {
+            t.name: t.spec.min_nodes
+            if t.name in self._started and not self.preempt_below_min
+            else 0
+            for t in sim.tasks.values()
+        }
+        spare = units - sum(base.values())
         cost = {t.name: self.transition_s(sim, t) for t in sim.tasks.values()}
-        states = [self._state(t, cost[t.name], t is faulted) for t in sim.tasks.values()]
-        plan = planner.solve(states, sim.healthy_count(), self._d_run_s(sim))
+        if spare < 0:  # the minimums do not fit: nobody moves (the runtime's rule)
+            alloc = {t.name: len(t.nodes) for t in sim.tasks.values()}
+        else:
+            states = [
+                self._state(t, cost[t.name], t is faulted, base[t.name], spare)
+                for t in sim.tasks.values()
+            ]
+            plan = planner.solve(states, spare, self._d_run_s(sim))
+            alloc = {n: base[n] + u for n, u in plan.allocation.items()}
         changed: list[TaskRun] = []
-        ordered = sorted(sim.tasks.values(), key=lambda t: plan.allocation[t.name] - len(t.nodes))
+        had = {t.name: len(t.nodes) for t in sim.tasks.values()}
+        self._started |= {n for n, k in alloc.items() if k >= sim.tasks[n].spec.min_nodes}
+        ordered = sorted(sim.tasks.values(), key=lambda t: alloc[t.name] - len(t.nodes))
         for task in ordered:  # shrink first, then grow
-            want = plan.allocation[task.name]
+            want = alloc[task.name]
             if want != len(task.nodes) or task is faulted:
                 sim.resize(task, want)
                 task.target = want
                 changed.append(task)
         for task in changed:
+            sim.set_factor(task, 1.0)
             if len(task.nodes) < task.spec.min_nodes:
                 sim.cancel(task)
                 sim.set_mode(task, Mode.IDLE)
                 continue
+            grows = len(task.nodes) > had[task.name] >= task.spec.min_nodes
+            delay = self._join_delay(task, had[task.name])
+            if delay > 0 and grows and (task.mode is Mode.RUNNING or task is faulted):
+                self._join_later(sim, task, had[task.name], cost[task.name], delay, faulted)
+                continue
+            self._warm |= {(task.name, n) for n in task.nodes}
             sim.recover(task, [("transition", cost[task.name])], sim.starter(task))
+
+    def _join_delay(self, task: TaskRun, old: int) -> float:
+        """How long the new workers of ``task`` (its nodes past the first ``old``) take to
+        start: :attr:`join_cold_s` if one of them is on a node new to it, else :attr:`join_s`."""
+        cold = any((task.name, n) not in self._warm for n in task.nodes[old:])
+        return self.join_cold_s if cold else self.join_s
+
+    def _join_later(
+        self,
+        sim: Simulation,
+        task: TaskRun,
+        old: int,
+        cost: float,
+        delay: float,
+        faulted: TaskRun | None,
+    ) -> None:
+        """``task`` grows from ``old`` nodes: it runs at its old size for ``delay`` (the new
+        workers start; a task that lost a node first transitions onto its survivors, as the
+        runtime does), then transitions onto all its nodes."""
+        new_rate = task.rate()
+        task.nodes, kept = task.nodes[:old], task.nodes
+        old_rate = task.rate()
+        task.nodes = kept
+        sim.set_factor(task, old_rate / new_rate if new_rate > 0 else 1.0)
+        if task is faulted:
+            sim.recover(task, [("transition", cost)], sim.starter(task))
+        else:
+            sim.cancel(task)
+        tok = task.token
+
+        def join(_now: float) -> None:
+            if task.token != tok:  # a later replan or fault took over
+                return
+            self._warm |= {(task.name, n) for n in task.nodes}
+            sim.set_factor(task, 1.0)
+            sim.recover(task, [("transition", cost)], sim.starter(task))
+
+        sim.schedule(sim.now + delay, join)
 
 
 POLICIES: dict[str, type[Policy]] = {

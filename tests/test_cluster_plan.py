@@ -1,0 +1,168 @@
+"""The planner in the cluster's loop (:mod:`unicron.control.cluster`): its triggers from task
+events (a slot excluded or readmitted, a straggler), a planner error that keeps the
+allocation and shows in ``unicron status``, the decision time in ``plan`` events, and the
+placement setting. No agents: nodes register and tasks are placed, nothing trains."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unicron.control import allocation
+from unicron.control.cluster import Cluster, ClusterSettings
+from unicron.control.service import serve
+from unicron.control.taskspec import TaskSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples" / "train_gpt.py")
+TOKEN = "plan-token"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path / "state", host="127.0.0.1", settings=ClusterSettings(), embedded=True)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def submit(c: Cluster, name: str, now: float, **more: Any) -> dict[str, Any]:
+    spec = TaskSpec.model_validate({"name": name, "script": SCRIPT, **more})
+    return c.submit(spec, now)
+
+
+def plans(c: Cluster, name: str) -> list[dict[str, Any]]:
+    events, _ = c.events(name, 0)
+    return [e for e in events if e["event"] == "plan" and "trigger" in e]
+
+
+def test_an_excluded_slot_is_a_trigger_and_nobodys_until_readmitted(cluster: Cluster) -> None:
+    now = time.time()
+    cluster.register("n0", 2, "127.0.0.1", "i0", now)
+    submit(cluster, "a", now, workers={"min": 1, "max": 2})
+    a = cluster.tasks["a"]
+    assert a.row.placement == [0, 0]
+    cluster._triggers.clear()
+    cluster._on_event(a, {"event": "action", "action": "exclude", "slot": 1, "ts": now})
+    assert cluster._triggers == ["slot 1 of task a excluded"] and a.excluded == {1}
+    cluster.tick(now + 0.01)
+    submit(cluster, "b", now, weight=3.0)  # a heavier task: a free slot would be its
+    assert cluster.tasks["b"].row.state == "queued" and not plans(cluster, "b")
+    assert cluster._pending_adds == []  # the excluded slot is nobody's, not b's
+    cluster._triggers.clear()
+    cluster._on_event(a, {"event": "action", "action": "readmit", "slot": 1, "ts": now})
+    assert cluster._triggers == ["slot 1 of task a readmitted"] and not a.excluded
+    cluster._on_event(a, {"event": "error_detected", "kind": "straggler", "slot": 0, "ts": now})
+    assert cluster._triggers[-1] == "straggler on slot 0 of task a"
+
+
+def test_a_plan_event_carries_its_decision_time(cluster: Cluster) -> None:
+    now = time.time()
+    cluster.register("n0", 2, "127.0.0.1", "i0", now)
+    submit(cluster, "a", now, workers={"min": 1, "max": 2})
+    submit(cluster, "b", now, weight=3.0)  # takes one of a's slots
+    (plan,) = plans(cluster, "a")
+    assert plan["allocation"] == {"a": 1, "b": 1} and plan["placement"] == "planner"
+    assert 0 < plan["decision_ms"] < 1000
+
+
+def test_a_planner_error_keeps_the_allocation_and_status_says_so(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    now = time.time()
+    cluster.register("n0", 2, "127.0.0.1", "i0", now)
+
+    def broken(*_a: Any, **_k: Any) -> allocation.Decision:
+        raise RuntimeError("no table for this model")
+
+    monkeypatch.setattr(allocation, "decide", broken)
+    view = submit(cluster, "a", now)
+    assert view["state"] == "queued"  # nothing placed, nothing stopped
+    want = "task a submitted: RuntimeError: no table for this model"
+    assert view["plan_error"] == want == cluster.task_view("a")["plan_error"]
+    status = _status(cluster)
+    assert f"planner error (allocation kept): {want}" in " ".join(status.split())
+    monkeypatch.undo()
+    cluster._triggers.append("node n0 registered")
+    cluster.tick(time.time())
+    assert cluster.task_view("a")["plan_error"] == "" and cluster.tasks["a"].row.placement
+
+
+def _status(cluster: Cluster) -> str:
+    """``unicron status`` against ``cluster`` served on a free port: its output."""
+    import argparse
+    import contextlib
+    import io
+    import socket
+
+    from unicron.control.client import status_main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = serve(cluster, TOKEN, "127.0.0.1", port)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    out = io.StringIO()
+    try:
+        args = argparse.Namespace(
+            task=None, json=False, coordinator=f"http://127.0.0.1:{port}", token_file=None
+        )
+        with contextlib.redirect_stdout(out), pytest.MonkeyPatch.context() as mp:
+            mp.setenv("UNICRON_TOKEN", TOKEN)
+            status_main(args)
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+    return out.getvalue()
+
+
+def test_the_placement_setting_is_validated() -> None:
+    with pytest.raises(ValueError, match="placement must be one of planner, keep, equal"):
+        ClusterSettings(placement="fifo")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("more", "says"),
+    [
+        ({"weight": 0}, '"weight"],"msg":"Input should be greater than 0"'),
+        ({"weight": -2.5}, '"weight"],"msg":"Input should be greater than 0"'),
+        ({"workers": {"min": 3, "max": 2}}, "min (3) is above max (2)"),
+        ({"model": {"preset": "no-such-model"}}, "model"),
+        ({"model": {"layers": 2}}, "model"),
+    ],
+)
+def test_what_the_planner_cannot_take_is_refused_at_submit(
+    cluster: Cluster, more: dict[str, Any], says: str
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from unicron.control.service import make_app
+
+    api = TestClient(make_app(cluster, TOKEN), raise_server_exceptions=False)
+    body = {"name": "bad", "script": SCRIPT, **more}
+    r = api.post("/v1/tasks", headers={"Authorization": f"Bearer {TOKEN}"}, json=body)
+    assert r.status_code == 422 and says in r.text, r.text
+    assert "bad" not in cluster.tasks
+
+
+def test_an_unknown_placement_is_exit_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "unicron", "coordinator", "--state-dir", str(tmp_path),
+         "--placement", "fifo"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--placement: invalid choice: 'fifo'" in proc.stderr
