@@ -10,7 +10,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from unicron.control import messages as M
+from unicron.control import protocol as P
 from unicron.control.agent import Agent, AgentConfig
 
 
@@ -22,13 +25,48 @@ def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> Non
     agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
     try:
         sent = time.time() - 1.2
-        agent._from_worker(0, "step_begin", {"step": 7, "epoch": 2, "ts": sent})
-        agent._from_worker(0, "step_done", {"step": 7, "compute_s": 0.1, "ts": sent + 0.1})
+        agent._from_worker(0, P.StepBegin(step=7, epoch=2, ts=sent, cpu_s=1.0))
+        done = P.StepDone(step=7, microbatches=2, compute_s=0.1, ts=sent + 0.1, cpu_s=1.1)
+        agent._from_worker(0, done)
         began, computed = agent._reports
         assert isinstance(began, M.StepBegan) and began.ts == sent
         assert isinstance(computed, M.StepComputed) and computed.ts == sent + 0.1
         # a time in the future (never on one host's clock) is not believed
-        agent._from_worker(0, "step_begin", {"step": 8, "epoch": 2, "ts": time.time() + 60})
+        agent._from_worker(0, P.StepBegin(step=8, epoch=2, ts=time.time() + 60, cpu_s=1.2))
         assert agent._reports[-1].ts <= time.time()
     finally:
         agent.stop()
+
+
+LOCAL = [
+    P.Hello(slot=1, pid=42, incarnation=0),
+    P.Ready(microbatches=8, state_bytes=1 << 20),
+    P.Entered(epoch=3),
+    P.Event(name="step_end", fields={"step": 4, "loss": 2.5}),
+    P.StepBegin(step=4, epoch=3, ts=1.5, cpu_s=3.0),
+    P.StepDone(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
+    P.Error(type_name="RuntimeError", message="boom", in_band=True, step=4, epoch=3),
+    P.Done(steps=10, final_loss=1.0, params_sha256="ab", rank=0, epoch=3),
+    P.NodeFault(),
+    P.ZygoteUp(pid=7),
+    P.Spawned(slot=1, pid=43, incarnation=1),
+    P.Exited(pid=43, returncode=-9),
+    P.SpawnWorker(slot=1, incarnation=1, env={"A": "1"}, script="t.py", argv=["-x"], log="l"),
+]
+
+
+def test_every_local_message_kind_round_trips() -> None:
+    assert {type(m) for m in LOCAL} == set(P.KINDS.values())  # one of each kind
+    for msg in LOCAL:
+        wire = P.encode(msg)
+        assert P.KINDS[wire["type"]] is type(msg)
+        assert P.decode(wire) == msg
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [{}, {"type": "nope"}, {"type": "epoch"}, {"type": "epoch", "epoch": 1, "extra": 2}, "x"],
+)
+def test_a_malformed_local_message_is_refused(raw: object) -> None:
+    with pytest.raises(ValueError, match="not a message"):
+        P.decode(raw)

@@ -249,7 +249,9 @@ def test_a_cluster_task_resumes_from_the_checkpoint_bitwise(
     assert view["outcome"]["params_sha256"] == clean.task_end["params_sha256"]
     start = next(e for e in events if e["event"] == "transition_end")
     assert start["state_source"] == "checkpoint" and start["step"] % 4 == 0, start
-    assert start["steps_redone"] == committed - start["step"], (start, committed)
+    # a loaded agent may kill the cancelled workers a step or two after the cancel: they may
+    # have written a checkpoint past the last step the task logged (nothing is then redone)
+    assert start["steps_redone"] == max(0, committed - start["step"]), (start, committed)
     steps = [e["step"] for e in events if e["event"] == "step_end"]
     assert steps == list(range(start["step"], STEPS)), steps
     interval = next(e for e in events if e["event"] == "checkpoint_interval")

@@ -17,8 +17,10 @@ from unicron.control.coordinator import (
     FAST_EXCHANGE_S,
     Coordinator,
     CoordinatorSettings,
+    IllegalTransition,
     Kill,
     Probe,
+    SlotState,
     Spawn,
     TaskState,
 )
@@ -402,3 +404,26 @@ def test_the_exchange_rhythm_is_slow_when_nothing_is_due_and_fast_when_a_detecto
     c.worker_error(2, verdict_for_kind("conn_reset"), deadline + 0.05, in_place=False,
                    epoch=c.epoch)  # fmt: skip
     assert c.exchange(1, [], deadline + 0.06, read_until=deadline + 0.06).next_s == fast
+
+
+def test_a_slot_moves_only_along_its_diagram(tmp_path: Path) -> None:
+    """A slot's lifecycle is one state (``SlotState``); a move its diagram does not draw is a
+    bug and is refused, whatever path asked for it."""
+    k = Cluster(tmp_path, per_node=2)
+    c = k.c
+    assert c.slots[1].state is SlotState.READY and c.members == (0, 1)
+    c.worker_failed(1, verdict_for_kind("segfault"), 1.0)  # restarted: DOWN, then STARTING
+    assert c.slots[1].state is SlotState.STARTING and k.actions(Spawn)
+    c.worker_ready(1, 2.0)
+    assert c.slots[1].state is SlotState.READY
+    c.release_slots([1], 3.0, "another task")
+    assert c.slots[1].state is SlotState.LEAVING and c.slots[1].excluded
+    with pytest.raises(IllegalTransition, match="LEAVING -> READY"):
+        c.slots[1].to(SlotState.READY)  # a slot given away never rejoins the plan
+    assert c.slots[1].state is SlotState.LEAVING  # refused: nothing changed
+    c.slots[1].readmit()  # no readmission for another task's slot either
+    assert c.slots[1].state is SlotState.LEAVING
+    c.worker_left(1)  # gone: the task's no more
+    assert 1 not in c.slots and c.released() == {1}
+    with pytest.raises(IllegalTransition, match="READY -> EXCLUDED"):
+        c.slots[0].to(SlotState.EXCLUDED)  # excluded with a live worker is OUT_READY

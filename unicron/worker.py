@@ -41,6 +41,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
+from unicron.control import protocol as P
 from unicron.control.protocol import (
     ENV_CHECKPOINT,
     ENV_CHECKPOINT_EVERY,
@@ -502,8 +503,7 @@ def _device_for(model: torch.nn.Module, ctx: WorkerContext, link: AgentLink) -> 
         sharing = -(-local_world // max(1, D.gpu_count())) if dev.type == "cuda" else 1
         D.check_fits(numel, ctx.reduce, D.slot_memory(dev, local_world, sharing), dev)
     except UsageError as exc:
-        link.send({"type": "error", "usage": True, "type_name": "UsageError",
-                   "message": str(exc), "traceback": "", "in_band": False})  # fmt: skip
+        link.send(P.Error(type_name="UsageError", message=str(exc), usage=True))
         raise SystemExit(2) from exc
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -610,7 +610,7 @@ class _Runner:
         epoch, last_loss = self.watch.latest(), float("nan")
         model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         # the state a joiner receives: the model and (AdamW-like) two moments per parameter
-        self.link.send({"type": "ready", "microbatches": self.M, "bytes": 3 * model_bytes})
+        self.link.send(P.Ready(microbatches=self.M, state_bytes=3 * model_bytes))
         while self.step < self.steps:
             info = self._wait_for_epoch(after=epoch)
             if info is None:
@@ -650,15 +650,13 @@ class _Runner:
         self.groups[-1].leave()
         if isinstance(exc, CollectiveError):
             self.link.send(
-                {
-                    "type": "error",
-                    "type_name": type(exc.cause).__name__,
-                    "message": str(exc.cause),
-                    "traceback": "",
-                    "in_band": True,
-                    "step": self.step,
-                    "epoch": epoch,
-                }
+                P.Error(
+                    type_name=type(exc.cause).__name__,
+                    message=str(exc.cause),
+                    in_band=True,
+                    step=self.step,
+                    epoch=epoch,
+                )
             )
 
     def _finish(self, epoch: int, last_loss: float) -> None:
@@ -669,15 +667,14 @@ class _Runner:
         if group.rank == 0 and self.out is not None:
             save_atomic(self.model.state_dict(), self.out / "final.pt")
         self.link.send(
-            {
-                "type": "done",
-                "steps": self.step,
+            P.Done(
+                steps=self.step,
                 # none when no step was computed here (a resume of a run that had finished)
-                "final_loss": None if math.isnan(last_loss) else last_loss,
-                "params_sha256": sha,
-                "rank": group.rank,
-                "epoch": epoch,
-            }
+                final_loss=None if math.isnan(last_loss) else last_loss,
+                params_sha256=sha,
+                rank=group.rank,
+                epoch=epoch,
+            )
         )
         self.result = TrainResult(
             steps=self.step, final_loss=last_loss, params_sha256=sha, rank=group.rank, epoch=epoch
@@ -699,7 +696,7 @@ class _Runner:
         """Join epoch ``info``: rendezvous, ledger exchange, state; this member's share of
         the interrupted step's missing micro-batches."""
         t0 = time.time()
-        self.link.send({"type": "epoch", "epoch": info.epoch})
+        self.link.send(P.Entered(epoch=info.epoch))
         rank = info.members.index(self.ctx.slot)
         store = (self.ctx.store_host, self.ctx.store_port)
         os.environ.update(epoch_env(info, self.ctx.slot, store))  # torchrun's variables
@@ -837,13 +834,7 @@ class _Runner:
         step = self.step
         # ts: when it began here (the agent may read it late on a loaded machine)
         self.link.send(
-            {
-                "type": "step_begin",
-                "step": step,
-                "epoch": g.info.epoch,
-                "ts": time.time(),
-                "cpu_s": time.process_time(),
-            }
+            P.StepBegin(step=step, epoch=g.info.epoch, ts=time.time(), cpu_s=time.process_time())
         )
         for attempt in range(self.ctx.max_reattempts + 1):
             try:
@@ -1003,14 +994,13 @@ class _Runner:
         compute_s = time.perf_counter() - s.began
         self._slow(step, compute_s)
         self.link.send(
-            {
-                "type": "step_done",
-                "step": step,
-                "microbatches": len(s.microbatches),
-                "compute_s": time.perf_counter() - s.began,
-                "ts": time.time(),
-                "cpu_s": time.process_time(),
-            }
+            P.StepDone(
+                step=step,
+                microbatches=len(s.microbatches),
+                compute_s=time.perf_counter() - s.began,
+                ts=time.time(),
+                cpu_s=time.process_time(),
+            )
         )
         ex, self._exchange = self._exchange, None
         assert ex is not None
@@ -1056,15 +1046,13 @@ class _Runner:
         if verdict.severity is not Severity.SEV3 or attempt >= self.ctx.max_reattempts:
             return False
         self.link.send(
-            {
-                "type": "error",
-                "type_name": type(exc).__name__,
-                "message": str(exc),
-                "traceback": "",
-                "in_band": True,
-                "in_place": True,
-                "step": step,
-            }
+            P.Error(
+                type_name=type(exc).__name__,
+                message=str(exc),
+                in_band=True,
+                in_place=True,
+                step=step,
+            )
         )
         return True
 
@@ -1130,7 +1118,7 @@ class _Runner:
 
                 raise make_exception(f.kind or "user")
             elif kind == "node":
-                self.link.send({"type": "node_fault"})
+                self.link.send(P.NodeFault())
                 time.sleep(3600)  # the agent takes the whole node down with this process
 
     def _slow(self, step: int, compute_s: float) -> None:
@@ -1152,4 +1140,4 @@ class _Runner:
     def _event(self, event: str, **fields: Any) -> None:
         fields.setdefault("task", self.ctx.task)
         fields.setdefault("node", self.ctx.node)
-        self.link.send({"type": "event", "event": event, "fields": {"ts": time.time(), **fields}})
+        self.link.send(P.Event(name=event, fields={"ts": time.time(), **fields}))

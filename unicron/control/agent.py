@@ -1,16 +1,17 @@
 """The agent: one per node. Starts and supervises the node's workers.
 
-It listens on an authenticated local socket for its workers' reports, starts workers through
+It listens on an authenticated local socket for its workers' reports (the typed messages of
+:mod:`unicron.control.protocol`, :data:`~unicron.control.protocol.KINDS`), starts workers through
 the warm zygote (:mod:`unicron.runtime.launcher`; a plain spawn when the zygote is gone), notices a
 worker that exits or is killed (its socket closes; the zygote reports the exit status), writes
 what it sees to the event log and reports it to the coordinator (step times, epochs entered,
 errors, exits: the coordinator runs the task's detectors over every node's workers), and
-carries out the coordinator's actions (:class:`unicron.control.coordinator.Spawn`, ``Kill`` and
-``Probe``, the health probe of an excluded slot), which it takes on every round.
+carries out the coordinator's actions (:class:`unicron.control.messages.Spawn`, ``Kill`` and
+``Probe``, the health probe of an excluded slot), which each exchange's reply carries.
 
 Threads: everything the agent owns is touched by one thread, the one in :meth:`Agent.run`
 (its ``accept`` thread only queues new connections). The coordinator never calls the agent;
-the agent calls the coordinator, whose methods take its own lock.
+the agent calls the coordinator's ``exchange`` once per round (:class:`CoordinatorLink`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from unicron.control import messages as M
+from unicron.control import protocol as P
 from unicron.control.messages import Kill, Probe, Reply, Spawn
 from unicron.control.protocol import (
     ENV_AGENT,
@@ -76,6 +78,16 @@ class _Probe:
     overran: bool = False
 
 
+@dataclass(frozen=True)
+class FatalError:
+    """An error that ended the worker in ``slot`` (reported by it at ``ts``): the runner shows
+    the first one's traceback when the task fails."""
+
+    slot: int
+    ts: float
+    error: P.Error
+
+
 @dataclass
 class _Worker:
     """What the agent knows of the process in one slot (one incarnation at a time)."""
@@ -86,7 +98,7 @@ class _Worker:
     conn: Connection | None = None
     popen: subprocess.Popen[bytes] | None = None
     eof_ts: float | None = None
-    error: dict[str, Any] | None = None  # the last error it reported before exiting
+    error: P.Error | None = None  # the last error it reported before exiting
     verdict: Verdict | None = None  # set when it was killed for a logged reason (hang, ...)
     gone: bool = True
     step: int | None = None
@@ -137,7 +149,7 @@ class Agent:
         self._reports: list[M.Report] = []  # this round's, in order
         self.workers = {s: _Worker(s) for s in config.slots}
         self.fired: set[str] = set()
-        self.errors: list[dict[str, Any]] = []  # every error that ended a worker, in order
+        self.errors: list[FatalError] = []  # every error that ended a worker, in order
         self.vanished = False
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
@@ -371,11 +383,11 @@ class Agent:
     def _read(self, conn: Connection) -> None:
         try:
             while conn.poll():
-                msg = conn.recv()
+                raw = conn.recv()
                 try:
-                    self._handle(conn, msg)
+                    self._handle(conn, P.decode(raw))
                 except Exception:  # one bad report must not stop the supervision loop
-                    log.exception("node %d: could not handle %r", self.node, msg)
+                    log.exception("node %d: could not handle %r", self.node, raw)
         except (EOFError, OSError):
             self._closed(conn)
 
@@ -391,129 +403,116 @@ class Agent:
                 w.conn = None
                 w.eof_ts = w.eof_ts or time.time()
 
-    def _handle(self, conn: Connection, msg: dict[str, Any]) -> None:
-        kind = msg.get("type")
-        if kind == "zygote":
+    def _handle(self, conn: Connection, msg: P.LocalMessage) -> None:
+        if isinstance(msg, P.ZygoteUp):
             self._anonymous.remove(conn)
             self._zygote_conn = conn
             for slot in self._pending_spawns:
                 self._launch(slot)
             self._pending_spawns.clear()
-        elif kind == "spawned":
-            w = self.workers[msg["slot"]]
-            if msg.get("incarnation", w.incarnation) != w.incarnation:
-                _kill(msg["pid"])  # an earlier incarnation, replaced before it started
+        elif isinstance(msg, P.Spawned):
+            w = self.workers[msg.slot]
+            if msg.incarnation != w.incarnation:
+                _kill(msg.pid)  # an earlier incarnation, replaced before it started
                 return
-            self._by_pid[msg["pid"]] = msg["slot"]
-            self._set_pid(w, msg["pid"])
-        elif kind == "exit":
-            owner = self._by_pid.pop(msg["pid"], -1)
-            if owner >= 0 and self.workers[owner].pid == msg["pid"]:
-                self._exited(owner, msg["returncode"])
-        elif kind == "hello":
-            w = self.workers[msg["slot"]]
+            self._by_pid[msg.pid] = msg.slot
+            self._set_pid(w, msg.pid)
+        elif isinstance(msg, P.Exited):
+            owner = self._by_pid.pop(msg.pid, -1)
+            if owner >= 0 and self.workers[owner].pid == msg.pid:
+                self._exited(owner, msg.returncode)
+        elif isinstance(msg, P.Hello):
+            w = self.workers[msg.slot]
             if conn in self._anonymous:
                 self._anonymous.remove(conn)
-            if msg.get("incarnation") != w.incarnation or w.gone:
+            if msg.incarnation != w.incarnation or w.gone:
                 conn.close()  # a late hello from an earlier incarnation of the slot: it ends
-                if msg.get("pid") != w.pid:
-                    _kill(msg["pid"])
+                if msg.pid != w.pid:
+                    _kill(msg.pid)
                 return
             w.conn = conn
-            self._set_pid(w, msg["pid"])
-            self._by_pid[msg["pid"]] = msg["slot"]
+            self._set_pid(w, msg.pid)
+            self._by_pid[msg.pid] = msg.slot
         else:
             sender = next((w.slot for w in self.workers.values() if w.conn is conn), None)
             if sender is not None:
-                self._from_worker(sender, kind, msg)
+                self._from_worker(sender, msg)
 
     def _set_pid(self, w: _Worker, pid: int) -> None:
         w.pid = pid
         if w.kill_pending:
             _kill(pid)
 
-    def _from_worker(self, slot: int, kind: str | None, msg: dict[str, Any]) -> None:
-        """One worker message (:data:`unicron.control.protocol.MESSAGES`) as this round's
-        reports."""
+    def _from_worker(self, slot: int, msg: P.LocalMessage) -> None:
+        """One message of the worker in ``slot`` as this round's reports."""
         now = time.time()
         w = self.workers[slot]
-        if kind == "ready":
+        if isinstance(msg, P.Ready):
             w.waiting = True
             self._report(
                 M.Ready(
-                    slot=slot,
-                    ts=now,
-                    microbatches=msg.get("microbatches"),
-                    state_bytes=msg.get("bytes", 0),
+                    slot=slot, ts=now, microbatches=msg.microbatches, state_bytes=msg.state_bytes
                 )
             )
-        elif kind == "event":
-            fields = msg["fields"]
-            if msg["event"] == "fault_injected" and "spec" in fields:
+        elif isinstance(msg, P.Event):
+            fields = msg.fields
+            if msg.name == "fault_injected" and "spec" in fields:
                 if fields["spec"] in self.fired:
                     return  # a node fault fires in every worker of the node: log it once
                 self.fired.add(fields["spec"])
-            self._report(M.Event(ts=now, name=msg["event"], fields=fields))
-        elif kind == "epoch":
+            self._report(M.Event(ts=now, name=msg.name, fields=fields))
+        elif isinstance(msg, P.Entered):
             w.waiting = False
-            self._report(M.EpochEntered(slot=slot, ts=now, epoch=msg["epoch"]))
-        elif kind == "step_begin":
-            w.step = msg["step"]
-            sent = min(float(msg.get("ts", now)), now)  # the monitor times the worker's step,
+            self._report(M.EpochEntered(slot=slot, ts=now, epoch=msg.epoch))
+        elif isinstance(msg, P.StepBegin):
+            w.step = msg.step
+            sent = min(msg.ts, now)  # the monitor times the worker's step,
             w.computing_since = sent
             self._report(
-                M.StepBegan(
-                    slot=slot,
-                    ts=sent,
-                    step=msg["step"],
-                    epoch=msg.get("epoch"),
-                    cpu_s=msg.get("cpu_s"),
-                )
+                M.StepBegan(slot=slot, ts=sent, step=msg.step, epoch=msg.epoch, cpu_s=msg.cpu_s)
             )
-        elif kind == "step_done":
+        elif isinstance(msg, P.StepDone):
             w.computing_since = None
             self._report(
                 M.StepComputed(
                     slot=slot,
-                    ts=min(float(msg.get("ts", now)), now),  # not this agent's read latency
-                    step=msg["step"],
-                    compute_s=msg["compute_s"],
-                    microbatches=msg.get("microbatches") or None,
-                    cpu_s=msg.get("cpu_s"),
+                    ts=min(msg.ts, now),  # not this agent's read latency
+                    step=msg.step,
+                    compute_s=msg.compute_s,
+                    microbatches=msg.microbatches or None,
+                    cpu_s=msg.cpu_s,
                 )
             )
-        elif kind == "error" and msg.get("usage"):  # bad input: the whole run ends, exit 2
-            self._report(M.BadInput(ts=now, message=msg["message"]))
-        elif kind == "error":
-            if not msg.get("in_band"):
-                w.error = {**msg, "ts": now, "slot": slot}  # the error that ends this process
-                self.errors.append(w.error)  # kept across restarts: the task's failure report
-            verdict = classify_message(msg["type_name"], msg["message"])
-            step = msg.get("step", w.step)
+        elif isinstance(msg, P.Error) and msg.usage:  # bad input: the whole run ends, exit 2
+            self._report(M.BadInput(ts=now, message=msg.message))
+        elif isinstance(msg, P.Error):
+            if not msg.in_band:
+                w.error = msg  # the error that ends this process
+                self.errors.append(FatalError(slot, now, msg))  # the task's failure report
+            verdict = classify_message(msg.type_name, msg.message)
+            step = w.step if msg.step is None else msg.step
             self._report(
                 M.Detected(slot=slot, ts=now, step=step, verdict=verdict, method="exception")
             )
-            if msg.get("in_band"):
+            if msg.in_band:
                 self._report(
                     M.WorkerError(
-                        slot=slot,
-                        ts=now,
-                        verdict=verdict,
-                        in_place=bool(msg.get("in_place")),
-                        epoch=msg.get("epoch"),
+                        slot=slot, ts=now, verdict=verdict, in_place=msg.in_place, epoch=msg.epoch
                     )
                 )
             else:  # the error ends the process: do not wait for its interpreter to wind down
                 self.kill(slot, verdict)
-        elif kind == "node_fault":
+        elif isinstance(msg, P.NodeFault):
             # what the node's workers said before the fault (the injector's fault_injected
             # record among it) goes out first; from then on the node says nothing
             reports, self._reports = self._reports, []
             self.link.exchange(self.node, reports, now, read_until=now)
             self.vanish()
-        elif kind == "done":
+        elif isinstance(msg, P.Done):
             w.finished = True
-            self._report(M.WorkerDone(slot=slot, ts=now, report=msg))
+            self._report(M.WorkerDone(slot=slot, ts=now, report=P.encode(msg)))
+        else:
+            raise ValueError(f"not a worker's message: {msg!r}")
 
     # -- process supervision ----------------------------------------------------------------
     def _sample_cpu(self, now: float) -> None:
@@ -566,7 +565,7 @@ class Agent:
             verdict = w.verdict
         else:
             if w.error is not None:
-                verdict = classify_message(w.error["type_name"], w.error["message"])
+                verdict = classify_message(w.error.type_name, w.error.message)
                 method = "exception"
             else:
                 verdict = classify_exit(returncode if returncode is not None else -9)
@@ -635,17 +634,15 @@ class Agent:
         logfile = self.config.log_dir / f"worker{slot}.{w.incarnation}.log"
         if self._zygote_conn is not None:
             try:
-                self._zygote_conn.send(
-                    {
-                        "cmd": "spawn",
-                        "slot": slot,
-                        "incarnation": w.incarnation,
-                        "env": self._slot_env(slot),
-                        "script": self.config.script,
-                        "argv": self.config.argv,
-                        "log": str(logfile),
-                    }
+                command = P.SpawnWorker(
+                    slot=slot,
+                    incarnation=w.incarnation,
+                    env=self._slot_env(slot),
+                    script=self.config.script,
+                    argv=self.config.argv,
+                    log=str(logfile),
                 )
+                self._zygote_conn.send(P.encode(command))
                 return
             except OSError:
                 self._zygote_conn = None

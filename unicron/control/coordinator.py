@@ -1,17 +1,34 @@
-"""The coordinator: one per cluster. Owns the task's membership and decides every epoch.
+"""A task's coordinator: one per task. Owns the task's membership and decides every epoch.
 
-It hosts the ``TCPStore`` that every process group rendezvous on (keys scoped by task and
-epoch, :mod:`unicron.control.protocol`), turns what agents report (a worker ready, failed, raised,
-began or finished a step, entered an epoch, finished) into decisions through the escalation
-policy (:mod:`unicron.control.escalation`), runs the task's detectors (the step monitor,
-:mod:`unicron.detect.monitor`, over every worker of the task whatever its node; the stall check,
-:mod:`unicron.detect.stall`; node heartbeats), and announces epochs.
+The cluster service (:mod:`unicron.control.cluster`, which ``unicron run`` also runs, on this
+machine) builds one per task, on a client connection to the cluster's store (keys scoped by
+task and epoch, :mod:`unicron.control.protocol`); a coordinator built without one serves a
+``TCPStore`` of its own (the unit tests). It turns what the task's supervisors report (a
+worker ready, failed, raised, began or finished a step, entered an epoch, finished) into
+decisions through the escalation policy (:mod:`unicron.control.escalation`), runs the task's
+detectors (the step monitor, :mod:`unicron.detect.monitor`, over every worker of the task
+whatever its node; the stall check, :mod:`unicron.detect.stall`; node heartbeats), and
+announces epochs.
 
-Agents call the ``worker_*`` and ``step_*`` methods and :meth:`Coordinator.tick` from their
-own supervision threads, and the runner calls :meth:`Coordinator.tick` from its main thread;
-every method takes the coordinator's lock and nothing here blocks or touches an agent. What
-an agent must do (start, kill or probe a worker) is queued for it as an :data:`AgentAction`
-and taken by that agent's own thread with :meth:`Coordinator.take_actions`.
+Who calls what: a supervisor (:mod:`unicron.control.agent`, on each node) calls only
+:meth:`Coordinator.exchange` with its round's typed reports (:mod:`unicron.control.messages`,
+in-process or through ``POST /v1/agents/{node}/tasks/{uid}/exchange``); the reply carries
+the actions queued for its node (start, kill or probe a worker). The cluster calls
+:meth:`~Coordinator.tick` and :meth:`~Coordinator.check_input` from its ticker, the planner's
+moves (:meth:`~Coordinator.add_slot`, :meth:`~Coordinator.release_slots`),
+:meth:`~Coordinator.node_returned` and, after a restart, :meth:`~Coordinator.adopt`. Every
+method takes the coordinator's lock; nothing here blocks or calls an agent.
+
+Decide, then do: the decision methods change only the coordinator's own state (slots,
+members, epoch, detectors) and describe everything else as effects
+(:mod:`unicron.control.effects`: an event-log record, a store key, an epoch announced, an
+action for a node's agent). When the outermost decision of a call ends, an
+:class:`~unicron.control.effects.Executor` carries them out in order.
+:meth:`~Coordinator.decide_exchange` and :meth:`~Coordinator.decide_tick` return them instead,
+undone (``tests/test_decide.py``).
+
+Each slot's lifecycle is a :class:`SlotState` (its diagram is there); a move it does not draw
+raises :class:`IllegalTransition`.
 
 Task states (:class:`TaskState`)::
 
@@ -22,12 +39,14 @@ Task states (:class:`TaskState`)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import enum
 import logging
 import math
 import threading
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +54,14 @@ from typing import Any
 import torch.distributed as dist
 
 from unicron.control import messages as M
+from unicron.control.effects import (
+    AnnounceEpoch,
+    Effect,
+    Executor,
+    LogEvent,
+    Tell,
+    WriteStoreKey,
+)
 from unicron.control.escalation import Decision, Escalation
 from unicron.control.events import EventLog
 from unicron.control.messages import AgentAction, Kill, Probe, Reply, Spawn
@@ -157,18 +184,148 @@ class CoordinatorSettings:
             )
 
 
+class SlotState(enum.Enum):
+    """Where one of the task's slots stands: whether a worker runs there (and is ready), and
+    whether the slot is in the plan, excluded from it, or given to another task. Every change
+    goes through :meth:`_Slot.to`, which refuses a move not drawn here::
+
+        in the plan                              excluded: out of the plan
+        STARTING --ready--> READY                OUT_STARTING --ready--> OUT_READY
+          ^    |              |                       |                      |
+    start |    +--gone--+   gone                      +--gone--+           gone
+          |             v     |                                v             |
+          +------------ DOWN <+                                EXCLUDED <----+
+
+        exclude:   STARTING -> OUT_STARTING,  READY -> OUT_READY,  DOWN -> EXCLUDED
+        readmit:   OUT_STARTING -> STARTING,  OUT_READY -> READY,  EXCLUDED -> DOWN
+        start:     DOWN -> STARTING (a restart);  EXCLUDED -> STARTING (a lost node's new agent)
+        a worker thought gone is heard from (a late ready, an agent's census):
+                   DOWN -> READY | STARTING,  EXCLUDED -> OUT_READY | OUT_STARTING
+        a census:  READY -> STARTING,  OUT_READY -> OUT_STARTING (alive, not ready)
+
+        given to another task:  STARTING | READY | OUT_STARTING | OUT_READY --release--> LEAVING
+                                LEAVING --stop--> STOPPING
+                                LEAVING | STOPPING --gone--> LEFT (removed from the task)
+                                (DOWN and EXCLUDED slots are removed at once when released)
+
+    A worker runs (or is being started) in STARTING, READY, OUT_STARTING, OUT_READY, LEAVING
+    and STOPPING (:attr:`_Slot.alive`); READY and OUT_READY reported ready; all but STARTING,
+    READY and DOWN are out of the plan (:attr:`_Slot.excluded`: no epoch includes them). A
+    worker in OUT_READY is kept on an excluded slot: the last copy of the task's state, or one
+    killed whose exit is not in yet.
+    """
+
+    STARTING = "starting"  # in the plan; a worker is being started, not ready yet
+    READY = "ready"  # in the plan; its worker is ready: waiting to join, or a member
+    DOWN = "down"  # in the plan; no worker (gone, and not started again yet)
+    OUT_STARTING = "out_starting"  # excluded; its worker still starting
+    OUT_READY = "out_ready"  # excluded; its worker still runs and is ready
+    EXCLUDED = "excluded"  # excluded, no worker: a health probe may readmit it
+    LEAVING = "leaving"  # given to another task: out at the next epoch, then stopped
+    STOPPING = "stopping"  # given to another task, its worker told to stop
+    LEFT = "left"  # given to another task, its worker gone (removed once its exit is in)
+
+
+_S = SlotState
+_NEXT: dict[SlotState, frozenset[SlotState]] = {
+    _S.STARTING: frozenset({_S.READY, _S.DOWN, _S.OUT_STARTING, _S.LEAVING}),
+    _S.READY: frozenset({_S.STARTING, _S.DOWN, _S.OUT_READY, _S.LEAVING}),
+    _S.DOWN: frozenset({_S.STARTING, _S.READY, _S.EXCLUDED}),
+    _S.OUT_STARTING: frozenset({_S.OUT_READY, _S.EXCLUDED, _S.STARTING, _S.LEAVING}),
+    _S.OUT_READY: frozenset({_S.OUT_STARTING, _S.EXCLUDED, _S.READY, _S.LEAVING}),
+    _S.EXCLUDED: frozenset({_S.DOWN, _S.STARTING, _S.OUT_READY, _S.OUT_STARTING}),
+    _S.LEAVING: frozenset({_S.STOPPING, _S.LEFT}),
+    _S.STOPPING: frozenset({_S.LEFT}),
+    _S.LEFT: frozenset(),
+}
+"""the moves :class:`SlotState`'s diagram draws (staying in a state is always allowed)"""
+_ALIVE = frozenset({_S.STARTING, _S.READY, _S.OUT_STARTING, _S.OUT_READY, _S.LEAVING, _S.STOPPING})
+_IN_PLAN = frozenset({_S.STARTING, _S.READY, _S.DOWN})
+_GIVEN = frozenset({_S.LEAVING, _S.STOPPING, _S.LEFT})
+
+
+class IllegalTransition(RuntimeError):
+    """A slot asked to move where :class:`SlotState`'s diagram does not go: a bug here."""
+
+
 @dataclass
 class _Slot:
+    """One slot of the task: its node, its :class:`SlotState`, and facts that are not its
+    lifecycle (what its worker holds, its last error, its final report)."""
+
     node: int
-    ready: bool = False
-    alive: bool = True  # a process exists or is being started
-    excluded: bool = False
+    state: SlotState = SlotState.STARTING
     done: dict[str, Any] | None = None
     last_error: str = ""
     has_state: bool = True  # it holds the task's committed state (or will after a sync)
     fresh: bool = True  # started while no step had committed, and has computed none since
-    leaving: bool = False  # given to another task: out at the next epoch, then stopped
-    stop_sent: bool = False
+
+    def to(self, new: SlotState) -> None:
+        """Move to ``new``; :class:`IllegalTransition` if the diagram has no such move."""
+        if new is not self.state and new not in _NEXT[self.state]:
+            raise IllegalTransition(f"slot on node {self.node}: {self.state.name} -> {new.name}")
+        self.state = new
+
+    @property
+    def alive(self) -> bool:
+        """A worker process runs here, or is being started."""
+        return self.state in _ALIVE
+
+    @property
+    def ready(self) -> bool:
+        """Its worker reported ready (built its model) and runs."""
+        return self.state in (_S.READY, _S.OUT_READY)
+
+    @property
+    def excluded(self) -> bool:
+        """Out of the plan: no epoch includes it."""
+        return self.state not in _IN_PLAN
+
+    @property
+    def leaving(self) -> bool:
+        """Given to another task."""
+        return self.state in _GIVEN
+
+    # -- the moves, by what happened ----------------------------------------------------------
+    def start(self) -> None:
+        """A worker is (being) started here (a restart, or a lost node's new agent)."""
+        self.to(_S.STARTING)
+
+    def readied(self) -> None:
+        """Its worker reported ready."""
+        moves = {_S.STARTING: _S.READY, _S.DOWN: _S.READY, _S.OUT_STARTING: _S.OUT_READY}
+        moves[_S.EXCLUDED] = _S.OUT_READY
+        self.to(moves.get(self.state, self.state))
+
+    def gone(self) -> None:
+        """Its worker is gone (or doomed: killed, not a member of the next epoch)."""
+        if self.state in _IN_PLAN:
+            self.to(_S.DOWN)
+        elif self.state in _GIVEN:
+            self.to(_S.LEFT)
+        else:
+            self.to(_S.EXCLUDED)
+
+    def exclude(self) -> None:
+        """Out of the plan until a health probe brings it back (its worker, if any, runs on)."""
+        moves = {_S.STARTING: _S.OUT_STARTING, _S.READY: _S.OUT_READY, _S.DOWN: _S.EXCLUDED}
+        self.to(moves.get(self.state, self.state))
+
+    def readmit(self) -> None:
+        """Back in the plan (a passed health probe, a node that came back)."""
+        moves = {_S.OUT_STARTING: _S.STARTING, _S.OUT_READY: _S.READY, _S.EXCLUDED: _S.DOWN}
+        self.to(moves.get(self.state, self.state))
+
+    def seen(self, *, alive: bool, ready: bool) -> None:
+        """An agent's account of its worker (its census after a coordinator's restart)."""
+        if not alive:
+            self.gone()
+        elif ready:
+            self.readied()
+        else:
+            moves = {_S.READY: _S.STARTING, _S.DOWN: _S.STARTING}
+            moves |= {_S.OUT_READY: _S.OUT_STARTING, _S.EXCLUDED: _S.OUT_STARTING}
+            self.to(moves.get(self.state, self.state))
 
 
 @dataclass
@@ -245,6 +402,9 @@ class Coordinator:
             self.store_address = f"{host}:{self.store.port}"
         else:  # a client of the cluster's store (:mod:`unicron.control.store`), which outlives us
             self.store, self.store_address = store
+        self._effects: list[Effect] = []  # decided, not yet carried out
+        self._depth = 0  # decisions in progress (one calls another): the outermost executes
+        self.executor = Executor(store=self.store, events=events, outbox=self._outbox)
 
     def adopt(self, now: float, *, committed_step: int = -1) -> None:
         """Take over the task as its workers left it when the previous coordinator died: the
@@ -252,7 +412,7 @@ class Coordinator:
         until its agent's :class:`~unicron.control.messages.Census` says otherwise, every node
         heard from now (its agent reconnects within its backoff). Called once, before the
         first exchange, by the cluster service for each task it finds running in its state."""
-        with self._lock:
+        with self._deciding():
             self._adopted = True
             if not self.store.check([epoch_key(self.task)]):
                 return  # no epoch was announced: it starts as a new task does
@@ -266,7 +426,8 @@ class Coordinator:
             if self.state is TaskState.WAITING:
                 self.waiting_since, self.waiting_reason = now, "adopted with no members"
             for slot, o in self.slots.items():
-                o.ready = slot in self.members
+                if slot in self.members:
+                    o.readied()
                 o.has_state = self._trained or slot in self.members
                 o.fresh = not self._trained
             for node in set(o.node for o in self.slots.values()):
@@ -275,19 +436,33 @@ class Coordinator:
 
     def attach(self, node: int) -> None:
         """The agent of ``node`` is up and takes its actions (:meth:`take_actions`)."""
-        with self._lock:
+        with self._deciding():
             self.nodes.add(node)
             self._outbox.setdefault(node, deque())
 
     def exchange(
         self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
     ) -> Reply:
-        """One round of the agent of ``node``: apply its ``reports`` in order, take its
-        heartbeat (every report its workers sent before ``read_until`` is in ``reports``), run
-        the detectors, and answer with the node's queued actions. The only call an agent makes
+        """One round of the agent of ``node``: decide (:meth:`decide_exchange`), carry the
+        decisions out, and answer with the node's queued actions. The only call an agent makes
         (in-process from :mod:`unicron.control.runner`'s agents, or through the cluster
         service's HTTP API)."""
         with self._lock:
+            self.executor.run(self.decide_exchange(node, reports, now, read_until=read_until))
+            return Reply(
+                actions=tuple(self.take_actions(node)),
+                over=self.over(),
+                finished=self.finished(),
+                next_s=self.next_exchange_s(node, now),
+            )
+
+    def decide_exchange(
+        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+    ) -> list[Effect]:
+        """Apply the ``reports`` of the agent of ``node`` in order, take its heartbeat (every
+        report its workers sent before ``read_until`` is in ``reports``) and run the detectors
+        (:meth:`tick`) at ``now``; return what that decided to do, not yet done."""
+        with self._collecting() as effects:
             self.attach(node)
             # bad input first: the exits it causes (read in the same round) are not failures
             for report in sorted(reports, key=lambda r: not isinstance(r, M.BadInput)):
@@ -297,12 +472,42 @@ class Coordinator:
                     log.exception("task %s: could not apply %r", self.task, report)
             self.heartbeat(node, now, read_until=read_until)
             self.tick(now)
-            return Reply(
-                actions=tuple(self.take_actions(node)),
-                over=self.over(),
-                finished=self.finished(),
-                next_s=self.next_exchange_s(node, now),
-            )
+        return effects
+
+    def decide_tick(self, now: float) -> list[Effect]:
+        """What the passing of time decides at ``now`` (:meth:`tick`), not yet done."""
+        with self._collecting() as effects:
+            self.tick(now)
+        return effects
+
+    @contextlib.contextmanager
+    def _deciding(self) -> Iterator[None]:
+        """Hold the lock while deciding; the outermost decision carries out its effects (in
+        the order decided) as it ends, also when it raised."""
+        with self._lock:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._effects:
+                    effects, self._effects = self._effects, []
+                    self.executor.run(effects)
+
+    @contextlib.contextmanager
+    def _collecting(self) -> Iterator[list[Effect]]:
+        """Hold the lock while deciding, and hand the effects decided to the caller instead
+        of carrying them out."""
+        out: list[Effect] = []
+        with self._lock:
+            self._depth += 1
+            start = len(self._effects)
+            try:
+                yield out
+            finally:
+                self._depth -= 1
+                out += self._effects[start:]
+                del self._effects[start:]
 
     def _apply(self, node: int, r: M.Report) -> None:
         slot = getattr(r, "slot", None)
@@ -363,20 +568,20 @@ class Coordinator:
             return
         if r.name == "transition_end" and fields.get("state_source") == "checkpoint":
             fields["steps_redone"] = self.steps_redone(fields["step"])
-        self.events.emit(r.name, **fields)
+        self._emit(r.name, **fields)
 
     def census(self, node: int, r: M.Census) -> None:
         """An agent's account of its workers, sent when it (re)connects. A coordinator that
         adopted a running task after a restart (:meth:`adopt`) learns from it which workers
         live; to one that never went away it says nothing new."""
-        with self._lock:
+        with self._deciding():
             if not self._adopted:
                 return
             for slot, o in self.slots.items():
                 if o.node != node:
                     continue
-                o.alive = slot in r.alive
-                o.ready = slot in r.ready or (o.alive and slot in self.members)
+                alive = slot in r.alive
+                o.seen(alive=alive, ready=slot in r.ready or (alive and slot in self.members))
                 if not o.alive and slot in self.members and not o.excluded:
                     # gone while nobody listened: its exit report was lost with the old
                     # coordinator; heal it as a process failure now
@@ -397,18 +602,17 @@ class Coordinator:
         self, slot: int, now: float, *, microbatches: int | None = None, state_bytes: int = 0
     ) -> None:
         """The worker in ``slot`` built its model and waits for an epoch."""
-        with self._lock:
-            self.slots[slot].ready = True
-            self.slots[slot].alive = True
+        with self._deciding():
+            self.slots[slot].readied()
             self.microbatches = microbatches or self.microbatches
             self.state_bytes = max(self.state_bytes, state_bytes)
             self.tick(now)
 
     def worker_failed(self, slot: int, verdict: Verdict, now: float) -> None:
         """The worker process in ``slot`` is gone (the agent already logged the detection)."""
-        with self._lock:
+        with self._deciding():
             s = self.slots[slot]
-            s.ready = s.alive = False
+            s.gone()
             if s.leaving:  # given back anyway: no healing, the slot is the task's no more
                 self.worker_left(slot)
                 self._reform(now, f"slot {slot} released")
@@ -446,7 +650,7 @@ class Coordinator:
         for a newer epoch: it is healed in :meth:`tick` (a newer epoch announced meanwhile, for
         a process or node failure, heals it too).
         """
-        with self._lock:
+        with self._deciding():
             if not in_place:
                 epoch = self.epoch if epoch is None else epoch
                 if epoch >= self.epoch:
@@ -473,7 +677,7 @@ class Coordinator:
 
     def epoch_entered(self, slot: int, epoch: int, now: float) -> None:
         """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
-        with self._lock:
+        with self._deciding():
             self._progress[slot] = Progress(epoch, Phase.JOIN, -1, now)
 
     def step_started(
@@ -486,7 +690,7 @@ class Coordinator:
         cpu_s: float | None = None,
     ) -> None:
         """The worker in ``slot`` began computing ``step``: the monitor's clock starts."""
-        with self._lock:
+        with self._deciding():
             known = self._progress.get(slot)
             ep = epoch if epoch is not None else (known.epoch if known else self.epoch)
             self._progress[slot] = Progress(ep, Phase.COMPUTE, step, now)
@@ -506,7 +710,7 @@ class Coordinator:
     ) -> None:
         """The worker in ``slot`` finished computing ``step`` (it now reduces): it holds the
         state; the monitor learns the step time."""
-        with self._lock:
+        with self._deciding():
             self._computed[slot] = step
             self._cpu.computed(slot, step, cpu_s)
             s = self.slots[slot]
@@ -525,7 +729,7 @@ class Coordinator:
         it (every member sends one; the event log keeps one). The first commit makes a freshly
         built model no longer the task's state: the coordinator is the one source of that fact
         (the ``trained`` store key, which starting workers read, is written here)."""
-        with self._lock:
+        with self._deciding():
             key = (epoch, step)
             if key in self._commits:
                 return False
@@ -535,7 +739,7 @@ class Coordinator:
             self._commits.add(key)
             if not self._trained:
                 self._trained = True
-                self.store.set(trained_key(self.task), "1")
+                self._effects.append(WriteStoreKey(trained_key(self.task), "1"))
                 for o in self.slots.values():
                     if o.fresh:  # a fresh model started before the first commit: not the state
                         o.has_state = False
@@ -544,7 +748,7 @@ class Coordinator:
     def worker_slow(self, slot: int, verdict: Verdict, now: float) -> None:
         """A straggler: ask the planner whether the task's WAF is higher without it; act on
         the answer (drop the slot, or keep it and say why)."""
-        with self._lock:
+        with self._deciding():
             if slot not in self.members or self.state is not TaskState.RUNNING:
                 return
             mb_s = self._mb_compute_s
@@ -572,11 +776,11 @@ class Coordinator:
         was waiting to join, or joined a last epoch as the others finished): the task does not
         wait for it (:meth:`finished`). Or it was stopped because its slot goes to another
         task (:meth:`release_slot`): the slot is the task's no more (:meth:`released`)."""
-        with self._lock:
+        with self._deciding():
             s = self.slots.get(slot)
             if s is None:
                 return
-            s.alive = s.ready = False
+            s.gone()
             if s.leaving:
                 self._forget(slot)
                 del self.slots[slot]
@@ -587,7 +791,7 @@ class Coordinator:
         """The cluster gives the task ``slot`` on ``node`` (a planner decision): a worker
         starts there and joins the next epoch, at a step boundary, with the state from the
         nearest replica. A ``reconfigure`` action says why."""
-        with self._lock:
+        with self._deciding():
             if slot in self.slots or self.over():
                 return
             s = self.slots[slot] = _Slot(node=node)
@@ -600,19 +804,19 @@ class Coordinator:
         nothing recomputed) goes on without them; once every remaining member has entered it
         their workers are stopped, and the slots are the task's no more (:meth:`released`).
         A ``reconfigure`` action per slot says why."""
-        with self._lock:
+        with self._deciding():
             leaving = []
             for slot in slots:
                 s = self.slots.get(slot)
                 if s is None or s.leaving:
                     continue
-                s.leaving = s.excluded = True
                 self._action(Action.RECONFIGURE, slot, f"slot {slot} released: {reason}", 1, now)
                 if not s.alive:
                     self._forget(slot)
                     del self.slots[slot]
                     self._released.add(slot)
                 else:
+                    s.to(SlotState.LEAVING)
                     leaving.append(slot)
             rest = tuple(m for m in self.members if m not in leaving)
             if rest != self.members and self._active():
@@ -621,7 +825,7 @@ class Coordinator:
 
     def released(self) -> set[int]:
         """Slots given back whose worker is gone (each reported once)."""
-        with self._lock:
+        with self._deciding():
             out, self._released = self._released, set()
             return out
 
@@ -629,19 +833,19 @@ class Coordinator:
         """Stop the workers of released slots once every member entered the epoch without
         them (they finished the step they were in; nothing of theirs is needed)."""
         for slot, s in list(self.slots.items()):
-            if not s.leaving or s.stop_sent or slot in self.members:
+            if s.state is not SlotState.LEAVING or slot in self.members:
                 continue
             entered = all(
                 (p := self._progress.get(m)) is not None and p.epoch >= self.epoch
                 for m in self.members
             )
             if entered or not self.members or self.over():
-                s.stop_sent = True
+                s.to(SlotState.STOPPING)
                 self._send(s.node, Kill(slot, None, leave=True))
 
     def worker_done(self, slot: int, report: dict[str, Any], now: float) -> None:
         """The worker in ``slot`` finished the last step (every member of the epoch will)."""
-        with self._lock:
+        with self._deciding():
             if self.state is TaskState.FAILED:
                 return
             self.slots[slot].done = report
@@ -655,13 +859,13 @@ class Coordinator:
                 return
             if self.state in (TaskState.RUNNING, TaskState.WAITING):
                 self.state = TaskState.DONE
-                self.store.set(done_key(self.task), "done")
+                self._effects.append(WriteStoreKey(done_key(self.task), "done"))
             if report.get("rank") == 0 or not self.outcome:
                 self.outcome = Outcome(TaskState.DONE, "finished", report)
 
     def finished(self) -> bool:
         """True once the task is over and every member of the last epoch has reported."""
-        with self._lock:
+        with self._deciding():
             if self.state is TaskState.FAILED:
                 return True
             if self.state is not TaskState.DONE:
@@ -674,7 +878,7 @@ class Coordinator:
         """The health probe of the excluded ``slot`` ended (called by its agent): readmit it
         (and its node, if the node was excluded) and start a worker there, or keep it out for
         twice as long (an ``action`` either way)."""
-        with self._lock:
+        with self._deciding():
             self._probing.discard(slot)
             o = self.slots[slot]
             if not o.excluded or o.alive or not self._active():
@@ -699,9 +903,9 @@ class Coordinator:
             for k, x in sorted(self.slots.items()):
                 if k != slot and not (node_back and x.node == o.node and x.excluded):
                     continue
-                if k in own or k in self._probing:
-                    continue  # its own exclusion (or probe) stands
-                x.excluded = False
+                if k in own or k in self._probing or x.leaving:
+                    continue  # its own exclusion (or probe) stands; or it is another task's
+                x.readmit()
                 self._readmitted_at[k] = now
                 if not x.alive:  # a kept last copy of the state just stays a member
                     self._spawn(k)
@@ -712,7 +916,7 @@ class Coordinator:
         slot); the new agent starts a worker in each, which joins the next epoch with state
         from the nearest replica. Slots excluded on their own account before the loss stay
         out."""
-        with self._lock:
+        with self._deciding():
             if node not in self.lost_nodes or not self._active():
                 return
             self.lost_nodes.discard(node)
@@ -720,20 +924,20 @@ class Coordinator:
             self.escalation.readmit(node=node)
             own = self.escalation.excluded_slots()
             for slot, o in sorted(self.slots.items()):
-                if o.node != node or slot in own or o.alive:
+                if o.node != node or slot in own or o.alive or o.leaving:
                     continue
-                o.excluded = False
+                o.readmit()
                 self._excluded_at.pop(slot, None)
                 self._action(Action.READMIT, slot, f"node {node} is back", 1, now)
                 # the new agent starts a worker in every slot of its task (no Spawn: twice)
-                o.alive, o.ready = True, False
+                o.start()
                 o.has_state = o.fresh = not self._trained
                 self._forget(slot)
 
     def probe_not_started(self, slot: int, error: str, now: float) -> None:
         """The agent could not start the probe of ``slot`` (e.g. out of file descriptors):
         it is tried again after another cool-down, without counting as a failed probe."""
-        with self._lock:
+        with self._deciding():
             self._probing.discard(slot)
             self._excluded_at[slot] = now
             log.warning("task %s: probe of slot %d not started: %s", self.task, slot, error)
@@ -742,13 +946,13 @@ class Coordinator:
     def peer_ahead(self, slot: int, step: int) -> bool:
         """Whether another member of the current epoch finished computing ``step``: the
         evidence that ``slot``, still in that step past its deadline, hangs alone."""
-        with self._lock:
+        with self._deciding():
             return any(m != slot and self._computed.get(m, -1) >= step for m in self.members)
 
     def peers_all_ahead(self, slot: int, step: int) -> bool:
         """Whether every other member of the current epoch that can vouch for ``slot``
         (:meth:`_vouchers`) finished computing ``step``."""
-        with self._lock:
+        with self._deciding():
             others = self._vouchers(slot)
             return bool(others) and all(self._computed.get(m, -1) >= step for m in others)
 
@@ -756,7 +960,7 @@ class Coordinator:
         """Whether no other member of the current epoch can vouch that the step of ``slot``
         hangs rather than the machine being slow: it is the only member, or the others are
         joiners that have computed nothing yet (:meth:`_vouchers`)."""
-        with self._lock:
+        with self._deciding():
             return not self._vouchers(slot)
 
     def _vouchers(self, slot: int) -> list[int]:
@@ -778,7 +982,7 @@ class Coordinator:
     def state_survives(self, slot: int) -> bool:
         """Whether the task's state outlives the worker in ``slot``: another live replica
         holds it, or there is a checkpoint (the condition ``_reform`` goes on with)."""
-        with self._lock:
+        with self._deciding():
             return any(s != slot for s in self._holders()) or self._has_checkpoint()
 
     def over(self) -> bool:
@@ -789,7 +993,7 @@ class Coordinator:
         """The agent of ``node`` is alive (called on every round of its loop), and every
         report its workers sent before ``read_until`` has been handed over: the detectors
         judge that node's workers at that moment, never on reports still in flight."""
-        with self._lock:
+        with self._deciding():
             self.heartbeats[node] = now
             self._read_until[node] = now if read_until is None else read_until
 
@@ -827,14 +1031,14 @@ class Coordinator:
             return False
         return any(
             (p := self._progress.get(m)) is None or p.epoch < self.epoch for m in self.members
-        ) or any(o.leaving and not o.stop_sent for o in self.slots.values())
+        ) or any(o.state is SlotState.LEAVING for o in self.slots.values())
 
     # -- decisions over time ----------------------------------------------------------------
     def tick(self, now: float) -> None:
         """Notice lost nodes, hangs, stragglers and stalls, start the first epoch, grow with
         ready workers, heal in-band errors, probe excluded slots, give up a task that waited
         too long. Called by every agent's loop and by the runner."""
-        with self._lock:
+        with self._deciding():
             self._check_heartbeats(now)
             if self.state is TaskState.PENDING:
                 self._maybe_start(now)
@@ -894,7 +1098,7 @@ class Coordinator:
             self._last_failure_ts = now
             verdict = classify_detector("heartbeat_lost")
             slots = sorted(s for s, o in self.slots.items() if o.node == node)
-            self.events.emit(
+            self._emit(
                 "error_detected",
                 ts=now,
                 task=self.label,
@@ -909,7 +1113,7 @@ class Coordinator:
             if self.over():
                 continue
             decision = self.escalation.decide(verdict, slot=slots[0], node=node, now=now)
-            self.events.emit(
+            self._emit(
                 "action",
                 task=self.label,
                 epoch=self.epoch,
@@ -921,7 +1125,8 @@ class Coordinator:
             )
             for s in slots:
                 o = self.slots[s]
-                o.excluded, o.alive, o.ready = True, False, False
+                o.exclude()
+                o.gone()
                 self._forget(s)
             self._last_error = decision.reason
             self._reform(now, f"node {node} lost")
@@ -1050,7 +1255,7 @@ class Coordinator:
 
     def stall_deadline(self) -> float:
         """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`)."""
-        with self._lock:
+        with self._deciding():
             s = self.settings
             pace = self.monitor.pace_s() if self.monitor is not None else None
             return stall_deadline_s(
@@ -1175,7 +1380,7 @@ class Coordinator:
             self.waiting_since = now
         self.state, self.waiting_reason = TaskState.WAITING, reason
         log.warning("task %s waiting: %s", self.task, reason)
-        self.events.emit(
+        self._emit(
             "action",
             ts=now,
             task=self.label,
@@ -1202,7 +1407,7 @@ class Coordinator:
         back = self._readmitted_at.pop(slot, None)
         if back is not None and now - back >= self.escalation.settings.restart_window_s:
             self._exclusions[slot] = 0
-        self.slots[slot].excluded = True
+        self.slots[slot].exclude()
         self._excluded_at[slot] = now
         self._exclusions[slot] = self._exclusions.get(slot, 0) + 1
 
@@ -1217,7 +1422,7 @@ class Coordinator:
             if not o.excluded:
                 self._exclude(slot, now)
             if o.alive and state_elsewhere:
-                o.alive = o.ready = False  # doomed: not a member of the next epoch
+                o.gone()  # doomed: not a member of the next epoch
                 self._kill(slot, verdict)
 
     def _probe_due(self, slot: int) -> float:
@@ -1244,7 +1449,7 @@ class Coordinator:
 
     def committed_steps(self) -> int | None:
         """Steps committed so far, this run and any run it resumed (``None``: unknown)."""
-        with self._lock:
+        with self._deciding():
             here = max((step + 1 for _, step in self._commits), default=0)
         before = self.settings.committed_before
         return None if before is None and not here else max(here, before or 0)
@@ -1259,7 +1464,7 @@ class Coordinator:
         """Fail the task with exit 2 if a worker found its input unusable (a checkpoint of
         another model: it set the store's ``usage`` key and left). Called by the cluster's
         ticker."""
-        with self._lock:
+        with self._deciding():
             if self.state is TaskState.FAILED or not self.store.check([usage_key(self.task)]):
                 return
             self.fail(self.store.get(usage_key(self.task)).decode(), now, usage=True)
@@ -1268,22 +1473,25 @@ class Coordinator:
         """Give the task up: waiting workers exit, the runner exits 1 with ``reason`` (2 with
         ``usage``: a worker found bad input before training, e.g. a model too large). Also from
         DONE: replicas that finish with different parameters fail a task that looked done."""
-        with self._lock:
+        with self._deciding():
             if self.state is TaskState.FAILED:
                 return
             self.state = TaskState.FAILED
             self.outcome = Outcome(TaskState.FAILED, reason, usage=usage)
-            self.store.set(done_key(self.task), "failed")
+            self._effects.append(WriteStoreKey(done_key(self.task), "failed"))
             if not usage:  # bad input is the runner's one line on stderr
                 log.error("task %s failed: %s", self.task, reason)
 
     # -- effects ----------------------------------------------------------------------------
+    def _emit(self, name: str, /, **fields: Any) -> None:
+        self._effects.append(LogEvent(name, fields))
+
     def _send(self, node: int, action: AgentAction) -> None:
-        self._outbox.setdefault(node, deque()).append(action)
+        self._effects.append(Tell(node, action))
 
     def _spawn(self, slot: int) -> None:
         s = self.slots[slot]
-        s.alive, s.ready = True, False
+        s.start()
         s.has_state = s.fresh = not self._trained
         self._forget(slot)
         self._send(s.node, Spawn(slot))
@@ -1315,7 +1523,7 @@ class Coordinator:
             urgent,
             published_ts=now,
         )
-        self.events.emit(
+        self._emit(
             "plan",
             ts=now,
             task=self.label,
@@ -1323,9 +1531,8 @@ class Coordinator:
             allocation={self.label: len(members)},
             reason=reason,
         )
-        self.store.set(epoch_info_key(self.task, self.epoch), info.to_json())
-        self.store.set(epoch_key(self.task), str(self.epoch))
-        self.events.emit(
+        self._effects.append(AnnounceEpoch(self.task, info))
+        self._emit(
             "epoch_begin",
             ts=now,
             task=self.label,
@@ -1336,7 +1543,7 @@ class Coordinator:
         )
 
     def _action(self, action: Action, slot: int, reason: str, severity: int, now: float) -> None:
-        self.events.emit(
+        self._emit(
             "action",
             ts=now,
             task=self.label,
@@ -1362,7 +1569,21 @@ class Coordinator:
     ) -> None:
         """Write one ``error_detected`` event about the worker in ``slot``: the detectors here
         and the agents' (an exception reported, a process exit) alike."""
-        self.events.emit(
+        with self._deciding():
+            self._emit_detected(slot, step, verdict, ts, method, reason=reason, **extra)
+
+    def _emit_detected(
+        self,
+        slot: int,
+        step: int | None,
+        verdict: Verdict,
+        ts: float,
+        method: str,
+        *,
+        reason: str | None = None,
+        **extra: Any,
+    ) -> None:
+        self._emit(
             "error_detected",
             ts=ts,
             task=self.label,
@@ -1380,3 +1601,4 @@ class Coordinator:
     def close(self) -> None:
         """Stop serving the store (after every worker is gone)."""
         del self.store
+        self.executor.close()

@@ -24,9 +24,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unicron.errors import UsageError
+
+if TYPE_CHECKING:
+    from unicron.control.agent import FatalError
 
 log = logging.getLogger("unicron.control.node")
 
@@ -76,7 +79,7 @@ class NodeAgent:
         self.node: int | None = None
         self.tasks: dict[str, _Running] = {}
         self.vanished = False
-        self.errors: list[dict[str, Any]] = []  # every error that ended a worker, all tasks
+        self.errors: list[FatalError] = []  # every error that ended a worker, all tasks
         self.drain_s = 10.0
         """on stop, how long finished workers may take to exit by themselves (final files)"""
         self.interrupted = False  # set by interrupt(): stop without waiting for anyone

@@ -1,15 +1,17 @@
 """The wire contract between coordinator, agent and workers, in one place.
 
 Store keys (on the coordinator's TCPStore) are scoped by task and epoch; nothing of an old
-epoch is reused. Worker -> agent messages are plain dicts over an authenticated
-``multiprocessing.connection``; their ``type`` field is one of :data:`MESSAGES`. Environment
-variables carry what a worker needs at start-up.
+epoch is reused. Messages on an agent's local socket (an authenticated
+``multiprocessing.connection``: its workers' reports, its zygote's, the zygote's spawn
+commands) are the frozen dataclasses of :data:`KINDS`, sent as the dicts :func:`encode` makes
+and read with :func:`decode`. Environment variables carry what a worker needs at start-up.
+What agents and coordinators say to each other is :mod:`unicron.control.messages`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 # -- environment handed to every worker --------------------------------------------------
@@ -30,25 +32,190 @@ ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the a
 ENV_CHECKPOINT_KEEP = "UNICRON_CHECKPOINT_KEEP"  # checkpoints kept; 0: all
 ENV_RESUME = "UNICRON_RESUME"  # "1": the task goes on from the newest checkpoint
 
-# -- messages to the agent -----------------------------------------------------------------
-MESSAGES = frozenset(
-    {
-        # from a worker (unicron.worker, through unicron.runtime.link)
-        "hello",  # slot, pid, incarnation: first message on connect
-        "ready",  # microbatches, bytes: the model is built; waiting for an epoch with this slot
-        "epoch",  # epoch: entered it (rendezvous, ledger exchange, state transfer follow)
-        "event",  # event, fields: an event-log record for the agent to write
-        "step_begin",  # step, epoch: the monitor's clock starts
-        "step_done",  # step, compute_s, microbatches: computed; the reduce and vote follow
-        "error",  # type_name, message, traceback, step, in_band, in_place, epoch: an error
-        "done",  # steps, final_loss, params_sha256, rank, epoch: the last step committed
-        "node_fault",  # the injected node fault: the agent takes its node down
-        # from the zygote (unicron.runtime.launcher)
-        "zygote",  # the fork server is up
-        "spawned",  # slot, pid: a worker was forked
-        "exit",  # pid, returncode: a forked worker ended
-    }
+# -- messages on the agent's local socket -------------------------------------------------
+# Worker -> agent (unicron.worker, unicron.runtime.launcher, through unicron.runtime.link),
+# zygote -> agent and agent -> zygote (unicron.runtime.launcher). Each kind is one frozen
+# dataclass below, sent as the dict :func:`encode` makes and read back with :func:`decode`.
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hello:
+    """A worker's first message on connect: which slot and incarnation this process is."""
+
+    slot: int
+    pid: int
+    incarnation: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ready:
+    """The model is built; the worker waits for an epoch with its slot. ``state_bytes``: the
+    state a joiner receives (the model and the optimizer's moments)."""
+
+    microbatches: int
+    state_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entered:
+    """The worker entered ``epoch`` (rendezvous, ledger exchange, state transfer follow)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """An event-log record (``step_end``, ``fault_injected``, ...) for the agent to pass on."""
+
+    name: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBegin:
+    """The worker began computing ``step`` at ``ts`` (its own clock): the monitor's clock
+    starts. ``cpu_s``: the process's CPU time then (:mod:`unicron.detect.busy`)."""
+
+    step: int
+    epoch: int
+    ts: float
+    cpu_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDone:
+    """The worker computed ``step`` (``microbatches`` of it, in ``compute_s``) at ``ts``; the
+    reduce and the commit vote follow. ``cpu_s``: the process's CPU time then."""
+
+    step: int
+    microbatches: int
+    compute_s: float
+    ts: float
+    cpu_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Error:
+    """An exception. ``in_band``: raised inside a living worker (a failed collective, its
+    ``epoch``; or a SEV3 error already retried ``in_place``); otherwise it ends the process.
+    ``usage``: bad input found before training (the whole run ends, exit 2). ``step``: the
+    step it hit, ``None`` when the worker does not know (the agent's last known step)."""
+
+    type_name: str
+    message: str
+    traceback: str = ""
+    in_band: bool = False
+    in_place: bool = False
+    usage: bool = False
+    step: int | None = None
+    epoch: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done:
+    """The last step committed: the worker's result (``final_loss``: none when this worker
+    computed no step, a resume of a run that had finished)."""
+
+    steps: int
+    final_loss: float | None
+    params_sha256: str
+    rank: int
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeFault:
+    """The injected node fault fired: the agent takes its whole node down."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZygoteUp:
+    """The fork server is up (its connection carries :class:`Spawned` and :class:`Exited`)."""
+
+    pid: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Spawned:
+    """The zygote forked incarnation ``incarnation`` of ``slot``'s worker as ``pid``."""
+
+    slot: int
+    pid: int
+    incarnation: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Exited:
+    """A worker the zygote forked ended with ``returncode`` (negative: killed by a signal)."""
+
+    pid: int
+    returncode: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpawnWorker:
+    """Agent -> zygote: fork a worker for ``slot`` running ``script`` with ``argv``, with
+    ``env`` added to the environment and its output appended to ``log``."""
+
+    slot: int
+    incarnation: int
+    env: dict[str, str]
+    script: str
+    argv: list[str]
+    log: str
+
+
+LocalMessage = (
+    Hello
+    | Ready
+    | Entered
+    | Event
+    | StepBegin
+    | StepDone
+    | Error
+    | Done
+    | NodeFault
+    | ZygoteUp
+    | Spawned
+    | Exited
+    | SpawnWorker
 )
+
+KINDS: dict[str, type[LocalMessage]] = {
+    "hello": Hello,
+    "ready": Ready,
+    "epoch": Entered,
+    "event": Event,
+    "step_begin": StepBegin,
+    "step_done": StepDone,
+    "error": Error,
+    "done": Done,
+    "node_fault": NodeFault,
+    "zygote": ZygoteUp,
+    "spawned": Spawned,
+    "exit": Exited,
+    "spawn": SpawnWorker,
+}
+"""every message kind on the agent's socket, by its name on the wire"""
+_NAMES = {cls: name for name, cls in KINDS.items()}
+
+
+def encode(msg: LocalMessage) -> dict[str, Any]:
+    """``msg`` as a plain dict (its kind under ``type``): what the connection carries."""
+    out: dict[str, Any] = {"type": _NAMES[type(msg)]}
+    for f in fields(msg):
+        out[f.name] = getattr(msg, f.name)
+    return out
+
+
+def decode(raw: Any) -> LocalMessage:
+    """The message an :func:`encode` dict describes; ``ValueError`` for anything else (an
+    unknown kind, a missing or unknown field)."""
+    try:
+        cls = KINDS[raw["type"]]
+        return cls(**{k: v for k, v in raw.items() if k != "type"})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a message on the agent's socket: {raw!r} ({exc})") from exc
 
 
 def epoch_key(task: str) -> str:

@@ -468,11 +468,11 @@ def main(args: argparse.Namespace) -> int:
             soft_wrap=True,
             markup=False,
         )
-        errors = sorted((e for n in nodes for e in n.errors), key=lambda e: e["ts"])
-        first = next((e for e in errors if e.get("traceback")), None)
+        errors = sorted((e for n in nodes for e in n.errors), key=lambda e: e.ts)
+        first = next((e for e in errors if e.error.traceback), None)
         if first is not None:
             console.print(
-                f"first error (slot {first['slot']}):\n{first['traceback'].rstrip()}",
+                f"first error (slot {first.slot}):\n{first.error.traceback.rstrip()}",
                 markup=False,
                 highlight=False,
             )

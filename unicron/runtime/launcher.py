@@ -24,9 +24,19 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Client, Connection, wait
-from typing import Any
 
-from unicron.control.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_THREADS
+from unicron.control.protocol import (
+    ENV_AGENT,
+    ENV_AUTHKEY,
+    ENV_THREADS,
+    Error,
+    Exited,
+    Spawned,
+    SpawnWorker,
+    ZygoteUp,
+    decode,
+    encode,
+)
 from unicron.errors import UsageError
 
 _PR_SET_PDEATHSIG = 1
@@ -63,21 +73,12 @@ def run_script(script: str, argv: list[str]) -> int:
         return code if isinstance(code, int) else (0 if code is None else 1)
     except UsageError as exc:  # bad use of the worker API: the whole run ends with exit 2
         sys.stderr.write(f"unicron: error: {exc}\n")
-        agent.send({"type": "error", "usage": True, "type_name": "UsageError",
-                    "message": str(exc), "traceback": "", "in_band": False})  # fmt: skip
+        agent.send(Error(type_name="UsageError", message=str(exc), usage=True))
         return 2
     except BaseException as exc:  # report everything the script raised, then exit 1
         tb = traceback.format_exc()
         sys.stderr.write(tb)
-        agent.send(
-            {
-                "type": "error",
-                "type_name": type(exc).__name__,
-                "message": str(exc),
-                "traceback": tb,
-                "in_band": False,
-            }
-        )
+        agent.send(Error(type_name=type(exc).__name__, message=str(exc), traceback=tb))
         return 1
     return 0
 
@@ -99,7 +100,7 @@ def _zygote() -> int:
 
     host, port = os.environ[ENV_AGENT].rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
-    conn.send({"type": "zygote", "pid": os.getpid()})
+    conn.send(encode(ZygoteUp(pid=os.getpid())))
     rfd, wfd = os.pipe()
     os.set_blocking(wfd, False)
     signal.set_wakeup_fd(wfd)
@@ -112,20 +113,13 @@ def _zygote() -> int:
         _reap(conn, children)
         if conn in ready:
             try:
-                cmd: dict[str, Any] = conn.recv()
+                cmd = decode(conn.recv())
             except EOFError:
                 return 0
-            if cmd["cmd"] == "spawn":
+            if isinstance(cmd, SpawnWorker):
                 pid = _fork_worker(conn, rfd, wfd, cmd)
                 children.add(pid)
-                conn.send(
-                    {
-                        "type": "spawned",
-                        "slot": cmd["slot"],
-                        "pid": pid,
-                        "incarnation": cmd.get("incarnation"),
-                    }
-                )
+                conn.send(encode(Spawned(slot=cmd.slot, pid=pid, incarnation=cmd.incarnation)))
 
 
 def _reap(conn: Connection, children: set[int]) -> None:
@@ -133,10 +127,11 @@ def _reap(conn: Connection, children: set[int]) -> None:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             children.discard(pid)
-            conn.send({"type": "exit", "pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+            code = os.waitstatus_to_exitcode(status)
+            conn.send(encode(Exited(pid=pid, returncode=code)))
 
 
-def _fork_worker(conn: Connection, rfd: int, wfd: int, cmd: dict[str, Any]) -> int:
+def _fork_worker(conn: Connection, rfd: int, wfd: int, cmd: SpawnWorker) -> int:
     pid = os.fork()
     if pid:
         return pid
@@ -150,13 +145,13 @@ def _fork_worker(conn: Connection, rfd: int, wfd: int, cmd: dict[str, Any]) -> i
         os.close(wfd)
         conn.close()
         die_with_parent()
-        if cmd.get("log"):
-            fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if cmd.log:
+            fd = os.open(cmd.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.close(fd)
-        os.environ.update(cmd["env"])
-        code = run_script(cmd["script"], cmd["argv"])
+        os.environ.update(cmd.env)
+        code = run_script(cmd.script, cmd.argv)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

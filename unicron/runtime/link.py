@@ -13,24 +13,31 @@ from __future__ import annotations
 import os
 import threading
 from multiprocessing.connection import Client, Connection
-from typing import Any
 
-from unicron.control.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_INCARNATION, ENV_SLOT
+from unicron.control.protocol import (
+    ENV_AGENT,
+    ENV_AUTHKEY,
+    ENV_INCARNATION,
+    ENV_SLOT,
+    Hello,
+    LocalMessage,
+    encode,
+)
 
 
 class AgentLink:
-    """Sends messages (dicts with a ``type``, see :data:`unicron.control.protocol.MESSAGES`)."""
+    """Sends messages (:data:`unicron.control.protocol.KINDS`) to the agent."""
 
     def __init__(self, conn: Connection | None) -> None:
         self._conn = conn
         self._lock = threading.Lock()
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: LocalMessage) -> None:
         if self._conn is None:
             return
         with self._lock:
             try:
-                self._conn.send(message)
+                self._conn.send(encode(message))
             except OSError:
                 self._conn = None
 
@@ -47,14 +54,12 @@ def connect_agent() -> AgentLink:
         if address:
             host, port = address.rsplit(":", 1)
             conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
-            conn.send(
-                {
-                    "type": "hello",
-                    "slot": int(os.environ[ENV_SLOT]),
-                    "pid": os.getpid(),
-                    "incarnation": int(os.environ.get(ENV_INCARNATION, "0")),
-                }
+            hello = Hello(
+                slot=int(os.environ[ENV_SLOT]),
+                pid=os.getpid(),
+                incarnation=int(os.environ.get(ENV_INCARNATION, "0")),
             )
+            conn.send(encode(hello))
         _link = AgentLink(conn)
     return _link
 

@@ -1,0 +1,108 @@
+"""The coordinator's decisions as values: state + observation + ``now`` -> effects.
+
+:meth:`Coordinator.decide_exchange` and :meth:`Coordinator.decide_tick` return what the
+coordinator decided (``unicron.control.effects``) without doing it: nothing reaches the store,
+the event log or an agent's queue until an :class:`Executor` runs the effects. The key paths:
+a worker's failure (a new epoch without it, its restart), its return (an epoch with it), a node
+lost (an epoch without its slots), bad input (the task fails, its exits heal nothing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unicron.control import messages as M
+from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
+from unicron.control.effects import AnnounceEpoch, LogEvent, Tell, WriteStoreKey
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.control.events import EventLog
+from unicron.control.protocol import EpochInfo, done_key, epoch_key
+from unicron.detect.classify import verdict_for_kind
+
+
+def running(tmp: Path) -> Coordinator:
+    """Two nodes of two slots each (slots 0, 1 on node 0; 2, 3 on node 1), in epoch 1."""
+    c = Coordinator(
+        task="t",
+        slots={0: 0, 1: 0, 2: 1, 3: 1},
+        events=EventLog(tmp / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(),
+    )
+    for n in (0, 1):
+        c.exchange(n, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in (2 * n, 2 * n + 1)], 0.0)
+    assert c.epoch == 1 and c.members == (0, 1, 2, 3)
+    return c
+
+
+def names(effects: list[object]) -> list[str]:
+    return [e.name if isinstance(e, LogEvent) else type(e).__name__ for e in effects]
+
+
+def test_a_failed_worker_gives_a_new_epoch_and_its_restart_and_nothing_is_done_yet(
+    tmp_path: Path,
+) -> None:
+    c = running(tmp_path)
+    crash = M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))
+    effects = c.decide_exchange(0, [crash], 1.0)
+    assert names(effects) == ["action", "plan", "AnnounceEpoch", "epoch_begin", "Tell"]
+    assert effects[2] == AnnounceEpoch(
+        "t", EpochInfo(2, (0, 2, 3), (0, 1, 1), urgent=True, published_ts=1.0)
+    )
+    assert effects[4] == Tell(0, M.Spawn(1))
+    action = effects[0]
+    assert isinstance(action, LogEvent) and action.fields["action"] == "restart"
+    # decided, not done: the store still points at epoch 1, no agent has anything to do, the
+    # event log has not heard of it
+    assert c.store.get(epoch_key("t")) == b"1" and c.take_actions(0) == []
+    assert [e["epoch"] for e in c.events.events() if e["event"] == "epoch_begin"] == [1]
+    c.executor.run(effects)
+    assert c.store.get(epoch_key("t")) == b"2" and c.take_actions(0) == [M.Spawn(1)]
+    assert [e["epoch"] for e in c.events.events() if e["event"] == "epoch_begin"] == [1, 2]
+
+
+def test_a_restarted_worker_that_is_ready_joins_at_the_step_boundary(tmp_path: Path) -> None:
+    c = running(tmp_path)
+    c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))], 1.0)
+    effects = c.decide_exchange(0, [M.Ready(slot=1, ts=1.5, microbatches=8)], 1.5)
+    announced = [e for e in effects if isinstance(e, AnnounceEpoch)]
+    assert [a.info.members for a in announced] == [(0, 2, 3, 1)]
+    assert not announced[0].info.urgent  # nobody was lost: members switch at a step boundary
+    assert not [e for e in effects if isinstance(e, Tell)]
+
+
+def test_a_silent_node_is_lost_and_the_next_epoch_goes_on_without_its_slots(
+    tmp_path: Path,
+) -> None:
+    c = running(tmp_path)
+    effects: list[object] = []
+    t = 0.0
+    while t < 2.5:  # node 0 keeps exchanging; node 1 falls silent after t = 0
+        t += 0.25
+        effects += c.decide_exchange(0, [], t)
+    lost = [e for e in effects if isinstance(e, LogEvent) and e.name == "error_detected"]
+    assert len(lost) == 1 and lost[0].fields["kind"] == "heartbeat_lost"
+    assert lost[0].fields["node"] == 1 and lost[0].fields["ts"] > 2.0
+    announced = [e for e in effects if isinstance(e, AnnounceEpoch)]
+    assert [a.info.members for a in announced] == [(0, 1)] and announced[0].info.urgent
+    assert c.slots[2].excluded and c.slots[3].excluded and 1 in c.lost_nodes
+    assert not [e for e in effects if isinstance(e, Tell)]  # a lost node has no agent to tell
+
+
+def test_the_clock_alone_decides_nothing_while_every_node_is_heard(tmp_path: Path) -> None:
+    c = running(tmp_path)
+    for t in (0.25, 0.5, 0.75):
+        assert c.decide_exchange(0, [], t) == []
+        assert c.decide_exchange(1, [], t) == []
+        assert c.decide_tick(t) == []
+
+
+def test_bad_input_fails_the_task_and_its_exits_heal_nothing(tmp_path: Path) -> None:
+    c = running(tmp_path)
+    reports: list[M.Report] = [
+        M.WorkerFailed(slot=0, ts=1.0, verdict=verdict_for_kind("user")),
+        M.BadInput(ts=1.0, message="a checkpoint of another model"),  # applied first
+    ]
+    effects = c.decide_exchange(0, reports, 1.0)
+    assert effects == [WriteStoreKey(done_key("t"), "failed")]
+    assert c.state is TaskState.FAILED and c.outcome is not None and c.outcome.usage

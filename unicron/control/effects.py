@@ -1,0 +1,93 @@
+"""What a task's coordinator decided to do, as values, and the executor that does it.
+
+The coordinator's decision methods (:class:`unicron.control.coordinator.Coordinator`) change
+only the coordinator's own state (membership, slots, detectors) and describe everything that
+reaches outside it as an :data:`Effect`: an event-log record, a key on the task's store, an
+epoch announced, an action queued for a node's agent. :meth:`Coordinator.decide_exchange` and
+:meth:`Coordinator.decide_tick` return them without carrying them out (what the unit tests
+read); every other entry point hands them to an :class:`Executor` before it returns, in the
+order they were decided.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from unicron.control.events import EventLog
+from unicron.control.messages import AgentAction
+from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
+
+
+@dataclass(frozen=True)
+class LogEvent:
+    """Write one record to the task's event log (``fields`` without a ``ts``: stamped when
+    written)."""
+
+    name: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WriteStoreKey:
+    """Set ``key`` on the task's store (``trained``, ``done``: :mod:`unicron.control.protocol`)."""
+
+    key: str
+    value: str
+
+
+@dataclass(frozen=True)
+class AnnounceEpoch:
+    """Publish epoch ``info`` of ``task``: its description first, then the pointer to it that
+    workers watch (:func:`~unicron.control.protocol.epoch_key`)."""
+
+    task: str
+    info: EpochInfo
+
+
+@dataclass(frozen=True)
+class Tell:
+    """Queue ``action`` (:class:`~unicron.control.messages.Spawn`, ``Kill`` or ``Probe``) for
+    the agent of ``node``: it takes it with its next exchange."""
+
+    node: int
+    action: AgentAction
+
+
+Effect = LogEvent | WriteStoreKey | AnnounceEpoch | Tell
+
+
+class Executor:
+    """Carries out effects on the task's store, its event log and its agents' queues."""
+
+    def __init__(
+        self, *, store: dist.Store, events: EventLog, outbox: dict[int, deque[AgentAction]]
+    ) -> None:
+        self.store: dist.Store | None = store
+        self.events = events
+        self.outbox = outbox
+
+    def close(self) -> None:
+        """Let go of the store (its owner stops serving it)."""
+        self.store = None
+
+    def run(self, effects: Iterable[Effect]) -> None:
+        """Carry out ``effects`` in order."""
+        for e in effects:
+            if isinstance(e, LogEvent):
+                self.events.emit(e.name, **e.fields)
+            elif isinstance(e, WriteStoreKey):
+                assert self.store is not None, "the store is closed"
+                self.store.set(e.key, e.value)
+            elif isinstance(e, AnnounceEpoch):
+                assert self.store is not None, "the store is closed"
+                self.store.set(epoch_info_key(e.task, e.info.epoch), e.info.to_json())
+                self.store.set(epoch_key(e.task), str(e.info.epoch))
+            elif isinstance(e, Tell):
+                self.outbox.setdefault(e.node, deque()).append(e.action)
+            else:
+                raise TypeError(f"not an effect: {e!r}")
