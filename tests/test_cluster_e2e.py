@@ -131,7 +131,11 @@ def test_the_planner_moves_slots_between_tasks_and_both_stay_exact(
     assert shrunk["urgent"] is False and shrunk["members"] == [0]  # at a step boundary
     first, second = sorted(("light", "heavy"), key=lambda n: of(logs[n], "task_end")[0]["ts"])
     grew = [e for e in of(logs[second], "plan") if e.get("trigger") == f"task {first} done"]
-    assert grew and grew[0]["allocation"] == {second: 4}, of(logs[second], "plan")
+    # it grows onto the freed slots (to 4, or fewer when a loaded machine made the step
+    # monitor drop a worker of it as a straggler meanwhile: that slot is out until readmitted)
+    assert grew, of(logs[second], "plan")
+    assert grew[0]["allocation"][second] > grew[0]["allocation_before"].get(second, 0), grew[0]
+    assert grew[0]["allocation"][second] == 4 or of(logs[second], "error_detected"), grew[0]
     for name in ("light", "heavy"):
         check_steps(logs[name])
     assert light["outcome"]["params_sha256"] == heavy["outcome"]["params_sha256"] == reference
