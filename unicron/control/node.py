@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("unicron.control.node")
 
+REAP_S = 0.05
+"""between two heartbeats, how often the node looks for tasks that ended (their workers are
+stopped at once: a cancelled task's would train on) and for a vanished node"""
 HEARTBEAT_S = 1.0
 """the node's heartbeat (the cluster's view of it: placement, ``status``; new assignments
 come with its answer). A task's own judgement of the node comes from its supervisor's
@@ -127,10 +130,15 @@ class NodeAgent:
 
         self.register(stop)
         backoff = HEARTBEAT_S
+        beat_at = 0.0
         while not stop.is_set():
             if any(r.agent.vanished for r in self.tasks.values()):
                 self._vanish()
                 return VANISHED
+            self._reap()  # a task that ended stops its workers now, not at the next heartbeat
+            if time.monotonic() < beat_at:
+                stop.wait(REAP_S)
+                continue
             try:
                 got = self.client.request(
                     "POST", f"/v1/agents/{self.name}/heartbeat", json={"instance": self.instance}
@@ -148,8 +156,7 @@ class NodeAgent:
                     log.error("node %s: %s; exiting", self.name, exc.detail)
                     self.stop()
                     return 1
-            self._reap()
-            stop.wait(backoff)
+            beat_at = time.monotonic() + backoff
         self.stop()
         return 0
 
