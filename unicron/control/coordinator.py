@@ -1570,33 +1570,20 @@ class Coordinator:
         """Write one ``error_detected`` event about the worker in ``slot``: the detectors here
         and the agents' (an exception reported, a process exit) alike."""
         with self._deciding():
-            self._emit_detected(slot, step, verdict, ts, method, reason=reason, **extra)
-
-    def _emit_detected(
-        self,
-        slot: int,
-        step: int | None,
-        verdict: Verdict,
-        ts: float,
-        method: str,
-        *,
-        reason: str | None = None,
-        **extra: Any,
-    ) -> None:
-        self._emit(
-            "error_detected",
-            ts=ts,
-            task=self.label,
-            rank=slot,
-            slot=slot,
-            node=self.slots[slot].node,
-            step=step,
-            kind=verdict.kind,
-            severity=int(verdict.severity),
-            method=method,
-            reason=reason or verdict.reason,
-            **extra,
-        )
+            self._emit(
+                "error_detected",
+                ts=ts,
+                task=self.label,
+                rank=slot,
+                slot=slot,
+                node=self.slots[slot].node,
+                step=step,
+                kind=verdict.kind,
+                severity=int(verdict.severity),
+                method=method,
+                reason=reason or verdict.reason,
+                **extra,
+            )
 
     def close(self) -> None:
         """Stop serving the store (after every worker is gone)."""
