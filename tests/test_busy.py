@@ -12,7 +12,15 @@ import time
 
 import pytest
 
-from unicron.detect.busy import Cpu, CpuTimes, Sample, judge, read_cpu_s
+from unicron.detect.busy import (
+    Cpu,
+    CpuTimes,
+    Sample,
+    judge,
+    own_compute_s,
+    read_cpu_s,
+    read_queued_s,
+)
 
 T0 = 1000.0
 
@@ -110,3 +118,35 @@ def test_read_cpu_s_follows_the_process_clock() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert read_cpu_s(child.pid, ticks) is None  # reaped: gone
+
+
+def test_the_run_queue_wait_is_taken_out_of_a_step() -> None:
+    assert own_compute_s(0.3, 0.2) == pytest.approx(0.1)
+    assert own_compute_s(0.3, None) == 0.3  # unknown: the wall clock stands
+    assert own_compute_s(0.3, 0.5) == 0.0  # clocks read a moment apart: never negative
+    assert own_compute_s(0.3, float("nan")) == 0.3
+
+
+def test_read_queued_s_counts_waiting_for_a_cpu_not_sleeping() -> None:
+    """A thread that sleeps waits of its own accord (not counted); one that competes with
+    busy processes for fewer cores than there are runnable threads waits in the run queue."""
+    before = read_queued_s()
+    assert before is not None
+    time.sleep(0.3)
+    slept = read_queued_s()
+    assert slept is not None and slept - before < 0.1
+    n = (os.cpu_count() or 1) + 2  # more spinners than cores: someone always waits
+    spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        time.sleep(0.5)
+        start, end = read_queued_s(), time.perf_counter() + 1.0
+        while time.perf_counter() < end:
+            pass
+        after = read_queued_s()
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert start is not None and after is not None
+    assert after - start > 0.05  # 1 s of spinning among n + 1 runnable threads on fewer cores

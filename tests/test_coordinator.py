@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from unicron.control import messages as M
 from unicron.control.coordinator import (
     FAST_EXCHANGE_S,
     Coordinator,
@@ -60,8 +61,9 @@ class Cluster:
         return [e for e in read_events(self.path) if e["event"] == name]
 
     def steps(self, n: int, t0: float, slots: tuple[int, ...] | None = None, dt: float = 0.1,
-              slow: dict[int, float] | None = None) -> float:  # fmt: skip
-        """Every member computes and commits ``n`` steps of ``dt`` seconds from ``t0``."""
+              slow: dict[int, float] | None = None, queued: bool = False) -> float:  # fmt: skip
+        """Every member computes and commits ``n`` steps of ``dt`` seconds from ``t0``; the
+        ``slow`` ones take longer, for ``queued``: waiting in an oversubscribed run queue."""
         c, t = self.c, t0
         for _ in range(n):
             members = slots or c.members
@@ -70,7 +72,10 @@ class Cluster:
                 c.step_started(m, step, t, epoch=c.epoch)
             for m in members:
                 f = (slow or {}).get(m, 1.0)
-                c.step_computed(m, step, t + dt * f, compute_s=dt * f, microbatches=2)
+                c.step_computed(
+                    m, step, t + dt * f, compute_s=dt * f, microbatches=2,
+                    queued_s=dt * (f - 1.0) if queued else 0.0,
+                )  # fmt: skip
             t += dt * max((slow or {}).values(), default=1.0)
             c.step_committed(c.epoch, step, t)
             c.tick(t)
@@ -358,6 +363,44 @@ def test_stragglers_are_compared_across_nodes(tmp_path: Path) -> None:
     assert found["slot"] == 1 and found["node"] == 1
     assert any("straggler" in e["reason"] for e in k.events("action"))
     assert t > 0
+
+
+@pytest.mark.parametrize("cpu", ["idle", "working", "late"])
+def test_a_late_workers_cpu_time_decides_its_hang(tmp_path: Path, cpu: str) -> None:
+    """Every peer finished step 20; slot 3 is past its allowance. Its CPU time standing still
+    is a hang (killed at once); advancing, it is starved (left to run). When the agent's
+    readings of this step are late, as a loaded machine makes them, although readings come
+    from this node, the wall clock decides only at twice the allowance."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch, cpu_s=10.0)
+    for m in (0, 1, 2):
+        c.step_computed(m, 20, t + 0.1, compute_s=0.1, microbatches=2, cpu_s=10.1)
+    rate = 0.0 if cpu == "idle" else 0.1  # of a core: under 3x its peers' 0.1 s by 2.2 s
+    assert c.monitor is not None
+    allowance = c.monitor.settings.hang_floor_s  # 3 x 0.1 s steps is under the 1 s floor
+    killed: list[int] = []
+    for i in range(1, 12):  # the agent reads every 0.2 s (the late one: only the first)
+        ts = t + 0.2 * i * allowance
+        report = M.CpuTime(slot=3, ts=ts, cpu_s=10.0 + rate * 0.2 * i)
+        reply = c.exchange(0, [report] if cpu != "late" or i == 1 else [], ts, read_until=ts)
+        killed += [a.slot for a in reply.actions if isinstance(a, Kill)]
+        if i == 6:  # 1.2 x the allowance
+            assert killed == ([3] if cpu == "idle" else [])
+    assert killed == ([] if cpu == "working" else [3])  # 2.2 x the allowance
+
+
+def test_a_worker_last_in_the_run_queue_is_no_straggler(tmp_path: Path) -> None:
+    """A worker that took 3x its peers' time because its thread waited for a CPU (the kernel's
+    run-queue delay, reported with the step) is starved by the machine, not slow: neither
+    found nor dropped. The same steps without that wait make it a straggler."""
+    for queued in (True, False):
+        k = Cluster(tmp_path / str(queued), nodes=2, per_node=2)
+        k.steps(20, 0.0, slow={1: 3.0}, queued=queued)
+        found = [e for e in k.events("error_detected") if e["kind"] == "straggler"]
+        assert [e["slot"] for e in found] == ([] if queued else [1])
 
 
 @pytest.mark.parametrize(

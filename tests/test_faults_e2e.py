@@ -84,6 +84,21 @@ def test_hang_is_detected_by_the_monitor_and_the_hung_worker_restarted(
     assert r.of("step_end")[-1]["workers"] == 4
 
 
+def test_a_deadlocked_worker_writes_where_it_hung_before_it_is_killed(run: Any) -> None:
+    """A worker blocked for ever on a lock (alive, no CPU) is found by the monitor; before
+    the kill the agent has it write every thread's stack into its log."""
+    r = run(
+        "--nproc-per-node", "2", script=SCRIPTS / "deadlock.py", steps=None,
+        script_args=("--steps", "12", "--rank", "1", "--at-step", "8", "--out", "out"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["status"] == "ok" and r.task_end["steps"] == 12
+    (hang,) = [e for e in r.of("error_detected") if e["kind"] == "hang"]
+    assert hang["slot"] == 1 and hang["step"] == 8
+    log = (r.out.parent / "logs" / "worker1.0.log").read_text()
+    assert "most recent call first" in log and "take_twice" in log, log[-3000:]
+
+
 def test_a_starved_worker_is_not_killed_as_hung(run: Any) -> None:
     """A worker that other processes starve of CPU lasts past its hang allowance while every
     peer finished the step, but its CPU time advances: it is left to finish (before, it was

@@ -61,6 +61,7 @@ from unicron.control.protocol import (
     trained_key,
     usage_key,
 )
+from unicron.detect.busy import read_queued_s
 from unicron.errors import UsageError
 from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
@@ -336,6 +337,8 @@ class Step:
         self.broken: EpochOver | None = None
         """why the commit failed (the epoch changed); the loop goes to the next epoch"""
         self.began = time.perf_counter()
+        self.queued_at_start = read_queued_s()
+        """this thread's run-queue wait so far (:mod:`unicron.detect.busy`)"""
 
     def __repr__(self) -> str:
         return f"Step({self.index}, microbatches={list(self.microbatches)}, epoch={self.epoch})"
@@ -993,6 +996,7 @@ class _Runner:
         g, step = self.groups[-1], s.index
         compute_s = time.perf_counter() - s.began
         self._slow(step, compute_s)
+        queued_now = read_queued_s()
         self.link.send(
             P.StepDone(
                 step=step,
@@ -1000,6 +1004,11 @@ class _Runner:
                 compute_s=time.perf_counter() - s.began,
                 ts=time.time(),
                 cpu_s=time.process_time(),
+                queued_s=(
+                    None
+                    if queued_now is None or s.queued_at_start is None
+                    else queued_now - s.queued_at_start
+                ),
             )
         )
         ex, self._exchange = self._exchange, None

@@ -64,6 +64,8 @@ CPU_SAMPLE_EVERY_S = 0.2
 """and sampled again this often while it lasts (:mod:`unicron.detect.busy`)"""
 _TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
+_HUNG = frozenset({"hang", "stall", "collective_stall"})
+"""verdict kinds of a worker killed while alive but stuck: it writes its stacks first"""
 PROBE_TIMEOUT_S = 120.0
 """a health probe (a fresh process: imports, then milliseconds of work) that takes longer fails"""
 
@@ -161,6 +163,7 @@ class Agent:
         self._pending_spawns: list[int] = []
         self._by_pid: dict[int, int] = {}
         self._probes: dict[int, _Probe] = {}  # slot -> its running health probe
+        self._dumping: dict[int, float] = {}  # pid of a hung worker -> when to SIGKILL it
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
@@ -258,6 +261,10 @@ class Agent:
             w.verdict = verdict
         if w.pid is None:
             w.kill_pending = True  # killed as soon as the zygote says which pid it got
+        elif not w.gone and verdict is not None and verdict.kind in _HUNG:
+            with contextlib.suppress(ProcessLookupError):  # where it hangs, into its log
+                os.kill(w.pid, P.STACKS_SIGNAL)
+            self._dumping[w.pid] = time.time() + P.STACKS_GRACE_S
         elif not w.gone:
             _kill(w.pid)
 
@@ -353,6 +360,11 @@ class Agent:
             pending, self._pending_spawns = self._pending_spawns, []
             for slot in pending:
                 self._launch(slot)
+        for pid, at in list(self._dumping.items()):
+            if now >= at:  # its stacks are written: the kill of :meth:`kill`
+                del self._dumping[pid]
+                if pid in self._by_pid:  # not exited meanwhile
+                    _kill(pid)
         self._check_exits(now)
         self._sample_cpu(now)
         if self._probes:
@@ -481,6 +493,7 @@ class Agent:
                     compute_s=msg.compute_s,
                     microbatches=msg.microbatches or None,
                     cpu_s=msg.cpu_s,
+                    queued_s=msg.queued_s,
                 )
             )
         elif isinstance(msg, P.Error) and msg.usage:  # bad input: the whole run ends, exit 2

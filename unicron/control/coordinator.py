@@ -73,7 +73,7 @@ from unicron.control.protocol import (
     trained_key,
     usage_key,
 )
-from unicron.detect.busy import Cpu, CpuTimes, Sample
+from unicron.detect.busy import Cpu, CpuTimes, Sample, own_compute_s
 from unicron.detect.classify import (
     Action,
     Scope,
@@ -529,6 +529,7 @@ class Coordinator:
                 compute_s=r.compute_s,
                 microbatches=r.microbatches,
                 cpu_s=r.cpu_s,
+                queued_s=r.queued_s,
             )
         elif isinstance(r, M.CpuTime):
             self._cpu.sampled(r.slot, Sample(r.ts, r.cpu_s))
@@ -707,9 +708,12 @@ class Coordinator:
         compute_s: float = math.nan,
         microbatches: int | None = None,
         cpu_s: float | None = None,
+        queued_s: float | None = None,
     ) -> None:
         """The worker in ``slot`` finished computing ``step`` (it now reduces): it holds the
-        state; the monitor learns the step time."""
+        state; the monitor learns the step time. Stragglers are judged on the compute time
+        without ``queued_s``, the part its thread waited for a CPU (:mod:`unicron.detect.busy`):
+        an oversubscribed machine's run queue is not the worker's speed."""
         with self._deciding():
             self._computed[slot] = step
             self._cpu.computed(slot, step, cpu_s)
@@ -718,10 +722,11 @@ class Coordinator:
             known = self._progress.get(slot)
             ep = known.epoch if known else self.epoch
             self._progress[slot] = Progress(ep, Phase.REDUCE, step, now)
+            own_s = own_compute_s(compute_s, queued_s)
             if microbatches:
-                self._mb_compute_s[slot] = compute_s / microbatches
+                self._mb_compute_s[slot] = own_s / microbatches
             if self.monitor is not None:
-                self.monitor.step_finished(slot, step, compute_s, now, microbatches=microbatches)
+                self.monitor.step_finished(slot, step, own_s, now, microbatches=microbatches)
             self.escalation.healthy(slot=slot, now=now)
 
     def step_committed(self, epoch: int, step: int, now: float) -> bool:
@@ -1223,6 +1228,14 @@ class Coordinator:
             if self._held.get(slot) != step:
                 self._held[slot] = step
                 log.info("task %s: slot %d past its hang allowance but %s", self.label, slot, why)
+            return
+        if cpu is Cpu.UNKNOWN and self._cpu.sampling and not overrun:
+            # the agents read CPU time, only not this step's yet: a loaded machine starves the
+            # agent too. Without that evidence the wall clock alone decides, at the larger
+            # overrun
+            if self._held.get(slot) != step:
+                self._held[slot] = step
+                log.info("task %s: slot %d past its hang allowance, %s yet", self.label, slot, why)
             return
         # its CPU time standing still is what several late peers would otherwise have to show
         idle = cpu is Cpu.IDLE

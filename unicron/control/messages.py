@@ -95,6 +95,7 @@ class StepComputed:
     compute_s: float
     microbatches: int | None = None
     cpu_s: float | None = None  # the worker's process CPU time then (unicron.detect.busy)
+    queued_s: float | None = None  # of compute_s, waiting for a CPU (unicron.detect.busy)
 
 
 @dataclass(frozen=True, kw_only=True)

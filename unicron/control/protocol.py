@@ -11,6 +11,7 @@ What agents and coordinators say to each other is :mod:`unicron.control.messages
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -26,6 +27,11 @@ ENV_FAULTS = "UNICRON_FAULTS"  # --inject specs still to fire in this slot, join
 ENV_REDUCE = "UNICRON_REDUCE"  # exact | fast
 ENV_ON_LOST = "UNICRON_ON_LOST"  # recompute | drop
 ENV_THREADS = "UNICRON_THREADS"
+STACKS_SIGNAL = signal.SIGUSR1
+"""a worker writes every thread's Python stack to its log on this signal (``faulthandler``): the
+agent sends it to a worker it kills as hung, :data:`STACKS_GRACE_S` before the SIGKILL"""
+STACKS_GRACE_S = 0.1
+"""how long the agent lets a hung worker write its stacks before it kills it"""
 ENV_CHECKPOINT = "UNICRON_CHECKPOINT"  # directory of the persistent checkpoints (last resort)
 ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 0: none; auto
 ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the auto interval
@@ -85,13 +91,16 @@ class StepBegin:
 @dataclass(frozen=True, kw_only=True)
 class StepDone:
     """The worker computed ``step`` (``microbatches`` of it, in ``compute_s``) at ``ts``; the
-    reduce and the commit vote follow. ``cpu_s``: the process's CPU time then."""
+    reduce and the commit vote follow. ``cpu_s``: the process's CPU time then; ``queued_s``:
+    how long of ``compute_s`` its thread waited for a CPU (``None``: unknown), see
+    :mod:`unicron.detect.busy`."""
 
     step: int
     microbatches: int
     compute_s: float
     ts: float
     cpu_s: float
+    queued_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,16 +18,27 @@ the budget it is SPINNING (an endless loop): a hang like any other. Without samp
 ``/proc``, an agent too busy to send them) the wall-clock verdict stands.
 
 :func:`judge` is pure (no clock, no I/O); :func:`read_cpu_s` is the agent's one read.
+
+The same question, starved or slow, decides stragglers. A worker that computes its share in
+twice its peers' time is slow (a throttled device, a sick host) or merely last in the run queue
+of an oversubscribed machine, which moves between workers. The kernel keeps the difference
+for each thread: the time it was runnable but waited for a CPU
+(``/proc/thread-self/schedstat``). The worker reads it around each step's compute
+(:func:`read_queued_s`) and sends the difference; the straggler detector judges
+:func:`own_compute_s`, the step's compute without that wait. What a worker waits for of its own
+accord (a device, a sleep, I/O) stays in it: a slow device is still slow. Only the computing
+thread's wait is counted: a starved helper thread the main thread waits on still reads as slow.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Cpu", "CpuTimes", "Sample", "judge", "read_cpu_s"]
+__all__ = ["Cpu", "CpuTimes", "Sample", "judge", "own_compute_s", "read_cpu_s", "read_queued_s"]
 
 MIN_BUSY = 0.02
 """a process using less than this share of one core between two samples is not working"""
@@ -110,6 +121,9 @@ class CpuTimes:
         self._samples: dict[int, deque[Sample]] = {}  # slot -> the agent's readings since
         self._cost: dict[int, dict[int, float]] = {}  # step -> slot -> CPU it took
         self._own: dict[int, deque[float]] = {}  # slot -> CPU of its recent steps
+        self.sampling = False
+        """an agent has sent a reading: CPU evidence is to be expected, and its absence at a
+        verdict means a late agent (a loaded machine), not a platform without ``/proc``"""
 
     def began(self, slot: int, step: int, sample: Sample | None) -> None:
         """The worker in ``slot`` began ``step``, with ``sample`` its CPU time then."""
@@ -133,6 +147,7 @@ class CpuTimes:
 
     def sampled(self, slot: int, sample: Sample) -> None:
         """The agent read the CPU time of the worker in ``slot`` during its step."""
+        self.sampling = True
         if slot in self._began:
             self._samples.setdefault(slot, deque(maxlen=_KEPT_STEPS)).append(sample)
 
@@ -161,6 +176,25 @@ class CpuTimes:
             factor=factor,
             now=now,
         )
+
+
+def own_compute_s(compute_s: float, queued_s: float | None) -> float:
+    """A step's compute time without the time its thread waited for a CPU (``queued_s``, from
+    :func:`read_queued_s`; ``None`` where unknown): what the straggler detector compares."""
+    if queued_s is None or not math.isfinite(queued_s) or queued_s <= 0.0:
+        return compute_s
+    return max(compute_s - queued_s, 0.0)
+
+
+def read_queued_s() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU since it started
+    (the run-queue delay, second field of ``/proc/thread-self/schedstat``); ``None`` where the
+    kernel does not say. Called by the worker at the start and end of each step's compute."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def read_cpu_s(pid: int, ticks_per_s: float) -> float | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import importlib
 import os
 import runpy
@@ -29,6 +30,7 @@ from unicron.control.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
     ENV_THREADS,
+    STACKS_SIGNAL,
     Error,
     Exited,
     Spawned,
@@ -63,6 +65,8 @@ def run_script(script: str, argv: list[str]) -> int:
     from unicron.runtime import link
 
     torch.set_num_threads(int(os.environ.get(ENV_THREADS, "1")))
+    # the agent asks a worker it kills as hung where it was (every thread, into its log)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     agent = link.connect_agent()
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
