@@ -150,3 +150,25 @@ def test_read_queued_s_counts_waiting_for_a_cpu_not_sleeping() -> None:
             p.wait()
     assert start is not None and after is not None
     assert after - start > 0.05  # 1 s of spinning among n + 1 runnable threads on fewer cores
+
+
+def test_read_cpu_s_of_one_thread_leaves_the_others_out() -> None:
+    """The computing thread's clock: a busy thread beside it (a gloo event loop spinning, a
+    data loader) does not make a blocked step look like work."""
+    import threading
+
+    ticks, pid, tid = float(os.sysconf("SC_CLK_TCK")), os.getpid(), threading.get_native_id()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+
+    process0, thread0 = read_cpu_s(pid, ticks), read_cpu_s(pid, ticks, tid)
+    busy = threading.Thread(target=spin)
+    busy.start()
+    busy.join()  # this thread blocks meanwhile
+    process1, thread1 = read_cpu_s(pid, ticks), read_cpu_s(pid, ticks, tid)
+    assert None not in (process0, thread0, process1, thread1)
+    assert process1 - process0 >= 0.25  # type: ignore[operator]
+    assert thread1 - thread0 < 0.1  # type: ignore[operator]

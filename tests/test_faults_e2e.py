@@ -339,7 +339,8 @@ def test_script_that_cannot_start_fails_fast_with_its_error(run: Any) -> None:
     r = run("--nproc-per-node", "4", script=SCRIPTS / "broken_import.py", steps=None)
     elapsed_s = time.monotonic() - t0
     assert r.returncode == 1, r.stderr[-3000:]
-    assert elapsed_s < 60, elapsed_s  # given up, not restarted forever
+    # given up, not restarted forever (~10 s quiet; 67 s seen at load 14 beside a burner)
+    assert elapsed_s < 150, elapsed_s
     assert "ModuleNotFoundError" in r.stderr and "no_such_module_xyz" in r.stderr
     assert r.task_end["status"] == "failed"
     assert "no_such_module_xyz" in r.task_end["reason"]

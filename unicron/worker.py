@@ -32,6 +32,7 @@ import hashlib
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -837,7 +838,13 @@ class _Runner:
         step = self.step
         # ts: when it began here (the agent may read it late on a loaded machine)
         self.link.send(
-            P.StepBegin(step=step, epoch=g.info.epoch, ts=time.time(), cpu_s=time.process_time())
+            P.StepBegin(
+                step=step,
+                epoch=g.info.epoch,
+                ts=time.time(),
+                cpu_s=time.thread_time(),
+                tid=threading.get_native_id(),
+            )
         )
         for attempt in range(self.ctx.max_reattempts + 1):
             try:
@@ -1003,7 +1010,7 @@ class _Runner:
                 microbatches=len(s.microbatches),
                 compute_s=time.perf_counter() - s.began,
                 ts=time.time(),
-                cpu_s=time.process_time(),
+                cpu_s=time.thread_time(),
                 queued_s=(
                     None
                     if queued_now is None or s.queued_at_start is None

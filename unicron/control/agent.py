@@ -110,6 +110,7 @@ class _Worker:
     leaving: bool = False  # killed because its slot goes to another task
     computing_since: float | None = None  # its step began then and has not ended yet
     cpu_read_at: float = 0.0  # when its CPU time was last sampled (unicron.detect.busy)
+    tid: int | None = None  # the thread that computes its steps (its CPU time is sampled)
 
 
 @dataclass(kw_only=True)
@@ -477,7 +478,7 @@ class Agent:
             w.waiting = False
             self._report(M.EpochEntered(slot=slot, ts=now, epoch=msg.epoch))
         elif isinstance(msg, P.StepBegin):
-            w.step = msg.step
+            w.step, w.tid = msg.step, msg.tid
             sent = min(msg.ts, now)  # the monitor times the worker's step,
             w.computing_since = sent
             self._report(
@@ -542,7 +543,7 @@ class Agent:
             ):
                 continue
             w.cpu_read_at = now
-            cpu_s = read_cpu_s(w.pid, _TICKS_PER_S)
+            cpu_s = read_cpu_s(w.pid, _TICKS_PER_S, w.tid)
             if cpu_s is not None:
                 self._report(M.CpuTime(slot=w.slot, ts=time.time(), cpu_s=cpu_s))
 

@@ -82,7 +82,7 @@ class StepBegan:
     ts: float
     step: int
     epoch: int | None = None
-    cpu_s: float | None = None  # the worker's process CPU time then (unicron.detect.busy)
+    cpu_s: float | None = None  # its computing thread's CPU time then (unicron.detect.busy)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,13 +94,14 @@ class StepComputed:
     step: int
     compute_s: float
     microbatches: int | None = None
-    cpu_s: float | None = None  # the worker's process CPU time then (unicron.detect.busy)
+    cpu_s: float | None = None  # its computing thread's CPU time then (unicron.detect.busy)
     queued_s: float | None = None  # of compute_s, waiting for a CPU (unicron.detect.busy)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CpuTime:
-    """The agent read the process CPU time of the worker in ``slot``, whose step has lasted a
+    """The agent read the CPU time of the computing thread of the worker in ``slot``, whose
+    step has lasted a
     while: evidence that it is starved rather than hung (:mod:`unicron.detect.busy`)."""
 
     slot: int

@@ -80,20 +80,22 @@ class Event:
 @dataclass(frozen=True, kw_only=True)
 class StepBegin:
     """The worker began computing ``step`` at ``ts`` (its own clock): the monitor's clock
-    starts. ``cpu_s``: the process's CPU time then (:mod:`unicron.detect.busy`)."""
+    starts. ``cpu_s``: the CPU time then of the thread that computes the step, ``tid`` (its
+    kernel thread id), see :mod:`unicron.detect.busy`."""
 
     step: int
     epoch: int
     ts: float
     cpu_s: float
+    tid: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class StepDone:
     """The worker computed ``step`` (``microbatches`` of it, in ``compute_s``) at ``ts``; the
-    reduce and the commit vote follow. ``cpu_s``: the process's CPU time then; ``queued_s``:
-    how long of ``compute_s`` its thread waited for a CPU (``None``: unknown), see
-    :mod:`unicron.detect.busy`."""
+    reduce and the commit vote follow. ``cpu_s``: the computing thread's CPU time then;
+    ``queued_s``: how long of ``compute_s`` that thread waited for a CPU (``None``: unknown),
+    see :mod:`unicron.detect.busy`."""
 
     step: int
     microbatches: int

@@ -6,9 +6,10 @@ first. The two look the same on the wall clock and differ in CPU time. A hung pr
 deadlocked, blocked on a lock or a socket) accumulates none; a starved one accumulates CPU
 whenever it runs, and needs about what its peers needed for the same step.
 
-The worker sends its process CPU time (all threads, ``time.process_time``) with each step's
-begin and end; while a step lasts long, the agent samples the same clock from outside
-(``/proc/<pid>/stat``: a stopped process cannot answer for itself) and reports
+The worker sends the CPU time of the thread that computes the step (``time.thread_time``,
+and the thread's kernel id) with each step's begin and end; while a step lasts long, the agent
+samples the same clock from outside (``/proc/<pid>/task/<tid>/stat``: a stopped process cannot
+answer for itself) and reports
 :class:`~unicron.control.messages.CpuTime`. Before it kills a hang suspect the coordinator
 asks :func:`judge`. A worker whose CPU time still advances, and has not yet spent ``factor``
 times what the step cost its peers (or itself, lately), is WORKING: left to finish. One whose
@@ -16,6 +17,11 @@ CPU time stood still is IDLE: hung, and that is evidence enough once a single pe
 the step (without it the coordinator waited for every peer, or for twice the allowance). Past
 the budget it is SPINNING (an endless loop): a hang like any other. Without samples (no
 ``/proc``, an agent too busy to send them) the wall-clock verdict stands.
+
+The computing thread's clock, not the process's: a process also runs threads of its own that
+have nothing to say about the step (gloo's event loops, a data loader, a checkpoint writer).
+One of them busy, or spinning, would make a hung step read as WORKING, or a slow one as
+SPINNING (seen: a gloo loop thread of a left epoch at a whole core, found beside a CPU burner).
 
 :func:`judge` is pure (no clock, no I/O); :func:`read_cpu_s` is the agent's one read.
 
@@ -197,11 +203,13 @@ def read_queued_s() -> float | None:
         return None
 
 
-def read_cpu_s(pid: int, ticks_per_s: float) -> float | None:
-    """The CPU time (user + system, every thread) of process ``pid`` from ``/proc``; ``None``
-    when it cannot be read (gone, or not Linux). Called by the agent for its own workers."""
+def read_cpu_s(pid: int, ticks_per_s: float, tid: int | None = None) -> float | None:
+    """The CPU time (user + system) of thread ``tid`` of process ``pid`` (every thread when
+    ``tid`` is None) from ``/proc``; ``None`` when it cannot be read (gone, or not Linux).
+    Called by the agent for its own workers' computing threads."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(path, "rb") as f:
             raw = f.read()
     except OSError:
         return None

@@ -16,8 +16,10 @@ vote of the worker behind it: the transition that stalls for ever.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as dt
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +28,14 @@ import torch
 import torch.distributed as dist
 
 from unicron.control.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, epoch_prefix
+
+
+def _threads() -> set[int]:
+    """Kernel ids of this process's threads (empty where ``/proc`` is missing)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
 
 
 class EpochOver(Exception):
@@ -116,6 +126,7 @@ class EpochGroup:
         self._pg_store = pg_store or (lambda: store)
         self.pg: Any = None
         self._left = False
+        self._threads: set[int] = set()  # gloo: the threads its construction started
         self.subgroups: list[EpochGroup] = []  # kept (and left) with this group
 
     # -- membership -------------------------------------------------------------------------
@@ -158,20 +169,32 @@ class EpochGroup:
     def _build(self, store: dist.Store) -> Any:
         timeout = dt.timedelta(seconds=self.timeout_s)
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, self.rank, self.world, timeout)
+            before = _threads()
+            pg = dist.ProcessGroupGloo(store, self.rank, self.world, timeout)
+            self._threads = _threads() - before  # its event loop and its two workers
+            return pg
         opts = dist.ProcessGroupNCCL.Options()  # CUDA builds only
         opts._timeout = timeout  # the watchdog's last resort; a superseded epoch aborts first
         return dist.ProcessGroupNCCL(store, self.rank, self.world, opts)
 
     def leave(self) -> None:
         """Give up this epoch's communicator. NCCL: abort it, so that kernels of an abandoned
-        collective stop and the device is free for the next epoch's. Gloo: nothing (an
-        abandoned gloo operation ends when its peers' sockets close; TORCH-FACTS.md)."""
+        collective stop and the device is free for the next epoch's. Gloo: the group is kept
+        (an abandoned gloo operation ends when its peers' sockets close; TORCH-FACTS.md), its
+        threads at the lowest priority (``SCHED_IDLE``): its event loop can spin on for the
+        life of the process (a peer's part of a collective this member left, never read:
+        level-triggered, a whole core; found beside a CPU burner, it made every later step
+        slower), and must not take a core from training."""
         for sub in self.subgroups:
             sub.leave()
-        if self.backend == "nccl" and self.pg is not None and not self._left:
-            self._left = True
+        if self._left:
+            return
+        self._left = True
+        if self.backend == "nccl" and self.pg is not None:
             self.pg.abort()
+        for tid in self._threads:
+            with contextlib.suppress(OSError, AttributeError):  # gone; not Linux
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
 
     def subgroup(self, ranks: list[int], name: str) -> EpochGroup:
         """A process group of some members (``ranks``: this epoch's ranks; this member is one
@@ -180,7 +203,7 @@ class EpochGroup:
         in ``ranks`` calls it with the same ``name``."""
         sub = copy.copy(self)
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
-        sub.subgroups, sub._left = [], False
+        sub.subgroups, sub._left, sub._threads = [], False, set()
         try:
             sub.pg = sub._build(dist.PrefixStore(f"sub/{name}", self._own_store()))
         except (RuntimeError, dist.DistStoreError) as exc:
