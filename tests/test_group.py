@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import threading
 import time
 
@@ -65,3 +66,25 @@ def test_a_peer_that_never_connects_does_not_block_leaving_the_epoch(
     assert left_s < TIMEOUT_S / 2, f"left the epoch after {left_s:.1f} s"  # ~0.5 s
     t0 = time.monotonic()
     assert watch.latest() == 2 and time.monotonic() - t0 < 1.0  # the control client is free
+
+
+def test_a_left_groups_threads_run_only_when_nothing_else_wants_a_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A left gloo group is kept, and its event loop may spin on unread bytes of the old
+    epoch (docs/runtime.md): after :meth:`EpochGroup.leave` its threads are SCHED_IDLE,
+    and the training thread is not."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    only = EpochInfo(1, (0,), (0,), urgent=False)
+    _announce(server, only)
+    client = _client(server.port)
+    g = EpochGroup(client, EpochWatch(client, "t"), only, 0, slice_s=0.05, timeout_s=TIMEOUT_S)
+    g.rendezvous()
+    g.allreduce(torch.ones(4))
+    assert g._threads, "the group's construction started no thread"
+    assert all(os.sched_getscheduler(t) != os.SCHED_IDLE for t in g._threads)
+    g.leave()
+    KEEP.append(g)
+    assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in g._threads)
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE
