@@ -20,6 +20,7 @@ from unicron.detect.busy import (
     own_compute_s,
     read_cpu_s,
     read_queued_s,
+    read_thread_clocks,
 )
 
 T0 = 1000.0
@@ -41,6 +42,33 @@ def test_a_starved_worker_is_still_working() -> None:
         now=T0 + 1.6,
     )
     assert cpu is Cpu.WORKING and "starved" in why
+
+
+def test_a_worker_runnable_but_never_scheduled_is_starved_not_hung() -> None:
+    """On an oversubscribed machine a worker can get under 2 % of a core for half a second:
+    its CPU time stands still as a hung one's does, but it waits in the run queue."""
+    waiting = [Sample(s.ts, 1.0, 5.0 + 0.9 * (s.ts - T0)) for s in _samples(0.0)]
+    cpu, why = judge(
+        began=Sample(T0, 1.0), samples=waiting, typical_cpu_s=0.3, factor=3.0, now=T0 + 1.6
+    )
+    assert cpu is Cpu.WORKING and "waiting for a CPU" in why
+    asleep = [Sample(s.ts, 1.0, 5.0) for s in _samples(0.0)]  # blocked: not in the queue
+    cpu, _ = judge(
+        began=Sample(T0, 1.0), samples=asleep, typical_cpu_s=0.3, factor=3.0, now=T0 + 1.6
+    )
+    assert cpu is Cpu.IDLE
+
+
+def test_read_thread_clocks_reads_the_threads_own_clock() -> None:
+    import threading
+
+    end = time.thread_time() + 0.1
+    while time.thread_time() < end:
+        pass
+    clocks = read_thread_clocks(os.getpid(), threading.get_native_id(), 100.0)
+    assert clocks is not None
+    cpu_s, queued_s = clocks
+    assert abs(cpu_s - time.thread_time()) < 0.05 and queued_s is not None and queued_s >= 0.0
 
 
 def test_a_stopped_worker_is_hung() -> None:

@@ -49,7 +49,7 @@ from unicron.control.protocol import (
     ENV_TASK,
     ENV_THREADS,
 )
-from unicron.detect.busy import read_cpu_s
+from unicron.detect.busy import read_cpu_s, read_thread_clocks
 from unicron.detect.classify import Verdict, classify_exit, classify_message
 from unicron.runtime import device as D
 from unicron.runtime.inject import Fault
@@ -543,9 +543,15 @@ class Agent:
             ):
                 continue
             w.cpu_read_at = now
-            cpu_s = read_cpu_s(w.pid, _TICKS_PER_S, w.tid)
-            if cpu_s is not None:
-                self._report(M.CpuTime(slot=w.slot, ts=time.time(), cpu_s=cpu_s))
+            clocks: tuple[float, float | None] | None
+            if w.tid is None:
+                cpu_s = read_cpu_s(w.pid, _TICKS_PER_S)
+                clocks = None if cpu_s is None else (cpu_s, None)
+            else:
+                clocks = read_thread_clocks(w.pid, w.tid, _TICKS_PER_S)
+            if clocks is not None:
+                cpu_s, queued_s = clocks
+                self._report(M.CpuTime(slot=w.slot, ts=time.time(), cpu_s=cpu_s, queued_s=queued_s))
 
     def _check_exits(self, now: float) -> None:
         for w in self.workers.values():

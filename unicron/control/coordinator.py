@@ -532,7 +532,7 @@ class Coordinator:
                 queued_s=r.queued_s,
             )
         elif isinstance(r, M.CpuTime):
-            self._cpu.sampled(r.slot, Sample(r.ts, r.cpu_s))
+            self._cpu.sampled(r.slot, Sample(r.ts, r.cpu_s, r.queued_s))
         elif isinstance(r, M.Event):
             self._event(r)
         elif isinstance(r, M.Detected):

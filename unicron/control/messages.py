@@ -100,13 +100,15 @@ class StepComputed:
 
 @dataclass(frozen=True, kw_only=True)
 class CpuTime:
-    """The agent read the CPU time of the computing thread of the worker in ``slot``, whose
-    step has lasted a
-    while: evidence that it is starved rather than hung (:mod:`unicron.detect.busy`)."""
+    """The agent read the clocks of the computing thread of the worker in ``slot``, whose step
+    has lasted a while: its CPU time, and how long it has waited runnable for a CPU
+    (``queued_s``; ``None``: unknown). Evidence that it is starved rather than hung
+    (:mod:`unicron.detect.busy`)."""
 
     slot: int
     ts: float
     cpu_s: float
+    queued_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

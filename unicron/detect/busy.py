@@ -44,7 +44,16 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Cpu", "CpuTimes", "Sample", "judge", "own_compute_s", "read_cpu_s", "read_queued_s"]
+__all__ = [
+    "Cpu",
+    "CpuTimes",
+    "Sample",
+    "judge",
+    "own_compute_s",
+    "read_cpu_s",
+    "read_queued_s",
+    "read_thread_clocks",
+]
 
 MIN_BUSY = 0.02
 """a process using less than this share of one core between two samples is not working"""
@@ -57,10 +66,13 @@ FRESH_S = 1.0
 
 @dataclass(frozen=True)
 class Sample:
-    """The worker's process CPU time ``cpu_s`` at time ``ts`` (seconds since the epoch)."""
+    """The CPU time ``cpu_s`` of the worker's computing thread at time ``ts`` (seconds since
+    the epoch), and how long it had waited runnable for a CPU by then (``queued_s``; ``None``:
+    unknown)."""
 
     ts: float
     cpu_s: float
+    queued_s: float | None = None
 
 
 class Cpu(enum.Enum):
@@ -95,11 +107,17 @@ def judge(
     prev = next((s for s in reversed(samples[:-1]) if last.ts - s.ts >= MIN_GAP_S), None)
     if prev is None:
         return Cpu.UNKNOWN, f"no two CPU samples {MIN_GAP_S:g} s apart"
-    busy = (last.cpu_s - prev.cpu_s) / (last.ts - prev.ts)
+    span = last.ts - prev.ts
+    busy = (last.cpu_s - prev.cpu_s) / span
     if busy < MIN_BUSY:
-        return Cpu.IDLE, (
-            f"its CPU time stood still ({busy:.0%} of a core over {last.ts - prev.ts:.2f} s)"
-        )
+        if last.queued_s is not None and prev.queued_s is not None:
+            waiting = (last.queued_s - prev.queued_s) / span
+            if waiting >= MIN_BUSY:  # runnable, but others had the cores: starved
+                return Cpu.WORKING, (
+                    f"runnable but waiting for a CPU {waiting:.0%} of the last {span:.2f} s "
+                    f"(ran {busy:.0%}): starved, not hung"
+                )
+        return Cpu.IDLE, f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s)"
     if began is None or typical_cpu_s is None:
         return Cpu.UNKNOWN, f"it uses {busy:.0%} of a core; no yardstick for the step's cost"
     used = last.cpu_s - began.cpu_s
@@ -201,6 +219,19 @@ def read_queued_s() -> float | None:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
         return None
+
+
+def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> tuple[float, float | None] | None:
+    """CPU time and run-queue wait (seconds) of thread ``tid`` of process ``pid``: from
+    ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds), else its CPU time alone from ``stat``;
+    ``None`` when it cannot be read (gone, or not Linux). The agent's one read of a worker."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        cpu_s = read_cpu_s(pid, ticks_per_s, tid)
+        return None if cpu_s is None else (cpu_s, None)
 
 
 def read_cpu_s(pid: int, ticks_per_s: float, tid: int | None = None) -> float | None:
