@@ -117,7 +117,9 @@ def run(agents: int, tasks: int, rounds: int, host: str) -> list[Row]:
     rows = []
     for kind, values in got.items():
         q = statistics.quantiles(values, n=10)
-        what = "the cluster's tick (every task)" if kind == "tick" else f"an exchange ({kind})"
+        what = {"tick": "the cluster's tick (every task)", "heartbeat": "a node's heartbeat"}.get(
+            kind, f"an exchange ({kind})"
+        )
         for metric, value in ((f"cpu_us[{kind}]", statistics.median(values)),
                               (f"cpu_us_p90[{kind}]", q[-1])):  # fmt: skip
             rows.append(make_row(system="unicron cluster", scenario=SCENARIO, metric=metric,
