@@ -14,7 +14,7 @@ import pytest
 
 from unicron.control import messages as M
 from unicron.control import protocol as P
-from unicron.control.agent import Agent, AgentConfig
+from unicron.control.agent import Agent, AgentConfig, IllegalTransition, WorkerState
 
 
 def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> None:
@@ -34,6 +34,44 @@ def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> Non
         # a time in the future (never on one host's clock) is not believed
         agent._from_worker(0, P.StepBegin(step=8, epoch=2, ts=time.time() + 60, cpu_s=1.2))
         assert agent._reports[-1].ts <= time.time()
+    finally:
+        agent.stop()
+
+
+def test_a_workers_lifecycle_is_one_state_along_its_diagram(tmp_path: Path) -> None:
+    """A slot's process is in one ``WorkerState``; a report that does not apply where it
+    stands leaves it there, and a move the diagram does not draw is refused. Its exit says
+    what it was: a finished worker's is the normal end, a leaving one's heals nothing."""
+    config = AgentConfig(node=0, slots=[0, 1], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    try:
+        w, v = agent.workers[0], agent.workers[1]
+        assert w.state is WorkerState.NEW and not w.alive and agent.census().alive == ()
+        with pytest.raises(IllegalTransition, match="NEW -> READY"):
+            w.to(WorkerState.READY)
+        for x in (w, v):
+            x.spawned()  # what Agent.spawn does, without launching a process here
+        agent._from_worker(0, P.Ready(microbatches=8, state_bytes=1))
+        assert w.state is WorkerState.READY and agent.census().ready == (0,)
+        agent._from_worker(0, P.Entered(epoch=1))
+        assert w.state is WorkerState.MEMBER and agent.census().ready == ()
+        agent._from_worker(0, P.Done(steps=3, final_loss=1.0, params_sha256="ab", rank=0, epoch=1))
+        assert w.state is WorkerState.DONE and agent.census().alive == (0, 1)
+        agent.reply = M.Reply(actions=(M.Kill(0, None, leave=True), M.Kill(1, None, leave=True)))
+        agent._act(time.time())
+        assert w.state is WorkerState.DONE  # finished already: its exit stays the normal end
+        assert v.state is WorkerState.LEAVING and v.kill_pending  # no pid yet: killed on it
+        agent._from_worker(1, P.Ready(microbatches=8, state_bytes=1))  # read after the kill
+        assert v.state is WorkerState.LEAVING
+        agent._reports.clear()
+        agent._exited(0, 0)
+        agent._exited(1, -9)
+        assert (w.state, v.state) == (WorkerState.GONE, WorkerState.GONE)
+        assert [type(r) for r in agent._reports] == [M.WorkerLeft]  # only the leaver's
+        with pytest.raises(IllegalTransition, match="GONE -> MEMBER"):
+            w.to(WorkerState.MEMBER)
+        w.spawned()  # a new incarnation
+        assert w.state is WorkerState.STARTING and w.alive
     finally:
         agent.stop()
 

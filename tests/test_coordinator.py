@@ -449,6 +449,25 @@ def test_the_exchange_rhythm_is_slow_when_nothing_is_due_and_fast_when_a_detecto
     assert c.exchange(1, [], deadline + 0.06, read_until=deadline + 0.06).next_s == fast
 
 
+def test_routine_exchanges_leave_the_detectors_to_the_ticker(tmp_path: Path) -> None:
+    """An exchange applies its reports and answers; the detectors run on the cluster's ticker
+    (once a period, not once a request), except where an exchange must judge at once (at a
+    hang deadline, the test above)."""
+    k = Cluster(tmp_path, nodes=2, per_node=2)
+    c = k.c
+    t = k.steps(20, 0.0)
+    c.exchange(1, [], t, read_until=t)  # node 1's last word
+    epoch, found_by = c.epoch, []
+    for i in range(1, 31):  # node 1 falls silent; node 0 goes on exchanging, the ticker ticks
+        now = t + 0.1 * i
+        c.exchange(0, [], now + 0.01, read_until=now + 0.01)
+        found_by += ["exchange"] if c.lost_nodes and not found_by else []
+        c.tick(now + 0.02)
+        found_by += ["tick"] if c.lost_nodes and not found_by else []
+    assert found_by == ["tick"] and c.lost_nodes == {1}
+    assert c.epoch == epoch + 1 and c.members == (0, 1)
+
+
 def test_a_slot_moves_only_along_its_diagram(tmp_path: Path) -> None:
     """A slot's lifecycle is one state (``SlotState``); a move its diagram does not draw is a
     bug and is refused, whatever path asked for it."""

@@ -80,6 +80,7 @@ def test_a_silent_node_is_lost_and_the_next_epoch_goes_on_without_its_slots(
     while t < 2.5:  # node 0 keeps exchanging; node 1 falls silent after t = 0
         t += 0.25
         effects += c.decide_exchange(0, [], t)
+        effects += c.decide_tick(t)  # the cluster's ticker: it alone judges heartbeats
     lost = [e for e in effects if isinstance(e, LogEvent) and e.name == "error_detected"]
     assert len(lost) == 1 and lost[0].fields["kind"] == "heartbeat_lost"
     assert lost[0].fields["node"] == 1 and lost[0].fields["ts"] > 2.0

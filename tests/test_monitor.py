@@ -384,3 +384,21 @@ def test_default_settings_are_valid() -> None:
         1.5,
         5,
     )
+
+
+def test_the_pace_follows_new_steps_and_due_agrees_with_check() -> None:
+    """The medians are cached (asked on every exchange), so they must follow new data: a level
+    shift moves the task's pace; :meth:`StepMonitor.due` says what :meth:`check` would find."""
+    m = StepMonitor(MonitorSettings(warmup_steps=1))
+    run = Run(m)
+    run.steps(10, base_s=0.1, sigma=0.0, spike_p=0.0)
+    pace = m.pace_s()
+    assert pace is not None and 0.1 <= pace < 0.13
+    run.steps(10, base_s=0.4, sigma=0.0, spike_p=0.0)  # a sustained shift: re-learned
+    pace = m.pace_s()
+    assert pace is not None and 0.4 <= pace < 0.5
+    m.step_started(0, run.step, run.t)
+    deadline = m.hang_deadline(0)
+    assert deadline is not None and not m.due(0, deadline - 0.01) and m.due(0, deadline)
+    assert m.check(deadline - 0.01) == [] and len(m.check(deadline)) == 1
+    assert not m.due(0, deadline + 1.0)  # reported once

@@ -12,11 +12,15 @@ carries out the coordinator's actions (:class:`unicron.control.messages.Spawn`, 
 Threads: everything the agent owns is touched by one thread, the one in :meth:`Agent.run`
 (its ``accept`` thread only queues new connections). The coordinator never calls the agent;
 the agent calls the coordinator's ``exchange`` once per round (:class:`CoordinatorLink`).
+
+Each slot's process is in one :class:`WorkerState` (its diagram is there); a move it does not
+draw raises :class:`IllegalTransition`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import queue
@@ -90,27 +94,120 @@ class FatalError:
     error: P.Error
 
 
+class WorkerState(enum.Enum):
+    """Where the process of one slot stands, as its agent sees it. Every change goes through
+    :meth:`_Worker.to`, which refuses a move not drawn here::
+
+        NEW --spawn--> STARTING --ready--> READY --entered--> MEMBER --done--> DONE
+                          |                  |                  |             |
+                          +------------------+--leave-----------+--> LEAVING  |
+                          |                  |                  |       |     |
+                          +------------------+--exit------------+-------+-----+--> GONE
+
+        spawn:  any state -> STARTING (a new incarnation; one still running is killed first)
+        ready:  STARTING -> READY                (it built its model and waits for an epoch)
+        entered: READY -> MEMBER                 (it joined an epoch; it stays a member between
+                                                  epochs: it reports ready once per process)
+        done:   MEMBER | READY -> DONE           (it reported the task's last step; READY: a
+                                                  resumed run that had no step left)
+        leave:  STARTING | READY | MEMBER -> LEAVING   (killed: its slot goes to another task)
+        exit:   STARTING | READY | MEMBER | DONE | LEAVING -> GONE   (it exited, was cut off,
+                                                  or vanished with its node)
+
+    A report that does not apply where the worker stands leaves it there (an ``entered`` read
+    after its ``leave``, a ``leave`` after it finished: its exit is then the normal end). A
+    process runs in every state but NEW and GONE (:attr:`_Worker.alive`). A kill owed to a
+    process whose pid is not known yet (:attr:`_Worker.kill_pending`) is no state of its
+    lifecycle: it is carried out as soon as the pid is.
+    """
+
+    NEW = "new"  # no process yet: the slot's first spawn is still to come
+    STARTING = "starting"  # started (or queued for the zygote), not ready yet
+    READY = "ready"  # reported ready, entered no epoch since
+    MEMBER = "member"  # entered an epoch
+    DONE = "done"  # reported the last step: its exit is the normal end
+    LEAVING = "leaving"  # killed because its slot goes to another task: its exit heals nothing
+    GONE = "gone"  # exited (or vanished with its node)
+
+
+_W = WorkerState
+_LIVE = frozenset({_W.STARTING, _W.READY, _W.MEMBER, _W.DONE, _W.LEAVING})
+_WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
+    _W.NEW: frozenset({_W.STARTING}),
+    _W.STARTING: frozenset({_W.READY, _W.LEAVING, _W.GONE}),
+    _W.READY: frozenset({_W.STARTING, _W.MEMBER, _W.DONE, _W.LEAVING, _W.GONE}),
+    _W.MEMBER: frozenset({_W.STARTING, _W.DONE, _W.LEAVING, _W.GONE}),
+    _W.DONE: frozenset({_W.STARTING, _W.GONE}),
+    _W.LEAVING: frozenset({_W.STARTING, _W.GONE}),
+    _W.GONE: frozenset({_W.STARTING}),
+}
+"""the moves :class:`WorkerState`'s diagram draws (staying in a state is always allowed)"""
+
+
+class IllegalTransition(RuntimeError):
+    """A worker asked to move where :class:`WorkerState`'s diagram does not go: a bug here."""
+
+
 @dataclass
 class _Worker:
-    """What the agent knows of the process in one slot (one incarnation at a time)."""
+    """What the agent knows of the process in one slot (one incarnation at a time): its
+    :class:`WorkerState`, and facts that are not its lifecycle."""
 
     slot: int
     incarnation: int = -1
+    state: WorkerState = WorkerState.NEW
     pid: int | None = None
     conn: Connection | None = None
     popen: subprocess.Popen[bytes] | None = None
     eof_ts: float | None = None
     error: P.Error | None = None  # the last error it reported before exiting
     verdict: Verdict | None = None  # set when it was killed for a logged reason (hang, ...)
-    gone: bool = True
     step: int | None = None
-    finished: bool = False  # it reported "done": its exit is the normal end
     kill_pending: bool = False  # asked to die before its pid was known
-    waiting: bool = False  # reported ready, entered no epoch since
-    leaving: bool = False  # killed because its slot goes to another task
     computing_since: float | None = None  # its step began then and has not ended yet
     cpu_read_at: float = 0.0  # when its CPU time was last sampled (unicron.detect.busy)
     tid: int | None = None  # the thread that computes its steps (its CPU time is sampled)
+
+    def to(self, new: WorkerState) -> None:
+        """Move to ``new``; :class:`IllegalTransition` if the diagram has no such move."""
+        if new is not self.state and new not in _WORKER_NEXT[self.state]:
+            raise IllegalTransition(f"worker in slot {self.slot}: {self.state.name} -> {new.name}")
+        self.state = new
+
+    @property
+    def alive(self) -> bool:
+        """Its process runs (or is being started)."""
+        return self.state in _LIVE
+
+    # -- the moves, by what happened ----------------------------------------------------------
+    def spawned(self) -> None:
+        """A new incarnation is started."""
+        self.to(_W.STARTING)
+
+    def readied(self) -> None:
+        """It reported ready (built its model; it waits for an epoch)."""
+        if self.state is _W.STARTING:
+            self.to(_W.READY)
+
+    def entered(self) -> None:
+        """It entered an epoch."""
+        if self.state is _W.READY:
+            self.to(_W.MEMBER)
+
+    def done(self) -> None:
+        """It reported the task's last step."""
+        if self.state in (_W.READY, _W.MEMBER):
+            self.to(_W.DONE)
+
+    def leave(self) -> None:
+        """It is killed because its slot goes to another task."""
+        if self.state in (_W.STARTING, _W.READY, _W.MEMBER):
+            self.to(_W.LEAVING)
+
+    def exited(self) -> None:
+        """Its process is gone (exited, cut off, or vanished with its node)."""
+        if self.alive:
+            self.to(_W.GONE)
 
 
 @dataclass(kw_only=True)
@@ -189,7 +286,7 @@ class Agent:
         """Kill every worker and the zygote; no process is left behind."""
         self._stop.set()
         for w in self.workers.values():
-            if w.pid is not None and not w.gone:
+            if w.pid is not None and w.alive:
                 _kill(w.pid)
             if w.popen is not None:
                 w.popen.kill()
@@ -211,8 +308,8 @@ class Agent:
         """Which of this node's workers live, and which reported ready but entered no epoch
         since: sent when the agent reconnects to a coordinator (one that restarted adopts the
         task from it)."""
-        alive = tuple(s for s, w in self.workers.items() if not w.gone)
-        ready = tuple(s for s, w in self.workers.items() if not w.gone and w.waiting)
+        alive = tuple(s for s, w in self.workers.items() if w.alive)
+        ready = tuple(s for s, w in self.workers.items() if w.state is WorkerState.READY)
         return M.Census(ts=time.time(), alive=alive, ready=ready)
 
     def _act(self, now: float) -> None:
@@ -222,12 +319,12 @@ class Agent:
                 return
             if isinstance(action, Spawn):
                 w = self.workers.get(action.slot)
-                if action.fresh and w is not None and not w.gone and w.incarnation >= 0:
+                if action.fresh and w is not None and w.alive and w.incarnation >= 0:
                     continue  # a slot given to the task, already started with its supervisor
                 self.spawn(action.slot)
             elif isinstance(action, Kill):
                 if action.leave and action.slot in self.workers:
-                    self.workers[action.slot].leaving = True
+                    self.workers[action.slot].leave()
                 self.kill(action.slot, action.verdict)
             elif isinstance(action, Probe):
                 try:
@@ -243,12 +340,13 @@ class Agent:
             self.workers[slot] = _Worker(slot)
             self.config.slots.append(slot)
         w = self.workers[slot]
-        if w.pid is not None and not w.gone:
+        if w.pid is not None and w.alive:
             _kill(w.pid)
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
         w.computing_since = None
-        w.gone = w.finished = w.kill_pending = w.waiting = w.leaving = False
+        w.kill_pending = False
+        w.spawned()
         if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
             if slot not in self._pending_spawns:  # the zygote is still importing torch
                 self._pending_spawns.append(slot)
@@ -262,11 +360,11 @@ class Agent:
             w.verdict = verdict
         if w.pid is None:
             w.kill_pending = True  # killed as soon as the zygote says which pid it got
-        elif not w.gone and verdict is not None and verdict.kind in _HUNG:
+        elif w.alive and verdict is not None and verdict.kind in _HUNG:
             with contextlib.suppress(ProcessLookupError):  # where it hangs, into its log
                 os.kill(w.pid, P.STACKS_SIGNAL)
             self._dumping[w.pid] = time.time() + P.STACKS_GRACE_S
-        elif not w.gone:
+        elif w.alive:
             _kill(w.pid)
 
     def probe(self, slot: int) -> None:
@@ -322,7 +420,7 @@ class Agent:
         """SIGKILL every worker and the zygote now (the run is interrupted). Safe from another
         thread: it only sends signals; :meth:`stop` cleans up after."""
         for w in list(self.workers.values()):
-            if w.pid is not None and not w.gone:
+            if w.pid is not None and w.alive:
                 _kill(w.pid)
         if self._zygote is not None:
             _killpg(self._zygote.pid)
@@ -334,9 +432,9 @@ class Agent:
         for probe in self._probes.values():
             _killpg(probe.proc.pid)
         for w in self.workers.values():
-            if w.pid is not None and not w.gone:
+            if w.pid is not None and w.alive:
                 _kill(w.pid)
-            w.gone = True
+            w.exited()
         if self._zygote is not None:
             _killpg(self._zygote.pid)
 
@@ -438,7 +536,7 @@ class Agent:
             w = self.workers[msg.slot]
             if conn in self._anonymous:
                 self._anonymous.remove(conn)
-            if msg.incarnation != w.incarnation or w.gone:
+            if msg.incarnation != w.incarnation or not w.alive:
                 conn.close()  # a late hello from an earlier incarnation of the slot: it ends
                 if msg.pid != w.pid:
                     _kill(msg.pid)
@@ -461,7 +559,7 @@ class Agent:
         now = time.time()
         w = self.workers[slot]
         if isinstance(msg, P.Ready):
-            w.waiting = True
+            w.readied()
             self._report(
                 M.Ready(
                     slot=slot, ts=now, microbatches=msg.microbatches, state_bytes=msg.state_bytes
@@ -475,7 +573,7 @@ class Agent:
                 self.fired.add(fields["spec"])
             self._report(M.Event(ts=now, name=msg.name, fields=fields))
         elif isinstance(msg, P.Entered):
-            w.waiting = False
+            w.entered()
             self._report(M.EpochEntered(slot=slot, ts=now, epoch=msg.epoch))
         elif isinstance(msg, P.StepBegin):
             w.step, w.tid = msg.step, msg.tid
@@ -523,7 +621,7 @@ class Agent:
             self.link.exchange(self.node, reports, now, read_until=now)
             self.vanish()
         elif isinstance(msg, P.Done):
-            w.finished = True
+            w.done()
             self._report(M.WorkerDone(slot=slot, ts=now, report=P.encode(msg)))
         else:
             raise ValueError(f"not a worker's message: {msg!r}")
@@ -535,7 +633,7 @@ class Agent:
         for w in self.workers.values():
             since = w.computing_since
             if (
-                w.gone
+                not w.alive
                 or w.pid is None
                 or since is None
                 or now - since < CPU_SAMPLE_AFTER_S
@@ -555,7 +653,7 @@ class Agent:
 
     def _check_exits(self, now: float) -> None:
         for w in self.workers.values():
-            if w.gone:
+            if not w.alive:
                 continue
             if w.popen is not None and w.popen.poll() is not None:
                 self._exited(w.slot, w.popen.returncode)
@@ -567,12 +665,13 @@ class Agent:
 
     def _exited(self, slot: int, returncode: int | None) -> None:
         w = self.workers[slot]
-        if w.gone:
+        if not w.alive:
             return
-        w.gone = True
-        if self._stop.is_set() or w.finished or self.reply.finished:
+        was = w.state
+        w.exited()
+        if self._stop.is_set() or was is WorkerState.DONE or self.reply.finished:
             return
-        if w.leaving:  # a planned move: nothing to heal
+        if was is WorkerState.LEAVING:  # a planned move: nothing to heal
             self._report(M.WorkerLeft(slot=slot, ts=time.time()))
             return
         if returncode == 0 and self.reply.over:

@@ -128,13 +128,15 @@ class Cluster:
         self.metrics = _Metrics()
         now = time.time()
         self.nodes: dict[int, Node] = {r.id: Node(r, last_seen=now) for r in self.state.nodes()}
+        self._by_name = {n.row.name: n for n in self.nodes.values()}  # every request looks up
         self.tasks: dict[str, Task] = {}
+        self._by_uid: dict[str, Task] = {}  # ... and every exchange its task
         self._triggers: list[str] = []  # what happened since the last plan
         last_alive = float(self.state.meta("alive_ts") or "nan")
         self.away_s = now - last_alive if math.isfinite(last_alive) else None
         for row in self.state.tasks():
             task = Task(row, TaskSpec.model_validate(row.spec))
-            self.tasks[row.name] = task
+            self.tasks[row.name] = self._by_uid[row.uid] = task
             if row.state in ACTIVE:
                 if not adopted:  # the store and every worker's epochs went with it
                     self._end(task, "failed", "the cluster's store was lost", now)
@@ -178,11 +180,11 @@ class Cluster:
         lost one it brings the node back to the tasks placed there."""
         returned: list[Task] = []
         with self._lock:
-            node = next((n for n in self.nodes.values() if n.row.name == name), None)
+            node = self._by_name.get(name)
             if node is None:
                 nid = max(self.nodes, default=-1) + 1
                 node = Node(NodeRow(nid, name, slots, address, instance, now), last_seen=now)
-                self.nodes[nid] = node
+                self.nodes[nid] = self._by_name[name] = node
                 self.state.save_node(node.row)
                 log.info("node %s registered as node %d with %d slot(s)", name, nid, slots)
                 self._triggers.append(f"node {name} registered")
@@ -238,14 +240,14 @@ class Cluster:
         with self._lock:
             node = self._node(name, instance)
             node.last_seen, node.lost = now, False
-            task = next((t for t in self.tasks.values() if t.row.uid == uid), None)
+            task = self._by_uid.get(uid)
             controller = None if task is None else task.controller
         if controller is None:  # ended (or never known): its workers leave
             return M.Reply(over=True, finished=True)
         return controller.exchange(node.row.id, reports, now, read_until=read_until)
 
     def _node(self, name: str, instance: str) -> Node:
-        node = next((n for n in self.nodes.values() if n.row.name == name), None)
+        node = self._by_name.get(name)
         if node is None:
             raise NotFound(f"no node named {name}: register first")
         if node.row.instance != instance:
@@ -278,7 +280,7 @@ class Cluster:
             uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(3)}"
             row = TaskRow(spec.name, uid, spec.model_dump(), "queued", now, [])
             task = Task(row, spec)
-            self.tasks[spec.name] = task
+            self.tasks[spec.name] = self._by_uid[uid] = task
             if events_to is not None:
                 self._events_to[row.uid] = events_to
             self.state.save_task(row)
@@ -412,7 +414,10 @@ class Cluster:
     def _settle(self, now: float, calls: list[Callable[[], None]]) -> None:
         """Carry out the queued additions whose slot is free: a running task gets a new rank
         there (its coordinator's ``add_slot``, appended to ``calls``); a queued task starts
-        once all its planned slots are free. Called under the cluster lock."""
+        once all its planned slots are free. Called under the cluster lock (by every tick:
+        nothing to do costs nothing)."""
+        if not self._pending_adds:
+            return
         free = {nid: n.slots - self._used(nid) for nid, n in self._free_capacity(now).items()}
         waiting: dict[str, list[int]] = {}
         kept: list[tuple[str, int]] = []

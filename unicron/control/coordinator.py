@@ -97,6 +97,10 @@ FAST_EXCHANGE_S = 0.05
 """the rhythm asked of a node the coordinator waits on (:meth:`Coordinator.next_exchange_s`);
 the slow rhythm is half of ``suspect_after_s``, so a healthy idle node is never suspect"""
 
+INPUT_CHECK_S = 1.0
+"""how often :meth:`Coordinator.check_input` reads the store when no worker exited meanwhile
+(a store request per task per tick was most of the ticker's cost)"""
+
 LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
 with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
@@ -395,6 +399,8 @@ class Coordinator:
         self._adopted = False  # took over a running task after a restart (see adopt)
         self._logged_before = (-1, -1)  # (epoch, step): commits already in the event log
         self._released: set[int] = set()  # given back, worker gone, not yet told the cluster
+        self._input_checked = -math.inf  # when check_input last read the store
+        self._exited = False  # a worker exited since then (one that found bad input does)
         if store is None:  # a store of its own, served from this process
             self.store: dist.Store = dist.TCPStore(
                 host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
@@ -459,9 +465,11 @@ class Coordinator:
     def decide_exchange(
         self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
     ) -> list[Effect]:
-        """Apply the ``reports`` of the agent of ``node`` in order, take its heartbeat (every
-        report its workers sent before ``read_until`` is in ``reports``) and run the detectors
-        (:meth:`tick`) at ``now``; return what that decided to do, not yet done."""
+        """Apply the ``reports`` of the agent of ``node`` in order and take its heartbeat
+        (every report its workers sent before ``read_until`` is in ``reports``); run the
+        detectors (:meth:`tick`) at ``now`` only when this exchange must judge at once
+        (:meth:`_judge_now`), else the cluster's ticker does within its period. Return what
+        that decided to do, not yet done."""
         with self._collecting() as effects:
             self.attach(node)
             # bad input first: the exits it causes (read in the same round) are not failures
@@ -471,8 +479,27 @@ class Coordinator:
                 except Exception:  # one bad report must not stop the task's control
                     log.exception("task %s: could not apply %r", self.task, report)
             self.heartbeat(node, now, read_until=read_until)
-            self.tick(now)
+            if self._judge_now(node, now):
+                self.tick(now)
         return effects
+
+    def _judge_now(self, node: int, now: float) -> bool:
+        """Whether an exchange of ``node`` runs the detectors itself instead of leaving them
+        to the ticker: when a worker of the node is past its hang deadline as far as its
+        reports go (the exchange the rhythm timed for that deadline, :meth:`next_exchange_s`:
+        the hang is judged there and its kill goes out in this very reply), while a hang is
+        suspected and waits on evidence (CPU samples, peers' steps), and while an in-band
+        error waits out its grace period (a suspect node is then lost at once). Most
+        exchanges (step reports, idle rounds) judge nothing: the detectors' cost is the
+        ticker's, once per period, not once per request (docs/cluster.md, The rhythm)."""
+        if not self._active():
+            return False
+        if self._suspects or self._pending_errors:
+            return True
+        if self.monitor is None:
+            return False
+        at = min(now, self._read_until.get(node, now))
+        return any(o.node == node and self.monitor.due(s, at) for s, o in self.slots.items())
 
     def decide_tick(self, now: float) -> list[Effect]:
         """What the passing of time decides at ``now`` (:meth:`tick`), not yet done."""
@@ -612,6 +639,7 @@ class Coordinator:
     def worker_failed(self, slot: int, verdict: Verdict, now: float) -> None:
         """The worker process in ``slot`` is gone (the agent already logged the detection)."""
         with self._deciding():
+            self._exited = True
             s = self.slots[slot]
             s.gone()
             if s.leaving:  # given back anyway: no healing, the slot is the task's no more
@@ -1042,7 +1070,9 @@ class Coordinator:
     def tick(self, now: float) -> None:
         """Notice lost nodes, hangs, stragglers and stalls, start the first epoch, grow with
         ready workers, heal in-band errors, probe excluded slots, give up a task that waited
-        too long. Called by every agent's loop and by the runner."""
+        too long. Called by the cluster's ticker once per period, and by an exchange that must
+        judge at once (:meth:`_judge_now`) or a report that may start an epoch (a worker
+        ready)."""
         with self._deciding():
             self._check_heartbeats(now)
             if self.state is TaskState.PENDING:
@@ -1476,9 +1506,15 @@ class Coordinator:
     def check_input(self, now: float) -> None:
         """Fail the task with exit 2 if a worker found its input unusable (a checkpoint of
         another model: it set the store's ``usage`` key and left). Called by the cluster's
-        ticker."""
+        ticker; the store is read when a worker exited since the last read (such a worker
+        exits right after setting the key), else at most every :data:`INPUT_CHECK_S`."""
         with self._deciding():
-            if self.state is TaskState.FAILED or not self.store.check([usage_key(self.task)]):
+            if self.state is TaskState.FAILED:
+                return
+            if not self._exited and now - self._input_checked < INPUT_CHECK_S:
+                return
+            self._input_checked, self._exited = now, False
+            if not self.store.check([usage_key(self.task)]):
                 return
             self.fail(self.store.get(usage_key(self.task)).decode(), now, usage=True)
 

@@ -210,17 +210,19 @@ class NodeAgent:
         for uid, r in list(self.tasks.items()):
             if r.thread.is_alive():
                 continue
-            if all(w.gone for w in r.agent.workers.values()) or r.agent.reply.finished:
+            if all(not w.alive for w in r.agent.workers.values()) or r.agent.reply.finished:
                 self._end(uid)
 
     def _end(self, uid: str) -> None:
         """Let workers that finished the task exit by themselves (they may still be writing
         their files; at most :attr:`drain_s`), then stop its supervisor and any worker left
         (those of a failed or cancelled task at once: they would train on)."""
+        from unicron.control.agent import WorkerState
+
         r = self.tasks.pop(uid)
         deadline = time.time() + (0.0 if self.interrupted else self.drain_s)
         while time.time() < deadline and any(
-            w.finished and not w.gone for w in r.agent.workers.values()
+            w.state is WorkerState.DONE for w in r.agent.workers.values()
         ):
             r.agent.poll(0.02)
         r.agent.stop()

@@ -160,6 +160,7 @@ class _Worker:
     """What the monitor knows about one worker since it was (re)started."""
 
     window: deque[float]
+    expected: float | None = None  # the window's median once it has enough steps (cached)
     finished: int = 0
     last_step: int = -1
     step: int | None = None
@@ -184,6 +185,9 @@ class StepMonitor:
         self._compute: dict[int, dict[int, float]] = {}  # step -> worker -> compute rate
         self._durations: dict[int, dict[int, float]] = {}  # step -> worker -> its duration
         self._found: list[Detection] = []
+        self._paces: tuple[float | None, float | None] | None = None  # (pace, early pace)
+        """cached: recomputed only after new data (a step learned, a reset, a worker
+        forgotten), not on every question (``hang_deadline`` is asked on every exchange)"""
 
     # ---- reports (the agent, on each worker message) --------------------------------------
 
@@ -217,6 +221,7 @@ class StepMonitor:
         if w.finished <= self.settings.warmup_steps:
             if w.finished > 1 and duration is not None and duration >= 0.0:
                 w.early.append(duration)  # not learned, but evidence of the task's early pace
+                self._paces = None
             return
         if duration is not None and duration >= 0.0:
             self._learn(w, duration)
@@ -228,6 +233,7 @@ class StepMonitor:
     def forget(self, worker: int) -> None:
         """Drop everything about ``worker`` (gone, or about to be restarted: it warms up anew)."""
         self._workers.pop(worker, None)
+        self._paces = None
         for reports in self._compute.values():
             reports.pop(worker, None)
         for durations in self._durations.values():
@@ -238,13 +244,15 @@ class StepMonitor:
         keeps its last expectation as a lenient stand-in (``relearn_factor``) and re-learns
         from its next steps; straggler streaks restart (the work split changed)."""
         for w in self._workers.values():
-            if len(w.window) >= _MIN_SAMPLES:
-                w.previous = _median(list(w.window))
+            if w.expected is not None:
+                w.previous = w.expected
             w.window.clear()
+            w.expected = None
             w.shifted, w.shift_side = [], 0
             w.recent.clear()
             w.calm_streak, w.straggling = 0, False
         self._compute.clear()
+        self._paces = None
 
     # ---- questions (the agent, on its timer) ------------------------------------------------
 
@@ -278,6 +286,15 @@ class StepMonitor:
             return None
         return (now - w.started_at) / self._allowance(worker, w, self._pace())[0]
 
+    def due(self, worker: int, at: float) -> bool:
+        """Whether :meth:`check` would report a hang of ``worker`` judged at ``at``: its step
+        in progress is past its deadline and was not reported yet. Cheap: asked on every
+        exchange of the worker's agent."""
+        w = self._workers.get(worker)
+        if w is None or w.started_at is None or w.step is None or w.hang_reported:
+            return False
+        return at >= w.started_at + self._allowance(worker, w, self._pace())[0]
+
     def check(self, now: float, known_until: Mapping[int, float] | None = None) -> list[Detection]:
         """New detections since the last call: hangs past their deadline at ``now`` and the
         stragglers found by the step reports. Each condition is returned once.
@@ -309,21 +326,30 @@ class StepMonitor:
         return self._workers[worker]
 
     def _expected(self, w: _Worker) -> float | None:
-        return _median(list(w.window)) if len(w.window) >= _MIN_SAMPLES else None
+        return w.expected
 
     def _pace(self) -> float | None:
         """The task's step time as its workers know it: the median over workers of their
         expectations, or of their previous ones while they re-learn; ``None`` if nobody knows."""
-        values = [
-            e for w in self._workers.values() if (e := self._expected(w) or w.previous) is not None
-        ]
-        return _median(values) if values else None
+        return self._cached_paces()[0]
 
     def _early_pace(self) -> float | None:
         """The task's pace in its first steps, before any worker has an expectation: the median
         of every worker's warm-up step durations after its cold first step."""
-        values = [d for w in self._workers.values() for d in w.early]
-        return _median(values) if values else None
+        return self._cached_paces()[1]
+
+    def _cached_paces(self) -> tuple[float | None, float | None]:
+        """(:meth:`_pace`, :meth:`_early_pace`), computed again only after new data."""
+        if self._paces is None:
+            values = [
+                e for w in self._workers.values() if (e := w.expected or w.previous) is not None
+            ]
+            early = [d for w in self._workers.values() for d in w.early]
+            self._paces = (
+                _median(values) if values else None,
+                _median(early) if early else None,
+            )
+        return self._paces
 
     def _allowance(self, worker: int, w: _Worker, pace: float | None) -> tuple[float, str]:
         """Seconds a step of ``w`` may take, and why (for the reason). Peers that finished the
@@ -390,10 +416,18 @@ class StepMonitor:
                 w.window.clear()
                 w.window.extend(w.shifted)
                 w.shifted, w.shift_side = [], 0
+                self._window_changed(w)
                 return
         w.window.append(duration)
         if len(w.window) >= _MIN_SAMPLES:
             w.previous = None
+        self._window_changed(w)
+
+    def _window_changed(self, w: _Worker) -> None:
+        """``w``'s window changed: its expectation (its median) and the task's pace are
+        computed again, once, here."""
+        w.expected = _median(list(w.window)) if len(w.window) >= _MIN_SAMPLES else None
+        self._paces = None
 
     def _judge_stragglers(self, now: float) -> None:
         """Judge every step that all post-warm-up workers have finished (in step order)."""
