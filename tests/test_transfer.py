@@ -14,7 +14,17 @@ import torch.distributed as dist
 
 from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
 from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
-from unicron.runtime.transfer import _Stream, share, state_nbytes, transfer
+from unicron.runtime.transfer import (
+    Spec,
+    _Stream,
+    decode,
+    encode,
+    fresh,
+    share,
+    state_nbytes,
+    state_tensors,
+    transfer,
+)
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -114,6 +124,56 @@ def test_a_chunk_inside_one_tensor_moves_in_place_and_small_tensors_are_packed()
     assert s.pieces(6) == [(0, 384, 400), (1, 0, 12), (2, 0, 8), (3, 0, 28)]
     assert s.view(6, torch.device("cpu")) is None
     assert [share(k, [4, 9]) for k in range(4)] == [4, 9, 4, 9]
+
+
+def test_the_manifest_goes_through_json_and_back_unchanged() -> None:
+    skeleton = {
+        "model": {"w": Spec((3, 4), torch.float32), "b": Spec((), torch.bfloat16)},
+        "optim": {
+            "state": {0: {"step": Spec((), torch.float32), "exp_avg": Spec((0, 2), torch.int64)}},
+            "param_groups": [
+                {"betas": (0.9, 0.999), "lr": 1e-3, "eps": -0.0, "amsgrad": False, "n": 1,
+                 "foreach": None, "name": "decoder", "params": [0, 1], "clip": float("inf")}
+            ],
+        },
+    }  # fmt: skip
+    back = decode(encode(skeleton))
+    assert back == skeleton
+    group = back["optim"]["param_groups"][0]
+    assert type(group["betas"]) is tuple and type(group["amsgrad"]) is bool
+    assert type(group["n"]) is int and str(group["eps"]) == "-0.0"
+    assert list(back["optim"]["state"]) == [0]  # an integer key stays an integer
+    nan = decode(encode({"x": float("nan")}))["x"]
+    assert nan != nan
+    # the state of a real optimizer: its manifest decodes to the same skeleton
+    model, opt = _trained(seed=0, steps=1)
+    real, _ = state_tensors(model, opt)
+    assert decode(encode(real)) == real
+    with pytest.raises(TypeError, match="holds a object"):
+        encode({"x": object()})
+
+
+def test_fresh_optimizer_state_is_one_buffer_in_stream_order_and_lands_in_place() -> None:
+    specs = [
+        Spec((5,), torch.bfloat16),  # 10 bytes
+        Spec((), torch.float32),  # the next offset a float32 may take: 12 (a gap of 2)
+        Spec((2, 3), torch.float32),
+        Spec((7,), torch.float32),
+    ]
+    ts = fresh(specs, torch.device("cpu"))
+    assert [(tuple(t.shape), t.dtype) for t in ts] == [(s.shape, s.dtype) for s in specs]
+    assert len({t.untyped_storage().data_ptr() for t in ts}) == 1
+    base = ts[0].data_ptr()
+    assert [t.data_ptr() - base for t in ts] == [0, 12, 16, 40]
+    s = _Stream(ts, chunk=20)  # stream bytes 0-9, 10-13, 14-37, 38-65
+    assert s.view(0, torch.device("cpu")) is None  # spans the gap after the bfloat16s
+    span = s.view(1, torch.device("cpu"))  # bytes 20..39: inside the last two, which touch
+    assert span is not None and span.numel() == 20
+    span.copy_(torch.arange(20, dtype=torch.uint8))
+    assert ts[2].reshape(-1).view(torch.uint8).tolist()[6:] == list(range(18))
+    assert ts[3].reshape(-1).view(torch.uint8).tolist()[:2] == [18, 19]
+    other = [torch.zeros(6), torch.zeros(7)]  # separate allocations are never one span
+    assert _Stream(other, chunk=32).view(0, torch.device("cpu")) is None
 
 
 @pytest.mark.timeout(60)
