@@ -116,6 +116,38 @@ def test_two_holders_stream_the_state_to_a_joiner_and_it_trains_on_identically(
     _same(reference, members[1])
 
 
+@pytest.mark.timeout(60)
+def test_a_second_transfer_in_an_epoch_reuses_the_subgroups_and_the_joiners_own_state() -> None:
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        model(torch.ones(2, 40)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    reference = _trained(seed=0, steps=2)
+    step(*reference)
+    members = [_trained(seed=0, steps=2), _model(seed=7), _trained(seed=0, steps=2)]
+    moments: list[int] = []
+
+    def body(g: EpochGroup) -> Any:
+        model, opt = members[g.rank]
+        kw: dict[str, Any] = {"holders": [0, 2], "needers": [1], "device": torch.device("cpu")}
+        transfer(g, model, opt, chunk_bytes=500, **kw)
+        if g.rank != 1:
+            step(model, opt)  # the holders go on; the joiner must receive the new state
+        else:
+            moments.append(opt.state_dict()["state"][0]["exp_avg"].data_ptr())
+        transfer(g, model, opt, chunk_bytes=500, **kw)
+        if g.rank == 1:  # its optimizer state had the holders' shapes: written in place
+            moments.append(opt.state_dict()["state"][0]["exp_avg"].data_ptr())
+        return sorted(g.subgroups)
+
+    subgroups = _run_group(3, body)
+    assert not any(isinstance(s, Exception) for s in subgroups), subgroups
+    _same(reference, members[1])
+    assert subgroups[1] == ["transfer/0/0-1", "transfer/2/2-1"]  # built once each
+    assert moments[0] == moments[1]
+
+
 def test_a_chunk_inside_one_tensor_moves_in_place_and_small_tensors_are_packed() -> None:
     tensors = [torch.zeros(100), torch.zeros(3), torch.zeros(2), torch.zeros(1000)]
     s = _Stream(tensors, chunk=64)

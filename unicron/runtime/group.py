@@ -116,7 +116,7 @@ class EpochGroup:
         self._pg_store = pg_store or (lambda: store)
         self.pg: Any = None
         self._left = False
-        self.subgroups: list[EpochGroup] = []  # kept (and left) with this group
+        self.subgroups: dict[str, EpochGroup] = {}  # by name and ranks; left with this group
 
     # -- membership -------------------------------------------------------------------------
     def _check(self, *, urgent_only: bool = True) -> None:
@@ -167,7 +167,7 @@ class EpochGroup:
         """Give up this epoch's communicator. NCCL: abort it, so that kernels of an abandoned
         collective stop and the device is free for the next epoch's. Gloo: nothing (an
         abandoned gloo operation ends when its peers' sockets close; TORCH-FACTS.md)."""
-        for sub in self.subgroups:
+        for sub in self.subgroups.values():
             sub.leave()
         if self.backend == "nccl" and self.pg is not None and not self._left:
             self._left = True
@@ -177,15 +177,19 @@ class EpochGroup:
         """A process group of some members (``ranks``: this epoch's ranks; this member is one
         of them), e.g. a state holder and the members it sends to. Its collectives are waited
         for in slices like this group's; it lives and is left with this group. Every member
-        in ``ranks`` calls it with the same ``name``."""
+        in ``ranks`` calls it with the same ``name``; a second call with the same name and
+        ranks in this epoch returns the same group (no new store round trips, connections)."""
+        key = f"{name}/{'-'.join(map(str, ranks))}"
+        if key in self.subgroups:
+            return self.subgroups[key]
         sub = copy.copy(self)
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
-        sub.subgroups, sub._left = [], False
+        sub.subgroups, sub._left = {}, False
         try:
-            sub.pg = sub._build(dist.PrefixStore(f"sub/{name}", self._own_store()))
+            sub.pg = sub._build(dist.PrefixStore(f"sub/{key}", self._own_store()))
         except (RuntimeError, dist.DistStoreError) as exc:
             raise CollectiveError(exc) from exc
-        self.subgroups.append(sub)
+        self.subgroups[key] = sub
         return sub
 
     # -- collectives ------------------------------------------------------------------------
