@@ -206,6 +206,15 @@ def test_fresh_optimizer_state_is_one_buffer_in_stream_order_and_lands_in_place(
     assert ts[3].reshape(-1).view(torch.uint8).tolist()[:2] == [18, 19]
     other = [torch.zeros(6), torch.zeros(7)]  # separate allocations are never one span
     assert _Stream(other, chunk=32).view(0, torch.device("cpu")) is None
+    # the optimizer's state starts a chunk, so that a needer's fresh buffer takes it in place
+    model = [torch.zeros(3)]  # 12 bytes
+    s = _Stream(model + ts, chunk=32, breaks=(1,))
+    assert s.bounds == [(0, 12), (12, 44), (44, 76), (76, 78)]
+    assert s.view(0, torch.device("cpu")) is not None  # the model's one tensor
+    assert s.view(1, torch.device("cpu")) is None  # the bfloat16s, the gap, the scalar, ...
+    assert s.view(2, torch.device("cpu")) is not None  # inside the last two, which touch
+    assert s.size(3) == 2
+    assert _Stream(other, chunk=32).view(0, torch.device("cpu")) is None
 
 
 @pytest.mark.timeout(60)

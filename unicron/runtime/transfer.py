@@ -8,7 +8,8 @@ and the *needers* (joiners, restarted workers). Nothing is serialized into one b
    with every tensor replaced by its :class:`Spec` (shape and dtype), as JSON (a few KB, one
    broadcast; no pickle, no ``torch.save``, whose meta-tensor records cost tens of ms);
 2. the state's tensors, in a fixed order, form one virtual byte stream cut into chunks of
-   :data:`CHUNK_BYTES`; chunk ``k`` comes from holder ``k mod H`` (several holders send in
+   :data:`CHUNK_BYTES` (the optimizer's state starts a new one); chunk ``k`` comes from
+   holder ``k mod H`` (several holders send in
    parallel, each a share), broadcast in a small group of that holder and the needers (a
    collective, because a gloo point-to-point wait cannot be left in slices: it closes the
    connection when it times out);
@@ -30,6 +31,7 @@ once. Method and measurements: ``docs/runtime.md`` ("State transfer").
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -166,9 +168,13 @@ def _unplain(obj: Any) -> Any:
 
 # -- the byte stream and its chunks ---------------------------------------------------------
 class _Stream:
-    """The tensors as one byte stream: which part of which tensor chunk ``k`` covers."""
+    """The tensors as one byte stream: which part of which tensor chunk ``k`` covers.
 
-    def __init__(self, tensors: list[torch.Tensor], chunk: int) -> None:
+    Chunks are ``chunk`` bytes, but a new one starts at each tensor index in ``breaks`` (the
+    optimizer's first tensor: a needer's fresh optimizer state is one buffer, and a chunk
+    that began among the model's tensors would not land in place)."""
+
+    def __init__(self, tensors: list[torch.Tensor], chunk: int, breaks: tuple[int, ...] = ()):
         self.tensors = tensors
         self.sizes = [t.numel() * t.element_size() for t in tensors]
         self.starts = [0]
@@ -176,13 +182,19 @@ class _Stream:
             self.starts.append(self.starts[-1] + n)
         self.nbytes = self.starts[-1]
         self.chunk = chunk
-        self.count = -(-self.nbytes // chunk)
+        cuts = sorted({0, self.nbytes, *(self.starts[i] for i in breaks)})
+        self.bounds = [
+            (lo, min(lo + chunk, end))
+            for first, end in itertools.pairwise(cuts)
+            for lo in range(first, end, chunk)
+        ]
+        self.count = len(self.bounds)
         self._views: dict[int, torch.Tensor] = {}
         self._next: dict[int, bool] = {}
 
     def pieces(self, k: int) -> list[tuple[int, int, int]]:
         """(tensor index, first byte, end byte) of every tensor part in chunk ``k``."""
-        lo, hi = k * self.chunk, min((k + 1) * self.chunk, self.nbytes)
+        lo, hi = self.bounds[k]
         i = bisect.bisect_right(self.starts, lo) - 1
         out = []
         while i < len(self.tensors) and self.starts[i] < hi:
@@ -231,7 +243,8 @@ class _Stream:
         return span.set_(t.untyped_storage(), start, (self.size(k),), (1,))
 
     def size(self, k: int) -> int:
-        return min(self.chunk, self.nbytes - k * self.chunk)
+        lo, hi = self.bounds[k]
+        return hi - lo
 
     def pack(self, k: int, out: torch.Tensor) -> torch.Tensor:
         """Copy chunk ``k`` into ``out`` (a staging buffer, :meth:`size` bytes; the sender's
@@ -403,12 +416,15 @@ def transfer(
     elif g.rank in needers:
         own = _own_tensors(model, optimizer)
     skeleton = _send_manifest(g, holders[0], skeleton)
+    model_specs: list[Spec] = []
+    _walk(skeleton["model"], model_specs)
+    breaks = (len(model_specs),)  # the optimizer's state starts a chunk
     if g.rank in holders:
-        stream = _Stream(tensors, chunk_bytes)
+        stream = _Stream(tensors, chunk_bytes, breaks)
         return _send(g, stream, holders, needers, window)
     if g.rank in needers:
         tensors = _targets(skeleton, *own, device)
-        stream = _Stream(tensors, chunk_bytes)
+        stream = _Stream(tensors, chunk_bytes, breaks)
         stats = _receive(g, stream, holders, needers, window)
         optim_sd = _fill(skeleton, iter(tensors))["optim"]
         optimizer.load_state_dict(optim_sd)
