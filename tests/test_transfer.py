@@ -14,7 +14,17 @@ import torch.distributed as dist
 
 from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
 from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
-from unicron.runtime.transfer import _Stream, share, state_nbytes, transfer
+from unicron.runtime.transfer import (
+    Spec,
+    _Stream,
+    decode,
+    encode,
+    fresh,
+    share,
+    state_nbytes,
+    state_tensors,
+    transfer,
+)
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -106,6 +116,38 @@ def test_two_holders_stream_the_state_to_a_joiner_and_it_trains_on_identically(
     _same(reference, members[1])
 
 
+@pytest.mark.timeout(60)
+def test_a_second_transfer_in_an_epoch_reuses_the_subgroups_and_the_joiners_own_state() -> None:
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        model(torch.ones(2, 40)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    reference = _trained(seed=0, steps=2)
+    step(*reference)
+    members = [_trained(seed=0, steps=2), _model(seed=7), _trained(seed=0, steps=2)]
+    moments: list[int] = []
+
+    def body(g: EpochGroup) -> Any:
+        model, opt = members[g.rank]
+        kw: dict[str, Any] = {"holders": [0, 2], "needers": [1], "device": torch.device("cpu")}
+        transfer(g, model, opt, chunk_bytes=500, **kw)
+        if g.rank != 1:
+            step(model, opt)  # the holders go on; the joiner must receive the new state
+        else:
+            moments.append(opt.state_dict()["state"][0]["exp_avg"].data_ptr())
+        transfer(g, model, opt, chunk_bytes=500, **kw)
+        if g.rank == 1:  # its optimizer state had the holders' shapes: written in place
+            moments.append(opt.state_dict()["state"][0]["exp_avg"].data_ptr())
+        return sorted(g.subgroups)
+
+    subgroups = _run_group(3, body)
+    assert not any(isinstance(s, Exception) for s in subgroups), subgroups
+    _same(reference, members[1])
+    assert subgroups[1] == ["transfer/0/0-1", "transfer/2/2-1"]  # built once each
+    assert moments[0] == moments[1]
+
+
 def test_a_chunk_inside_one_tensor_moves_in_place_and_small_tensors_are_packed() -> None:
     tensors = [torch.zeros(100), torch.zeros(3), torch.zeros(2), torch.zeros(1000)]
     s = _Stream(tensors, chunk=64)
@@ -114,6 +156,65 @@ def test_a_chunk_inside_one_tensor_moves_in_place_and_small_tensors_are_packed()
     assert s.pieces(6) == [(0, 384, 400), (1, 0, 12), (2, 0, 8), (3, 0, 28)]
     assert s.view(6, torch.device("cpu")) is None
     assert [share(k, [4, 9]) for k in range(4)] == [4, 9, 4, 9]
+
+
+def test_the_manifest_goes_through_json_and_back_unchanged() -> None:
+    skeleton = {
+        "model": {"w": Spec((3, 4), torch.float32), "b": Spec((), torch.bfloat16)},
+        "optim": {
+            "state": {0: {"step": Spec((), torch.float32), "exp_avg": Spec((0, 2), torch.int64)}},
+            "param_groups": [
+                {"betas": (0.9, 0.999), "lr": 1e-3, "eps": -0.0, "amsgrad": False, "n": 1,
+                 "foreach": None, "name": "decoder", "params": [0, 1], "clip": float("inf")}
+            ],
+        },
+    }  # fmt: skip
+    back = decode(encode(skeleton))
+    assert back == skeleton
+    group = back["optim"]["param_groups"][0]
+    assert type(group["betas"]) is tuple and type(group["amsgrad"]) is bool
+    assert type(group["n"]) is int and str(group["eps"]) == "-0.0"
+    assert list(back["optim"]["state"]) == [0]  # an integer key stays an integer
+    nan = decode(encode({"x": float("nan")}))["x"]
+    assert nan != nan
+    # the state of a real optimizer: its manifest decodes to the same skeleton
+    model, opt = _trained(seed=0, steps=1)
+    real, _ = state_tensors(model, opt)
+    assert decode(encode(real)) == real
+    with pytest.raises(TypeError, match="holds a object"):
+        encode({"x": object()})
+
+
+def test_fresh_optimizer_state_is_one_buffer_in_stream_order_and_lands_in_place() -> None:
+    specs = [
+        Spec((5,), torch.bfloat16),  # 10 bytes
+        Spec((), torch.float32),  # the next offset a float32 may take: 12 (a gap of 2)
+        Spec((2, 3), torch.float32),
+        Spec((7,), torch.float32),
+    ]
+    ts = fresh(specs, torch.device("cpu"))
+    assert [(tuple(t.shape), t.dtype) for t in ts] == [(s.shape, s.dtype) for s in specs]
+    assert len({t.untyped_storage().data_ptr() for t in ts}) == 1
+    base = ts[0].data_ptr()
+    assert [t.data_ptr() - base for t in ts] == [0, 12, 16, 40]
+    s = _Stream(ts, chunk=20)  # stream bytes 0-9, 10-13, 14-37, 38-65
+    assert s.view(0, torch.device("cpu")) is None  # spans the gap after the bfloat16s
+    span = s.view(1, torch.device("cpu"))  # bytes 20..39: inside the last two, which touch
+    assert span is not None and span.numel() == 20
+    span.copy_(torch.arange(20, dtype=torch.uint8))
+    assert ts[2].reshape(-1).view(torch.uint8).tolist()[6:] == list(range(18))
+    assert ts[3].reshape(-1).view(torch.uint8).tolist()[:2] == [18, 19]
+    other = [torch.zeros(6), torch.zeros(7)]  # separate allocations are never one span
+    assert _Stream(other, chunk=32).view(0, torch.device("cpu")) is None
+    # the optimizer's state starts a chunk, so that a needer's fresh buffer takes it in place
+    model = [torch.zeros(3)]  # 12 bytes
+    s = _Stream(model + ts, chunk=32, breaks=(1,))
+    assert s.bounds == [(0, 12), (12, 44), (44, 76), (76, 78)]
+    assert s.view(0, torch.device("cpu")) is not None  # the model's one tensor
+    assert s.view(1, torch.device("cpu")) is None  # the bfloat16s, the gap, the scalar, ...
+    assert s.view(2, torch.device("cpu")) is not None  # inside the last two, which touch
+    assert s.size(3) == 2
+    assert _Stream(other, chunk=32).view(0, torch.device("cpu")) is None
 
 
 @pytest.mark.timeout(60)

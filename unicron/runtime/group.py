@@ -127,7 +127,7 @@ class EpochGroup:
         self.pg: Any = None
         self._left = False
         self._threads: set[int] = set()  # gloo: the threads its construction started
-        self.subgroups: list[EpochGroup] = []  # kept (and left) with this group
+        self.subgroups: dict[str, EpochGroup] = {}  # by name and ranks; left with this group
 
     # -- membership -------------------------------------------------------------------------
     def _check(self, *, urgent_only: bool = True) -> None:
@@ -185,7 +185,7 @@ class EpochGroup:
         life of the process (a peer's part of a collective this member left, never read:
         level-triggered, a whole core; found beside a CPU burner, it made every later step
         slower), and must not take a core from training."""
-        for sub in self.subgroups:
+        for sub in self.subgroups.values():
             sub.leave()
         if self._left:
             return
@@ -200,15 +200,19 @@ class EpochGroup:
         """A process group of some members (``ranks``: this epoch's ranks; this member is one
         of them), e.g. a state holder and the members it sends to. Its collectives are waited
         for in slices like this group's; it lives and is left with this group. Every member
-        in ``ranks`` calls it with the same ``name``."""
+        in ``ranks`` calls it with the same ``name``; a second call with the same name and
+        ranks in this epoch returns the same group (no new store round trips, connections)."""
+        key = f"{name}/{'-'.join(map(str, ranks))}"
+        if key in self.subgroups:
+            return self.subgroups[key]
         sub = copy.copy(self)
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
-        sub.subgroups, sub._left, sub._threads = [], False, set()
+        sub.subgroups, sub._left, sub._threads = {}, False, set()
         try:
-            sub.pg = sub._build(dist.PrefixStore(f"sub/{name}", self._own_store()))
+            sub.pg = sub._build(dist.PrefixStore(f"sub/{key}", self._own_store()))
         except (RuntimeError, dist.DistStoreError) as exc:
             raise CollectiveError(exc) from exc
-        self.subgroups.append(sub)
+        self.subgroups[key] = sub
         return sub
 
     # -- collectives ------------------------------------------------------------------------
