@@ -88,3 +88,41 @@ def test_a_left_groups_threads_run_only_when_nothing_else_wants_a_core(
     KEEP.append(g)
     assert all(os.sched_getscheduler(t) == os.SCHED_IDLE for t in g._threads)
     assert os.sched_getscheduler(0) != os.SCHED_IDLE
+
+
+@pytest.mark.timeout(60)
+def test_the_gradient_all_gather_fills_every_slice_in_rank_order() -> None:
+    """On gloo it is one in-place broadcast per member (not torch's all-gather, which
+    allocates the whole result again): every member ends with every member's part, whether
+    its own part was given apart or already lay in its slice of the output."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    info = EpochInfo(1, (0, 1, 2), (0, 0, 0), urgent=False)
+    _announce(server, info)
+    n, results = 5, {}
+
+    def member(rank: int) -> None:
+        client = _client(server.port)
+        g = EpochGroup(client, EpochWatch(client, "t"), info, rank, slice_s=0.05,
+                       timeout_s=TIMEOUT_S, pg_store=lambda: _client(server.port))  # fmt: skip
+        g.rendezvous()
+        outs = []
+        for in_place in (False, True):
+            out = torch.full((3 * n,), -1.0)
+            part = torch.arange(n, dtype=torch.float32) + 10 * rank + 100 * in_place
+            if in_place:
+                out[rank * n : (rank + 1) * n] = part
+                part = out[rank * n : (rank + 1) * n]
+            g.wait(g.start_allgather(out, part))
+            outs.append(out)
+        results[rank] = outs
+        KEEP.append(g)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for in_place in (False, True):
+        want = torch.cat([torch.arange(n) + 10 * r + 100 * in_place for r in range(3)]).float()
+        for r in range(3):
+            assert torch.equal(results[r][in_place], want), (r, in_place, results[r][in_place])

@@ -244,3 +244,39 @@ def test_the_exchange_over_gloo_gives_the_same_bits() -> None:
     want = torch.stack(tame).sum(0)
     want[700:703] -= tame[0][700:703] + tame[3][700:703] + tame[6][700:703]  # no gradient there
     assert torch.allclose(fast, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_sums_reuse_their_buffers_from_step_to_step(exact: bool) -> None:
+    # steady state: the second step allocates nothing, and what the buffers held before (the
+    # last step's sums) never leaks into the new ones: the same bits as fresh sums
+    layout = Layout.plan(SIZES, CAP)
+    steps = [adversarial_leaves(seed) for seed in range(3)]
+    for ids in ([0, 1, 2, 3], [4, 5, 6], [7, 2, 0]):
+        sums = LocalSums(layout, M, exact=exact, dtype=torch.float32)
+        for k, leaves in enumerate(steps):
+            feed(sums, ids, leaves)
+            fresh = feed(LocalSums(layout, M, exact=exact, dtype=torch.float32), ids, leaves)
+            assert sums.nodes.keys() == fresh.nodes.keys()
+            for n in sums.nodes:
+                assert torch.equal(bits(sums.nodes[n]), bits(fresh.nodes[n])), (ids, k, n)
+            if k == 0:
+                first = sums.allocated
+            assert sums.allocated == first, (ids, k)  # nothing new after the first step
+            sums.clear()
+
+
+def test_sums_keep_only_the_buffers_a_step_used() -> None:
+    layout = Layout.plan(SIZES, CAP)
+    leaves = adversarial_leaves()
+    sums = LocalSums(layout, M, exact=True, dtype=torch.float32)
+    feed(sums, [0, 1, 2], leaves)  # (0, 2) and (2, 3): two buffers at once
+    sums.clear()
+    assert sums.allocated == 2
+    feed(sums, [0, 1, 2], leaves)
+    sums.clear()
+    assert sums.allocated == 2  # reused
+    feed(sums, [4], leaves)  # a step that needs one: the other is let go at its end
+    sums.clear()
+    feed(sums, [0, 1, 2], leaves)
+    assert sums.allocated == 3

@@ -204,7 +204,10 @@ class LocalSums:
         self.device = device or torch.device("cpu")
         self.nodes: dict[Node, torch.Tensor] = {}
         self.losses: dict[int, float] = {}
-        self._free: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []  # buffers to reuse: no fresh pages per step
+        self._peak = 0  # the most buffers in use at once during the current step
+        self.allocated = 0
+        """buffers allocated so far (in steady state, none after the first step)"""
         self._mb: int | None = None
         self._target = torch.empty(0)
         self._chain: list[torch.Tensor] = []
@@ -218,8 +221,11 @@ class LocalSums:
         return set(self.losses)
 
     def _buffer(self) -> torch.Tensor:
+        """A node buffer, with whatever it held before (the first micro-batch added into it
+        copies instead of adding)."""
         if self._free:
             return self._free.pop()
+        self.allocated += 1
         return torch.empty(self.layout.numel, dtype=self.dtype, device=self.device)
 
     def begin(self, mb: int) -> None:
@@ -231,10 +237,11 @@ class LocalSums:
         for i in range(len(self.layout.sizes)):
             self._pending[self.layout.bucket_of[i]] += 1
         if not self.exact:
-            if not self.nodes:
-                self.nodes[(0, self.m)] = self._buffer().zero_()
+            self._first = not self.nodes  # the running sum starts as a copy, not zeros + add
+            if self._first:
+                self.nodes[(0, self.m)] = self._buffer()
             self._target, self._chain = self.nodes[(0, self.m)], []
-            self._first = False
+            self._peak = max(self._peak, 1)
             return
         chain, result = absorb(self.nodes, mb, self.m)
         # the nodes take their final shape now (the exchange may read a finished bucket of the
@@ -243,6 +250,7 @@ class LocalSums:
         self._target = bufs[0] if bufs else self._buffer()
         self._chain, self._first = bufs[1:], not bufs
         self.nodes[result] = self._target
+        self._peak = max(self._peak, len(self.nodes) + len(self._chain))
 
     def add(self, index: int, grad: torch.Tensor | None) -> int | None:
         """Parameter ``index``'s gradient of the current micro-batch (None: no gradient, i.e.
@@ -256,7 +264,7 @@ class LocalSums:
             else torch.zeros(1, dtype=self.dtype, device=self.device)
         )
         target = self._target[s]
-        if self.exact and self._first:
+        if self._first:
             target.copy_(g.expand(s.stop - s.start))
         else:
             target.add_(g)
@@ -274,7 +282,7 @@ class LocalSums:
             b for i, a in enumerate(self._added) if not a and (b := self.add(i, None)) is not None
         ]
         assert self._mb is not None
-        self._free = (self._free + self._chain)[:1]  # a spare for the next leaf
+        self._free += self._chain  # merged into the target: free for the next leaves
         self.losses[self._mb] = loss
         self._mb = None
         self._chain = []
@@ -286,9 +294,12 @@ class LocalSums:
         self.clear()
 
     def clear(self) -> None:
-        """The step committed (or the sums are void): start empty, keeping one buffer."""
+        """The step committed (or the sums are void): start empty, keeping as many buffers as
+        the step had in use at once (the next step, alike in steady state, allocates none;
+        a step that held more after a failure does not keep its extra memory for ever)."""
         assert self._mb is None
-        self._free = (self._free + list(self.nodes.values()))[:1]
+        self._free = (self._free + list(self.nodes.values()))[: max(self._peak, 1)]
+        self._peak = 0
         self.nodes.clear()
         self.losses.clear()
 
