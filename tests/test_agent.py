@@ -8,6 +8,7 @@ handed worker messages as its loop would hand them; the coordinator's side is in
 from __future__ import annotations
 
 import time
+from multiprocessing.connection import Pipe
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,35 @@ def test_a_workers_lifecycle_is_one_state_along_its_diagram(tmp_path: Path) -> N
             w.to(WorkerState.MEMBER)
         w.spawned()  # a new incarnation
         assert w.state is WorkerState.STARTING and w.alive
+    finally:
+        agent.stop()
+
+
+def test_a_workers_last_words_are_read_before_the_zygote_reports_its_exit(
+    tmp_path: Path,
+) -> None:
+    """A script that cannot import sends its error, then dies; the zygote reports the exit on
+    another socket. Read first, that exit must still carry the error, not a bare exit code."""
+    config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    worker_side, from_worker = Pipe()
+    zygote_side, from_zygote = Pipe()
+    try:
+        w = agent.workers[0]
+        w.spawned()
+        agent._zygote_conn = from_zygote
+        agent._handle(from_zygote, P.Spawned(slot=0, pid=4242, incarnation=w.incarnation))
+        agent._anonymous.append(from_worker)  # accepted, not read yet
+        for msg in (
+            P.Hello(slot=0, pid=4242, incarnation=w.incarnation),
+            P.Error(type_name="ModuleNotFoundError", message="No module named 'x'"),
+        ):
+            worker_side.send(P.encode(msg))
+        zygote_side.send(P.encode(P.Exited(pid=4242, returncode=1)))
+        agent._read(from_zygote)  # the zygote's socket first
+        (failed,) = [r for r in agent._reports if isinstance(r, M.WorkerFailed)]
+        assert failed.verdict.kind != "exit_error", failed.verdict
+        assert "No module named" in failed.verdict.reason
     finally:
         agent.stop()
 

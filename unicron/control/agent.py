@@ -491,6 +491,16 @@ class Agent:
             except queue.Empty:
                 return
 
+    def _drain_worker(self, slot: int) -> None:
+        """Read everything the worker in ``slot`` sent before the zygote reported its exit.
+        The zygote's message and the worker's last ones (the error that ended it) sit in two
+        sockets: read in the wrong order, a script that cannot import was reported as a bare
+        exit code (seen beside a CPU burner), its traceback dropped."""
+        self._drain_accepted()
+        w = self.workers[slot]
+        for conn in [*self._anonymous, *([w.conn] if w.conn is not None else [])]:
+            self._read(conn)
+
     def _read(self, conn: Connection) -> None:
         try:
             while conn.poll():
@@ -529,7 +539,10 @@ class Agent:
             self._by_pid[msg.pid] = msg.slot
             self._set_pid(w, msg.pid)
         elif isinstance(msg, P.Exited):
-            owner = self._by_pid.pop(msg.pid, -1)
+            owner = self._by_pid.get(msg.pid, -1)
+            if owner >= 0 and self.workers[owner].pid == msg.pid:
+                self._drain_worker(owner)  # what it said before it died (its error) first
+            self._by_pid.pop(msg.pid, None)
             if owner >= 0 and self.workers[owner].pid == msg.pid:
                 self._exited(owner, msg.returncode)
         elif isinstance(msg, P.Hello):
