@@ -8,8 +8,8 @@ whenever it runs, and needs about what its peers needed for the same step.
 
 The worker sends the CPU time of the thread that computes the step (``time.thread_time``,
 and the thread's kernel id) with each step's begin and end; while a step lasts long, the agent
-samples the same clock from outside (``/proc/<pid>/task/<tid>/stat``: a stopped process cannot
-answer for itself) and reports
+samples the same clock from outside, with the time the thread waited runnable for a CPU
+(``/proc/<pid>/task/<tid>/schedstat``: a stopped process cannot answer for itself), and reports
 :class:`~unicron.control.messages.CpuTime`. Before it kills a hang suspect the coordinator
 asks :func:`judge`. A worker whose CPU time still advances, and has not yet spent ``factor``
 times what the step cost its peers (or itself, lately), is WORKING: left to finish. One whose
@@ -23,7 +23,10 @@ have nothing to say about the step (gloo's event loops, a data loader, a checkpo
 One of them busy, or spinning, would make a hung step read as WORKING, or a slow one as
 SPINNING (seen: a gloo loop thread of a left epoch at a whole core, found beside a CPU burner).
 
-:func:`judge` is pure (no clock, no I/O); :func:`read_cpu_s` is the agent's one read.
+:func:`judge` is pure (no clock, no I/O); :func:`read_thread_clocks` is the agent's one read. A
+worker whose CPU time stood still but that waited in the run queue meanwhile is starved too
+(WORKING), not IDLE: at a load of 7 processes per core one can get under 2 % of a core for half
+a second.
 
 The same question, starved or slow, decides stragglers. A worker that computes its share in
 twice its peers' time is slow (a throttled device, a sick host) or merely last in the run queue
