@@ -53,7 +53,7 @@ from unicron.control.protocol import (
     ENV_TASK,
     ENV_THREADS,
 )
-from unicron.detect.busy import read_cpu_s, read_thread_clocks
+from unicron.detect.busy import read_thread_clocks
 from unicron.detect.classify import Verdict, classify_exit, classify_message
 from unicron.runtime import device as D
 from unicron.runtime.inject import Fault
@@ -648,18 +648,14 @@ class Agent:
             if (
                 not w.alive
                 or w.pid is None
+                or w.tid is None  # sent with the step's begin, with computing_since
                 or since is None
                 or now - since < CPU_SAMPLE_AFTER_S
                 or now - w.cpu_read_at < CPU_SAMPLE_EVERY_S
             ):
                 continue
             w.cpu_read_at = now
-            clocks: tuple[float, float | None] | None
-            if w.tid is None:
-                cpu_s = read_cpu_s(w.pid, _TICKS_PER_S)
-                clocks = None if cpu_s is None else (cpu_s, None)
-            else:
-                clocks = read_thread_clocks(w.pid, w.tid, _TICKS_PER_S)
+            clocks = read_thread_clocks(w.pid, w.tid, _TICKS_PER_S)
             if clocks is not None:
                 cpu_s, queued_s = clocks
                 self._report(M.CpuTime(slot=w.slot, ts=time.time(), cpu_s=cpu_s, queued_s=queued_s))

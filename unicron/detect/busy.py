@@ -213,28 +213,34 @@ def own_compute_s(compute_s: float, queued_s: float | None) -> float:
     return max(compute_s - queued_s, 0.0)
 
 
+def _schedstat(path: str) -> tuple[float, float] | None:
+    """A thread's ``schedstat``: seconds on a CPU and seconds runnable but waiting for one
+    (nanoseconds in the file); ``None`` where it cannot be read (gone, or not Linux)."""
+    try:
+        with open(path, "rb") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 def read_queued_s() -> float | None:
     """Seconds the calling thread has spent runnable but waiting for a CPU since it started
     (the run-queue delay, second field of ``/proc/thread-self/schedstat``); ``None`` where the
     kernel does not say. Called by the worker at the start and end of each step's compute."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
+    clocks = _schedstat("/proc/thread-self/schedstat")
+    return None if clocks is None else clocks[1]
 
 
 def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> tuple[float, float | None] | None:
     """CPU time and run-queue wait (seconds) of thread ``tid`` of process ``pid``: from
-    ``/proc/<pid>/task/<tid>/schedstat`` (nanoseconds), else its CPU time alone from ``stat``;
-    ``None`` when it cannot be read (gone, or not Linux). The agent's one read of a worker."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-            ran, waited = f.read().split()[:2]
-        return int(ran) / 1e9, int(waited) / 1e9
-    except (OSError, ValueError):
-        cpu_s = read_cpu_s(pid, ticks_per_s, tid)
-        return None if cpu_s is None else (cpu_s, None)
+    ``/proc/<pid>/task/<tid>/schedstat``, else its CPU time alone from ``stat``; ``None`` when
+    it cannot be read (gone, or not Linux). The agent's one read of a worker."""
+    clocks = _schedstat(f"/proc/{pid}/task/{tid}/schedstat")
+    if clocks is not None:
+        return clocks
+    cpu_s = read_cpu_s(pid, ticks_per_s, tid)
+    return None if cpu_s is None else (cpu_s, None)
 
 
 def read_cpu_s(pid: int, ticks_per_s: float, tid: int | None = None) -> float | None:
