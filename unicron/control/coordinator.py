@@ -1254,18 +1254,15 @@ class Coordinator:
         overrun = self._overrun(slot, at) >= LONE_HANG_OVERRUN
         assert self.monitor is not None
         cpu, why = self._cpu.judge(slot, step, factor=self.monitor.settings.hang_factor, now=now)
-        if cpu is Cpu.WORKING:  # starved on a loaded machine, not hung: judged again next tick
+        # held, and judged again next tick: a worker starved on a loaded machine (WORKING); or
+        # one whose CPU readings the agents send, only not this step's yet (a loaded machine
+        # starves the agent too): without that evidence the wall clock alone decides, at the
+        # larger overrun
+        late = cpu is Cpu.UNKNOWN and self._cpu.sampling and not overrun
+        if cpu is Cpu.WORKING or late:
             if self._held.get(slot) != step:
                 self._held[slot] = step
-                log.info("task %s: slot %d past its hang allowance but %s", self.label, slot, why)
-            return
-        if cpu is Cpu.UNKNOWN and self._cpu.sampling and not overrun:
-            # the agents read CPU time, only not this step's yet: a loaded machine starves the
-            # agent too. Without that evidence the wall clock alone decides, at the larger
-            # overrun
-            if self._held.get(slot) != step:
-                self._held[slot] = step
-                log.info("task %s: slot %d past its hang allowance, %s yet", self.label, slot, why)
+                log.info("task %s: slot %d past its hang allowance: %s", self.label, slot, why)
             return
         # its CPU time standing still is what several late peers would otherwise have to show
         idle = cpu is Cpu.IDLE
