@@ -211,8 +211,8 @@ def test_without_a_way_back_the_task_fails_at_once(tmp_path: Path) -> None:
 
 def test_an_excluded_node_keeps_the_last_copies_of_the_state_running(tmp_path: Path) -> None:
     """One node, failures on three of its slots: the node is excluded, but its living workers
-    hold the only copies of the state, so they go on (no restarts there) instead of the task
-    rolling back; a health probe brings the node back."""
+    hold the only copies of the state, so they go on instead of the task rolling back (one
+    that fails is restarted in place); a health probe brings the node back."""
     k = Cluster(tmp_path, readmit_after_s=5.0)
     c = k.c
     t = k.steps(3, 0.0)
@@ -224,15 +224,57 @@ def test_an_excluded_node_keeps_the_last_copies_of_the_state_running(tmp_path: P
     assert k.actions(Kill) == []  # nobody outside the node holds the state
     assert c.slots[0].alive and c.slots[0].excluded and c.state is TaskState.RUNNING
     assert c.members == (3, 0, 1)
-    c.worker_failed(0, verdict_for_kind("killed"), t + 3.0)  # not restarted: node excluded
-    assert [a.slot for a in k.actions(Spawn)] == [0, 1]  # the two restarts before exclusion
-    c.tick(t + 8.0)  # slot 0 was excluded with its node at t+2: probed (2 is its own: t+7)
-    probes = sorted(a.slot for a in k.actions(Probe))
-    assert 0 in probes
-    c.probe_done(0, True, "cpu: fine", t + 9.0)
+    c.worker_failed(0, verdict_for_kind("killed"), t + 3.0)  # restarted in place
+    assert [a.slot for a in k.actions(Spawn)] == [0, 1, 0]
+    assert "holds the task's last copies" in k.events("action")[-1]["reason"]
+    assert not c.slots[0].excluded and 0 in c.escalation.excluded_nodes()
+    c.worker_ready(0, t + 3.5)
+    assert c.members == (3, 1, 0)  # it joins, to take the state from its neighbours
+    c.tick(t + 8.0)  # slot 2 was excluded on its own account at t+2: probed at t+7
+    assert [a.slot for a in k.actions(Probe)] == [2]
+    c.probe_done(2, True, "cpu: fine", t + 9.0)
     assert 0 not in c.escalation.excluded_nodes()
-    assert not c.slots[1].excluded and not c.slots[3].excluded  # kept workers: back in plan
-    assert c.slots[2].excluded  # excluded on its own account (ecc): its own probe decides
+    assert not any(o.excluded for o in c.slots.values())  # the node is back, and slot 2
+    assert [a.slot for a in k.actions(Spawn)] == [0, 1, 0, 2]
+
+
+def test_failures_on_a_node_that_holds_the_last_copies_restart_in_place(tmp_path: Path) -> None:
+    """Found by the fault soak: a node excluded for three failing slots kept its living workers
+    (the only copies of the state), but an OOM on one of them was answered with "node is
+    excluded", then an NCCL error on the next, and the task rolled back to its checkpoint
+    (4 steps redone). Each failure of its own now restarts the worker in place, within the
+    slot's own restart limit; the copies never run out."""
+    k = Cluster(tmp_path, readmit_after_s=30.0)
+    c = k.c
+    t = k.steps(3, 0.0)
+    for i, (slot, kind) in enumerate([(0, "cuda"), (1, "hang"), (2, "illegal_memory")]):
+        c.worker_failed(slot, verdict_for_kind(kind), t + i)
+        if slot != 2:
+            c.worker_ready(slot, t + i + 0.5)
+    assert 0 in c.escalation.excluded_nodes() and c.members == (3, 0, 1)
+    assert [a.slot for a in k.actions(Spawn)] == [0, 1]  # slot 2 tipped the node: out
+    t = k.steps(2, t + 3.0)  # the restarted workers took the state and computed with it
+    for slot, kind in [(1, "oom"), (3, "nccl"), (0, "segfault")]:
+        c.worker_failed(slot, verdict_for_kind(kind), t)
+        assert c.slots[slot].state is SlotState.STARTING, (slot, kind)
+        c.worker_ready(slot, t + 0.5)
+        assert slot in c.members
+        t = k.steps(2, t + 1.0)
+        assert sorted(c._holders()) == [0, 1, 3]
+    assert [a.slot for a in k.actions(Spawn)] == [0, 1, 1, 3, 0]
+    assert c.state is TaskState.RUNNING and k.actions(Kill) == []
+    restarts = [e for e in k.events("action") if e["action"] == "restart"][-3:]
+    assert all("holds the task's last copies" in e["reason"] for e in restarts), restarts
+    # the slot's own restart limit still holds: its fourth failure in the window excludes it
+    for _ in range(2):
+        c.worker_failed(3, verdict_for_kind("oom"), t)
+        assert c.slots[3].state is SlotState.STARTING
+        c.worker_ready(3, t + 0.5)
+        t = k.steps(1, t + 1.0)
+    assert "restart 3 of 3" in k.events("action")[-1]["reason"]
+    c.worker_failed(3, verdict_for_kind("oom"), t)
+    assert 3 in c.escalation.excluded_slots() and c.slots[3].state is SlotState.EXCLUDED
+    assert sorted(c._holders()) == [0, 1] and c.state is TaskState.RUNNING
 
 
 def test_a_kept_last_copy_is_not_killed_for_a_transient_error(tmp_path: Path) -> None:

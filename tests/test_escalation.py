@@ -108,6 +108,22 @@ def test_several_failing_slots_exclude_the_node() -> None:
     assert e.excluded_nodes() == {7}
 
 
+def test_a_slot_holding_the_last_copies_is_judged_alone_on_its_excluded_node() -> None:
+    e = Escalation(EscalationSettings(restart_limit=2, node_failure_limit=2))
+    e.decide(CUDA, slot=0, node=0, now=0.0)
+    assert e.decide(CUDA, slot=1, node=0, now=1.0).exclude_node
+    assert e.decide(CUDA, slot=2, node=0, now=2.0).action is Action.EXCLUDE  # node excluded
+    d = e.decide(CUDA, slot=3, node=0, now=3.0, last_copies=True)
+    assert d.action is Action.RESTART and not d.exclude_node
+    assert "node 0 is excluded but holds the task's last copies" in d.reason
+    assert e.decide(CUDA, slot=3, node=0, now=4.0, last_copies=True).action is Action.RESTART
+    d = e.decide(CUDA, slot=3, node=0, now=5.0, last_copies=True)  # its own limit: out
+    assert d.action is Action.EXCLUDE and d.exclude_slot
+    assert e.decide(CUDA, slot=3, node=0, now=6.0, last_copies=True).exclude_slot
+    # of a node that is not excluded, last_copies changes nothing
+    assert e.decide(CUDA, slot=8, node=1, now=7.0, last_copies=True).action is Action.RESTART
+
+
 def test_old_failures_do_not_count_toward_the_node() -> None:
     e = Escalation(EscalationSettings(node_failure_limit=2, restart_window_s=60.0))
     assert e.decide(CUDA, slot=0, node=0, now=0.0).action is Action.RESTART

@@ -396,6 +396,7 @@ class Coordinator:
         self._exclusions: dict[int, int] = {}  # slot -> times excluded: the probe backoff
         self._readmitted_at: dict[int, float] = {}  # slot -> when it last came back
         self._probing: set[int] = set()
+        self._kept: set[int] = set()  # slots of an excluded node running the last copies
         self._adopted = False  # took over a running task after a restart (see adopt)
         self._logged_before = (-1, -1)  # (epoch, step): commits already in the event log
         self._released: set[int] = set()  # given back, worker gone, not yet told the cluster
@@ -652,17 +653,30 @@ class Coordinator:
             if self.over():
                 return
             self._last_error = verdict.reason
-            if s.excluded:  # taken out already (a dropped straggler, a slot of an excluded node)
+            kept = self._keeps_last_copies(slot)
+            if s.excluded and not kept:
+                # taken out already (a dropped straggler, a slot excluded on its own account)
+                self._kept.discard(slot)
                 self._reform(now, f"slot {slot} excluded")
                 return
-            decision = self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
+            decision = self.escalation.decide(
+                verdict, slot=slot, node=s.node, now=now, last_copies=kept
+            )
             self._action(decision.action, slot, decision.reason, int(decision.severity), now)
-            if decision.exclude_slot or decision.action is Action.EXCLUDE:
+            excluded = decision.exclude_slot or decision.action is Action.EXCLUDE
+            if excluded:
                 self._exclude(slot, now)
             if decision.exclude_node or (
                 verdict.scope is Scope.NODE and decision.action is Action.EXCLUDE
             ):
                 self._exclude_node(s.node, verdict, now)
+            if kept and not excluded:
+                # restarted in place (still kept): in the plan, to take the state from its
+                # neighbours when it joins
+                s.readmit()
+                self._excluded_at.pop(slot, None)
+            else:
+                self._kept.discard(slot)
             if not self._reform(now, f"slot {slot} lost: {verdict.kind}"):
                 return
             if not s.excluded:
@@ -702,7 +716,20 @@ class Coordinator:
                 "holds the state and goes on until it fails)"
             )
             return Decision(Action.REATTEMPT, Severity.SEV3, reason, kind=verdict.kind)
-        return self.escalation.decide(verdict, slot=slot, node=s.node, now=now)
+        kept = self._keeps_last_copies(slot)
+        return self.escalation.decide(verdict, slot=slot, node=s.node, now=now, last_copies=kept)
+
+    def _keeps_last_copies(self, slot: int) -> bool:
+        """The worker in ``slot`` (failed, or failing) was kept running on an excluded node
+        because the task's state lived only there, and the other copies still do: a failure
+        of its own restarts it in place (:meth:`worker_failed`), within its own restart limit,
+        so that the node keeps two copies or more until its health probe brings it back (each
+        failure there used to cost a copy, and the last one a rollback to the checkpoint)."""
+        node = self.slots[slot].node
+        if slot not in self._kept or node not in self.escalation.excluded_nodes():
+            return False
+        others = [h for h in self._holders() if h != slot]
+        return bool(others) and all(self.slots[h].node == node for h in others)
 
     def epoch_entered(self, slot: int, epoch: int, now: float) -> None:
         """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
@@ -799,6 +826,7 @@ class Coordinator:
             )
             if drop:
                 self._action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", 1, now)
+                self._kept.discard(slot)
                 self._exclude(slot, now)
                 self._kill(slot, verdict)
             else:
@@ -939,6 +967,7 @@ class Coordinator:
                 if k in own or k in self._probing or x.leaving:
                     continue  # its own exclusion (or probe) stands; or it is another task's
                 x.readmit()
+                self._kept.discard(k)
                 self._readmitted_at[k] = now
                 if not x.alive:  # a kept last copy of the state just stays a member
                     self._spawn(k)
@@ -1454,7 +1483,8 @@ class Coordinator:
     def _exclude_node(self, node: int, verdict: Verdict, now: float) -> None:
         """Take every slot of ``node`` out of the plan. Its living workers are killed only if
         the task's state lives on elsewhere (another node's replica): the last copies keep
-        running (no restarts there) rather than the task rolling back to a checkpoint."""
+        running rather than the task rolling back to a checkpoint, and one that fails on its
+        own account is restarted in place (:meth:`_keeps_last_copies`)."""
         state_elsewhere = any(self.slots[h].node != node for h in self._holders())
         for slot, o in self.slots.items():
             if o.node != node:
@@ -1464,6 +1494,8 @@ class Coordinator:
             if o.alive and state_elsewhere:
                 o.gone()  # doomed: not a member of the next epoch
                 self._kill(slot, verdict)
+            elif o.alive and slot not in self.escalation.excluded_slots():
+                self._kept.add(slot)
 
     def _probe_due(self, slot: int) -> float:
         """When the excluded ``slot`` may be probed: the cool-down doubles per exclusion (see

@@ -11,7 +11,10 @@ yet). Pure policy: the clock is passed in as ``now``.
 
 Rules, in order (``decide``):
 
-1. an excluded slot or node stays excluded (the decision repeats it);
+1. an excluded slot or node stays excluded (the decision repeats it), except a slot of an
+   excluded node that runs the task's last copies of the state (``last_copies``): the
+   rules below judge it by its own history, and its node's exclusion stands (rule 5 does
+   not apply to it);
 2. SEV3 (reattempt): up to ``max_reattempts`` per slot since its last healthy step (and
    within ``restart_window_s``); one more escalates to SEV2;
 3. SEV2 (restart): restart in the slot, unless the slot has failed more than
@@ -97,11 +100,21 @@ class Escalation:
         self._excluded_slots: set[int] = set()
         self._excluded_nodes: set[int] = set()
 
-    def decide(self, verdict: Verdict, *, slot: int, node: int, now: float) -> Decision:
-        """Decide what to do about ``verdict`` on ``slot`` (of ``node``) at ``now``."""
+    def decide(
+        self, verdict: Verdict, *, slot: int, node: int, now: float, last_copies: bool = False
+    ) -> Decision:
+        """Decide what to do about ``verdict`` on ``slot`` (of ``node``) at ``now``.
+
+        ``last_copies``: ``node`` is excluded, but the task's only copies of its state run
+        there (the coordinator keeps them): the slot is judged alone, so that a failing one is
+        restarted in place and takes the state from its neighbours, within its own restart
+        limit, rather than the task losing a copy at every failure until only a checkpoint
+        is left.
+        """
         s = self._slot(slot, node, now)
         kind = verdict.kind
-        if node in self._excluded_nodes:
+        kept = last_copies and node in self._excluded_nodes
+        if node in self._excluded_nodes and not kept:
             return Decision(
                 Action.EXCLUDE, Severity.SEV1, f"{kind} on node {node}: node is excluded",
                 exclude_node=True, kind=kind,
@@ -114,6 +127,8 @@ class Escalation:
         if verdict.severity is Severity.SEV1:
             return self._sev1(verdict, slot, node, now)
         prefix = f"{kind} on slot {slot}"
+        if kept:
+            prefix += f" (node {node} is excluded but holds the task's last copies)"
         if verdict.severity is Severity.SEV3:
             limit = self.settings.max_reattempts
             if len(s.reattempts) < limit:
@@ -121,7 +136,7 @@ class Escalation:
                 reason = f"{prefix}: reattempt {len(s.reattempts)} of {limit}"
                 return Decision(Action.REATTEMPT, Severity.SEV3, reason, kind=kind)
             prefix += f": {limit} reattempts failed, escalated to SEV2"
-        return self._sev2(kind, prefix, slot, node, now)
+        return self._sev2(kind, prefix, slot, node, now, judge_node=not kept)
 
     def healthy(self, *, slot: int, now: float) -> None:
         """``slot`` completed a step at ``now``: its reattempt count starts again."""
@@ -177,7 +192,9 @@ class Escalation:
             return Decision(Action.EXCLUDE, Severity.SEV1, reason, exclude_node=True, kind=kind)
         return self._exclude_slot(kind, f"{kind} on slot {slot}: slot excluded", slot, node, now)
 
-    def _sev2(self, kind: str, prefix: str, slot: int, node: int, now: float) -> Decision:
+    def _sev2(
+        self, kind: str, prefix: str, slot: int, node: int, now: float, *, judge_node: bool = True
+    ) -> Decision:
         s = self._slots[slot]
         s.reattempts.clear()
         s.failures.append(now)
@@ -187,7 +204,7 @@ class Escalation:
         if len(s.failures) > limit:
             reason = f"{prefix}: failed {len(s.failures)} times in {window:g} s: slot excluded"
             return self._exclude_slot(kind, reason, slot, node, now)
-        if self._node_failing(node, now):
+        if judge_node and self._node_failing(node, now):
             return self._exclude_node(kind, prefix, node, now, slot_excluded=False)
         reason = f"{prefix}: restart (restart {len(s.failures)} of {limit} in {window:g} s)"
         return Decision(Action.RESTART, Severity.SEV2, reason, kind=kind)
