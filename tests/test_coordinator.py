@@ -240,30 +240,32 @@ def test_an_excluded_node_keeps_the_last_copies_of_the_state_running(tmp_path: P
 
 def test_failures_on_a_node_that_holds_the_last_copies_restart_in_place(tmp_path: Path) -> None:
     """Found by the fault soak: a node excluded for three failing slots kept its living workers
-    (the only copies of the state), but an OOM on one of them was answered with "node is
-    excluded", then an NCCL error on the next, and the task rolled back to its checkpoint
-    (4 steps redone). Each failure of its own now restarts the worker in place, within the
-    slot's own restart limit; the copies never run out."""
+    (the only copies of the state), but the failure that excluded it lost its worker, an OOM
+    on a kept one was answered with "node is excluded", then a user error on the last, and
+    the task rolled back to its checkpoint (4 and 9 steps redone in two runs). Each failure of
+    a slot's own there now restarts its worker in place, within the slot's own restart limit;
+    the copies never run out."""
     k = Cluster(tmp_path, readmit_after_s=30.0)
     c = k.c
     t = k.steps(3, 0.0)
     for i, (slot, kind) in enumerate([(0, "cuda"), (1, "hang"), (2, "illegal_memory")]):
         c.worker_failed(slot, verdict_for_kind(kind), t + i)
-        if slot != 2:
-            c.worker_ready(slot, t + i + 0.5)
-    assert 0 in c.escalation.excluded_nodes() and c.members == (3, 0, 1)
-    assert [a.slot for a in k.actions(Spawn)] == [0, 1]  # slot 2 tipped the node: out
+        c.worker_ready(slot, t + i + 0.5)
+    assert 0 in c.escalation.excluded_nodes() and not c.escalation.excluded_slots()
+    assert c.members == (3, 0, 1, 2)  # the failure that tipped the node: restarted in place
+    assert [a.slot for a in k.actions(Spawn)] == [0, 1, 2]
+    assert [e["action"] for e in k.events("action")][-2:] == ["exclude", "restart"]
     t = k.steps(2, t + 3.0)  # the restarted workers took the state and computed with it
-    for slot, kind in [(1, "oom"), (3, "nccl"), (0, "segfault")]:
+    for slot, kind in [(1, "oom"), (3, "nccl"), (0, "user"), (2, "segfault")]:
         c.worker_failed(slot, verdict_for_kind(kind), t)
         assert c.slots[slot].state is SlotState.STARTING, (slot, kind)
         c.worker_ready(slot, t + 0.5)
         assert slot in c.members
         t = k.steps(2, t + 1.0)
-        assert sorted(c._holders()) == [0, 1, 3]
-    assert [a.slot for a in k.actions(Spawn)] == [0, 1, 1, 3, 0]
+        assert sorted(c._holders()) == [0, 1, 2, 3]
+    assert [a.slot for a in k.actions(Spawn)] == [0, 1, 2, 1, 3, 0, 2]
     assert c.state is TaskState.RUNNING and k.actions(Kill) == []
-    restarts = [e for e in k.events("action") if e["action"] == "restart"][-3:]
+    restarts = [e for e in k.events("action") if e["action"] == "restart"][-4:]
     assert all("holds the task's last copies" in e["reason"] for e in restarts), restarts
     # the slot's own restart limit still holds: its fourth failure in the window excludes it
     for _ in range(2):
@@ -274,7 +276,7 @@ def test_failures_on_a_node_that_holds_the_last_copies_restart_in_place(tmp_path
     assert "restart 3 of 3" in k.events("action")[-1]["reason"]
     c.worker_failed(3, verdict_for_kind("oom"), t)
     assert 3 in c.escalation.excluded_slots() and c.slots[3].state is SlotState.EXCLUDED
-    assert sorted(c._holders()) == [0, 1] and c.state is TaskState.RUNNING
+    assert sorted(c._holders()) == [0, 1, 2] and c.state is TaskState.RUNNING
 
 
 def test_a_kept_last_copy_is_not_killed_for_a_transient_error(tmp_path: Path) -> None:

@@ -664,15 +664,26 @@ class Coordinator:
             )
             self._action(decision.action, slot, decision.reason, int(decision.severity), now)
             excluded = decision.exclude_slot or decision.action is Action.EXCLUDE
-            if excluded:
+            # the failure that tipped its node over, the slot itself under its limits: it is
+            # kept like the node's living workers if the state now lives only there
+            tipped = decision.exclude_node and not decision.exclude_slot
+            in_place = (kept and not excluded) or (tipped and self._state_only_on(s.node, slot))
+            if excluded and not in_place:
                 self._exclude(slot, now)
             if decision.exclude_node or (
                 verdict.scope is Scope.NODE and decision.action is Action.EXCLUDE
             ):
                 self._exclude_node(s.node, verdict, now)
-            if kept and not excluded:
-                # restarted in place (still kept): in the plan, to take the state from its
+            if in_place:
+                # restarted in place (kept): in the plan, to take the state from its
                 # neighbours when it joins
+                if excluded:
+                    reason = (
+                        f"slot {slot}: restart in place (node {s.node} is excluded but holds "
+                        "the task's last copies)"
+                    )
+                    self._action(Action.RESTART, slot, reason, int(Severity.SEV2), now)
+                self._kept.add(slot)
                 s.readmit()
                 self._excluded_at.pop(slot, None)
             else:
@@ -728,6 +739,10 @@ class Coordinator:
         node = self.slots[slot].node
         if slot not in self._kept or node not in self.escalation.excluded_nodes():
             return False
+        return self._state_only_on(node, slot)
+
+    def _state_only_on(self, node: int, slot: int) -> bool:
+        """Workers other than ``slot``'s hold the task's state, all of them on ``node``."""
         others = [h for h in self._holders() if h != slot]
         return bool(others) and all(self.slots[h].node == node for h in others)
 
