@@ -189,6 +189,46 @@ def test_short_slowness_is_not_a_straggler() -> None:
     assert run.found == []
 
 
+def test_a_worker_restarted_into_a_warm_task_is_judged_after_two_steps() -> None:
+    """Found by the fault soak: a slow fault on a just-restarted worker went unnoticed through
+    its five warm-up steps (1.5 s against the 1.5 s goal). In a warm task only its cold step
+    and one more are left out."""
+    s = MonitorSettings()
+    m = StepMonitor(s)
+    run = Run(m, seed=9)
+    run.steps(20, base_s=0.05, spike_p=0.0)
+    m.forget(3)  # restarted
+    start = run.step
+    run.steps(6, base_s=0.05, spike_p=0.0, slow={3: 4.0})
+    stragglers = [(d.worker, d.step) for d in run.found if d.kind == "straggler"]
+    assert stragglers == [(3, start + s.rejoin_warmup_steps + s.straggler_min_steps - 1)]
+    # a task's own start keeps the long warm-up: every worker is new
+    m = StepMonitor(s)
+    run = Run(m, seed=9)
+    run.steps(s.warmup_steps, base_s=0.05, spike_p=0.0, slow={3: 4.0})
+    assert run.found == []
+
+
+def test_a_strong_straggler_is_found_across_a_membership_change() -> None:
+    """Found by the fault soak: a worker 4x slower for one step, then a new epoch (a slot
+    readmitted) restarted its count, and its share of the transition step was reused (it
+    computed nothing, which read as a calm step): found two steps late."""
+    s = MonitorSettings()
+    m = StepMonitor(s)
+    run = Run(m, seed=9)
+    run.steps(20, base_s=0.05, spike_p=0.0)
+    run.steps(1, base_s=0.05, spike_p=0.0, slow={3: 4.0})
+    m.reset_expectation()  # a new epoch
+    step, t = run.step, run.t
+    for w in range(WORKERS):  # the transition step: worker 3's micro-batches were reused
+        m.step_started(w, step, t)
+        m.step_finished(w, step, 0.0 if w == 3 else 0.1, t + 0.1, microbatches=0 if w == 3 else 2)
+    run.step, run.t = step + 1, t + 0.1
+    assert run.found + m.check(run.t) == []
+    run.steps(1, base_s=0.05, spike_p=0.0, slow={3: 4.0})
+    assert [(d.worker, d.step) for d in run.found if d.kind == "straggler"] == [(3, step + 1)]
+
+
 @pytest.mark.parametrize(("factor", "steps"), [(4.0, 2), (3.3, 2), (2.0, 5), (1.8, 5)])
 def test_a_stronger_slowdown_is_found_in_fewer_steps(factor: float, steps: int) -> None:
     """``straggler_min_steps`` steps at ``straggler_strong_factor`` x the peers' median are

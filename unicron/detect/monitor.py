@@ -84,7 +84,12 @@ class MonitorSettings:
     ``docs/detection.md``. Built once by the agent; invalid values raise ``ValueError``."""
 
     warmup_steps: int = 5
-    """first steps of each worker (and of each restarted worker) left out of the statistics"""
+    """first steps of each worker left out of the statistics while the task warms up"""
+    rejoin_warmup_steps: int = 2
+    """first steps of a worker (re)started into a task that is already warm (another worker
+    is past its warm-up) left out of the statistics: its cold step and one more (the task's
+    allocator sizes and imports are known; 5 steps would leave a slow fault on a restarted
+    worker undetected for 5 steps)"""
     warmup_hang_s: float = 300.0
     """hang deadline of a cold (first) step while the task has no pace yet (its start:
     imports, compilation); ``math.inf`` disables"""
@@ -119,6 +124,7 @@ class MonitorSettings:
 
     def __post_init__(self) -> None:
         _check_range("warmup_steps", self.warmup_steps, 0, 10_000)
+        _check_range("rejoin_warmup_steps", self.rejoin_warmup_steps, 0, 10_000)
         _check_range("hang_floor_s", self.hang_floor_s, 0.0, 86_400.0, lo_open=True)
         _check_range("warmup_hang_s", self.warmup_hang_s, self.hang_floor_s, math.inf)
         _check_range("rejoin_hang_s", self.rejoin_hang_s, self.hang_floor_s, self.warmup_hang_s)
@@ -160,6 +166,7 @@ class _Worker:
     """What the monitor knows about one worker since it was (re)started."""
 
     window: deque[float]
+    warmup: int  # its steps left out of the statistics (fewer if it joined a warm task)
     expected: float | None = None  # the window's median once it has enough steps (cached)
     finished: int = 0
     last_step: int = -1
@@ -218,14 +225,16 @@ class StepMonitor:
             self._durations.setdefault(step, {})[worker] = duration
             while len(self._durations) > _EVIDENCE_STEPS:
                 del self._durations[min(self._durations)]
-        if w.finished <= self.settings.warmup_steps:
+        if w.finished <= w.warmup:
             if w.finished > 1 and duration is not None and duration >= 0.0:
                 w.early.append(duration)  # not learned, but evidence of the task's early pace
                 self._paces = None
             return
         if duration is not None and duration >= 0.0:
             self._learn(w, duration)
-        if math.isfinite(compute_s) and compute_s >= 0.0:
+        if math.isfinite(compute_s) and compute_s >= 0.0 and microbatches != 0:
+            # (a replica that computed nothing, its share reused after a transition, says
+            # nothing of its speed)
             rate = compute_s / microbatches if microbatches else compute_s
             self._compute.setdefault(step, {})[worker] = rate
         self._judge_stragglers(now)
@@ -242,14 +251,20 @@ class StepMonitor:
     def reset_expectation(self) -> None:
         """Membership changed (new epoch): step times may change legitimately. Each worker
         keeps its last expectation as a lenient stand-in (``relearn_factor``) and re-learns
-        from its next steps; straggler streaks restart (the work split changed)."""
+        from its next steps; straggler streaks restart (the work split changed), except the
+        steps a worker not yet reported was ``straggler_strong_factor`` times slower than its
+        peers: that is the worker, not the split (a slow worker caught by a membership change
+        would otherwise need two more slow steps after it)."""
+        strong = self.settings.straggler_strong_factor
         for w in self._workers.values():
             if w.expected is not None:
                 w.previous = w.expected
             w.window.clear()
             w.expected = None
             w.shifted, w.shift_side = [], 0
+            kept = [] if w.straggling else [x for x in w.recent if x >= strong]
             w.recent.clear()
+            w.recent.extend(kept)
             w.calm_streak, w.straggling = 0, False
         self._compute.clear()
         self._paces = None
@@ -322,7 +337,10 @@ class StepMonitor:
 
     def _worker(self, worker: int) -> _Worker:
         if worker not in self._workers:
-            self._workers[worker] = _Worker(window=deque(maxlen=self.settings.window))
+            s = self.settings
+            warm = any(w.finished > w.warmup for w in self._workers.values())
+            warmup = min(s.rejoin_warmup_steps, s.warmup_steps) if warm else s.warmup_steps
+            self._workers[worker] = _Worker(window=deque(maxlen=s.window), warmup=warmup)
         return self._workers[worker]
 
     def _expected(self, w: _Worker) -> float | None:
@@ -430,8 +448,10 @@ class StepMonitor:
         self._paces = None
 
     def _judge_stragglers(self, now: float) -> None:
-        """Judge every step that all post-warm-up workers have finished (in step order)."""
-        warm = [w for w in self._workers.values() if w.finished > self.settings.warmup_steps]
+        """Judge every step that all post-warm-up workers have finished (in step order). A
+        worker whose next step is its first judged one counts as warm already, so that step
+        is judged with its report, not before it."""
+        warm = [w for w in self._workers.values() if w.finished >= w.warmup]
         if not warm:
             return
         done_upto = min(w.last_step for w in warm)
