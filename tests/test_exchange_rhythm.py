@@ -110,7 +110,7 @@ def test_step_reports_wait_for_the_rhythm_and_go_out_with_the_next_urgent_report
 ) -> None:
     """A training worker reports every step's begin, end and commit; those reports wait for
     the next exchange of the rhythm (not one request per agent round), and any other report
-    goes out at once, carrying the held ones before it."""
+    goes out at once, carrying the held ones before it, as does the agent's last round."""
     cluster, url = service
     client = Client(url, TOKEN)
     try:
@@ -155,5 +155,11 @@ def test_step_reports_wait_for_the_rhythm_and_go_out_with_the_next_urgent_report
         round_([M.CpuTime(slot=slot, ts=time.time(), cpu_s=1.0)])  # not a step report
         assert len(sent) == before + 1  # at once ...
         assert cluster.tasks["t"].row.committed_step == step  # ... with the held ones
+
+        step += 1
+        round_(step_reports(step))
+        now = time.time()
+        link.exchange(nid, [], now, read_until=now, flush=True)  # the agent's last round
+        assert link._last_ok == now and cluster.tasks["t"].row.committed_step == step
     finally:
         client.close()

@@ -230,7 +230,13 @@ class CoordinatorLink(Protocol):
     """How an agent reaches its task's coordinator (see the module docstring)."""
 
     def exchange(
-        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+        self,
+        node: int,
+        reports: list[M.Report],
+        now: float,
+        *,
+        read_until: float | None = None,
+        flush: bool = False,
     ) -> Reply: ...
 
 
@@ -415,6 +421,23 @@ class Agent:
                 time.sleep(0.1)
             if self.reply.finished:
                 return
+        self._flush()
+
+    def _flush(self) -> None:
+        """The loop was stopped (the run interrupted, the node stopping): what the workers
+        said, and the step reports the link held for the rhythm, go out now, so that the
+        event log keeps every step committed until then. Nothing is acted on any more."""
+        if self.vanished:
+            return
+        try:
+            for w in self.workers.values():
+                if w.conn is not None:
+                    self._read(w.conn)
+            reports, self._reports = self._reports, []
+            now = time.time()
+            self.link.exchange(self.node, reports, now, read_until=now, flush=True)
+        except Exception:  # the coordinator may be gone already: nothing more to tell it
+            log.warning("node %d: the last reports could not be sent", self.node, exc_info=True)
 
     def kill_all(self) -> None:
         """SIGKILL every worker and the zygote now (the run is interrupted). Safe from another
@@ -631,7 +654,7 @@ class Agent:
             # what the node's workers said before the fault (the injector's fault_injected
             # record among it) goes out first; from then on the node says nothing
             reports, self._reports = self._reports, []
-            self.link.exchange(self.node, reports, now, read_until=now)
+            self.link.exchange(self.node, reports, now, read_until=now, flush=True)
             self.vanish()
         elif isinstance(msg, P.Done):
             w.done()

@@ -165,12 +165,20 @@ class TaskLink:
         return min(max(asked, self.MIN_INTERVAL_S), self.MAX_INTERVAL_S)
 
     def exchange(
-        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+        self,
+        node: int,
+        reports: list[M.Report],
+        now: float,
+        *,
+        read_until: float | None = None,
+        flush: bool = False,
     ) -> M.Reply:
+        """One round of the agent: ``reports`` go out now, or wait for the rhythm (see the
+        class docstring); ``flush``: everything pending goes out now (the agent's last round)."""
         import httpx
 
         self._pending += reports
-        self._urgent = self._urgent or not all(can_wait(r) for r in reports)
+        self._urgent = self._urgent or flush or not all(can_wait(r) for r in reports)
         idle = M.Reply(over=self._last.over, finished=self._last.finished)
         if now < self._retry_at or (not self._urgent and now - self._last_ok < self.interval()):
             return idle
