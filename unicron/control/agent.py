@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
@@ -255,6 +256,7 @@ class Agent:
         self._reports: list[M.Report] = []  # this round's, in order
         self.workers = {s: _Worker(s) for s in config.slots}
         self.fired: set[str] = set()
+        self._step_ends: deque[tuple[int, int]] = deque(maxlen=64)  # (epoch, step) sent on
         self.errors: list[FatalError] = []  # every error that ended a worker, in order
         self.vanished = False
         self._authkey = secrets.token_bytes(16)
@@ -607,6 +609,11 @@ class Agent:
                 if fields["spec"] in self.fired:
                     return  # a node fault fires in every worker of the node: log it once
                 self.fired.add(fields["spec"])
+            if msg.name == "step_end":
+                key = (int(fields.get("epoch", -1)), int(fields.get("step", -1)))
+                if key in self._step_ends:
+                    return  # every member reports the commit; the coordinator logs the first
+                self._step_ends.append(key)
             self._report(M.Event(ts=now, name=msg.name, fields=fields))
         elif isinstance(msg, P.Entered):
             w.entered()
