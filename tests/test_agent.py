@@ -39,6 +39,25 @@ def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> Non
         agent.stop()
 
 
+def test_one_step_end_per_committed_step_leaves_the_node(tmp_path: Path) -> None:
+    # every member reports the commit (so that the record survives one that dies right after
+    # it); the coordinator logs the first: the agent passes on one per (epoch, step)
+    config = AgentConfig(node=0, slots=[0, 1], script="train.py", argv=[], faults=[],
+                         log_dir=tmp_path)  # fmt: skip
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    try:
+        for epoch, step in ((1, 5), (1, 6), (2, 6)):  # step 6 again in epoch 2: a new record
+            for slot in (0, 1):
+                fields = {"epoch": epoch, "step": step, "rank": slot}
+                agent._from_worker(slot, P.Event(name="step_end", fields=fields))
+        agent._from_worker(1, P.Event(name="transition_end", fields={"epoch": 2, "step": 6}))
+        got = [(r.name, r.fields["epoch"], r.fields["step"]) for r in agent._reports]
+        assert got == [("step_end", 1, 5), ("step_end", 1, 6), ("step_end", 2, 6),
+                       ("transition_end", 2, 6)]  # fmt: skip
+    finally:
+        agent.stop()
+
+
 def test_a_workers_lifecycle_is_one_state_along_its_diagram(tmp_path: Path) -> None:
     """A slot's process is in one ``WorkerState``; a report that does not apply where it
     stands leaves it there, and a move the diagram does not draw is refused. Its exit says

@@ -103,3 +103,63 @@ def test_an_idle_agent_exchanges_slowly_and_still_gets_a_cancel_within_its_rhyth
         assert latency < 0.75, latency
     finally:
         client.close()
+
+
+def test_step_reports_wait_for_the_rhythm_and_go_out_with_the_next_urgent_report(
+    service: tuple[Cluster, str],
+) -> None:
+    """A training worker reports every step's begin, end and commit; those reports wait for
+    the next exchange of the rhythm (not one request per agent round), and any other report
+    goes out at once, carrying the held ones before it, as does the agent's last round."""
+    cluster, url = service
+    client = Client(url, TOKEN)
+    try:
+        nid = cluster.register("n0", 1, "127.0.0.1", "inst", time.time())
+        spec = {"name": "t", "script": str(ROOT / "examples" / "train_gpt.py"),
+                "workers": {"min": 1, "max": 1}, "checkpoint": {"every": 0}}  # fmt: skip
+        cluster.submit(TaskSpec.model_validate(spec), time.time())
+        (assignment,) = cluster.heartbeat("n0", "inst", time.time())
+        (slot,) = assignment["slots"]
+        link = TaskLink(client, "n0", "inst", assignment["uid"],
+                        lambda: M.Census(ts=time.time(), alive=(slot,)))  # fmt: skip
+        sent: list[float] = []
+
+        def round_(reports: list[Any]) -> None:
+            now = time.time()
+            link.exchange(nid, reports, now, read_until=now)
+            if link._last_ok == now:
+                sent.append(now)
+            time.sleep(ROUND_S)
+
+        round_([M.Ready(slot=slot, ts=time.time(), microbatches=8)])
+        epoch = cluster.tasks["t"].row.epoch
+        round_([M.EpochEntered(slot=slot, ts=time.time(), epoch=epoch)])
+
+        def step_reports(step: int) -> list[Any]:
+            ts = time.time()
+            end = {"epoch": epoch, "rank": 0, "step": step, "loss": 1.0, "duration_s": 0.01}
+            return [M.StepBegan(slot=slot, ts=ts, step=step, epoch=epoch),
+                    M.StepComputed(slot=slot, ts=ts, step=step, compute_s=0.01),
+                    M.Event(ts=ts, name="step_end", fields=end)]  # fmt: skip
+
+        sent.clear()
+        t0, step = time.time(), 0
+        while time.time() - t0 < 2.0:
+            step += 1
+            round_(step_reports(step))
+        # a step every round (~100 in 2 s): about every 250 ms, not once per round
+        assert 4 <= len(sent) <= 20, [round(b - a, 3) for a, b in itertools.pairwise(sent)]
+        assert cluster.tasks["t"].row.committed_step < step  # the last ones are held
+
+        before = len(sent)
+        round_([M.CpuTime(slot=slot, ts=time.time(), cpu_s=1.0)])  # not a step report
+        assert len(sent) == before + 1  # at once ...
+        assert cluster.tasks["t"].row.committed_step == step  # ... with the held ones
+
+        step += 1
+        round_(step_reports(step))
+        now = time.time()
+        link.exchange(nid, [], now, read_until=now, flush=True)  # the agent's last round
+        assert link._last_ok == now and cluster.tasks["t"].row.committed_step == step
+    finally:
+        client.close()

@@ -126,3 +126,40 @@ def test_the_gradient_all_gather_fills_every_slice_in_rank_order() -> None:
         want = torch.cat([torch.arange(n) + 10 * r + 100 * in_place for r in range(3)]).float()
         for r in range(3):
             assert torch.equal(results[r][in_place], want), (r, in_place, results[r][in_place])
+
+
+def test_every_member_gets_the_same_vote_outcome_and_the_newest_epoch_with_it() -> None:
+    """The commit vote: the last voter learns the outcome from its own ``compare_set``, the
+    others from the store; each comes back with the newest epoch announced (the step
+    boundary's check reads it there, without a round trip of its own). An abort proposed
+    before the last vote wins for everyone."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    info = EpochInfo(1, (0, 1, 2), (0, 0, 0), urgent=False)
+    _announce(server, info)
+    groups = []
+    for rank in range(3):
+        client = _client(server.port)
+        groups.append(EpochGroup(client, EpochWatch(client, "t"), info, rank, slice_s=0.05,
+                                 timeout_s=TIMEOUT_S))  # fmt: skip
+
+    def vote_all(step: int, voters: list[EpochGroup]) -> dict[int, bool]:
+        outcomes: dict[int, bool] = {}
+        threads = [
+            threading.Thread(target=lambda g=g: outcomes.__setitem__(g.rank, g.vote(step)))
+            for g in voters
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return outcomes
+
+    assert vote_all(0, groups) == {0: True, 1: True, 2: True}
+    assert [g.latest_seen for g in groups] == [1, 1, 1]
+    _announce(server, EpochInfo(2, (0, 1, 2, 3), (0, 0, 0, 0), urgent=False))  # a joiner
+    assert vote_all(1, groups) == {0: True, 1: True, 2: True}  # not urgent: the step commits
+    assert [g.latest_seen for g in groups] == [2, 2, 2]
+    groups[2].abort(2)  # a member that cannot finish step 2 in this epoch
+    assert vote_all(2, groups[:2]) == {0: False, 1: False}
+    groups[0].abort(3)  # ... and one that aborts, then votes: the last voter loses too
+    assert vote_all(3, groups) == {0: False, 1: False, 2: False}

@@ -628,7 +628,7 @@ class _Runner:
             first = True
             while self.step < self.steps:
                 if not first:
-                    if self.watch.superseded(info.epoch, urgent_only=False):
+                    if self._newer_epoch(g):
                         self._leave(EpochOver("new epoch at the step boundary"), epoch)
                         break
                     todo = L.assign(range(self.M), g.world)[g.rank]
@@ -648,6 +648,15 @@ class _Runner:
                 assert attempt.loss is not None
                 last_loss = attempt.loss
         self._finish(epoch, last_loss)
+
+    def _newer_epoch(self, g: EpochGroup) -> bool:
+        """At a step boundary: whether an epoch newer than ``g``'s is announced (the members
+        leave for it here). The commit's vote read the newest epoch with its outcome
+        (:attr:`EpochGroup.latest_seen`), a few milliseconds ago: no round trip of its own."""
+        latest, g.latest_seen = g.latest_seen, None
+        if latest is None:
+            latest = self.watch.latest()
+        return latest > g.info.epoch
 
     def _leave(self, exc: EpochOver, epoch: int) -> None:
         """Leave the current epoch's group; a failed collective is reported to the agent."""

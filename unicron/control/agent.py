@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
@@ -230,7 +231,13 @@ class CoordinatorLink(Protocol):
     """How an agent reaches its task's coordinator (see the module docstring)."""
 
     def exchange(
-        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+        self,
+        node: int,
+        reports: list[M.Report],
+        now: float,
+        *,
+        read_until: float | None = None,
+        flush: bool = False,
     ) -> Reply: ...
 
 
@@ -249,6 +256,7 @@ class Agent:
         self._reports: list[M.Report] = []  # this round's, in order
         self.workers = {s: _Worker(s) for s in config.slots}
         self.fired: set[str] = set()
+        self._step_ends: deque[tuple[int, int]] = deque(maxlen=64)  # (epoch, step) sent on
         self.errors: list[FatalError] = []  # every error that ended a worker, in order
         self.vanished = False
         self._authkey = secrets.token_bytes(16)
@@ -415,6 +423,23 @@ class Agent:
                 time.sleep(0.1)
             if self.reply.finished:
                 return
+        self._flush()
+
+    def _flush(self) -> None:
+        """The loop was stopped (the run interrupted, the node stopping): what the workers
+        said, and the step reports the link held for the rhythm, go out now, so that the
+        event log keeps every step committed until then. Nothing is acted on any more."""
+        if self.vanished:
+            return
+        try:
+            for w in self.workers.values():
+                if w.conn is not None:
+                    self._read(w.conn)
+            reports, self._reports = self._reports, []
+            now = time.time()
+            self.link.exchange(self.node, reports, now, read_until=now, flush=True)
+        except Exception:  # the coordinator may be gone already: nothing more to tell it
+            log.warning("node %d: the last reports could not be sent", self.node, exc_info=True)
 
     def kill_all(self) -> None:
         """SIGKILL every worker and the zygote now (the run is interrupted). Safe from another
@@ -584,6 +609,11 @@ class Agent:
                 if fields["spec"] in self.fired:
                     return  # a node fault fires in every worker of the node: log it once
                 self.fired.add(fields["spec"])
+            if msg.name == "step_end":
+                key = (int(fields.get("epoch", -1)), int(fields.get("step", -1)))
+                if key in self._step_ends:
+                    return  # every member reports the commit; the coordinator logs the first
+                self._step_ends.append(key)
             self._report(M.Event(ts=now, name=msg.name, fields=fields))
         elif isinstance(msg, P.Entered):
             w.entered()
@@ -631,7 +661,7 @@ class Agent:
             # what the node's workers said before the fault (the injector's fault_injected
             # record among it) goes out first; from then on the node says nothing
             reports, self._reports = self._reports, []
-            self.link.exchange(self.node, reports, now, read_until=now)
+            self.link.exchange(self.node, reports, now, read_until=now, flush=True)
             self.vanish()
         elif isinstance(msg, P.Done):
             w.done()

@@ -100,14 +100,33 @@ class Client:
         self._http.close()
 
 
+def can_wait(report: M.Report) -> bool:
+    """Whether ``report`` may wait for the next exchange of the rhythm: a step's begin, its
+    computed report and its ``step_end`` record (all but the task's first commit, which
+    makes the coordinator write the ``trained`` key that starting workers read). They feed
+    the step statistics and the event log only, they carry their own time, and the detectors
+    judge a node only up to the ``read_until`` of its last exchange, which covers every report
+    it carried; a training task's workers send a dozen of them per step (docs/cluster.md,
+    The rhythm)."""
+    if isinstance(report, M.StepBegan | M.StepComputed):
+        return True
+    return (
+        isinstance(report, M.Event)
+        and report.name == "step_end"
+        and int(report.fields.get("step", 0)) > 0
+    )
+
+
 class TaskLink:
     """An agent's link to the coordinator of task ``uid`` over HTTP (see the module
     docstring). ``census`` is the agent's :meth:`~unicron.control.agent.Agent.census`.
 
-    Reports go out at once (on the agent's next round, within 20 ms); with nothing to report
-    the link exchanges at the rhythm the coordinator's last reply asked for (:meth:`interval`:
-    every 250 ms when nothing is due, every 50 ms while the coordinator waits on this node;
-    docs/cluster.md, The rhythm)."""
+    A report goes out at once (on the agent's next round, within 20 ms), with every report
+    held before it, unless it may wait (:func:`can_wait`: a worker's step reports); with
+    nothing else to report the link exchanges at the rhythm the coordinator's last reply
+    asked for (:meth:`interval`: every 250 ms when nothing is due, at a computing worker's
+    hang deadline, every 50 ms while the coordinator waits on this node; docs/cluster.md,
+    The rhythm), carrying the reports held until then."""
 
     MIN_INTERVAL_S = 0.05
     """with nothing to report, never exchange more often than this"""
@@ -128,6 +147,7 @@ class TaskLink:
         self.instance = instance
         self.census = census
         self._pending: list[M.Report] = []
+        self._urgent = False  # a pending report that must not wait for the rhythm
         self._last = M.Reply()
         self._last_ok = 0.0
         self._retry_at = 0.0
@@ -145,13 +165,22 @@ class TaskLink:
         return min(max(asked, self.MIN_INTERVAL_S), self.MAX_INTERVAL_S)
 
     def exchange(
-        self, node: int, reports: list[M.Report], now: float, *, read_until: float | None = None
+        self,
+        node: int,
+        reports: list[M.Report],
+        now: float,
+        *,
+        read_until: float | None = None,
+        flush: bool = False,
     ) -> M.Reply:
+        """One round of the agent: ``reports`` go out now, or wait for the rhythm (see the
+        class docstring); ``flush``: everything pending goes out now (the agent's last round)."""
         import httpx
 
         self._pending += reports
+        self._urgent = self._urgent or flush or not all(can_wait(r) for r in reports)
         idle = M.Reply(over=self._last.over, finished=self._last.finished)
-        if now < self._retry_at or (not self._pending and now - self._last_ok < self.interval()):
+        if now < self._retry_at or (not self._urgent and now - self._last_ok < self.interval()):
             return idle
         batch = list(self._pending)
         if self._reconnect:
@@ -173,6 +202,7 @@ class TaskLink:
             self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
             return idle
         self._pending.clear()
+        self._urgent = False
         self._reconnect = False
         self._backoff = 0.05
         self.down_since = None

@@ -133,6 +133,10 @@ class EpochGroup:
         self.slice = dt.timedelta(seconds=slice_s)
         self.timeout_s = timeout_s
         self.store = dist.PrefixStore(epoch_prefix(watch.task, info.epoch), store)
+        self._base = store
+        self.latest_seen: int | None = None
+        """the newest epoch announced, as read with the last vote's outcome (its step's
+        boundary check needs no round trip of its own); None before a vote"""
         self._pg_store = pg_store or (lambda: store)
         self.pg: Any = None
         self._left = False
@@ -353,10 +357,16 @@ class EpochGroup:
         epoch superseded first proposes "abort". ``compare_set`` keeps the first proposal, so
         all living members act on the same outcome; a member that lost the vote keeps its local
         sum and retries in the next epoch.
+
+        Three store round trips per member: the last voter learns the outcome from its
+        ``compare_set`` (it returns the value kept), the others wait for it; each reads the
+        newest epoch in the same request as its last one (:attr:`latest_seen`).
         """
         decision = f"decide/{step}"
         if self.store.add(f"vote/{step}", 1) == self.world:
-            self.store.compare_set(decision, "", "commit")
+            outcome = self.store.compare_set(decision, "", "commit")
+            self.latest_seen = self.watch.latest()
+            return outcome == b"commit"
         while True:
             try:
                 self.store.wait([decision], self.slice)
@@ -366,7 +376,10 @@ class EpochGroup:
                     self.store.compare_set(decision, "", "abort")
                 elif self.watch.task_over():
                     raise EpochOver("the task is over") from None
-        return self.store.get(decision) == b"commit"
+        prefix = epoch_prefix(self.watch.task, self.info.epoch)
+        outcome, latest = self._base.multi_get([f"{prefix}/{decision}", epoch_key(self.watch.task)])
+        self.latest_seen = int(latest)
+        return outcome == b"commit"
 
     def abort(self, step: int) -> None:
         """This member cannot finish ``step`` in this epoch: make sure nobody commits it."""
