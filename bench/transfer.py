@@ -77,9 +77,10 @@ def _member(arm: str, size: str, rank: int, world: int, port: int, out: Any) -> 
     from bench.sized_gpt import build
     from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
     from unicron.runtime.group import EpochGroup, EpochWatch
-    from unicron.runtime.transfer import state_tensors, transfer
+    from unicron.runtime.transfer import state_tensors, transfer, warm_up
 
     torch.set_num_threads(1)
+    warm_up(torch.device("cpu"))  # as every worker does when it starts
     joiner = rank == world - 1
     model, opt, _ = build(size, seed=1 if joiner else 0)
     if not joiner:  # a trained holder: give AdamW its moments with one step

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import unicron.runtime.transfer as transfer_module
 from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
 from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 from unicron.runtime.transfer import (
@@ -51,8 +52,11 @@ def _announce(store: dist.TCPStore, epoch: int, members: int, *, urgent: bool = 
     store.set(epoch_key("t"), str(epoch))
 
 
-def _run_group(world: int, body: Callable[[EpochGroup], Any]) -> list[Any]:
-    """Run ``body(group)`` on ``world`` members of epoch 1 in threads; results by rank."""
+def _run_group(
+    world: int, body: Callable[[EpochGroup], Any], *, supersede: bool = False
+) -> list[Any]:
+    """Run ``body(group)`` on ``world`` members of epoch 1 in threads; results by rank. With
+    ``supersede``, a newer urgent epoch is announced after 0.5 s."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     _announce(master, 1, world)
     results: list[Any] = [None] * world
@@ -70,7 +74,7 @@ def _run_group(world: int, body: Callable[[EpochGroup], Any]) -> list[Any]:
     threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
-    if world == 2:  # the superseded-epoch test: a newer urgent epoch once rank 1 waits
+    if supersede:  # once the members wait
         time.sleep(0.5)
         _announce(master, 2, world, urgent=True)
     for t in threads:
@@ -247,7 +251,100 @@ def test_a_receiver_leaves_a_superseded_epoch_at_once() -> None:
             transfer(g, *joiner, holders=[0], needers=[1], device=torch.device("cpu"))
         return time.monotonic() - t0
 
-    results = _run_group(2, body)
+    results = _run_group(2, body, supersede=True)
     assert isinstance(results[1], float), results
     assert results[1] < 5.0  # announced after ~0.5 s; sliced waits of 0.05 s
     del holder
+
+
+def test_the_first_chunks_of_each_part_ramp_up_to_the_chunk_size() -> None:
+    model = [torch.zeros(100)]  # 400 bytes
+    optim = [torch.zeros(50), torch.zeros(60)]  # 440 bytes
+    s = _Stream(model + optim, chunk=128, breaks=(1,), ramp=4)
+    assert s.bounds == [
+        (0, 32), (32, 96), (96, 224), (224, 352), (352, 400),  # 32, 64, 128, 128, the rest
+        (400, 432), (432, 496), (496, 624), (624, 752), (752, 840),
+    ]  # fmt: skip
+    assert _Stream(model + optim, chunk=128, breaks=(1,)).bounds[:2] == [(0, 128), (128, 256)]
+
+
+@pytest.mark.timeout(60)
+def test_staging_buffers_come_from_the_pool_and_go_back_to_it() -> None:
+    """The small tensors of this model go through staging buffers on both sides; those of a
+    transfer are the pool's (touched once, at warm-up, not page-faulted in every transfer)."""
+    transfer_module.warm_up(torch.device("cpu"), slots=8, nbytes=4096)
+    pooled = {b.data_ptr() for b in transfer_module._POOL}
+    assert len(pooled) >= 8
+    reference = _trained(seed=0, steps=2)
+    members = [_trained(seed=0, steps=2), _model(seed=7)]
+    taken: list[int] = []
+    take = transfer_module._take
+
+    def spy(wire: torch.device, nbytes: int) -> torch.Tensor:
+        buf = take(wire, nbytes)
+        taken.append(buf.data_ptr())
+        return buf
+
+    def body(g: EpochGroup) -> Any:
+        return transfer(g, *members[g.rank], holders=[0], needers=[1],
+                        device=torch.device("cpu"), chunk_bytes=4096, window=2)  # fmt: skip
+
+    transfer_module._take = spy
+    try:
+        stats = _run_group(2, body)
+    finally:
+        transfer_module._take = take
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    _same(reference, members[1])
+    assert stats[0].packed > 0 and stats[1].packed > 0
+    assert taken and set(taken) <= pooled  # nothing allocated during the transfer
+    assert set(taken) <= {b.data_ptr() for b in transfer_module._POOL}  # and given back
+
+
+class _CopyingAdamW(torch.optim.AdamW):
+    """An optimizer whose ``load_state_dict`` keeps copies of the tensors it is given (as
+    torch's optimizers do when a state's dtype or device differs from its parameter's)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        copied = {
+            "state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in s.items()} for i, s in state_dict["state"].items()},
+            "param_groups": state_dict["param_groups"],
+        }  # fmt: skip
+        super().load_state_dict(copied)
+
+
+@pytest.mark.timeout(60)
+def test_an_optimizer_that_copies_what_it_loads_gets_the_received_state() -> None:
+    """The needer hands its optimizer the received tensors while they are on the wire; an
+    optimizer that copied them then is given them again once they have landed."""
+    reference = _trained(seed=0, steps=2)
+    torch.manual_seed(7)
+    joiner_model = torch.nn.Sequential(
+        torch.nn.Linear(40, 30), torch.nn.LayerNorm(30), torch.nn.Linear(30, 7)
+    )
+    joiner = (joiner_model, _CopyingAdamW(joiner_model.parameters(), lr=1e-2))
+    members = [_trained(seed=0, steps=2), joiner]
+
+    def body(g: EpochGroup) -> Any:
+        return transfer(g, *members[g.rank], holders=[0], needers=[1],
+                        device=torch.device("cpu"), chunk_bytes=512)  # fmt: skip
+
+    stats = _run_group(2, body)
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    _same(reference, joiner)
+
+
+@pytest.mark.timeout(60)
+def test_a_holder_whose_optimizer_has_no_state_yet_sends_the_model_alone() -> None:
+    reference = _model(seed=0)
+    members = [_model(seed=0), _model(seed=7)]
+
+    def body(g: EpochGroup) -> Any:
+        return transfer(g, *members[g.rank], holders=[0], needers=[1],
+                        device=torch.device("cpu"), chunk_bytes=256)  # fmt: skip
+
+    stats = _run_group(2, body)
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    _same(reference, members[1])
+    assert members[1][1].state_dict()["state"] == {}

@@ -71,7 +71,7 @@ from unicron.runtime import reduce as R
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.runtime.inject import Fault, parse, slowdown
 from unicron.runtime.link import AgentLink, connect_agent
-from unicron.runtime.transfer import transfer
+from unicron.runtime.transfer import transfer, warm_up
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -590,6 +590,10 @@ class _Runner:
             )
         self.watch = EpochWatch(self.store, self.ctx.task)
         self.M = self.ledger.num_microbatches
+        # staging buffers and first calls of the state transfer, paid now rather than in a
+        # transition (the group's wire: the device with NCCL, else the CPU)
+        nccl = os.environ.get(D.ENV_BACKEND, "gloo") == "nccl"
+        warm_up(self.device if nccl else torch.device("cpu"))
 
     def _store_client(self) -> dist.Store:
         """A new connection to the coordinator's store, for one epoch's process group only."""

@@ -4,26 +4,29 @@ Called by the worker (:mod:`unicron.worker`) during a transition, after the ledg
 has named the *holders* (members at the newest committed step, with identical parameters)
 and the *needers* (joiners, restarted workers). Nothing is serialized into one blob:
 
-1. the first holder broadcasts a *manifest*: the model's and the optimizer's state dicts
-   with every tensor replaced by its :class:`Spec` (shape and dtype), as JSON (a few KB, one
-   broadcast; no pickle, no ``torch.save``, whose meta-tensor records cost tens of ms);
+1. the first holder broadcasts a *manifest*, as JSON (a few KB, one broadcast; no pickle, no
+   ``torch.save``, whose meta-tensor records cost tens of ms): the shape and dtype of each of
+   the model's tensors, and the optimizer's state dict with a :class:`Spec` (shape and dtype)
+   in each tensor's place. The state dicts are walked once, dispatched on exact types;
 2. the state's tensors, in a fixed order, form one virtual byte stream cut into chunks of
-   :data:`CHUNK_BYTES` (the optimizer's state starts a new one); chunk ``k`` comes from
-   holder ``k mod H`` (several holders send in
-   parallel, each a share), broadcast in a small group of that holder and the needers (a
-   collective, because a gloo point-to-point wait cannot be left in slices: it closes the
-   connection when it times out);
+   :data:`CHUNK_BYTES` (the optimizer's state starts a new one; the first chunks of each
+   part ramp up from ``CHUNK_BYTES / RAMP``, so that the first is on the wire sooner); chunk
+   ``k`` comes from holder ``k mod H`` (several holders send in parallel, each a share),
+   broadcast in a small group of that holder and the needers (a collective, because a gloo
+   point-to-point wait cannot be left in slices: it closes the connection when it times out);
 3. a chunk is sent from, and received into, the tensors' own memory when it lies in one
    tensor or in tensors that follow each other in one storage: a needer allocates the
    optimizer state it lacks as one buffer in stream order (:func:`fresh`), so its moments
    (two thirds of an AdamW state) land in place. Any other chunk is packed into one of a
-   few staging buffers, allocated once per transfer and reused (a fresh buffer per chunk
-   pays its page faults every time). At most :data:`WINDOW` chunks per peer are in flight,
-   so the extra memory on either side is a few chunks, whatever the state's size.
+   few staging buffers, taken from a pool that the worker fills when it starts
+   (:func:`warm_up`; a fresh buffer pays its page faults, about as much as the copy into
+   it). At most :data:`WINDOW` chunks per peer are in flight, so the extra memory on either
+   side is a few chunks, whatever the state's size.
 
-A needer writes the model's tensors in place and the optimizer's state into fresh (or its
-own, when every shape agrees) tensors, then hands them to ``optimizer.load_state_dict``,
-which keeps them without copying. Every wait goes through
+A needer posts its model's chunks first (written into its own tensors), allocates the
+optimizer's tensors while they are on the wire, and hands them to
+``optimizer.load_state_dict`` (which keeps them without copying; if it copied, it is called
+again once they have landed). Every wait goes through
 :class:`unicron.runtime.group.EpochGroup`'s sliced waits, so a superseded epoch is left at
 once. Method and measurements: ``docs/runtime.md`` ("State transfer").
 """
@@ -31,9 +34,11 @@ once. Method and measurements: ``docs/runtime.md`` ("State transfer").
 from __future__ import annotations
 
 import bisect
+import gc
 import itertools
 import json
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,6 +48,9 @@ CHUNK_BYTES = 4 << 20
 """Size of one piece of the stream (the unit of parallelism and of the memory bound)."""
 WINDOW = 4
 """Chunks in flight per peer pair: enough to keep loopback or a link busy."""
+RAMP = 8
+"""The first chunk of the model's and of the optimizer's part is ``CHUNK_BYTES / RAMP``,
+the next twice that, up to ``CHUNK_BYTES`` (:class:`_Stream`)."""
 
 
 class Wire(Protocol):
@@ -76,45 +84,110 @@ class Spec:
 
 
 # -- the state as a list of tensors --------------------------------------------------------
-def _walk(obj: Any, out: list[Any]) -> Any:
-    """A copy of ``obj`` with tensors replaced by their :class:`Spec`; the tensors (or, in a
-    manifest, the specs) go to ``out`` in a fixed order (dicts with integer keys, the
-    optimizer's state, and with string keys, sorted)."""
-    if isinstance(obj, torch.Tensor):
+# One pass over a state dict, dispatched on the exact type (a transfer walks a few hundred
+# tensors; isinstance chains and a dataclass per tensor cost more than moving 5 MB does).
+def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
+    """Append the tensors in ``obj`` to ``out`` in stream order: dicts with integer keys (the
+    optimizer's state) or with string keys in sorted order, lists and tuples in order."""
+    kind = type(obj)
+    if kind is dict or isinstance(obj, dict):
+        keys = _ordered(obj)
+        for k in keys:
+            v = obj[k]
+            if type(v) is torch.Tensor:
+                out.append(v)
+            else:
+                _tensors(v, out)
+    elif kind is list or kind is tuple:
+        for v in obj:
+            _tensors(v, out)
+    elif isinstance(obj, torch.Tensor):
         out.append(obj)
-        return Spec(tuple(obj.shape), obj.dtype)
-    if isinstance(obj, Spec):
+
+
+def _ordered(d: dict[Any, Any]) -> list[Any]:
+    keys = list(d)
+    kinds = {type(k) for k in keys}
+    if kinds == {str} or kinds == {int}:
+        keys.sort()
+    return keys
+
+
+def _skeleton(obj: Any, out: list[torch.Tensor]) -> Any:
+    """``obj`` as JSON-ready data (:func:`encode`'s format) with each tensor replaced by its
+    spec; the tensors go to ``out`` in the order of :func:`_tensors`."""
+    kind = type(obj)
+    if kind is torch.Tensor or isinstance(obj, torch.Tensor):
         out.append(obj)
+        return ["T", list(obj.shape), _DTYPE_NAME[obj.dtype]]
+    if kind is dict or isinstance(obj, dict):
+        keys = _ordered(obj)
+        if all(type(k) is str for k in keys):
+            return {k: _skeleton(obj[k], out) for k in keys}
+        return ["D", *(x for k in keys for x in (_skeleton(k, out), _skeleton(obj[k], out)))]
+    if kind is list:
+        return ["L", *(_skeleton(v, out) for v in obj)]
+    if kind is tuple:
+        return ["U", *(_skeleton(v, out) for v in obj)]
+    if kind is Spec:
+        return ["T", list(obj.shape), _DTYPE_NAME[obj.dtype]]
+    if obj is None or kind is bool or kind is int or kind is float or kind is str:
         return obj
-    if isinstance(obj, dict):
-        keys = list(obj)
-        if all(isinstance(k, int) for k in keys) or all(isinstance(k, str) for k in keys):
-            keys = sorted(keys)
-        return {k: _walk(obj[k], out) for k in keys}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_walk(v, out) for v in obj)
-    return obj
+    if isinstance(obj, bool | int | float | str):  # e.g. an enum's value: sent as its base
+        return obj
+    raise TypeError(f"the state dict holds a {kind.__name__}, which the transfer cannot send")
+
+
+def _unskeleton(obj: Any, specs: list[Spec]) -> Any:
+    """Inverse of :func:`_skeleton`: the data with a :class:`Spec` wherever a tensor stood;
+    the specs also go to ``specs`` in stream order."""
+    kind = type(obj)
+    if kind is dict:
+        return {k: _unskeleton(v, specs) for k, v in obj.items()}
+    if kind is not list:
+        return obj
+    tag = obj[0]
+    if tag == "T":
+        spec = Spec(tuple(obj[1]), _DTYPES[obj[2]])
+        specs.append(spec)
+        return spec
+    if tag == "L":
+        return [_unskeleton(v, specs) for v in obj[1:]]
+    if tag == "U":
+        return tuple(_unskeleton(v, specs) for v in obj[1:])
+    assert tag == "D", tag
+    it = iter(obj[1:])
+    return {_unskeleton(k, specs): _unskeleton(v, specs) for k, v in zip(it, it, strict=True)}
 
 
 def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    """Inverse of :func:`_walk`: put the next tensor wherever a :class:`Spec` stands."""
-    if isinstance(skeleton, Spec):
+    """Put the next tensor wherever a :class:`Spec` stands in ``skeleton``."""
+    kind = type(skeleton)
+    if kind is Spec:
         return next(tensors)
-    if isinstance(skeleton, dict):
+    if kind is dict:
         return {k: _fill(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list | tuple):
-        return type(skeleton)(_fill(v, tensors) for v in skeleton)
+    if kind is list:
+        return [_fill(v, tensors) for v in skeleton]
+    if kind is tuple:
+        return tuple(_fill(v, tensors) for v in skeleton)
     return skeleton
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+_DTYPE_NAME = {d: name for name, d in _DTYPES.items()}
 
 
 def state_tensors(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[Any, list[torch.Tensor]]:
-    """(manifest skeleton, the state's tensors in stream order), without copying a tensor."""
+    """(the state dicts ``{"model": ..., "optim": ...}`` with a :class:`Spec` for each
+    tensor, the state's tensors in stream order), without copying a tensor."""
     tensors: list[torch.Tensor] = []
-    sd = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-    skeleton = _walk(sd, tensors)
-    return skeleton, tensors
+    plain = _skeleton({"model": model.state_dict(), "optim": optimizer.state_dict()}, tensors)
+    return _unskeleton(plain, []), tensors
 
 
 def state_nbytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -124,46 +197,18 @@ def state_nbytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> in
 
 # -- the manifest as JSON -------------------------------------------------------------------
 def encode(skeleton: Any) -> bytes:
-    """The skeleton as JSON. Lists stay arrays; a spec, a dict (whose keys may be integers)
-    and a tuple become one-key objects tagged ``T``, ``D`` and ``U``. Floats keep every bit
-    (``repr`` round-trips; NaN and infinities included). Raises ``TypeError`` naming any
-    other kind of value (a state dict holds numbers, strings, None and containers)."""
-    return json.dumps(_plain(skeleton), separators=(",", ":")).encode()
+    """A state dict (with tensors or their :class:`Spec` in their place) as JSON. A dict
+    with string keys stays an object; every array is tagged by its first element: ``T`` a
+    tensor's spec (shape, dtype), ``L`` a list, ``U`` a tuple, ``D`` a dict with other keys
+    (key, value, key, value...). Floats keep every bit (``repr`` round-trips; NaN and
+    infinities included). Raises ``TypeError`` naming any other kind of value (a state dict
+    holds numbers, strings, None and containers)."""
+    return json.dumps(_skeleton(skeleton, []), separators=(",", ":")).encode()
 
 
 def decode(data: bytes) -> Any:
-    """Inverse of :func:`encode`."""
-    return _unplain(json.loads(data))
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, Spec):
-        return {"T": [list(obj.shape), str(obj.dtype).removeprefix("torch.")]}
-    if isinstance(obj, dict):
-        return {"D": [[_plain(k), _plain(v)] for k, v in obj.items()]}
-    if isinstance(obj, tuple):
-        return {"U": [_plain(v) for v in obj]}
-    if isinstance(obj, list):
-        return [_plain(v) for v in obj]
-    if obj is None or isinstance(obj, bool | int | float | str):
-        return obj
-    raise TypeError(f"the state dict holds a {type(obj).__name__}, which the transfer cannot send")
-
-
-def _unplain(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_unplain(v) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    ((tag, body),) = obj.items()
-    if tag == "T":
-        dtype = getattr(torch, body[1])
-        assert isinstance(dtype, torch.dtype), body
-        return Spec(tuple(body[0]), dtype)
-    if tag == "D":
-        return {_unplain(k): _unplain(v) for k, v in body}
-    assert tag == "U", tag
-    return tuple(_unplain(v) for v in body)
+    """Inverse of :func:`encode` (a :class:`Spec` wherever a tensor stood)."""
+    return _unskeleton(json.loads(data), [])
 
 
 # -- the byte stream and its chunks ---------------------------------------------------------
@@ -172,22 +217,34 @@ class _Stream:
 
     Chunks are ``chunk`` bytes, but a new one starts at each tensor index in ``breaks`` (the
     optimizer's first tensor: a needer's fresh optimizer state is one buffer, and a chunk
-    that began among the model's tensors would not land in place)."""
+    that began among the model's tensors would not land in place). With ``ramp`` r > 1 the
+    first chunks after each such start are ``chunk / r``, then twice that, up to ``chunk``:
+    a sender that must pack the first chunk has it on the wire sooner, and packs the next
+    while it goes."""
 
-    def __init__(self, tensors: list[torch.Tensor], chunk: int, breaks: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        tensors: list[torch.Tensor],
+        chunk: int,
+        breaks: tuple[int, ...] = (),
+        sizes: list[int] | None = None,
+        ramp: int = 1,
+    ):
         self.tensors = tensors
-        self.sizes = [t.numel() * t.element_size() for t in tensors]
+        """in stream order; a receiver may append the later ones before their first chunk"""
+        self.sizes = [t.numel() * t.element_size() for t in tensors] if sizes is None else sizes
         self.starts = [0]
         for n in self.sizes:
             self.starts.append(self.starts[-1] + n)
         self.nbytes = self.starts[-1]
         self.chunk = chunk
         cuts = sorted({0, self.nbytes, *(self.starts[i] for i in breaks)})
-        self.bounds = [
-            (lo, min(lo + chunk, end))
-            for first, end in itertools.pairwise(cuts)
-            for lo in range(first, end, chunk)
-        ]
+        self.bounds = []
+        for lo, end in itertools.pairwise(cuts):
+            size = max(chunk // ramp, 1)
+            while lo < end:
+                self.bounds.append((lo, min(lo + size, end)))
+                lo, size = lo + size, min(2 * size, chunk)
         self.count = len(self.bounds)
         self._views: dict[int, torch.Tensor] = {}
         self._next: dict[int, bool] = {}
@@ -206,9 +263,17 @@ class _Stream:
 
     def _bytes(self, i: int) -> torch.Tensor:
         """Tensor ``i`` as flat bytes (a view; made once per tensor)."""
-        if i not in self._views:
-            self._views[i] = self.tensors[i].detach().reshape(-1).view(torch.uint8)
-        return self._views[i]
+        view = self._views.get(i)
+        if view is None:
+            t = self.tensors[i]
+            view = self._views[i] = (
+                (t.detach() if t.requires_grad else t).reshape(-1).view(torch.uint8)
+            )
+        return view
+
+    def _part(self, i: int, a: int, b: int) -> torch.Tensor:
+        view = self._bytes(i)
+        return view if a == 0 and b == self.sizes[i] else view[a:b]
 
     def _joined(self, i: int) -> bool:
         """Tensor ``i + 1`` starts in memory where tensor ``i`` ends (one storage, both
@@ -249,7 +314,7 @@ class _Stream:
     def pack(self, k: int, out: torch.Tensor) -> torch.Tensor:
         """Copy chunk ``k`` into ``out`` (a staging buffer, :meth:`size` bytes; the sender's
         side) and return it."""
-        parts = [self._bytes(i)[a:b] for i, a, b in self.pieces(k)]
+        parts = [self._part(i, a, b) for i, a, b in self.pieces(k)]
         if all(p.device == out.device for p in parts):
             return torch.cat(parts, out=out)
         at = 0
@@ -260,18 +325,19 @@ class _Stream:
 
     def unpack(self, k: int, buf: torch.Tensor) -> None:
         """Copy a received buffer into the tensors of chunk ``k`` (the receiver's side)."""
-        at = 0
-        for i, a, b in self.pieces(k):
+        pieces = self.pieces(k)
+        for (i, a, b), src in zip(pieces, buf.split([b - a for _, a, b in pieces]), strict=True):
             assert self.tensors[i].is_contiguous(), "a destination must be contiguous"
-            self._bytes(i)[a:b].copy_(buf[at : at + b - a])
-            at += b - a
+            self._part(i, a, b).copy_(src)
 
 
 class _Staging:
-    """The buffers packed chunks pass through: ``slots`` of them, allocated on first use and
-    reused. The chunk with sequence number ``seq`` gets buffer ``seq mod slots``; a caller
-    that keeps at most ``slots`` chunks in flight, and lands (or waits for) the oldest before
-    it starts a new one, never reuses a buffer still on the wire."""
+    """The buffers packed chunks pass through: ``slots`` of them, taken from this process's
+    pool (:func:`warm_up`) or allocated on first use, reused within the transfer and given
+    back to the pool when it ends well. The chunk with sequence number ``seq`` gets buffer
+    ``seq mod slots``; a caller that keeps at most ``slots`` chunks in flight, and lands (or
+    waits for) the oldest before it starts a new one, never reuses a buffer still on the
+    wire."""
 
     def __init__(self, slots: int, nbytes: int, wire: torch.device) -> None:
         self.nbytes = nbytes
@@ -282,8 +348,45 @@ class _Staging:
         j = seq % len(self.bufs)
         buf = self.bufs[j]
         if buf is None:
-            buf = self.bufs[j] = torch.empty(self.nbytes, dtype=torch.uint8, device=self.wire)
+            buf = self.bufs[j] = _take(self.wire, self.nbytes)
         return buf[:size]
+
+    def give_back(self) -> None:
+        """The transfer is over and no operation writes into these buffers any more (never
+        called after a failure: an abandoned gloo operation may still write into one)."""
+        with _POOL_LOCK:
+            _POOL.extend(b for b in self.bufs if b is not None)
+        self.bufs = [None] * len(self.bufs)
+
+
+_POOL: list[torch.Tensor] = []
+"""Staging buffers kept between transfers, their pages touched: a fresh buffer's page faults
+cost about as much as the copy into it (0.3 ms per MB here)."""
+_POOL_LOCK = threading.Lock()
+
+
+def _take(wire: torch.device, nbytes: int) -> torch.Tensor:
+    """A staging buffer of at least ``nbytes`` on ``wire``: a pooled one if there is one,
+    else a new one."""
+    with _POOL_LOCK:  # threads of one process may transfer at once (the tests' members)
+        for i, buf in enumerate(_POOL):
+            if buf.device == wire and buf.numel() >= nbytes:
+                return _POOL.pop(i)
+    return torch.empty(nbytes, dtype=torch.uint8, device=wire)
+
+
+def warm_up(wire: torch.device, slots: int = WINDOW, nbytes: int = CHUNK_BYTES) -> None:
+    """Fill this process's pool with ``slots`` staging buffers of ``nbytes`` on ``wire``,
+    their pages touched, and run this module's first calls once (a manifest's encode and
+    decode). Called by the worker when it starts (:mod:`unicron.worker`), so that neither a
+    holder nor a restarted worker pays them during a transfer; costs ``slots x nbytes`` of
+    memory for the life of the process (16 MB by default)."""
+    with _POOL_LOCK:
+        have = sum(1 for b in _POOL if b.device == wire and b.numel() >= nbytes)
+        _POOL.extend(
+            torch.zeros(nbytes, dtype=torch.uint8, device=wire) for _ in range(slots - have)
+        )
+    decode(encode({"w": Spec((1,), torch.float32), "state": {0: (1.0, [None])}}))
 
 
 def share(k: int, holders: list[int]) -> int:
@@ -297,32 +400,51 @@ MANIFEST_HEAD = 64 << 10
 model of a few hundred tensors needs no second broadcast)."""
 
 
-def _send_manifest(g: Wire, src: int, skeleton: Any) -> Any:
-    """Broadcast the skeleton from ``src`` to the whole group as JSON: one broadcast of
-    :data:`MANIFEST_HEAD` bytes (an int64 length and the JSON's start), and one of the rest
-    if the JSON is longer."""
-    head = torch.zeros(MANIFEST_HEAD, dtype=torch.uint8)
+def _manifest(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[bytes, list[torch.Tensor], int]:
+    """A holder's manifest (JSON: the model's tensors' specs in stream order, and the
+    optimizer's state dict with its tensors' specs), its tensors in stream order, and how
+    many of them are the model's. A needer writes the model's tensors into its own, so the
+    model's state dict's other contents are not sent."""
+    tensors: list[torch.Tensor] = []
+    _tensors(model.state_dict(), tensors)
+    model_specs = [["T", list(t.shape), _DTYPE_NAME[t.dtype]] for t in tensors]
+    n_model = len(tensors)
+    optim = _skeleton(optimizer.state_dict(), tensors)
+    data = json.dumps({"model": model_specs, "optim": optim}, separators=(",", ":")).encode()
+    return data, tensors, n_model
+
+
+def _send_manifest(g: Wire, src: int, data: bytes) -> list[Any]:
+    """Start broadcasting the manifest ``data`` from ``src`` (this member) to the whole
+    group: one broadcast of :data:`MANIFEST_HEAD` bytes (an int64 length and the JSON's
+    start), and one of the rest if the JSON is longer. Returns the works to wait for."""
     room = MANIFEST_HEAD - 8
-    data = b""
-    if g.rank == src:
-        data = encode(skeleton)
-        head[:8].view(torch.int64)[0] = len(data)
-        first = data[:room]
-        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-    wired = head.to(g.wire)
+    head = bytearray(MANIFEST_HEAD)
+    first = data[:room]
+    head[:8] = len(data).to_bytes(8, "little")
+    head[8 : 8 + len(first)] = first
+    works = [g.ibroadcast(torch.frombuffer(head, dtype=torch.uint8).to(g.wire), src)]
+    if len(data) > room:
+        rest = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8).to(g.wire)
+        works.append(g.ibroadcast(rest, src))
+    return works
+
+
+def _receive_manifest(g: Wire, src: int) -> Any:
+    """The manifest :func:`_send_manifest` broadcasts, decoded from JSON."""
+    wired = torch.empty(MANIFEST_HEAD, dtype=torch.uint8, device=g.wire)
     g.broadcast(wired, src)
-    if g.rank == src:
-        if len(data) > room:
-            g.broadcast(torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8).to(g.wire), src)
-        return skeleton
-    head = wired.cpu()
-    n = int(head[:8].view(torch.int64)[0])
-    data = head[8 : 8 + min(n, room)].numpy().tobytes()
+    head = wired.cpu().numpy().tobytes()
+    room = MANIFEST_HEAD - 8
+    n = int.from_bytes(head[:8], "little")
+    data = head[8 : 8 + min(n, room)]
     if n > room:
         rest = torch.empty(n - room, dtype=torch.uint8, device=g.wire)
         g.broadcast(rest, src)
         data += rest.cpu().numpy().tobytes()
-    return decode(data)
+    return json.loads(data)
 
 
 def fresh(specs: list[Spec], device: torch.device) -> list[torch.Tensor]:
@@ -340,10 +462,23 @@ def fresh(specs: list[Spec], device: torch.device) -> list[torch.Tensor]:
         offsets.append(at)
         ends[d] = at + _numel(s.shape) * size
     bufs = {d: torch.empty(n, dtype=torch.uint8, device=d) for d, n in ends.items()}
-    return [
-        bufs[d][at : at + _numel(s.shape) * s.dtype.itemsize].view(s.dtype).view(s.shape)
-        for s, d, at in zip(specs, where, offsets, strict=True)
-    ]
+    typed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    out = []
+    for s, d, at in zip(specs, where, offsets, strict=True):
+        whole = typed.get((d, s.dtype))
+        if whole is None:  # the buffer seen as this dtype, once (offsets are aligned to it)
+            n = bufs[d].numel() // s.dtype.itemsize * s.dtype.itemsize
+            whole = typed[d, s.dtype] = bufs[d][:n].view(s.dtype)
+        out.append(whole.as_strided(s.shape, _strides(s.shape), at // s.dtype.itemsize))
+    return out
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides."""
+    strides = [1] * len(shape)
+    for j in range(len(shape) - 2, -1, -1):
+        strides[j] = strides[j + 1] * max(shape[j + 1], 1)
+    return tuple(strides)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -353,43 +488,30 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _own_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A needer's model and optimizer tensors in stream order (gathered before the manifest
-    arrives, while the holder prepares it)."""
-    mine: list[torch.Tensor] = []
-    _walk(model.state_dict(), mine)
-    optim_own: list[torch.Tensor] = []
-    _walk(optimizer.state_dict(), optim_own)
-    return mine, optim_own
-
-
-def _targets(
-    skeleton: Any, mine: list[torch.Tensor], optim_own: list[torch.Tensor], device: torch.device
-) -> list[torch.Tensor]:
-    """A needer's destination tensors, in stream order: the model's own (checked against the
-    manifest), the optimizer's own if every shape agrees, else fresh ones (:func:`fresh`)."""
-    wanted: list[Spec] = []
-    _walk(skeleton["model"], wanted)
+def _check_model(mine: list[torch.Tensor], wanted: list[list[Any]]) -> None:
+    """A needer's model tensors against the holder's specs (``["T", shape, dtype]``)."""
     if len(mine) != len(wanted):
         raise RuntimeError(
             f"this worker's model has {len(mine)} tensors, the holder's {len(wanted)}"
         )
-    for i, (own, spec) in enumerate(zip(mine, wanted, strict=True)):
-        if tuple(own.shape) != spec.shape or own.dtype != spec.dtype:
+    for i, (own, (_, shape, dtype)) in enumerate(zip(mine, wanted, strict=True)):
+        if list(own.shape) != shape or _DTYPE_NAME[own.dtype] != dtype:
             raise RuntimeError(
                 f"this worker's model differs from the holder's (tensor {i}: "
-                f"{tuple(own.shape)} {own.dtype}, holder {spec.shape} {spec.dtype})"
+                f"{tuple(own.shape)} {own.dtype}, holder {tuple(shape)} {dtype})"
             )
-    optim_wanted: list[Spec] = []
-    _walk(skeleton["optim"], optim_wanted)
-    if len(optim_own) == len(optim_wanted) and all(
-        tuple(t.shape) == s.shape and t.dtype == s.dtype
-        for t, s in zip(optim_own, optim_wanted, strict=True)
+
+
+def _optim_targets(
+    specs: list[Spec], own: list[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
+    """A needer's destinations for the optimizer's tensors: its own if every shape agrees
+    (written in place), else fresh ones in one buffer (:func:`fresh`)."""
+    if len(own) == len(specs) and all(
+        tuple(t.shape) == s.shape and t.dtype == s.dtype for t, s in zip(own, specs, strict=True)
     ):
-        return [*mine, *optim_own]
-    return [*mine, *fresh(optim_wanted, device)]
+        return own
+    return fresh(specs, device)
 
 
 # -- the transfer ---------------------------------------------------------------------------
@@ -403,33 +525,108 @@ def transfer(
     device: torch.device,
     chunk_bytes: int = CHUNK_BYTES,
     window: int = WINDOW,
+    ramp: int = RAMP,
 ) -> Stats:
     """Bring every needer's model and optimizer to the holders' state (collective: every
     member of ``g`` calls it with the same ``holders`` and ``needers``; the others only take
-    part in the manifest's broadcast). Raises :class:`unicron.runtime.group.EpochOver` if the epoch
-    is superseded or a peer fails on the way."""
+    part in the manifest's broadcast). Raises :class:`unicron.runtime.group.EpochOver` if the
+    epoch is superseded or a peer fails on the way. Python's cyclic garbage collector waits
+    until it is over (a collection in the middle costs 0.1-3 ms here)."""
     assert holders and needers and not set(holders) & set(needers)
-    skeleton: Any = None
-    tensors: list[torch.Tensor] = []
-    if g.rank in holders:
-        skeleton, tensors = state_tensors(model, optimizer)
-    elif g.rank in needers:
-        own = _own_tensors(model, optimizer)
-    skeleton = _send_manifest(g, holders[0], skeleton)
-    model_specs: list[Spec] = []
-    _walk(skeleton["model"], model_specs)
-    breaks = (len(model_specs),)  # the optimizer's state starts a chunk
-    if g.rank in holders:
-        stream = _Stream(tensors, chunk_bytes, breaks)
-        return _send(g, stream, holders, needers, window)
-    if g.rank in needers:
-        tensors = _targets(skeleton, *own, device)
-        stream = _Stream(tensors, chunk_bytes, breaks)
-        stats = _receive(g, stream, holders, needers, window)
-        optim_sd = _fill(skeleton, iter(tensors))["optim"]
-        optimizer.load_state_dict(optim_sd)
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _transfer(g, model, optimizer, holders, needers, device, chunk_bytes, window, ramp)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _transfer(
+    g: Wire,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    holders: list[int],
+    needers: list[int],
+    device: torch.device,
+    chunk_bytes: int,
+    window: int,
+    ramp: int,
+) -> Stats:
+    if g.rank == holders[0]:
+        data, tensors, n_model = _manifest(model, optimizer)
+        manifest = _send_manifest(g, g.rank, data)
+        stats = _send(
+            g, _Stream(tensors, chunk_bytes, (n_model,), ramp=ramp), holders, needers, window
+        )
+        for work in manifest:
+            g.wait(work)
         return stats
-    return Stats(nbytes=0, chunks=0, packed=0)
+    if g.rank in holders:
+        _receive_manifest(g, holders[0])  # the same state as this member's own
+        tensors = []
+        _tensors(model.state_dict(), tensors)
+        n_model = len(tensors)
+        _tensors(optimizer.state_dict(), tensors)
+        return _send(
+            g, _Stream(tensors, chunk_bytes, (n_model,), ramp=ramp), holders, needers, window
+        )
+    if g.rank not in needers:
+        _receive_manifest(g, holders[0])
+        return Stats(nbytes=0, chunks=0, packed=0)
+    return _need(g, model, optimizer, holders, needers, device, chunk_bytes, window, ramp)
+
+
+def _need(
+    g: Wire,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    holders: list[int],
+    needers: list[int],
+    device: torch.device,
+    chunk_bytes: int,
+    window: int,
+    ramp: int,
+) -> Stats:
+    """A needer's part of :func:`transfer`. Its model's chunks are on the wire before it
+    allocates the optimizer's state, and the optimizer takes that state while its first
+    chunks are on the wire."""
+    mine: list[torch.Tensor] = []  # gathered while the holder prepares the manifest
+    _tensors(model.state_dict(), mine)
+    own: list[torch.Tensor] = []
+    _tensors(optimizer.state_dict(), own)
+    manifest = _receive_manifest(g, holders[0])
+    _check_model(mine, manifest["model"])
+    specs: list[Spec] = []
+    skeleton = _unskeleton(manifest["optim"], specs)
+    sizes = [t.numel() * t.element_size() for t in mine]
+    sizes += [_numel(s.shape) * s.dtype.itemsize for s in specs]
+    stream = _Stream(list(mine), chunk_bytes, (len(mine),), sizes, ramp)
+    first = next(
+        (k for k, (lo, _) in enumerate(stream.bounds) if lo >= stream.starts[len(mine)]),
+        stream.count,
+    )
+    targets: list[torch.Tensor] = []
+    loaded: list[bool] = []
+
+    def allocate() -> None:  # before the optimizer's first chunk is posted
+        targets.extend(_optim_targets(specs, own, device))
+        stream.tensors.extend(targets)
+
+    def load() -> None:  # while chunks are on the wire
+        optimizer.load_state_dict(_fill(skeleton, iter(targets)))
+        after: list[torch.Tensor] = []
+        _tensors(optimizer.state_dict()["state"], after)
+        loaded.append(len(after) == len(targets) and all(map(_same_memory, after, targets)))
+
+    stats = _receive(g, stream, holders, needers, window, {first: allocate}, load)
+    if not loaded[0]:  # the optimizer copied (cast or moved) what it was given: again, now
+        optimizer.load_state_dict(_fill(skeleton, iter(targets)))
+    return stats
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
 def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, tuple[Wire, int]]:
@@ -457,16 +654,32 @@ def _send(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: i
             link.wait(inflight.pop(0))
     for work in inflight:
         link.wait(work)
+    staging.give_back()
     nbytes = sum(s.size(k) for k in mine) * len(needers)
     return Stats(nbytes=nbytes, chunks=len(mine) * len(needers), packed=packed)
 
 
-def _receive(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: int) -> Stats:
+def _receive(
+    g: Wire,
+    s: _Stream,
+    holders: list[int],
+    needers: list[int],
+    window: int,
+    before: dict[int, Callable[[], None]],
+    meanwhile: Callable[[], None],
+) -> Stats:
+    """Receive the stream into its tensors. ``before[k]`` runs before chunk ``k`` is posted;
+    ``meanwhile`` once the window is full (or every chunk posted) and the last of ``before``
+    has run."""
     links = _links(g, holders, needers)
     limit = window * len(holders)
     staging = _Staging(limit, min(s.chunk, s.nbytes), g.wire)
     inflight: list[tuple[Wire, Any, int, torch.Tensor | None]] = []
     packed = 0
+    pending = dict(before)
+    # meanwhile: once the window is full and the last hook has run (at the end if a hook's
+    # chunk is past the stream's end: an optimizer with no state to receive)
+    idle_at = max(min(limit, s.count) - 1, *pending, 0) if s.count else -1
 
     def land(item: tuple[Wire, Any, int, torch.Tensor | None]) -> None:
         link, work, k, buf = item
@@ -475,6 +688,8 @@ def _receive(g: Wire, s: _Stream, holders: list[int], needers: list[int], window
             s.unpack(k, buf)
 
     for k in range(s.count):
+        if k in pending:
+            pending.pop(k)()
         into = s.view(k, g.wire)
         buf = None
         if into is None:  # the buffer's last chunk (k - limit) was landed below
@@ -482,8 +697,15 @@ def _receive(g: Wire, s: _Stream, holders: list[int], needers: list[int], window
             packed += 1
         link, src = links[share(k, holders)]
         inflight.append((link, link.ibroadcast(into, src), k, buf))
+        if k == idle_at:
+            meanwhile()
         if len(inflight) >= limit:
             land(inflight.pop(0))
+    for hook in pending.values():
+        hook()
+    if idle_at >= s.count or idle_at < 0:
+        meanwhile()
     for item in inflight:
         land(item)
+    staging.give_back()
     return Stats(nbytes=s.nbytes, chunks=s.count, packed=packed)
