@@ -409,6 +409,27 @@ def test_stragglers_are_compared_across_nodes(tmp_path: Path) -> None:
     assert t > 0
 
 
+def test_a_straggler_is_not_dropped_if_one_copy_of_the_state_would_be_left(
+    tmp_path: Path,
+) -> None:
+    """Found by the fault soak: a slow worker dropped from two left one copy of the state, a
+    crash of that one then rolled the task back to its checkpoint (3 steps redone). The same
+    straggler among four is dropped."""
+    for per_node in (2, 4):
+        k = Cluster(tmp_path / str(per_node), per_node=per_node)
+        k.steps(20, 0.0, slow={1: 4.0})
+        (found,) = [e for e in k.events("error_detected") if e["kind"] == "straggler"]
+        (action,) = [e for e in k.events("action") if "straggler" in e["reason"]]
+        assert found["slot"] == 1 and action["slot"] == 1
+        if per_node == 2:
+            assert action["action"] == "reconfigure"
+            assert "1 worker(s) would hold" in action["reason"]
+            assert k.actions(Kill) == [] and k.c.members == (0, 1)
+        else:
+            assert action["action"] == "exclude"
+            assert [a.slot for a in k.actions(Kill)] == [1]
+
+
 @pytest.mark.parametrize("cpu", ["idle", "working", "late"])
 def test_a_late_workers_cpu_time_decides_its_hang(tmp_path: Path, cpu: str) -> None:
     """Every peer finished step 20; slot 3 is past its allowance. Its CPU time standing still

@@ -188,6 +188,12 @@ class CoordinatorSettings:
             )
 
 
+MIN_COPIES = 2
+"""a straggler is dropped only if at least this many other workers hold the task's state: with
+one copy left, the next fault of any kind rolls the task back to its checkpoint (the fault soak
+lost 4 steps so: a slow worker dropped, then a crash of the last one)"""
+
+
 class SlotState(enum.Enum):
     """Where one of the task's slots stands: whether a worker runs there (and is ready), and
     whether the slot is in the plan, excluded from it, or given to another task. Every change
@@ -839,6 +845,13 @@ class Coordinator:
                 slow_mb_s=mb_s[slot],
                 min_workers=self.settings.min_workers,
             )
+            others = [h for h in self._holders() if h != slot]
+            if drop and len(others) < MIN_COPIES:
+                drop = False  # speed is not worth the state's last spare copy
+                reason += (
+                    f"; kept: without it {len(others)} worker(s) would hold the state (it is "
+                    "judged again once another copy joins)"
+                )
             if drop:
                 self._action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", 1, now)
                 self._kept.discard(slot)
