@@ -430,6 +430,22 @@ def test_a_straggler_is_not_dropped_if_one_copy_of_the_state_would_be_left(
             assert [a.slot for a in k.actions(Kill)] == [1]
 
 
+def test_a_slow_step_asks_for_the_next_step_reports_at_once(tmp_path: Path) -> None:
+    """The agents hold step reports for the rhythm (250 ms when nothing is due): found by the
+    fault soak, a straggler's second slow step was judged that much later. One slow step makes
+    the rhythm fast until the worker is judged."""
+    k = Cluster(tmp_path, nodes=2, per_node=2)
+    c = k.c
+    slow, fast = c.settings.suspect_after_s / 2, FAST_EXCHANGE_S
+    t = k.steps(20, 0.0)
+    assert c.exchange(0, [], t, read_until=t).next_s == slow
+    t = k.steps(1, t, slow={1: 4.0})
+    assert c.exchange(0, [], t, read_until=t).next_s == fast
+    t = k.steps(1, t, slow={1: 4.0})  # a straggler now: judged and acted on
+    assert [e["slot"] for e in k.events("error_detected") if e["kind"] == "straggler"] == [1]
+    assert c.exchange(0, [], t, read_until=t).next_s == slow
+
+
 @pytest.mark.parametrize("cpu", ["idle", "working", "late"])
 def test_a_late_workers_cpu_time_decides_its_hang(tmp_path: Path, cpu: str) -> None:
     """Every peer finished step 20; slot 3 is past its allowance. Its CPU time standing still

@@ -1095,9 +1095,10 @@ class Coordinator:
         Slow (``suspect_after_s / 2``) while nothing is due: often enough that a healthy node
         is never suspect, and an action queued between two exchanges (the ticker's) waits at
         most that long. Fast (:data:`FAST_EXCHANGE_S`) while a detector or an action waits on
-        fresh reports: an in-band error in its grace period, a suspected hang, an epoch that
-        not every member entered yet (or a leaver not yet stopped). And timed: a worker of
-        the node computing a step is read again at its hang deadline, so a hang is judged
+        fresh reports: an in-band error in its grace period, a suspected hang, a worker with a
+        slow step not yet judged a straggler (the agents hold step reports for the rhythm), an
+        epoch that not every member entered yet (or a leaver not yet stopped). And timed: a
+        worker of the node computing a step is read again at its hang deadline, so a hang is judged
         there, not up to one slow interval later (the detectors judge a node's workers only
         up to its last read, ``read_until``)."""
         idle = self.settings.suspect_after_s / 2
@@ -1106,6 +1107,8 @@ class Coordinator:
                 return idle
             if self._pending_errors or self._suspects or self._in_transition():
                 return FAST_EXCHANGE_S
+            if self.monitor is not None and self.monitor.slow_suspected():
+                return FAST_EXCHANGE_S  # the next step reports say whether it is a straggler
             wait = idle
             if self.monitor is not None:
                 read = self._read_until.get(node, now)  # the agent's clock, as the deadlines

@@ -271,6 +271,13 @@ class StepMonitor:
 
     # ---- questions (the agent, on its timer) ------------------------------------------------
 
+    def slow_suspected(self) -> bool:
+        """A worker's recent steps include a slow one, and it is not a straggler yet: its next
+        reports decide (the coordinator then asks its agents for them at once)."""
+        return any(
+            not w.straggling and any(x > 0.0 for x in w.recent) for w in self._workers.values()
+        )
+
     def expected_step_s(self) -> float | None:
         """The task's expected step time: the median over workers of their expectations;
         ``None`` while no worker has one (warm-up)."""
