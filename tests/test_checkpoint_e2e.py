@@ -85,8 +85,12 @@ def test_resume_after_a_full_stop_is_bitwise_identical(clean: RunResult, tmp_pat
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            steps = [e["step"] for e in _events(events) if e["event"] == "step_end"]
-            if steps and max(steps) >= 9:
+            # two checkpoints written (an interrupted run's workers are killed: a checkpoint
+            # still being written in the background is not one), and a step after them
+            logged = _events(events)
+            steps = [e["step"] for e in logged if e["event"] == "step_end"]
+            saved = [e for e in logged if e["event"] == "checkpoint_saved" and e["ok"]]
+            if len(saved) >= 2 and steps and max(steps) >= 9:
                 break
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
