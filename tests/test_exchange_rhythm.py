@@ -56,20 +56,27 @@ def service(tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
         cluster.close()
 
 
+def _one_task(cluster: Cluster, client: Client) -> tuple[int, int, TaskLink]:
+    """Node ``n0`` registered with one slot, task ``t`` submitted and assigned to it: the
+    node's id, the task's slot and the agent's link to the task's coordinator."""
+    nid = cluster.register("n0", 1, "127.0.0.1", "inst", time.time())
+    spec = {"name": "t", "script": str(ROOT / "examples" / "train_gpt.py"),
+            "workers": {"min": 1, "max": 1}, "checkpoint": {"every": 0}}  # fmt: skip
+    cluster.submit(TaskSpec.model_validate(spec), time.time())
+    (assignment,) = cluster.heartbeat("n0", "inst", time.time())
+    (slot,) = assignment["slots"]
+    link = TaskLink(client, "n0", "inst", assignment["uid"],
+                    lambda: M.Census(ts=time.time(), alive=(slot,)))  # fmt: skip
+    return nid, slot, link
+
+
 def test_an_idle_agent_exchanges_slowly_and_still_gets_a_cancel_within_its_rhythm(
     service: tuple[Cluster, str],
 ) -> None:
     cluster, url = service
     client = Client(url, TOKEN)
     try:
-        nid = cluster.register("n0", 1, "127.0.0.1", "inst", time.time())
-        spec = {"name": "t", "script": str(ROOT / "examples" / "train_gpt.py"),
-                "workers": {"min": 1, "max": 1}, "checkpoint": {"every": 0}}  # fmt: skip
-        cluster.submit(TaskSpec.model_validate(spec), time.time())
-        (assignment,) = cluster.heartbeat("n0", "inst", time.time())
-        (slot,) = assignment["slots"]
-        link = TaskLink(client, "n0", "inst", assignment["uid"],
-                        lambda: M.Census(ts=time.time(), alive=(slot,)))  # fmt: skip
+        nid, slot, link = _one_task(cluster, client)
         sent: list[float] = []
 
         def round_(reports: list[Any]) -> M.Reply:
@@ -114,14 +121,7 @@ def test_step_reports_wait_for_the_rhythm_and_go_out_with_the_next_urgent_report
     cluster, url = service
     client = Client(url, TOKEN)
     try:
-        nid = cluster.register("n0", 1, "127.0.0.1", "inst", time.time())
-        spec = {"name": "t", "script": str(ROOT / "examples" / "train_gpt.py"),
-                "workers": {"min": 1, "max": 1}, "checkpoint": {"every": 0}}  # fmt: skip
-        cluster.submit(TaskSpec.model_validate(spec), time.time())
-        (assignment,) = cluster.heartbeat("n0", "inst", time.time())
-        (slot,) = assignment["slots"]
-        link = TaskLink(client, "n0", "inst", assignment["uid"],
-                        lambda: M.Census(ts=time.time(), alive=(slot,)))  # fmt: skip
+        nid, slot, link = _one_task(cluster, client)
         sent: list[float] = []
 
         def round_(reports: list[Any]) -> None:

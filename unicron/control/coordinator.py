@@ -191,7 +191,7 @@ class CoordinatorSettings:
 MIN_COPIES = 2
 """a straggler is dropped only if at least this many other workers hold the task's state: with
 one copy left, the next fault of any kind rolls the task back to its checkpoint (the fault soak
-lost 4 steps so: a slow worker dropped, then a crash of the last one)"""
+lost 3 steps so: a slow worker dropped from two, then a crash of the last one)"""
 
 
 class SlotState(enum.Enum):
@@ -749,8 +749,12 @@ class Coordinator:
 
     def _state_only_on(self, node: int, slot: int) -> bool:
         """Workers other than ``slot``'s hold the task's state, all of them on ``node``."""
-        others = [h for h in self._holders() if h != slot]
+        others = self._other_holders(slot)
         return bool(others) and all(self.slots[h].node == node for h in others)
+
+    def _other_holders(self, slot: int) -> list[int]:
+        """The live slots other than ``slot`` that hold the task's state."""
+        return [h for h in self._holders() if h != slot]
 
     def epoch_entered(self, slot: int, epoch: int, now: float) -> None:
         """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
@@ -845,7 +849,7 @@ class Coordinator:
                 slow_mb_s=mb_s[slot],
                 min_workers=self.settings.min_workers,
             )
-            others = [h for h in self._holders() if h != slot]
+            others = self._other_holders(slot)
             if drop and len(others) < MIN_COPIES:
                 drop = False  # speed is not worth the state's last spare copy
                 reason += (
@@ -1098,9 +1102,9 @@ class Coordinator:
         fresh reports: an in-band error in its grace period, a suspected hang, a worker with a
         slow step not yet judged a straggler (the agents hold step reports for the rhythm), an
         epoch that not every member entered yet (or a leaver not yet stopped). And timed: a
-        worker of the node computing a step is read again at its hang deadline, so a hang is judged
-        there, not up to one slow interval later (the detectors judge a node's workers only
-        up to its last read, ``read_until``)."""
+        worker of the node computing a step is read again at its hang deadline, so a hang is
+        judged there, not up to one slow interval later (the detectors judge a node's workers
+        only up to its last read, ``read_until``)."""
         idle = self.settings.suspect_after_s / 2
         with self._lock:
             if not self._active():
