@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from unicron.runtime.ledger import assign
 from unicron.runtime.reduce import (
+    GATHER_LAG,
     Exchange,
     Layout,
     LocalSums,
@@ -217,6 +218,8 @@ def gloo_reduce(grouping: Grouping, leaves: list[torch.Tensor], *, exact: bool) 
         # the last micro-batch starts the buckets as they are done, in order (0 waits for none)
         feed(sums, ids[-1:], leaves, lambda b: launched.append((b, ex.ready(b), ex.launched)))
         assert [(b, n) for b, _, n in launched] == ([(0, 1), (1, 2), (2, 3)] if ids else [])
+        # exact: the gathers trail the all-to-alls by GATHER_LAG buckets, before finish()
+        assert ex.gathered == (len(layout.buckets) - GATHER_LAG if ids and exact else 0)
         grads, losses = ex.finish()
         assert losses == [float(mb) for mb in range(M)]
         results[rank] = torch.cat(grads)

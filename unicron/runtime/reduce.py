@@ -39,6 +39,9 @@ BUCKET_CAP_MB = 25.0
 """bucket size bound (DDP's default ``bucket_cap_mb``)"""
 FIRST_BUCKET_MB = 1.0
 """the first bucket's bound (DDP's too): the exchange starts early in the backward pass"""
+GATHER_LAG = 2
+"""exact mode: bucket b's all-gather is started when bucket ``b + GATHER_LAG``'s all-to-all
+is (:meth:`Exchange.ready`), so that the gathers too overlap the backward pass"""
 
 
 # -- the tree (pure) -------------------------------------------------------------------------
@@ -368,6 +371,14 @@ class Exchange:
     this member's sums for it are final (from the last micro-batch's gradient hooks);
     buckets are launched in layout order only, so every member issues the same collectives in
     the same order. :meth:`finish` launches what is left and waits for the result.
+
+    Exact mode: a bucket's all-gather needs its all-to-all finished (the owner sums what it
+    received). It is started :data:`GATHER_LAG` buckets later, right after that bucket's
+    all-to-all: a rule of bucket numbers only, so that every member issues the collectives of
+    its one group in the same order (an all-to-all seen finished by one member may not be by
+    another); the wait it may cost the backward pass is for a collective started two buckets
+    earlier. Without it every all-gather waits for the end of the backward pass: on the 100M
+    model 400 MB of gradient cross the wire after the step's computation (docs/runtime.md).
     """
 
     def __init__(
@@ -378,14 +389,29 @@ class Exchange:
         self.held = [sorted(h) for h in held]
         self._ready = [False] * len(space.layout.buckets)
         self._a2a: list[Any] = []
+        self._gathers: list[Any] = []
         self.launched = 0
 
     def ready(self, bucket: int) -> None:
-        """This member's sums of ``bucket`` are final: launch every bucket now in order."""
+        """This member's sums of ``bucket`` are final: launch every bucket now in order (and,
+        exact, the all-gather :data:`GATHER_LAG` buckets behind each)."""
         self._ready[bucket] = True
         while self.launched < len(self._ready) and self._ready[self.launched]:
             self._launch(self.launched)
             self.launched += 1
+            if self.sums.exact and self.launched > GATHER_LAG:
+                self._gather_next()
+
+    @property
+    def gathered(self) -> int:
+        """Buckets whose all-gather has been started (exact mode)."""
+        return len(self._gathers)
+
+    def _gather_next(self) -> None:
+        """Wait for the oldest bucket's all-to-all without an all-gather; start its gather."""
+        b = len(self._gathers)
+        self.g.wait(self._a2a[b])
+        self._gathers.append(self._gather(b))
 
     def _launch(self, b: int) -> None:
         lo, hi = self.space.layout.buckets[b]
@@ -429,12 +455,10 @@ class Exchange:
         for mb, loss in self.sums.losses.items():
             lossbuf[mb], lossbuf[m + mb] = loss, 1.0
         losswork = self.g.start_allreduce(lossbuf)
-        gathers = []
-        for b, work in enumerate(self._a2a):
-            self.g.wait(work)
-            if self.sums.exact:
-                gathers.append(self._gather(b))
-        for work in gathers:
+        if self.sums.exact:
+            while len(self._gathers) < len(self._a2a):
+                self._gather_next()
+        for work in self._gathers if self.sums.exact else self._a2a:
             self.g.wait(work)
         self.g.wait(losswork)
         losses = [float(lossbuf[i]) if lossbuf[m + i] else float("nan") for i in range(m)]
