@@ -70,7 +70,14 @@ def test_adversarial_gradients_stay_bitwise_identical_through_a_regrouping(run: 
     crash = ("--inject", "crash:rank=2,step=3")
     clean = run("--nproc-per-node", "4", steps=8, script_args=adversarial)
     faulty = run("--nproc-per-node", "4", *crash, steps=8, script_args=adversarial)
-    for r in (clean, faulty):
+    # small buckets (25 of them): the all-gathers run on their own group, overlapped with the
+    # backward pass (reduce.OVERLAP_BUCKETS); the bits depend on neither
+    small = run(
+        "--nproc-per-node", "4", "--bucket-cap-mb", "0.25", *crash, steps=8,
+        script_args=adversarial,
+    )  # fmt: skip
+    for r in (clean, faulty, small):
         assert r.returncode == 0, r.stderr[-3000:]
-    assert any(e.get("microbatches_reused") for e in faulty.of("transition_end"))
-    assert faulty.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    for r in (faulty, small):
+        assert any(e.get("microbatches_reused") for e in r.of("transition_end"))
+        assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]

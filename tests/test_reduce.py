@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -20,7 +21,6 @@ import torch.distributed as dist
 
 from unicron.runtime.ledger import assign
 from unicron.runtime.reduce import (
-    GATHER_LAG,
     Exchange,
     Layout,
     LocalSums,
@@ -202,26 +202,45 @@ class _Gloo:
         work.wait(timedelta(seconds=30))
 
 
-def gloo_reduce(grouping: Grouping, leaves: list[torch.Tensor], *, exact: bool) -> torch.Tensor:
-    """The real :class:`Exchange`, one thread per member on a gloo group."""
+def gloo_reduce(
+    grouping: Grouping, leaves: list[torch.Tensor], *, exact: bool, overlap: bool = False
+) -> torch.Tensor:
+    """The real :class:`Exchange`, one thread per member on a gloo group (``overlap``: the
+    exact all-gathers on a second group, started before ``finish``)."""
     world, layout = len(grouping), Layout.plan(SIZES, CAP)
     store = dist.HashStore()
     results: dict[int, torch.Tensor] = {}
 
     def member(rank: int) -> None:
         pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=30))
+        gather = None
+        if overlap:
+            pg2 = dist.ProcessGroupGloo(
+                dist.PrefixStore("gather", store), rank, world, timedelta(seconds=30)
+            )
+            gather = _Gloo(pg2, rank, world)
         ids = grouping[rank]
         sums = feed(LocalSums(layout, M, exact=exact, dtype=torch.float32), ids[:-1], leaves)
         held = [cover(ids, M) for ids in grouping]
-        ex = Exchange(_Gloo(pg, rank, world), sums, Workspace(layout, world, torch.float32), held)
+        space = Workspace(layout, world, torch.float32)
+        ex = Exchange(_Gloo(pg, rank, world), sums, space, held, gather)
         launched = []
         # the last micro-batch starts the buckets as they are done, in order (0 waits for none)
         feed(sums, ids[-1:], leaves, lambda b: launched.append((b, ex.ready(b), ex.launched)))
         assert [(b, n) for b, _, n in launched] == ([(0, 1), (1, 2), (2, 3)] if ids else [])
-        # exact: the gathers trail the all-to-alls by GATHER_LAG buckets, before finish()
-        assert ex.gathered == (len(layout.buckets) - GATHER_LAG if ids and exact else 0)
+        if overlap and exact and ids:  # every gather starts without waiting for finish()
+            deadline = time.monotonic() + 20
+            while ex.gathered < len(layout.buckets) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert ex.gathered == len(layout.buckets)
+        elif ids:
+            assert ex.gathered == 0
+        kept = {n: t.clone() for n, t in sums.nodes.items()}
         grads, losses = ex.finish()
         assert losses == [float(mb) for mb in range(M)]
+        # the partial results are untouched until the step commits (read in place, never added to)
+        assert kept.keys() == sums.nodes.keys()
+        assert all(torch.equal(bits(sums.nodes[n]), bits(t)) for n, t in kept.items())
         results[rank] = torch.cat(grads)
 
     threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
@@ -239,8 +258,11 @@ def gloo_reduce(grouping: Grouping, leaves: list[torch.Tensor], *, exact: bool) 
 def test_the_exchange_over_gloo_gives_the_same_bits() -> None:
     leaves = adversarial_leaves()
     ref = tree_reduce([list(range(M))], leaves)
-    for grouping in ([list(range(M))], assign(range(M), 4), [[0, 1, 5], [2, 3, 4, 6, 7], []]):
-        assert torch.equal(bits(gloo_reduce(grouping, leaves, exact=True)), bits(ref))
+    groupings = [[list(range(M))], assign(range(M), 2), assign(range(M), 4)]
+    for grouping in [*groupings, [[0, 1, 5], [2, 3, 4, 6, 7], []], [[6], [0, 1, 2, 3, 4, 5], [7]]]:
+        for overlap in (False, True):
+            got = gloo_reduce(grouping, leaves, exact=True, overlap=overlap)
+            assert torch.equal(bits(got), bits(ref))
     # fast mode is a plain float32 sum: right to rounding on tame values, not exact
     tame = [torch.linspace(-1, 1, sum(SIZES)) * (mb + 1) for mb in range(M)]
     fast = gloo_reduce(assign(range(M), 2), tame, exact=False)

@@ -59,6 +59,7 @@ BAD_INPUT = {
     "give-up-after zero": (["--give-up-after", "0", str(TRAIN)], "--give-up-after"),
     "give-up-after nan": (["--give-up-after", "nan", str(TRAIN)], "--give-up-after"),
     "restart-window zero": (["--restart-window", "0", str(TRAIN)], "--restart-window"),
+    "bucket-cap-mb negative": (["--bucket-cap-mb", "-1", str(TRAIN)], "--bucket-cap-mb"),
 }
 
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from unicron.control import protocol as P
 from unicron.control.protocol import (
+    ENV_BUCKET_CAP_MB,
     ENV_CHECKPOINT,
     ENV_CHECKPOINT_EVERY,
     ENV_CHECKPOINT_KEEP,
@@ -108,6 +109,9 @@ class WorkerContext:
     faults: tuple[Fault, ...]
     reduce: str = "exact"
     on_lost: str = "recompute"
+    bucket_cap_mb: float = 25.0
+    """the gradient buckets' bound (``unicron run --bucket-cap-mb``; the first bucket's is
+    the smaller of it and :data:`unicron.runtime.reduce.FIRST_BUCKET_MB`)"""
     slice_s: float = 0.05
     """how long a collective is waited for between two looks at the epoch key"""
     timeout_s: float = 300.0
@@ -147,6 +151,7 @@ class WorkerContext:
             checkpoint_keep=int(os.environ.get(ENV_CHECKPOINT_KEEP, cls.checkpoint_keep)),
             resume=os.environ.get(ENV_RESUME) == "1",
             on_lost=os.environ.get(ENV_ON_LOST, "recompute"),
+            bucket_cap_mb=float(os.environ.get(ENV_BUCKET_CAP_MB, cls.bucket_cap_mb)),
         )
 
 
@@ -550,8 +555,10 @@ class _Runner:
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
+        cap_mb = self.ctx.bucket_cap_mb
         cap, first = (
-            int(mb * 2**20) // dtype.itemsize for mb in (R.BUCKET_CAP_MB, R.FIRST_BUCKET_MB)
+            max(int(mb * 2**20) // dtype.itemsize, 1)
+            for mb in (cap_mb, min(cap_mb, R.FIRST_BUCKET_MB))
         )
         self.layout = R.Layout.plan([p.numel() for p in self.params], cap, first)
         self.sums = R.LocalSums(
@@ -869,8 +876,16 @@ class _Runner:
                 if not self._reattempt(exc, step, attempt):
                     raise
         held = [R.cover(ids, self.M) for ids in self._held]
-        self._exchange = R.Exchange(g, self.sums, self._space(g), held)
+        if self._exchange is not None:  # an attempt given up before its commit
+            self._exchange.close()
         self._broken = None
+        gather = None
+        if self.sums.exact and len(self.layout.buckets) > R.OVERLAP_BUCKETS:
+            try:  # the exact all-gathers' own group: they overlap the backward pass
+                gather = g.subgroup(list(range(g.world)), "gather")
+            except EpochOver as exc:
+                self._broken = exc
+        self._exchange = R.Exchange(g, self.sums, self._space(g), held, gather)
         self._crash_at = self._crash_point(step, len(todo))
         self._attempt = Step(self, step, todo, g)
         return self._attempt
@@ -1043,6 +1058,8 @@ class _Runner:
             g.abort(step)
             s.broken = exc
             return False
+        finally:
+            ex.close()
         kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
         self._apply(grads, len(kept), before_optimizer)
         s.loss = sum(kept) / len(kept)

@@ -42,6 +42,7 @@ from unicron.control.messages import Kill, Probe, Reply, Spawn
 from unicron.control.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
+    ENV_BUCKET_CAP_MB,
     ENV_CHECKPOINT,
     ENV_CHECKPOINT_EVERY,
     ENV_FAULTS,
@@ -221,6 +222,7 @@ class AgentConfig:
     log_dir: Path
     reduce: str = "exact"
     on_lost: str = "recompute"
+    bucket_cap_mb: float = 25.0
     threads: int = 1
     checkpoint: Path | None = None
     checkpoint_every: int | str = 0  # steps, or "auto"
@@ -759,6 +761,7 @@ class Agent:
                 ENV_AUTHKEY: self._authkey.hex(),
                 ENV_REDUCE: self.config.reduce,
                 ENV_ON_LOST: self.config.on_lost,
+                ENV_BUCKET_CAP_MB: repr(self.config.bucket_cap_mb),
                 ENV_THREADS: str(self.config.threads),
                 ENV_CHECKPOINT: str(self.config.checkpoint or ""),
                 ENV_CHECKPOINT_EVERY: str(self.config.checkpoint_every),

@@ -527,6 +527,7 @@ class Cluster:
             "inject": spec.inject,
             "reduce": spec.reduce,
             "on_lost": spec.on_lost,
+            "bucket_cap_mb": spec.bucket_cap_mb,
             "threads": spec.threads,
             "store": self.store.address,
             "checkpoint": None if checkpoint is None else str(checkpoint),

@@ -26,6 +26,7 @@ ENV_AUTHKEY = "UNICRON_AUTHKEY"  # hex
 ENV_FAULTS = "UNICRON_FAULTS"  # --inject specs still to fire in this slot, joined by ";"
 ENV_REDUCE = "UNICRON_REDUCE"  # exact | fast
 ENV_ON_LOST = "UNICRON_ON_LOST"  # recompute | drop
+ENV_BUCKET_CAP_MB = "UNICRON_BUCKET_CAP_MB"  # the gradient buckets' bound (MB)
 ENV_THREADS = "UNICRON_THREADS"
 STACKS_SIGNAL = signal.SIGUSR1
 """a worker writes every thread's Python stack to its log on this signal (``faulthandler``): the

@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--reduce",
         choices=("exact", "fast"),
         default=None,
-        help="exact: float64 gradient sums, bitwise independent of failures "
-        "(the default on cpu); fast: float32 (the default, and the only mode, on cuda)",
+        help="exact: a fixed summation tree of float32 sums, bitwise independent of "
+        "failures (the default on cpu); fast: float32 (the default, and the only mode, on cuda)",
     )
     p.add_argument(
         "--device",
@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="recompute",
         help="micro-batches lost with a failed worker: recompute them (default, the "
         "failure-free update) or drop them (the global batch shrinks; a control)",
+    )
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        metavar="MB",
+        help="bound of one gradient bucket of the reduce, as DDP's bucket_cap_mb (default "
+        "25); any value gives the same bits in exact mode",
     )
     p.add_argument(
         "--inject",
@@ -199,6 +207,8 @@ def validate(args: argparse.Namespace) -> list[Fault]:
         )
     if not args.give_up_after > 0:  # also NaN
         raise UsageError(f"--give-up-after must be > 0 seconds, got {args.give_up_after}")
+    if not 0 < args.bucket_cap_mb <= 4096:  # also NaN and inf
+        raise UsageError(f"--bucket-cap-mb must be in (0, 4096] MB, got {args.bucket_cap_mb}")
     if not Path(args.script).is_file():
         raise UsageError(f"script not found: {args.script}")
     faults = [parse(spec, KINDS) for spec in args.inject]
@@ -341,6 +351,7 @@ def task_spec(args: argparse.Namespace, log_dir: Path) -> Any:
             "reduce": args.reduce,
             "device": args.device,
             "on_lost": args.on_lost,
+            "bucket_cap_mb": args.bucket_cap_mb,
             "threads": args.threads,
             "checkpoint": checkpoint,
             "give_up_after": args.give_up_after,

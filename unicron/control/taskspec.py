@@ -8,6 +8,7 @@
     workers: {min: 2, max: 4}       # the task waits (queued) until it can have min
     weight: 1.0                     # the planner's priority (> 0)
     reduce: exact                   # exact | fast
+    bucket_cap_mb: 25               # the gradient buckets' bound (MB), as DDP's
     threads: 1                      # torch threads per worker
     checkpoint: {every: auto, keep: 3, mtbf: 10800}   # also dir, resume
     device: cpu                     # cpu | cuda
@@ -84,6 +85,7 @@ class TaskSpec(BaseModel):
     reduce: Literal["exact", "fast"] = "exact"
     device: Literal["cpu", "cuda"] = "cpu"
     on_lost: Literal["recompute", "drop"] = "recompute"
+    bucket_cap_mb: float = Field(25.0, gt=0, le=4096, allow_inf_nan=False)
     threads: int = Field(1, ge=1, le=256)
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
     give_up_after: float = Field(600.0, gt=0)

@@ -26,6 +26,8 @@ epoch's group (:class:`Collectives`). Method, memory and traffic: docs/runtime.m
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -39,9 +41,10 @@ BUCKET_CAP_MB = 25.0
 """bucket size bound (DDP's default ``bucket_cap_mb``)"""
 FIRST_BUCKET_MB = 1.0
 """the first bucket's bound (DDP's too): the exchange starts early in the backward pass"""
-GATHER_LAG = 2
-"""exact mode: bucket b's all-gather is started when bucket ``b + GATHER_LAG``'s all-to-all
-is (:meth:`Exchange.ready`), so that the gathers too overlap the backward pass"""
+OVERLAP_BUCKETS = 3
+"""exact mode: with more buckets than this, the all-gathers run on a second group of the
+epoch, started as the all-to-alls finish (:class:`Exchange`); with fewer there is too little
+backward pass left to overlap to pay for that group"""
 
 
 # -- the tree (pure) -------------------------------------------------------------------------
@@ -100,10 +103,16 @@ def absorb(held: Collection[Node], mb: int, m: int) -> tuple[list[Node], Node]:
     return chain, node
 
 
-def combine(parts: Mapping[Node, T], m: int, add: Callable[[T, T], T]) -> T | None:
+def combine(
+    parts: Mapping[Node, T],
+    m: int,
+    add: Callable[[T, T], T],
+    last: Callable[[T, T], T] | None = None,
+) -> T | None:
     """The root of the tree over ``m`` ids given the values of disjoint nodes ``parts``.
 
-    ``add(left, right)`` sums two node values (it may work in place on ``left``). A subtree
+    ``add(left, right)`` sums two node values (it may work in place on either operand);
+    ``last``, if given, makes the root's own sum instead (e.g. into the output). A subtree
     with no part in it is absent (the ``--on-lost drop`` control); None if nothing is.
     """
     family = _family(m)
@@ -119,7 +128,7 @@ def combine(parts: Mapping[Node, T], m: int, add: Callable[[T, T], T]) -> T | No
         left, right = value(kids[0]), value(kids[1])
         if left is None or right is None:
             return right if left is None else left
-        return add(left, right)
+        return (last if last is not None and node == (0, m) else add)(left, right)
 
     return value((0, m))
 
@@ -373,16 +382,22 @@ class Exchange:
     the same order. :meth:`finish` launches what is left and waits for the result.
 
     Exact mode: a bucket's all-gather needs its all-to-all finished (the owner sums what it
-    received). It is started :data:`GATHER_LAG` buckets later, right after that bucket's
-    all-to-all: a rule of bucket numbers only, so that every member issues the collectives of
-    its one group in the same order (an all-to-all seen finished by one member may not be by
-    another); the wait it may cost the backward pass is for a collective started two buckets
-    earlier. Without it every all-gather waits for the end of the backward pass: on the 100M
-    model 400 MB of gradient cross the wire after the step's computation (docs/runtime.md).
+    received). Given a ``gather`` group (a second group of the same members), a thread of the
+    exchange waits for each all-to-all in bucket order, sums, and starts the gather on that
+    group, while the backward pass goes on: every member issues each group's collectives in
+    the same order, and the hooks never wait (a member waiting on a peer inside its backward
+    pass would look slow or hung itself). Without one, the gathers start in :meth:`finish`,
+    after the backward pass: on the 100M model 400 MB of gradient then cross the wire after
+    the step's computation (docs/runtime.md, Speed).
     """
 
     def __init__(
-        self, group: Collectives, sums: LocalSums, space: Workspace, held: Sequence[Sequence[Node]]
+        self,
+        group: Collectives,
+        sums: LocalSums,
+        space: Workspace,
+        held: Sequence[Sequence[Node]],
+        gather: Collectives | None = None,
     ) -> None:
         assert len(held) == group.world and space.world == group.world
         self.g, self.sums, self.space = group, sums, space
@@ -391,27 +406,47 @@ class Exchange:
         self._a2a: list[Any] = []
         self._gathers: list[Any] = []
         self.launched = 0
+        self._gg = gather if sums.exact and gather is not None else None
+        self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if self._gg is not None:
+            self._thread = threading.Thread(target=self._gatherer, name="unicron-gather")
+            self._thread.daemon = True
+            self._thread.start()
 
     def ready(self, bucket: int) -> None:
-        """This member's sums of ``bucket`` are final: launch every bucket now in order (and,
-        exact, the all-gather :data:`GATHER_LAG` buckets behind each)."""
+        """This member's sums of ``bucket`` are final: launch every bucket now in order."""
         self._ready[bucket] = True
         while self.launched < len(self._ready) and self._ready[self.launched]:
             self._launch(self.launched)
             self.launched += 1
-            if self.sums.exact and self.launched > GATHER_LAG:
-                self._gather_next()
+            if self._thread is not None:
+                self._todo.put(self.launched - 1)
 
     @property
     def gathered(self) -> int:
         """Buckets whose all-gather has been started (exact mode)."""
         return len(self._gathers)
 
-    def _gather_next(self) -> None:
-        """Wait for the oldest bucket's all-to-all without an all-gather; start its gather."""
-        b = len(self._gathers)
-        self.g.wait(self._a2a[b])
-        self._gathers.append(self._gather(b))
+    def _gatherer(self) -> None:
+        """The gather thread: for each launched bucket in order, wait for its all-to-all and
+        start its all-gather on the gather group; ends at None (:meth:`close`), after the
+        last bucket, or at the first failure (kept for :meth:`finish`)."""
+        try:
+            while (b := self._todo.get()) is not None:
+                self.g.wait(self._a2a[b])
+                self._gathers.append(self._gather(b))
+                if len(self._gathers) == len(self._ready):
+                    return
+        except BaseException as exc:  # re-raised by finish(), on the caller's thread
+            self._failed = exc
+
+    def close(self) -> None:
+        """The step is abandoned (or finished): let the gather thread end. Called by the
+        worker whenever it drops an exchange."""
+        if self._thread is not None:
+            self._todo.put(None)
 
     def _launch(self, b: int) -> None:
         lo, hi = self.space.layout.buckets[b]
@@ -429,8 +464,12 @@ class Exchange:
         assert mine == self.sums.node_list(), f"holding {self.sums.node_list()}, expected {mine}"
         parts = chunks(hi - lo, self.g.world)
         bufs = [self.sums.nodes[n] for n in mine]
+        rank = self.g.rank
+        a, z = parts[rank]
         if len(bufs) == 1:
             inp = bufs[0][lo:hi]
+            if self._own_in_place:  # the first or last chunk: the rest is contiguous
+                inp = bufs[0][lo + z : hi] if rank == 0 else bufs[0][lo : lo + a]
         else:
             pieces = [buf[lo + a : lo + b] for a, b in parts for buf in bufs]
             inp = (
@@ -438,11 +477,21 @@ class Exchange:
                 if pieces
                 else torch.empty(0, dtype=self.sums.dtype, device=self.sums.device)
             )
-        in_splits = [len(mine) * (b - a) for a, b in parts]
-        a, z = parts[self.g.rank]
+        in_splits = [len(mine) * (hi_ - lo_) for lo_, hi_ in parts]
         out_splits = [len(h) * (z - a) for h in self.held]
+        if self._own_in_place:
+            in_splits[rank] = out_splits[rank] = 0
         recv = self.space.recv(b, sum(out_splits))
         self._a2a.append(self.g.start_alltoall(recv, inp, out_splits, in_splits))
+
+    @property
+    def _own_in_place(self) -> bool:
+        """Exact: this member reads its own chunk of each bucket from its local sums, not
+        from an all-to-all to itself (gloo copies a member's part to itself): when it holds
+        one node and its chunk is the bucket's first or last (the first or last member), so
+        that the rest, which it sends, is contiguous."""
+        r, w = self.g.rank, self.g.world
+        return w > 1 and len(self.held[r]) == 1 and r in (0, w - 1)
 
     def finish(self) -> tuple[list[torch.Tensor], list[float]]:
         """Launch what is left, wait: (each parameter's summed gradient, the micro-batch
@@ -455,11 +504,21 @@ class Exchange:
         for mb, loss in self.sums.losses.items():
             lossbuf[mb], lossbuf[m + mb] = loss, 1.0
         losswork = self.g.start_allreduce(lossbuf)
+        if self._thread is not None:
+            self.close()
+            self._thread.join()
+            if self._failed is not None:
+                raise self._failed
+        elif self.sums.exact:
+            for b, work in enumerate(self._a2a):
+                self.g.wait(work)
+                self._gathers.append(self._gather(b))
         if self.sums.exact:
-            while len(self._gathers) < len(self._a2a):
-                self._gather_next()
-        for work in self._gathers if self.sums.exact else self._a2a:
-            self.g.wait(work)
+            for work in self._gathers:
+                (self._gg or self.g).wait(work)
+        else:
+            for work in self._a2a:
+                self.g.wait(work)
         self.g.wait(losswork)
         losses = [float(lossbuf[i]) if lossbuf[m + i] else float("nan") for i in range(m)]
         return self.space.grads(), losses
@@ -470,19 +529,37 @@ class Exchange:
         parts = chunks(hi - lo, self.g.world)
         a, z = parts[self.g.rank]
         c = parts[0][1] - parts[0][0]
-        recv = self.space.recv(b, sum(len(h) for h in self.held) * (z - a))
+        rank, own = self.g.rank, self._own_in_place
+        mine_held = len(self.held[rank]) if own else 0
+        recv = self.space.recv(b, (sum(len(h) for h in self.held) - mine_held) * (z - a))
+        start = self.space.starts[b]
+        out = self.space.out[start : start + self.g.world * c]
+        slot = out[rank * c : (rank + 1) * c]
         got: dict[Node, torch.Tensor] = {}
+        local: set[int] = set()  # this member's sums: read, never written
         at = 0
-        for nodes in self.held:
+        for r, nodes in enumerate(self.held):
             for n in nodes:
-                got[n] = recv[at : at + z - a]
-                at += z - a
-        root = combine(got, self.sums.m, lambda x, y: x.add_(y))
+                if own and r == rank:
+                    got[n] = self.sums.nodes[n][lo + a : lo + z]
+                    local.add(id(got[n]))
+                else:
+                    got[n] = recv[at : at + z - a]
+                    at += z - a
+
+        def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            # in place on a received operand (IEEE addition commutes: the same bits)
+            if id(x) not in local:
+                return x.add_(y)
+            return y.add_(x) if id(y) not in local else torch.add(x, y)
+
+        def last(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the root, into place
+            return torch.add(x, y, out=slot) if z - a == c else add(x, y)
+
+        root = combine(got, self.sums.m, add, last)
         mine = root if root is not None and z - a == c else None
         if mine is None:
             mine = torch.zeros(c, dtype=self.sums.dtype, device=self.sums.device)
             if root is not None:
                 mine[: z - a] = root
-        start = self.space.starts[b]
-        out = self.space.out[start : start + self.g.world * c]
-        return self.g.start_allgather(out, mine)
+        return (self._gg or self.g).start_allgather(out, mine)
