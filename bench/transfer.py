@@ -20,8 +20,13 @@ state, parameters plus AdamW's two moments). For each, in one run:
   finished by an epoch that has the restarted worker back (it forked, built its model and
   received the state), ``transfer_s`` that epoch's transition (``transition_end``).
 
-The machine is shared with other jobs (2 cores): figures are medians of two repetitions
-(one recovery run per size in `--quick` and at 1 GB).
+The machine is shared with other jobs (2 cores): every arm runs ``REPS[size]`` times, the
+arms interleaved (one of each per repetition), and each is summarised by the median of its
+repetitions, the floor included (``bandwidth_over_floor`` is each stream's sample over the
+floor's median, so its median is the ratio of the medians). Small states are cheap to repeat
+and noisy (a 5 MB floor takes 4-7 ms), so they get more repetitions, in odd counts (a real
+median): 5 at 5 MB, 3 at 100 MB, 2 at 1 GB (the mean of two). Recovery runs: two per size,
+one in ``--quick`` and at 1 GB.
 ``python -m bench --scenario transfer`` (or ``python -m bench.transfer [--quick]``) writes
 ``bench/results/transfer.json`` and the plot ``bench/results/transfer.png``.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -250,14 +256,17 @@ def recovery(size: str, workdir: Path, fault_step: int = 2) -> dict[str, float]:
 
 
 # -- the scenario ---------------------------------------------------------------------------
+REPS = {"5MB": 5, "100MB": 3, "1GB": 2}
+"""repetitions of each arm per size: odd where a measurement is cheap (a real median)"""
+
+
 def run(quick: bool) -> list[Row]:
     """The rows of this scenario (called by ``python -m bench``)."""
     sizes = ("5MB", "100MB") if quick else ("5MB", "100MB", "1GB")
-    reps = 2
     samples: dict[tuple[str, str], list[dict[str, float]]] = {}
     failed: dict[tuple[str, str], str] = {}
     for size in sizes:
-        for rep in range(reps):
+        for rep in range(REPS[size]):
             for arm in ARMS:  # interleaved: every arm once per repetition
                 key = (arm, size)
                 if key in failed:
@@ -337,7 +346,7 @@ def _rows(
         for arm in ("stream", "stream x2", "blob"):
             ms = samples.get((arm, size))
             if floor and ms:
-                f = sorted(m["gb_per_s"] for m in floor)[len(floor) // 2]
+                f = statistics.median(m["gb_per_s"] for m in floor)  # as every row's median
                 rows.append(
                     make_row(
                         system=arm,
