@@ -404,9 +404,10 @@ class Exchange:
         self.held = [sorted(h) for h in held]
         self._ready = [False] * len(space.layout.buckets)
         self._a2a: list[Any] = []
+        self._recv: list[torch.Tensor] = []  # bucket b's all-to-all lands in _recv[b]
         self._gathers: list[Any] = []
         self.launched = 0
-        self._gg = gather if sums.exact and gather is not None else None
+        self._gg = gather if sums.exact else None
         self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -482,6 +483,7 @@ class Exchange:
         if self._own_in_place:
             in_splits[rank] = out_splits[rank] = 0
         recv = self.space.recv(b, sum(out_splits))
+        self._recv.append(recv)
         self._a2a.append(self.g.start_alltoall(recv, inp, out_splits, in_splits))
 
     @property
@@ -529,9 +531,7 @@ class Exchange:
         parts = chunks(hi - lo, self.g.world)
         a, z = parts[self.g.rank]
         c = parts[0][1] - parts[0][0]
-        rank, own = self.g.rank, self._own_in_place
-        mine_held = len(self.held[rank]) if own else 0
-        recv = self.space.recv(b, (sum(len(h) for h in self.held) - mine_held) * (z - a))
+        rank, own, recv = self.g.rank, self._own_in_place, self._recv[b]
         start = self.space.starts[b]
         out = self.space.out[start : start + self.g.world * c]
         slot = out[rank * c : (rank + 1) * c]
