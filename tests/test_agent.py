@@ -125,6 +125,77 @@ def test_a_workers_last_words_are_read_before_the_zygote_reports_its_exit(
         agent.stop()
 
 
+class _Link:
+    """The coordinator's side of :meth:`Agent.poll`: keeps what it is handed."""
+
+    def __init__(self) -> None:
+        self.reports: list[M.Report] = []
+
+    def exchange(self, node: int, reports: list[M.Report], now: float, **_: object) -> M.Reply:
+        self.reports += reports
+        return M.Reply()
+
+
+@pytest.mark.timeout(30)
+def test_one_round_reads_every_waiting_message_and_follows_new_sockets(tmp_path: Path) -> None:
+    """One round reads every message of every worker; a socket that closes is dropped, and
+    the one a restarted worker connects with (often the same descriptor number) is read from
+    its first round."""
+    config = AgentConfig(node=0, slots=[0, 1], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    link = _Link()
+    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
+    ends = {}
+    try:
+        for slot in (0, 1):
+            ends[slot], agent.workers[slot].conn = Pipe()
+            agent.workers[slot].spawned()
+            for step in range(3):
+                ends[slot].send(P.encode(P.StepBegin(step=step, epoch=1, ts=time.time(), cpu_s=0)))
+        agent.poll(1.0)
+        began = [(r.slot, r.step) for r in link.reports if isinstance(r, M.StepBegan)]
+        assert sorted(began) == [(s, step) for s in (0, 1) for step in range(3)]
+
+        ends[1].close()  # the worker in slot 1 is gone...
+        agent.poll(0.01)
+        assert agent.workers[1].conn is None
+        ends[1], agent.workers[1].conn = Pipe()  # ...and its next incarnation connects
+        ends[1].send(P.encode(P.StepBegin(step=9, epoch=2, ts=time.time(), cpu_s=0)))
+        agent.poll(1.0)
+        assert [(r.slot, r.step) for r in link.reports if isinstance(r, M.StepBegan)][-1] == (1, 9)
+    finally:
+        agent.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_dead_workers_socket_is_read_to_its_end_once_when_the_zygote_reports_first(
+    tmp_path: Path,
+) -> None:
+    """The zygote's exit report can be read before the dead worker's closed socket is: the
+    agent then reads that socket itself, its last message and its end, and goes on (a
+    rewrite of the loop's reads, tried and not kept, spun on that end for ever, and its node
+    fell silent)."""
+    config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    link = _Link()
+    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
+    worker_side, from_worker = Pipe()
+    zygote_side, from_zygote = Pipe()
+    try:
+        w = agent.workers[0]
+        w.spawned()
+        w.conn, agent._zygote_conn = from_worker, from_zygote
+        agent._handle(from_zygote, P.Spawned(slot=0, pid=4242, incarnation=w.incarnation))
+        worker_side.send(P.encode(P.Error(type_name="RuntimeError", message="boom")))
+        worker_side.close()  # the worker died
+        zygote_side.send(P.encode(P.Exited(pid=4242, returncode=1)))
+        agent._read(from_zygote)
+        assert w.conn is None and not w.alive
+        agent.poll(0.01)
+        (failed,) = [r for r in link.reports if isinstance(r, M.WorkerFailed)]
+        assert "boom" in failed.verdict.reason
+    finally:
+        agent.stop()
+
+
 LOCAL = [
     P.Hello(slot=1, pid=42, incarnation=0),
     P.Ready(microbatches=8, state_bytes=1 << 20),
