@@ -2,7 +2,7 @@
 
 In one run, for each size, the arms take turns (exact, fast, DDP; then fast, DDP, exact; ...:
 each repetition starts one arm further on, so no arm always runs first or last): the example
-GPT (1.4M parameters, 4 workers) and a 99.7M-parameter configuration of the same GPT
+GPT (0.47M parameters, 4 workers) and a 99.7M-parameter configuration of the same GPT
 (``--model-size 100m``, 2 workers: one per core of the 2-core machine these figures come
 from, since 4 workers of it oversubscribe the cores and mostly measure the scheduler). Every
 worker of every arm runs one compute thread; no fault; the same micro-batches; no arm writes
