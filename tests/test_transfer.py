@@ -348,3 +348,21 @@ def test_a_holder_whose_optimizer_has_no_state_yet_sends_the_model_alone() -> No
     assert not any(isinstance(s, Exception) for s in stats), stats
     _same(reference, members[1])
     assert members[1][1].state_dict()["state"] == {}
+
+
+@pytest.mark.timeout(60)
+def test_warm_up_rehearses_a_whole_transfer_between_two_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first-use costs of a process's first transfer are paid when the worker starts: a
+    tiny model's state crosses a gloo group of two threads of this process, intact, and the
+    process's random stream is left as it was."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    assert transfer_module.rehearse()
+    assert torch.equal(torch.rand(3), expected)
+    calls: list[int] = []
+    monkeypatch.setattr(transfer_module, "rehearse", lambda: calls.append(1) or True)
+    transfer_module.warm_up(torch.device("cpu"), slots=1, nbytes=64)
+    assert calls == [1]

@@ -37,12 +37,16 @@ import bisect
 import gc
 import itertools
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+
+log = logging.getLogger("unicron.runtime.transfer")
 
 CHUNK_BYTES = 4 << 20
 """Size of one piece of the stream (the unit of parallelism and of the memory bound)."""
@@ -377,9 +381,11 @@ def _take(wire: torch.device, nbytes: int) -> torch.Tensor:
 
 def warm_up(wire: torch.device, slots: int = WINDOW, nbytes: int = CHUNK_BYTES) -> None:
     """Fill this process's pool with ``slots`` staging buffers of ``nbytes`` on ``wire``,
-    their pages touched, and run this module's first calls once (a manifest's encode and
-    decode). Called by the worker when it starts (:mod:`unicron.worker`), so that neither a
-    holder nor a restarted worker pays them during a transfer; costs ``slots x nbytes`` of
+    their pages touched, and run this module's first calls once: on the CPU a whole
+    transfer between two threads (:func:`rehearse`), else a manifest's encode and decode.
+    Called by the worker when it starts (:mod:`unicron.worker`), so that neither a holder
+    nor a restarted worker pays them during a transfer, while every member waits (a restarted
+    worker pays them before it is ready, while the others train); costs ``slots x nbytes`` of
     memory for the life of the process (16 MB by default)."""
     with _POOL_LOCK:
         have = sum(1 for b in _POOL if b.device == wire and b.numel() >= nbytes)
@@ -387,6 +393,74 @@ def warm_up(wire: torch.device, slots: int = WINDOW, nbytes: int = CHUNK_BYTES) 
             torch.zeros(nbytes, dtype=torch.uint8, device=wire) for _ in range(slots - have)
         )
     decode(encode({"w": Spec((1,), torch.float32), "state": {0: (1.0, [None])}}))
+    if wire.type == "cpu":
+        rehearse()
+
+
+class _Pair:
+    """A :class:`Wire` over a gloo group of two threads of this process (:func:`rehearse`)."""
+
+    def __init__(self, pg: Any, rank: int) -> None:
+        self.pg, self.rank, self.world, self.wire = pg, rank, 2, torch.device("cpu")
+
+    def ibroadcast(self, tensor: torch.Tensor, src: int) -> Any:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self.pg.broadcast([tensor], opts)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.ibroadcast(tensor, src).wait()
+
+    def wait(self, work: Any) -> None:
+        work.wait()
+
+    def subgroup(self, ranks: list[int], name: str) -> Wire:
+        raise AssertionError("a rehearsal has one holder and one needer")
+
+
+def rehearse(timeout_s: float = 5.0) -> bool:
+    """Transfer a tiny model's state (a linear layer and a layer norm, AdamW's moments) from
+    one thread of this process to another over a gloo group of their own (an in-memory
+    store), so that the process's first real transfer does not pay first-use costs: 1-2 ms
+    of a 5 MB transfer, measured on this path and not on the Python calls alone
+    (docs/benchmarks.md, State transfer). Called by :func:`warm_up`; takes 20-40 ms. True if
+    the needer's state arrived intact. A failure is logged, and the process's first transfer
+    then pays those costs."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    with torch.random.fork_rng():  # the process's random stream is left as it was
+        torch.manual_seed(0)
+        models = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)) for _ in "ab"]
+    optimizers = [torch.optim.AdamW(m.parameters()) for m in models]
+    models[0](torch.ones(2, 4)).sum().backward()
+    optimizers[0].step()  # the holder has moments, the needer none
+    states: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
+            model, optimizer = models[rank], optimizers[rank]
+            transfer(_Pair(pg, rank), model, optimizer, holders=[0], needers=[1],
+                     device=torch.device("cpu"), chunk_bytes=64, ramp=2)  # fmt: skip
+            tensors = state_tensors(model, optimizer)[1]
+            states[rank] = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        except BaseException as exc:  # a rehearsal that fails must not stop the worker
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2 * timeout_s)
+    if errors or len(states) != 2 or not torch.equal(states[0], states[1]):
+        log.warning("the transfer's rehearsal failed (the first transfer pays its first "
+                    "calls): %r", errors[:1])  # fmt: skip
+        return False
+    return True
 
 
 def share(k: int, holders: list[int]) -> int:
