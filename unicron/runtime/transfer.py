@@ -392,9 +392,10 @@ def warm_up(wire: torch.device, slots: int = WINDOW, nbytes: int = CHUNK_BYTES) 
         _POOL.extend(
             torch.zeros(nbytes, dtype=torch.uint8, device=wire) for _ in range(slots - have)
         )
-    decode(encode({"w": Spec((1,), torch.float32), "state": {0: (1.0, [None])}}))
     if wire.type == "cpu":
-        rehearse()
+        rehearse()  # its manifest is encoded and decoded too
+    else:
+        decode(encode({"w": Spec((1,), torch.float32), "state": {0: (1.0, [None])}}))
 
 
 class _Pair:
