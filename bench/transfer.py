@@ -5,7 +5,9 @@ state, parameters plus AdamW's two moments). For each, in one run:
 
 - **bandwidth and peak memory** (processes on this machine, loopback, gloo): the streamed
   transfer of :mod:`unicron.runtime.transfer` from one holder and from two holders in parallel to a
-  joiner whose model is built but whose optimizer has no state yet (as after a restart); the
+  joiner whose model is built but whose optimizer has no state yet (as after a restart),
+  every member's state laid out as a worker lays it out (``transfer.lay_out_parameters``
+  when it starts, ``lay_out_optimizer_state`` after a step); the
   blob transfer it replaced (``torch.save`` of the whole state into one buffer, broadcast,
   ``torch.load``); and the floor, a plain ``ProcessGroupGloo.broadcast`` of the same bytes
   already flat in one buffer. Each is timed on the receiver from the start of the transfer
@@ -83,17 +85,25 @@ def _member(arm: str, size: str, rank: int, world: int, port: int, out: Any) -> 
     from bench.sized_gpt import build
     from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
     from unicron.runtime.group import EpochGroup, EpochWatch
-    from unicron.runtime.transfer import state_tensors, transfer, warm_up
+    from unicron.runtime.transfer import (
+        lay_out_optimizer_state,
+        lay_out_parameters,
+        state_tensors,
+        transfer,
+        warm_up,
+    )
 
     torch.set_num_threads(1)
     warm_up(torch.device("cpu"))  # as every worker does when it starts
     joiner = rank == world - 1
     model, opt, _ = build(size, seed=1 if joiner else 0)
+    lay_out_parameters(model)  # as every worker does when it starts
     if not joiner:  # a trained holder: give AdamW its moments with one step
         for p in model.parameters():
             p.grad = torch.full_like(p, 1e-3)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        lay_out_optimizer_state(opt)  # as a worker does after its first step
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(300))
     if rank == 0:
         store.set(

@@ -366,3 +366,84 @@ def test_warm_up_rehearses_a_whole_transfer_between_two_threads(
     monkeypatch.setattr(transfer_module, "rehearse", lambda: calls.append(1) or True)
     transfer_module.warm_up(torch.device("cpu"), slots=1, nbytes=64)
     assert calls == [1]
+
+
+class _Tied(torch.nn.Module):
+    """A tied weight (listed twice in the state dict), a buffer, and a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6)
+        self.norm = torch.nn.LayerNorm(6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.scale = torch.nn.Parameter(torch.tensor(0.5), requires_grad=False)
+        self.register_buffer("count", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.emb(x))) * self.scale
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(n):
+        model(torch.randint(0, 11, (4, 5), generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_laying_the_state_out_in_stream_order_changes_no_value_and_no_step() -> None:
+    torch.manual_seed(0)
+    model = _Tied()
+    twin = _Tied()
+    twin.load_state_dict(model.state_dict())
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    assert transfer_module.lay_out_parameters(model)
+    assert list(model.parameters()) == params  # the same parameter objects, moved
+    assert model.head.weight is model.emb.weight
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    assert not transfer_module.lay_out_optimizer_state(opt)  # no state before a step
+    _steps(model, opt, 1)
+    _steps(twin, twin_opt, 1)
+    assert transfer_module.lay_out_optimizer_state(opt)
+    # three storages: the parameters, the buffer, the optimizer's state (its step counts too)
+    tensors = state_tensors(model, opt)[1]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 3
+    moments: list[torch.Tensor] = []
+    transfer_module._tensors(opt.state_dict(), moments)
+    assert transfer_module._in_order(moments)  # in stream order
+    before = [p.data_ptr() for p in params]
+    assert transfer_module.lay_out_parameters(model)  # already laid out: nothing moves
+    assert [p.data_ptr() for p in params] == before
+    _steps(model, opt, 3)
+    _steps(twin, twin_opt, 3)
+    _same((twin, twin_opt), (model, opt))  # bit for bit
+
+
+def test_a_parameter_that_shares_memory_keeps_its_place() -> None:
+    model = torch.nn.Linear(4, 4)
+    model.extra = torch.nn.Parameter(model.weight.data[0])  # a view of the weight
+    where = [p.data_ptr() for p in model.parameters()]
+    assert not transfer_module.lay_out_parameters(model)
+    assert [p.data_ptr() for p in model.parameters()] == where
+
+
+@pytest.mark.timeout(60)
+def test_a_laid_out_state_moves_in_place_on_both_sides() -> None:
+    reference = _trained(seed=0, steps=2)
+    members = [_trained(seed=0, steps=2), _model(seed=5)]
+    for model, opt in [reference, *members]:
+        transfer_module.lay_out_parameters(model)
+        transfer_module.lay_out_optimizer_state(opt)
+
+    def body(g: EpochGroup) -> Any:  # a window of 1 holds back packed chunks only
+        return transfer(g, *members[g.rank], holders=[0], needers=[1],
+                        device=torch.device("cpu"), chunk_bytes=1000, window=1)  # fmt: skip
+
+    stats = _run_group(2, body)
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    _same(reference, members[1])
+    assert stats[1].chunks > 4
+    assert stats[0].packed == 0 and stats[1].packed == 0, stats  # no staging copy

@@ -72,7 +72,12 @@ from unicron.runtime import reduce as R
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.runtime.inject import Fault, parse, slowdown
 from unicron.runtime.link import AgentLink, connect_agent
-from unicron.runtime.transfer import transfer, warm_up
+from unicron.runtime.transfer import (
+    lay_out_optimizer_state,
+    lay_out_parameters,
+    transfer,
+    warm_up,
+)
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -551,6 +556,7 @@ class _Runner:
     _broken: EpochOver | None = None  # a collective the hooks started failed
     _attempt: Step | None = None  # the step handed out and not yet committed
     _crash_at: int = -1
+    _laid_out: bool = False  # the optimizer's state is in stream order (lay_out_optimizer_state)
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -601,6 +607,9 @@ class _Runner:
         # transition (the group's wire: the device with NCCL, else the CPU)
         nccl = os.environ.get(D.ENV_BACKEND, "gloo") == "nccl"
         warm_up(self.device if nccl else torch.device("cpu"))
+        # the state in stream order, so that a transfer sends and receives it in place: the
+        # parameters now, the optimizer's state after the step that creates it (_apply)
+        lay_out_parameters(self.model)
 
     def _store_client(self) -> dist.Store:
         """A new connection to the coordinator's store, for one epoch's process group only."""
@@ -794,7 +803,7 @@ class _Runner:
             transfer(g, self.model, self.optimizer, holders=near or holders, needers=needers,
                      device=self.device)  # fmt: skip
             if g.rank in needers:
-                self.step, self.has_state = target, True
+                self.step, self.has_state, self._laid_out = target, True, False
                 self.data.load(ref[3:5])  # the data position is committed state too
         done_sets = [{mb for mb in range(self.M) if rows[r][5 + mb]} for r in holders]
         if g.rank in needers:
@@ -825,6 +834,7 @@ class _Runner:
             self.store.set(usage_key(self.ctx.task), f"{flag} {root}: {why}")
             raise SystemExit(2)
         self.step, self.has_state = C.restore(parts, self.model, self.optimizer), True
+        self._laid_out = False
         self.data.load(parts["train"].get("data", (-1, -1)))
         if self.ckpt is not None:
             self.ckpt.last_step = self.step  # no need to write what was just read
@@ -1128,6 +1138,8 @@ class _Runner:
             self.optimizer.step()
         finally:
             self._stepping = False
+        if not self._laid_out:
+            self._laid_out = lay_out_optimizer_state(self.optimizer)
         for p in self.params:
             p.grad = None
 

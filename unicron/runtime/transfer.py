@@ -15,13 +15,15 @@ and the *needers* (joiners, restarted workers). Nothing is serialized into one b
    broadcast in a small group of that holder and the needers (a collective, because a gloo
    point-to-point wait cannot be left in slices: it closes the connection when it times out);
 3. a chunk is sent from, and received into, the tensors' own memory when it lies in one
-   tensor or in tensors that follow each other in one storage: a needer allocates the
-   optimizer state it lacks as one buffer in stream order (:func:`fresh`), so its moments
-   (two thirds of an AdamW state) land in place. Any other chunk is packed into one of a
-   few staging buffers, taken from a pool that the worker fills when it starts
+   tensor or in tensors that follow each other in one storage. The worker lays its state out
+   so (:func:`lay_out_parameters` when it starts, :func:`lay_out_optimizer_state` after its
+   first step), and a needer allocates the optimizer state it lacks as one buffer in stream
+   order (:func:`fresh`): nothing is copied on either side. Any other chunk is packed into
+   one of a few staging buffers, taken from a pool that the worker fills when it starts
    (:func:`warm_up`; a fresh buffer pays its page faults, about as much as the copy into
-   it). At most :data:`WINDOW` chunks per peer are in flight, so the extra memory on either
-   side is a few chunks, whatever the state's size.
+   it). At most :data:`WINDOW` packed chunks per peer are in flight, so the extra memory on
+   either side is a few chunks, whatever the state's size; chunks in place are all posted
+   at once.
 
 A needer posts its model's chunks first (written into its own tensors), allocates the
 optimizer's tensors while they are on the wire, and hands them to
@@ -51,7 +53,7 @@ log = logging.getLogger("unicron.runtime.transfer")
 CHUNK_BYTES = 4 << 20
 """Size of one piece of the stream (the unit of parallelism and of the memory bound)."""
 WINDOW = 4
-"""Chunks in flight per peer pair: enough to keep loopback or a link busy."""
+"""Packed chunks in flight per peer pair: enough to keep loopback or a link busy."""
 RAMP = 8
 """The first chunk of the model's and of the optimizer's part is ``CHUNK_BYTES / RAMP``,
 the next twice that, up to ``CHUNK_BYTES`` (:class:`_Stream`)."""
@@ -528,7 +530,12 @@ def fresh(specs: list[Spec], device: torch.device) -> list[torch.Tensor]:
     and not through a staging buffer. Scalars (the optimizer's step counts) live on the CPU,
     as the optimizer keeps them; they share the buffer when ``device`` is the CPU."""
     cpu = torch.device("cpu")
-    where = [cpu if not s.shape else device for s in specs]
+    return _together(specs, [cpu if not s.shape else device for s in specs])
+
+
+def _together(specs: list[Spec], where: list[torch.device]) -> list[torch.Tensor]:
+    """Empty tensors for ``specs`` on the devices ``where``: those of one device follow each
+    other in one buffer, in order, each at the next offset its dtype allows."""
     offsets: list[int] = []
     ends: dict[torch.device, int] = {}
     for s, d in zip(specs, where, strict=True):
@@ -545,6 +552,87 @@ def fresh(specs: list[Spec], device: torch.device) -> list[torch.Tensor]:
             n = bufs[d].numel() // s.dtype.itemsize * s.dtype.itemsize
             whole = typed[d, s.dtype] = bufs[d][:n].view(s.dtype)
         out.append(whole.as_strided(s.shape, _strides(s.shape), at // s.dtype.itemsize))
+    return out
+
+
+# -- the state laid out in stream order ------------------------------------------------------
+# A holder sends a chunk from the tensors' own memory, and a needer receives it there, when
+# the chunk's tensors follow each other in one storage; tensors allocated one by one (a
+# model's parameters, AdamW's moments) are packed through staging buffers instead, a copy
+# on each side. The worker therefore lays its state out once, in stream order.
+def lay_out_parameters(model: torch.nn.Module) -> bool:
+    """Move the model's parameters into one buffer per device, in stream order (their
+    ``.data``; the parameter objects, their gradients and hooks stay). Called by the worker
+    when it starts. Leaves them where they are, and returns False, if one is not a plain
+    contiguous tensor or shares memory with another tensor of the model (a view, a weight
+    aliased by a buffer): moving it would undo that sharing."""
+    keyed: list[torch.Tensor] = []
+    _tensors(model.state_dict(keep_vars=True), keyed)
+    params = {id(p) for p in model.parameters()}
+    order = list({id(t): t for t in keyed if id(t) in params}.values())  # tied: listed once
+    unique = {id(t): t for t in [*keyed, *model.parameters()]}.values()
+    if not order or not all(_movable(t) for t in unique):
+        return False
+    bases = [t.untyped_storage().data_ptr() for t in unique]
+    if len(set(bases)) != len(bases):  # two tensors share memory (or they are laid out)
+        return _in_order(order)
+    moved = _relocated(order)
+    for p, t in zip(order, moved, strict=True):
+        p.data = t
+    return True
+
+
+def lay_out_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Move the optimizer's state tensors into one buffer per device, in stream order (the
+    order of :func:`_tensors` over its state dict: parameters in their groups' order, each
+    one's keys sorted). Called by the worker after a step, until it returns True: False
+    while the optimizer has no state yet; True once laid out, or if the state is not one
+    this function knows (a key that is not a string, a tensor shared or not contiguous)."""
+    if not optimizer.state:
+        return False
+    entries: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            if not all(type(k) is str for k in state):
+                return True
+            entries += [
+                (state, k, state[k]) for k in sorted(state) if type(state[k]) is torch.Tensor
+            ]
+    tensors = [t for _, _, t in entries]
+    if not tensors or _in_order(tensors) or not all(_movable(t) for t in tensors):
+        return True
+    if len({t.untyped_storage().data_ptr() for t in tensors}) != len(tensors):
+        return True
+    for (state, k, _), t in zip(entries, _relocated(tensors), strict=True):
+        state[k] = t
+    return True
+
+
+def _movable(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and t.device.type != "meta" and t.is_contiguous()
+
+
+def _in_order(tensors: list[torch.Tensor]) -> bool:
+    """Each device's tensors lie in one storage, each at or after the end of the one before."""
+    last: dict[torch.device, tuple[int, int]] = {}
+    for t in tensors:
+        base, at = t.untyped_storage().data_ptr(), t.data_ptr()
+        prev = last.get(t.device)
+        if prev is not None and (prev[0] != base or at < prev[1]):
+            return False
+        last[t.device] = (base, at + t.numel() * t.element_size())
+    return True
+
+
+def _relocated(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors``, on their devices, laid out by :func:`_together`."""
+    out = _together([Spec(tuple(t.shape), t.dtype) for t in tensors], [t.device for t in tensors])
+    with torch.no_grad():
+        for new, old in zip(out, tensors, strict=True):
+            new.copy_(old)
     return out
 
 
@@ -714,20 +802,26 @@ def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, tuple[W
 
 
 def _send(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: int) -> Stats:
+    """A holder's share of the chunks (:func:`share`), posted in order. A chunk sent from the
+    tensors' own memory is posted at once; at most ``window`` packed ones are in flight
+    (their staging buffers bound the extra memory)."""
     link, src = _links(g, holders, needers)[g.rank]
     mine = [k for k in range(s.count) if share(k, holders) == g.rank]
     staging = _Staging(window, min(s.chunk, s.nbytes), g.wire)
-    inflight: list[Any] = []
+    staged: list[Any] = []  # packed chunks in flight, oldest first
+    works: list[Any] = []
     packed = 0
-    for seq, k in enumerate(mine):
+    for k in mine:
         buf = s.view(k, g.wire)
-        if buf is None:  # the buffer's last chunk (seq - window) was waited for below
-            buf = s.pack(k, staging.get(seq, s.size(k)))
+        if buf is None:
+            if len(staged) >= window:  # the buffer's last chunk is on the wire
+                link.wait(staged.pop(0))
+            buf = s.pack(k, staging.get(packed, s.size(k)))
             packed += 1
-        inflight.append(link.ibroadcast(buf, src))
-        if len(inflight) >= window:
-            link.wait(inflight.pop(0))
-    for work in inflight:
+            staged.append(link.ibroadcast(buf, src))
+        else:
+            works.append(link.ibroadcast(buf, src))
+    for work in [*works, *staged]:
         link.wait(work)
     staging.give_back()
     nbytes = sum(s.size(k) for k in mine) * len(needers)
@@ -744,43 +838,47 @@ def _receive(
     meanwhile: Callable[[], None],
 ) -> Stats:
     """Receive the stream into its tensors. ``before[k]`` runs before chunk ``k`` is posted;
-    ``meanwhile`` once the window is full (or every chunk posted) and the last of ``before``
-    has run."""
+    ``meanwhile`` once every hook has run, when the chunks are posted or the next would wait
+    for a staging buffer. A chunk received into the tensors' own memory is posted at once;
+    at most ``window`` per holder land in staging buffers at a time (the oldest is waited
+    for and unpacked before its buffer takes another)."""
     links = _links(g, holders, needers)
     limit = window * len(holders)
     staging = _Staging(limit, min(s.chunk, s.nbytes), g.wire)
-    inflight: list[tuple[Wire, Any, int, torch.Tensor | None]] = []
+    staged: list[tuple[Wire, Any, int, torch.Tensor]] = []  # oldest first
+    works: list[tuple[Wire, Any]] = []
     packed = 0
     pending = dict(before)
-    # meanwhile: once the window is full and the last hook has run (at the end if a hook's
-    # chunk is past the stream's end: an optimizer with no state to receive)
-    idle_at = max(min(limit, s.count) - 1, *pending, 0) if s.count else -1
+    idle = False
 
-    def land(item: tuple[Wire, Any, int, torch.Tensor | None]) -> None:
+    def land(item: tuple[Wire, Any, int, torch.Tensor]) -> None:
         link, work, k, buf = item
         link.wait(work)
-        if buf is not None:
-            s.unpack(k, buf)
+        s.unpack(k, buf)
 
     for k in range(s.count):
         if k in pending:
             pending.pop(k)()
-        into = s.view(k, g.wire)
-        buf = None
-        if into is None:  # the buffer's last chunk (k - limit) was landed below
-            into = buf = staging.get(k, s.size(k))
-            packed += 1
         link, src = links[share(k, holders)]
-        inflight.append((link, link.ibroadcast(into, src), k, buf))
-        if k == idle_at:
-            meanwhile()
-        if len(inflight) >= limit:
-            land(inflight.pop(0))
-    for hook in pending.values():
+        into = s.view(k, g.wire)
+        if into is None:
+            if len(staged) >= limit:
+                if not pending and not idle:
+                    idle = True
+                    meanwhile()
+                land(staged.pop(0))
+            buf = staging.get(packed, s.size(k))
+            packed += 1
+            staged.append((link, link.ibroadcast(buf, src), k, buf))
+        else:
+            works.append((link, link.ibroadcast(into, src)))
+    for hook in pending.values():  # a hook's chunk past the end: an optimizer with no state
         hook()
-    if idle_at >= s.count or idle_at < 0:
+    if not idle:
         meanwhile()
-    for item in inflight:
+    for link, work in works:
+        link.wait(work)
+    for item in staged:
         land(item)
     staging.give_back()
     return Stats(nbytes=s.nbytes, chunks=s.count, packed=packed)
