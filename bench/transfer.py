@@ -27,7 +27,7 @@ arms interleaved (one of each per repetition), and each is summarised by the med
 repetitions, the floor included (``bandwidth_over_floor`` is each stream's sample over the
 floor's median, so its median is the ratio of the medians). Small states are cheap to repeat
 and noisy (a 5 MB floor takes 4-7 ms), so they get more repetitions, in odd counts (a real
-median): 5 at 5 MB, 3 at 100 MB, 2 at 1 GB (the mean of two). Recovery runs: two per size,
+median): 9 at 5 MB, 3 at 100 MB, 2 at 1 GB (the mean of two). Recovery runs: two per size,
 one in ``--quick`` and at 1 GB.
 ``python -m bench --scenario transfer`` (or ``python -m bench.transfer [--quick]``) writes
 ``bench/results/transfer.json`` and the plot ``bench/results/transfer.png``.
@@ -266,7 +266,7 @@ def recovery(size: str, workdir: Path, fault_step: int = 2) -> dict[str, float]:
 
 
 # -- the scenario ---------------------------------------------------------------------------
-REPS = {"5MB": 5, "100MB": 3, "1GB": 2}
+REPS = {"5MB": 9, "100MB": 3, "1GB": 2}
 """repetitions of each arm per size: odd where a measurement is cheap (a real median)"""
 
 
