@@ -447,3 +447,12 @@ def test_a_laid_out_state_moves_in_place_on_both_sides() -> None:
     _same(reference, members[1])
     assert stats[1].chunks > 4
     assert stats[0].packed == 0 and stats[1].packed == 0, stats  # no staging copy
+
+
+def test_a_parameter_aliased_by_a_buffer_keeps_its_place() -> None:
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("mirror", model.bias.data)  # the same memory as the bias
+    where = [p.data_ptr() for p in model.parameters()]
+    assert not transfer_module.lay_out_parameters(model)
+    assert [p.data_ptr() for p in model.parameters()] == where
+    assert model.mirror.data_ptr() == model.bias.data_ptr()

@@ -570,11 +570,15 @@ def lay_out_parameters(model: torch.nn.Module) -> bool:
     _tensors(model.state_dict(keep_vars=True), keyed)
     params = {id(p) for p in model.parameters()}
     order = list({id(t): t for t in keyed if id(t) in params}.values())  # tied: listed once
-    unique = {id(t): t for t in [*keyed, *model.parameters()]}.values()
-    if not order or not all(_movable(t) for t in unique):
+    if not order or not all(_movable(p) for p in order):
         return False
-    bases = [t.untyped_storage().data_ptr() for t in unique]
-    if len(set(bases)) != len(bases):  # two tensors share memory (or they are laid out)
+    mine = [p.untyped_storage().data_ptr() for p in order]
+    theirs = {
+        t.untyped_storage().data_ptr()
+        for t in keyed
+        if id(t) not in params and t.layout == torch.strided and t.device.type != "meta"
+    }
+    if len(set(mine)) != len(mine) or theirs & set(mine):  # shared memory, or laid out
         return _in_order(order)
     moved = _relocated(order)
     for p, t in zip(order, moved, strict=True):
@@ -612,7 +616,13 @@ def lay_out_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _movable(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and t.device.type != "meta" and t.is_contiguous()
+    """A plain dense tensor in memory of its own kind (not a subclass such as a DTensor)."""
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+        and t.is_contiguous()
+    )
 
 
 def _in_order(tensors: list[torch.Tensor]) -> bool:
