@@ -15,7 +15,16 @@ import pytest
 
 from unicron.control import messages as M
 from unicron.control import protocol as P
-from unicron.control.agent import Agent, AgentConfig, IllegalTransition, WorkerState
+from unicron.control.agent import (
+    IDLE_ROUND_S,
+    ROUND_S,
+    Agent,
+    AgentConfig,
+    IllegalTransition,
+    WorkerState,
+)
+from unicron.control.client import can_wait
+from unicron.runtime.link import AgentLink
 
 
 def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> None:
@@ -128,12 +137,105 @@ def test_a_workers_last_words_are_read_before_the_zygote_reports_its_exit(
 class _Link:
     """The coordinator's side of :meth:`Agent.poll`: keeps what it is handed."""
 
-    def __init__(self) -> None:
+    def __init__(self, due_s: float = 0.05) -> None:
         self.reports: list[M.Report] = []
+        self.due_s = due_s
 
     def exchange(self, node: int, reports: list[M.Report], now: float, **_: object) -> M.Reply:
         self.reports += reports
         return M.Reply()
+
+    def due_in(self, now: float) -> float:
+        return self.due_s
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        P.StepBegin(step=4, epoch=3, ts=1.5, cpu_s=3.0),
+        P.StepDone(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
+        P.Event(name="step_end", fields={"epoch": 3, "step": 4, "loss": 2.5}),
+        P.Event(name="step_end", fields={"epoch": 3, "step": 0, "loss": 2.5}),
+        P.Event(name="fault_injected", fields={"spec": "crash@rank=1,step=3"}),
+        P.Error(type_name="RuntimeError", message="boom", in_band=True, step=4, epoch=3),
+        P.Entered(epoch=3),
+    ],
+)
+def test_a_quiet_message_is_one_whose_reports_may_wait_for_the_rhythm(
+    tmp_path: Path, msg: P.LocalMessage
+) -> None:
+    """The worker rings the agent's doorbell for exactly the messages whose reports the link
+    sends at once: a quiet message waits up to a round, its reports then wait for the rhythm."""
+    config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    try:
+        agent.workers[0].spawned()
+        agent.workers[0].readied()
+        agent._from_worker(0, msg)
+        assert agent._reports
+        assert P.quiet(msg) == all(can_wait(r) for r in agent._reports)
+    finally:
+        agent.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_round_sleeps_through_step_reports_and_wakes_for_an_error(tmp_path: Path) -> None:
+    """A worker's step reports (a dozen per step from a node) are read on the agent's next
+    round, not each at once; a message that is not quiet rings the doorbell and ends the
+    round's wait."""
+    config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    link = _Link()
+    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
+    worker_end, agent_end = Pipe()
+    host, port = agent.bell_address.rsplit(":", 1)
+    worker = AgentLink(worker_end, (host, int(port)))
+    try:
+        agent.workers[0].spawned()
+        agent.workers[0].conn = agent_end
+        worker.send(P.StepBegin(step=1, epoch=1, ts=time.time(), cpu_s=0))
+        t0 = time.monotonic()
+        agent.poll(0.5)
+        assert time.monotonic() - t0 >= 0.45  # not woken by the step's begin...
+        assert [r.step for r in link.reports if isinstance(r, M.StepBegan)] == [1]  # ...read
+
+        worker.send(P.Error(type_name="RuntimeError", message="boom", in_band=True, epoch=1))
+        t0 = time.monotonic()
+        agent.poll(20.0)
+        assert time.monotonic() - t0 < 5.0  # woken at once
+        assert any(isinstance(r, M.Detected) for r in link.reports)
+    finally:
+        agent.stop()
+
+
+def test_a_round_waits_until_the_first_thing_due(tmp_path: Path) -> None:
+    """:meth:`Agent.round_s`: the link's next exchange, a hung worker's kill after its stacks,
+    a computing worker's next CPU sample; a short round while something is polled; at most
+    the idle round."""
+    config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    link = _Link(due_s=10.0)
+    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
+    _zygote_end, agent._zygote_conn = Pipe()
+    try:
+        now = time.time()
+        assert agent.round_s(now) == IDLE_ROUND_S
+        link.due_s = 0.1
+        assert agent.round_s(now) == pytest.approx(0.1)
+        agent._dumping[4242] = now + 0.03
+        assert agent.round_s(now) == pytest.approx(0.03)
+        agent._dumping.clear()
+        w = agent.workers[0]
+        w.spawned()
+        w.pid, w.tid, w.computing_since = 4242, 4243, now - 0.15  # first sample at 0.2 s
+        assert agent.round_s(now) == pytest.approx(0.05)
+        w.cpu_read_at = now - 0.1  # sampled; the next one 0.2 s after
+        assert agent.round_s(now) == pytest.approx(0.1)
+        w.eof_ts = now  # its socket closed: its exit status is polled for
+        assert agent.round_s(now) == ROUND_S
+        w.eof_ts = None
+        agent._zygote_conn = None  # no zygote to report exits
+        assert agent.round_s(now) == ROUND_S
+    finally:
+        agent.stop()
 
 
 @pytest.mark.timeout(30)
@@ -151,7 +253,7 @@ def test_one_round_reads_every_waiting_message_and_follows_new_sockets(tmp_path:
             agent.workers[slot].spawned()
             for step in range(3):
                 ends[slot].send(P.encode(P.StepBegin(step=step, epoch=1, ts=time.time(), cpu_s=0)))
-        agent.poll(1.0)
+        agent.poll(0.05)
         began = [(r.slot, r.step) for r in link.reports if isinstance(r, M.StepBegan)]
         assert sorted(began) == [(s, step) for s in (0, 1) for step in range(3)]
 
@@ -160,7 +262,7 @@ def test_one_round_reads_every_waiting_message_and_follows_new_sockets(tmp_path:
         assert agent.workers[1].conn is None
         ends[1], agent.workers[1].conn = Pipe()  # ...and its next incarnation connects
         ends[1].send(P.encode(P.StepBegin(step=9, epoch=2, ts=time.time(), cpu_s=0)))
-        agent.poll(1.0)
+        agent.poll(0.05)
         assert [(r.slot, r.step) for r in link.reports if isinstance(r, M.StepBegan)][-1] == (1, 9)
     finally:
         agent.stop()

@@ -10,8 +10,14 @@ carries out the coordinator's actions (:class:`unicron.control.messages.Spawn`, 
 ``Probe``, the health probe of an excluded slot), which each exchange's reply carries.
 
 Threads: everything the agent owns is touched by one thread, the one in :meth:`Agent.run`
-(its ``accept`` thread only queues new connections). The coordinator never calls the agent;
-the agent calls the coordinator's ``exchange`` once per round (:class:`CoordinatorLink`).
+(its ``accept`` thread only queues new connections and rings the doorbell). The coordinator
+never calls the agent; the agent calls the coordinator's ``exchange`` once per round
+(:class:`CoordinatorLink`), which sends when a report may not wait or the rhythm is due.
+
+A round (:meth:`Agent.poll`) sleeps until the first thing timed is due (:meth:`Agent.round_s`)
+or its doorbell rings: a worker's message that is not quiet (an error, an epoch entered; see
+:func:`unicron.control.protocol.quiet`), the zygote's, a new connection. It then reads every
+socket that has something; a step's reports, a dozen per step, wait in their sockets for it.
 
 Each slot's process is in one :class:`WorkerState` (its diagram is there); a move it does not
 draw raises :class:`IllegalTransition`.
@@ -26,6 +32,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +49,7 @@ from unicron.control.messages import Kill, Probe, Reply, Spawn
 from unicron.control.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
+    ENV_BELL,
     ENV_BUCKET_CAP_MB,
     ENV_CHECKPOINT,
     ENV_CHECKPOINT_EVERY,
@@ -74,6 +82,11 @@ _HUNG = frozenset({"hang", "stall", "collective_stall"})
 """verdict kinds of a worker killed while alive but stuck: it writes its stacks first"""
 PROBE_TIMEOUT_S = 120.0
 """a health probe (a fresh process: imports, then milliseconds of work) that takes longer fails"""
+ROUND_S = 0.02
+"""the shortest wait of a round, while something is polled (a probe, a plainly started
+worker's exit, a closed socket's grace, a zygote still starting)"""
+IDLE_ROUND_S = 0.25
+"""the longest: a round starts at least this often (:meth:`Agent.round_s`)"""
 
 
 @dataclass
@@ -242,6 +255,11 @@ class CoordinatorLink(Protocol):
         flush: bool = False,
     ) -> Reply: ...
 
+    def due_in(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`exchange` would go out with nothing new to
+        report (0: at once)."""
+        ...
+
 
 class Agent:
     """Supervises the workers of one task on one node; see the module docstring."""
@@ -264,6 +282,11 @@ class Agent:
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
+        # the workers' doorbell (:func:`unicron.control.protocol.quiet`): a datagram wakes a round
+        self._bell = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._bell.bind(("127.0.0.1", 0))
+        self._bell.setblocking(False)
+        self.bell_address = "{}:{}".format(*self._bell.getsockname())
         self._accepted: queue.Queue[Connection] = queue.Queue()
         self._anonymous: list[Connection] = []  # connected, no hello yet
         self._zygote: subprocess.Popen[bytes] | None = None
@@ -309,6 +332,7 @@ class Agent:
             _killpg(self._zygote.pid)
             self._zygote.wait()
         self._listener.close()
+        self._bell.close()
 
     # -- actions (the coordinator's, taken on every round) ------------------------------------
     def _report(self, report: M.Report) -> None:
@@ -416,16 +440,43 @@ class Agent:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, until: threading.Event) -> None:
-        """Supervise until ``until`` is set or the coordinator says the task is over."""
+        """Supervise until ``until`` is set (then call :meth:`wake`) or the coordinator says
+        the task is over."""
         while not until.is_set() and not self._stop.is_set() and not self.vanished:
             try:
-                self.poll(0.02)
+                self.poll(self.round_s(time.time()))
             except Exception:  # keep supervising (and heartbeating) whatever one round hit
                 log.exception("node %d: supervision round failed", self.node)
                 time.sleep(0.1)
             if self.reply.finished:
                 return
         self._flush()
+
+    def round_s(self, now: float) -> float:
+        """How long the next round waits for its doorbell: until the first thing timed is
+        due (the link's next exchange, a hung worker's SIGKILL after its stacks, a computing
+        worker's CPU sample), :data:`ROUND_S` while something is polled, at most
+        :data:`IDLE_ROUND_S`. A worker's message that is not quiet, the zygote's and a new
+        connection wake it sooner (docs/cluster.md, The rhythm)."""
+        if (
+            self._probes
+            or self._pending_spawns
+            or self._zygote_conn is None
+            or any(w.alive and (w.popen or w.eof_ts) for w in self.workers.values())
+        ):
+            return ROUND_S
+        due = [IDLE_ROUND_S, self.link.due_in(now)]
+        due += [at - now for at in self._dumping.values()]
+        for w in self.workers.values():
+            if w.alive and w.computing_since is not None and w.tid is not None:
+                first = w.computing_since + CPU_SAMPLE_AFTER_S
+                due.append(max(first, w.cpu_read_at + CPU_SAMPLE_EVERY_S) - now)
+        return max(min(due), 0.0)
+
+    def wake(self) -> None:
+        """Ring the doorbell: a waiting round starts now (from any thread)."""
+        with contextlib.suppress(OSError):
+            self._bell.sendto(b"!", self._bell.getsockname())
 
     def _flush(self) -> None:
         """The loop was stopped (the run interrupted, the node stopping): what the workers
@@ -466,20 +517,28 @@ class Agent:
             _killpg(self._zygote.pid)
 
     def poll(self, timeout: float) -> None:
-        """One round: read reports, notice exits, run the monitor, let the coordinator act."""
+        """One round: read reports, notice exits, run the monitor, let the coordinator act.
+
+        The round waits up to ``timeout`` for its doorbell (a worker's message that is not
+        :func:`~unicron.control.protocol.quiet`), the zygote or a new connection's hello, then
+        reads every socket that has something: a worker's step reports wait for the next round
+        instead of waking one each (a dozen per step; docs/cluster.md, The rhythm)."""
         self._drain_accepted()
+        waken: list[Any] = [self._bell, *self._anonymous]
+        if self._zygote_conn is not None:
+            waken.append(self._zygote_conn)
+        if wait(waken, timeout=timeout):
+            self._silence()
+            self._drain_accepted()
+        read_until = time.time()  # every report sent before now is in its socket
         conns: list[Any] = [w.conn for w in self.workers.values() if w.conn is not None]
-        conns += self._anonymous
+        conns += self._anonymous  # after the workers': a worker's last words before its exit
         if self._zygote_conn is not None:
             conns.append(self._zygote_conn)
-        if conns:
-            ready = wait(conns, timeout=timeout)
-            read_until = time.time()  # every report sent before now is in a ready socket
-            for conn in ready:
-                self._read(conn)  # type: ignore[arg-type]
-        else:
-            time.sleep(timeout)
-            read_until = time.time()
+        ready = set(wait(conns, timeout=0))
+        for conn in conns:
+            if conn in ready:
+                self._read(conn)
         now = time.time()
         if self._pending_spawns and self._zygote is not None and self._zygote.poll() is not None:
             log.warning("node %d: the zygote died while starting; spawning plainly", self.node)
@@ -505,11 +564,20 @@ class Agent:
         while not self._stop.is_set():
             try:
                 self._accepted.put(self._listener.accept())
+                self.wake()  # its hello is read now
             except (OSError, EOFError):
                 if self._stop.is_set():
                     return
             except Exception as exc:  # a bad handshake must not kill the agent
                 log.warning("rejected a connection: %s", exc)
+
+    def _silence(self) -> None:
+        """Empty the doorbell (any number of rings since the last round wake one round)."""
+        while True:
+            try:
+                self._bell.recv(16)
+            except OSError:  # BlockingIOError: empty
+                return
 
     def _drain_accepted(self) -> None:
         while True:
@@ -758,6 +826,7 @@ class Agent:
                 ENV_NODE: str(self.node),
                 ENV_STORE: self.store_address,
                 ENV_AGENT: self.address,
+                ENV_BELL: self.bell_address,
                 ENV_AUTHKEY: self._authkey.hex(),
                 ENV_REDUCE: self.config.reduce,
                 ENV_ON_LOST: self.config.on_lost,

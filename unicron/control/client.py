@@ -121,9 +121,10 @@ class TaskLink:
     """An agent's link to the coordinator of task ``uid`` over HTTP (see the module
     docstring). ``census`` is the agent's :meth:`~unicron.control.agent.Agent.census`.
 
-    A report goes out at once (on the agent's next round, within 20 ms), with every report
-    held before it, unless it may wait (:func:`can_wait`: a worker's step reports); with
-    nothing else to report the link exchanges at the rhythm the coordinator's last reply
+    A report goes out at once (in the agent's round that read it; a worker's message behind
+    it rang the agent's doorbell), with every report held before it, unless it may wait
+    (:func:`can_wait`: a worker's step reports); with nothing else to report the link
+    exchanges at the rhythm the coordinator's last reply
     asked for (:meth:`interval`: every 250 ms when nothing is due, at a computing worker's
     hang deadline, every 50 ms while the coordinator waits on this node; docs/cluster.md,
     The rhythm), carrying the reports held until then."""
@@ -163,6 +164,17 @@ class TaskLink:
         if math.isnan(asked):
             return self.MIN_INTERVAL_S
         return min(max(asked, self.MIN_INTERVAL_S), self.MAX_INTERVAL_S)
+
+    def due_in(self, now: float) -> float:
+        """Seconds from ``now`` until :meth:`exchange` goes out with nothing new to report:
+        at once while a report waits that may not, after a failure at its retry, else at the
+        rhythm (the agent's round sleeps until then: :meth:`~unicron.control.agent.Agent.
+        round_s`)."""
+        if now < self._retry_at:
+            return self._retry_at - now
+        if self._urgent:
+            return 0.0
+        return max(self._last_ok + self.interval() - now, 0.0)
 
     def exchange(
         self,

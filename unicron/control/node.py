@@ -246,11 +246,13 @@ class NodeAgent:
         for r in self.tasks.values():
             r.agent.vanish()
             r.stop.set()
+            r.agent.wake()
 
     def stop(self) -> None:
         """Stop every supervisor (after a drain of :attr:`drain_s`) and their workers."""
         for r in self.tasks.values():
             r.stop.set()
+            r.agent.wake()
         for uid, r in list(self.tasks.items()):
             r.thread.join(timeout=5.0)
             self._end(uid)

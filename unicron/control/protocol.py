@@ -22,6 +22,7 @@ ENV_NODE = "UNICRON_NODE"
 ENV_INCARNATION = "UNICRON_INCARNATION"  # 0 for the first start of a slot, +1 per restart
 ENV_STORE = "UNICRON_STORE"  # host:port of the coordinator's TCPStore
 ENV_AGENT = "UNICRON_AGENT"  # host:port of the agent's listener
+ENV_BELL = "UNICRON_AGENT_BELL"  # host:port of the agent's doorbell (UDP), see :func:`quiet`
 ENV_AUTHKEY = "UNICRON_AUTHKEY"  # hex
 ENV_FAULTS = "UNICRON_FAULTS"  # --inject specs still to fire in this slot, joined by ";"
 ENV_REDUCE = "UNICRON_REDUCE"  # exact | fast
@@ -228,6 +229,23 @@ def decode(raw: Any) -> LocalMessage:
         return cls(**{k: v for k, v in raw.items() if k != "type"})
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a message on the agent's socket: {raw!r} ({exc})") from exc
+
+
+def quiet(msg: LocalMessage) -> bool:
+    """Whether the agent may read worker message ``msg`` on its next round (when its next
+    exchange or timed check is due, within 250 ms) rather than at once: a step's begin, its
+    computed report and its ``step_end`` record but the task's first, the messages whose
+    reports :func:`unicron.control.client.can_wait` lets wait for the exchange rhythm anyway.
+    A node's workers send a dozen of them per step; they carry their own time.
+
+    The worker (:class:`unicron.runtime.link.AgentLink`) sends every message on its socket,
+    which the agent reads once per round, and rings the agent's doorbell (a datagram to
+    :data:`ENV_BELL`) after any message that is not quiet, which wakes the agent's round at
+    once: an error, an epoch entered, a finished worker. One socket per worker keeps the
+    messages in order."""
+    if isinstance(msg, StepBegin | StepDone):
+        return True
+    return isinstance(msg, Event) and msg.name == "step_end" and int(msg.fields.get("step", 0)) > 0
 
 
 def epoch_key(task: str) -> str:

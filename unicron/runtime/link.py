@@ -4,33 +4,48 @@ Opened once per process, by the bootstrap before the user's script runs (so an i
 in the script is reported too) and reused by :func:`unicron.worker.train`. Sends never raise:
 a report that cannot be delivered is dropped, and a lost agent is noticed by the process
 supervision on the other side. A send blocks only while the socket's buffer is full, i.e.
-when the agent has stopped reading (its loop reads every 20 ms; a report is ~100 bytes and
-the local buffer holds megabytes), which is the agent's failure, not training's.
+when the agent has stopped reading (its loop reads at least every 250 ms; a report is ~100
+bytes and the local buffer holds megabytes), which is the agent's failure, not training's.
+
+The agent reads its workers' sockets once per round (:meth:`~unicron.control.agent.Agent.
+round_s`: when its next exchange or timed check is due) and is woken sooner by its doorbell:
+after a message that is not :func:`~unicron.control.protocol.quiet` (an error, an epoch
+entered, the worker done) the link sends the doorbell a one-byte datagram. A step's reports,
+a dozen per step from a node's workers, so wake no one (docs/cluster.md, The rhythm).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 from multiprocessing.connection import Client, Connection
 
 from unicron.control.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
+    ENV_BELL,
     ENV_INCARNATION,
     ENV_SLOT,
     Hello,
     LocalMessage,
     encode,
+    quiet,
 )
 
 
 class AgentLink:
     """Sends messages (:data:`unicron.control.protocol.KINDS`) to the agent."""
 
-    def __init__(self, conn: Connection | None) -> None:
+    def __init__(self, conn: Connection | None, bell: tuple[str, int] | None = None) -> None:
         self._conn = conn
         self._lock = threading.Lock()
+        self._bell = bell
+        self._ringer: socket.socket | None = None
+        if bell is not None:
+            self._ringer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self._ringer.setblocking(False)
 
     def send(self, message: LocalMessage) -> None:
         if self._conn is None:
@@ -40,6 +55,12 @@ class AgentLink:
                 self._conn.send(encode(message))
             except OSError:
                 self._conn = None
+                return
+            if self._ringer is not None and self._bell is not None and not quiet(message):
+                # the message is in the socket: wake the agent's round for it (an OSError:
+                # the agent is gone, or its doorbell is full and it is awake anyway)
+                with contextlib.suppress(OSError):
+                    self._ringer.sendto(b"!", self._bell)
 
 
 _link: AgentLink | None = None
@@ -60,7 +81,12 @@ def connect_agent() -> AgentLink:
                 incarnation=int(os.environ.get(ENV_INCARNATION, "0")),
             )
             conn.send(encode(hello))
-        _link = AgentLink(conn)
+        bell = os.environ.get(ENV_BELL)
+        if conn is not None and bell:
+            bell_host, bell_port = bell.rsplit(":", 1)
+            _link = AgentLink(conn, (bell_host, int(bell_port)))
+        else:
+            _link = AgentLink(conn)
     return _link
 
 
