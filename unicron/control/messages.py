@@ -16,6 +16,7 @@ is when the agent saw it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,10 +315,17 @@ _SCALARS: dict[str, tuple[type, ...]] = {
 }
 
 
+@functools.cache
+def _kinds(annotation: str) -> tuple[str, ...]:
+    """The alternatives of a field's annotation (``"int | None"``: ``("int", "None")``),
+    parsed once per annotation: the service decodes every report of every exchange."""
+    return tuple(k.strip() for k in annotation.split("|"))
+
+
 def _check(cls: type, f: dataclasses.Field[Any], value: Any) -> None:
     """A scalar field's value has its declared type (containers and verdicts are checked by
     their own decoding): a report from the network must not carry a string for a slot."""
-    kinds = [k.strip() for k in str(f.type).split("|")]
+    kinds = _kinds(str(f.type))
     if value is None and "None" in kinds:
         return
     for kind in kinds:
