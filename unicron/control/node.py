@@ -14,6 +14,7 @@ workers die and the agent exits without another word (exit code 3), as a lost ma
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import secrets
@@ -310,6 +311,7 @@ def main(args: argparse.Namespace) -> int:
     agent = NodeAgent(client, name=name, slots=args.slots, log_dir=log_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    gc.freeze()  # the imports' objects: the collector's full passes skip them (runner.main)
     try:
         code = agent.run(stop)
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ usage (raised as UsageError), 130 interrupted (Ctrl-C or SIGTERM; every process 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -421,6 +422,11 @@ def main(args: argparse.Namespace) -> int:
         events = task.events
         assert events is not None
         display = None if args.quiet else _Display(console, events)
+        # Everything the imports made (torch's, FastAPI's: a few hundred thousand objects)
+        # lives as long as the process: out of the cyclic collector's sight, its full passes
+        # take milliseconds instead of 50-110 ms in which every thread of this process, the
+        # service and the agents, stands still (docs/benchmarks.md, Step time against DDP).
+        gc.freeze()
         threads = [
             threading.Thread(target=n.run, args=(stop,), name=n.name, daemon=True) for n in nodes
         ]
