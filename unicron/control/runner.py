@@ -422,7 +422,7 @@ def main(args: argparse.Namespace) -> int:
         events = task.events
         assert events is not None
         display = None if args.quiet else _Display(console, events)
-        # Everything the imports made (torch's, FastAPI's: a few hundred thousand objects)
+        # Everything the imports made (torch's, FastAPI's: about 200,000 objects)
         # lives as long as the process: out of the cyclic collector's sight, its full passes
         # take milliseconds instead of 50-110 ms in which every thread of this process, the
         # service and the agents, stands still (docs/benchmarks.md, Step time against DDP).
