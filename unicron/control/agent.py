@@ -194,6 +194,19 @@ class _Worker:
         """Its process runs (or is being started)."""
         return self.state in _LIVE
 
+    def sample_at(self) -> float | None:
+        """When the CPU time of the thread computing its step is sampled next (None: it
+        computes no step): :data:`CPU_SAMPLE_AFTER_S` into the step, then every
+        :data:`CPU_SAMPLE_EVERY_S` (:mod:`unicron.detect.busy`)."""
+        if (
+            not self.alive
+            or self.pid is None
+            or self.tid is None  # sent with the step's begin, with computing_since
+            or self.computing_since is None
+        ):
+            return None
+        return max(self.computing_since + CPU_SAMPLE_AFTER_S, self.cpu_read_at + CPU_SAMPLE_EVERY_S)
+
     # -- the moves, by what happened ----------------------------------------------------------
     def spawned(self) -> None:
         """A new incarnation is started."""
@@ -467,10 +480,7 @@ class Agent:
             return ROUND_S
         due = [IDLE_ROUND_S, self.link.due_in(now)]
         due += [at - now for at in self._dumping.values()]
-        for w in self.workers.values():
-            if w.alive and w.computing_since is not None and w.tid is not None:
-                first = w.computing_since + CPU_SAMPLE_AFTER_S
-                due.append(max(first, w.cpu_read_at + CPU_SAMPLE_EVERY_S) - now)
+        due += [at - now for w in self.workers.values() if (at := w.sample_at()) is not None]
         return max(min(due), 0.0)
 
     def wake(self) -> None:
@@ -744,16 +754,10 @@ class Agent:
         """Report the CPU time of each worker whose step has lasted a while: the coordinator
         tells a starved worker from a hung one by it before killing (:mod:`unicron.detect.busy`)."""
         for w in self.workers.values():
-            since = w.computing_since
-            if (
-                not w.alive
-                or w.pid is None
-                or w.tid is None  # sent with the step's begin, with computing_since
-                or since is None
-                or now - since < CPU_SAMPLE_AFTER_S
-                or now - w.cpu_read_at < CPU_SAMPLE_EVERY_S
-            ):
+            at = w.sample_at()
+            if at is None or now < at:
                 continue
+            assert w.pid is not None and w.tid is not None  # (sample_at)
             w.cpu_read_at = now
             clocks = read_thread_clocks(w.pid, w.tid, _TICKS_PER_S)
             if clocks is not None:

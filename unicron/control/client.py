@@ -192,7 +192,7 @@ class TaskLink:
         self._pending += reports
         self._urgent = self._urgent or flush or not all(can_wait(r) for r in reports)
         idle = M.Reply(over=self._last.over, finished=self._last.finished)
-        if now < self._retry_at or (not self._urgent and now - self._last_ok < self.interval()):
+        if self.due_in(now) > 0:
             return idle
         batch = list(self._pending)
         if self._reconnect:

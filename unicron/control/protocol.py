@@ -231,6 +231,12 @@ def decode(raw: Any) -> LocalMessage:
         raise ValueError(f"not a message on the agent's socket: {raw!r} ({exc})") from exc
 
 
+def host_port(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``host:port`` address (:data:`ENV_AGENT`, :data:`ENV_BELL`)."""
+    host, port = address.rsplit(":", 1)
+    return host, int(port)
+
+
 def quiet(msg: LocalMessage) -> bool:
     """Whether the agent may read worker message ``msg`` on its next round (when its next
     exchange or timed check is due, within 250 ms) rather than at once: a step's begin, its

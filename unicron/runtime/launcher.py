@@ -38,6 +38,7 @@ from unicron.control.protocol import (
     ZygoteUp,
     decode,
     encode,
+    host_port,
 )
 from unicron.errors import UsageError
 
@@ -102,8 +103,7 @@ def _zygote() -> int:
         except Exception as exc:
             sys.stderr.write(f"unicron: zygote: cannot preload {name}: {exc}\n")
 
-    host, port = os.environ[ENV_AGENT].rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
+    conn = Client(host_port(os.environ[ENV_AGENT]), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
     conn.send(encode(ZygoteUp(pid=os.getpid())))
     rfd, wfd = os.pipe()
     os.set_blocking(wfd, False)

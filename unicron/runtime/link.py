@@ -31,6 +31,7 @@ from unicron.control.protocol import (
     Hello,
     LocalMessage,
     encode,
+    host_port,
     quiet,
 )
 
@@ -41,11 +42,11 @@ class AgentLink:
     def __init__(self, conn: Connection | None, bell: tuple[str, int] | None = None) -> None:
         self._conn = conn
         self._lock = threading.Lock()
-        self._bell = bell
-        self._ringer: socket.socket | None = None
+        self._bell: tuple[socket.socket, tuple[str, int]] | None = None  # (ringer, doorbell)
         if bell is not None:
-            self._ringer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self._ringer.setblocking(False)
+            ringer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            ringer.setblocking(False)
+            self._bell = (ringer, bell)
 
     def send(self, message: LocalMessage) -> None:
         if self._conn is None:
@@ -56,11 +57,12 @@ class AgentLink:
             except OSError:
                 self._conn = None
                 return
-            if self._ringer is not None and self._bell is not None and not quiet(message):
+            if self._bell is not None and not quiet(message):
                 # the message is in the socket: wake the agent's round for it (an OSError:
                 # the agent is gone, or its doorbell is full and it is awake anyway)
+                ringer, doorbell = self._bell
                 with contextlib.suppress(OSError):
-                    self._ringer.sendto(b"!", self._bell)
+                    ringer.sendto(b"!", doorbell)
 
 
 _link: AgentLink | None = None
@@ -73,8 +75,7 @@ def connect_agent() -> AgentLink:
         address = os.environ.get(ENV_AGENT)
         conn = None
         if address:
-            host, port = address.rsplit(":", 1)
-            conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
+            conn = Client(host_port(address), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
             hello = Hello(
                 slot=int(os.environ[ENV_SLOT]),
                 pid=os.getpid(),
@@ -82,11 +83,7 @@ def connect_agent() -> AgentLink:
             )
             conn.send(encode(hello))
         bell = os.environ.get(ENV_BELL)
-        if conn is not None and bell:
-            bell_host, bell_port = bell.rsplit(":", 1)
-            _link = AgentLink(conn, (bell_host, int(bell_port)))
-        else:
-            _link = AgentLink(conn)
+        _link = AgentLink(conn, host_port(bell) if conn is not None and bell else None)
     return _link
 
 
