@@ -5,6 +5,7 @@ large for a slot) refused with exit code 2 before training starts, nothing left 
 from __future__ import annotations
 
 import os
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,27 @@ def test_bad_device_and_reduce_combinations_are_refused() -> None:
     with pytest.raises(UsageError, match="no CUDA device"):
         D.check("cuda", "fast", 0)
     assert D.default_reduce("cpu") == "exact" and D.default_reduce("cuda") == "fast"
+
+
+def test_a_microbatch_seed_draws_what_torch_manual_seed_draws_without_formatting_stacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's per-micro-batch seed is torch.manual_seed's on CPU (the same dropout
+    masks, so runs keep their bits and the baselines draw alike), minus the stack trace that
+    torch formats for each accelerator backend it seeds lazily."""
+    torch.manual_seed(1234)
+    want = torch.rand(8), torch.randn(3, 3)
+    D.seed(1234, torch.device("cpu"))
+    got = torch.rand(8), torch.randn(3, 3)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+    formatted: list[int] = []
+    real = traceback.format_stack
+    monkeypatch.setattr(traceback, "format_stack", lambda *a: formatted.append(1) or real(*a))
+    D.seed(7, torch.device("cpu"))
+    assert formatted == []
+    torch.manual_seed(7)  # what it replaces: one trace per backend not initialized
+    assert formatted
 
 
 def test_a_model_too_large_for_a_slot_is_refused() -> None:

@@ -925,7 +925,7 @@ class _Runner:
 
     def make_batch(self, step: int, mb: int) -> Any:
         """Seed the micro-batch's randomness, collate its samples, move them to the device."""
-        torch.manual_seed(L.mb_seed(self.seed, step, mb))
+        D.seed(L.mb_seed(self.seed, step, mb), self.device)
         batch = self.collate([self.dataset[i] for i in self.data.samples(step, mb)])
         return D.to_device(batch, self.device)
 

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import llama
 
-from bench.baselines.loop import EventWriter
+from bench.baselines.loop import CPU, EventWriter
+from unicron.runtime.device import seed
 from unicron.runtime.ledger import Ledger, assign, mb_seed
 
 MICROBATCHES, MICRO_BATCH_SIZE, SEED = 8, 4, 0
@@ -53,7 +54,7 @@ def main() -> int:
         t0 = time.perf_counter()
         losses = []
         for i, mb in enumerate(mine):
-            torch.manual_seed(mb_seed(SEED, step, mb))
+            seed(mb_seed(SEED, step, mb), CPU)
             batch = torch.utils.data.default_collate([dataset[j] for j in ledger.samples(step, mb)])
             ctx = ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext()
             with ctx:

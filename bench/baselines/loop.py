@@ -25,12 +25,14 @@ import torch
 from torch import nn
 
 from examples.gpt import build, loss_fn
+from unicron.runtime.device import seed
 from unicron.runtime.inject import Fault, parse
 from unicron.runtime.ledger import Ledger, assign, mb_seed
 
 NUM_MICROBATCHES = 8
 MICRO_BATCH_SIZE = 4
 SEED = 0
+CPU = torch.device("cpu")
 
 
 class EventWriter:
@@ -242,7 +244,7 @@ def accumulate(
     total = 0.0
     for j, mb in enumerate(ids):
         on_microbatch(j)
-        torch.manual_seed(mb_seed(SEED, step, mb))
+        seed(mb_seed(SEED, step, mb), CPU)
         x, y = trainer.batch(step, mb)
         last = j == len(ids) - 1
         if no_sync is not None and not last:

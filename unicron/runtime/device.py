@@ -145,6 +145,24 @@ def check_fits(numel: int, reduce: str, available: int, dev: torch.device) -> No
         )
 
 
+def seed(value: int, dev: torch.device) -> None:
+    """Seed the generators a micro-batch on ``dev`` draws from (dropout masks and the like):
+    the CPU's, and ``dev``'s own on CUDA. Called by the worker before each micro-batch, and by
+    the benchmarks' baseline loops so that they draw the same numbers.
+
+    Not ``torch.manual_seed``, which draws the same numbers on CPU but also seeds every
+    accelerator backend built into torch: for each one not initialized (CUDA on a CPU run,
+    XPU and MTIA on any) it queues the seed with a formatted stack trace of the caller
+    (``_lazy_call``), about 0.4 ms a micro-batch in a worker, 2 core-ms a step of the example
+    model on 4 workers (docs/benchmarks.md, Step time against DDP)."""
+    import torch
+
+    torch.default_generator.manual_seed(value)
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            torch.cuda.manual_seed(value)
+
+
 def to_device(batch: object, dev: torch.device) -> object:
     """A micro-batch (a tensor, or a tuple, list or dict of them) moved to ``dev``."""
     import torch
