@@ -68,16 +68,18 @@ def test_adversarial_gradients_stay_bitwise_identical_through_a_regrouping(run: 
     # regroup the 8 micro-batches into blocks that are not aligned subtrees
     adversarial = ("--adversarial",)
     crash = ("--inject", "crash:rank=2,step=3")
-    clean = run("--nproc-per-node", "4", steps=8, script_args=adversarial)
-    faulty = run("--nproc-per-node", "4", *crash, steps=8, script_args=adversarial)
-    # small buckets (25 of them): the all-gathers run on their own group, overlapped with the
-    # backward pass (reduce.OVERLAP_BUCKETS); the bits depend on neither
-    small = run(
-        "--nproc-per-node", "4", "--bucket-cap-mb", "0.25", *crash, steps=8,
-        script_args=adversarial,
-    )  # fmt: skip
-    for r in (clean, faulty, small):
+    four = ("--nproc-per-node", "4")
+    clean = run(*four, steps=8, script_args=adversarial)
+    faulty = run(*four, *crash, steps=8, script_args=adversarial)
+    # the model's 2 buckets have their all-gathers on a group of their own, overlapped with
+    # the backward pass (reduce.OVERLAP_BUCKETS); so do 25 small ones; one bucket's gather
+    # follows the backward pass on the epoch's group. The bits depend on none of it
+    small, one = (
+        run(*four, "--bucket-cap-mb", cap, *crash, steps=8, script_args=adversarial)
+        for cap in ("0.25", "1000")
+    )
+    for r in (clean, faulty, small, one):
         assert r.returncode == 0, r.stderr[-3000:]
-    for r in (faulty, small):
+    for r in (faulty, small, one):
         assert any(e.get("microbatches_reused") for e in r.of("transition_end"))
         assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]

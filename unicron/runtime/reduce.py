@@ -41,10 +41,11 @@ BUCKET_CAP_MB = 25.0
 """bucket size bound (DDP's default ``bucket_cap_mb``)"""
 FIRST_BUCKET_MB = 1.0
 """the first bucket's bound (DDP's too): the exchange starts early in the backward pass"""
-OVERLAP_BUCKETS = 3
+OVERLAP_BUCKETS = 1
 """exact mode: with more buckets than this, the all-gathers run on a second group of the
-epoch, started as the all-to-alls finish (:class:`Exchange`); with fewer there is too little
-backward pass left to overlap to pay for that group"""
+epoch, started as the all-to-alls finish (:class:`Exchange`); a single bucket is launched
+when the backward pass is over, so there is nothing left to overlap. (It was 3 until
+2026-12-01: the example model's 2 buckets overlapped too step 4 % faster, docs/benchmarks.md)"""
 
 
 # -- the tree (pure) -------------------------------------------------------------------------
