@@ -60,6 +60,7 @@ from unicron.control.protocol import (
     ENV_TASK,
     EpochInfo,
     done_key,
+    host_port,
     trained_key,
     usage_key,
 )
@@ -139,7 +140,7 @@ class WorkerContext:
         run``."""
         if ENV_STORE not in os.environ:
             raise UsageError(f"{api} runs under the launcher: {LAUNCHER}")
-        host, port = os.environ[ENV_STORE].rsplit(":", 1)
+        host, port = host_port(os.environ[ENV_STORE])
         specs = os.environ.get(ENV_FAULTS, "")
         return cls(
             task=os.environ[ENV_TASK],
@@ -147,7 +148,7 @@ class WorkerContext:
             node=int(os.environ.get(ENV_NODE, "0")),
             incarnation=int(os.environ.get(ENV_INCARNATION, "0")),
             store_host=host,
-            store_port=int(port),
+            store_port=port,
             faults=tuple(parse(s) for s in specs.split(";") if s),
             reduce=os.environ.get(ENV_REDUCE, "exact"),
             checkpoint=Path(os.environ[ENV_CHECKPOINT]) if os.environ.get(ENV_CHECKPOINT) else None,

@@ -232,7 +232,8 @@ def decode(raw: Any) -> LocalMessage:
 
 
 def host_port(address: str) -> tuple[str, int]:
-    """``(host, port)`` of a ``host:port`` address (:data:`ENV_AGENT`, :data:`ENV_BELL`)."""
+    """``(host, port)`` of a ``host:port`` address (:data:`ENV_AGENT`, :data:`ENV_BELL`,
+    :data:`ENV_STORE`, a store's address)."""
     host, port = address.rsplit(":", 1)
     return host, int(port)
 

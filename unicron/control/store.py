@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unicron.control.protocol import host_port
+
 RECORD = "store.json"
 """in the state directory: the store's host, port and process id"""
 
@@ -45,8 +47,8 @@ def connect(address: str, timeout_s: float = 60.0) -> object:
     request at a time)."""
     import torch.distributed as dist
 
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(seconds=timeout_s))
+    host, port = host_port(address)
+    return dist.TCPStore(host, port, is_master=False, timeout=dt.timedelta(seconds=timeout_s))
 
 
 def _answers(info: StoreInfo) -> bool:
