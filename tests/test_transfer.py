@@ -111,8 +111,12 @@ def test_two_holders_stream_the_state_to_a_joiner_and_it_trains_on_identically(
     _same(reference, members[1])
     nbytes = state_nbytes(*reference)
     assert stats[1].nbytes == nbytes
-    assert stats[0].nbytes + stats[2].nbytes == nbytes  # each holder sent a share
-    assert stats[0].nbytes > 0 and stats[2].nbytes > 0
+    model_bytes = sum(t.numel() * t.element_size() for t in reference[0].state_dict().values())
+    if model_bytes <= chunk:  # a model within one chunk comes from the first holder alone
+        assert (stats[0].nbytes, stats[2].nbytes) == (nbytes, 0)
+    else:  # each holder sent a share
+        assert stats[0].nbytes + stats[2].nbytes == nbytes
+        assert stats[0].nbytes > 0 and stats[2].nbytes > 0
     # the received optimizer state is live: one more step on both gives the same bits
     for model, opt in (reference, members[1]):
         model(torch.ones(2, 40)).sum().backward()
@@ -235,6 +239,30 @@ def test_one_holder_streams_to_two_joiners_over_the_epochs_own_group() -> None:
     _same(reference, members[1])
     _same(reference, members[2])
     assert stats[0].nbytes == 2 * state_nbytes(*reference)  # one share per joiner
+
+
+@pytest.mark.timeout(60)
+def test_a_member_neither_holder_nor_needer_takes_no_part() -> None:
+    """Rank 1 (say a holder on another node than the joiner) returns at once, before the
+    others have done anything; the joiner gets the state from rank 0 over their subgroup."""
+    reference = _trained(seed=0, steps=2)
+    members = [_trained(seed=0, steps=2), _trained(seed=0, steps=2), _model(seed=4)]
+    started = threading.Event()
+
+    def body(g: EpochGroup) -> Any:
+        if g.rank == 1:
+            stats = transfer(g, *members[1], holders=[0], needers=[2], device=torch.device("cpu"))
+            started.set()
+            return stats
+        assert started.wait(10)  # rank 1 never waited for them
+        return transfer(g, *members[g.rank], holders=[0], needers=[2],
+                        device=torch.device("cpu"), chunk_bytes=1000)  # fmt: skip
+
+    stats = _run_group(3, body)
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    assert stats[1].nbytes == 0
+    _same(reference, members[2])
+    assert stats[0].nbytes == stats[2].nbytes == state_nbytes(*reference)
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,8 @@ and the *needers* (joiners, restarted workers). Nothing is serialized into one b
 2. the state's tensors, in a fixed order, form one virtual byte stream cut into chunks of
    :data:`CHUNK_BYTES` (the optimizer's state starts a new one; the first chunks of each
    part ramp up from ``CHUNK_BYTES / RAMP``, so that the first is on the wire sooner); chunk
-   ``k`` comes from holder ``k mod H`` (several holders send in parallel, each a share),
+   ``k`` comes from holder ``k mod H`` (several holders send in parallel, each a share; a
+   model within one chunk comes from the first alone, :func:`senders`),
    broadcast in a small group of that holder and the needers (a collective, because a gloo
    point-to-point wait cannot be left in slices: it closes the connection when it times out);
 3. a chunk is sent from, and received into, the tensors' own memory when it lies in one
@@ -701,10 +702,12 @@ def transfer(
     ramp: int = RAMP,
 ) -> Stats:
     """Bring every needer's model and optimizer to the holders' state (collective: every
-    member of ``g`` calls it with the same ``holders`` and ``needers``; the others only take
-    part in the manifest's broadcast). Raises :class:`unicron.runtime.group.EpochOver` if the
-    epoch is superseded or a peer fails on the way. Python's cyclic garbage collector waits
-    until it is over (a collection in the middle costs 0.1-3 ms here)."""
+    member of ``g`` calls it with the same ``holders`` and ``needers``; the others return at
+    once). The manifest goes from the first holder to the needers; the chunks come from every
+    holder (:func:`senders`: the first alone for a small model). Raises
+    :class:`unicron.runtime.group.EpochOver` if the epoch is superseded or a peer fails on the
+    way. Python's cyclic garbage collector waits until it is over (a collection in the middle
+    costs 0.1-3 ms here)."""
     assert holders and needers and not set(holders) & set(needers)
     paused = gc.isenabled()
     gc.disable()
@@ -726,17 +729,18 @@ def _transfer(
     window: int,
     ramp: int,
 ) -> Stats:
+    holders = senders(model, holders, chunk_bytes)
     if g.rank == holders[0]:
         data, tensors, n_model = _manifest(model, optimizer)
-        manifest = _send_manifest(g, g.rank, data)
+        link, src = _links(g, holders, needers)[g.rank]
+        manifest = _send_manifest(link, src, data)
         stats = _send(
             g, _Stream(tensors, chunk_bytes, (n_model,), ramp=ramp), holders, needers, window
         )
         for work in manifest:
-            g.wait(work)
+            link.wait(work)
         return stats
-    if g.rank in holders:
-        _receive_manifest(g, holders[0])  # the same state as this member's own
+    if g.rank in holders:  # the manifest describes this member's own state
         tensors = []
         _tensors(model.state_dict(), tensors)
         n_model = len(tensors)
@@ -745,9 +749,18 @@ def _transfer(
             g, _Stream(tensors, chunk_bytes, (n_model,), ramp=ramp), holders, needers, window
         )
     if g.rank not in needers:
-        _receive_manifest(g, holders[0])
         return Stats(nbytes=0, chunks=0, packed=0)
     return _need(g, model, optimizer, holders, needers, device, chunk_bytes, window, ramp)
+
+
+def senders(model: torch.nn.Module, holders: list[int], chunk_bytes: int) -> list[int]:
+    """The holders that send: all of them, or only the first when the model fits in one
+    chunk. Such a state is a few chunks, which one sender streams in a few milliseconds;
+    a second sender then only adds a process to schedule (at 5 MB of state on 2 cores: 7.6
+    against 6.1 ms, docs/benchmarks.md). Every member decides alike: each has the model
+    (a needer whose model differs is refused once it reads the manifest)."""
+    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return holders[:1] if size <= chunk_bytes else holders
 
 
 def _need(
@@ -768,7 +781,7 @@ def _need(
     _tensors(model.state_dict(), mine)
     own: list[torch.Tensor] = []
     _tensors(optimizer.state_dict(), own)
-    manifest = _receive_manifest(g, holders[0])
+    manifest = _receive_manifest(*_links(g, holders, needers)[holders[0]])
     _check_model(mine, manifest["model"])
     specs: list[Spec] = []
     skeleton = _unskeleton(manifest["optim"], specs)
