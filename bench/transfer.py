@@ -4,7 +4,8 @@ Three sizes of the example GPT (``bench/sized_gpt.py``: about 5 MB, 100 MB and 1
 state, parameters plus AdamW's two moments). For each, in one run:
 
 - **bandwidth and peak memory** (processes on this machine, loopback, gloo): the streamed
-  transfer of :mod:`unicron.runtime.transfer` from one holder and from two holders in parallel to a
+  transfer of :mod:`unicron.runtime.transfer` from one holder and from two holders (in parallel
+  above one chunk of model; below, the transfer takes the first alone) to a
   joiner whose model is built but whose optimizer has no state yet (as after a restart),
   every member's state laid out as a worker lays it out (``transfer.lay_out_parameters``
   when it starts, ``lay_out_optimizer_state`` after a step); the
@@ -53,8 +54,9 @@ SCENARIO = "transfer"
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("floor", "stream", "stream x2", "blob")
 """floor: plain broadcast of flat bytes; stream: unicron.runtime.transfer, one holder;
-stream x2: two holders, each a share; blob: one torch.save'd buffer, broadcast (what the
-stream replaced)"""
+stream x2: two holders, each a share (a model within one chunk, the 5 MB size, comes from the
+first alone: ``transfer.senders``); blob: one torch.save'd buffer, broadcast (what the stream
+replaced)"""
 
 
 # -- memory ---------------------------------------------------------------------------------
