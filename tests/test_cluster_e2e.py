@@ -21,7 +21,10 @@ from tests.conftest import TRAIN, run_unicron
 from unicron.control import netns
 from unicron.control.lab import LocalCluster
 
-STEPS = 60  # long enough for the returned node to start its workers and rejoin
+STEPS = 120
+"""long enough for the returned node to start its workers and rejoin: its agent is back about
+2 s after the loss and its workers 2 s later, while 60 steps took under 5 s once a step got
+faster (2026-12-01), so the task could end first"""
 
 
 @pytest.fixture(scope="module")
