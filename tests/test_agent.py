@@ -187,8 +187,7 @@ def test_a_round_sleeps_through_step_reports_and_wakes_for_an_error(tmp_path: Pa
     link = _Link()
     agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
     worker_end, agent_end = Pipe()
-    host, port = agent.bell_address.rsplit(":", 1)
-    worker = AgentLink(worker_end, (host, int(port)))
+    worker = AgentLink(worker_end, P.host_port(agent.bell_address))
     try:
         agent.workers[0].spawned()
         agent.workers[0].conn = agent_end

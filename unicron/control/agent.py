@@ -299,7 +299,8 @@ class Agent:
         self._bell = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._bell.bind(("127.0.0.1", 0))
         self._bell.setblocking(False)
-        self.bell_address = "{}:{}".format(*self._bell.getsockname())
+        self._bell_at: tuple[str, int] = self._bell.getsockname()
+        self.bell_address = "{}:{}".format(*self._bell_at)
         self._accepted: queue.Queue[Connection] = queue.Queue()
         self._anonymous: list[Connection] = []  # connected, no hello yet
         self._zygote: subprocess.Popen[bytes] | None = None
@@ -486,7 +487,7 @@ class Agent:
     def wake(self) -> None:
         """Ring the doorbell: a waiting round starts now (from any thread)."""
         with contextlib.suppress(OSError):
-            self._bell.sendto(b"!", self._bell.getsockname())
+            self._bell.sendto(b"!", self._bell_at)
 
     def _flush(self) -> None:
         """The loop was stopped (the run interrupted, the node stopping): what the workers
