@@ -22,6 +22,7 @@ import torch.distributed as dist
 from unicron.runtime.ledger import assign
 from unicron.runtime.reduce import (
     Exchange,
+    Gatherer,
     Layout,
     LocalSums,
     Workspace,
@@ -206,10 +207,11 @@ def gloo_reduce(
     grouping: Grouping, leaves: list[torch.Tensor], *, exact: bool, overlap: bool = False
 ) -> torch.Tensor:
     """The real :class:`Exchange`, one thread per member on a gloo group (``overlap``: the
-    exact all-gathers on a second group, started before ``finish``)."""
+    exact all-gathers on a second group, started before ``finish`` by one :class:`Gatherer`
+    that serves two steps in a row, as a worker's serves every step of an epoch)."""
     world, layout = len(grouping), Layout.plan(SIZES, CAP)
     store = dist.HashStore()
-    results: dict[int, torch.Tensor] = {}
+    results: dict[int, list[torch.Tensor]] = {r: [] for r in range(world)}
 
     def member(rank: int) -> None:
         pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=30))
@@ -218,40 +220,52 @@ def gloo_reduce(
             pg2 = dist.ProcessGroupGloo(
                 dist.PrefixStore("gather", store), rank, world, timedelta(seconds=30)
             )
-            gather = _Gloo(pg2, rank, world)
+            gather = Gatherer(_Gloo(pg2, rank, world))
         ids = grouping[rank]
-        sums = feed(LocalSums(layout, M, exact=exact, dtype=torch.float32), ids[:-1], leaves)
-        held = [cover(ids, M) for ids in grouping]
-        space = Workspace(layout, world, torch.float32)
-        ex = Exchange(_Gloo(pg, rank, world), sums, space, held, gather)
-        launched = []
-        # the last micro-batch starts the buckets as they are done, in order (0 waits for none)
-        feed(sums, ids[-1:], leaves, lambda b: launched.append((b, ex.ready(b), ex.launched)))
-        assert [(b, n) for b, _, n in launched] == ([(0, 1), (1, 2), (2, 3)] if ids else [])
-        if overlap and exact and ids:  # every gather starts without waiting for finish()
-            deadline = time.monotonic() + 20
-            while ex.gathered < len(layout.buckets) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert ex.gathered == len(layout.buckets)
-        elif ids:
-            assert ex.gathered == 0
-        kept = {n: t.clone() for n, t in sums.nodes.items()}
-        grads, losses = ex.finish()
-        assert losses == [float(mb) for mb in range(M)]
-        # the partial results are untouched until the step commits (read in place, never added to)
-        assert kept.keys() == sums.nodes.keys()
-        assert all(torch.equal(bits(sums.nodes[n]), bits(t)) for n, t in kept.items())
-        results[rank] = torch.cat(grads)
+        sums = LocalSums(layout, M, exact=exact, dtype=torch.float32)
+        for _ in range(2 if overlap else 1):
+            feed(sums, ids[:-1], leaves)
+            held = [cover(ids, M) for ids in grouping]
+            space = Workspace(layout, world, torch.float32)
+            ex = Exchange(_Gloo(pg, rank, world), sums, space, held, gather)
+            launched: list[tuple[int, None, int]] = []
+
+            def ready(b: int, ex: Exchange = ex, launched: list[Any] = launched) -> None:
+                launched.append((b, ex.ready(b), ex.launched))
+
+            # the last micro-batch starts the buckets as they are done, in order (0 waits for none)
+            feed(sums, ids[-1:], leaves, ready)
+            assert [(b, n) for b, _, n in launched] == ([(0, 1), (1, 2), (2, 3)] if ids else [])
+            if overlap and exact and ids:  # every gather starts without waiting for finish()
+                deadline = time.monotonic() + 20
+                while ex.gathered < len(layout.buckets) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                assert ex.gathered == len(layout.buckets)
+            elif ids:
+                assert ex.gathered == 0
+            kept = {n: t.clone() for n, t in sums.nodes.items()}
+            grads, losses = ex.finish()
+            ex.close()
+            assert losses == [float(mb) for mb in range(M)]
+            # the partial results are untouched until the step commits (read in place, never
+            # added to)
+            assert kept.keys() == sums.nodes.keys()
+            assert all(torch.equal(bits(sums.nodes[n]), bits(t)) for n, t in kept.items())
+            results[rank].append(torch.cat(grads))
+            sums.clear()
+        if gather is not None:
+            gather.stop()
 
     threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert len(results) == world
-    for r in range(1, world):
-        assert torch.equal(bits(results[r]), bits(results[0]))
-    return results[0]
+    assert all(results[r] for r in range(world))
+    for r in range(world):
+        for got in results[r]:
+            assert torch.equal(bits(got), bits(results[0][0]))
+    return results[0][0]
 
 
 @pytest.mark.timeout(60)

@@ -576,6 +576,7 @@ class _Runner:
             device=self.device,
         )
         self._spaces: dict[int, R.Workspace] = {}
+        self._gatherers: dict[int, R.Gatherer] = {}
         self._in_backward = self._last = self._stepping = False
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -694,6 +695,8 @@ class _Runner:
             )
 
     def _finish(self, epoch: int, last_loss: float) -> None:
+        for gatherer in self._gatherers.values():
+            gatherer.stop()
         if self.ckpt is not None:
             self.ckpt.join()
         group = self.groups[-1]
@@ -891,11 +894,10 @@ class _Runner:
             self._exchange.close()
         self._broken = None
         gather = None
-        if self.sums.exact and len(self.layout.buckets) > R.OVERLAP_BUCKETS:
-            try:  # the exact all-gathers' own group: they overlap the backward pass
-                gather = g.subgroup(list(range(g.world)), "gather")
-            except EpochOver as exc:
-                self._broken = exc
+        try:  # the exact all-gathers' own group and thread: they overlap the backward pass
+            gather = self._gatherer(g)
+        except EpochOver as exc:
+            self._broken = exc
         self._exchange = R.Exchange(g, self.sums, self._space(g), held, gather)
         self._crash_at = self._crash_point(step, len(todo))
         self._attempt = Step(self, step, todo, g)
@@ -1120,6 +1122,21 @@ class _Runner:
         if epoch not in self._spaces:
             self._spaces = {epoch: R.Workspace(self.layout, g.world, self.sums.dtype, self.device)}
         return self._spaces[epoch]
+
+    def _gatherer(self, g: EpochGroup) -> R.Gatherer | None:
+        """Exact mode's gather thread of epoch ``g``, on the epoch's ``gather`` subgroup: one
+        per epoch, the previous one stopped (:class:`unicron.runtime.reduce.Gatherer`). None
+        in fast mode, or with too few buckets to overlap (:data:`~unicron.runtime.reduce.
+        OVERLAP_BUCKETS`). Raises ``EpochOver`` if the subgroup cannot be built."""
+        if not self.sums.exact or len(self.layout.buckets) <= R.OVERLAP_BUCKETS:
+            return None
+        epoch = g.info.epoch
+        if epoch not in self._gatherers:
+            for old in self._gatherers.values():
+                old.stop()
+            self._gatherers = {}
+            self._gatherers[epoch] = R.Gatherer(g.subgroup(list(range(g.world)), "gather"))
+        return self._gatherers[epoch]
 
     def _apply(
         self,

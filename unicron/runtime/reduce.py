@@ -373,6 +373,35 @@ class Workspace:
         return out
 
 
+class Gatherer:
+    """The thread that starts exact mode's all-gathers on an epoch's second group, step
+    after step: each step's :class:`Exchange` hands it a job per bucket, in bucket order.
+
+    Made by the worker once per epoch, with the epoch's ``gather`` subgroup, and stopped when
+    the worker leaves the epoch (a thread started for every step cost 0.4-1 ms of each step
+    on a loaded machine: ``Thread.start`` returns only once the new thread has run). A job
+    blocked on a superseded epoch's collective ends when the group is left, as the sliced
+    waits raise; the thread then reads the stop and ends."""
+
+    def __init__(self, group: Collectives) -> None:
+        self.group = group
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="unicron-gather", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the thread after the jobs submitted before it (it must not raise)."""
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        """End the thread after the jobs already submitted (they see their exchange closed)."""
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+
 class Exchange:
     """One step's reduction of every member's :class:`LocalSums`.
 
@@ -383,13 +412,13 @@ class Exchange:
     the same order. :meth:`finish` launches what is left and waits for the result.
 
     Exact mode: a bucket's all-gather needs its all-to-all finished (the owner sums what it
-    received). Given a ``gather`` group (a second group of the same members), a thread of the
-    exchange waits for each all-to-all in bucket order, sums, and starts the gather on that
-    group, while the backward pass goes on: every member issues each group's collectives in
-    the same order, and the hooks never wait (a member waiting on a peer inside its backward
-    pass would look slow or hung itself). Without one, the gathers start in :meth:`finish`,
-    after the backward pass: on the 100M model 400 MB of gradient then cross the wire after
-    the step's computation (docs/runtime.md, Speed).
+    received). Given a ``gather`` :class:`Gatherer` (the thread of a second group of the same
+    members), that thread waits for each all-to-all in bucket order, sums, and starts the
+    gather on that group, while the backward pass goes on: every member issues each group's
+    collectives in the same order, and the hooks never wait (a member waiting on a peer
+    inside its backward pass would look slow or hung itself). Without one, the gathers start
+    in :meth:`finish`, after the backward pass: on the 100M model 400 MB of gradient then
+    cross the wire after the step's computation (docs/runtime.md, Speed).
     """
 
     def __init__(
@@ -398,7 +427,7 @@ class Exchange:
         sums: LocalSums,
         space: Workspace,
         held: Sequence[Sequence[Node]],
-        gather: Collectives | None = None,
+        gather: Gatherer | None = None,
     ) -> None:
         assert len(held) == group.world and space.world == group.world
         self.g, self.sums, self.space = group, sums, space
@@ -408,14 +437,12 @@ class Exchange:
         self._recv: list[torch.Tensor] = []  # bucket b's all-to-all lands in _recv[b]
         self._gathers: list[Any] = []
         self.launched = 0
-        self._gg = gather if sums.exact else None
-        self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._gatherer = gather if sums.exact else None
+        self._gg = None if self._gatherer is None else self._gatherer.group
         self._failed: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        if self._gg is not None:
-            self._thread = threading.Thread(target=self._gatherer, name="unicron-gather")
-            self._thread.daemon = True
-            self._thread.start()
+        self._closed = False
+        self._pending = 0  # buckets handed to the gatherer whose job has not ended
+        self._idle = threading.Condition()
 
     def ready(self, bucket: int) -> None:
         """This member's sums of ``bucket`` are final: launch every bucket now in order."""
@@ -423,32 +450,35 @@ class Exchange:
         while self.launched < len(self._ready) and self._ready[self.launched]:
             self._launch(self.launched)
             self.launched += 1
-            if self._thread is not None:
-                self._todo.put(self.launched - 1)
+            if self._gatherer is not None:
+                with self._idle:
+                    self._pending += 1
+                self._gatherer.submit(functools.partial(self._gather_job, self.launched - 1))
 
     @property
     def gathered(self) -> int:
         """Buckets whose all-gather has been started (exact mode)."""
         return len(self._gathers)
 
-    def _gatherer(self) -> None:
-        """The gather thread: for each launched bucket in order, wait for its all-to-all and
-        start its all-gather on the gather group; ends at None (:meth:`close`), after the
-        last bucket, or at the first failure (kept for :meth:`finish`)."""
+    def _gather_job(self, b: int) -> None:
+        """On the gatherer's thread, bucket ``b``'s turn: wait for its all-to-all and start
+        its all-gather on the gather group. Skipped after a failure (kept for :meth:`finish`)
+        or once the exchange is closed."""
         try:
-            while (b := self._todo.get()) is not None:
+            if self._failed is None and not self._closed:
                 self.g.wait(self._a2a[b])
                 self._gathers.append(self._gather(b))
-                if len(self._gathers) == len(self._ready):
-                    return
         except BaseException as exc:  # re-raised by finish(), on the caller's thread
             self._failed = exc
+        finally:
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
 
     def close(self) -> None:
-        """The step is abandoned (or finished): let the gather thread end. Called by the
-        worker whenever it drops an exchange."""
-        if self._thread is not None:
-            self._todo.put(None)
+        """The step is abandoned (or finished): the gatherer skips its jobs left. Called by
+        the worker whenever it drops an exchange."""
+        self._closed = True
 
     def _launch(self, b: int) -> None:
         lo, hi = self.space.layout.buckets[b]
@@ -507,9 +537,9 @@ class Exchange:
         for mb, loss in self.sums.losses.items():
             lossbuf[mb], lossbuf[m + mb] = loss, 1.0
         losswork = self.g.start_allreduce(lossbuf)
-        if self._thread is not None:
-            self.close()
-            self._thread.join()
+        if self._gatherer is not None:
+            with self._idle:
+                self._idle.wait_for(lambda: self._pending == 0)
             if self._failed is not None:
                 raise self._failed
         elif self.sums.exact:
