@@ -113,11 +113,19 @@ def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
 
 
 def _ordered(d: dict[Any, Any]) -> list[Any]:
+    """``d``'s keys in stream order: sorted if all are strings or all integers, else as
+    they come."""
+    return _keys(d)[0]
+
+
+def _keys(d: dict[Any, Any]) -> tuple[list[Any], bool]:
+    """(:func:`_ordered`'s keys, whether all are strings: an empty dict's are)."""
     keys = list(d)
-    kinds = {type(k) for k in keys}
-    if kinds == {str} or kinds == {int}:
+    kind = type(keys[0]) if keys else str
+    same = all(type(k) is kind for k in keys)
+    if same and (kind is str or kind is int):
         keys.sort()
-    return keys
+    return keys, same and kind is str
 
 
 def _skeleton(obj: Any, out: list[torch.Tensor]) -> Any:
@@ -128,14 +136,18 @@ def _skeleton(obj: Any, out: list[torch.Tensor]) -> Any:
         out.append(obj)
         return ["T", list(obj.shape), _DTYPE_NAME[obj.dtype]]
     if kind is dict or isinstance(obj, dict):
-        keys = _ordered(obj)
-        if all(type(k) is str for k in keys):
-            return {k: _skeleton(obj[k], out) for k in keys}
-        return ["D", *(x for k in keys for x in (_skeleton(k, out), _skeleton(obj[k], out)))]
+        keys, named = _keys(obj)
+        if named:
+            return {k: _item(obj[k], out) for k in keys}
+        plain: list[Any] = ["D"]
+        for k in keys:
+            plain.append(_item(k, out))
+            plain.append(_item(obj[k], out))
+        return plain
     if kind is list:
-        return ["L", *(_skeleton(v, out) for v in obj)]
+        return ["L", *(_item(v, out) for v in obj)]
     if kind is tuple:
-        return ["U", *(_skeleton(v, out) for v in obj)]
+        return ["U", *(_item(v, out) for v in obj)]
     if kind is Spec:
         return ["T", list(obj.shape), _DTYPE_NAME[obj.dtype]]
     if obj is None or kind is bool or kind is int or kind is float or kind is str:
@@ -143,6 +155,21 @@ def _skeleton(obj: Any, out: list[torch.Tensor]) -> Any:
     if isinstance(obj, bool | int | float | str):  # e.g. an enum's value: sent as its base
         return obj
     raise TypeError(f"the state dict holds a {kind.__name__}, which the transfer cannot send")
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
+def _item(obj: Any, out: list[torch.Tensor]) -> Any:
+    """:func:`_skeleton` of a container's item, its commonest kinds without a call (an
+    optimizer's state dict is a few hundred of them: 0.28 -> 0.1 ms at 160 tensors)."""
+    kind = type(obj)
+    if kind is torch.Tensor:
+        out.append(obj)
+        return ["T", list(obj.shape), _DTYPE_NAME[obj.dtype]]
+    if kind in _PLAIN:
+        return obj
+    return _skeleton(obj, out)
 
 
 def _unskeleton(obj: Any, specs: list[Spec]) -> Any:
@@ -479,14 +506,13 @@ model of a few hundred tensors needs no second broadcast)."""
 
 
 def _manifest(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    model: list[torch.Tensor], optimizer: torch.optim.Optimizer
 ) -> tuple[bytes, list[torch.Tensor], int]:
-    """A holder's manifest (JSON: the model's tensors' specs in stream order, and the
-    optimizer's state dict with its tensors' specs), its tensors in stream order, and how
-    many of them are the model's. A needer writes the model's tensors into its own, so the
-    model's state dict's other contents are not sent."""
-    tensors: list[torch.Tensor] = []
-    _tensors(model.state_dict(), tensors)
+    """A holder's manifest (JSON: the specs of the model's tensors ``model``, in stream order,
+    and the optimizer's state dict with its tensors' specs), its tensors in stream order, and
+    how many of them are the model's. A needer writes the model's tensors into its own, so
+    the model's state dict's other contents are not sent."""
+    tensors = list(model)
     model_specs = [["T", list(t.shape), _DTYPE_NAME[t.dtype]] for t in tensors]
     n_model = len(tensors)
     optim = _skeleton(optimizer.state_dict(), tensors)
@@ -546,13 +572,17 @@ def _together(specs: list[Spec], where: list[torch.device]) -> list[torch.Tensor
         ends[d] = at + _numel(s.shape) * size
     bufs = {d: torch.empty(n, dtype=torch.uint8, device=d) for d, n in ends.items()}
     typed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # a state has few distinct shapes
     out = []
     for s, d, at in zip(specs, where, offsets, strict=True):
         whole = typed.get((d, s.dtype))
         if whole is None:  # the buffer seen as this dtype, once (offsets are aligned to it)
             n = bufs[d].numel() // s.dtype.itemsize * s.dtype.itemsize
             whole = typed[d, s.dtype] = bufs[d][:n].view(s.dtype)
-        out.append(whole.as_strided(s.shape, _strides(s.shape), at // s.dtype.itemsize))
+        st = strides.get(s.shape)
+        if st is None:
+            st = strides[s.shape] = _strides(s.shape)
+        out.append(whole.as_strided(s.shape, st, at // s.dtype.itemsize))
     return out
 
 
@@ -729,9 +759,11 @@ def _transfer(
     window: int,
     ramp: int,
 ) -> Stats:
-    holders = senders(model, holders, chunk_bytes)
+    mine: list[torch.Tensor] = []  # the model's tensors: one walk of its state dict
+    _tensors(model.state_dict(), mine)
+    holders = senders(sum(t.numel() * t.element_size() for t in mine), holders, chunk_bytes)
     if g.rank == holders[0]:
-        data, tensors, n_model = _manifest(model, optimizer)
+        data, tensors, n_model = _manifest(mine, optimizer)
         link, src = _links(g, holders, needers)[g.rank]
         manifest = _send_manifest(link, src, data)
         stats = _send(
@@ -741,31 +773,29 @@ def _transfer(
             link.wait(work)
         return stats
     if g.rank in holders:  # the manifest describes this member's own state
-        tensors = []
-        _tensors(model.state_dict(), tensors)
-        n_model = len(tensors)
+        tensors, n_model = list(mine), len(mine)
         _tensors(optimizer.state_dict(), tensors)
         return _send(
             g, _Stream(tensors, chunk_bytes, (n_model,), ramp=ramp), holders, needers, window
         )
     if g.rank not in needers:
         return Stats(nbytes=0, chunks=0, packed=0)
-    return _need(g, model, optimizer, holders, needers, device, chunk_bytes, window, ramp)
+    return _need(g, mine, optimizer, holders, needers, device, chunk_bytes, window, ramp)
 
 
-def senders(model: torch.nn.Module, holders: list[int], chunk_bytes: int) -> list[int]:
-    """The holders that send: all of them, or only the first when the model fits in one
-    chunk. Such a state is a few chunks, which one sender streams in a few milliseconds;
-    a second sender then only adds a process to schedule (at 5 MB of state on 2 cores: 7.6
-    against 6.1 ms, docs/benchmarks.md). Every member decides alike: each has the model
-    (a needer whose model differs is refused once it reads the manifest)."""
-    size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return holders[:1] if size <= chunk_bytes else holders
+def senders(model_bytes: int, holders: list[int], chunk_bytes: int) -> list[int]:
+    """The holders that send: all of them, or only the first when the model (its state
+    dict's ``model_bytes``) fits in one chunk. Such a state is a few chunks, which one sender
+    streams in a few milliseconds; a second sender then only adds a process to schedule (at
+    5 MB of state on 2 cores: 7.6 against 6.1 ms, docs/benchmarks.md). Every member decides
+    alike: each has the model (a needer whose model differs is refused once it reads the
+    manifest)."""
+    return holders[:1] if model_bytes <= chunk_bytes else holders
 
 
 def _need(
     g: Wire,
-    model: torch.nn.Module,
+    mine: list[torch.Tensor],
     optimizer: torch.optim.Optimizer,
     holders: list[int],
     needers: list[int],
@@ -774,11 +804,10 @@ def _need(
     window: int,
     ramp: int,
 ) -> Stats:
-    """A needer's part of :func:`transfer`. Its model's chunks are on the wire before it
-    allocates the optimizer's state, and the optimizer takes that state while its first
-    chunks are on the wire."""
-    mine: list[torch.Tensor] = []  # gathered while the holder prepares the manifest
-    _tensors(model.state_dict(), mine)
+    """A needer's part of :func:`transfer` (``mine``: its model's tensors in stream order,
+    gathered while the holder prepares the manifest). Its model's chunks are on the wire
+    before it allocates the optimizer's state, and the optimizer takes that state while its
+    first chunks are on the wire."""
     own: list[torch.Tensor] = []
     _tensors(optimizer.state_dict(), own)
     manifest = _receive_manifest(*_links(g, holders, needers)[holders[0]])
