@@ -1134,8 +1134,8 @@ class _Runner:
         if epoch not in self._gatherers:
             for old in self._gatherers.values():
                 old.stop()
-            self._gatherers = {}
-            self._gatherers[epoch] = R.Gatherer(g.subgroup(list(range(g.world)), "gather"))
+            self._gatherers = {}  # stopped even if the new epoch's subgroup cannot be built
+            self._gatherers = {epoch: R.Gatherer(g.subgroup(list(range(g.world)), "gather"))}
         return self._gatherers[epoch]
 
     def _apply(
