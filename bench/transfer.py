@@ -88,8 +88,10 @@ def _member(arm: str, size: str, rank: int, world: int, port: int, out: Any) -> 
     from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
     from unicron.runtime.group import EpochGroup, EpochWatch
     from unicron.runtime.transfer import (
+        inventory,
         lay_out_optimizer_state,
         lay_out_parameters,
+        model_tensors,
         state_tensors,
         transfer,
         warm_up,
@@ -117,6 +119,12 @@ def _member(arm: str, size: str, rank: int, world: int, port: int, out: Any) -> 
         time.sleep(0.01)
     g = EpochGroup(store, watch, watch.info(1), rank, slice_s=0.05, timeout_s=300.0)
     g.rendezvous()
+    # a worker takes its inventory while the ledger exchange's all-gather is on the wire
+    have = (
+        inventory(model_tensors(model), opt, manifest=not joiner)
+        if arm.startswith("stream")
+        else None
+    )
     g.allreduce(torch.zeros(1))  # connections up, as after the ledger exchange
     flat = None
     if arm == "floor":
@@ -139,7 +147,14 @@ def _member(arm: str, size: str, rank: int, world: int, port: int, out: Any) -> 
     elif arm.startswith("stream"):
         holders = list(range(world - 1))
         stats = transfer(
-            g, model, opt, holders=holders, needers=[world - 1], device=torch.device("cpu")
+            g,
+            model,
+            opt,
+            holders=holders,
+            needers=[world - 1],
+            device=torch.device("cpu"),
+            have=have,
+            agreed=True,  # one model's layout on every member, as the ledger exchange finds
         )
         nbytes = stats.nbytes
     else:

@@ -21,6 +21,8 @@ from unicron.runtime.transfer import (
     decode,
     encode,
     fresh,
+    layout,
+    model_tensors,
     share,
     state_nbytes,
     state_tensors,
@@ -94,17 +96,19 @@ def _same(a: tuple[torch.nn.Module, torch.optim.Optimizer], b: Any) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("agreed", [False, True])
 @pytest.mark.parametrize("chunk", [64, 1000, 8192])
 def test_two_holders_stream_the_state_to_a_joiner_and_it_trains_on_identically(
-    chunk: int,
+    chunk: int, agreed: bool
 ) -> None:
+    """``agreed``: the joiner posts its model's receives before the manifest has arrived."""
     reference = _trained(seed=0, steps=3)
     members = [_trained(seed=0, steps=3), _model(seed=7), _trained(seed=0, steps=3)]
 
     def body(g: EpochGroup) -> Any:
         model, opt = members[g.rank]
         return transfer(g, model, opt, holders=[0, 2], needers=[1], device=torch.device("cpu"),
-                        chunk_bytes=chunk, window=3)  # fmt: skip
+                        chunk_bytes=chunk, window=3, agreed=agreed)  # fmt: skip
 
     stats = _run_group(3, body)
     assert not any(isinstance(s, Exception) for s in stats), stats
@@ -484,3 +488,92 @@ def test_a_parameter_aliased_by_a_buffer_keeps_its_place() -> None:
     assert not transfer_module.lay_out_parameters(model)
     assert [p.data_ptr() for p in model.parameters()] == where
     assert model.mirror.data_ptr() == model.bias.data_ptr()
+
+
+class _Many(torch.nn.Module):
+    """A model of many small tensors: its manifest is longer than the manifest's head."""
+
+    def __init__(self, n: int, width: int = 2) -> None:
+        super().__init__()
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(width)) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((p * x).sum() for p in self.ps)  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("agreed", [False, True])
+def test_a_manifest_longer_than_its_head_arrives_whole(agreed: bool) -> None:
+    """The rest of a long manifest is a second broadcast: before the chunks, or, when the
+    joiner posts its model's receives first (``agreed``), after the model's chunks."""
+
+    def build(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = _Many(700)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(steps):
+            model(torch.ones(2)).backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    reference = build(0, 2)
+    members = [build(0, 2), build(1, 0)]
+    data = transfer_module.inventory(model_tensors(reference[0]), reference[1], manifest=True)
+    assert data.manifest is not None and len(data.manifest) > transfer_module.MANIFEST_HEAD
+
+    def body(g: EpochGroup) -> Any:
+        return transfer(g, *members[g.rank], holders=[0], needers=[1],
+                        device=torch.device("cpu"), chunk_bytes=2000, agreed=agreed)  # fmt: skip
+
+    stats = _run_group(2, body)
+    assert not any(isinstance(s, Exception) for s in stats), stats
+    _same(reference, members[1])
+
+
+def test_the_layout_digest_tells_models_apart_by_shapes_and_dtypes_only() -> None:
+    a, b = _model(seed=1)[0], _model(seed=2)[0]
+    assert layout(model_tensors(a)) == layout(model_tensors(b))  # other values, one layout
+    wider = torch.nn.Sequential(
+        torch.nn.Linear(40, 31), torch.nn.LayerNorm(31), torch.nn.Linear(31, 7)
+    )
+    assert layout(model_tensors(wider)) != layout(model_tensors(a))
+    assert layout(model_tensors(a.double())) != layout(model_tensors(b))
+    assert 0 <= layout(model_tensors(a)) < 2**63  # fits the ledger's int64 row
+
+
+@pytest.mark.timeout(60)
+def test_a_joiner_whose_model_differs_gets_a_clear_error_not_a_crash() -> None:
+    """Without an agreed layout the joiner posts nothing before the manifest: a model of
+    other shapes is refused with the tensor named (a receive of the wrong size would abort
+    the process in gloo); the holder leaves when a newer epoch is announced."""
+    holder = _trained(seed=0, steps=1)
+    torch.manual_seed(3)
+    wider = torch.nn.Sequential(
+        torch.nn.Linear(40, 31), torch.nn.LayerNorm(31), torch.nn.Linear(31, 7)
+    )
+    joiner = (wider, torch.optim.AdamW(wider.parameters()))
+    members = [holder, joiner]
+
+    def body(g: EpochGroup) -> Any:
+        return transfer(g, *members[g.rank], holders=[0], needers=[1],
+                        device=torch.device("cpu"))  # fmt: skip
+
+    results = _run_group(2, body, supersede=True)
+    assert isinstance(results[1], RuntimeError), results
+    assert "differs from the holder's (tensor 0: (31,) torch.float32, holder (30,)" in str(
+        results[1]
+    )
+    assert isinstance(results[0], EpochOver), results
+
+
+def test_a_state_the_manifest_cannot_describe_fails_only_the_transfer_that_needs_it() -> None:
+    """The worker takes every member's inventory at every ledger exchange: a state with a
+    value JSON cannot carry must not stop a transition that moves no state."""
+    model, opt = _trained(seed=0, steps=1)
+    opt.param_groups[0]["schedule"] = object()
+    have = transfer_module.inventory(model_tensors(model), opt, manifest=True)
+    assert have.manifest is None
+    assert len(have.optim) == len(state_tensors(model, opt)[1]) - len(have.model)
+    with pytest.raises(TypeError, match="holds a object"):
+        transfer_module._manifest(have.model, opt)

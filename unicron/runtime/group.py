@@ -293,10 +293,18 @@ class EpochGroup:
         if wired is not tensor:
             tensor.copy_(wired)
 
-    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def allgather(
+        self, tensor: torch.Tensor, meanwhile: Callable[[], None] | None = None
+    ) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (one shape for all), in rank order. ``meanwhile`` runs
+        while it is on the wire (the worker's ledger exchange takes its state's inventory
+        there, :func:`unicron.runtime.transfer.inventory`)."""
         wired = tensor.to(self.wire)
         out = [torch.empty_like(wired) for _ in range(self.world)]
-        self._wait(self.pg.allgather([out], [wired]))
+        work = self._start(lambda: self.pg.allgather([out], [wired]))
+        if meanwhile is not None:
+            meanwhile()
+        self._wait(work)
         return [t.to(tensor.device) for t in out]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:

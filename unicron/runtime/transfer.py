@@ -7,7 +7,9 @@ and the *needers* (joiners, restarted workers). Nothing is serialized into one b
 1. the first holder broadcasts a *manifest*, as JSON (a few KB, one broadcast; no pickle, no
    ``torch.save``, whose meta-tensor records cost tens of ms): the shape and dtype of each of
    the model's tensors, and the optimizer's state dict with a :class:`Spec` (shape and dtype)
-   in each tensor's place. The state dicts are walked once, dispatched on exact types;
+   in each tensor's place. The state dicts are walked once, dispatched on exact types, and
+   the manifest encoded, before the transfer (:func:`inventory`: the worker takes it while
+   the ledger exchange's all-gather is on the wire);
 2. the state's tensors, in a fixed order, form one virtual byte stream cut into chunks of
    :data:`CHUNK_BYTES` (the optimizer's state starts a new one; the first chunks of each
    part ramp up from ``CHUNK_BYTES / RAMP``, so that the first is on the wire sooner); chunk
@@ -26,8 +28,9 @@ and the *needers* (joiners, restarted workers). Nothing is serialized into one b
    either side is a few chunks, whatever the state's size; chunks in place are all posted
    at once.
 
-A needer posts its model's chunks first (written into its own tensors), allocates the
-optimizer's tensors while they are on the wire, and hands them to
+A needer posts its model's chunks first (written into its own tensors; before the manifest
+has arrived when the ledger exchange found its model's :func:`layout` to be the holders',
+``agreed``), allocates the optimizer's tensors while they are on the wire, and hands them to
 ``optimizer.load_state_dict`` (which keeps them without copying; if it copied, it is called
 again once they have landed). Every wait goes through
 :class:`unicron.runtime.group.EpochGroup`'s sliced waits, so a superseded epoch is left at
@@ -38,9 +41,11 @@ from __future__ import annotations
 
 import bisect
 import gc
+import hashlib
 import itertools
 import json
 import logging
+import operator
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -281,7 +286,6 @@ class _Stream:
                 lo, size = lo + size, min(2 * size, chunk)
         self.count = len(self.bounds)
         self._views: dict[int, torch.Tensor] = {}
-        self._next: dict[int, bool] = {}
 
     def pieces(self, k: int) -> list[tuple[int, int, int]]:
         """(tensor index, first byte, end byte) of every tensor part in chunk ``k``."""
@@ -309,20 +313,6 @@ class _Stream:
         view = self._bytes(i)
         return view if a == 0 and b == self.sizes[i] else view[a:b]
 
-    def _joined(self, i: int) -> bool:
-        """Tensor ``i + 1`` starts in memory where tensor ``i`` ends (one storage, both
-        contiguous): a chunk may run across them in place."""
-        if i not in self._next:
-            a, b = self.tensors[i], self.tensors[i + 1]
-            self._next[i] = (
-                a.device == b.device
-                and a.is_contiguous()
-                and b.is_contiguous()
-                and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-                and a.data_ptr() + self.sizes[i] == b.data_ptr()
-            )
-        return self._next[i]
-
     def view(self, k: int, wire: torch.device) -> torch.Tensor | None:
         """Chunk ``k`` as a view of the tensors' own memory, if it lies in one tensor, or in
         tensors that follow each other in one storage (a needer's fresh optimizer state,
@@ -335,11 +325,20 @@ class _Stream:
             return None
         if len(pieces) == 1:
             return self._bytes(i)[a:b]
-        if not all(self._joined(j) for j, _, _ in pieces[:-1]):
-            return None
+        # each later tensor starts where the stream says, counted from the first's address,
+        # and the span lies in the first's storage: then it is that storage's memory (live
+        # allocations do not overlap), and bytes written there land in each tensor
+        base = t.data_ptr() - self.starts[i]
+        for j, _, _ in pieces[1:]:
+            u = self.tensors[j]
+            if u.data_ptr() != base + self.starts[j] or u.device != wire or not u.is_contiguous():
+                return None
+        storage = t.untyped_storage()
         start = t.storage_offset() * t.element_size() + a
+        if start + self.size(k) > storage.nbytes():
+            return None
         span = torch.empty(0, dtype=torch.uint8, device=t.device)
-        return span.set_(t.untyped_storage(), start, (self.size(k),), (1,))
+        return span.set_(storage, start, (self.size(k),), (1,))
 
     def size(self, k: int) -> int:
         lo, hi = self.bounds[k]
@@ -520,35 +519,42 @@ def _manifest(
     return data, tensors, n_model
 
 
-def _send_manifest(g: Wire, src: int, data: bytes) -> list[Any]:
-    """Start broadcasting the manifest ``data`` from ``src`` (this member) to the whole
-    group: one broadcast of :data:`MANIFEST_HEAD` bytes (an int64 length and the JSON's
-    start), and one of the rest if the JSON is longer. Returns the works to wait for."""
+def _manifest_parts(data: bytes, wire: torch.device) -> list[torch.Tensor]:
+    """The manifest ``data`` as a first holder broadcasts it: a head of :data:`MANIFEST_HEAD`
+    bytes (an int64 length and the JSON's start) and, if the JSON is longer, the rest."""
     room = MANIFEST_HEAD - 8
     head = bytearray(MANIFEST_HEAD)
     first = data[:room]
     head[:8] = len(data).to_bytes(8, "little")
     head[8 : 8 + len(first)] = first
-    works = [g.ibroadcast(torch.frombuffer(head, dtype=torch.uint8).to(g.wire), src)]
+    parts = [torch.frombuffer(head, dtype=torch.uint8).to(wire)]
     if len(data) > room:
-        rest = torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8).to(g.wire)
-        works.append(g.ibroadcast(rest, src))
-    return works
+        parts.append(torch.frombuffer(bytearray(data[room:]), dtype=torch.uint8).to(wire))
+    return parts
 
 
-def _receive_manifest(g: Wire, src: int) -> Any:
-    """The manifest :func:`_send_manifest` broadcasts, decoded from JSON."""
-    wired = torch.empty(MANIFEST_HEAD, dtype=torch.uint8, device=g.wire)
-    g.broadcast(wired, src)
-    head = wired.cpu().numpy().tobytes()
-    room = MANIFEST_HEAD - 8
-    n = int.from_bytes(head[:8], "little")
-    data = head[8 : 8 + min(n, room)]
-    if n > room:
-        rest = torch.empty(n - room, dtype=torch.uint8, device=g.wire)
-        g.broadcast(rest, src)
-        data += rest.cpu().numpy().tobytes()
-    return json.loads(data)
+class _Incoming:
+    """A needer's receipt of the manifest: the head's receive is posted when this is made;
+    :meth:`read` waits for it, and receives the rest (if any) after whatever the needer
+    posted in between, as the first holder sends it (:func:`_transfer`)."""
+
+    def __init__(self, link: Wire, src: int) -> None:
+        self.link, self.src = link, src
+        self.head = torch.empty(MANIFEST_HEAD, dtype=torch.uint8, device=link.wire)
+        self.work = link.ibroadcast(self.head, src)
+
+    def read(self) -> Any:
+        """The manifest, decoded from JSON."""
+        self.link.wait(self.work)
+        head = self.head.cpu().numpy()
+        room = MANIFEST_HEAD - 8
+        n = int.from_bytes(head[:8].tobytes(), "little")
+        data = head[8 : 8 + min(n, room)].tobytes()
+        if n > room:
+            rest = torch.empty(n - room, dtype=torch.uint8, device=self.link.wire)
+            self.link.broadcast(rest, self.src)
+            data += rest.cpu().numpy().tobytes()
+        return json.loads(data)
 
 
 def fresh(specs: list[Spec], device: torch.device) -> list[torch.Tensor]:
@@ -718,6 +724,58 @@ def _optim_targets(
     return fresh(specs, device)
 
 
+# -- what a member has, taken before the transfer ---------------------------------------------
+def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's state dict's tensors in stream order (one walk)."""
+    out: list[torch.Tensor] = []
+    _tensors(model.state_dict(), out)
+    return out
+
+
+def layout(tensors: list[torch.Tensor]) -> int:
+    """A digest (63 bits) of the tensors' shapes and dtypes, in order. The worker puts its
+    model's (:func:`model_tensors`) in its ledger row: needers whose model's layout is the
+    holders' post their model's receives before the manifest arrives (:func:`transfer`'s
+    ``agreed``)."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(f"{tuple(t.shape)}{_DTYPE_NAME[t.dtype]};".encode())
+    return int.from_bytes(h.digest(), "big") >> 1
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """A member's state as the transfer walks it: the model's tensors and the optimizer's
+    state tensors, each in stream order, and, for a member that may be the first holder, its
+    manifest. The worker takes it while the ledger exchange's all-gather is on the wire
+    (:mod:`unicron.worker`), where a member waits for its peers in any case; taken inside the
+    transfer, the holder's walks and encoding (0.6-0.9 ms at 5 MB of state) came before the
+    manifest could leave. Valid until the state changes (the next step)."""
+
+    model: list[torch.Tensor]
+    optim: list[torch.Tensor]
+    manifest: bytes | None
+
+
+def inventory(
+    model: list[torch.Tensor], optimizer: torch.optim.Optimizer, *, manifest: bool
+) -> Inventory:
+    """The :class:`Inventory` of a member whose model's tensors are ``model``
+    (:func:`model_tensors`); with ``manifest`` (a member with state, which may be chosen to
+    send it) the manifest is encoded too, if it can be: a state the manifest cannot describe
+    gets none, and the ``TypeError`` is raised by the transfer that needs it, if one does."""
+    if manifest:
+        try:
+            data, tensors, n_model = _manifest(model, optimizer)
+        except TypeError:
+            pass
+        else:
+            return Inventory(model, tensors[n_model:], data)
+    own: list[torch.Tensor] = []
+    _tensors(optimizer.state_dict(), own)
+    return Inventory(model, own, None)
+
+
 # -- the transfer ---------------------------------------------------------------------------
 def transfer(
     g: Wire,
@@ -730,57 +788,49 @@ def transfer(
     chunk_bytes: int = CHUNK_BYTES,
     window: int = WINDOW,
     ramp: int = RAMP,
+    have: Inventory | None = None,
+    agreed: bool = False,
 ) -> Stats:
     """Bring every needer's model and optimizer to the holders' state (collective: every
-    member of ``g`` calls it with the same ``holders`` and ``needers``; the others return at
-    once). The manifest goes from the first holder to the needers; the chunks come from every
-    holder (:func:`senders`: the first alone for a small model). Raises
-    :class:`unicron.runtime.group.EpochOver` if the epoch is superseded or a peer fails on the
-    way. Python's cyclic garbage collector waits until it is over (a collection in the middle
-    costs 0.1-3 ms here)."""
+    member of ``g`` calls it with the same ``holders``, ``needers`` and ``agreed``; the others
+    return at once). The manifest goes from the first holder to the needers; the chunks come
+    from every holder (:func:`senders`: the first alone for a small model).
+
+    ``have``: this member's :func:`inventory`, taken beforehand (else here; a first holder's
+    without a manifest gets one here). ``agreed``: every needer's model has the holders'
+    :func:`layout` (the worker compares them in the ledger exchange), so a needer posts its
+    model's receives at once, before the manifest arrives, and the model's bytes move while it
+    decodes the manifest and allocates the optimizer's state; without it, a needer whose model
+    differs gets a clear error from the manifest, never a receive of the wrong size (gloo
+    aborts the process when more bytes arrive than a receive was posted for).
+
+    Raises :class:`unicron.runtime.group.EpochOver` if the epoch is superseded or a peer fails
+    on the way. Python's cyclic garbage collector waits until it is over (a collection in the
+    middle costs 0.1-3 ms here)."""
     assert holders and needers and not set(holders) & set(needers)
     paused = gc.isenabled()
     gc.disable()
     try:
-        return _transfer(g, model, optimizer, holders, needers, device, chunk_bytes, window, ramp)
+        if have is None:
+            have = inventory(model_tensors(model), optimizer, manifest=g.rank == holders[0])
+        holders = senders(
+            sum(t.numel() * t.element_size() for t in have.model), holders, chunk_bytes
+        )
+        if g.rank == holders[0]:
+            data = (
+                have.manifest if have.manifest is not None else _manifest(have.model, optimizer)[0]
+            )
+            return _lead(g, have, data, holders, needers, chunk_bytes, window, ramp, agreed)
+        if g.rank in holders:  # the first holder's manifest describes this member's state
+            stream = _Stream([*have.model, *have.optim], chunk_bytes, (len(have.model),), ramp=ramp)
+            return _send(g, stream, holders, needers, window, {})
+        if g.rank in needers:
+            plan = (chunk_bytes, window, ramp)
+            return _need(g, have, optimizer, holders, needers, device, plan, agreed)
+        return Stats(nbytes=0, chunks=0, packed=0)
     finally:
         if paused:
             gc.enable()
-
-
-def _transfer(
-    g: Wire,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    holders: list[int],
-    needers: list[int],
-    device: torch.device,
-    chunk_bytes: int,
-    window: int,
-    ramp: int,
-) -> Stats:
-    mine: list[torch.Tensor] = []  # the model's tensors: one walk of its state dict
-    _tensors(model.state_dict(), mine)
-    holders = senders(sum(t.numel() * t.element_size() for t in mine), holders, chunk_bytes)
-    if g.rank == holders[0]:
-        data, tensors, n_model = _manifest(mine, optimizer)
-        link, src = _links(g, holders, needers)[g.rank]
-        manifest = _send_manifest(link, src, data)
-        stats = _send(
-            g, _Stream(tensors, chunk_bytes, (n_model,), ramp=ramp), holders, needers, window
-        )
-        for work in manifest:
-            link.wait(work)
-        return stats
-    if g.rank in holders:  # the manifest describes this member's own state
-        tensors, n_model = list(mine), len(mine)
-        _tensors(optimizer.state_dict(), tensors)
-        return _send(
-            g, _Stream(tensors, chunk_bytes, (n_model,), ramp=ramp), holders, needers, window
-        )
-    if g.rank not in needers:
-        return Stats(nbytes=0, chunks=0, packed=0)
-    return _need(g, mine, optimizer, holders, needers, device, chunk_bytes, window, ramp)
 
 
 def senders(model_bytes: int, holders: list[int], chunk_bytes: int) -> list[int]:
@@ -793,55 +843,113 @@ def senders(model_bytes: int, holders: list[int], chunk_bytes: int) -> list[int]
     return holders[:1] if model_bytes <= chunk_bytes else holders
 
 
+def _optimizer_start(s: _Stream, n_model: int) -> int:
+    """The first chunk of the optimizer's part (``s.count`` if it has no bytes)."""
+    return next((k for k, (lo, _) in enumerate(s.bounds) if lo >= s.starts[n_model]), s.count)
+
+
+def _lead(
+    g: Wire,
+    have: Inventory,
+    data: bytes,
+    holders: list[int],
+    needers: list[int],
+    chunk_bytes: int,
+    window: int,
+    ramp: int,
+    agreed: bool,
+) -> Stats:
+    """The first holder's part: the manifest ``data``, then its share of the chunks. In the
+    order the needers post their receives: the manifest's head first; its rest (a manifest
+    beyond :data:`MANIFEST_HEAD`) next, or, when ``agreed``, after the model's chunks."""
+    stream = _Stream([*have.model, *have.optim], chunk_bytes, (len(have.model),), ramp=ramp)
+    link, src = _links(g, holders, needers)[g.rank]
+    head, *rest = _manifest_parts(data, g.wire)
+    works = [link.ibroadcast(head, src)]
+
+    def send_rest() -> None:
+        works.extend(link.ibroadcast(part, src) for part in rest)
+
+    if agreed:
+        stats = _send(
+            g,
+            stream,
+            holders,
+            needers,
+            window,
+            {_optimizer_start(stream, len(have.model)): send_rest},
+        )
+    else:
+        send_rest()
+        stats = _send(g, stream, holders, needers, window, {})
+    for work in works:
+        link.wait(work)
+    return stats
+
+
 def _need(
     g: Wire,
-    mine: list[torch.Tensor],
+    have: Inventory,
     optimizer: torch.optim.Optimizer,
     holders: list[int],
     needers: list[int],
     device: torch.device,
-    chunk_bytes: int,
-    window: int,
-    ramp: int,
+    plan: tuple[int, int, int],
+    agreed: bool,
 ) -> Stats:
-    """A needer's part of :func:`transfer` (``mine``: its model's tensors in stream order,
-    gathered while the holder prepares the manifest). Its model's chunks are on the wire
-    before it allocates the optimizer's state, and the optimizer takes that state while its
-    first chunks are on the wire."""
-    own: list[torch.Tensor] = []
-    _tensors(optimizer.state_dict(), own)
-    manifest = _receive_manifest(*_links(g, holders, needers)[holders[0]])
+    """A needer's part of :func:`transfer` (``have``: its own model's and optimizer's
+    tensors; ``plan``: chunk bytes, window, ramp). Its model's chunks are on the wire before
+    it allocates the optimizer's state (with ``agreed``, before the manifest arrives), and
+    the optimizer takes that state while its chunks are on the wire."""
+    chunk_bytes, window, ramp = plan
+    mine, own = have.model, have.optim
+    links = _links(g, holders, needers)
+    incoming = _Incoming(*links[holders[0]])
+    rx = _Receiver(links, holders, window, chunk_bytes)
+    posted = 0
+    if agreed:  # the model's layout is the holders': its stream part needs no manifest
+        early = _Stream(list(mine), chunk_bytes, ramp=ramp)
+        for k in range(early.count):
+            rx.post(early, k)
+        posted = early.count
+    manifest = incoming.read()
     _check_model(mine, manifest["model"])
     specs: list[Spec] = []
     skeleton = _unskeleton(manifest["optim"], specs)
     sizes = [t.numel() * t.element_size() for t in mine]
     sizes += [_numel(s.shape) * s.dtype.itemsize for s in specs]
     stream = _Stream(list(mine), chunk_bytes, (len(mine),), sizes, ramp)
-    first = next(
-        (k for k, (lo, _) in enumerate(stream.bounds) if lo >= stream.starts[len(mine)]),
-        stream.count,
-    )
-    targets: list[torch.Tensor] = []
+    first = _optimizer_start(stream, len(mine))
+    assert posted in (0, first), (posted, first)
+    for k in range(posted, first):
+        rx.post(stream, k)
+    targets = _optim_targets(specs, own, device)  # while the model's chunks are on the wire
+    stream.tensors.extend(targets)
     loaded: list[bool] = []
 
-    def allocate() -> None:  # before the optimizer's first chunk is posted
-        targets.extend(_optim_targets(specs, own, device))
-        stream.tensors.extend(targets)
-
-    def load() -> None:  # while chunks are on the wire
+    def load() -> None:  # while the optimizer's chunks are on the wire
         optimizer.load_state_dict(_fill(skeleton, iter(targets)))
-        after: list[torch.Tensor] = []
-        _tensors(optimizer.state_dict()["state"], after)
-        loaded.append(len(after) == len(targets) and all(map(_same_memory, after, targets)))
+        loaded.append(_holds(optimizer, targets))
 
-    stats = _receive(g, stream, holders, needers, window, {first: allocate}, load)
+    rx.idle = load
+    for k in range(first, stream.count):
+        rx.post(stream, k)
+    rx.finish()
     if not loaded[0]:  # the optimizer copied (cast or moved) what it was given: again, now
         optimizer.load_state_dict(_fill(skeleton, iter(targets)))
-    return stats
+    return Stats(nbytes=stream.nbytes, chunks=stream.count, packed=rx.packed)
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+def _holds(optimizer: torch.optim.Optimizer, targets: list[torch.Tensor]) -> bool:
+    """The optimizer's state tensors are the ``targets`` objects themselves, in stream order
+    (its ``load_state_dict`` kept them; a cast or a move would have made new ones)."""
+    after: list[torch.Tensor] = []  # the order of its state dict's "state", built faster
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state:
+                _tensors(state, after)
+    return len(after) == len(targets) and all(map(operator.is_, after, targets))
 
 
 def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, tuple[Wire, int]]:
@@ -853,17 +961,28 @@ def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, tuple[W
     return {h: (g.subgroup([h, *needers], f"transfer/{h}"), 0) for h in mine}
 
 
-def _send(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: int) -> Stats:
-    """A holder's share of the chunks (:func:`share`), posted in order. A chunk sent from the
-    tensors' own memory is posted at once; at most ``window`` packed ones are in flight
-    (their staging buffers bound the extra memory)."""
+def _send(
+    g: Wire,
+    s: _Stream,
+    holders: list[int],
+    needers: list[int],
+    window: int,
+    before: dict[int, Callable[[], None]],
+) -> Stats:
+    """A holder's share of the chunks (:func:`share`), posted in order; ``before[k]`` runs
+    before the first of them at or after chunk ``k`` (at the end if there is none). A chunk
+    sent from the tensors' own memory is posted at once; at most ``window`` packed ones are
+    in flight (their staging buffers bound the extra memory)."""
     link, src = _links(g, holders, needers)[g.rank]
     mine = [k for k in range(s.count) if share(k, holders) == g.rank]
     staging = _Staging(window, min(s.chunk, s.nbytes), g.wire)
     staged: list[Any] = []  # packed chunks in flight, oldest first
     works: list[Any] = []
     packed = 0
+    hooks = sorted(before.items())
     for k in mine:
+        while hooks and hooks[0][0] <= k:
+            hooks.pop(0)[1]()
         buf = s.view(k, g.wire)
         if buf is None:
             if len(staged) >= window:  # the buffer's last chunk is on the wire
@@ -873,6 +992,8 @@ def _send(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: i
             staged.append(link.ibroadcast(buf, src))
         else:
             works.append(link.ibroadcast(buf, src))
+    for _, hook in hooks:
+        hook()
     for work in [*works, *staged]:
         link.wait(work)
     staging.give_back()
@@ -880,57 +1001,55 @@ def _send(g: Wire, s: _Stream, holders: list[int], needers: list[int], window: i
     return Stats(nbytes=nbytes, chunks=len(mine) * len(needers), packed=packed)
 
 
-def _receive(
-    g: Wire,
-    s: _Stream,
-    holders: list[int],
-    needers: list[int],
-    window: int,
-    before: dict[int, Callable[[], None]],
-    meanwhile: Callable[[], None],
-) -> Stats:
-    """Receive the stream into its tensors. ``before[k]`` runs before chunk ``k`` is posted;
-    ``meanwhile`` once every hook has run, when the chunks are posted or the next would wait
-    for a staging buffer. A chunk received into the tensors' own memory is posted at once;
-    at most ``window`` per holder land in staging buffers at a time (the oldest is waited
-    for and unpacked before its buffer takes another)."""
-    links = _links(g, holders, needers)
-    limit = window * len(holders)
-    staging = _Staging(limit, min(s.chunk, s.nbytes), g.wire)
-    staged: list[tuple[Wire, Any, int, torch.Tensor]] = []  # oldest first
-    works: list[tuple[Wire, Any]] = []
-    packed = 0
-    pending = dict(before)
-    idle = False
+class _Receiver:
+    """A needer's receives of the chunks, posted one by one (:meth:`post`) and waited for
+    at the end (:meth:`finish`). A chunk received into the tensors' own memory is posted at
+    once; at most ``window`` per holder land in staging buffers at a time (the oldest is
+    waited for and unpacked before its buffer takes another). :attr:`idle`, once set, runs
+    once: before the first such wait, else in :meth:`finish`."""
 
-    def land(item: tuple[Wire, Any, int, torch.Tensor]) -> None:
-        link, work, k, buf = item
+    def __init__(
+        self, links: dict[int, tuple[Wire, int]], holders: list[int], window: int, nbytes: int
+    ) -> None:
+        self.links, self.holders = links, holders
+        self.limit = window * len(holders)
+        wire = next(iter(links.values()))[0].wire
+        self.staging = _Staging(self.limit, nbytes, wire)
+        self.staged: list[tuple[Wire, Any, _Stream, int, torch.Tensor]] = []  # oldest first
+        self.works: list[tuple[Wire, Any]] = []
+        self.packed = 0
+        self.idle: Callable[[], None] | None = None
+
+    def post(self, s: _Stream, k: int) -> None:
+        """Post the receive of chunk ``k`` of ``s``."""
+        link, src = self.links[share(k, self.holders)]
+        into = s.view(k, link.wire)
+        if into is None:
+            if len(self.staged) >= self.limit:
+                self._run_idle()
+                self._land(self.staged.pop(0))
+            buf = self.staging.get(self.packed, s.size(k))
+            self.packed += 1
+            self.staged.append((link, link.ibroadcast(buf, src), s, k, buf))
+        else:
+            self.works.append((link, link.ibroadcast(into, src)))
+
+    def finish(self) -> None:
+        """Wait for every chunk posted and land it."""
+        self._run_idle()
+        for link, work in self.works:
+            link.wait(work)
+        for item in self.staged:
+            self._land(item)
+        self.staging.give_back()
+
+    def _run_idle(self) -> None:
+        if self.idle is not None:
+            idle, self.idle = self.idle, None
+            idle()
+
+    @staticmethod
+    def _land(item: tuple[Wire, Any, _Stream, int, torch.Tensor]) -> None:
+        link, work, s, k, buf = item
         link.wait(work)
         s.unpack(k, buf)
-
-    for k in range(s.count):
-        if k in pending:
-            pending.pop(k)()
-        link, src = links[share(k, holders)]
-        into = s.view(k, g.wire)
-        if into is None:
-            if len(staged) >= limit:
-                if not pending and not idle:
-                    idle = True
-                    meanwhile()
-                land(staged.pop(0))
-            buf = staging.get(packed, s.size(k))
-            packed += 1
-            staged.append((link, link.ibroadcast(buf, src), k, buf))
-        else:
-            works.append((link, link.ibroadcast(into, src)))
-    for hook in pending.values():  # a hook's chunk past the end: an optimizer with no state
-        hook()
-    if not idle:
-        meanwhile()
-    for link, work in works:
-        link.wait(work)
-    for item in staged:
-        land(item)
-    staging.give_back()
-    return Stats(nbytes=s.nbytes, chunks=s.count, packed=packed)
