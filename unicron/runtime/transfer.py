@@ -474,8 +474,9 @@ def rehearse(timeout_s: float = 5.0) -> bool:
         try:
             pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
             model, optimizer = models[rank], optimizers[rank]
+            # one model's layout on both, as for a restarted worker: the path a real one takes
             transfer(_Pair(pg, rank), model, optimizer, holders=[0], needers=[1],
-                     device=torch.device("cpu"), chunk_bytes=64, ramp=2)  # fmt: skip
+                     device=torch.device("cpu"), chunk_bytes=64, ramp=2, agreed=True)  # fmt: skip
             tensors = state_tensors(model, optimizer)[1]
             states[rank] = torch.cat([t.detach().reshape(-1).float() for t in tensors])
         except BaseException as exc:  # a rehearsal that fails must not stop the worker
