@@ -366,9 +366,11 @@ class EpochGroup:
         all living members act on the same outcome; a member that lost the vote keeps its local
         sum and retries in the next epoch.
 
-        Three store round trips per member: the last voter learns the outcome from its
+        Four store round trips per member: the last voter learns the outcome from its
         ``compare_set`` (it returns the value kept), the others wait for it; each reads the
-        newest epoch in the same request as its last one (:attr:`latest_seen`).
+        newest epoch in the same request as its last one (:attr:`latest_seen`). TCPStore's
+        ``get`` and ``multi_get`` wait for their keys first, a round trip of their own (on an
+        idle loopback ``check`` took 76 us, ``get`` 150 us, ``multi_get`` of two keys 172 us).
         """
         decision = f"decide/{step}"
         if self.store.add(f"vote/{step}", 1) == self.world:
