@@ -537,7 +537,7 @@ def _manifest_parts(data: bytes, wire: torch.device) -> list[torch.Tensor]:
 class _Incoming:
     """A needer's receipt of the manifest: the head's receive is posted when this is made;
     :meth:`read` waits for it, and receives the rest (if any) after whatever the needer
-    posted in between, as the first holder sends it (:func:`_transfer`)."""
+    posted in between, as the first holder sends it (:func:`_lead`)."""
 
     def __init__(self, link: Wire, src: int) -> None:
         self.link, self.src = link, src
@@ -633,16 +633,10 @@ def lay_out_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     if not optimizer.state:
         return False
     entries: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if not state:
-                continue
-            if not all(type(k) is str for k in state):
-                return True
-            entries += [
-                (state, k, state[k]) for k in sorted(state) if type(state[k]) is torch.Tensor
-            ]
+    for state in _param_states(optimizer):
+        if not all(type(k) is str for k in state):
+            return True
+        entries += [(state, k, state[k]) for k in sorted(state) if type(state[k]) is torch.Tensor]
     tensors = [t for _, _, t in entries]
     if not tensors or _in_order(tensors) or not all(_movable(t) for t in tensors):
         return True
@@ -651,6 +645,16 @@ def lay_out_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
     for (state, k, _), t in zip(entries, _relocated(tensors), strict=True):
         state[k] = t
     return True
+
+
+def _param_states(optimizer: torch.optim.Optimizer) -> Iterator[dict[Any, Any]]:
+    """The optimizer's non-empty per-parameter states, in its state dict's order (parameters
+    in their groups' order)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state:
+                yield state
 
 
 def _movable(t: torch.Tensor) -> bool:
@@ -945,11 +949,8 @@ def _holds(optimizer: torch.optim.Optimizer, targets: list[torch.Tensor]) -> boo
     """The optimizer's state tensors are the ``targets`` objects themselves, in stream order
     (its ``load_state_dict`` kept them; a cast or a move would have made new ones)."""
     after: list[torch.Tensor] = []  # the order of its state dict's "state", built faster
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state:
-                _tensors(state, after)
+    for state in _param_states(optimizer):
+        _tensors(state, after)
     return len(after) == len(targets) and all(map(operator.is_, after, targets))
 
 
