@@ -546,13 +546,14 @@ def test_the_layout_digest_tells_models_apart_by_shapes_and_dtypes_only() -> Non
 def test_a_joiner_whose_model_differs_gets_a_clear_error_not_a_crash() -> None:
     """Without an agreed layout the joiner posts nothing before the manifest: a model of
     other shapes is refused with the tensor named (a receive of the wrong size would abort
-    the process in gloo); the holder leaves when a newer epoch is announced."""
+    the process in gloo: the joiner's model is the smaller, so the holder's first chunk would
+    overrun a receive posted from it); the holder leaves when a newer epoch is announced."""
     holder = _trained(seed=0, steps=1)
     torch.manual_seed(3)
-    wider = torch.nn.Sequential(
-        torch.nn.Linear(40, 31), torch.nn.LayerNorm(31), torch.nn.Linear(31, 7)
+    narrower = torch.nn.Sequential(
+        torch.nn.Linear(40, 29), torch.nn.LayerNorm(29), torch.nn.Linear(29, 7)
     )
-    joiner = (wider, torch.optim.AdamW(wider.parameters()))
+    joiner = (narrower, torch.optim.AdamW(narrower.parameters()))
     members = [holder, joiner]
 
     def body(g: EpochGroup) -> Any:
@@ -561,7 +562,7 @@ def test_a_joiner_whose_model_differs_gets_a_clear_error_not_a_crash() -> None:
 
     results = _run_group(2, body, supersede=True)
     assert isinstance(results[1], RuntimeError), results
-    assert "differs from the holder's (tensor 0: (31,) torch.float32, holder (30,)" in str(
+    assert "differs from the holder's (tensor 0: (29,) torch.float32, holder (30,)" in str(
         results[1]
     )
     assert isinstance(results[0], EpochOver), results
