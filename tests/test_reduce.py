@@ -8,6 +8,7 @@ thread per member.
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
@@ -283,6 +284,64 @@ def test_the_exchange_over_gloo_gives_the_same_bits() -> None:
     want = torch.stack(tame).sum(0)
     want[700:703] -= tame[0][700:703] + tame[3][700:703] + tame[6][700:703]  # no gradient there
     assert torch.allclose(fast, want, rtol=1e-5, atol=1e-5)
+
+
+def feed_autograd(sums: LocalSums, ids: list[int], leaves: list[torch.Tensor]) -> LocalSums:
+    """Add micro-batches as the worker does by default: real parameters, each micro-batch's
+    backward pass accumulating into :meth:`LocalSums.grad_views` (set as ``.grad``), the
+    gradient hooks calling :meth:`LocalSums.landed`. Parameter 1 has no gradient where
+    :func:`feed` gives it none."""
+    layout = sums.layout
+    shapes = [torch.Size([n]) if n % 2 else torch.Size([2, n // 2]) for n in layout.sizes]
+    params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
+
+    def hook(i: int, p: torch.Tensor) -> None:
+        sums.landed(i, p.grad)
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(functools.partial(hook, i))
+    for mb in ids:
+        sums.begin(mb)
+        views = sums.grad_views(shapes)
+        for p, view in zip(params, views, strict=True):
+            p.grad = view
+        loss = torch.zeros(())
+        for i, p in enumerate(params):
+            if not (i == 1 and mb % 3 == 0):
+                lo = layout.offsets[i]  # d(loss)/dp = the leaf's slice, exactly
+                loss = loss + (p * leaves[mb][lo : lo + layout.sizes[i]].view(p.shape)).sum()
+        loss.backward()
+        assert all(p.grad is view for p, view in zip(params, views, strict=True))  # in place
+        sums.end(float(mb))
+        for p in params:
+            p.grad = None
+    return sums
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_autograd_accumulating_into_the_sums_gives_the_same_bits(exact: bool) -> None:
+    # the worker's default path (autograd adds each gradient into its view of a node buffer)
+    # against LocalSums.add, for every grouping and order (siblings merged, out of order):
+    # the same nodes, the same bits, -0.0 kept (a node's buffer starts as -0.0, not +0.0)
+    layout = Layout.plan(SIZES, CAP)
+    for seed in range(2):
+        leaves = adversarial_leaves(seed)
+        for leaf in leaves:
+            leaf[200:210] = -0.0  # every micro-batch's: the sum is -0.0 too
+        leaves[2][210:220] = -0.0
+        leaves[2][700:703] = -0.0  # parameter 1, which micro-batches 0, 3, 6 lack (+0.0)
+        for grouping in groupings():
+            for ids in grouping:
+                sums = LocalSums(layout, M, exact=exact, dtype=torch.float32)
+                for _ in range(2):  # again on the first step's buffers
+                    want = feed(LocalSums(layout, M, exact=exact, dtype=torch.float32), ids, leaves)
+                    got = feed_autograd(sums, ids, leaves)
+                    assert got.nodes.keys() == want.nodes.keys()
+                    for n in want.nodes:
+                        assert torch.equal(bits(got.nodes[n]), bits(want.nodes[n])), (ids, n)
+                    sums.clear()
+                if exact and ids == [2]:
+                    assert bits(sums._free[0][200:220]).eq(bits(torch.tensor(-0.0))).all()
 
 
 @pytest.mark.parametrize("exact", [True, False])

@@ -581,6 +581,16 @@ class _Runner:
         )
         self._spaces: dict[int, R.Workspace] = {}
         self._gatherers: dict[int, R.Gatherer] = {}
+        # autograd accumulates straight into the local sums (LocalSums.grad_views) where each
+        # parameter's gradient can live in their buffer as it is
+        self._shapes = (
+            [p.shape for p in self.params]
+            if all(
+                p.dtype == dtype and p.device == self.sums.device and p.layout == torch.strided
+                for p in self.params
+            )
+            else None
+        )
         self._in_backward = self._last = self._stepping = False
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -970,6 +980,9 @@ class _Runner:
         """Backward of the current micro-batch; the gradient hooks take each gradient."""
         mb, last = self._take(s, "step.backward(loss)")
         self._in_backward, self._last = True, last
+        if self._shapes is not None:
+            for p, view in zip(self.params, self.sums.grad_views(self._shapes), strict=True):
+                p.grad = view
         try:
             loss.backward()
             finished = self.sums.end(float(loss.detach()))
@@ -980,6 +993,9 @@ class _Runner:
             raise
         finally:
             self._in_backward = False
+            if self._shapes is not None:
+                for p in self.params:
+                    p.grad = None  # a backward pass of the user's own adds into nothing of ours
         self._close_microbatch(mb, last, finished)
 
     def add_gradients(self, s: Step, grads: Sequence[torch.Tensor | None], loss: float) -> None:
@@ -1020,8 +1036,11 @@ class _Runner:
                     "takes the micro-batch's gradient and loss"
                 )
             return  # a backward pass of the user's own, between steps
-        bucket = self.sums.add(index, param.grad)
-        param.grad = None
+        if self._shapes is not None:
+            bucket = self.sums.landed(index, param.grad)
+        else:
+            bucket = self.sums.add(index, param.grad)
+            param.grad = None
         if bucket is not None and self._last:
             self._ready(bucket)
 
@@ -1093,7 +1112,7 @@ class _Runner:
         finally:
             ex.close()
         kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
-        self._apply(grads, len(kept), before_optimizer)
+        self._apply(grads, len(kept), before_optimizer, whole=ex.space.out)
         s.loss = sum(kept) / len(kept)
         # every member reports the commit (the agent logs one step_end per epoch and step), so
         # the record survives a rank 0 that dies right after committing
@@ -1162,12 +1181,19 @@ class _Runner:
         grads: list[torch.Tensor],
         count: int,
         before_optimizer: Callable[[], object] | None = None,
+        *,
+        whole: torch.Tensor | None = None,
     ) -> None:
-        """Step the optimizer with the mean gradient of the step's reduced sums."""
+        """Step the optimizer with the mean gradient of the step's reduced sums (``grads``:
+        views of ``whole``, if given, which is divided at once: one operation, not one per
+        parameter; the same quotient in every element)."""
         assert count == self.M or self.ctx.on_lost == "drop", f"reduced {count} of {self.M}"
         expected = self.M if self.ctx.on_lost == "recompute" else count
+        if whole is not None:
+            whole.div_(expected)
         for p, g in zip(self.params, grads, strict=True):
-            p.grad = g.div_(expected).view_as(p).to(p.dtype)
+            mean = g.view_as(p) if whole is not None else g.div_(expected).view_as(p)
+            p.grad = mean if mean.dtype == p.dtype else mean.to(p.dtype)
         if before_optimizer is not None:
             before_optimizer()
         self._stepping = True

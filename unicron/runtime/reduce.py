@@ -78,7 +78,11 @@ def _family(m: int) -> dict[Node, tuple[Node, Node]]:
 def cover(ids: Iterable[int], m: int) -> list[Node]:
     """The largest tree nodes all of whose ids are in ``ids``, left to right: what a replica
     that computed ``ids`` holds once it has added every node it can complete."""
-    have = set(ids)
+    return list(_cover(frozenset(ids), m))
+
+
+@functools.lru_cache(maxsize=256)  # the worker asks for every member's at every step
+def _cover(have: frozenset[int], m: int) -> tuple[Node, ...]:
     assert all(0 <= i < m for i in have), f"ids {sorted(have)} outside 0..{m - 1}"
 
     def visit(node: Node) -> list[Node]:
@@ -87,7 +91,7 @@ def cover(ids: Iterable[int], m: int) -> list[Node]:
         kids = split(node)
         return [] if kids is None else visit(kids[0]) + visit(kids[1])
 
-    return visit((0, m)) if have else []
+    return tuple(visit((0, m))) if have else ()
 
 
 def absorb(held: Collection[Node], mb: int, m: int) -> tuple[list[Node], Node]:
@@ -201,7 +205,9 @@ class LocalSums:
 
     Exact: one float32 buffer per tree node held (:func:`cover` of the ids added). Fast: one
     running sum. For each micro-batch the worker calls :meth:`begin`, then :meth:`add` once per
-    parameter as its gradient becomes ready (from a gradient hook), then :meth:`end`.
+    parameter as its gradient becomes ready (from a gradient hook), then :meth:`end`. Or,
+    between :meth:`begin` and the backward pass, :meth:`grad_views`, which lets autograd's
+    own accumulation do :meth:`add`'s addition, and :meth:`landed` from the hook.
     """
 
     def __init__(
@@ -227,6 +233,9 @@ class LocalSums:
         self._first = False
         self._added: list[bool] = []
         self._pending: list[int] = []
+        self._slices = [slice(o, o + n) for o, n in zip(layout.offsets, layout.sizes, strict=True)]
+        self._views: list[torch.Tensor] | None = None  # the current micro-batch's (grad_views)
+        self._view_cache: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     @property
     def ids(self) -> set[int]:
@@ -269,8 +278,7 @@ class LocalSums:
         """Parameter ``index``'s gradient of the current micro-batch (None: no gradient, i.e.
         zeros). Returns the bucket this completes, if it does."""
         assert self._mb is not None and not self._added[index]
-        lo = self.layout.offsets[index]
-        s = slice(lo, lo + self.layout.sizes[index])
+        s = self._slices[index]
         g = (
             grad.reshape(-1)
             if grad is not None
@@ -281,6 +289,49 @@ class LocalSums:
             target.copy_(g.expand(s.stop - s.start))
         else:
             target.add_(g)
+        return self._merged(index, target)
+
+    def grad_views(self, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+        """For the current micro-batch (after :meth:`begin`): each parameter's place in the
+        node buffer its gradient is added into, shaped like the parameter (``shapes``).
+
+        The worker sets them as the parameters' ``.grad`` before the backward pass; autograd
+        then accumulates each gradient into its view in place (``grad += new``: the addition
+        :meth:`add` makes, of the same operands), and the gradient hook calls :meth:`landed`
+        instead of :meth:`add`: no tensor work in Python per gradient, as in DDP's
+        ``gradient_as_bucket_view``. A buffer that starts a node is filled with -0.0, the
+        identity of IEEE addition (``-0.0 + g`` is ``g`` for every float, -0.0 included, where
+        +0.0 would turn a gradient's -0.0 into +0.0). The views of a buffer are made once."""
+        assert self._mb is not None and not any(self._added)
+        key = id(self._target)
+        hit = self._view_cache.get(key)
+        if hit is None or hit[0] is not self._target:
+            pairs = zip(self._slices, shapes, strict=True)
+            views = [self._target[s].view(shape) for s, shape in pairs]
+            self._view_cache[key] = hit = (self._target, views)
+        if self._first:
+            self._target.fill_(-0.0)
+        self._views = hit[1]
+        return hit[1]
+
+    def landed(self, index: int, grad: torch.Tensor | None) -> int | None:
+        """Parameter ``index``'s gradient of the current micro-batch is in its view of
+        :meth:`grad_views` (``grad``: the parameter's ``.grad`` as the hook sees it). Returns
+        the bucket this completes, if it does. A ``.grad`` that is not the view (autograd
+        replaces rather than accumulates while it records a graph, ``create_graph=True``) holds
+        the same sum, and is copied in."""
+        assert self._mb is not None and self._views is not None and not self._added[index]
+        view = self._views[index]
+        if grad is not view:
+            if grad is None:
+                return self.add(index, None)
+            view.copy_(grad)
+        return self._merged(index, self._target[self._slices[index]] if self._chain else view)
+
+    def _merged(self, index: int, target: torch.Tensor) -> int | None:
+        """The rest of adding parameter ``index``'s gradient into ``target`` (its flat slice of
+        the node buffer): the merged siblings' slices, then the bucket's count."""
+        s = self._slices[index]
         for other in self._chain:
             target.add_(other[s])
         self._added[index] = True
@@ -297,13 +348,12 @@ class LocalSums:
         assert self._mb is not None
         self._free += self._chain  # merged into the target: free for the next leaves
         self.losses[self._mb] = loss
-        self._mb = None
-        self._chain = []
+        self._mb, self._chain, self._views = None, [], None
         return done
 
     def abandon(self) -> None:
         """A micro-batch failed half-way: its partial additions spoiled the sums; drop all."""
-        self._mb, self._chain = None, []
+        self._mb, self._chain, self._views = None, [], None
         self.clear()
 
     def clear(self) -> None:
@@ -312,6 +362,8 @@ class LocalSums:
         a step that held more after a failure does not keep its extra memory for ever)."""
         assert self._mb is None
         self._free = (self._free + list(self.nodes.values()))[: max(self._peak, 1)]
+        kept = {id(b) for b in self._free}
+        self._view_cache = {k: v for k, v in self._view_cache.items() if k in kept}
         self._peak = 0
         self.nodes.clear()
         self.losses.clear()
