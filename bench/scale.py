@@ -21,7 +21,8 @@ automatic checkpoint interval):
   what happens between two steps (Unicron's epoch check at the boundary, its events).
 
 Rows give the median over the repetitions; ``step_time_vs_ddp`` and ``step_period_vs_ddp``
-divide each Unicron arm's by the DDP loop's. Metric names carry the size:
+divide each Unicron arm's by the DDP loop's; ``..._vs_ddp_paired`` divide them repetition by
+repetition (:func:`paired`; median, min and max of those ratios). Metric names carry the size:
 ``step_time_s[100m]``. Each note carries the machine's load averages (1 min) before and after
 the size's trials: the figures move with a shared machine's load.
 
@@ -161,7 +162,25 @@ def run(quick: bool, sizes: tuple[str, ...] | None = None, reps: int | None = No
                             note=f"median / plain DDP's median, same run; {note}",
                         )
                     )
+                    rows.append(
+                        make_row(
+                            system=arm,
+                            scenario=SCENARIO,
+                            status="derived",
+                            metric=kind_metric(f"{metric}_vs_ddp_paired", size),
+                            values=paired(values[arm], values["plain DDP"]),
+                            unit="x",
+                            note=f"each repetition's / plain DDP's in the same repetition; {note}",
+                        )
+                    )
     return rows
+
+
+def paired(arm: list[float], ddp: list[float]) -> list[float]:
+    """Repetition by repetition, ``arm``'s figure over DDP's: the arms of one repetition run
+    back to back, so a drift of the shared machine's pace between repetitions (as large as
+    the differences measured) cancels in each ratio, which a ratio of medians keeps."""
+    return [a / d for a, d in zip(arm, ddp, strict=True)]
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.scale import figures, turns
+from bench.scale import figures, paired, turns
 
 
 def test_figures_are_medians_after_the_warmup() -> None:
@@ -30,3 +30,14 @@ def test_each_repetition_starts_one_arm_further_on() -> None:
         ["c", "a", "b"],
         ["a", "b", "c"],
     ]
+
+
+def test_paired_ratios_are_taken_repetition_by_repetition() -> None:
+    # the machine's pace moves between repetitions; within each, the arm is 1.1x DDP
+    arm, ddp = [110.0, 440.0, 220.0, 165.0], [100.0, 400.0, 200.0, 150.0]
+    assert [round(r, 9) for r in paired(arm, ddp)] == [1.1] * 4
+    # ... and inside them: repetition k's arm over repetition k's DDP, never another's
+    arm, ddp = [110.0, 220.0, 330.0], [100.0, 300.0, 150.0]
+    assert [round(r, 3) for r in paired(arm, ddp)] == [1.1, 0.733, 2.2]
+    with pytest.raises(ValueError):
+        paired([1.0], [1.0, 2.0])
