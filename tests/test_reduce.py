@@ -286,23 +286,30 @@ def test_the_exchange_over_gloo_gives_the_same_bits() -> None:
     assert torch.allclose(fast, want, rtol=1e-5, atol=1e-5)
 
 
-def feed_autograd(sums: LocalSums, ids: list[int], leaves: list[torch.Tensor]) -> LocalSums:
-    """Add micro-batches as the worker does by default: real parameters, each micro-batch's
-    backward pass accumulating into :meth:`LocalSums.grad_views` (set as ``.grad``), the
-    gradient hooks calling :meth:`LocalSums.landed`. Parameter 1 has no gradient where
-    :func:`feed` gives it none."""
+def feed_autograd(
+    sums: LocalSums, ids: list[int], leaves: list[torch.Tensor], *, first: bool
+) -> LocalSums:
+    """Add micro-batches as the worker does: real parameters, each micro-batch's backward
+    pass accumulating into :meth:`LocalSums.grad_views` (set as ``.grad``), the gradient
+    hooks calling :meth:`LocalSums.landed`; a micro-batch that starts a node through the
+    hooks' :meth:`LocalSums.add` unless ``first`` (the worker's choice for large parameters,
+    ``VIEWS_FIRST_MAX``). Parameter 1 has no gradient where :func:`feed` gives it none."""
     layout = sums.layout
     shapes = [torch.Size([n]) if n % 2 else torch.Size([2, n // 2]) for n in layout.sizes]
     params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
 
     def hook(i: int, p: torch.Tensor) -> None:
-        sums.landed(i, p.grad)
+        if sums.viewing:
+            sums.landed(i, p.grad)
+        else:
+            sums.add(i, p.grad)
+            p.grad = None
 
     for i, p in enumerate(params):
         p.register_post_accumulate_grad_hook(functools.partial(hook, i))
     for mb in ids:
         sums.begin(mb)
-        views = sums.grad_views(shapes)
+        views = sums.grad_views(shapes) if first or not sums.starting else [None] * len(params)
         for p, view in zip(params, views, strict=True):
             p.grad = view
         loss = torch.zeros(())
@@ -311,15 +318,18 @@ def feed_autograd(sums: LocalSums, ids: list[int], leaves: list[torch.Tensor]) -
                 lo = layout.offsets[i]  # d(loss)/dp = the leaf's slice, exactly
                 loss = loss + (p * leaves[mb][lo : lo + layout.sizes[i]].view(p.shape)).sum()
         loss.backward()
-        assert all(p.grad is view for p, view in zip(params, views, strict=True))  # in place
+        assert all(
+            p.grad is view for p, view in zip(params, views, strict=True) if view is not None
+        )
         sums.end(float(mb))
         for p in params:
             p.grad = None
     return sums
 
 
+@pytest.mark.parametrize("first", [True, False])
 @pytest.mark.parametrize("exact", [True, False])
-def test_autograd_accumulating_into_the_sums_gives_the_same_bits(exact: bool) -> None:
+def test_autograd_accumulating_into_the_sums_gives_the_same_bits(exact: bool, first: bool) -> None:
     # the worker's default path (autograd adds each gradient into its view of a node buffer)
     # against LocalSums.add, for every grouping and order (siblings merged, out of order):
     # the same nodes, the same bits, -0.0 kept (a node's buffer starts as -0.0, not +0.0)
@@ -335,7 +345,7 @@ def test_autograd_accumulating_into_the_sums_gives_the_same_bits(exact: bool) ->
                 sums = LocalSums(layout, M, exact=exact, dtype=torch.float32)
                 for _ in range(2):  # again on the first step's buffers
                     want = feed(LocalSums(layout, M, exact=exact, dtype=torch.float32), ids, leaves)
-                    got = feed_autograd(sums, ids, leaves)
+                    got = feed_autograd(sums, ids, leaves, first=first)
                     assert got.nodes.keys() == want.nodes.keys()
                     for n in want.nodes:
                         assert torch.equal(bits(got.nodes[n]), bits(want.nodes[n])), (ids, n)

@@ -582,7 +582,8 @@ class _Runner:
         self._spaces: dict[int, R.Workspace] = {}
         self._gatherers: dict[int, R.Gatherer] = {}
         # autograd accumulates straight into the local sums (LocalSums.grad_views) where each
-        # parameter's gradient can live in their buffer as it is
+        # parameter's gradient can live in their buffer as it is; a node's first micro-batch
+        # too where the parameters are small (R.VIEWS_FIRST_MAX)
         self._shapes = (
             [p.shape for p in self.params]
             if all(
@@ -591,6 +592,7 @@ class _Runner:
             )
             else None
         )
+        self._views_first = self.layout.numel <= R.VIEWS_FIRST_MAX * len(self.params)
         self._in_backward = self._last = self._stepping = False
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
@@ -980,7 +982,9 @@ class _Runner:
         """Backward of the current micro-batch; the gradient hooks take each gradient."""
         mb, last = self._take(s, "step.backward(loss)")
         self._in_backward, self._last = True, last
-        if self._shapes is not None:
+        viewing = self._shapes is not None and (self._views_first or not self.sums.starting)
+        if viewing:
+            assert self._shapes is not None
             for p, view in zip(self.params, self.sums.grad_views(self._shapes), strict=True):
                 p.grad = view
         try:
@@ -993,7 +997,7 @@ class _Runner:
             raise
         finally:
             self._in_backward = False
-            if self._shapes is not None:
+            if viewing:
                 for p in self.params:
                     p.grad = None  # a backward pass of the user's own adds into nothing of ours
         self._close_microbatch(mb, last, finished)
@@ -1036,7 +1040,7 @@ class _Runner:
                     "takes the micro-batch's gradient and loss"
                 )
             return  # a backward pass of the user's own, between steps
-        if self._shapes is not None:
+        if self.sums.viewing:
             bucket = self.sums.landed(index, param.grad)
         else:
             bucket = self.sums.add(index, param.grad)

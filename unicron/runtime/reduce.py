@@ -47,6 +47,14 @@ epoch, started as the all-to-alls finish (:class:`Exchange`); a single bucket is
 when the backward pass is over, so there is nothing left to overlap. (It was 3 until
 2026-12-01: the example model's 2 buckets overlapped too step 4 % faster, docs/benchmarks.md)"""
 
+VIEWS_FIRST_MAX = 1 << 16
+"""Mean elements per parameter up to which a node's *first* micro-batch also goes through
+:meth:`LocalSums.grad_views` (the worker decides once). Its buffer must first be filled with
+-0.0, and autograd then reads it back: a fill and an addition cost 3.4 ms more than the copy
+the hook makes instead per 100 MB (12.3 against 8.9 ms, one core), while the hook's Python
+costs some microseconds per parameter: at the example model's 16 K elements per parameter the
+views win, at the 100M model's millions the copy does."""
+
 
 # -- the tree (pure) -------------------------------------------------------------------------
 def split(node: Node) -> tuple[Node, Node] | None:
@@ -236,6 +244,16 @@ class LocalSums:
         self._slices = [slice(o, o + n) for o, n in zip(layout.offsets, layout.sizes, strict=True)]
         self._views: list[torch.Tensor] | None = None  # the current micro-batch's (grad_views)
         self._view_cache: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    @property
+    def starting(self) -> bool:
+        """The current micro-batch starts a node (it is copied, not added, into its buffer)."""
+        return self._first
+
+    @property
+    def viewing(self) -> bool:
+        """The current micro-batch's gradients go through :meth:`grad_views`."""
+        return self._views is not None
 
     @property
     def ids(self) -> set[int]:
