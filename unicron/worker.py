@@ -1116,7 +1116,7 @@ class _Runner:
         finally:
             ex.close()
         kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
-        self._apply(grads, len(kept), before_optimizer, whole=ex.space.out)
+        self._apply(grads, ex.space.out, len(kept), before_optimizer)
         s.loss = sum(kept) / len(kept)
         # every member reports the commit (the agent logs one step_end per epoch and step), so
         # the record survives a rank 0 that dies right after committing
@@ -1183,20 +1183,17 @@ class _Runner:
     def _apply(
         self,
         grads: list[torch.Tensor],
+        whole: torch.Tensor,
         count: int,
         before_optimizer: Callable[[], object] | None = None,
-        *,
-        whole: torch.Tensor | None = None,
     ) -> None:
-        """Step the optimizer with the mean gradient of the step's reduced sums (``grads``:
-        views of ``whole``, if given, which is divided at once: one operation, not one per
-        parameter; the same quotient in every element)."""
+        """Step the optimizer with the mean gradient of the step's reduced sums: ``grads``,
+        views of ``whole``, which is divided at once (one operation, not one per parameter;
+        the same quotient in every element)."""
         assert count == self.M or self.ctx.on_lost == "drop", f"reduced {count} of {self.M}"
-        expected = self.M if self.ctx.on_lost == "recompute" else count
-        if whole is not None:
-            whole.div_(expected)
+        whole.div_(self.M if self.ctx.on_lost == "recompute" else count)
         for p, g in zip(self.params, grads, strict=True):
-            mean = g.view_as(p) if whole is not None else g.div_(expected).view_as(p)
+            mean = g.view_as(p)
             p.grad = mean if mean.dtype == p.dtype else mean.to(p.dtype)
         if before_optimizer is not None:
             before_optimizer()
