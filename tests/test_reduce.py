@@ -388,3 +388,40 @@ def test_sums_keep_only_the_buffers_a_step_used() -> None:
     sums.clear()
     feed(sums, [0, 1, 2], leaves)
     assert sums.allocated == 3
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_a_gradient_autograd_put_elsewhere_is_copied_in() -> None:
+    # backward(create_graph=True) replaces .grad with a new tensor (the view + the gradient)
+    # instead of adding into the view: landed() copies it in, the same values as add()
+    layout = Layout.plan([6, 4], 100)
+    nodes = {}
+    for viewing in (False, True):
+        sums = LocalSums(layout, 2, exact=True, dtype=torch.float32)
+        params = [torch.zeros(6, requires_grad=True), torch.zeros(4, requires_grad=True)]
+
+        def hook(i: int, p: torch.Tensor, sums: LocalSums = sums) -> None:
+            if sums.viewing:
+                sums.landed(i, p.grad)
+            else:
+                sums.add(i, p.grad)
+                p.grad = None
+
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(functools.partial(hook, i))
+        for mb in range(2):
+            sums.begin(mb)
+            views = sums.grad_views([p.shape for p in params]) if viewing else [None, None]
+            for p, view in zip(params, views, strict=True):
+                p.grad = view
+            g = torch.Generator().manual_seed(mb)
+            loss = sum(((p * p + p) * torch.randn(p.shape, generator=g)).sum() for p in params)
+            assert isinstance(loss, torch.Tensor)
+            loss.backward(create_graph=True)
+            if viewing:
+                assert not any(p.grad is view for p, view in zip(params, views, strict=True))
+            sums.end(float(mb))
+            for p in params:
+                p.grad = None
+        nodes[viewing] = sums.nodes[(0, 2)].detach()
+    assert torch.equal(bits(nodes[True]), bits(nodes[False]))
