@@ -147,32 +147,28 @@ def run(quick: bool, sizes: tuple[str, ...] | None = None, reps: int | None = No
                                          metric=kind_metric(metric, size),
                                          values=values[arm]))  # fmt: skip
             for metric, values in (("step_time", times), ("step_period", periods)):
-                ddp = statistics.median(values["plain DDP"])
+                ddp = values["plain DDP"]
                 for arm in arms:
                     if arm == "plain DDP":
                         continue
-                    rows.append(
-                        make_row(
-                            system=arm,
-                            scenario=SCENARIO,
-                            status="derived",
-                            metric=kind_metric(f"{metric}_vs_ddp", size),
-                            values=[statistics.median(values[arm]) / ddp],
-                            unit="x",
-                            note=f"median / plain DDP's median, same run; {note}",
+                    ratios = (
+                        ("", [statistics.median(values[arm]) / statistics.median(ddp)],
+                         "median / plain DDP's median, same run"),
+                        ("_paired", paired(values[arm], ddp),
+                         "each repetition's / plain DDP's in the same repetition"),
+                    )  # fmt: skip
+                    for suffix, ratio, how in ratios:
+                        rows.append(
+                            make_row(
+                                system=arm,
+                                scenario=SCENARIO,
+                                status="derived",
+                                metric=kind_metric(f"{metric}_vs_ddp{suffix}", size),
+                                values=ratio,
+                                unit="x",
+                                note=f"{how}; {note}",
+                            )
                         )
-                    )
-                    rows.append(
-                        make_row(
-                            system=arm,
-                            scenario=SCENARIO,
-                            status="derived",
-                            metric=kind_metric(f"{metric}_vs_ddp_paired", size),
-                            values=paired(values[arm], values["plain DDP"]),
-                            unit="x",
-                            note=f"each repetition's / plain DDP's in the same repetition; {note}",
-                        )
-                    )
     return rows
 
 

@@ -286,6 +286,16 @@ def test_the_exchange_over_gloo_gives_the_same_bits() -> None:
     assert torch.allclose(fast, want, rtol=1e-5, atol=1e-5)
 
 
+def hook_into(sums: LocalSums, params: list[torch.Tensor]) -> None:
+    """The worker's gradient hooks: each parameter's gradient to :meth:`LocalSums.hooked`."""
+
+    def hook(i: int, p: torch.Tensor) -> None:
+        sums.hooked(i, p)
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(functools.partial(hook, i))
+
+
 def feed_autograd(
     sums: LocalSums, ids: list[int], leaves: list[torch.Tensor], *, first: bool
 ) -> LocalSums:
@@ -298,15 +308,7 @@ def feed_autograd(
     shapes = [torch.Size([n]) if n % 2 else torch.Size([2, n // 2]) for n in layout.sizes]
     params = [torch.zeros(shape, requires_grad=True) for shape in shapes]
 
-    def hook(i: int, p: torch.Tensor) -> None:
-        if sums.viewing:
-            sums.landed(i, p.grad)
-        else:
-            sums.add(i, p.grad)
-            p.grad = None
-
-    for i, p in enumerate(params):
-        p.register_post_accumulate_grad_hook(functools.partial(hook, i))
+    hook_into(sums, params)
     for mb in ids:
         sums.begin(mb)
         views = sums.grad_views(shapes) if first or not sums.starting else [None] * len(params)
@@ -399,16 +401,7 @@ def test_a_gradient_autograd_put_elsewhere_is_copied_in() -> None:
     for viewing in (False, True):
         sums = LocalSums(layout, 2, exact=True, dtype=torch.float32)
         params = [torch.zeros(6, requires_grad=True), torch.zeros(4, requires_grad=True)]
-
-        def hook(i: int, p: torch.Tensor, sums: LocalSums = sums) -> None:
-            if sums.viewing:
-                sums.landed(i, p.grad)
-            else:
-                sums.add(i, p.grad)
-                p.grad = None
-
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(functools.partial(hook, i))
+        hook_into(sums, params)
         for mb in range(2):
             sums.begin(mb)
             views = sums.grad_views([p.shape for p in params]) if viewing else [None, None]

@@ -982,10 +982,9 @@ class _Runner:
         """Backward of the current micro-batch; the gradient hooks take each gradient."""
         mb, last = self._take(s, "step.backward(loss)")
         self._in_backward, self._last = True, last
-        viewing = self._shapes is not None and (self._views_first or not self.sums.starting)
-        if viewing:
-            assert self._shapes is not None
-            for p, view in zip(self.params, self.sums.grad_views(self._shapes), strict=True):
+        shapes = self._shapes if self._views_first or not self.sums.starting else None
+        if shapes is not None:
+            for p, view in zip(self.params, self.sums.grad_views(shapes), strict=True):
                 p.grad = view
         try:
             loss.backward()
@@ -997,7 +996,7 @@ class _Runner:
             raise
         finally:
             self._in_backward = False
-            if viewing:
+            if shapes is not None:
                 for p in self.params:
                     p.grad = None  # a backward pass of the user's own adds into nothing of ours
         self._close_microbatch(mb, last, finished)
@@ -1040,11 +1039,7 @@ class _Runner:
                     "takes the micro-batch's gradient and loss"
                 )
             return  # a backward pass of the user's own, between steps
-        if self.sums.viewing:
-            bucket = self.sums.landed(index, param.grad)
-        else:
-            bucket = self.sums.add(index, param.grad)
-            param.grad = None
+        bucket = self.sums.hooked(index, param)
         if bucket is not None and self._last:
             self._ready(bucket)
 

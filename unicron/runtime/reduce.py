@@ -346,6 +346,17 @@ class LocalSums:
             view.copy_(grad)
         return self._merged(index, self._target[self._slices[index]] if self._chain else view)
 
+    def hooked(self, index: int, param: torch.Tensor) -> int | None:
+        """The gradient hook's work for parameter ``index`` (``param``, whose ``.grad`` holds
+        its gradient of the current micro-batch): :meth:`landed` where the micro-batch goes
+        through :meth:`grad_views`, else :meth:`add` and the ``.grad`` dropped. Returns the
+        bucket this completes, if it does."""
+        if self.viewing:
+            return self.landed(index, param.grad)
+        bucket = self.add(index, param.grad)
+        param.grad = None
+        return bucket
+
     def _merged(self, index: int, target: torch.Tensor) -> int | None:
         """The rest of adding parameter ``index``'s gradient into ``target`` (its flat slice of
         the node buffer): the merged siblings' slices, then the bucket's count."""
