@@ -98,6 +98,7 @@ def _member(arm: str, size: str, rank: int, world: int, port: int, out: Any) -> 
     )
 
     torch.set_num_threads(1)
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")  # as the agent starts every worker
     warm_up(torch.device("cpu"))  # as every worker does when it starts
     joiner = rank == world - 1
     model, opt, _ = build(size, seed=1 if joiner else 0)

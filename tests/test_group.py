@@ -68,6 +68,40 @@ def test_a_peer_that_never_connects_does_not_block_leaving_the_epoch(
     assert watch.latest() == 2 and time.monotonic() - t0 < 1.0  # the control client is free
 
 
+@pytest.mark.parametrize("send", [False, True])
+def test_a_point_to_point_link_to_a_peer_that_never_connects_leaves_the_epoch(
+    monkeypatch: pytest.MonkeyPatch, send: bool
+) -> None:
+    """As above, for a :class:`PeerLink` (the state transfer's pair over the epoch's group):
+    its first operation connects the pair, in the calling thread for gloo's point-to-point
+    ops, and that connect waits for the peer's address for the whole group timeout. It is
+    issued from the link's waiter thread and waited for in slices: the member leaves when
+    the newer epoch is announced."""
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first = EpochInfo(1, (0, 1, 2), (0, 0, 0), urgent=False)
+    _announce(server, first)
+    client = _client(server.port)
+    watch = EpochWatch(client, "t")
+    g = EpochGroup(client, watch, first, 0, slice_s=0.05, timeout_s=TIMEOUT_S,
+                   pg_store=lambda: _client(server.port))  # fmt: skip
+    for peer in (1, 2):  # arrived, then left
+        server.set(f"{epoch_prefix('t', 1)}/arrived/{peer}", "1")
+    g.rendezvous()
+    link = g.peer(2)
+    assert link is not None and g.peer(2) is link
+    announcer = threading.Timer(0.5, _announce, args=(server, EpochInfo(2, (0,), (0,), True)))
+    announcer.start()
+    t0 = time.monotonic()
+    with pytest.raises(EpochOver):
+        link.wait(link.ibroadcast(torch.zeros(3), 0 if send else 2))
+    left_s = time.monotonic() - t0
+    announcer.join()
+    g.leave()
+    KEEP.append(g)
+    assert left_s < TIMEOUT_S / 2, f"left the epoch after {left_s:.1f} s"  # ~0.5 s
+
+
 def test_a_left_groups_threads_run_only_when_nothing_else_wants_a_core(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

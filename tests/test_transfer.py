@@ -248,7 +248,8 @@ def test_one_holder_streams_to_two_joiners_over_the_epochs_own_group() -> None:
 @pytest.mark.timeout(60)
 def test_a_member_neither_holder_nor_needer_takes_no_part() -> None:
     """Rank 1 (say a holder on another node than the joiner) returns at once, before the
-    others have done anything; the joiner gets the state from rank 0 over their subgroup."""
+    others have done anything; the joiner gets the state from rank 0 over the epoch's own
+    group, point to point: no group of the two is built."""
     reference = _trained(seed=0, steps=2)
     members = [_trained(seed=0, steps=2), _trained(seed=0, steps=2), _model(seed=4)]
     started = threading.Event()
@@ -257,16 +258,62 @@ def test_a_member_neither_holder_nor_needer_takes_no_part() -> None:
         if g.rank == 1:
             stats = transfer(g, *members[1], holders=[0], needers=[2], device=torch.device("cpu"))
             started.set()
-            return stats
+            return stats, sorted(g.subgroups), sorted(g.peers)
         assert started.wait(10)  # rank 1 never waited for them
-        return transfer(g, *members[g.rank], holders=[0], needers=[2],
-                        device=torch.device("cpu"), chunk_bytes=1000)  # fmt: skip
+        stats = transfer(g, *members[g.rank], holders=[0], needers=[2],
+                         device=torch.device("cpu"), chunk_bytes=1000)  # fmt: skip
+        return stats, sorted(g.subgroups), sorted(g.peers)
 
-    stats = _run_group(3, body)
-    assert not any(isinstance(s, Exception) for s in stats), stats
+    results = _run_group(3, body)
+    assert not any(isinstance(r, Exception) for r in results), results
+    stats = [r[0] for r in results]
     assert stats[1].nbytes == 0
     _same(reference, members[2])
     assert stats[0].nbytes == stats[2].nbytes == state_nbytes(*reference)
+    assert [r[1:] for r in results] == [([], [2]), ([], []), ([], [0])]
+
+
+def _peer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("unicron-peer-")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("frozen", ["holder", "needer"])
+def test_a_pair_over_the_epochs_group_leaves_a_superseded_epoch_at_once(frozen: str) -> None:
+    """One holder (rank 0) and one needer (rank 2) of three, point to point: the ``frozen``
+    one never takes part; the other waits for it in slices (a point-to-point wait cannot be
+    left in slices by itself: its waiter thread waits, the caller watches the epoch) and
+    leaves when epoch 2 is announced, not at the 30 s group timeout. Its waiter thread ends
+    once the group is left and the frozen member's connection is gone."""
+    members = [_trained(seed=0, steps=1), _trained(seed=0, steps=1), _model(seed=3)]
+    waiting = 2 if frozen == "holder" else 0
+    before = _peer_threads()
+    left = threading.Event()
+
+    def body(g: EpochGroup) -> Any:
+        if g.rank == 2 - waiting:  # frozen: alive, its connections open, until the other left
+            return left.wait(20)
+        if g.rank != waiting:
+            return None  # the bystander
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(EpochOver):
+                transfer(g, *members[g.rank], holders=[0], needers=[2],
+                         device=torch.device("cpu"))  # fmt: skip
+        finally:
+            g.leave()
+            left.set()
+        return time.monotonic() - t0, sorted(g.subgroups)
+
+    results = _run_group(3, body, supersede=True)
+    assert isinstance(results[waiting], tuple), results
+    seconds, subgroups = results[waiting]
+    assert seconds < 5.0  # announced after ~0.5 s; sliced waits of 0.05 s
+    assert subgroups == []
+    deadline = time.monotonic() + 20
+    while len(_peer_threads()) > len(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_peer_threads()) == len(before)
 
 
 @pytest.mark.timeout(60)
@@ -502,10 +549,13 @@ class _Many(torch.nn.Module):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("agreed", [False, True])
-def test_a_manifest_longer_than_its_head_arrives_whole(agreed: bool) -> None:
+def test_a_manifest_longer_than_its_head_arrives_whole(agreed: bool, world: int) -> None:
     """The rest of a long manifest is a second broadcast: before the chunks, or, when the
-    joiner posts its model's receives first (``agreed``), after the model's chunks."""
+    joiner posts its model's receives first (``agreed``), after the model's chunks. With a
+    third member (taking no part), holder and joiner send and receive point to point over
+    the epoch's group, in the same order."""
 
     def build(seed: int, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
@@ -518,7 +568,7 @@ def test_a_manifest_longer_than_its_head_arrives_whole(agreed: bool) -> None:
         return model, opt
 
     reference = build(0, 2)
-    members = [build(0, 2), build(1, 0)]
+    members = [build(0, 2), build(1, 0), build(0, 2)][:world]
     data = transfer_module.inventory(model_tensors(reference[0]), reference[1], manifest=True)
     assert data.manifest is not None and len(data.manifest) > transfer_module.MANIFEST_HEAD
 
@@ -526,7 +576,7 @@ def test_a_manifest_longer_than_its_head_arrives_whole(agreed: bool) -> None:
         return transfer(g, *members[g.rank], holders=[0], needers=[1],
                         device=torch.device("cpu"), chunk_bytes=2000, agreed=agreed)  # fmt: skip
 
-    stats = _run_group(2, body)
+    stats = _run_group(world, body)
     assert not any(isinstance(s, Exception) for s in stats), stats
     _same(reference, members[1])
 

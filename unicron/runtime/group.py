@@ -21,6 +21,8 @@ import copy
 import datetime as dt
 import functools
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,6 +102,113 @@ class _Works:
     parts: list[Any]
 
 
+class _Pending:
+    """One operation of a :class:`PeerLink`; ``done`` once its waiter thread's part of it
+    (a wait, or a first operation's issue) returned."""
+
+    __slots__ = ("done", "error", "work")
+
+    def __init__(self, work: Any = None) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class PeerLink:
+    """Sends to and receives from one other member over the epoch's own gloo group, without
+    a process group of the two (:meth:`EpochGroup.peer`).
+
+    Used by the state transfer (:mod:`unicron.runtime.transfer`) when one holder sends to one
+    needer in a larger epoch: a subgroup of the two would cost a new process group (its
+    threads, its listening socket, its connection) where the epoch's group has the pair
+    already: a first tiny broadcast over a new subgroup took 1.28 ms here, the first
+    operation over a link 0.55 ms, its connection included (docs/benchmarks.md). A gloo
+    point-to-point wait cannot be left in slices (a timed-out wait closes the connection), so
+    the link's waiter thread waits for each operation in turn, for as long as the group's
+    timeout, and the caller waits for that in slices (:meth:`wait`), leaving a superseded
+    epoch at once like any collective. The first operation is issued by that thread too: it
+    connects the pair (lazily, in the issuing thread for point-to-point ops), and a peer
+    that left before publishing its address would hold that thread for the whole timeout.
+    The thread ends when the group is left (:meth:`EpochGroup.leave`), once the wait it is in
+    returns (a peer gone closes the connection; a peer that left the epoch alive, at the
+    timeout).
+
+    The operations on one link are matched in the order each side posts them. Its
+    ``ibroadcast(tensor, src)`` is the :class:`unicron.runtime.transfer.Link` of a pair:
+    ``src`` (an epoch rank, this member or the peer) sends, the other receives."""
+
+    def __init__(self, group: EpochGroup, peer: int) -> None:
+        assert peer != group.rank, peer
+        self.group, self.peer = group, peer
+        self.rank, self.world, self.wire = group.rank, group.world, group.wire
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._connected = False
+
+    def ibroadcast(self, tensor: torch.Tensor, src: int) -> _Pending:
+        """Start sending ``tensor`` to the peer (``src`` is this member) or receiving it from
+        the peer (``src`` is the peer); see :meth:`wait`."""
+        pg = self.group.pg
+        if src == self.rank:
+            issue = functools.partial(pg.send, [tensor], self.peer, 0)
+        else:
+            assert src == self.peer, (src, self.peer)
+            issue = functools.partial(pg.recv, [tensor], self.peer, 0)
+        if self._connected:
+            pending = _Pending(self.group._start(issue))
+        else:
+            pending = _Pending()
+            self._submit(functools.partial(self._run, pending, issue))
+            self.wait(pending)  # issued, the pair connected
+            pending = _Pending(pending.work)
+            self._connected = True
+        self._submit(functools.partial(self._run, pending, pending.work.wait))
+        return pending
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._waiter, name=f"unicron-peer-{self.peer}", daemon=True
+            )
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _waiter(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    @staticmethod
+    def _run(pending: _Pending, call: Callable[[], Any]) -> None:
+        """On the waiter thread: ``call`` (an issue, its result kept, or a work's wait, as long
+        as the group's timeout; the GIL is released meanwhile), then ``pending`` is done."""
+        try:
+            result = call()
+            if pending.work is None:
+                pending.work = result
+        except BaseException as exc:  # handed to the caller's wait
+            pending.error = exc
+        pending.done.set()
+
+    def wait(self, pending: _Pending) -> None:
+        """Wait for ``pending`` in slices, leaving at once if the epoch is superseded."""
+        deadline = time.monotonic() + self.group.timeout_s
+        slice_s = self.group.slice.total_seconds()
+        while not pending.done.wait(slice_s):
+            self.group._check(urgent_only=False)
+            if time.monotonic() > deadline:
+                raise CollectiveError(TimeoutError(f"no word from member {self.peer}"))
+        if pending.error is not None:
+            raise CollectiveError(pending.error) from pending.error
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.wait(self.ibroadcast(tensor, src))
+
+    def close(self) -> None:
+        """End the waiter thread once the jobs handed to it are over."""
+        if self._thread is not None:
+            self._jobs.put(None)
+
+
 class EpochGroup:
     """The members of one epoch, their process group and the commit vote.
 
@@ -142,6 +251,7 @@ class EpochGroup:
         self._left = False
         self._threads: set[int] = set()  # gloo: the threads its construction started
         self.subgroups: dict[str, EpochGroup] = {}  # by name and ranks; left with this group
+        self.peers: dict[int, PeerLink] = {}  # by epoch rank; closed with this group
 
     # -- membership -------------------------------------------------------------------------
     def _check(self, *, urgent_only: bool = True) -> None:
@@ -201,6 +311,9 @@ class EpochGroup:
         slower), and must not take a core from training."""
         for sub in self.subgroups.values():
             sub.leave()
+        for link in self.peers.values():
+            link.close()
+        self.peers = {}
         if self._left:
             return
         self._left = True
@@ -209,6 +322,16 @@ class EpochGroup:
         for tid in self._threads:
             with contextlib.suppress(OSError, AttributeError):  # gone; not Linux
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+
+    def peer(self, other: int) -> PeerLink | None:
+        """A :class:`PeerLink` between this member and member ``other`` (one per pair and
+        epoch), or None on NCCL (whose point-to-point operations build a communicator of
+        the pair in any case: a :meth:`subgroup` is no dearer there)."""
+        if self.backend != "gloo":
+            return None
+        if other not in self.peers:
+            self.peers[other] = PeerLink(self, other)
+        return self.peers[other]
 
     def subgroup(self, ranks: list[int], name: str) -> EpochGroup:
         """A process group of some members (``ranks``: this epoch's ranks; this member is one
@@ -221,7 +344,7 @@ class EpochGroup:
             return self.subgroups[key]
         sub = copy.copy(self)
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
-        sub.subgroups, sub._left, sub._threads = {}, False, set()
+        sub.subgroups, sub.peers, sub._left, sub._threads = {}, {}, False, set()
         try:
             sub.pg = sub._build(dist.PrefixStore(f"sub/{key}", self._own_store()))
         except (RuntimeError, dist.DistStoreError) as exc:
@@ -276,8 +399,8 @@ class EpochGroup:
     def wait(self, work: Any) -> None:
         """Wait for ``work`` (from :meth:`ibroadcast` or a ``start_*`` collective) in slices,
         like any collective, leaving at once if the epoch is superseded. (Gloo's
-        point-to-point ``send``/``recv`` are not used: a timed-out wait on them closes the
-        connection, so they cannot be waited for in slices.)"""
+        point-to-point ``send``/``recv`` go through a :class:`PeerLink`: a timed-out wait on
+        them closes the connection, so they cannot be waited for in slices here.)"""
         self._wait(work)
 
     def ibroadcast(self, tensor: torch.Tensor, src: int) -> Any:

@@ -16,7 +16,9 @@ and the *needers* (joiners, restarted workers). Nothing is serialized into one b
    ``k`` comes from holder ``k mod H`` (several holders send in parallel, each a share; a
    model within one chunk comes from the first alone, :func:`senders`),
    broadcast in a small group of that holder and the needers (a collective, because a gloo
-   point-to-point wait cannot be left in slices: it closes the connection when it times out);
+   point-to-point wait cannot be left in slices: it closes the connection when it times out),
+   or, from one holder to one needer in a larger epoch, sent over the epoch's own group
+   (:class:`unicron.runtime.group.PeerLink`, whose waiter thread makes its waits sliced);
 3. a chunk is sent from, and received into, the tensors' own memory when it lies in one
    tensor or in tensors that follow each other in one storage. The worker lays its state out
    so (:func:`lay_out_parameters` when it starts, :func:`lay_out_optimizer_state` after its
@@ -65,8 +67,9 @@ RAMP = 8
 the next twice that, up to ``CHUNK_BYTES`` (:class:`_Stream`)."""
 
 
-class Wire(Protocol):
-    """What the transfer needs of an epoch's group (:class:`unicron.runtime.group.EpochGroup`)."""
+class Link(Protocol):
+    """Where chunks go: a group of a holder and the needers (:class:`Wire`, or a
+    :class:`unicron.runtime.group.PeerLink` of one holder and one needer)."""
 
     rank: int
     world: int
@@ -75,7 +78,13 @@ class Wire(Protocol):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
     def ibroadcast(self, tensor: torch.Tensor, src: int) -> Any: ...
     def wait(self, work: Any) -> None: ...
+
+
+class Wire(Link, Protocol):
+    """What the transfer needs of an epoch's group (:class:`unicron.runtime.group.EpochGroup`)."""
+
     def subgroup(self, ranks: list[int], name: str) -> Wire: ...
+    def peer(self, other: int) -> Link | None: ...
 
 
 @dataclass(frozen=True)
@@ -449,6 +458,9 @@ class _Pair:
     def subgroup(self, ranks: list[int], name: str) -> Wire:
         raise AssertionError("a rehearsal has one holder and one needer")
 
+    def peer(self, other: int) -> Link | None:
+        raise AssertionError("a rehearsal has one holder and one needer")
+
 
 def rehearse(timeout_s: float = 5.0) -> bool:
     """Transfer a tiny model's state (a linear layer and a layer norm, AdamW's moments) from
@@ -539,7 +551,7 @@ class _Incoming:
     :meth:`read` waits for it, and receives the rest (if any) after whatever the needer
     posted in between, as the first holder sends it (:func:`_lead`)."""
 
-    def __init__(self, link: Wire, src: int) -> None:
+    def __init__(self, link: Link, src: int) -> None:
         self.link, self.src = link, src
         self.head = torch.empty(MANIFEST_HEAD, dtype=torch.uint8, device=link.wire)
         self.work = link.ibroadcast(self.head, src)
@@ -954,12 +966,20 @@ def _holds(optimizer: torch.optim.Optimizer, targets: list[torch.Tensor]) -> boo
     return len(after) == len(targets) and all(map(operator.is_, after, targets))
 
 
-def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, tuple[Wire, int]]:
+def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, tuple[Link, int]]:
     """Holder -> (the group of that holder and every needer, the holder's rank in it), for
-    this member: the epoch's own group when it has no other member, else a subgroup."""
+    this member: the epoch's own group when it has no other member; else, for one sender and
+    one needer, the pair's link over the epoch's group (:meth:`Wire.peer`, where offered: no
+    group of their own to build); else a subgroup. Several holders sending to one needer
+    keep a subgroup each: each group's own gloo threads carry a holder's share (at 100 MB,
+    two holders' links over the one epoch group took 71 against 52 ms, docs/benchmarks.md)."""
     if len(holders) == 1 and g.world == 1 + len(needers):
         return {holders[0]: (g, holders[0])}
     mine = holders if g.rank in needers else [g.rank]
+    if len(holders) == 1 and len(needers) == 1:
+        pair = g.peer(needers[0] if g.rank == holders[0] else holders[0])
+        if pair is not None:
+            return {holders[0]: (pair, holders[0])}
     return {h: (g.subgroup([h, *needers], f"transfer/{h}"), 0) for h in mine}
 
 
@@ -1011,14 +1031,14 @@ class _Receiver:
     once: before the first such wait, else in :meth:`finish`."""
 
     def __init__(
-        self, links: dict[int, tuple[Wire, int]], holders: list[int], window: int, nbytes: int
+        self, links: dict[int, tuple[Link, int]], holders: list[int], window: int, nbytes: int
     ) -> None:
         self.links, self.holders = links, holders
         self.limit = window * len(holders)
         wire = next(iter(links.values()))[0].wire
         self.staging = _Staging(self.limit, nbytes, wire)
-        self.staged: list[tuple[Wire, Any, _Stream, int, torch.Tensor]] = []  # oldest first
-        self.works: list[tuple[Wire, Any]] = []
+        self.staged: list[tuple[Link, Any, _Stream, int, torch.Tensor]] = []  # oldest first
+        self.works: list[tuple[Link, Any]] = []
         self.packed = 0
         self.idle: Callable[[], None] | None = None
 
@@ -1051,7 +1071,7 @@ class _Receiver:
             idle()
 
     @staticmethod
-    def _land(item: tuple[Wire, Any, _Stream, int, torch.Tensor]) -> None:
+    def _land(item: tuple[Link, Any, _Stream, int, torch.Tensor]) -> None:
         link, work, s, k, buf = item
         link.wait(work)
         s.unpack(k, buf)
