@@ -55,8 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("floor", "stream", "stream x2", "blob")
 """floor: plain broadcast of flat bytes; stream: unicron.runtime.transfer, one holder;
 stream x2: two holders, each a share (a model within one chunk, the 5 MB size, comes from the
-first alone, ``transfer.senders``, point to point over the epoch's group); blob: one torch.save'd buffer, broadcast (what the stream
-replaced)"""
+first alone, ``transfer.senders``, point to point over the epoch's group); blob: one
+torch.save'd buffer, broadcast (what the stream replaced)"""
 
 
 # -- memory ---------------------------------------------------------------------------------
