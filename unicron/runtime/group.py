@@ -103,15 +103,31 @@ class _Works:
 
 
 class _Pending:
-    """One operation of a :class:`PeerLink`; ``done`` once its waiter thread's part of it
-    (a wait, or a first operation's issue) returned."""
+    """One job of a :class:`PeerLink`'s waiter thread (an operation's issue or its wait),
+    waited for like a gloo work (:meth:`wait`), so that :meth:`EpochGroup._wait` slices it."""
 
-    __slots__ = ("done", "error", "work")
+    __slots__ = ("done", "error", "result")
 
-    def __init__(self, work: Any = None) -> None:
-        self.work = work
+    def __init__(self) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.result: Any = None
+
+    def run(self, call: Callable[[], Any]) -> None:
+        """On the waiter thread: ``call`` (the GIL is released while gloo waits)."""
+        try:
+            self.result = call()
+        except BaseException as exc:  # handed to the caller's wait
+            self.error = exc
+        self.done.set()
+
+    def wait(self, timeout: dt.timedelta) -> None:
+        """As a gloo work's ``wait``: a ``RuntimeError`` that says "timed out" while the job
+        runs; its own error, as a :class:`CollectiveError`, once it failed."""
+        if not self.done.wait(timeout.total_seconds()):
+            raise RuntimeError("timed out")
+        if self.error is not None:
+            raise CollectiveError(self.error) from self.error
 
 
 class PeerLink:
@@ -155,50 +171,32 @@ class PeerLink:
             assert src == self.peer, (src, self.peer)
             issue = functools.partial(pg.recv, [tensor], self.peer, 0)
         if self._connected:
-            pending = _Pending(self.group._start(issue))
+            work = self.group._start(issue)
         else:
-            pending = _Pending()
-            self._submit(functools.partial(self._run, pending, issue))
-            self.wait(pending)  # issued, the pair connected
-            pending = _Pending(pending.work)
-            self._connected = True
-        self._submit(functools.partial(self._run, pending, pending.work.wait))
-        return pending
+            issued = self._post(issue)
+            self.wait(issued)  # issued: the pair is connected
+            work, self._connected = issued.result, True
+        return self._post(work.wait)
 
-    def _submit(self, job: Callable[[], None]) -> None:
+    def _post(self, call: Callable[[], Any]) -> _Pending:
+        """Hand ``call`` to the waiter thread (started with the link's first job)."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._waiter, name=f"unicron-peer-{self.peer}", daemon=True
             )
             self._thread.start()
-        self._jobs.put(job)
+        pending = _Pending()
+        self._jobs.put(functools.partial(pending.run, call))
+        return pending
 
     def _waiter(self) -> None:
         while (job := self._jobs.get()) is not None:
             job()
 
-    @staticmethod
-    def _run(pending: _Pending, call: Callable[[], Any]) -> None:
-        """On the waiter thread: ``call`` (an issue, its result kept, or a work's wait, as long
-        as the group's timeout; the GIL is released meanwhile), then ``pending`` is done."""
-        try:
-            result = call()
-            if pending.work is None:
-                pending.work = result
-        except BaseException as exc:  # handed to the caller's wait
-            pending.error = exc
-        pending.done.set()
-
     def wait(self, pending: _Pending) -> None:
-        """Wait for ``pending`` in slices, leaving at once if the epoch is superseded."""
-        deadline = time.monotonic() + self.group.timeout_s
-        slice_s = self.group.slice.total_seconds()
-        while not pending.done.wait(slice_s):
-            self.group._check(urgent_only=False)
-            if time.monotonic() > deadline:
-                raise CollectiveError(TimeoutError(f"no word from member {self.peer}"))
-        if pending.error is not None:
-            raise CollectiveError(pending.error) from pending.error
+        """Wait for ``pending`` in slices, leaving at once if the epoch is superseded
+        (:meth:`EpochGroup.wait`)."""
+        self.group.wait(pending)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.wait(self.ibroadcast(tensor, src))
