@@ -26,13 +26,28 @@ STEPS = 120
 2 s after the loss and its workers 2 s later, while 60 steps took under 5 s once a step got
 faster (2026-12-01), so the task could end first"""
 
+SHORT = 40
+"""the heavy task's steps in the planner test: it must end clearly before the light one (117
+steps on one worker), so that the light one is still running to grow onto its slots. With
+both at 120 steps, one worker against three on a 2-core machine ran at about the same speed,
+and both ended within one tick (CI, 2026-12-02): nothing left to grow"""
+
+
+def fault_free(tmp_path_factory: pytest.TempPathFactory, steps: int) -> str:
+    """The fault-free run's params_sha256 (``unicron run``, 4 workers, ``steps``)."""
+    r = run_unicron(tmp_path_factory.mktemp("ref"), "--nproc-per-node", "4", steps=steps)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return str(r.task_end["params_sha256"])
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The fault-free run's params_sha256 (``unicron run``, 4 workers, same steps)."""
-    r = run_unicron(tmp_path_factory.mktemp("ref"), "--nproc-per-node", "4", steps=STEPS)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return str(r.task_end["params_sha256"])
+    return fault_free(tmp_path_factory, STEPS)
+
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return fault_free(tmp_path_factory, SHORT)
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +60,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def task(name: str, **more: Any) -> dict[str, Any]:
+def task(name: str, steps: int = STEPS, **more: Any) -> dict[str, Any]:
     return {
         "name": name,
         "script": str(TRAIN),
-        "args": ["--steps", str(STEPS)],
+        "args": ["--steps", str(steps)],
         "workers": {"min": 1, "max": 4},
         **more,
     }
@@ -59,10 +74,10 @@ def of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == name]
 
 
-def check_steps(events: list[dict[str, Any]]) -> None:
+def check_steps(events: list[dict[str, Any]], count: int = STEPS) -> None:
     """Every step committed exactly once, in order: nothing started twice or rolled back."""
     steps = [e["step"] for e in of(events, "step_end")]
-    assert steps == list(range(STEPS)), steps
+    assert steps == list(range(count)), steps
 
 
 def test_the_hosts_are_namespaces() -> None:
@@ -112,14 +127,15 @@ def test_coordinator_killed_and_restarted(cluster: LocalCluster, reference: str)
 
 
 def test_the_planner_moves_slots_between_tasks_and_both_stay_exact(
-    cluster: LocalCluster, reference: str
+    cluster: LocalCluster, reference: str, short_reference: str
 ) -> None:
     """A heavier task arrives: the planner takes slots from the running one (down to its
-    minimum, at a step boundary) and starts the newcomer on them; when one of the two ends,
-    the other grows onto its slots. Both end with the failure-free parameters."""
+    minimum, at a step boundary) and starts the newcomer on them; when the newcomer (fewer
+    steps) ends, the first grows back onto its slots. Both end with the failure-free
+    parameters."""
     cluster.submit(task("light", weight=1.0))
     cluster.wait_task("light", lambda v: v["step"] >= 3)
-    cluster.submit(task("heavy", weight=3.0, workers={"min": 2, "max": 4}))
+    cluster.submit(task("heavy", steps=SHORT, weight=3.0, workers={"min": 2, "max": 4}))
     heavy = cluster.wait_task("heavy")
     light = cluster.wait_task("light")
     assert heavy["state"] == light["state"] == "done", (heavy, light)
@@ -132,13 +148,15 @@ def test_the_planner_moves_slots_between_tasks_and_both_stay_exact(
     assert sorted(e["slot"] for e in released) == [1, 2, 3]  # a move: no error, no restart
     shrunk = next(e for e in of(logs["light"], "epoch_begin") if "released" in e["reason"])
     assert shrunk["urgent"] is False and shrunk["members"] == [0]  # at a step boundary
-    first, second = sorted(("light", "heavy"), key=lambda n: of(logs[n], "task_end")[0]["ts"])
-    grew = [e for e in of(logs[second], "plan") if e.get("trigger") == f"task {first} done"]
+    ended = {name: of(logs[name], "task_end")[0]["ts"] for name in logs}
+    assert ended["heavy"] < ended["light"], ended
+    grew = [e for e in of(logs["light"], "plan") if e.get("trigger") == "task heavy done"]
     # it grows onto the freed slots (to 4, or fewer when a loaded machine made the step
     # monitor drop a worker of it as a straggler meanwhile: that slot is out until readmitted)
-    assert grew, of(logs[second], "plan")
-    assert grew[0]["allocation"][second] > grew[0]["allocation_before"].get(second, 0), grew[0]
-    assert grew[0]["allocation"][second] == 4 or of(logs[second], "error_detected"), grew[0]
-    for name in ("light", "heavy"):
-        check_steps(logs[name])
-    assert light["outcome"]["params_sha256"] == heavy["outcome"]["params_sha256"] == reference
+    assert grew, of(logs["light"], "plan")
+    assert grew[0]["allocation"]["light"] > grew[0]["allocation_before"]["light"], grew[0]
+    assert grew[0]["allocation"]["light"] == 4 or of(logs["light"], "error_detected"), grew[0]
+    check_steps(logs["light"])
+    check_steps(logs["heavy"], SHORT)
+    assert light["outcome"]["params_sha256"] == reference
+    assert heavy["outcome"]["params_sha256"] == short_reference
