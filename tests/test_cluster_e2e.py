@@ -3,10 +3,11 @@ a network-namespace lab, one ``unicron agent`` in each of two namespaces, one ta
 workers spanning them over gloo (:mod:`unicron.control.lab`; on distinct loopback addresses
 where namespaces cannot be made, which ``test_the_hosts_are_namespaces`` reports as a skip).
 
-Both tests train the same script for the same steps and must end with the parameters of a
-fault-free ``unicron run --nproc-per-node 4``, bit for bit: one loses a node (its agent and
-workers vanish) that then comes back under the same name; the other loses the coordinator
-to ``kill -9`` mid-training and restarts it on the same state directory.
+Every task trains the same script and must end with the parameters of a fault-free
+``unicron run --nproc-per-node 4`` of as many steps, bit for bit: one loses a node (its agent
+and workers vanish) that then comes back under the same name; one loses the coordinator to
+``kill -9`` mid-training and restarts it on the same state directory; in the last, two tasks
+share the slots and the planner moves them.
 """
 
 from __future__ import annotations
