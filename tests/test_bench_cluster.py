@@ -82,6 +82,12 @@ def test_load_settings_refuse_more_workers_than_slots() -> None:
         load.LoadSettings(agents=2, slots=2, tasks=2, workers=4)
 
 
+def _wait_for(tail: EventTail, lines: int) -> None:
+    deadline = time.time() + 5
+    while len(tail.snapshot()) < lines and time.time() < deadline:
+        time.sleep(0.005)
+
+
 def test_the_tail_stamps_lines_as_they_appear(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     tail = EventTail(path, poll_s=0.005).start()
@@ -91,11 +97,11 @@ def test_the_tail_stamps_lines_as_they_appear(tmp_path: Path) -> None:
         with open(path, "a") as f:
             f.write(json.dumps({"ts": 1.0, "event": "a"}) + "\n" + '{"ts": 2.0, "ev')
             f.flush()
-            time.sleep(0.05)
+            _wait_for(tail, 1)  # the first line is seen, the half line is not taken
+            time.sleep(0.02)
+            assert len(tail.snapshot()) == 1
             f.write('ent": "b"}\n')
-        deadline = time.time() + 5
-        while len(tail.snapshot()) < 2 and time.time() < deadline:
-            time.sleep(0.01)
+        _wait_for(tail, 2)
     finally:
         tail.stop()
     got = tail.snapshot()

@@ -27,7 +27,9 @@ from unicron.runtime import checkpoint as C
 
 pytestmark = pytest.mark.timeout(180)
 
-STEPS = 20
+STEPS = 40
+"""enough that a stop or a cancel, which reaches the workers up to half a second after the step
+the test saw (held step reports, the exchange rhythm), lands before the last step"""
 SMALL = ("--microbatches", "4")  # half the example's global batch: a faster test
 
 
@@ -54,10 +56,15 @@ def test_every_replica_killed_resumes_from_the_checkpoint_bitwise(
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
-    back = [e for e in r.of("transition_end") if e["state_source"] == "checkpoint"]
-    assert [(e["step"], e["steps_redone"]) for e in back] == [(10, 2)]
-    saved = [e["step"] for e in r.of("checkpoint_saved") if e["ok"]]
-    assert {5, 10, 15, 20} <= set(saved)
+    # from the newest checkpoint on disk when they died: step 10's, unless its write (in the
+    # background, 2.5 steps before the crash) was still going and died with rank 0
+    (back,) = [e for e in r.of("transition_end") if e["state_source"] == "checkpoint"]
+    crashed = min(e["ts"] for e in r.of("fault_injected"))
+    saved = [e for e in r.of("checkpoint_saved") if e["ok"]]
+    newest = max(e["step"] for e in saved if e["ts"] < crashed)
+    assert back["step"] in (newest, 10) and newest >= 5, (back, newest)
+    assert back["steps_redone"] == 12 - back["step"], back
+    assert set(range(5, STEPS + 1, 5)) <= {e["step"] for e in saved}
     assert sorted({e["step"] for e in r.of("step_end")}) == list(range(STEPS))
     root = r.out.parent / "logs" / "checkpoints"
     assert len(C.steps(root)) == 3  # --checkpoint-keep 3
@@ -68,7 +75,7 @@ def test_every_replica_killed_resumes_from_the_checkpoint_bitwise(
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.task_end["params_sha256"] == clean.task_end["params_sha256"]
     start = again.of("transition_end")[0]
-    assert (start["state_source"], start["step"], start["steps_redone"]) == ("checkpoint", 20, 0)
+    assert (start["state_source"], start["step"], start["steps_redone"]) == ("checkpoint", STEPS, 0)
     assert not again.of("step_end")
 
 

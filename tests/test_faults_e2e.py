@@ -134,11 +134,17 @@ def test_a_lone_worker_hang_is_confirmed_at_twice_its_deadline_and_healed_from_t
     latency_s = hang["ts"] - fault["ts"]
     assert 0.5 * target_s <= latency_s < 10 * target_s, (latency_s, target_s)
     assert [e["slot"] for e in _actions(r, "restart")] == [0], r.of("action")
-    # nothing else held the state: it came back from the checkpoint of step 10, in a new epoch
-    # (the restarted worker does not join the stale one that named its previous incarnation)
+    # nothing else held the state: it came back from the newest checkpoint (step 10's, written
+    # in the background two steps before the hang stopped the process), in a new epoch (the
+    # restarted worker does not join the stale one that named its previous incarnation)
+    saved = [e["step"] for e in r.of("checkpoint_saved") if e["ok"] and e["ts"] < fault["ts"]]
+    assert saved and max(saved) in (5, 10), saved
     after = [e for e in r.of("transition_end") if e["ts"] > hang["ts"]]
-    assert [(e["epoch"], e["step"], e["state_source"]) for e in after] == [(2, 10, "checkpoint")]
-    assert [e["step"] for e in r.of("step_end")].count(10) == 2  # steps 10-11 redone, visibly
+    newest = max(saved)
+    assert [(e["epoch"], e["step"], e["state_source"]) for e in after] == [
+        (2, newest, "checkpoint")
+    ]
+    assert [e["step"] for e in r.of("step_end")].count(newest) == 2  # redone, visibly
 
 
 def test_a_lone_slow_worker_with_no_copy_of_its_state_is_reported_not_killed(run: Any) -> None:
@@ -223,7 +229,8 @@ def test_a_lost_node_is_logged_detected_and_the_survivors_go_on(run: Any, clean:
 
 
 def test_an_excluded_slot_passes_its_health_probe_and_rejoins(run: Any) -> None:
-    steps = 60
+    # the probe is a fresh process importing torch: readmitted at step ~17 of a loaded machine
+    steps = 100
     ref = run("--nproc-per-node", "4", steps=steps)
     assert ref.returncode == 0, ref.stderr[-3000:]
     r = run(

@@ -58,10 +58,11 @@ def _run_group(
     world: int, body: Callable[[EpochGroup], Any], *, supersede: bool = False
 ) -> list[Any]:
     """Run ``body(group)`` on ``world`` members of epoch 1 in threads; results by rank. With
-    ``supersede``, a newer urgent epoch is announced after 0.5 s."""
+    ``supersede``, a newer urgent epoch is announced 0.5 s after every member has met."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     _announce(master, 1, world)
     results: list[Any] = [None] * world
+    met = threading.Semaphore(0)
 
     def member(rank: int) -> None:
         store = dist.TCPStore("127.0.0.1", master.port, is_master=False)
@@ -69,6 +70,7 @@ def _run_group(
         g = EpochGroup(store, watch, watch.info(1), rank, slice_s=0.05, timeout_s=30.0)
         try:
             g.rendezvous()
+            met.release()
             results[rank] = body(g)
         except Exception as exc:  # reported to the test, not lost in the thread
             results[rank] = exc
@@ -76,7 +78,9 @@ def _run_group(
     threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
-    if supersede:  # once the members wait
+    if supersede:  # once the members wait (a loaded machine may take a while to meet)
+        for _ in range(world):
+            met.acquire(timeout=30)
         time.sleep(0.5)
         _announce(master, 2, world, urgent=True)
     for t in threads:
