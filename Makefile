@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo cluster-demo test lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
+.PHONY: demo cluster-demo test test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,14 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
+
+# the suite beside BURNERS (default 2) processes spinning on the CPU: a slower machine than
+# CI's, to find the races a test would lose there (a stop's CI run is one try). ~15 min.
+BURNERS ?= 2
+test-loaded: $(STAMP)
+	@pids=""; for i in $$(seq $(BURNERS)); do \
+		$(BIN)/python -c 'while True: pass' & pids="$$pids $$!"; done; \
+	$(BIN)/pytest -q $(PYTEST_ARGS); rc=$$?; kill $$pids; exit $$rc
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
