@@ -139,12 +139,10 @@ def test_a_lone_worker_hang_is_confirmed_at_twice_its_deadline_and_healed_from_t
     # restarted worker does not join the stale one that named its previous incarnation)
     saved = [e["step"] for e in r.of("checkpoint_saved") if e["ok"] and e["ts"] < fault["ts"]]
     assert saved and max(saved) in (5, 10), saved
-    after = [e for e in r.of("transition_end") if e["ts"] > hang["ts"]]
-    newest = max(saved)
-    assert [(e["epoch"], e["step"], e["state_source"]) for e in after] == [
-        (2, newest, "checkpoint")
-    ]
-    assert [e["step"] for e in r.of("step_end")].count(newest) == 2  # redone, visibly
+    (back,) = [e for e in r.of("transition_end") if e["ts"] > hang["ts"]]
+    assert (back["epoch"], back["state_source"]) == (2, "checkpoint"), back
+    assert back["step"] in (max(saved), 10), (back, saved)  # 10: written, its event not sent
+    assert [e["step"] for e in r.of("step_end")].count(back["step"]) == 2  # redone, visibly
 
 
 def test_a_lone_slow_worker_with_no_copy_of_its_state_is_reported_not_killed(run: Any) -> None:
