@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from unicron.errors import UsageError
-from unicron.runtime.inject import parse, slowdown
+from unicron.runtime.inject import FaultPlan, parse, slowdown, stop_self
 
 
 @pytest.mark.parametrize(
@@ -53,3 +55,60 @@ def test_only_a_slow_fault_that_fired_slows_the_worker() -> None:
     assert slowdown([early, late], fired={late.spec}) == 2.0
     assert slowdown([early, late], fired={early.spec, late.spec}) == 4.0
     assert slowdown([parse("crash:rank=2,step=5")], fired={"crash:step=5,rank=2"}) == 1.0
+
+
+def _plan(*specs: str, **kw: Any) -> tuple[FaultPlan, list[tuple[str, dict[str, Any]]], list[str]]:
+    events: list[tuple[str, dict[str, Any]]] = []
+    acted: list[str] = []
+    plan = FaultPlan(
+        [parse(s) for s in specs],
+        emit=lambda name, **fields: events.append((name, fields)),
+        rank=1,
+        act=lambda f: acted.append(f.spec),
+        **kw,
+    )
+    return plan, events, acted
+
+
+def test_a_fault_plan_fires_each_fault_once_at_its_step_with_its_event() -> None:
+    plan, events, acted = _plan("hang:rank=1,step=3", "crash:rank=1,step=3,mb=1")
+    hang = plan.faults[0].spec
+    plan.fire_due("hang", 2)
+    assert acted == []  # not its step
+    plan.fire_due("hang", 3)
+    plan.fire_due("hang", 3)  # once
+    assert acted == [hang]
+    assert events == [
+        (
+            "fault_injected",
+            {"fault": "hang", "kind": None, "spec": hang, "step": 3, "rank": 1},
+        )
+    ]
+    assert plan.crash_point(3, 4) == 1 and plan.crash_point(4, 4) == -1
+    plan.fire_due("crash", 3)
+    assert plan.crash_point(3, 4) == -1  # fired: no longer due
+
+
+def test_a_crash_without_mb_falls_mid_step_and_due_after_counts_micro_batches() -> None:
+    plan, _, _ = _plan("crash:rank=1,step=5", "crash:rank=1,step=6,mb=0", "hang:rank=1,step=5")
+    assert plan.crash_point(5, 4) == 2 and plan.crash_point(6, 4) == 0
+    assert [f.fault for f in plan.due_after(5, 2, 4)] == ["crash", "hang"]
+    assert [f.spec for f in plan.due_after(6, 0, 4)] == [plan.faults[1].spec]
+    assert plan.due_after(5, 1, 4) == []
+
+
+def test_slow_faults_fire_with_their_factor_and_a_claim_can_refuse() -> None:
+    plan, events, _ = _plan("slow:rank=1,step=2,factor=3", claim=lambda f: True)
+    assert plan.slowdown(1) == 1.0
+    assert plan.slowdown(2) == 3.0 and plan.slowdown(3) == 3.0
+    assert [e[1]["factor"] for e in events] == [3.0]
+    refused, events, acted = _plan("crash:rank=1,step=1", claim=lambda f: False)
+    refused.fire_due("crash", 1)
+    assert acted == [] and events == []  # another incarnation fired it already
+
+
+def test_stop_self_raises_the_classified_error_and_refuses_what_is_not_its_own() -> None:
+    with pytest.raises(RuntimeError, match="CUDA"):
+        stop_self(parse("error:rank=0,step=1,kind=cuda"))
+    with pytest.raises(ValueError, match="no effect of its own"):
+        stop_self(parse("node:node=0,step=1"))

@@ -27,11 +27,9 @@ user's model code does not change.
 from __future__ import annotations
 
 import datetime
-import functools
 import hashlib
 import math
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -70,8 +68,9 @@ from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
+from unicron.runtime.gradients import Reducer
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
-from unicron.runtime.inject import Fault, parse, slowdown
+from unicron.runtime.inject import Fault, FaultPlan, parse, stop_self
 from unicron.runtime.link import AgentLink, connect_agent
 from unicron.runtime.transfer import (
     Inventory,
@@ -550,52 +549,29 @@ class _Runner:
     step: int = 0  # committed steps
     has_state: bool = True
     done: set[int] = field(default_factory=set)  # micro-batches of `step` in `sums`
-    fired: set[str] = field(default_factory=set)
     groups: list[EpochGroup] = field(default_factory=list)
     result: TrainResult | None = None
     current: int | None = None  # the micro-batch handed out and not yet computed
     _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
     ckpt: C.Checkpointer | None = None  # rank 0's checkpoints (every member may become it)
     _held: list[set[int]] = field(default_factory=list)  # ids of `step` each member has done
-    _exchange: R.Exchange | None = None  # the reduction the last micro-batch's hooks start
-    _broken: EpochOver | None = None  # a collective the hooks started failed
     _attempt: Step | None = None  # the step handed out and not yet committed
     _crash_at: int = -1
     _laid_out: bool = False  # the optimizer's state is in stream order (lay_out_optimizer_state)
 
     def __post_init__(self) -> None:
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.params), torch.float32)
-        cap_mb = self.ctx.bucket_cap_mb
-        cap, first = (
-            max(int(mb * 2**20) // dtype.itemsize, 1)
-            for mb in (cap_mb, min(cap_mb, R.FIRST_BUCKET_MB))
-        )
-        self.layout = R.Layout.plan([p.numel() for p in self.params], cap, first)
-        self.sums = R.LocalSums(
-            self.layout,
+        self.grads = Reducer(
+            [p for p in self.model.parameters() if p.requires_grad],
             self.ledger.num_microbatches,
             exact=self.ctx.reduce == "exact",
-            dtype=dtype,
+            bucket_cap_mb=self.ctx.bucket_cap_mb,
             device=self.device,
+            stray=self._stray_backward,
         )
-        self._spaces: dict[int, R.Workspace] = {}
-        self._gatherers: dict[int, R.Gatherer] = {}
-        # autograd accumulates straight into the local sums (LocalSums.grad_views) where each
-        # parameter's gradient can live in their buffer as it is; a node's first micro-batch
-        # too where the parameters are small (R.VIEWS_FIRST_MAX)
-        self._shapes = (
-            [p.shape for p in self.params]
-            if all(
-                p.dtype == dtype and p.device == self.sums.device and p.layout == torch.strided
-                for p in self.params
-            )
-            else None
+        self.faults = FaultPlan(
+            list(self.ctx.faults), emit=self._event, rank=self.ctx.slot, act=self._act
         )
-        self._views_first = self.layout.numel <= R.VIEWS_FIRST_MAX * len(self.params)
-        self._in_backward = self._last = self._stepping = False
-        for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+        self._stepping = False
         self.optimizer.register_step_pre_hook(self._optimizer_step)
         self.store = dist.TCPStore(
             self.ctx.store_host,
@@ -711,8 +687,7 @@ class _Runner:
             )
 
     def _finish(self, epoch: int, last_loss: float) -> None:
-        for gatherer in self._gatherers.values():
-            gatherer.stop()
+        self.grads.stop()
         if self.ckpt is not None:
             self.ckpt.join()
         group = self.groups[-1]
@@ -843,7 +818,7 @@ class _Runner:
         done_sets = [{mb for mb in range(self.M) if rows[r][5 + mb]} for r in holders]
         if g.rank in needers:
             self.done.clear()
-            self.sums.clear()
+            self.grads.clear()
         self._held = [
             done_sets[holders.index(r)] if r in holders else set() for r in range(len(rows))
         ]
@@ -873,7 +848,7 @@ class _Runner:
         self.data.load(parts["train"].get("data", (-1, -1)))
         if self.ckpt is not None:
             self.ckpt.last_step = self.step  # no need to write what was just read
-        self.sums.clear()
+        self.grads.clear()
         self.done.clear()
 
     def _ledger_desc(self) -> dict[str, int]:
@@ -913,24 +888,14 @@ class _Runner:
         )
         for attempt in range(self.ctx.max_reattempts + 1):
             try:
-                self._maybe_fire("node", step)
-                self._maybe_fire("hang", step)
-                self._maybe_fire("error", step)
+                for kind in ("node", "hang", "error"):
+                    self.faults.fire_due(kind, step)
                 break
             except Exception as exc:  # nothing is computed yet: a SEV3 error is retried here
                 if not self._reattempt(exc, step, attempt):
                     raise
-        held = [R.cover(ids, self.M) for ids in self._held]
-        if self._exchange is not None:  # an attempt given up before its commit
-            self._exchange.close()
-        self._broken = None
-        gather = None
-        try:  # the exact all-gathers' own group and thread: they overlap the backward pass
-            gather = self._gatherer(g)
-        except EpochOver as exc:
-            self._broken = exc
-        self._exchange = R.Exchange(g, self.sums, self._space(g), held, gather)
-        self._crash_at = self._crash_point(step, len(todo))
+        self.grads.start(g, [R.cover(ids, self.M) for ids in self._held])
+        self._crash_at = self.faults.crash_point(step, len(todo))
         self._attempt = Step(self, step, todo, g)
         return self._attempt
 
@@ -954,7 +919,7 @@ class _Runner:
                 "was computed: call step.backward(loss) for each batch before the next"
             )
         if s.microbatches.index(mb) == self._crash_at:
-            self._maybe_fire("crash", s.index)
+            self.faults.fire_due("crash", s.index)
         self.current = mb
 
     def make_batch(self, step: int, mb: int) -> Any:
@@ -973,85 +938,49 @@ class _Runner:
                 "(for batch in step) or call step.batch(j) first"
             )
         left = [j for j in s.microbatches if j not in self.done and j != mb]
-        for p in self.params:
-            p.grad = None
-        self.sums.begin(mb)
         return mb, not left
 
     def backward(self, s: Step, loss: torch.Tensor) -> None:
         """Backward of the current micro-batch; the gradient hooks take each gradient."""
         mb, last = self._take(s, "step.backward(loss)")
-        self._in_backward, self._last = True, last
-        shapes = self._shapes if self._views_first or not self.sums.starting else None
-        if shapes is not None:
-            for p, view in zip(self.params, self.sums.grad_views(shapes), strict=True):
-                p.grad = view
         try:
-            loss.backward()
-            finished = self.sums.end(float(loss.detach()))
+            self.grads.backward(mb, loss, last=last)
         except BaseException:
-            self.sums.abandon()  # half-added gradients spoil the sums: redo the step's work
-            self.done.clear()
+            self.done.clear()  # the local sums are abandoned: redo the step's work here
             self.current = None
             raise
-        finally:
-            self._in_backward = False
-            if shapes is not None:
-                for p in self.params:
-                    p.grad = None  # a backward pass of the user's own adds into nothing of ours
-        self._close_microbatch(mb, last, finished)
+        self._computed(mb)
 
     def add_gradients(self, s: Step, grads: Sequence[torch.Tensor | None], loss: float) -> None:
         """The current micro-batch's gradients, handed over (one per trainable parameter)."""
-        if len(grads) != len(self.params):
+        params = self.grads.params
+        if len(grads) != len(params):
             self.refuse(
                 f"step {s.index}: add_gradients got {len(grads)} gradients for "
-                f"{len(self.params)} trainable parameters"
+                f"{len(params)} trainable parameters"
             )
-        for i, (p, grad) in enumerate(zip(self.params, grads, strict=True)):
+        for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
             if grad is not None and grad.shape != p.shape:
                 self.refuse(
                     f"step {s.index}: add_gradients: gradient {i} has shape "
                     f"{tuple(grad.shape)}, its parameter {tuple(p.shape)}"
                 )
         mb, last = self._take(s, "step.add_gradients()")
-        finished: list[int] = []
-        for i, grad in enumerate(grads):
-            if grad is not None and (b := self.sums.add(i, grad.detach())) is not None:
-                finished.append(b)
-        finished += self.sums.end(float(loss))
-        self._close_microbatch(mb, last, finished)
+        self.grads.add(mb, grads, loss, last=last)
+        self._computed(mb)
 
-    def _close_microbatch(self, mb: int, last: bool, finished: list[int]) -> None:
-        if last:
-            for b in finished:
-                self._ready(b)
+    def _computed(self, mb: int) -> None:
         self.done.add(mb)
         self.current = None
 
-    def _grad_ready(self, index: int, param: torch.Tensor) -> None:
-        """Gradient hook: parameter ``index``'s gradient of the current micro-batch is in."""
-        if not self._in_backward:
-            if self._attempt is not None and not self._attempt.closed:
-                self.refuse(
-                    f"step {self._attempt.index}: a backward pass outside step.backward(loss): "
-                    "call step.backward(loss) instead of loss.backward(), so that Unicron "
-                    "takes the micro-batch's gradient and loss"
-                )
-            return  # a backward pass of the user's own, between steps
-        bucket = self.sums.hooked(index, param)
-        if bucket is not None and self._last:
-            self._ready(bucket)
-
-    def _ready(self, bucket: int) -> None:
-        """Launch a finished bucket's exchange; a failed launch is kept for the commit (the
-        backward pass goes on, so that the local sums stay whole for the next epoch)."""
-        if self._exchange is None or self._broken is not None:
-            return
-        try:
-            self._exchange.ready(bucket)
-        except EpochOver as exc:
-            self._broken = exc
+    def _stray_backward(self) -> None:
+        """A backward pass outside step.backward(loss): refused while a step is open."""
+        if self._attempt is not None and not self._attempt.closed:
+            self.refuse(
+                f"step {self._attempt.index}: a backward pass outside step.backward(loss): "
+                "call step.backward(loss) instead of loss.backward(), so that Unicron "
+                "takes the micro-batch's gradient and loss"
+            )
 
     def _optimizer_step(self, *_: Any) -> None:
         """Optimizer pre-step hook: while the task trains, only the commit steps it."""
@@ -1076,11 +1005,13 @@ class _Runner:
                 f"{left}: compute every batch the step yields"
             )
         if self._crash_at >= len(s.microbatches):
-            self._maybe_fire("crash", s.index)
+            self.faults.fire_due("crash", s.index)
         s.closed = True
         g, step = self.groups[-1], s.index
         compute_s = time.perf_counter() - s.began
-        self._slow(step, compute_s)
+        factor = self.faults.slowdown(step)
+        if factor > 1.0:
+            time.sleep(compute_s * (factor - 1.0))
         queued_now = read_queued_s()
         self.link.send(
             P.StepDone(
@@ -1096,22 +1027,16 @@ class _Runner:
                 ),
             )
         )
-        ex, self._exchange = self._exchange, None
-        assert ex is not None
         try:
-            if self._broken is not None:
-                raise self._broken
-            grads, losses = ex.finish()
+            grads, losses, whole = self.grads.finish()
             if not g.vote(step):
                 raise EpochOver(f"step {step} not committed in epoch {g.info.epoch}")
         except EpochOver as exc:  # left the reduce (or it failed): make sure nobody commits
             g.abort(step)
             s.broken = exc
             return False
-        finally:
-            ex.close()
         kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
-        self._apply(grads, ex.space.out, len(kept), before_optimizer)
+        self._apply(grads, whole, len(kept), before_optimizer)
         s.loss = sum(kept) / len(kept)
         # every member reports the commit (the agent logs one step_end per epoch and step), so
         # the record survives a rank 0 that dies right after committing
@@ -1126,7 +1051,7 @@ class _Runner:
         )
         self.step += 1
         self.data.advance()
-        self.sums.clear()
+        self.grads.clear()
         self.done.clear()
         self._maybe_checkpoint(g.rank)
         s.committed = True
@@ -1152,29 +1077,6 @@ class _Runner:
         )
         return True
 
-    def _space(self, g: EpochGroup) -> R.Workspace:
-        """The exchange's buffers of epoch ``g``: fresh in each epoch, since a collective of
-        an abandoned epoch may still write into the buffers it was given."""
-        epoch = g.info.epoch
-        if epoch not in self._spaces:
-            self._spaces = {epoch: R.Workspace(self.layout, g.world, self.sums.dtype, self.device)}
-        return self._spaces[epoch]
-
-    def _gatherer(self, g: EpochGroup) -> R.Gatherer | None:
-        """Exact mode's gather thread of epoch ``g``, on the epoch's ``gather`` subgroup: one
-        per epoch, the previous one stopped (:class:`unicron.runtime.reduce.Gatherer`). None
-        in fast mode, or with too few buckets to overlap (:data:`~unicron.runtime.reduce.
-        OVERLAP_BUCKETS`). Raises ``EpochOver`` if the subgroup cannot be built."""
-        if not self.sums.exact or len(self.layout.buckets) <= R.OVERLAP_BUCKETS:
-            return None
-        epoch = g.info.epoch
-        if epoch not in self._gatherers:
-            for old in self._gatherers.values():
-                old.stop()
-            self._gatherers = {}  # stopped even if the new epoch's subgroup cannot be built
-            self._gatherers = {epoch: R.Gatherer(g.subgroup(list(range(g.world)), "gather"))}
-        return self._gatherers[epoch]
-
     def _apply(
         self,
         grads: list[torch.Tensor],
@@ -1186,10 +1088,7 @@ class _Runner:
         views of ``whole``, which is divided at once (one operation, not one per parameter;
         the same quotient in every element)."""
         assert count == self.M or self.ctx.on_lost == "drop", f"reduced {count} of {self.M}"
-        whole.div_(self.M if self.ctx.on_lost == "recompute" else count)
-        for p, g in zip(self.params, grads, strict=True):
-            mean = g.view_as(p)
-            p.grad = mean if mean.dtype == p.dtype else mean.to(p.dtype)
+        self.grads.apply(grads, whole, self.M if self.ctx.on_lost == "recompute" else count)
         if before_optimizer is not None:
             before_optimizer()
         self._stepping = True
@@ -1199,60 +1098,17 @@ class _Runner:
             self._stepping = False
         if not self._laid_out:
             self._laid_out = lay_out_optimizer_state(self.optimizer)
-        for p in self.params:
-            p.grad = None
+        self.grads.clear_grads()
 
     # -- faults -----------------------------------------------------------------------------
-    def _faults(self, kind: str, step: int) -> list[Fault]:
-        return [
-            f
-            for f in self.ctx.faults
-            if f.fault == kind and f.step == step and f.spec not in self.fired
-        ]
-
-    def _crash_point(self, step: int, n: int) -> int:
-        for f in self._faults("crash", step):
-            return n // 2 if f.mb is None else f.mb
-        return -1
-
-    def _maybe_fire(self, kind: str, step: int) -> None:
-        for f in self._faults(kind, step):
-            self.fired.add(f.spec)
-            self._event(
-                "fault_injected",
-                fault=f.fault,
-                kind=f.kind,
-                spec=f.spec,
-                step=step,
-                rank=self.ctx.slot,
-            )
-            if kind == "crash":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif kind == "hang":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            elif kind == "error":
-                from unicron.detect.classify import make_exception
-
-                raise make_exception(f.kind or "user")
-            elif kind == "node":
-                self.link.send(P.NodeFault())
-                time.sleep(3600)  # the agent takes the whole node down with this process
-
-    def _slow(self, step: int, compute_s: float) -> None:
-        for f in self.ctx.faults:
-            if f.fault == "slow" and f.step == step and f.spec not in self.fired:
-                self.fired.add(f.spec)
-                self._event(
-                    "fault_injected",
-                    fault="slow",
-                    spec=f.spec,
-                    step=step,
-                    rank=self.ctx.slot,
-                    factor=f.factor,
-                )
-        factor = slowdown(self.ctx.faults, self.fired)
-        if factor > 1.0:
-            time.sleep(compute_s * (factor - 1.0))
+    def _act(self, fault: Fault) -> None:
+        """An injected fault's effect here (:class:`~unicron.runtime.inject.FaultPlan`): a
+        node fault is the agent's to carry out, with the whole node."""
+        if fault.fault != "node":
+            stop_self(fault)
+            return
+        self.link.send(P.NodeFault())
+        time.sleep(3600)  # the agent takes the whole node down with this process
 
     def _event(self, event: str, **fields: Any) -> None:
         fields.setdefault("task", self.ctx.task)

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from examples.gpt import build, loss_fn
+from unicron.runtime import inject
 from unicron.runtime.device import seed
-from unicron.runtime.inject import Fault, parse
+from unicron.runtime.inject import parse
 from unicron.runtime.ledger import Ledger, assign, mb_seed
 
 NUM_MICROBATCHES = 8
@@ -50,32 +51,22 @@ class EventWriter:
         os.write(self._fd, (json.dumps(record) + "\n").encode())
 
 
-def make_error(kind: str) -> BaseException:
-    """The exception an ``error:`` fault raises: Unicron's own table when it exists."""
-    try:
-        from unicron.detect.classify import make_exception
-
-        return make_exception(kind)
-    except ImportError:
-        return RuntimeError(f"CUDA error: an illegal memory access was encountered ({kind})")
-
-
 @dataclass
 class FaultPlan:
-    """The faults of one run, fired once each (a marker file survives the restarts).
+    """The faults of one baseline worker, fired once each per run (a marker file survives
+    the restarts), through the same :class:`unicron.runtime.inject.FaultPlan` as Unicron's
+    worker: its due faults, its ``fault_injected`` event and its effects.
 
     A ``node:node=N,step=S`` fault is fired by the *node leader* of node ``N`` (the worker
     the harness marks as the node's first): it SIGKILLs its agent's process group (when
     ``agent_pid`` is given: torchrun's agent, started in its own session by the harness),
     the other workers registered on node ``N``, then itself, so the node vanishes at once.
+    A hang sleeps (alive, no progress; a SIGTERM still ends it).
     """
 
-    faults: list[Fault]
+    plan: inject.FaultPlan
     marker_dir: Path
-    rank: int
-    events: EventWriter
     node: int | None = None
-    node_leader: bool = False
     agent_pid: int | None = None
 
     @classmethod
@@ -97,15 +88,16 @@ class FaultPlan:
         """
         if node is not None:
             (Path(marker_dir) / f"node{node}-{os.getpid()}").touch()
-        return cls(
-            [parse(s) for s in specs],
-            Path(marker_dir),
-            rank,
-            events,
-            node=node,
-            node_leader=node_leader,
-            agent_pid=agent_pid,
-        )
+        mine = [
+            f
+            for f in map(parse, specs)
+            if (f.fault == "node" and node_leader and node is not None and f.node == node)
+            or (f.fault != "node" and f.rank == rank)
+        ]
+        plan = inject.FaultPlan(mine, emit=events.emit, rank=rank)
+        out = cls(plan, Path(marker_dir), node, agent_pid)
+        out.plan.act, out.plan.claim = out._act, out._claim
+        return out
 
     def at(self, step: int, local_total: int) -> Callable[[int], None]:
         """The hook :func:`accumulate` calls before each micro-batch of ``step``."""
@@ -113,32 +105,26 @@ class FaultPlan:
 
     def maybe_fire(self, step: int, local_done: int, local_total: int) -> None:
         """Fire a fault due on this rank at ``step`` after ``local_done`` local micro-batches."""
-        for i, fault in enumerate(self.faults):
-            if fault.fault == "node":
-                if not (self.node_leader and self.node is not None and fault.node == self.node):
-                    continue
-            elif fault.rank != self.rank:
-                continue
-            if fault.step != step:
-                continue
-            after = fault.mb if fault.mb is not None else local_total // 2
-            if local_done != min(after, local_total):
-                continue
-            try:  # fire once per run, across restarts
-                os.close(os.open(self.marker_dir / f"fired-{i}", os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                continue
-            self.events.emit(
-                "fault_injected",
-                fault=fault.fault,
-                kind=fault.kind,
-                rank=self.rank,
-                node=fault.node,
-                step=step,
-            )
-            if fault.fault == "node":
-                vanish_node(self.marker_dir, fault.node or 0, self.agent_pid)
-            _fire(fault)
+        for fault in self.plan.due_after(step, local_done, local_total):
+            self.plan.fire(fault, step)
+
+    def _claim(self, fault: inject.Fault) -> bool:
+        try:  # fire once per run, across restarts
+            os.close(os.open(self.marker_dir / f"fired-{fault.spec}", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return False
+        return True
+
+    def _act(self, fault: inject.Fault) -> None:
+        if fault.fault == "node":
+            vanish_node(self.marker_dir, fault.node or 0, self.agent_pid)
+        elif fault.fault == "hang":
+            while True:  # stop making progress, stay alive (a SIGTERM still ends it)
+                time.sleep(3600)
+        elif fault.fault == "slow":
+            raise NotImplementedError("slow faults are not benchmarked against the baselines")
+        else:
+            inject.stop_self(fault)
 
 
 def _baseline_pid(pid: int, needle: bytes = b"bench.baselines") -> bool:
@@ -168,18 +154,6 @@ def vanish_node(marker_dir: Path, node: int, agent_pid: int | None) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fire(fault: Fault) -> None:
-    if fault.fault == "crash":
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif fault.fault == "hang":
-        while True:  # stop making progress, stay alive (a SIGTERM still ends it)
-            time.sleep(3600)
-    elif fault.fault == "error":
-        raise make_error(fault.kind or "cuda")
-    elif fault.fault == "slow":
-        raise NotImplementedError("slow faults are not benchmarked against the baselines")
 
 
 def setup_threads(pid_dir: str | None = None) -> None:

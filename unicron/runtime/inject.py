@@ -10,15 +10,19 @@
 
 ``rank`` is the worker's launch rank (its slot on the node, like torchrun's ``RANK``): it stays
 with the slot when the worker is restarted, while epoch ranks change. Each fault fires once.
-The runner, the worker, the tests and the benchmark baselines all parse specs here.
+The runner, the worker, the tests and the benchmark baselines all parse specs here, and the
+worker and the baselines fire them through one :class:`FaultPlan`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from dataclasses import asdict, dataclass
+import os
+import signal
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from unicron.detect.classify import make_exception
 from unicron.errors import UsageError
 
 FAULTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
@@ -113,3 +117,109 @@ def slowdown(faults: Iterable[Fault], fired: Collection[str]) -> float:
     return max(
         (f.factor or 1.0 for f in faults if f.fault == "slow" and f.spec in fired), default=1.0
     )
+
+
+Emit = Callable[..., None]
+"""records an event: ``emit(name, **fields)``"""
+
+
+def stop_self(fault: Fault) -> None:
+    """The fault's own effect on the calling process: a ``crash`` is SIGKILL, a ``hang``
+    SIGSTOP (alive, no progress, until someone kills it), an ``error`` the classified kind's
+    exception raised here. ``node`` and ``slow`` faults are the caller's to carry out."""
+    if fault.fault == "crash":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.fault == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.fault == "error":
+        raise make_exception(fault.kind or "user")
+    else:
+        raise ValueError(f"{fault.spec}: a {fault.fault} fault has no effect of its own")
+
+
+@dataclass
+class FaultPlan:
+    """The faults one process fires, each once: which are due at a point of a step, the
+    ``fault_injected`` event, and the fault's effect.
+
+    The worker (:mod:`unicron.worker`) asks at its step's points: ``node``, ``hang`` and
+    ``error`` faults as a step begins (:meth:`fire_due`), a ``crash`` after
+    :meth:`crash_point` of its micro-batches, ``slow`` once the step is computed
+    (:meth:`slowdown`). The benchmarks' baselines (``bench/baselines/loop.py``) ask before
+    each micro-batch (:meth:`due_after`). ``act`` carries a fault out (default
+    :func:`stop_self`; the worker hands a node fault to its agent, a baseline kills its
+    node's processes); ``claim`` says whether a fault may fire now and marks it fired
+    (default: once in this process; a baseline's survives its restarts in a marker file).
+    """
+
+    faults: list[Fault]
+    emit: Emit
+    rank: int | None = None
+    act: Callable[[Fault], None] = stop_self
+    claim: Callable[[Fault], bool] | None = None
+    fired: set[str] = field(default_factory=set)
+
+    def _claim(self, fault: Fault) -> bool:
+        ok = self.claim(fault) if self.claim is not None else fault.spec not in self.fired
+        if ok:
+            self.fired.add(fault.spec)
+        return ok
+
+    def due(self, kind: str, step: int) -> list[Fault]:
+        """The unfired faults of type ``kind`` at ``step``."""
+        return [f for f in self.due_at(step) if f.fault == kind]
+
+    def due_at(self, step: int) -> list[Fault]:
+        """The unfired faults of ``step``, of any type."""
+        return [f for f in self.faults if f.step == step and f.spec not in self.fired]
+
+    def crash_point(self, step: int, n: int) -> int:
+        """After how many of its ``n`` micro-batches of ``step`` the process crashes: the
+        spec's ``mb``, else half of them; -1 if no crash is due."""
+        for f in self.due("crash", step):
+            return n // 2 if f.mb is None else f.mb
+        return -1
+
+    def due_after(self, step: int, done: int, total: int) -> list[Fault]:
+        """The unfired faults of ``step`` due once ``done`` of the process's ``total``
+        micro-batches are computed (a fault's ``mb``, else half; every type alike)."""
+        return [
+            f for f in self.due_at(step) if done == min(total // 2 if f.mb is None else f.mb, total)
+        ]
+
+    def fire(self, fault: Fault, step: int) -> None:
+        """Fire ``fault`` at ``step`` unless it fired already: the ``fault_injected`` event
+        (fault, kind, spec, step, rank; a node fault's node), then its effect (:attr:`act`)."""
+        if not self._claim(fault):
+            return
+        extra = {"node": fault.node} if fault.fault == "node" else {}
+        self.emit(
+            "fault_injected",
+            fault=fault.fault,
+            kind=fault.kind,
+            spec=fault.spec,
+            step=step,
+            rank=self.rank,
+            **extra,
+        )
+        self.act(fault)
+
+    def fire_due(self, kind: str, step: int) -> None:
+        """Fire every fault of type ``kind`` due at ``step``."""
+        for f in self.due(kind, step):
+            self.fire(f, step)
+
+    def slowdown(self, step: int) -> float:
+        """Mark the ``slow`` faults of ``step`` fired (an event each, with its factor) and
+        return how many times slower the process computes from now on (:func:`slowdown`)."""
+        for f in self.due("slow", step):
+            if self._claim(f):
+                self.emit(
+                    "fault_injected",
+                    fault="slow",
+                    spec=f.spec,
+                    step=step,
+                    rank=self.rank,
+                    factor=f.factor,
+                )
+        return slowdown(self.faults, self.fired)
