@@ -67,7 +67,10 @@ class Cluster:
         c, t = self.c, t0
         for _ in range(n):
             members = slots or c.members
-            step = max(c._computed.values(), default=-1) + 1
+            step = (
+                max((o.computed for o in c.slots.values() if o.computed is not None), default=-1)
+                + 1
+            )
             for m in members:
                 c.step_started(m, step, t, epoch=c.epoch)
             for m in members:
@@ -262,7 +265,7 @@ def test_failures_on_a_node_that_holds_the_last_copies_restart_in_place(tmp_path
         c.worker_ready(slot, t + 0.5)
         assert slot in c.members
         t = k.steps(2, t + 1.0)
-        assert sorted(c._holders()) == [0, 1, 2, 3]
+        assert sorted(c.slots.holders()) == [0, 1, 2, 3]
     assert [a.slot for a in k.actions(Spawn)] == [0, 1, 2, 1, 3, 0, 2]
     assert c.state is TaskState.RUNNING and k.actions(Kill) == []
     restarts = [e for e in k.events("action") if e["action"] == "restart"][-4:]
@@ -276,7 +279,7 @@ def test_failures_on_a_node_that_holds_the_last_copies_restart_in_place(tmp_path
     assert "restart 3 of 3" in k.events("action")[-1]["reason"]
     c.worker_failed(3, verdict_for_kind("oom"), t)
     assert 3 in c.escalation.excluded_slots() and c.slots[3].state is SlotState.EXCLUDED
-    assert sorted(c._holders()) == [0, 1, 2] and c.state is TaskState.RUNNING
+    assert sorted(c.slots.holders()) == [0, 1, 2] and c.state is TaskState.RUNNING
 
 
 def test_a_kept_last_copy_is_not_killed_for_a_transient_error(tmp_path: Path) -> None:
