@@ -195,24 +195,13 @@ class Coordinator:
         return self.book.lost_nodes
 
     @property
-    def heartbeats(self) -> dict[int, float]:
-        return self.book.heartbeats
-
-    @property
     def nodes(self) -> set[int]:
         """The nodes whose agent is attached."""
         return self.book.nodes
 
     @property
-    def started_at(self) -> float | None:
-        return self.book.started_at
-
-    @property
-    def waiting_since(self) -> float | None:
-        return self.book.waiting_since
-
-    @property
     def state_bytes(self) -> int:
+        """The task's state size (model and optimizer), learned from the workers."""
         return self.book.state_bytes
 
     # -- deciding and doing ---------------------------------------------------------------------
@@ -340,7 +329,7 @@ class Coordinator:
         elif isinstance(r, M.Detected):
             if r.extra.get("returncode") == 0 and self.over():
                 return  # left because the task ended (the agent had not heard yet): no error
-            self.detected(r.slot, r.step, r.verdict, r.ts, r.method, **r.extra)
+            self.book.detected(r.slot, r.step, r.verdict, r.ts, r.method, **r.extra)
         elif isinstance(r, M.WorkerError):
             self.worker_error(r.slot, r.verdict, r.ts, in_place=r.in_place, epoch=r.epoch)
         elif isinstance(r, M.WorkerFailed):
@@ -411,11 +400,6 @@ class Coordinator:
         (:func:`unicron.control.failures.worker_error`)."""
         with self._deciding():
             failures.worker_error(self.book, slot, verdict, now, in_place=in_place, epoch=epoch)
-
-    def worker_slow(self, slot: int, verdict: Verdict, now: float) -> None:
-        """A straggler (:func:`unicron.control.failures.worker_slow`)."""
-        with self._deciding():
-            failures.worker_slow(self.book, slot, verdict, now)
 
     def epoch_entered(self, slot: int, epoch: int, now: float) -> None:
         """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
@@ -488,22 +472,6 @@ class Coordinator:
         cool-down, not a failed probe."""
         with self._deciding():
             readmission.probe_not_started(self.book, slot, error, now)
-
-    def detected(
-        self,
-        slot: int,
-        step: int | None,
-        verdict: Verdict,
-        ts: float,
-        method: str,
-        *,
-        reason: str | None = None,
-        **extra: Any,
-    ) -> None:
-        """Write one ``error_detected`` event about the worker in ``slot``: the detectors here
-        and the agents' (an exception reported, a process exit) alike."""
-        with self._deciding():
-            self.book.detected(slot, step, verdict, ts, method, reason=reason, **extra)
 
     # -- the cluster: its ticker, its planner, its nodes ------------------------------------------
     def tick(self, now: float) -> None:
@@ -600,27 +568,6 @@ class Coordinator:
         """True once the task is over and every member of the last epoch has reported."""
         with self._deciding():
             return membership.finished(self.book)
-
-    def peer_ahead(self, slot: int, step: int) -> bool:
-        """Whether another member of the current epoch finished computing ``step``."""
-        with self._deciding():
-            return health.peer_ahead(self.book, slot, step)
-
-    def peers_all_ahead(self, slot: int, step: int) -> bool:
-        """Whether every other member that can vouch for ``slot`` finished ``step``."""
-        with self._deciding():
-            return health.peers_all_ahead(self.book, slot, step)
-
-    def alone(self, slot: int) -> bool:
-        """Whether no other member of the current epoch can vouch for ``slot``'s step."""
-        with self._deciding():
-            return health.alone(self.book, slot)
-
-    def state_survives(self, slot: int) -> bool:
-        """Whether the task's state outlives the worker in ``slot``: another live replica
-        holds it, or there is a checkpoint."""
-        with self._deciding():
-            return self.book.state_survives(slot)
 
     def stall_deadline(self) -> float:
         """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`)."""
