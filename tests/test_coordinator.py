@@ -573,3 +573,26 @@ def test_a_slot_moves_only_along_its_diagram(tmp_path: Path) -> None:
     assert 1 not in c.slots and c.released() == {1}
     with pytest.raises(IllegalTransition, match="READY -> EXCLUDED"):
         c.slots[0].to(SlotState.EXCLUDED)  # excluded with a live worker is OUT_READY
+
+
+def test_the_escalations_memory_of_a_slot_lives_on_the_slot(tmp_path: Path) -> None:
+    """One home per fact: the escalation's history of a slot (its restarts, its own exclusion)
+    is the slot's ``record`` in the slot table, not a second table kept in step by hand; a
+    slot given to another task and given back comes back with it."""
+    k = Cluster(tmp_path, nodes=2, per_node=2)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.worker_failed(1, verdict_for_kind("killed"), t)
+    record = c.slots[1].record
+    assert record is not None and len(record.failures) == 1 and not record.excluded
+    for i in range(3):  # restarts 2 and 3, then the fourth failure in the window excludes it
+        c.worker_failed(1, verdict_for_kind("killed"), t + 1 + i)
+    assert record.excluded and c.escalation.excluded_slots() == {1}
+    assert c.slots[1].excluded and not c.slots[1].alive
+    c.release_slots([1], t + 5, "planner")
+    assert 1 not in c.slots and c.released() == {1}
+    assert c.escalation.excluded_slots() == {1}  # its history outlives its stay elsewhere
+    c.add_slot(1, 0, t + 6, "planner")
+    assert c.slots[1].record is record and not c.slots[1].excluded
+    c.worker_failed(1, verdict_for_kind("killed"), t + 7)
+    assert "slot is excluded" in k.events("action")[-1]["reason"]
