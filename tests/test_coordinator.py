@@ -67,7 +67,10 @@ class Cluster:
         c, t = self.c, t0
         for _ in range(n):
             members = slots or c.members
-            step = max(c._computed.values(), default=-1) + 1
+            step = (
+                max((o.computed for o in c.slots.values() if o.computed is not None), default=-1)
+                + 1
+            )
             for m in members:
                 c.step_started(m, step, t, epoch=c.epoch)
             for m in members:
@@ -262,7 +265,7 @@ def test_failures_on_a_node_that_holds_the_last_copies_restart_in_place(tmp_path
         c.worker_ready(slot, t + 0.5)
         assert slot in c.members
         t = k.steps(2, t + 1.0)
-        assert sorted(c._holders()) == [0, 1, 2, 3]
+        assert sorted(c.slots.holders()) == [0, 1, 2, 3]
     assert [a.slot for a in k.actions(Spawn)] == [0, 1, 2, 1, 3, 0, 2]
     assert c.state is TaskState.RUNNING and k.actions(Kill) == []
     restarts = [e for e in k.events("action") if e["action"] == "restart"][-4:]
@@ -276,7 +279,7 @@ def test_failures_on_a_node_that_holds_the_last_copies_restart_in_place(tmp_path
     assert "restart 3 of 3" in k.events("action")[-1]["reason"]
     c.worker_failed(3, verdict_for_kind("oom"), t)
     assert 3 in c.escalation.excluded_slots() and c.slots[3].state is SlotState.EXCLUDED
-    assert sorted(c._holders()) == [0, 1, 2] and c.state is TaskState.RUNNING
+    assert sorted(c.slots.holders()) == [0, 1, 2] and c.state is TaskState.RUNNING
 
 
 def test_a_kept_last_copy_is_not_killed_for_a_transient_error(tmp_path: Path) -> None:
@@ -570,3 +573,26 @@ def test_a_slot_moves_only_along_its_diagram(tmp_path: Path) -> None:
     assert 1 not in c.slots and c.released() == {1}
     with pytest.raises(IllegalTransition, match="READY -> EXCLUDED"):
         c.slots[0].to(SlotState.EXCLUDED)  # excluded with a live worker is OUT_READY
+
+
+def test_the_escalations_memory_of_a_slot_lives_on_the_slot(tmp_path: Path) -> None:
+    """One home per fact: the escalation's history of a slot (its restarts, its own exclusion)
+    is the slot's ``record`` in the slot table, not a second table kept in step by hand; a
+    slot given to another task and given back comes back with it."""
+    k = Cluster(tmp_path, nodes=2, per_node=2)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.worker_failed(1, verdict_for_kind("killed"), t)
+    record = c.slots[1].record
+    assert record is not None and len(record.failures) == 1 and not record.excluded
+    for i in range(3):  # restarts 2 and 3, then the fourth failure in the window excludes it
+        c.worker_failed(1, verdict_for_kind("killed"), t + 1 + i)
+    assert record.excluded and c.escalation.excluded_slots() == {1}
+    assert c.slots[1].excluded and not c.slots[1].alive
+    c.release_slots([1], t + 5, "planner")
+    assert 1 not in c.slots and c.released() == {1}
+    assert c.escalation.excluded_slots() == {1}  # its history outlives its stay elsewhere
+    c.add_slot(1, 0, t + 6, "planner")
+    assert c.slots[1].record is record and not c.slots[1].excluded
+    c.worker_failed(1, verdict_for_kind("killed"), t + 7)
+    assert "slot is excluded" in k.events("action")[-1]["reason"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from unicron.control import readmission
 from unicron.control.coordinator import (
     Coordinator,
     CoordinatorSettings,
@@ -161,7 +162,7 @@ def test_slots_of_a_lost_node_are_not_probed(tmp_path: Path) -> None:
 def test_a_dropped_worker_is_probed_only_once_its_exit_is_handled(tmp_path: Path) -> None:
     c, agent, _ = _running(tmp_path, readmit_after_s=1.0)
     with c._lock:  # what worker_slow does when the planner drops a straggler
-        c._exclude(2, 0.0)
+        readmission.exclude(c.book, 2, 0.0)
     c.tick(5.0)
     assert agent.probes == []  # its process still runs (the kill is on its way)
     c.worker_failed(2, verdict_for_kind("killed"), 5.0)
@@ -175,7 +176,7 @@ def test_a_probe_that_cannot_start_is_tried_again_later(tmp_path: Path) -> None:
     c.tick(1.0)
     assert agent.probes == [3]  # asked for; the agent cannot start it (out of descriptors)
     c.probe_not_started(3, "[Errno 24] Too many open files", 1.0)
-    assert 3 not in c._probing and c.slots[3].excluded
+    assert not c.slots[3].probing and c.slots[3].excluded
     c.tick(1.5)
     assert agent.probes == [3]
     c.tick(2.0)  # one more cool-down after the failed start

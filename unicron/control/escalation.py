@@ -28,11 +28,12 @@ Rules, in order (``decide``):
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 from unicron.detect.classify import Action, Scope, Severity, Verdict
 
-__all__ = ["Decision", "Escalation", "EscalationSettings"]
+__all__ = ["Decision", "Escalation", "EscalationSettings", "SlotRecord"]
 
 NODE_SUSPECT = frozenset(
     {"ecc", "cuda", "illegal_memory", "nccl", "segfault", "bus_error", "hang", "heartbeat_lost"}
@@ -84,21 +85,33 @@ class Decision:
 
 
 @dataclass
-class _Slot:
+class SlotRecord:
+    """The policy's memory of one slot: its recent failures and whether it is excluded on
+    its own account. A coordinator keeps these on its slots
+    (:attr:`unicron.control.slots.Slot.record`, :meth:`Escalation.bind`)."""
+
     node: int
     reattempts: deque[float] = field(default_factory=deque)
     failures: deque[float] = field(default_factory=deque)  # SEV2 restarts asked for
     hardware: deque[float] = field(default_factory=deque)  # failures that may be the node's
+    excluded: bool = False  # excluded on its own account until readmitted
 
 
 class Escalation:
-    """The escalation policy's memory: per-slot reattempts and restarts, exclusions."""
+    """The escalation policy's memory: per-slot reattempts and restarts, exclusions. The
+    per-slot part is a mapping of :class:`SlotRecord` (a plain dict of its own until
+    :meth:`bind` hands it the slots' records)."""
 
     def __init__(self, settings: EscalationSettings | None = None) -> None:
         self.settings = settings or EscalationSettings()
-        self._slots: dict[int, _Slot] = {}
-        self._excluded_slots: set[int] = set()
+        self._slots: MutableMapping[int, SlotRecord] = {}
         self._excluded_nodes: set[int] = set()
+
+    def bind(self, records: MutableMapping[int, SlotRecord]) -> None:
+        """Keep the per-slot memory in ``records`` (a coordinator's slot table,
+        :meth:`unicron.control.slots.SlotTable.records`), before the first decision."""
+        assert not self._slots, "bound after it decided"
+        self._slots = records
 
     def decide(
         self, verdict: Verdict, *, slot: int, node: int, now: float, last_copies: bool = False
@@ -119,7 +132,7 @@ class Escalation:
                 Action.EXCLUDE, Severity.SEV1, f"{kind} on node {node}: node is excluded",
                 exclude_node=True, kind=kind,
             )  # fmt: skip
-        if slot in self._excluded_slots:
+        if s.excluded:
             return Decision(
                 Action.EXCLUDE, Severity.SEV1, f"{kind} on slot {slot}: slot is excluded",
                 exclude_slot=True, kind=kind,
@@ -146,7 +159,7 @@ class Escalation:
 
     def excluded_slots(self) -> frozenset[int]:
         """Slots excluded one by one (a node's exclusion is in :meth:`excluded_nodes`)."""
-        return frozenset(self._excluded_slots)
+        return frozenset(k for k, s in self._slots.items() if s.excluded)
 
     def excluded_nodes(self) -> frozenset[int]:
         """Nodes excluded as a whole."""
@@ -159,21 +172,20 @@ class Escalation:
         after another is excluded even if each passed a probe in between); a node's
         readmission clears its slots' histories, not their own exclusions."""
         if slot is not None:
-            self._excluded_slots.discard(slot)
             s = self._slots.get(slot)
             if s is not None:
+                s.excluded = False
                 s.reattempts.clear()
                 s.failures.clear()
         if node is not None:
             self._excluded_nodes.discard(node)
-            for k in [k for k, s in self._slots.items() if s.node == node]:
-                if k not in self._excluded_slots:
-                    del self._slots[k]
+            for k in [k for k, s in self._slots.items() if s.node == node and not s.excluded]:
+                del self._slots[k]
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _slot(self, slot: int, node: int, now: float) -> _Slot:
-        s = self._slots.setdefault(slot, _Slot(node))
+    def _slot(self, slot: int, node: int, now: float) -> SlotRecord:
+        s = self._slots.setdefault(slot, SlotRecord(node))
         s.node = node
         horizon = now - self.settings.restart_window_s
         for times in (s.reattempts, s.failures, s.hardware):
@@ -210,9 +222,10 @@ class Escalation:
         return Decision(Action.RESTART, Severity.SEV2, reason, kind=kind)
 
     def _exclude_slot(self, kind: str, reason: str, slot: int, node: int, now: float) -> Decision:
-        self._excluded_slots.add(slot)
+        s = self._slots.setdefault(slot, SlotRecord(node))
+        s.excluded = True
         # the exclusion stays evidence against the node for the window, even once readmitted
-        self._slots.setdefault(slot, _Slot(node)).hardware.append(now)
+        s.hardware.append(now)
         if self._node_failing(node, now):
             return self._exclude_node(kind, reason, node, now, slot_excluded=True)
         return Decision(Action.EXCLUDE, Severity.SEV1, reason, exclude_slot=True, kind=kind)
@@ -238,8 +251,7 @@ class Escalation:
         return sorted(
             k
             for k, s in self._slots.items()
-            if s.node == node
-            and (k in self._excluded_slots or any(t > horizon for t in s.hardware))
+            if s.node == node and (s.excluded or any(t > horizon for t in s.hardware))
         )
 
     def _node_failing(self, node: int, now: float) -> bool:

@@ -1,0 +1,274 @@
+"""A task's book: what its coordinator knows of the task, and the effects decided so far.
+
+One :class:`TaskBook` per task, owned by its :class:`~unicron.control.coordinator.Coordinator`
+and read and written only under the coordinator's lock. It holds the slot table
+(:class:`~unicron.control.slots.SlotTable`), the membership (members, epoch, the task's
+:class:`TaskState`), the nodes' heartbeats, the settings, the detectors (step monitor, CPU
+times) and the escalation policy. The judges (:mod:`~unicron.control.membership`,
+:mod:`~unicron.control.health`, :mod:`~unicron.control.readmission`,
+:mod:`~unicron.control.failures`) are functions of a book: they move its slots and its
+membership and append what reaches outside it to :attr:`TaskBook.effects`
+(:mod:`~unicron.control.effects`), which the coordinator carries out or hands back. The store
+and the filesystem reach a judge only as values the coordinator passes in, or through
+:meth:`TaskBook.has_checkpoint` (the one filesystem question, asked only when a decision
+needs it).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unicron.control.effects import Effect, LogEvent, Tell
+from unicron.control.escalation import Escalation
+from unicron.control.messages import AgentAction, Kill, Spawn
+from unicron.control.slots import SlotTable
+from unicron.detect.busy import CpuTimes
+from unicron.detect.classify import Action, Verdict
+from unicron.detect.monitor import StepMonitor
+
+__all__ = ["CoordinatorSettings", "Outcome", "TaskBook", "TaskState"]
+
+
+class TaskState(enum.Enum):
+    """PENDING -> RUNNING (first epoch announced) <-> WAITING (fewer live workers than the
+    minimum while capacity can come back: restarts, health probes) -> DONE (a member finished
+    the last step) or FAILED (no way back to the minimum, no replica and no checkpoint holding
+    the state, replicas that disagree, or the give-up deadline passed while waiting)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    WAITING = "waiting"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorSettings:
+    min_workers: int = 1
+    """the task is worth nothing below this many workers: it waits (or fails) instead"""
+    start_timeout_s: float = 120.0
+    """the first epoch starts with the ready workers after this long, if they are enough"""
+    checkpoint: Path | None = None
+    """the directory of the task's persistent checkpoints: when every replica is gone the task
+    goes on from the newest one (if there is one) instead of failing"""
+    committed_before: int | None = 0
+    """steps a previous run of the task committed (``--resume``; ``None``: unknown), from
+    which ``steps_redone`` of a fallback to a checkpoint is counted"""
+    heartbeat_timeout_s: float = 2.0
+    """a node whose agent has not been heard from for this long is lost (SEV1, excluded)"""
+    suspect_after_s: float = 0.5
+    """a node silent for this long is *suspect*; a suspect node is lost at once when a living
+    worker elsewhere reports a failed collective (the in-band symptom of a lost peer), so a
+    node loss need not wait out the whole heartbeat timeout"""
+    readmit_after_s: float = 60.0
+    """an excluded slot, or a slot of an excluded (not lost) node, gets a health probe this
+    long after its exclusion, twice as long after each further one; a probe that passes brings
+    it (and its node) back: a new worker joins the next epoch. ``math.inf``: never"""
+    error_grace_s: float = 2.5
+    """an in-band error of the current epoch with no process or node failure within this long
+    is healed by a reattempt: a new epoch of the same members (fresh process group), keeping
+    every local sum. Longer than the heartbeat timeout, so a lost node is not mistaken for a
+    flaky link"""
+    give_up_after_s: float = 600.0
+    """a task below its minimum waits this long for capacity (restarts, readmitted slots and
+    nodes), then fails; ``math.inf``: wait for ever"""
+    stall_factor: float = 20.0
+    """a member waiting on its peers outside a step (joining an epoch, reducing) for longer
+    than this many step times (see ``stall_floor_s``) is stalled"""
+    stall_floor_s: float = 5.0
+    """... and never before this many seconds"""
+    stall_cold_s: float = 120.0
+    """the stall deadline before the task has a pace (its first epoch: imports, first
+    connections)"""
+    stall_transfer_bytes_per_s: float = 50e6
+    """a conservative bandwidth for moving the task's state to a joiner: the stall deadline
+    grows by the state size over it"""
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1, got {self.min_workers}")
+        for name in ("start_timeout_s", "heartbeat_timeout_s", "give_up_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.readmit_after_s > 0:
+            raise ValueError(f"readmit_after_s must be > 0, got {self.readmit_after_s}")
+        if not 0 < self.suspect_after_s <= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"suspect_after_s must be in (0, heartbeat_timeout_s], got {self.suspect_after_s}"
+            )
+        if not self.error_grace_s > self.heartbeat_timeout_s:
+            raise ValueError(
+                f"error_grace_s must be > heartbeat_timeout_s ({self.heartbeat_timeout_s}), "
+                f"got {self.error_grace_s}"
+            )
+        for name in ("stall_factor", "stall_floor_s", "stall_cold_s"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.stall_transfer_bytes_per_s > 0:
+            raise ValueError(
+                f"stall_transfer_bytes_per_s must be > 0, got {self.stall_transfer_bytes_per_s}"
+            )
+
+
+@dataclass
+class Outcome:
+    """How the task ended, for the runner's exit code and report."""
+
+    state: TaskState
+    reason: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+    usage: bool = False  # failed on bad input (a worker's check before training): exit 2
+
+
+class TaskBook:
+    """Everything one task's coordinator knows of the task (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        task: str,
+        label: str,
+        slots: dict[int, int],
+        settings: CoordinatorSettings,
+        escalation: Escalation,
+        monitor: StepMonitor | None,
+        checkpoint_exists: Callable[[Path | None], bool],
+    ) -> None:
+        self.task = task  # scopes its store keys: unique on the store
+        self.label = label  # its name in the event log
+        self.settings = settings
+        self.escalation = escalation
+        self.monitor = monitor
+        self.slots = SlotTable(slots)
+        escalation.bind(self.slots.records())
+        self._checkpoint_exists = checkpoint_exists
+        # -- membership
+        self.state = TaskState.PENDING
+        self.epoch = 0
+        self.members: tuple[int, ...] = ()
+        self.outcome: Outcome | None = None
+        self.started_at: float | None = None
+        self.waiting_since: float | None = None
+        self.waiting_reason = ""
+        self.trained = False  # a step committed: a fresh worker's model is no longer the state
+        self.commits: set[tuple[int, int]] = set()  # (epoch, step) reported committed
+        self.logged_before = (-1, -1)  # (epoch, step): commits already in the event log
+        self.adopted = False  # took over a running task after a restart (Coordinator.adopt)
+        self.last_error = ""
+        # -- what the workers told
+        self.microbatches: int | None = None  # per global batch, learned from the workers
+        self.state_bytes = 0  # the task's state (model + optimizer), learned from the workers
+        self.cpu = CpuTimes()  # starved or hung: the workers' CPU time (unicron.detect.busy)
+        # -- nodes
+        self.nodes: set[int] = set()  # nodes whose agent is attached
+        self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
+        self.read_until: dict[int, float] = {}  # node -> its reports are all in up to then
+        self.lost_nodes: set[int] = set()
+        self.last_tick: float | None = None
+        self.exited = False  # a worker exited since the store's ``usage`` key was last read
+        # -- decided, not yet carried out
+        self.effects: list[Effect] = []
+
+    # -- questions ---------------------------------------------------------------------------
+    def active(self) -> bool:
+        """RUNNING or WAITING."""
+        return self.state in (TaskState.RUNNING, TaskState.WAITING)
+
+    def over(self) -> bool:
+        """The task is done or failed (waiting workers are leaving)."""
+        return self.state in (TaskState.DONE, TaskState.FAILED)
+
+    def other_holders(self, slot: int) -> list[int]:
+        """The live slots other than ``slot`` that hold the task's state."""
+        return [h for h in self.slots.holders() if h != slot]
+
+    def has_checkpoint(self) -> bool:
+        """The task has a persistent checkpoint to fall back on (read from its directory)."""
+        return self._checkpoint_exists(self.settings.checkpoint)
+
+    def state_survives(self, slot: int) -> bool:
+        """Whether the task's state outlives the worker in ``slot``: another live replica
+        holds it, or there is a checkpoint."""
+        return bool(self.other_holders(slot)) or self.has_checkpoint()
+
+    def known_until(self, now: float) -> dict[int, float]:
+        """Per slot, the moment up to which its worker's reports are in (its agent's last
+        read; ``now`` for a node not heard from yet, or lost)."""
+        return {
+            s: now if o.node in self.lost_nodes else min(now, self.read_until.get(o.node, now))
+            for s, o in self.slots.items()
+        }
+
+    # -- effects -----------------------------------------------------------------------------
+    def emit(self, name: str, /, **fields: Any) -> None:
+        """An event-log record."""
+        self.effects.append(LogEvent(name, fields))
+
+    def send(self, node: int, action: AgentAction) -> None:
+        """An action for the agent of ``node``."""
+        self.effects.append(Tell(node, action))
+
+    def spawn(self, slot: int) -> None:
+        """Start a worker in ``slot`` (a restart, a readmission)."""
+        s = self.slots[slot]
+        s.start()
+        s.has_state = s.fresh = not self.trained
+        self.forget(slot)
+        self.send(s.node, Spawn(slot))
+
+    def kill(self, slot: int, verdict: Verdict | None) -> None:
+        """Stop the worker in ``slot``; its exit comes back as a failure."""
+        self.send(self.slots[slot].node, Kill(slot, verdict))
+
+    def forget(self, slot: int) -> None:
+        """Drop what the detectors know of the worker in ``slot`` (gone, or restarting)."""
+        self.slots[slot].forget()
+        self.cpu.forget(slot)
+        if self.monitor is not None:
+            self.monitor.forget(slot)
+
+    def action(self, action: Action, slot: int, reason: str, severity: int, now: float) -> None:
+        """An ``action`` event about ``slot``."""
+        self.emit(
+            "action",
+            ts=now,
+            task=self.label,
+            epoch=self.epoch,
+            rank=slot,
+            slot=slot,
+            node=self.slots[slot].node,
+            action=str(action),
+            severity=severity,
+            reason=reason,
+        )
+
+    def detected(
+        self,
+        slot: int,
+        step: int | None,
+        verdict: Verdict,
+        ts: float,
+        method: str,
+        *,
+        reason: str | None = None,
+        **extra: Any,
+    ) -> None:
+        """One ``error_detected`` event about the worker in ``slot``."""
+        self.emit(
+            "error_detected",
+            ts=ts,
+            task=self.label,
+            rank=slot,
+            slot=slot,
+            node=self.slots[slot].node,
+            step=step,
+            kind=verdict.kind,
+            severity=int(verdict.severity),
+            method=method,
+            reason=reason or verdict.reason,
+            **extra,
+        )

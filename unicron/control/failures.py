@@ -1,0 +1,284 @@
+"""Failure handling: one place where the escalation's decisions are turned into moves.
+
+Judges over a task's :class:`~unicron.control.book.TaskBook`, called under its
+:class:`~unicron.control.coordinator.Coordinator`'s lock: a worker process gone
+(:func:`worker_failed`), an error raised inside a living worker (:func:`worker_error`, healed
+after its grace period by :func:`heal_errors`), a straggler (:func:`worker_slow`), and, from
+:mod:`~unicron.control.health`, a lost node (:func:`node_lost`) and a stuck collective
+(:func:`collective_stuck`). Each asks the task's
+:class:`~unicron.control.escalation.Escalation` (:meth:`~Escalation.decide`, whose per-slot
+memory lives on the slots), writes the ``action`` event with its reason, and acts: a
+reattempt (a new epoch of the same members), a restart in the slot, an exclusion of the slot
+or its node (:mod:`~unicron.control.readmission`), then a new epoch or a wait
+(:func:`unicron.control.membership.reform`).
+"""
+
+from __future__ import annotations
+
+from unicron.control import membership, readmission
+from unicron.control.book import TaskBook, TaskState
+from unicron.control.escalation import Decision
+from unicron.control.messages import Census
+from unicron.detect.classify import (
+    Action,
+    Scope,
+    Severity,
+    Verdict,
+    classify_detector,
+    classify_exit,
+)
+from unicron.detect.stall import Phase, Progress
+
+MIN_COPIES = 2
+"""a straggler is dropped only if at least this many other workers hold the task's state: with
+one copy left, the next fault of any kind rolls the task back to its checkpoint (the fault soak
+lost 3 steps so: a slow worker dropped from two, then a crash of the last one)"""
+
+
+def worker_failed(b: TaskBook, slot: int, verdict: Verdict, now: float) -> None:
+    """The worker process in ``slot`` is gone (its agent already logged the detection)."""
+    b.exited = True
+    s = b.slots[slot]
+    s.gone()
+    if s.leaving:  # given back anyway: no healing, the slot is the task's no more
+        membership.worker_left(b, slot)
+        membership.reform(b, now, f"slot {slot} released")
+        return
+    s.last_error = verdict.reason
+    b.forget(slot)
+    if b.over():
+        return
+    b.last_error = verdict.reason
+    kept = keeps_last_copies(b, slot)
+    if s.excluded and not kept:
+        # taken out already (a dropped straggler, a slot excluded on its own account)
+        s.kept = False
+        membership.reform(b, now, f"slot {slot} excluded")
+        return
+    decision = b.escalation.decide(verdict, slot=slot, node=s.node, now=now, last_copies=kept)
+    b.action(decision.action, slot, decision.reason, int(decision.severity), now)
+    excluded = decision.exclude_slot or decision.action is Action.EXCLUDE
+    # the failure that tipped its node over, the slot itself under its limits: it is
+    # kept like the node's living workers if the state now lives only there
+    tipped = decision.exclude_node and not decision.exclude_slot
+    in_place = (kept and not excluded) or (tipped and state_only_on(b, s.node, slot))
+    if excluded and not in_place:
+        readmission.exclude(b, slot, now)
+    if decision.exclude_node or (verdict.scope is Scope.NODE and decision.action is Action.EXCLUDE):
+        readmission.exclude_node(b, s.node, verdict, now)
+    if in_place:
+        # restarted in place (kept): in the plan, to take the state from its
+        # neighbours when it joins
+        if excluded:
+            reason = (
+                f"slot {slot}: restart in place (node {s.node} is excluded but holds "
+                "the task's last copies)"
+            )
+            b.action(Action.RESTART, slot, reason, int(Severity.SEV2), now)
+        s.kept = True
+        s.readmit()
+        s.excluded_at = None
+    else:
+        s.kept = False
+    if not membership.reform(b, now, f"slot {slot} lost: {verdict.kind}"):
+        return
+    if not s.excluded:
+        b.spawn(slot)
+
+
+def worker_error(
+    b: TaskBook, slot: int, verdict: Verdict, now: float, *, in_place: bool, epoch: int | None
+) -> None:
+    """An error raised inside a living worker (in-band). ``in_place``: the worker already
+    retried the step (SEV3): the decision is recorded, and the worker restarted only if the
+    escalation says the retries are used up. Otherwise a collective of ``epoch`` failed and
+    the worker waits for a newer epoch: :func:`heal_errors` gives it one after the grace
+    period (a newer epoch announced meanwhile, for a process or node failure, heals it too)."""
+    if not in_place:
+        epoch = b.epoch if epoch is None else epoch
+        o = b.slots[slot]
+        if epoch >= b.epoch:
+            o.progress = Progress(epoch, Phase.LEFT, -1, now)
+        o.erred(now, verdict, epoch)
+        return
+    decision = decide_in_band(b, slot, verdict, now)
+    b.action(decision.action, slot, decision.reason, int(decision.severity), now)
+    if decision.action is not Action.REATTEMPT:
+        b.kill(slot, verdict)
+
+
+def heal_errors(b: TaskBook, now: float) -> None:
+    """An in-band error whose epoch is still the current one after the grace period (no
+    process or node failure explained it with a newer epoch) gets a reattempt: a new epoch
+    of the same members. Dropping it would leave the reporter waiting for an epoch that
+    never comes, and its peers blocked in a collective it left."""
+    for slot in b.slots.pending_errors():
+        o = b.slots[slot]
+        e = o.pending_error
+        assert e is not None
+        if (
+            b.epoch > e.epoch
+            or slot not in b.members
+            or not o.alive
+            or b.state is TaskState.WAITING  # the epoch that ends the wait heals it
+        ):
+            o.pending_error = None  # a newer epoch (or its exit) heals it
+        elif now - e.ts > b.settings.error_grace_s:
+            o.pending_error = None
+            decision = decide_in_band(b, slot, e.verdict, now)
+            b.action(decision.action, slot, decision.reason, int(decision.severity), now)
+            if decision.action is Action.REATTEMPT:
+                membership.announce(
+                    b,
+                    b.members,
+                    urgent=True,
+                    now=now,
+                    reason=f"reattempt after {e.verdict.kind} on slot {slot}",
+                )
+            else:  # escalated: restart the process; its exit is handled as a failure
+                b.kill(slot, e.verdict)
+
+
+def decide_in_band(b: TaskBook, slot: int, verdict: Verdict, now: float) -> Decision:
+    """The escalation's decision on an in-band error, except for a worker kept running on
+    an excluded slot or node (the last copies of the state): a transient (SEV3) error there
+    is reattempted, never a reason to kill the state's last holder."""
+    s = b.slots[slot]
+    if s.excluded and s.alive and verdict.severity is Severity.SEV3:
+        reason = (
+            f"{verdict.kind} on slot {slot}: reattempt (kept on an excluded slot or node: it "
+            "holds the state and goes on until it fails)"
+        )
+        return Decision(Action.REATTEMPT, Severity.SEV3, reason, kind=verdict.kind)
+    kept = keeps_last_copies(b, slot)
+    return b.escalation.decide(verdict, slot=slot, node=s.node, now=now, last_copies=kept)
+
+
+def keeps_last_copies(b: TaskBook, slot: int) -> bool:
+    """The worker in ``slot`` (failed, or failing) was kept running on an excluded node
+    because the task's state lived only there, and the other copies still do: a failure
+    of its own restarts it in place (:func:`worker_failed`), within its own restart limit,
+    so that the node keeps two copies or more until its health probe brings it back."""
+    s = b.slots[slot]
+    if not s.kept or s.node not in b.escalation.excluded_nodes():
+        return False
+    return state_only_on(b, s.node, slot)
+
+
+def state_only_on(b: TaskBook, node: int, slot: int) -> bool:
+    """Workers other than ``slot``'s hold the task's state, all of them on ``node``."""
+    others = b.other_holders(slot)
+    return bool(others) and all(b.slots[h].node == node for h in others)
+
+
+def worker_slow(b: TaskBook, slot: int, verdict: Verdict, now: float) -> None:
+    """A straggler: ask the planner whether the task's WAF is higher without it; act on the
+    answer (drop the slot, or keep it and say why)."""
+    if slot not in b.members or b.state is not TaskState.RUNNING:
+        return
+    mine = b.slots[slot].mb_compute_s
+    peers = [
+        t
+        for k, o in b.slots.items()
+        if k != slot and k in b.members and (t := o.mb_compute_s) is not None
+    ]
+    if mine is None or not peers:
+        return
+    from unicron.detect.straggler import straggler_plan
+
+    drop, reason = straggler_plan(
+        world=len(b.members),
+        microbatches=b.microbatches or len(b.members),
+        peer_mb_s=sorted(peers)[len(peers) // 2],
+        slow_mb_s=mine,
+        min_workers=b.settings.min_workers,
+    )
+    others = b.other_holders(slot)
+    if drop and len(others) < MIN_COPIES:
+        drop = False  # speed is not worth the state's last spare copy
+        reason += (
+            f"; kept: without it {len(others)} worker(s) would hold the state (it is "
+            "judged again once another copy joins)"
+        )
+    if drop:
+        b.action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", 1, now)
+        b.slots[slot].kept = False
+        readmission.exclude(b, slot, now)
+        b.kill(slot, verdict)
+    else:
+        b.action(Action.RECONFIGURE, slot, f"straggler kept: {reason}", 1, now)
+
+
+def node_lost(
+    b: TaskBook, node: int, silent: float, now: float, *, suspect_confirmed: bool
+) -> None:
+    """The agent of ``node`` has been silent for ``silent`` seconds (and, with
+    ``suspect_confirmed``, a living peer's collective failed meanwhile): the node is lost,
+    its slots excluded with their workers, the survivors reform."""
+    b.lost_nodes.add(node)
+    verdict = classify_detector("heartbeat_lost")
+    slots = b.slots.on_node(node)
+    b.emit(
+        "error_detected",
+        ts=now,
+        task=b.label,
+        node=node,
+        kind=verdict.kind,
+        severity=int(verdict.severity),
+        method="heartbeat",
+        silent_s=round(silent, 3),
+        reason=f"no heartbeat from node {node} for {silent:.2f} s"
+        + (" and a collective failed on a living peer" if suspect_confirmed else ""),
+    )
+    if b.over():
+        return
+    decision = b.escalation.decide(verdict, slot=slots[0], node=node, now=now)
+    b.emit(
+        "action",
+        task=b.label,
+        epoch=b.epoch,
+        node=node,
+        action=str(decision.action),
+        severity=int(decision.severity),
+        reason=decision.reason,
+        slots=slots,
+    )
+    for s in slots:
+        o = b.slots[s]
+        o.exclude()
+        o.gone()
+        b.forget(s)
+    b.last_error = decision.reason
+    membership.reform(b, now, f"node {node} lost")
+
+
+def collective_stuck(b: TaskBook, reason: str, now: float) -> None:
+    """Every member waits on the others outside a step: the collective itself is stuck.
+    The escalation decides on the first member's account: a new epoch of the same members,
+    or a restart (its exit is handled as a failure)."""
+    slot = b.members[0]
+    verdict = classify_detector("collective_stall")
+    b.detected(slot, None, verdict, now, "stall", reason=reason)
+    node = b.slots[slot].node
+    decision = b.escalation.decide(verdict, slot=slot, node=node, now=now)
+    b.action(decision.action, slot, decision.reason, int(decision.severity), now)
+    if decision.action is Action.REATTEMPT:
+        membership.announce(b, b.members, urgent=True, now=now, reason=reason)
+    else:
+        b.kill(slot, verdict)
+
+
+def census(b: TaskBook, node: int, r: Census) -> None:
+    """An agent's account of its workers, sent when it (re)connects: a coordinator that
+    adopted a running task learns from it which workers live, and heals a member gone while
+    nobody listened (its exit report was lost with the old coordinator) as a process failure.
+    To one that never went away it says nothing new."""
+    if not b.adopted:
+        return
+    for slot, o in b.slots.items():
+        if o.node != node:
+            continue
+        alive = slot in r.alive
+        o.seen(alive=alive, ready=slot in r.ready or (alive and slot in b.members))
+        if not o.alive and slot in b.members and not o.excluded:
+            worker_failed(b, slot, classify_exit(-9), r.ts)

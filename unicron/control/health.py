@@ -1,0 +1,342 @@
+"""Health: what the workers' reports and the passing of time say about them and their nodes.
+
+Judges over a task's :class:`~unicron.control.book.TaskBook`, called by its
+:class:`~unicron.control.coordinator.Coordinator` under its lock: the reports that feed the
+detectors (:func:`epoch_entered`, :func:`step_started`, :func:`step_computed`, an agent's
+:func:`heartbeat`), and on every tick the checks that find a fault: silent nodes
+(:func:`check_heartbeats`), hangs and stragglers from the step monitor
+(:func:`check_monitor`, :mod:`unicron.detect.monitor`, with the evidence of peers and CPU
+time, :mod:`unicron.detect.busy`), stalls outside a step (:func:`check_stalls`,
+:mod:`unicron.detect.stall`). A fault found here is written as an ``error_detected`` event and
+handed to :mod:`~unicron.control.failures`, which asks the escalation what to do; a hang or a
+stall that needs no policy is killed here (its exit comes back as a failure). It also sets the
+exchange rhythm (:func:`next_exchange_s`, :func:`judge_now`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from unicron.control import failures, membership
+from unicron.control.book import TaskBook, TaskState
+from unicron.detect.busy import Cpu, Sample, own_compute_s
+from unicron.detect.classify import classify_detector
+from unicron.detect.stall import Phase, Progress, find_stall, stall_deadline_s
+
+log = logging.getLogger("unicron.control.coordinator")
+
+FAST_EXCHANGE_S = 0.05
+"""the rhythm asked of a node the coordinator waits on (:func:`next_exchange_s`); the slow
+rhythm is half of ``suspect_after_s``, so a healthy idle node is never suspect"""
+
+LONE_HANG_OVERRUN = 2.0
+"""a step past its hang allowance is confirmed hung when every other member finished it;
+with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
+checkpoint reload), once it has lasted this many times its allowance"""
+
+
+# -- reports -------------------------------------------------------------------------------
+def heartbeat(b: TaskBook, node: int, now: float, read_until: float | None) -> None:
+    """The agent of ``node`` is alive, and every report its workers sent before
+    ``read_until`` has been handed over: the detectors judge that node's workers at that
+    moment, never on reports still in flight."""
+    b.heartbeats[node] = now
+    b.read_until[node] = now if read_until is None else read_until
+
+
+def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
+    """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
+    b.slots[slot].progress = Progress(epoch, Phase.JOIN, -1, now)
+
+
+def step_started(
+    b: TaskBook, slot: int, step: int, now: float, epoch: int | None, cpu_s: float | None
+) -> None:
+    """The worker in ``slot`` began computing ``step``: the monitor's clock starts."""
+    o = b.slots[slot]
+    known = o.progress
+    ep = epoch if epoch is not None else (known.epoch if known else b.epoch)
+    o.progress = Progress(ep, Phase.COMPUTE, step, now)
+    b.cpu.began(slot, step, None if cpu_s is None else Sample(now, cpu_s))
+    if b.monitor is not None:
+        b.monitor.step_started(slot, step, now)
+
+
+def step_computed(
+    b: TaskBook,
+    slot: int,
+    step: int,
+    now: float,
+    *,
+    compute_s: float,
+    microbatches: int | None,
+    cpu_s: float | None,
+    queued_s: float | None,
+) -> None:
+    """The worker in ``slot`` finished computing ``step`` (it now reduces): it holds the
+    state; the monitor learns the step time, without ``queued_s`` (the part its thread waited
+    for a CPU: an oversubscribed machine's run queue is not the worker's speed)."""
+    s = b.slots[slot]
+    s.computed = step
+    b.cpu.computed(slot, step, cpu_s)
+    s.has_state, s.fresh = True, False
+    known = s.progress
+    ep = known.epoch if known else b.epoch
+    s.progress = Progress(ep, Phase.REDUCE, step, now)
+    own_s = own_compute_s(compute_s, queued_s)
+    if microbatches:
+        s.mb_compute_s = own_s / microbatches
+    if b.monitor is not None:
+        b.monitor.step_finished(slot, step, own_s, now, microbatches=microbatches)
+    b.escalation.healthy(slot=slot, now=now)
+
+
+# -- the exchange rhythm (docs/cluster.md, The rhythm) ---------------------------------------
+def judge_now(b: TaskBook, node: int, now: float) -> bool:
+    """Whether an exchange of ``node`` runs the detectors itself instead of leaving them to
+    the ticker: when a worker of the node is past its hang deadline as far as its reports go,
+    while a hang is suspected and waits on evidence, and while an in-band error waits out its
+    grace period. Most exchanges judge nothing: the detectors' cost is the ticker's."""
+    if not b.active():
+        return False
+    if b.slots.suspects() or b.slots.pending_errors():
+        return True
+    if b.monitor is None:
+        return False
+    at = min(now, b.read_until.get(node, now))
+    return any(o.node == node and b.monitor.due(s, at) for s, o in b.slots.items())
+
+
+def next_exchange_s(b: TaskBook, node: int, now: float) -> float:
+    """How soon the agent of ``node`` should come back with nothing to report: slow
+    (``suspect_after_s / 2``) while nothing is due; fast (:data:`FAST_EXCHANGE_S`) while a
+    detector or an action waits on fresh reports (an in-band error in its grace period, a
+    suspected hang, a slow step not yet judged a straggler, an epoch not every member entered
+    yet, a leaver not yet stopped); timed to the hang deadline of a worker of the node
+    computing a step, so a hang is judged there (as of the agent's last read)."""
+    idle = b.settings.suspect_after_s / 2
+    if not b.active():
+        return idle
+    if b.slots.pending_errors() or b.slots.suspects() or membership.in_transition(b):
+        return FAST_EXCHANGE_S
+    if b.monitor is not None and b.monitor.slow_suspected():
+        return FAST_EXCHANGE_S  # the next step reports say whether it is a straggler
+    wait = idle
+    if b.monitor is not None:
+        read = b.read_until.get(node, now)  # the agent's clock, as the deadlines
+        for slot, o in b.slots.items():
+            deadline = b.monitor.hang_deadline(slot) if o.node == node else None
+            if deadline is not None and deadline > read:
+                wait = min(wait, deadline - read)
+    return max(wait, FAST_EXCHANGE_S)
+
+
+# -- silent nodes --------------------------------------------------------------------------
+def check_heartbeats(b: TaskBook, now: float) -> None:
+    """A node silent past the heartbeat timeout is lost, and so is a suspect one (silent past
+    ``suspect_after_s``) once a living worker reported a failed collective since it was last
+    heard: :func:`unicron.control.failures.node_lost` decides what follows. A coordinator that
+    did not run for a while itself judges nobody on that tick."""
+    stalled = b.last_tick is not None and now - b.last_tick > b.settings.suspect_after_s
+    b.last_tick = now
+    if stalled:  # this process itself did not run for a while: every agent looks silent
+        for node in b.heartbeats:
+            b.heartbeats[node] = max(b.heartbeats[node], now)
+        return
+    symptoms = [e.ts for s in b.slots.values() if (e := s.pending_error) is not None]
+    for node, last in b.heartbeats.items():
+        silent = now - last
+        suspect_confirmed = silent > b.settings.suspect_after_s and any(
+            ts > last for ts in symptoms
+        )
+        if node in b.lost_nodes or not (
+            silent > b.settings.heartbeat_timeout_s or suspect_confirmed
+        ):
+            continue
+        failures.node_lost(b, node, silent, now, suspect_confirmed=suspect_confirmed)
+
+
+# -- hangs and stragglers ------------------------------------------------------------------
+def check_monitor(b: TaskBook, now: float) -> None:
+    """Act on the step monitor's verdicts. A step past its hang deadline is a hang only once
+    every other member has finished computing that step: when several members are late
+    together the machine is slow (or a collective is stuck). With only some peers done, or
+    alone in its epoch, the step must have lasted :data:`LONE_HANG_OVERRUN` times its
+    allowance (:func:`check_suspect`). A slow step goes to the straggler policy."""
+    if b.monitor is None:
+        return
+    for slot in b.slots.suspects():
+        check_suspect(b, slot, now)
+    for d in b.monitor.check(now, b.known_until(now)):
+        o = b.slots.get(d.worker)
+        if o is None or not o.alive:
+            continue
+        verdict = classify_detector(d.kind)
+        if d.kind == "hang":
+            o.suspected(d.step, verdict, d.reason)
+            check_suspect(b, d.worker, now)
+            continue
+        b.detected(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
+        failures.worker_slow(b, d.worker, verdict, now)
+
+
+def check_suspect(b: TaskBook, slot: int, now: float) -> None:
+    """Kill a suspected hang once the evidence is in (or forget it: it moved on, or left)."""
+    o = b.slots[slot]
+    assert o.suspect is not None
+    step, verdict, reason = o.suspect.step, o.suspect.verdict, o.suspect.reason
+    p = o.progress
+    if not o.alive or p is None or p.phase is not Phase.COMPUTE or p.step != step:
+        o.suspect = None  # it moved on, or it is gone
+        return
+    # the evidence: every peer finished the step (a starved machine slows several workers
+    # at once, a hang one); or one did and the step has lasted twice its allowance (two
+    # hangs at once) or its CPU time stood still; or, alone in the epoch, the step has
+    # lasted twice its allowance. A worker whose CPU time advances is starved: left to run
+    at = b.known_until(now)[slot]
+    overrun = _overrun(b, slot, at) >= LONE_HANG_OVERRUN
+    assert b.monitor is not None
+    cpu, why = b.cpu.judge(slot, step, factor=b.monitor.settings.hang_factor, now=now)
+    # held, and judged again next tick: a worker starved on a loaded machine (WORKING); or
+    # one whose CPU readings the agents send, only not this step's yet (a loaded machine
+    # starves the agent too): without that evidence the wall clock alone decides, at the
+    # larger overrun
+    late = cpu is Cpu.UNKNOWN and b.cpu.sampling and not overrun
+    if cpu is Cpu.WORKING or late:
+        if o.held != step:
+            o.held = step
+            log.info("task %s: slot %d past its hang allowance: %s", b.label, slot, why)
+        return
+    # its CPU time standing still is what several late peers would otherwise have to show
+    idle = cpu is Cpu.IDLE
+    peer = peers_all_ahead(b, slot, step) or ((overrun or idle) and peer_ahead(b, slot, step))
+    lone = not peer and overrun and alone(b, slot)
+    if not (peer or lone):
+        return
+    if cpu is not Cpu.UNKNOWN:
+        reason += f"; {why}"
+    o.suspect = None
+    # alone, and the task's only copy of its state: if it is merely slow it may still
+    # finish, so it is reported and left running
+    spare = lone and not b.state_survives(slot)
+    if lone:
+        reason += f"; alone in its epoch: confirmed at {LONE_HANG_OVERRUN:g}x the allowance"
+    if spare:
+        reason += "; not killed: no other replica and no checkpoint hold the state"
+        log.warning("slot %d: %s", slot, reason)
+    b.detected(slot, step, verdict, now, "monitor", reason=reason)
+    if not spare:
+        b.kill(slot, verdict)
+
+
+def _overrun(b: TaskBook, slot: int, at: float) -> float:
+    """How many hang allowances the current step of ``slot`` has lasted at ``at``."""
+    assert b.monitor is not None
+    overrun = b.monitor.overrun(slot, at)
+    return 0.0 if overrun is None else overrun
+
+
+def peer_ahead(b: TaskBook, slot: int, step: int) -> bool:
+    """Whether another member of the current epoch finished computing ``step``: the
+    evidence that ``slot``, still in that step past its deadline, hangs alone."""
+    return any(m != slot and b.slots.computed_of(m) >= step for m in b.members)
+
+
+def peers_all_ahead(b: TaskBook, slot: int, step: int) -> bool:
+    """Whether every other member of the current epoch that can vouch for ``slot``
+    (:func:`vouchers`) finished computing ``step``."""
+    others = vouchers(b, slot)
+    return bool(others) and all(b.slots.computed_of(m) >= step for m in others)
+
+
+def alone(b: TaskBook, slot: int) -> bool:
+    """Whether no other member of the current epoch can vouch that the step of ``slot``
+    hangs rather than the machine being slow (:func:`vouchers`)."""
+    return not vouchers(b, slot)
+
+
+def vouchers(b: TaskBook, slot: int) -> list[int]:
+    """The other members of the current epoch that compute alongside ``slot``: each has
+    finished a step since it (re)started, or is computing one. A worker that joined the
+    epoch while ``slot`` was in its step and has computed nothing waits in the rendezvous
+    for ``slot`` itself: it says nothing about the machine's speed."""
+    return [
+        m
+        for m in b.members
+        if m != slot
+        and (
+            b.slots.computed_of(m) >= 0
+            or ((p := b.slots.progress_of(m)) is not None and p.phase is Phase.COMPUTE)
+        )
+    ]
+
+
+# -- stalls outside a step -----------------------------------------------------------------
+def stall_deadline(b: TaskBook) -> float:
+    """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`)."""
+    s = b.settings
+    pace = b.monitor.pace_s() if b.monitor is not None else None
+    return stall_deadline_s(
+        pace_s=pace,
+        state_bytes=b.state_bytes,
+        factor=s.stall_factor,
+        floor_s=s.stall_floor_s,
+        cold_s=s.stall_cold_s,
+        transfer_bytes_per_s=s.stall_transfer_bytes_per_s,
+    )
+
+
+def check_stalls(b: TaskBook, now: float) -> None:
+    """A transition or reduce that never ends: kill the members the others wait for (a hang
+    outside a step), or, when the collective itself is stuck, let the escalation decide
+    (:func:`unicron.control.failures.collective_stuck`)."""
+    if b.state is not TaskState.RUNNING or not b.members:
+        return
+    known = b.known_until(now)
+    stall = find_stall(
+        epoch=b.epoch,
+        members=b.members,
+        progress=b.slots.progress(),
+        now=min(known[m] for m in b.members),
+        deadline_s=stall_deadline(b),
+    )
+    if stall is None:
+        return
+    if stall.stuck:
+        failures.collective_stuck(b, stall.reason, now)
+        for m in b.members:  # judged once: their clocks restart with the new epoch
+            if m in b.slots:
+                b.slots[m].progress = None
+        return
+    verdict = classify_detector("stall")
+    for slot in stall.behind:
+        o = b.slots[slot]
+        if not o.alive:
+            continue
+        p = o.progress
+        b.detected(slot, p.step if p else None, verdict, now, "stall", reason=stall.reason)
+        o.progress = None
+        b.kill(slot, verdict)
+    for m in b.members:  # the waiters' clocks restart: judged once per stall
+        p = b.slots.progress_of(m)
+        if p is not None and p.epoch == b.epoch:
+            b.slots[m].progress = Progress(p.epoch, p.phase, p.step, now)
+
+
+__all__ = [
+    "FAST_EXCHANGE_S",
+    "LONE_HANG_OVERRUN",
+    "alone",
+    "check_heartbeats",
+    "check_monitor",
+    "check_stalls",
+    "epoch_entered",
+    "heartbeat",
+    "judge_now",
+    "next_exchange_s",
+    "peer_ahead",
+    "peers_all_ahead",
+    "stall_deadline",
+    "step_computed",
+    "step_started",
+]

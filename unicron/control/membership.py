@@ -1,0 +1,354 @@
+"""Membership and epochs: who trains together, and when a new epoch is announced.
+
+Judges over a task's :class:`~unicron.control.book.TaskBook`, called by its
+:class:`~unicron.control.coordinator.Coordinator` under its lock (and by the other judges:
+:mod:`~unicron.control.failures` reforms after a loss): the first epoch (:func:`maybe_start`),
+ready workers joining (:func:`grow`), an epoch of the survivors or a wait below the minimum
+after a loss (:func:`reform`), the planner's moves (:func:`add_slot`, :func:`release_slots`),
+commits (:func:`step_committed`), the end (:func:`worker_done`, :func:`fail`) and the take-over
+of a running task after a coordinator's restart (:func:`adopt`: what the store said comes in
+as values). Each changes the book and appends its effects there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from unicron.control.book import Outcome, TaskBook, TaskState
+from unicron.control.effects import AnnounceEpoch, WriteStoreKey
+from unicron.control.messages import Kill, Spawn
+from unicron.control.protocol import EpochInfo, done_key, trained_key
+from unicron.control.slots import SlotState
+from unicron.detect.classify import Action
+from unicron.detect.stall import Phase, Progress
+
+log = logging.getLogger("unicron.control.coordinator")
+
+
+def adopt(
+    b: TaskBook, now: float, info: EpochInfo | None, *, trained: bool, committed: int
+) -> None:
+    """Take over the task as its workers left it: epoch ``info`` read from the store (``None``:
+    no epoch was announced, it starts as a new task does), ``trained`` whether a step had
+    committed, ``committed`` the last step the old coordinator logged. Every slot is presumed
+    alive until its agent's census says otherwise, every node heard from now."""
+    b.adopted = True
+    if info is None:
+        return
+    b.epoch = info.epoch
+    # members of this epoch or older report commits the old coordinator logged
+    b.logged_before = (b.epoch, committed)
+    b.members = info.members
+    b.trained = trained
+    b.state = TaskState.RUNNING if b.members else TaskState.WAITING
+    if b.state is TaskState.WAITING:
+        b.waiting_since, b.waiting_reason = now, "adopted with no members"
+    for slot, o in b.slots.items():
+        if slot in b.members:
+            o.readied()
+        o.has_state = b.trained or slot in b.members
+        o.fresh = not b.trained
+    for node in b.slots.nodes():
+        b.heartbeats[node] = now
+    b.last_tick = now
+
+
+def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
+    """A member reports that ``step`` committed in ``epoch``: True for the first report of it.
+    The first commit makes a freshly built model no longer the task's state (the ``trained``
+    store key, which starting workers read, is written here)."""
+    key = (epoch, step)
+    if key in b.commits:
+        return False
+    old_epoch, old_step = b.logged_before
+    if epoch <= old_epoch and step <= old_step:
+        return False  # logged by the coordinator this one took over from
+    b.commits.add(key)
+    if not b.trained:
+        b.trained = True
+        b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
+        for o in b.slots.values():
+            if o.fresh:  # a fresh model started before the first commit: not the state
+                o.has_state = False
+    return True
+
+
+def committed_steps(b: TaskBook) -> int | None:
+    """Steps committed so far, this run and any run it resumed (``None``: unknown)."""
+    here = max((step + 1 for _, step in b.commits), default=0)
+    before = b.settings.committed_before
+    return None if before is None and not here else max(here, before or 0)
+
+
+def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> None:
+    """The worker in ``slot`` finished the last step (every member of the epoch will)."""
+    if b.state is TaskState.FAILED:
+        return
+    o = b.slots[slot]
+    o.done = report
+    known = o.progress
+    o.progress = Progress(
+        known.epoch if known else b.epoch, Phase.DONE, report.get("steps", -1), now
+    )
+    shas = {x.done["params_sha256"] for x in b.slots.values() if x.done}
+    if len(shas) > 1:  # every replica applied every update: they must agree bit for bit
+        fail(b, f"replicas finished with different parameters: {sorted(shas)}", now)
+        return
+    if b.state in (TaskState.RUNNING, TaskState.WAITING):
+        b.state = TaskState.DONE
+        b.effects.append(WriteStoreKey(done_key(b.task), "done"))
+    if report.get("rank") == 0 or not b.outcome:
+        b.outcome = Outcome(TaskState.DONE, "finished", report)
+
+
+def finished(b: TaskBook) -> bool:
+    """True once the task is over and every member of the last epoch has reported."""
+    if b.state is TaskState.FAILED:
+        return True
+    if b.state is not TaskState.DONE:
+        return False
+    return all(b.slots[m].done is not None or not b.slots[m].alive for m in b.members)
+
+
+def fail(b: TaskBook, reason: str, now: float, *, usage: bool = False) -> None:
+    """Give the task up (``usage``: a worker found bad input, exit 2)."""
+    if b.state is TaskState.FAILED:
+        return
+    b.state = TaskState.FAILED
+    b.outcome = Outcome(TaskState.FAILED, reason, usage=usage)
+    b.effects.append(WriteStoreKey(done_key(b.task), "failed"))
+    if not usage:  # bad input is the runner's one line on stderr
+        log.error("task %s failed: %s", b.task, reason)
+
+
+# -- the planner's moves -------------------------------------------------------------------
+def add_slot(b: TaskBook, slot: int, node: int, now: float, reason: str) -> None:
+    """The cluster gives the task ``slot`` on ``node``: a worker starts there and joins the
+    next epoch with the state from the nearest replica."""
+    if slot in b.slots or b.over():
+        return
+    s = b.slots.add(slot, node)
+    s.has_state = s.fresh = not b.trained
+    b.action(Action.RECONFIGURE, slot, f"slot {slot} added: {reason}", 1, now)
+    b.send(node, Spawn(slot, fresh=True))
+
+
+def release_slots(b: TaskBook, slots: list[int], now: float, reason: str) -> None:
+    """The cluster takes ``slots`` back: one epoch goes on without them; their workers are
+    stopped once every remaining member entered it (:func:`stop_leavers`)."""
+    leaving = []
+    for slot in slots:
+        s = b.slots.get(slot)
+        if s is None or s.leaving:
+            continue
+        b.action(Action.RECONFIGURE, slot, f"slot {slot} released: {reason}", 1, now)
+        if not s.alive:
+            b.forget(slot)
+            b.slots.remove(slot)
+        else:
+            s.to(SlotState.LEAVING)
+            leaving.append(slot)
+    rest = tuple(m for m in b.members if m not in leaving)
+    if rest != b.members and b.active():
+        gone = ", ".join(map(str, leaving))
+        announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released")
+
+
+def worker_left(b: TaskBook, slot: int) -> None:
+    """The worker in ``slot`` exited cleanly: after the task ended, or stopped because its
+    slot goes to another task (then the slot is the task's no more)."""
+    s = b.slots.get(slot)
+    if s is None:
+        return
+    s.gone()
+    if s.leaving:
+        b.forget(slot)
+        b.slots.remove(slot)
+
+
+def stop_leavers(b: TaskBook) -> None:
+    """Stop the workers of released slots once every member entered the epoch without
+    them (they finished the step they were in; nothing of theirs is needed)."""
+    for slot, s in list(b.slots.items()):
+        if s.state is not SlotState.LEAVING or slot in b.members:
+            continue
+        entered = all(
+            (p := b.slots.progress_of(m)) is not None and p.epoch >= b.epoch for m in b.members
+        )
+        if entered or not b.members or b.over():
+            s.to(SlotState.STOPPING)
+            b.send(s.node, Kill(slot, None, leave=True))
+
+
+def in_transition(b: TaskBook) -> bool:
+    """An epoch not every member has entered yet, or a leaver not yet stopped."""
+    if b.state is not TaskState.RUNNING:
+        return False
+    return any(
+        (p := b.slots.progress_of(m)) is None or p.epoch < b.epoch for m in b.members
+    ) or any(o.state is SlotState.LEAVING for o in b.slots.values())
+
+
+# -- epochs --------------------------------------------------------------------------------
+def maybe_start(b: TaskBook, now: float) -> None:
+    """The first epoch: every usable slot ready, or enough of them once the start times out."""
+    if b.started_at is None:
+        b.started_at = now
+    usable = [s for s, o in sorted(b.slots.items()) if not o.excluded]
+    ready = tuple(s for s in usable if b.slots[s].ready)
+    timed_out = now - b.started_at > b.settings.start_timeout_s
+    if ready and (
+        len(ready) == len(usable) or (timed_out and len(ready) >= b.settings.min_workers)
+    ):
+        b.state = TaskState.RUNNING
+        announce(b, ready, urgent=False, now=now, reason="start")
+
+
+def grow(b: TaskBook, now: float) -> None:
+    """Ready workers outside the membership join the next epoch (at a step boundary, or at
+    once when the task is below its minimum)."""
+    joiners = tuple(
+        s
+        for s, o in sorted(b.slots.items())
+        if o.ready and o.alive and not o.excluded and s not in b.members
+    )
+    grown = b.members + joiners
+    if joiners and len(grown) >= b.settings.min_workers:
+        below = b.state is TaskState.WAITING or len(b.members) < b.settings.min_workers
+        running(b, now)
+        announce(
+            b,
+            grown,
+            urgent=below,
+            now=now,
+            reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
+        )
+
+
+def reform(b: TaskBook, now: float, reason: str) -> bool:
+    """After members were lost: fail the task if it cannot go on, else announce an epoch of
+    the survivors, or (below the task's minimum, where it is worth nothing) wait for
+    restarted or readmitted workers to bring it back. Returns False if the task failed."""
+    survivors = tuple(m for m in b.members if b.slots[m].alive)
+    usable = [s for s, o in b.slots.items() if not o.excluded]
+    # slots that can come back: usable ones, and excluded ones a health probe may readmit
+    # (not those of lost nodes: no agent to run a probe; none if probes are turned off)
+    probing = math.isfinite(b.settings.readmit_after_s)
+    recoverable = [
+        s for s, o in b.slots.items() if not o.excluded or (probing and o.node not in b.lost_nodes)
+    ]
+    minimum = b.settings.min_workers
+    why = ""
+    if b.state is TaskState.PENDING and len(usable) < minimum:
+        # never started (e.g. a script that cannot even import): nothing to wait for
+        why = (
+            f"{len(usable)} usable slot(s) left, fewer than the minimum of "
+            f"{minimum}, before the task started"
+        )
+    elif len(recoverable) < minimum:
+        why = (
+            f"{len(recoverable)} slot(s) left that can be used again, fewer than the "
+            f"minimum of {minimum}"
+        )
+    elif b.active() and not b.slots.holders() and not b.has_checkpoint():
+        why = "every replica holding the model state is gone (no checkpoint to fall back on)"
+    if why:
+        fail(b, f"{why}; last error: {b.last_error}", now)
+        return False
+    if survivors == b.members and len(usable) >= minimum:
+        return True
+    if len(survivors) < minimum:
+        b.members = survivors  # no epoch below the minimum: wait for capacity
+        restarting = len(usable) >= minimum
+        wait(
+            b,
+            now,
+            f"{len(survivors)} live worker(s), fewer than the minimum of {minimum}; "
+            + (
+                "waiting for restarted workers"
+                if restarting
+                else f"{len(usable)} usable slot(s): waiting for excluded slots or nodes to "
+                "pass their health probe"
+            ),
+        )
+        return True
+    if survivors != b.members:
+        announce(b, survivors, urgent=True, now=now, reason=reason)
+    return True
+
+
+def wait(b: TaskBook, now: float, reason: str) -> None:
+    """Below the minimum: WAITING (an ``action`` event says why), until capacity is back
+    or the give-up deadline passes."""
+    if b.state is TaskState.WAITING and reason == b.waiting_reason:
+        return
+    if b.state is not TaskState.WAITING:
+        b.waiting_since = now
+    b.state, b.waiting_reason = TaskState.WAITING, reason
+    log.warning("task %s waiting: %s", b.task, reason)
+    b.emit(
+        "action",
+        ts=now,
+        task=b.label,
+        epoch=b.epoch,
+        action="wait",
+        severity=1,
+        reason=f"{reason} (giving up after {b.settings.give_up_after_s:g} s)",
+    )
+
+
+def running(b: TaskBook, now: float) -> None:
+    """Capacity is back: WAITING ends."""
+    if b.state is TaskState.WAITING:
+        assert b.waiting_since is not None
+        log.warning("task %s: capacity back after %.1f s", b.task, now - b.waiting_since)
+        b.state, b.waiting_since, b.waiting_reason = TaskState.RUNNING, None, ""
+
+
+def check_give_up(b: TaskBook, now: float) -> None:
+    """Fail a task that waited for capacity past its give-up deadline."""
+    assert b.waiting_since is not None
+    if now - b.waiting_since > b.settings.give_up_after_s:
+        fail(
+            b,
+            f"gave up after waiting {now - b.waiting_since:.0f} s for capacity "
+            f"(give-up deadline {b.settings.give_up_after_s:g} s): {b.waiting_reason}; "
+            f"last error: {b.last_error}",
+            now,
+        )
+
+
+def announce(
+    b: TaskBook, members: tuple[int, ...], *, urgent: bool, now: float, reason: str
+) -> None:
+    """A new epoch of ``members`` (none: nobody to tell; the next epoch is made of the workers
+    that come back)."""
+    b.members = members
+    if not members:
+        return
+    b.epoch += 1
+    if b.monitor is not None:
+        b.monitor.reset_expectation()  # membership changed: step times may too
+    info = EpochInfo(
+        b.epoch, members, tuple(b.slots[m].node for m in members), urgent, published_ts=now
+    )
+    b.emit(
+        "plan",
+        ts=now,
+        task=b.label,
+        epoch=b.epoch,
+        allocation={b.label: len(members)},
+        reason=reason,
+    )
+    b.effects.append(AnnounceEpoch(b.task, info))
+    b.emit(
+        "epoch_begin",
+        ts=now,
+        task=b.label,
+        epoch=b.epoch,
+        members=list(members),
+        urgent=urgent,
+        reason=reason,
+    )
