@@ -12,6 +12,8 @@ log line, never data. The OpenAPI schema is served at ``/openapi.json``.
 ``GET /v1/tasks/{n}/events?after=ID``     the task's event log from ``after`` on
 ``GET /v1/nodes``                         nodes and their slots
 ``GET /metrics``                          Prometheus text format
+``GET /v1/dashboard``                     the web dashboard's snapshot (:mod:`.dashboard`)
+``GET /ui/``                              the web dashboard's page (static files, no data)
 ``POST /v1/agents/register``              an agent starts or reconnects
 ``POST /v1/agents/{node}/heartbeat``      an agent is alive; answers its assignments
 ``POST /v1/agents/{node}/tasks/{uid}/exchange``  one round of a task's supervisor
@@ -19,6 +21,11 @@ log line, never data. The OpenAPI schema is served at ``/openapi.json``.
 
 Errors are 4xx with ``{"detail": "one line"}``: 404 unknown task or node, 409 a conflict
 with the cluster's state, 422 a body that is not valid (FastAPI names the field).
+
+The dashboard's page and scripts under ``/ui/`` are the only paths served without the token:
+they are the same files for everyone and hold no data. The page asks for the token, keeps it
+in the tab's ``sessionStorage`` and sends it as the bearer header of its ``fetch`` calls
+(never in a URL); see docs/cluster.md, "Dashboard".
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from unicron.control import messages as M
 from unicron.control.client import ENV_TOKEN, resolve_token
 from unicron.control.cluster import Conflict, Invalid, NotFound
+from unicron.control.dashboard import Dashboard
 from unicron.control.taskspec import NAME, TaskSpec
 from unicron.errors import UsageError
 
@@ -189,6 +197,14 @@ def make_app(cluster: Any, token: str) -> Any:
     def nodes() -> list[dict[str, Any]]:
         return list(cluster.node_views(time.time()))
 
+    board = Dashboard(cluster)
+
+    @app.get("/v1/dashboard", summary="the web dashboard's snapshot")
+    def dashboard() -> dict[str, Any]:
+        return board.snapshot(time.time())
+
+    app.mount("/ui", _page(), name="ui")
+
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -216,6 +232,37 @@ def make_app(cluster: Any, token: str) -> Any:
         return JSONResponse(M.to_wire(reply))
 
     return app
+
+
+WEB = Path(__file__).resolve().parent / "web"
+"""the dashboard's static files (package data)"""
+PAGE_HEADERS = [
+    (b"content-security-policy", b"default-src 'self'; style-src 'self' 'unsafe-inline'; "
+     b"img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"cache-control", b"no-cache"),
+]  # fmt: skip
+"""on every file under ``/ui/``: scripts from this origin only (no inline script, so text
+that slipped into the page could not run), no referrer, revalidated on each load"""
+
+
+def _page() -> Any:
+    """The ASGI app serving :data:`WEB` at ``/ui/`` (``index.html`` for the folder), with
+    :data:`PAGE_HEADERS`. Mounted apps are outside the routes' token dependency."""
+    from starlette.staticfiles import StaticFiles
+
+    files = StaticFiles(directory=WEB, html=True)
+
+    async def page(scope: Any, receive: Any, send: Any) -> None:
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *PAGE_HEADERS]
+            await send(message)
+
+        await files(scope, receive, with_headers)
+
+    return page
 
 
 def serve(cluster: Any, token: str, host: str, port: int) -> Any:
@@ -258,7 +305,7 @@ def main(args: argparse.Namespace) -> int:
     cluster.start_ticker()
     print(
         f"unicron coordinator on http://{advertise}:{args.port} (state {state_dir}, "
-        f"store {cluster.store.address})",
+        f"store {cluster.store.address}; dashboard http://{advertise}:{args.port}/ui/)",
         file=sys.stderr,
         flush=True,
     )
