@@ -22,7 +22,7 @@ from tests.conftest import TRAIN
 from unicron.control import dashboard as D
 from unicron.control.cluster import Cluster, ClusterSettings
 from unicron.control.lab import LocalCluster
-from unicron.control.service import make_app
+from unicron.control.service import WEB, make_app
 
 TOKEN = "dash-token-x1"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -103,6 +103,16 @@ def test_decisions_and_worker_counts_come_from_plan_and_epoch_events() -> None:
     assert second["trigger"] == "node n1 lost"
 
 
+def test_the_page_writes_cluster_text_as_text_never_as_html() -> None:
+    """Task names, reasons and notes reach the page through ``textContent``: no script of
+    it parses a string as HTML."""
+    for path in WEB.glob("*.js"):
+        code = path.read_text()
+        for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+            assert sink not in code, (path.name, sink)
+    assert "textContent" in (WEB / "dashboard.js").read_text()
+
+
 # -- the service ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
@@ -144,7 +154,7 @@ def chromium(shots: Path) -> Iterator[Any]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1360,1300", "--no-first-run", "--disable-extensions",
+                "--window-size=1360,1080", "--no-first-run", "--disable-extensions",
                 f"--user-data-dir={shots.parent / 'chromium-profile'}"):  # fmt: skip
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -175,10 +185,11 @@ def node_is(name: str, state: str) -> str:
     return f'return {card}?.dataset.state === "{state}"'
 
 
-def slot_is(node: str, health: str) -> str:
+def slot_is(node: str, *health: str) -> str:
+    """JavaScript: the node's slots are all held, each in one of ``health``."""
     return (
         f"const s = document.querySelectorAll('.node[data-node=\"{node}\"] .slot');"
-        f'return s.length > 0 && [...s].every(x => x.dataset.health === "{health}")'
+        f"return s.length > 0 && [...s].every(x => {list(health)!r}.includes(x.dataset.health))"
     )
 
 
@@ -216,6 +227,7 @@ def test_the_page_shows_a_running_task_and_a_node_lost_and_back(tmp_path: Path) 
         wait_page(browser, node_is(f"n{host}", "lost"), f"node n{host} lost")
         badge = browser.find_element(By.CSS_SELECTOR, f'.node[data-node="n{host}"] .badge')
         assert badge.text == "lost"
+        wait_page(browser, slot_is(f"n{host}", "excluded", "down"), "the lost node's slot out")
         browser.save_screenshot(str(shots / "2-node-lost.png"))
 
         c.start_agent(host)

@@ -1,7 +1,7 @@
 // The Unicron dashboard: polls GET /v1/dashboard (unicron/control/dashboard.py) about once a
 // second with the token from this tab's sessionStorage as the bearer header, and draws the
-// snapshot. Every text from the cluster goes in through textContent (never innerHTML), so a
-// task name, reason or note is shown as text, whatever it holds. Charts: uPlot (vendor/).
+// snapshot. Every text from the cluster goes in as text (textContent, text nodes), never as
+// HTML, so a task name, reason or note is shown as text, whatever it holds. Charts: uPlot.
 "use strict";
 
 (() => {
