@@ -154,7 +154,7 @@ def chromium(shots: Path) -> Iterator[Any]:
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1360,1080", "--no-first-run", "--disable-extensions",
+                "--window-size=1360,1560", "--no-first-run", "--disable-extensions",
                 f"--user-data-dir={shots.parent / 'chromium-profile'}"):  # fmt: skip
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -193,6 +193,16 @@ def slot_is(node: str, *health: str) -> str:
     )
 
 
+def job(name: str, steps: int, **more: Any) -> dict[str, Any]:
+    return {"name": name, "script": str(TRAIN), "args": ["--steps", str(steps)], **more}
+
+
+def task_is(name: str, state: str, step: int) -> str:
+    """JavaScript: the task's card shows ``state`` and a committed step at or past ``step``."""
+    card = f"document.querySelector('.task[data-task=\"{name}\"]')"
+    return f'const t = {card}; return t?.dataset.state === "{state}" && +t.dataset.step >= {step}'
+
+
 @pytest.mark.timeout(180)
 def test_the_page_shows_a_running_task_and_a_node_lost_and_back(tmp_path: Path) -> None:
     if CHROMIUM is None or CHROMEDRIVER is None:
@@ -207,19 +217,21 @@ def test_the_page_shows_a_running_task_and_a_node_lost_and_back(tmp_path: Path) 
         for host in range(2):
             c.start_agent(host, wait=False)
         c.wait_nodes(2)
-        c.submit({"name": "dash", "script": str(TRAIN), "args": ["--steps", "100000"],
-                  "workers": {"min": 1, "max": 2}})  # fmt: skip
+        c.submit(job("pretrain", 100_000, weight=1.0, workers={"min": 1, "max": 2}))
         browser.get(f"{c.url}/ui/")
         browser.find_element(By.ID, "token").send_keys(c.token)
         browser.find_element(By.CSS_SELECTOR, "#login button").click()
-        running = (
-            "const t = document.querySelector('.task[data-task=\"dash\"]');"
-            'return t?.dataset.state === "running" && Number(t.dataset.step) >= 3'
-        )
-        wait_page(browser, running, "task dash running")
+        wait_page(browser, task_is("pretrain", "running", 1), "task pretrain running")
+        # a heavier task takes a slot (the planner's decision, with its WAF), ends, gives it back
+        c.submit(job("finetune", 6, weight=3.0, workers={"min": 1, "max": 1}))
+        planned = "return !!document.querySelector('#decisions tr.planner')"
+        wait_page(browser, planned, "the planner's decision")
+        decision = browser.find_element(By.CSS_SELECTOR, "#decisions tr.planner").text
+        assert "task finetune submitted" in decision and "→" in decision, decision
+        wait_page(browser, task_is("finetune", "done", 5), "task finetune done")
         for name in ("n0", "n1"):
             wait_page(browser, slot_is(name, "training"), f"{name}'s slot training")
-        assert "dash" in browser.find_element(By.CSS_SELECTOR, ".task-name").text
+        wait_page(browser, task_is("pretrain", "running", 3), "task pretrain on")
         browser.save_screenshot(str(shots / "1-running.png"))
 
         host = next(h for h in range(2) if c.node(f"n{h}")["id"] == 1)  # agents raced
@@ -242,7 +254,7 @@ def test_the_page_shows_a_running_task_and_a_node_lost_and_back(tmp_path: Path) 
         assert c.token not in browser.current_url
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors  # no script error, no resource refused
-        c.client.request("POST", "/v1/tasks/dash/cancel")
+        c.client.request("POST", "/v1/tasks/pretrain/cancel")
     assert sorted(p.name for p in shots.glob("*.png")) == [
         "1-running.png", "2-node-lost.png", "3-node-back.png",
     ]  # fmt: skip

@@ -259,8 +259,9 @@
     const active = ["running", "waiting", "pending"].includes(t.state);
     const ts = [...w.ts];
     const count = [...w.count];
-    if (ts.length && active) { // the last membership holds until now
-      ts.push(now);
+    const end = active ? now : t.outcome?.ts; // the last membership holds until then
+    if (ts.length && end > ts[ts.length - 1]) {
+      ts.push(end);
       count.push(count[count.length - 1]);
     }
     c.workers.setData([ts, count]);
@@ -279,7 +280,7 @@
       ...rows.map(([task, r]) => {
         const tr = el(
           "tr", r.injected ? "injected" : "real",
-          cell(clock(r.ts)), cell(task), cell(named(r.fault)), cell(r.detected_by || "-"),
+          cell(clock(r.ts), "nowrap"), cell(task, "nowrap"), cell(named(r.fault)), cell(r.detected_by || "-"),
           cell(r.kind || "-"), cell(fmtS(r.detection_s), "num"),
           cell(fmtS(r.transition_s), "num"), cell(fmtS(r.recovery_s), "num"),
           cell(r.state_source || "-"), cell(r.reused ?? "-", "num"),
@@ -308,8 +309,8 @@
           : `${num(d.waf_before, 4)} → ${num(d.waf_after, 4)}`;
         return el(
           "tr", d.by,
-          cell(clock(d.ts)), cell(task),
-          cell(d.by === "planner" ? "planner" : `epoch ${d.epoch}`),
+          cell(clock(d.ts), "nowrap"), cell(task, "nowrap"),
+          cell(d.by === "planner" ? "planner" : `epoch ${d.epoch}`, "nowrap"),
           cell(why), cell(allocation), cell(waf, "num"),
         );
       }),
