@@ -24,9 +24,14 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unicron.control import report as R
+from unicron.control.coordinator import SlotState as S
+
+if TYPE_CHECKING:
+    from unicron.control.cluster import Cluster
+    from unicron.control.coordinator import Coordinator
 
 Event = dict[str, Any]
 
@@ -76,7 +81,7 @@ class Dashboard:
     :class:`~unicron.control.cluster.Cluster`. Called from the service's thread pool, by any
     number of pages at once (one lock: each task's log is read once)."""
 
-    def __init__(self, cluster: Any) -> None:
+    def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self._logs: dict[str, _TaskLog] = {}
         self._lock = threading.Lock()
@@ -132,14 +137,13 @@ class Dashboard:
         return out
 
 
-def slot_health(controller: Any, rank: int) -> str:
+def slot_health(controller: Coordinator, rank: int) -> str:
     """One word for the slot ``rank`` of a task, from its coordinator
     (:class:`~unicron.control.coordinator.SlotState`): ``training`` (a member of the current
     epoch), ``starting`` (in the plan, a worker starting or ready to join), ``down`` (in the
     plan, no worker), ``probing`` (excluded, its health probe running), ``excluded``,
-    ``leaving`` (given to another task)."""
-    from unicron.control.coordinator import SlotState as S
-
+    ``leaving`` (given to another task). Read without the coordinator's lock: a copy of
+    one moment's state, good enough for a page redrawn every second."""
     slot = controller.slots.get(rank)
     if slot is None:  # added by the cluster, not yet known to its coordinator
         return "starting"
