@@ -21,8 +21,9 @@ from fastapi.testclient import TestClient
 from tests.conftest import TRAIN
 from unicron.control import dashboard as D
 from unicron.control.cluster import Cluster, ClusterSettings
+from unicron.control.dashboard import WEB
 from unicron.control.lab import LocalCluster
-from unicron.control.service import WEB, make_app
+from unicron.control.service import make_app
 
 TOKEN = "dash-token-x1"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -133,6 +134,8 @@ def test_the_page_needs_no_token_and_holds_no_data(api: TestClient) -> None:
         assert api.get(path).status_code == 200, path
     assert api.get("/ui/../state.db").status_code == 404
     assert api.get("/ui", follow_redirects=False).status_code in (307, 308)
+    assert D.is_page("/ui") and D.is_page("/ui/vendor/uPlot.min.css")
+    assert not D.is_page("/uix") and not D.is_page("/v1/dashboard")
 
 
 def test_the_snapshot_needs_the_token(api: TestClient) -> None:

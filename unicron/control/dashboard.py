@@ -1,10 +1,12 @@
 """The web dashboard's data: one JSON snapshot of the cluster, for the page at ``/ui``.
 
-The coordinator's service (:mod:`unicron.control.service`) serves the page's static files
-(``unicron/control/web/``: HTML, JavaScript, CSS and the vendored uPlot charting library) at
-``/ui/`` without a token, since they hold no data, and :meth:`Dashboard.snapshot` at
-``GET /v1/dashboard`` behind the token like every other call; the page polls it about once a
-second. A snapshot holds:
+The coordinator's service (:mod:`unicron.control.service`) mounts :func:`page`, the page's
+static files (``unicron/control/web/``: HTML, JavaScript, CSS and the vendored uPlot charting
+library), at ``/ui/`` without a token, since they hold no data, and serves
+:meth:`Dashboard.snapshot` at ``GET /v1/dashboard`` behind the token like every other call.
+The page asks for the token, keeps it in the tab's ``sessionStorage`` and sends it as the
+bearer header of its requests (never in a URL), polling the snapshot about once a second. A
+snapshot holds:
 
 - every node with its slots: which task and rank holds each, and the slot's health as its
   task's coordinator sees it (training, starting, down, excluded, probing, leaving; free);
@@ -24,6 +26,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unicron.control import report as R
@@ -39,6 +42,45 @@ MAX_POINTS = 600
 """the most points a series sends (longer ones are thinned evenly, the newest point kept)"""
 RATE_WINDOW = 5
 """a point's step rate: committed steps over the wall time of the last this many steps"""
+
+
+PAGE = "/ui"
+"""where the service mounts the page (:func:`page`)"""
+WEB = Path(__file__).resolve().parent / "web"
+"""the page's static files (package data)"""
+PAGE_HEADERS = [
+    (b"content-security-policy", b"default-src 'self'; style-src 'self' 'unsafe-inline'; "
+     b"img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"cache-control", b"no-cache"),
+]  # fmt: skip
+"""on every file of the page: scripts from this origin only (no inline script, so text that
+slipped into the page could not run), no referrer, revalidated on each load"""
+
+
+def is_page(path: str) -> bool:
+    """Whether a request's path is the page's (served to anyone: the same files for everyone,
+    no data); a token check in front of the whole app lets these through."""
+    return path == PAGE or path.startswith(PAGE + "/")
+
+
+def page() -> Any:
+    """The ASGI app serving :data:`WEB` (``index.html`` for the folder) with
+    :data:`PAGE_HEADERS`; the service mounts it at :data:`PAGE`."""
+    from starlette.staticfiles import StaticFiles
+
+    files = StaticFiles(directory=WEB, html=True)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *PAGE_HEADERS]
+            await send(message)
+
+        await files(scope, receive, with_headers)
+
+    return app
 
 
 @dataclass

@@ -46,7 +46,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from unicron.control import messages as M
 from unicron.control.client import ENV_TOKEN, resolve_token
 from unicron.control.cluster import Conflict, Invalid, NotFound
-from unicron.control.dashboard import Dashboard
 from unicron.control.taskspec import NAME, TaskSpec
 from unicron.errors import UsageError
 
@@ -197,13 +196,15 @@ def make_app(cluster: Any, token: str) -> Any:
     def nodes() -> list[dict[str, Any]]:
         return list(cluster.node_views(time.time()))
 
+    from unicron.control.dashboard import PAGE, Dashboard, page
+
     board = Dashboard(cluster)
 
     @app.get("/v1/dashboard", summary="the web dashboard's snapshot")
     def dashboard() -> dict[str, Any]:
         return board.snapshot(time.time())
 
-    app.mount("/ui", _page(), name="ui")
+    app.mount(PAGE, page(), name="ui")  # outside the routes' token dependency: no data there
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     def metrics() -> Response:
@@ -232,37 +233,6 @@ def make_app(cluster: Any, token: str) -> Any:
         return JSONResponse(M.to_wire(reply))
 
     return app
-
-
-WEB = Path(__file__).resolve().parent / "web"
-"""the dashboard's static files (package data)"""
-PAGE_HEADERS = [
-    (b"content-security-policy", b"default-src 'self'; style-src 'self' 'unsafe-inline'; "
-     b"img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"),
-    (b"referrer-policy", b"no-referrer"),
-    (b"x-content-type-options", b"nosniff"),
-    (b"cache-control", b"no-cache"),
-]  # fmt: skip
-"""on every file under ``/ui/``: scripts from this origin only (no inline script, so text
-that slipped into the page could not run), no referrer, revalidated on each load"""
-
-
-def _page() -> Any:
-    """The ASGI app serving :data:`WEB` at ``/ui/`` (``index.html`` for the folder), with
-    :data:`PAGE_HEADERS`. Mounted apps are outside the routes' token dependency."""
-    from starlette.staticfiles import StaticFiles
-
-    files = StaticFiles(directory=WEB, html=True)
-
-    async def page(scope: Any, receive: Any, send: Any) -> None:
-        async def with_headers(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), *PAGE_HEADERS]
-            await send(message)
-
-        await files(scope, receive, with_headers)
-
-    return page
 
 
 def serve(cluster: Any, token: str, host: str, port: int) -> Any:
@@ -305,7 +275,7 @@ def main(args: argparse.Namespace) -> int:
     cluster.start_ticker()
     print(
         f"unicron coordinator on http://{advertise}:{args.port} (state {state_dir}, "
-        f"store {cluster.store.address}; dashboard http://{advertise}:{args.port}/ui/)",
+        f"store {cluster.store.address})",
         file=sys.stderr,
         flush=True,
     )
