@@ -132,24 +132,26 @@ class Dashboard:
         tasks = self.cluster.task_views()
         with self._lock:
             for view in tasks:
-                self._read(view["name"])
+                self._read(view)
             return {
                 "now": now,
                 "nodes": self._nodes(now),
                 "tasks": [self._task(view) for view in tasks],
             }
 
-    def _read(self, name: str) -> None:
-        log = self._logs.setdefault(name, _TaskLog())
+    def _read(self, view: dict[str, Any]) -> None:
+        """The task's events since the last read (kept by uid: a name may be used again by a
+        later task)."""
+        log = self._logs.setdefault(view["uid"], _TaskLog())
         while True:
-            found, last = self.cluster.events(name, log.after)
+            found, last = self.cluster.events(view["name"], log.after)
             if not found:
                 return
             log.add(found)
             log.after = last
 
     def _task(self, view: dict[str, Any]) -> dict[str, Any]:
-        log = self._logs[view["name"]]
+        log = self._logs[view["uid"]]
         return {
             **view,
             "series": series(log.steps),
