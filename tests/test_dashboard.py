@@ -1,10 +1,10 @@
 """The web dashboard (``/ui/`` and ``GET /v1/dashboard``): its series and fault timeline on
 plain event lists, the page served without the token and the data only with it, and the page
 itself in a real headless Chromium (the distribution's ``chromium`` and ``chromedriver``,
-driven by Selenium) over a real cluster of two agents: a running task, a node killed and
-back. The browser test writes its screenshots (PNG) to its tmp dir's ``screenshots``;
-``make dashboard-shot`` copies the last one to ``docs/img/dashboard.png``
-(``UNICRON_DASHBOARD_PNG``)."""
+driven by Selenium) over a real cluster of two agents: a running task, a heavier one that
+borrows a slot (the planner's decisions), a node killed and back. The browser test writes
+its screenshots (PNG) to its tmp dir's ``screenshots``; ``make dashboard-shot`` copies the
+last one to ``docs/img/dashboard.png`` (``UNICRON_DASHBOARD_PNG``)."""
 
 from __future__ import annotations
 
