@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo cluster-demo test test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
+.PHONY: demo cluster-demo dashboard-shot test test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,13 @@ demo: $(STAMP)
 # a coordinator and three agents in network namespaces (root + iproute2; else loopback)
 cluster-demo: $(STAMP)
 	$(BIN)/python examples/cluster_demo.py
+
+# the README's dashboard picture: the browser test's last screenshot (needs chromium and
+# chromium-driver from the distribution)
+dashboard-shot: $(STAMP)
+	mkdir -p docs/img
+	UNICRON_DASHBOARD_PNG=docs/img/dashboard.png $(BIN)/pytest -q \
+		tests/test_dashboard.py::test_the_page_shows_a_running_task_and_a_node_lost_and_back
 
 SRC := unicron tests bench examples
 

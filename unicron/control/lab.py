@@ -133,6 +133,14 @@ class LocalCluster:
                 f"node {name} up",
             )
 
+    def kill_agent(self, host: int) -> None:
+        """``kill -9`` the agent of host ``host``: its node is lost as a crashed machine is
+        (its zygote and workers die with it, by their parent-death signal)."""
+        proc = self.agents.pop(host)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
     def wait_nodes(self, count: int, *, timeout_s: float = 60.0) -> None:
         """Until ``count`` nodes are up (an agent that exits first fails it)."""
 

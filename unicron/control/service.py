@@ -12,6 +12,8 @@ log line, never data. The OpenAPI schema is served at ``/openapi.json``.
 ``GET /v1/tasks/{n}/events?after=ID``     the task's event log from ``after`` on
 ``GET /v1/nodes``                         nodes and their slots
 ``GET /metrics``                          Prometheus text format
+``GET /v1/dashboard``                     the web dashboard's snapshot (:mod:`.dashboard`)
+``GET /ui/``                              the web dashboard's page (static files, no data)
 ``POST /v1/agents/register``              an agent starts or reconnects
 ``POST /v1/agents/{node}/heartbeat``      an agent is alive; answers its assignments
 ``POST /v1/agents/{node}/tasks/{uid}/exchange``  one round of a task's supervisor
@@ -19,6 +21,11 @@ log line, never data. The OpenAPI schema is served at ``/openapi.json``.
 
 Errors are 4xx with ``{"detail": "one line"}``: 404 unknown task or node, 409 a conflict
 with the cluster's state, 422 a body that is not valid (FastAPI names the field).
+
+The dashboard's page and scripts under ``/ui/`` are the only paths served without the token:
+they are the same files for everyone and hold no data. The page asks for the token, keeps it
+in the tab's ``sessionStorage`` and sends it as the bearer header of its ``fetch`` calls
+(never in a URL); see docs/cluster.md, "Dashboard".
 """
 
 from __future__ import annotations
@@ -188,6 +195,16 @@ def make_app(cluster: Any, token: str) -> Any:
     @app.get("/v1/nodes", summary="list nodes")
     def nodes() -> list[dict[str, Any]]:
         return list(cluster.node_views(time.time()))
+
+    from unicron.control.dashboard import PAGE, Dashboard, page
+
+    board = Dashboard(cluster)
+
+    @app.get("/v1/dashboard", summary="the web dashboard's snapshot")
+    def dashboard() -> dict[str, Any]:
+        return board.snapshot(time.time())
+
+    app.mount(PAGE, page(), name="ui")  # outside the routes' token dependency: no data there
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     def metrics() -> Response:
