@@ -349,11 +349,11 @@ class Varuna(Policy):
     a checkpoint does. The cross-check uses it to show where the two models part."""
     train_through_restart: bool = False
     """Mechanism *train-through-restart*, the artifact's Varuna (varuna_simulator.py at
-    :data:`ARTIFACT_COMMIT`: ``simulate_spot_instance_remove`` line 1242 starts the global
+    :data:`ARTIFACT_COMMIT`: ``simulate_spot_instance_remove`` line 1243 starts the global
     rendezvous but leaves the running configuration's step events in the queue; they keep
     firing, and counting, until ``simulate_rendezvous_timeout`` bumps
-    ``rendezvous_version``, line 1292; the first of them checkpoints, ``node_will_be_removed``,
-    line 1470): after a lost node, roll back to the checkpoint, then keep training on the
+    ``rendezvous_version``, line 1284; the first of them checkpoints, ``node_will_be_removed``,
+    line 1465): after a lost node, roll back to the checkpoint, then keep training on the
     nodes left for the whole detection and restart, checkpoint when the step in flight
     ends, and switch to the new configuration when the restart ends (its step in flight
     lost). False (default): the job is down for the detection and the restart, as a job
@@ -561,7 +561,7 @@ class Bamboo(Policy):
     failover_in_flight: bool = True
     """Mechanism *failover-in-flight* (Bamboo's redundant computation, Thorpe et al. NSDI'23
     section 4; bamboo_simulator.py at :data:`ARTIFACT_COMMIT`, ``simulate_spot_instance_remove``
-    lines 1073-1103 and ``simulate_training_step_complete`` lines 1257-1267): a lost node's
+    lines 1073-1104 and ``simulate_training_step_complete`` lines 1257-1267): a lost node's
     successor already holds its stage, so the step in flight is not lost: it finishes, the
     rest of it ``fallback_slowdown`` times slower, and only then is the pipeline rebuilt
     (:data:`BAMBOO_REBALANCE_S`). False: the step in flight is lost and the loss is
