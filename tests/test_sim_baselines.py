@@ -19,6 +19,7 @@ from unicron.sim.policies import (
     OOBLECK_RECONFIGURE_S,
     VARUNA_CHECKPOINT_S,
     VARUNA_RESTART_S,
+    Bamboo,
     Varuna,
     make_policy,
 )
@@ -213,32 +214,113 @@ def test_unicron_constants_come_from_bench_results(tmp_path):
         assert uni.node_detect_s in hb  # type: ignore[attr-defined]
 
 
-@pytest.mark.skipif(
-    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "1h.csv").exists(),
-    reason="../shared traces not present",
+def _run_a(prepared):
+    from unicron.sim.engine import TaskRun
+
+    return TaskRun(perf=prepared.by_name("a"), ref_waf=prepared.ref_waf("a"), target=2)
+
+
+def test_bamboo_fails_over_the_step_in_flight(small):
+    # node1 (task a) is lost mid-step: its successor holds its stage, the step finishes and
+    # nothing is lost; then one rebuild. Without the failover the part done is lost.
+    trace = [_ev(1000.3, "remove", "node1")]
+    over = _task(simulate(small, trace, Bamboo(), duration_s=DAY), "a")
+    lost = _task(simulate(small, trace, Bamboo(failover_in_flight=False), duration_s=DAY), "a")
+    assert over.down_s["lost_work"] == 0.0
+    assert over.down_s["transition"] == pytest.approx(Bamboo().rebalance_s(_run_a(small)))
+    assert over.down_s["detection"] == 0.0
+    assert lost.down_s["lost_work"] > 0.0
+    assert over.accumulated_waf > lost.accumulated_waf
+
+
+def test_varuna_trains_through_its_restart_only_as_the_artifact_does(small):
+    # node3 (task b) is lost: by default b is down for detection + restart; with the
+    # artifact's behaviour it keeps training on node4 and is down only for a checkpoint.
+    trace = [_ev(1000.0, "remove", "node3")]
+    down = _task(simulate(small, trace, Varuna(), duration_s=DAY), "b")
+    through = _task(simulate(small, trace, Varuna(train_through_restart=True), duration_s=DAY), "b")
+    assert down.down_s["transition"] >= VARUNA_RESTART_S["gpt-6.7b"]
+    assert through.down_s["transition"] == pytest.approx(VARUNA_CHECKPOINT_S["gpt-6.7b"])
+    assert through.down_s["detection"] == 0.0
+    assert through.accumulated_waf > down.accumulated_waf
+
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+needs_traces = pytest.mark.skipif(
+    not (TRACES / "5m.csv").exists(), reason="../shared traces not present"
 )
-def test_crosscheck_oobleck_and_varuna_match_the_artifact_on_bert_1h():
+
+
+@pytest.fixture(scope="module")
+def crosscheck_cells():
+    """The whole cross-check (5 models x 6 traces x 3 systems; ~2 s of CPU)."""
     from unicron.sim import crosscheck
 
-    data = crosscheck.load()
-    bert = data["models"]["BERT-large"]
-    data["models"] = {"BERT-large": {**bert, "traces": {"1h": bert["traces"]["1h"]}}}
-    cells = {c.system: c for c in crosscheck.run(data)}
-    assert cells["oobleck"].within and cells["varuna"].within
-    assert not cells["bamboo"].within and cells["bamboo"].reason  # documented
+    return crosscheck.run(crosscheck.load())
 
 
-@pytest.mark.skipif(
-    not (Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "5m.csv").exists(),
-    reason="../shared traces not present",
+@needs_traces
+@pytest.mark.parametrize(
+    ("model", "trace", "system", "mechanism"),
+    [
+        ("BERT-large", "1h", "bamboo", "redundant-bookkeeping"),
+        ("GPT-3-medium", "1h", "bamboo", "measured-oom"),
+        ("GPT-2-ours", "6h", "bamboo", "measured-bamboo-tables"),
+        ("GPT-3-2_7b", "30m", "varuna", "train-through-restart"),
+        ("GPT-3-2_7b", "30m", "varuna", "artifact-step-count"),
+        ("GPT-2-ours", "10m", "varuna", "scheduled-step-bookkeeping"),
+    ],
 )
-def test_every_crosscheck_cell_is_within_15_percent_or_has_a_reason():
-    from unicron.sim import crosscheck
+def test_a_mechanism_accounts_for_the_cell_it_closes(model, trace, system, mechanism):
+    # The cell misses 15 % with the mechanism off and meets it with it on, recomputed here
+    # from the policies and the measure (not read from the table).
+    from unicron.sim import crosscheck as cc
 
-    cells = crosscheck.run(crosscheck.load())
-    assert len(cells) == 36
-    assert [c for c in cells if not c.within and not c.reason] == []
-    assert sum(c.within for c in cells) >= 20
+    data = cc.load()
+    prepared, _ = cc.prepare(data, model)
+    events = load_csv(TRACES / f"{trace}.csv")
+    duration = max(e.time_s for e in events)
+    art = data["models"][model]["traces"][trace][system]
+    full = data["models"][model]["full_tput"]
+
+    def within(without: frozenset[str]) -> bool:
+        eff, norm = cc.ours(prepared, events, duration, system, without)
+        return cc._close(eff, art["effective"]) and cc._close(norm, art["throughput"] / full)
+
+    assert within(frozenset())
+    assert not within(frozenset({mechanism}))
+    cell = cc.cell(data, model, trace, system)
+    assert cell.within and not cell.bare_within and mechanism in cell.closed_by
+
+
+@needs_traces
+def test_crosscheck_covers_the_artifacts_five_models_and_its_report_is_regenerated(
+    crosscheck_cells,
+):
+    from unicron.sim import crosscheck as cc
+
+    assert {c.model for c in crosscheck_cells} == {
+        "BERT-large",
+        "GPT-2-ours",
+        "GPT-3-medium",
+        "GPT-3-2_7b",
+        "GPT-3-6_7b",
+    }
+    assert len(crosscheck_cells) == 90
+    # no free-text reason passes a cell: the verdict is computed, a miss says so
+    miss = next(c for c in crosscheck_cells if not c.within)
+    assert cc.verdict(miss) == "**no**"
+    report = Path(__file__).resolve().parents[1] / "bench" / "results" / "crosscheck.md"
+    assert report.read_text() == cc.report(crosscheck_cells)
+
+
+@needs_traces
+@pytest.mark.parametrize("system", ["oobleck", "varuna", "bamboo"])
+def test_crosscheck_baseline_within_15_percent_in_80_percent_of_cells(crosscheck_cells, system):
+    from unicron.sim import crosscheck as cc
+
+    _bare, within, n = cc.counts(crosscheck_cells)[system]
+    assert within >= 0.8 * n
 
 
 @pytest.mark.parametrize("name", ["unicron", "torchft", "oobleck", "megatron", "varuna"])

@@ -136,6 +136,7 @@ ARTIFACT_COMMIT = "796655600207cfb59fae5804740ff720f7428fc5"
 ARTIFACT_POINTS: dict[str, tuple[str, float]] = {
     # our model name -> (the artifact's model, parameters) the per-model constants belong to
     "bert-large": ("BERT-large", 0.34e9),
+    "gpt2-medium": ("GPT-2-ours", 0.35e9),
     "gpt-350m": ("GPT-3-medium", 0.35e9),
     "gpt-2.7b": ("GPT-3-2_7b", 2.7e9),
     "gpt-6.7b": ("GPT-3-6_7b", 6.7e9),
@@ -143,16 +144,40 @@ ARTIFACT_POINTS: dict[str, tuple[str, float]] = {
 """Models the artifact has constants for; others are interpolated on the parameter count
 between the GPT points (:func:`per_model`)."""
 
-VARUNA_CHECKPOINT_S = {"bert-large": 15.8, "gpt-350m": 11.2, "gpt-2.7b": 50.0, "gpt-6.7b": 120.0}
+VARUNA_CHECKPOINT_S = {
+    "bert-large": 15.8,
+    "gpt2-medium": 11.5,
+    "gpt-350m": 11.2,
+    "gpt-2.7b": 50.0,
+    "gpt-6.7b": 120.0,
+}
 """Varuna's checkpoint stall per model (varuna_simulator.py ``checkpointing_overhead``)."""
-VARUNA_RESTART_S = {"bert-large": 60.2, "gpt-350m": 67.5, "gpt-2.7b": 465.0, "gpt-6.7b": 581.0}
+VARUNA_RESTART_S = {
+    "bert-large": 60.2,
+    "gpt2-medium": 71.5,
+    "gpt-350m": 67.5,
+    "gpt-2.7b": 465.0,
+    "gpt-6.7b": 581.0,
+}
 """Varuna's restart in a new configuration (varuna_simulator.py: the global rendezvous waits
-``local_rendezvous_timeout_delta - checkpointing_overhead``: 76-15.8, 78.7-11.2, 515-50,
-701-120 s)."""
-BAMBOO_REBALANCE_S = {"bert-large": 76.0, "gpt-350m": 100.0, "gpt-2.7b": 230.0, "gpt-6.7b": 450.0}
+``local_rendezvous_timeout_delta - checkpointing_overhead``: 76-15.8, 83-11.5, 78.7-11.2,
+515-50, 701-120 s)."""
+BAMBOO_REBALANCE_S = {
+    "bert-large": 76.0,
+    "gpt2-medium": 80.0,
+    "gpt-350m": 100.0,
+    "gpt-2.7b": 230.0,
+    "gpt-6.7b": 450.0,
+}
 """Bamboo's reconfiguration after a loss (bamboo_simulator.py
 ``local_rendezvous_timeout_delta``)."""
-OOBLECK_RECONFIGURE_S = {"bert-large": 2.0, "gpt-350m": 3.0, "gpt-2.7b": 6.0, "gpt-6.7b": 10.0}
+OOBLECK_RECONFIGURE_S = {
+    "bert-large": 2.0,
+    "gpt2-medium": 2.0,
+    "gpt-350m": 3.0,
+    "gpt-2.7b": 6.0,
+    "gpt-6.7b": 10.0,
+}
 """Oobleck's reconfiguration (oobleck_simulator.py ``local_rendezvous_timeout_delta``; its
 global rendezvous costs 0)."""
 
@@ -322,6 +347,18 @@ class Varuna(Policy):
     as varuna_simulator.py does (its ``num_steps_complete`` is not rolled back with the
     work). False: the schedule follows the restored iteration number, as Varuna restoring
     a checkpoint does. The cross-check uses it to show where the two models part."""
+    train_through_restart: bool = False
+    """Mechanism *train-through-restart*, the artifact's Varuna (varuna_simulator.py at
+    :data:`ARTIFACT_COMMIT`: ``simulate_spot_instance_remove`` line 1243 starts the global
+    rendezvous but leaves the running configuration's step events in the queue; they keep
+    firing, and counting, until ``simulate_rendezvous_timeout`` bumps
+    ``rendezvous_version``, line 1284; the first of them checkpoints, ``node_will_be_removed``,
+    line 1465): after a lost node, roll back to the checkpoint, then keep training on the
+    nodes left for the whole detection and restart, checkpoint when the step in flight
+    ends, and switch to the new configuration when the restart ends (its step in flight
+    lost). False (default): the job is down for the detection and the restart, as a job
+    that lost one of its pipeline's stages is; the artifact's old configuration trains
+    without the lost node, which the real Varuna cannot (the cross-check turns it on)."""
 
     def ckpt_interval(self, task: TaskRun) -> float:
         floor = self.checkpoint_s(task) * (1.0 - self.max_stall_fraction) / self.max_stall_fraction
@@ -343,10 +380,54 @@ class Varuna(Policy):
     def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
         if task.mode is Mode.IDLE:
             return
+        through = self.train_through_restart and method_of(signal) == "node"
+        if through and (task.mode is Mode.RUNNING or "varuna_restart" in task.extra):
+            if task.mode is not Mode.RUNNING:  # the restart's checkpoint stall: resume
+                sim.cancel(task)
+                sim.start(task)
+            sim.rollback(task, keep_clock=self.artifact_step_count)
+            self._train_through(sim, task, self.detect_s(task, "node") + self.restart_cost_s(task))
+            return
+        task.extra.pop("varuna_restart", None)
         if task.mode is Mode.RUNNING:
             sim.rollback(task, keep_clock=self.artifact_step_count)
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d)], lambda _t: self._morph(sim, task))
+
+    def _train_through(self, sim: Simulation, task: TaskRun, window_s: float) -> None:
+        """:attr:`train_through_restart`: run on for ``window_s``, checkpoint after the step
+        in flight, then take the new configuration (a later loss starts a new window)."""
+        gen = task.extra.get("varuna_restart", 0) + 1
+        task.extra["varuna_restart"] = gen
+        step = _iter_s(task)
+        in_flight = step - sim.partial_step_s(task, step)
+
+        def saved(_t: float) -> None:  # the checkpoint counts once written, not when begun
+            sim.checkpointed(task, keep_phase=True)
+            sim.start(task)
+
+        def ckpt(_t: float) -> None:
+            if task.extra.get("varuna_restart") == gen and task.mode is Mode.RUNNING:
+                sim.recover(task, [("transition", self.checkpoint_s(task))], saved)
+
+        def switch(_t: float) -> None:
+            if task.extra.get("varuna_restart") != gen:
+                return
+            del task.extra["varuna_restart"]
+            sim.lose_running(task, sim.partial_step_s(task, _iter_s(task)))
+            sim.cancel(task)
+            self._morph_now(sim, task)
+
+        sim.schedule(sim.now + min(in_flight, window_s), ckpt)
+        sim.schedule(sim.now + window_s, switch)
+
+    def _morph_now(self, sim: Simulation, task: TaskRun) -> None:
+        """The new configuration starts at once (its restart already ran, trained through)."""
+        sim.resize(task, task.target)
+        if len(task.nodes) < task.spec.min_nodes:
+            sim.set_mode(task, Mode.IDLE)
+            return
+        sim.start(task)
 
     def _morph(self, sim: Simulation, task: TaskRun) -> None:
         sim.resize(task, task.target)
@@ -477,35 +558,104 @@ class Bamboo(Policy):
     """Multiplier on the artifact's per-model rebuild time (sensitivity)."""
     memory_limit: bool = True
     """Run only where twice the layers fit (False: ignore Bamboo's extra memory)."""
+    failover_in_flight: bool = True
+    """Mechanism *failover-in-flight* (Bamboo's redundant computation, Thorpe et al. NSDI'23
+    section 4; bamboo_simulator.py at :data:`ARTIFACT_COMMIT`, ``simulate_spot_instance_remove``
+    lines 1073-1104 and ``simulate_training_step_complete`` lines 1257-1267): a lost node's
+    successor already holds its stage, so the step in flight is not lost: it finishes, the
+    rest of it ``fallback_slowdown`` times slower, and only then is the pipeline rebuilt
+    (:data:`BAMBOO_REBALANCE_S`). False: the step in flight is lost and the loss is
+    detected first (``failure_detect_s``), as for a failure Bamboo cannot fail over (a fault
+    that leaves the node, a hang, or a second loss before the rebuild)."""
+    fallback_slowdown: float = 1.5
+    """Step time while a node computes two stages after a failover (bamboo_simulator.py
+    ``fallback_slowdown``, line 225)."""
+    measured_tables: bool = True
+    """Mechanism *measured-bamboo-tables*: for a model the artifact measured Bamboo on
+    (:data:`BAMBOO_OVER_OOBLECK`), scale ``redundancy_factor`` by that model's own ratio
+    over BERT-large's; False: BERT-large's ratio for every model."""
+    out_of_memory: frozenset[str] = frozenset()
+    """Mechanism *measured-oom*: models the real Bamboo ran out of memory on, on the
+    scenario's GPUs (not derived: our memory model fits them); the cross-check sets the
+    artifact's, :data:`BAMBOO_ARTIFACT_OOM`. Empty by default: no such measurement on our
+    scenarios' GPUs."""
+    booked_useful: float | None = None
+    """Mechanism *redundant-bookkeeping*, for the effective-time measure only: the share of a
+    running second booked as useful step time. None (default): the steady factor, as for
+    every policy. The cross-check sets the artifact's 0.1971 (bamboo_simulator.py line 128:
+    ``redundant_ratio = 1 - 0.1971`` of every step is redundant computation)."""
 
     def rebalance_s(self, task: TaskRun) -> float:
         return self.cost_scale * per_model(BAMBOO_REBALANCE_S, task)
+
+    def factor(self, task: TaskRun) -> float:
+        """Bamboo's throughput over the planner's F on the same nodes."""
+        name = task.spec.model
+        if self.measured_tables and name in BAMBOO_OVER_OOBLECK:
+            return (
+                self.redundancy_factor
+                * BAMBOO_OVER_OOBLECK[name]
+                / BAMBOO_OVER_OOBLECK["bert-large"]
+            )
+        return self.redundancy_factor
 
     def detect_s(self, task: TaskRun, method: Method) -> float:
         return self.timeout_s if method == "hang" else self.failure_detect_s
 
     def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
-        return self.redundancy_factor
+        return self.factor(task)
 
     def start(self, sim: Simulation) -> None:
-        if self.memory_limit:
-            for task in sim.tasks.values():
+        for task in sim.tasks.values():
+            if self.memory_limit:
                 task.flops = task.perf.flops * (_doubled_table(sim, task) > 0)
+            if task.spec.model in self.out_of_memory:
+                task.flops = task.perf.flops * 0.0
+            task.booked_useful = self.booked_useful
         super().start(sim)
 
     def _fail(self, sim: Simulation, task: TaskRun, signal: str) -> None:
         if task.mode is Mode.IDLE:
             return
-        if task.mode is Mode.RUNNING:
-            step = _iter_s(task) / self.redundancy_factor
+        step = _iter_s(task) / self.factor(task)
+        failover = task.extra.pop("bamboo_failover", None) is None
+        if failover and self.failover_in_flight and method_of(signal) == "node":
+            if task.mode is Mode.RUNNING:
+                self._failover(sim, task, step)
+                return
+        elif task.mode is Mode.RUNNING:
             sim.lose_running(task, sim.partial_step_s(task, step))
         d = self.detect_s(task, method_of(signal))
         sim.recover(
             task, [("detection", d), ("transition", self.rebalance_s(task))], sim.starter(task)
         )
 
+    def _failover(self, sim: Simulation, task: TaskRun, step_s: float) -> None:
+        """:attr:`failover_in_flight`: finish the step in flight slowed down, then rebuild."""
+        rest = (step_s - sim.partial_step_s(task, step_s)) * self.fallback_slowdown
+        task.extra["bamboo_failover"] = 1
+        sim.set_factor(task, self.factor(task) / self.fallback_slowdown)
+        tok = task.token
+
+        def rebuild(_t: float) -> None:
+            if task.token != tok or task.extra.pop("bamboo_failover", None) is None:
+                return
+            sim.set_factor(task, self.factor(task))
+            sim.recover(task, [("transition", self.rebalance_s(task))], sim.starter(task))
+
+        sim.schedule(sim.now + rest, rebuild)
+
     def on_node_back(self, sim: Simulation, node: str) -> None:
         self._grow_below_target(sim, self.rebalance_s, running_too=True)
+
+
+BAMBOO_OVER_OOBLECK = {"bert-large": 0.288, "gpt2-medium": 0.220}
+"""Bamboo's measured throughput over Oobleck's on the same nodes, per model: the mean over
+15..30 nodes of the ratio of the model's ``tputs`` tables in the artifact's
+bamboo_simulator.py and oobleck_simulator.py (the models it ran Bamboo on)."""
+BAMBOO_ARTIFACT_OOM = frozenset({"gpt-350m", "gpt-2.7b", "gpt-6.7b"})
+"""Models the artifact's Bamboo ran out of memory on (bamboo_simulator.py lines 581, 652,
+723: ``# OOM``, a throughput table of zeros, for GPT-3 medium, 2.7B and 6.7B)."""
 
 
 def _doubled_table(sim: Simulation, task: TaskRun) -> Any:
