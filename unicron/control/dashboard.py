@@ -195,7 +195,7 @@ def slot_health(controller: Coordinator, rank: int) -> str:
     if state in (S.LEAVING, S.STOPPING, S.LEFT):
         return "leaving"
     if state in (S.OUT_STARTING, S.OUT_READY, S.EXCLUDED):
-        return "probing" if rank in controller._probing else "excluded"
+        return "probing" if slot.probing else "excluded"
     if state is S.DOWN:
         return "down"
     return "training" if rank in controller.members else "starting"
