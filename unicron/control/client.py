@@ -87,10 +87,8 @@ class Client:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
-            if isinstance(detail, list):  # FastAPI's validation errors: the first, one line
-                first = detail[0] if detail else {}
-                where = ".".join(str(p) for p in first.get("loc", ())[1:])
-                detail = f"{where}: {first.get('msg', '')}".strip(": ")
+            if isinstance(detail, list):  # FastAPI's validation errors: all, on one line
+                detail = "; ".join(_problem(d) for d in detail if isinstance(d, dict))
             raise ServiceError(r.status_code, str(detail))
         if r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
@@ -98,6 +96,12 @@ class Client:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _problem(err: dict[str, Any]) -> str:
+    """One of FastAPI's validation errors as ``field.path: message``."""
+    where = ".".join(str(p) for p in err.get("loc", ())[1:])
+    return f"{where}: {err.get('msg', '')}".strip(": ")
 
 
 def can_wait(report: M.Report) -> bool:
