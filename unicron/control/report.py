@@ -1,13 +1,16 @@
 """The timeline of a run, derived from its event log alone (DESIGN.md: events are the single
 source for timelines, benchmarks and the demo's report).
 
-Called by the runner at the end of ``unicron run``, by the demo and by the benchmarks.
+Called by the runner at the end of ``unicron run``, by ``unicron report`` and ``unicron logs``
+(a cluster task's events, from the coordinator), by the demo and by the benchmarks.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 Event = dict[str, Any]
@@ -107,10 +110,11 @@ def _about(detection: Event, fault: Event) -> bool:
 
 
 def _target(action: Event) -> str:
-    """What an action event acted on: "slot 2", "node 1"."""
+    """What an action event acted on: "slot 2", "node gpu-17" (its number where the log
+    names none)."""
     if action.get("slot") is not None:
         return f"slot {action['slot']}"
-    return f"node {action.get('node')}"
+    return f"node {action.get('node_name', action.get('node'))}"
 
 
 def steps_redone(events: list[Event]) -> int:
@@ -128,6 +132,43 @@ def median_step_s(events: list[Event], skip: int = 5) -> float | None:
     ends = [e for e in events if e["event"] == "step_end"]
     gaps = sorted(b["ts"] - a["ts"] for a, b in zip(ends[skip:], ends[skip + 1 :], strict=False))
     return gaps[len(gaps) // 2] if gaps else None
+
+
+def summary(events: list[Event]) -> dict[str, Any]:
+    """The timeline as data (``unicron report --json``): every incident, the steps redone,
+    the median step time and the ``task_end`` event (``None`` while the task runs)."""
+    return {
+        "incidents": [asdict(inc) for inc in incidents(events)],
+        "steps_redone": steps_redone(events),
+        "median_step_s": median_step_s(events),
+        "task_end": task_end(events),
+    }
+
+
+_QUIET = ("ts", "event", "task", "node_name")
+"""fields :func:`event_line` does not repeat (the task is the one asked for)"""
+
+
+def event_line(e: Event) -> str:
+    """One event as a line a person reads (``unicron logs``): local time, the event, then
+    its fields as ``key=value``, a node by its name."""
+    when = datetime.datetime.fromtimestamp(float(e["ts"])).strftime("%H:%M:%S.%f")[:-3]
+    fields = []
+    for key, value in e.items():
+        if key in _QUIET or value is None:
+            continue
+        if key == "node" and "node_name" in e:
+            value = e["node_name"]
+        fields.append(f"{key}={_value(value)}")
+    return f"{when} {e['event']:<15} {' '.join(fields)}".rstrip()
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, str):
+        return json.dumps(v) if not v or any(c.isspace() or c in '"=' for c in v) else v
+    return json.dumps(v, separators=(",", ":"))
 
 
 def fmt_s(x: float | None) -> str:
