@@ -21,6 +21,8 @@ def test_incident_of_a_crash() -> None:
         _ev(1.52, "error_detected", slot=1, kind="conn_reset", method="exception"),
         _ev(1.53, "error_detected", slot=2, kind="killed", method="process"),
         _ev(1.54, "action", action="restart", slot=2),
+        _ev(1.55, "action", action="exclude", node=1, node_name="gpu-3"),
+        _ev(1.56, "action", action="wait"),
         _ev(1.6, "transition_end", duration_s=0.06, state_source="local",
             microbatches_reused=6, microbatches_recomputed=2),
         _ev(1.8, "step_end", step=2),
@@ -32,7 +34,7 @@ def test_incident_of_a_crash() -> None:
     assert inc.detected_by == "exception" and inc.kind == "killed"  # first seen; own verdict
     assert abs(inc.detection_s - 0.02) < 1e-9 and abs(inc.recovery_s - 0.3) < 1e-9
     assert (inc.reused, inc.recomputed, inc.state_source) == (6, 2, "local")
-    assert inc.actions == ("restart(slot 2)",)
+    assert inc.actions == ("restart(slot 2)", "exclude(node gpu-3)", "wait")
     assert steps_redone(events) == 0
 
 

@@ -78,7 +78,7 @@ def incidents(events: list[Event]) -> list[Incident]:
             None,
         )
         actions = tuple(
-            f"{e['action']}({_target(e)})"
+            f"{e['action']}({_target(e)})" if _target(e) else str(e["action"])
             for e in after
             if e["event"] == "action" and e["ts"] < horizon
         )
@@ -111,10 +111,12 @@ def _about(detection: Event, fault: Event) -> bool:
 
 def _target(action: Event) -> str:
     """What an action event acted on: "slot 2", "node gpu-17" (its number where the log
-    names none)."""
+    names none); "" for the task as a whole (``wait``)."""
     if action.get("slot") is not None:
         return f"slot {action['slot']}"
-    return f"node {action.get('node_name', action.get('node'))}"
+    if action.get("node") is not None:
+        return f"node {action.get('node_name', action['node'])}"
+    return ""
 
 
 def steps_redone(events: list[Event]) -> int:
