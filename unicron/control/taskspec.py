@@ -16,7 +16,7 @@
     readmit_after: 60               # seconds before an excluded slot is probed
     restart_window: 60              # seconds over which the escalation counts failures
     inject: []                      # fault specs, as ``unicron run --inject``
-    model: {preset: gpt3-1.3b}      # the planner's description (optional), as ``unicron plan``
+    model: {preset: gpt-1.3b}       # the planner's description (optional), as ``unicron plan``
 
 A relative ``script`` or ``checkpoint.dir`` is taken from the task file's folder. Examples
 of every kind: ``examples/tasks/*.yaml``.
