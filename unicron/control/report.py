@@ -37,7 +37,9 @@ class Incident:
 
 
 def incidents(events: list[Event]) -> list[Incident]:
-    """One :class:`Incident` per ``fault_injected`` event, in time order.
+    """One :class:`Incident` per ``fault_injected`` event, in time order; in a log without
+    any (a task on a cluster: its failures are real), one per failure found
+    (:func:`_found`), whose detection time is unknown (``None``).
 
     Detection is the first ``error_detected`` at or after the fault (often a peer's in-band
     error), its kind the verdict about the faulted worker or node itself; the transition is the
@@ -47,6 +49,9 @@ def incidents(events: list[Event]) -> list[Incident]:
     """
     out = []
     faults = sorted((e for e in events if e["event"] == "fault_injected"), key=lambda e: e["ts"])
+    found = not faults
+    if found:
+        faults = _found(events)
     for i, f in enumerate(faults):
         t0 = f["ts"]
         horizon = faults[i + 1]["ts"] if i + 1 < len(faults) else float("inf")
@@ -90,7 +95,7 @@ def incidents(events: list[Event]) -> list[Incident]:
                 ts=t0,
                 detected_by=det.get("method") if det else None,
                 kind=own.get("kind") if own else None,
-                detection_s=det["ts"] - t0 if det else None,
+                detection_s=det["ts"] - t0 if det and not found else None,
                 transition_s=trans.get("duration_s") if trans else None,
                 recovery_s=rec["ts"] - t0 if rec else None,
                 state_source=trans.get("state_source") if trans else None,
@@ -99,6 +104,38 @@ def incidents(events: list[Event]) -> list[Incident]:
                 actions=actions,
             )
         )
+    return out
+
+
+def _found(events: list[Event]) -> list[Event]:
+    """The failures of a log without injected faults, as the ``fault_injected`` records
+    :func:`incidents` reads: one at each ``error_detected`` that is not part of an earlier
+    failure still healing (no step past the last one committed before it has been committed
+    since), named by its verdict and place (``killed on slot 2``, ``heartbeat_lost on node
+    gpu-17``)."""
+    out: list[Event] = []
+    last_step, healing_to = -1, None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if e["event"] == "step_end":
+            step = int(e.get("step", -1))
+            if healing_to is not None and step >= healing_to:
+                healing_to = None
+            last_step = max(last_step, step)
+        elif e["event"] == "error_detected" and healing_to is None:
+            healing_to = last_step + 1
+            slot = e.get("slot", e.get("rank"))
+            where = f"slot {slot}" if slot is not None else _target(e) or "the task"
+            out.append(
+                {
+                    "ts": e["ts"],
+                    "event": "fault_injected",
+                    "fault": "node" if e.get("method") == "heartbeat" else "found",
+                    "spec": f"{e.get('kind')} on {where}",
+                    "rank": slot,
+                    "node": e.get("node"),
+                    "step": healing_to,
+                }
+            )
     return out
 
 
