@@ -369,3 +369,8 @@ def test_logs_readable_or_json_and_the_report_is_run_s_table(server: str, cluste
     assert got["task_end"]["status"] == "ok" and got["steps_redone"] == 0
     proc = unicron("report", "nope", url=server)
     assert proc.returncode == 2 and proc.stderr.strip() == "unicron: error: no task named nope"
+    # a long reason is shown whole by ``unicron status`` (wrapped in its cell, not cut)
+    reason = "waited 600 s below the minimum of 4 workers for capacity; " * 2 + "the-last-word"
+    cluster._end(task, "failed", reason, time.time())
+    proc = unicron("status", url=server)
+    assert proc.returncode == 0 and "the-last-word" in proc.stdout, proc.stdout
