@@ -13,7 +13,8 @@ task's coordinator is called (its events come back through :meth:`_on_event`, wh
 no cluster lock), so the two locks are never taken in opposite orders.
 
 Task states: ``queued`` (not enough free slots yet) -> ``pending`` (placed, workers
-starting) -> ``running`` <-> ``waiting`` -> ``done`` | ``failed`` | ``cancelled``.
+starting) -> ``running`` <-> ``waiting`` -> ``done`` | ``failed`` | ``cancelled``. A task is
+known by its name until it has ended and its name is submitted again: then by its uid.
 """
 
 from __future__ import annotations
@@ -820,9 +821,9 @@ class _Metrics:
             if kind == "fault_injected" and e.get("rank") is not None:
                 self._faults[(task, int(e["rank"]))] = float(e["ts"])
             elif kind == "error_detected":
-                kind, severity = str(e.get("kind")), str(e.get("severity"))
-                self.failures.labels(kind, severity).inc()
-                labels = f"{kind}|{severity}"
+                verdict, severity = str(e.get("kind")), str(e.get("severity"))
+                self.failures.labels(verdict, severity).inc()
+                labels = f"{verdict}|{severity}"
                 self._failed[labels] = self._failed.get(labels, 0) + 1
                 self._state.set_meta(self.FAILURES_KEY, json.dumps(self._failed))
                 if int(e.get("severity", 3)) <= 2:
