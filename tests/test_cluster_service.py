@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from unicron.control.cluster import Cluster, ClusterSettings
+from unicron.control.cluster import Cluster, ClusterSettings, Conflict
 from unicron.control.service import make_app, serve
 from unicron.control.state import open_state
 from unicron.control.taskspec import TaskSpec
@@ -241,5 +241,136 @@ def test_a_second_agent_under_a_live_name_exits_2(server: str, cluster: Cluster)
     finally:
         stop.set()
     assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()  # where it connects, then why it stopped
+    assert len(lines) == 2 and f"node busy, 1 slot(s), connecting to {server}" in lines[0]
+    assert "unicron: error: the coordinator refused node busy: node busy is live" in lines[1]
+
+
+def test_an_agent_that_cannot_reach_the_coordinator_says_so_and_gives_up(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    proc = unicron(
+        "agent", "--node-name", "lone", "--connect-timeout", "1.5", "--log-dir", str(tmp_path)
+    )  # fmt: skip (port 9: nobody answers)
+    assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "the coordinator refused node busy: node busy is live" in lines[0]
+    assert (
+        f"node lone, 1 slot(s), connecting to http://127.0.0.1:9 (worker logs in {tmp_path})"
+        in lines[0]
+    )
+    assert "does not answer" in lines[1] and "retrying for 1.5 s" in lines[1], lines
+    assert lines[-1].startswith(
+        "unicron: error: node lone: cannot reach the coordinator at http://127.0.0.1:9 after 1.5 s:"
+    ), lines
+    assert len(lines) == 3 and time.monotonic() - t0 < 50
+    proc = unicron("agent", "--connect-timeout", "0")
+    assert proc.returncode == 2 and "--connect-timeout must be > 0" in proc.stderr
+
+
+# -- what a person reads: node names, reused task names, counters over a restart -------------
+def test_names_in_events_a_reused_name_and_counters_over_a_restart(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1")
+    try:
+        cluster.register("gpu-7", 2, "127.0.0.1", "i1", time.time())
+        cluster.register("gpu-3", 2, "127.0.0.1", "i2", time.time())  # node 1, named gpu-3
+        cluster.submit(TaskSpec.model_validate(spec("t", workers={"min": 1, "max": 1})), 1.0)
+        task = cluster.tasks["t"]
+        assert task.events is not None and task.row.placement in ([0], [1])
+        nid = task.row.placement[0]
+        name = cluster.nodes[nid].row.name
+        task.events.emit("error_detected", task="t", slot=0, rank=0, kind="killed", severity=2,
+                         method="process")  # fmt: skip
+        assert task.row.last_fault == f"killed (SEV2) on slot 0 (node {name})"
+        task.events.emit("error_detected", task="t", node=1, kind="heartbeat_lost", severity=1,
+                         method="heartbeat")  # fmt: skip
+        assert task.row.last_fault == "heartbeat_lost (SEV1) on node gpu-3"
+        found, _ = cluster.events("t", 0)
+        assert [e.get("node_name") for e in found] == [None, "gpu-3"]  # beside "node": 1
+        assert found[1]["node"] == 1
+        uid = task.row.uid
+    finally:
+        cluster.close(stop_store=True)
+    again = Cluster(tmp_path / "state", host="127.0.0.1")  # the store went: the task failed
+    try:
+        metrics = again.prometheus().decode()
+        assert 'unicron_failures_total{kind="heartbeat_lost",severity="1"} 1.0' in metrics
+        assert 'unicron_failures_total{kind="killed",severity="2"} 1.0' in metrics
+        assert again.tasks["t"].row.state == "failed"
+        view = again.submit(TaskSpec.model_validate(spec("t", workers={"min": 9, "max": 9})), 2.0)
+        assert view["name"] == "t" and view["uid"] != uid and view["state"] == "queued"
+        with pytest.raises(Conflict, match="a task named t exists \\(queued\\)"):
+            again.submit(TaskSpec.model_validate(spec("t")), 3.0)
+        old = again.task_view(uid)  # the ended one, archived under its uid, events and all
+        assert old["state"] == "failed" and old["last_fault"].startswith("heartbeat_lost")
+        assert [e["event"] for e in again.events(uid, 0)[0]][:2] == ["error_detected"] * 2
+        assert again.events("t", 0)[0] == []
+    finally:
+        again.close(stop_store=True)
+    state = open_state(tmp_path / "state")  # the archive is in the state a restart loads
+    try:
+        assert {t.name: t.state for t in state.tasks()} == {uid: "failed", "t": "queued"}
+        assert len(state.events(uid)) >= 2 and state.events("t") == []
+    finally:
+        state.close()
+
+
+def test_logs_readable_or_json_and_the_report_is_run_s_table(server: str, cluster: Cluster) -> None:
+    """``unicron logs``: one readable line an event (node names), ``--json`` the stored lines;
+    ``unicron report``: the table ``unicron run`` prints (:func:`render`) of the same events,
+    ``--json`` its data."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from unicron.control.report import render
+
+    cluster.register("cli-node", 1, "127.0.0.1", "cli", time.time())
+    cluster.submit(TaskSpec.model_validate(spec("shown", workers={"min": 1, "max": 1})), 1.0)
+    task = cluster.tasks["shown"]
+    assert task.events is not None and task.row.state == "pending", task.row
+    nid = task.row.placement[0]
+    name = cluster.nodes[nid].row.name  # "cli-node", or another free node of this module
+    emit, t = task.events.emit, time.time()
+    emit("step_end", ts=t, task="shown", step=0, loss=4.5, rank=0)
+    emit("fault_injected", ts=t + 1, task="shown", fault="node", spec="node:node=0,step=1",
+         node=nid, step=1)  # fmt: skip
+    emit("error_detected", ts=t + 1.5, task="shown", node=nid, kind="heartbeat_lost",
+         severity=1, method="heartbeat", reason="silent for 2 s")  # fmt: skip
+    emit("action", ts=t + 1.6, task="shown", action="exclude", node=nid)
+    emit("transition_end", ts=t + 2, task="shown", duration_s=0.4, state_source="peer_node",
+         microbatches_reused=6, microbatches_recomputed=2, rank=0)  # fmt: skip
+    emit("step_end", ts=t + 2.5, task="shown", step=1, loss=4.25, rank=0)
+    emit("task_end", ts=t + 3, task="shown", status="ok", steps=2, final_loss=4.25,
+         params_sha256="ab" * 32)  # fmt: skip
+    events = cluster.events("shown", 0)[0]
+
+    proc = unicron("logs", "shown", url=server)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(events) and "{" not in proc.stdout
+    assert f" error_detected  node={name} kind=heartbeat_lost severity=1 " in lines[2]
+    assert 'reason="silent for 2 s"' in lines[2] and "step=1 loss=4.25" in lines[5]
+    proc = unicron("logs", "shown", "--json", url=server)
+    assert [json.loads(x) for x in proc.stdout.splitlines()] == events
+
+    proc = unicron("report", "shown", url=server)
+    assert proc.returncode == 0, proc.stderr
+    console = Console(file=io.StringIO(), width=160)
+    render(events, console)
+    assert proc.stdout == console.file.getvalue()  # type: ignore[attr-defined]
+    assert (
+        "exclude(node" in proc.stdout and f"{name})" in proc.stdout and "peer_node" in proc.stdout
+    )
+    proc = unicron("report", "shown", "--json", url=server)
+    got = json.loads(proc.stdout)
+    (inc,) = got["incidents"]
+    assert (inc["detected_by"], inc["kind"], inc["reused"]) == ("heartbeat", "heartbeat_lost", 6)
+    assert inc["actions"] == [f"exclude(node {name})"] and abs(inc["detection_s"] - 0.5) < 1e-6
+    assert got["task_end"]["status"] == "ok" and got["steps_redone"] == 0
+    proc = unicron("report", "nope", url=server)
+    assert proc.returncode == 2 and proc.stderr.strip() == "unicron: error: no task named nope"
+    # a long reason is shown whole by ``unicron status`` (wrapped in its cell, not cut)
+    reason = "waited 600 s below the minimum of 4 workers for capacity; " * 2 + "the-last-word"
+    cluster._end(task, "failed", reason, time.time())
+    proc = unicron("status", url=server)
+    assert proc.returncode == 0 and "the-last-word" in proc.stdout, proc.stdout

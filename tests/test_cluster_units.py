@@ -82,6 +82,24 @@ def test_more_bad_task_files(tmp_path: Path, text: str, says: str) -> None:
     assert says in str(err.value) and "\n" not in str(err.value)
 
 
+def test_numbers_in_args_are_their_text_and_every_problem_is_named(tmp_path: Path) -> None:
+    spec = load(write(tmp_path, f"name: n\nscript: {SCRIPT}\nargs: [--steps, 150, --lr, 0.5]\n"))
+    assert spec.args == ["--steps", "150", "--lr", "0.5"]
+    bad = f"name: n\nscript: {SCRIPT}\nargs: [--flag, yes]\nthreads: many\nweight: -1\n"
+    with pytest.raises(UsageError) as err:
+        load(write(tmp_path, bad))
+    msg = str(err.value)
+    assert "\n" not in msg and "more)" not in msg
+    for says in ("args.1: Input should be a valid string", "threads: Input should be a valid "
+                 "integer", "weight: Input should be greater than 0"):  # fmt: skip
+        assert says in msg, msg
+
+
+def test_a_relative_checkpoint_dir_is_taken_from_the_task_file(tmp_path: Path) -> None:
+    spec = load(write(tmp_path, GOOD + "checkpoint: {every: 5, dir: ck}\n"))
+    assert spec.checkpoint.dir == str(tmp_path / "ck")
+
+
 def test_missing_task_file(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="No such file"):
         load(tmp_path / "none.yaml")

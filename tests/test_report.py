@@ -21,6 +21,8 @@ def test_incident_of_a_crash() -> None:
         _ev(1.52, "error_detected", slot=1, kind="conn_reset", method="exception"),
         _ev(1.53, "error_detected", slot=2, kind="killed", method="process"),
         _ev(1.54, "action", action="restart", slot=2),
+        _ev(1.55, "action", action="exclude", node=1, node_name="gpu-3"),
+        _ev(1.56, "action", action="wait"),
         _ev(1.6, "transition_end", duration_s=0.06, state_source="local",
             microbatches_reused=6, microbatches_recomputed=2),
         _ev(1.8, "step_end", step=2),
@@ -32,8 +34,41 @@ def test_incident_of_a_crash() -> None:
     assert inc.detected_by == "exception" and inc.kind == "killed"  # first seen; own verdict
     assert abs(inc.detection_s - 0.02) < 1e-9 and abs(inc.recovery_s - 0.3) < 1e-9
     assert (inc.reused, inc.recomputed, inc.state_source) == (6, 2, "local")
-    assert inc.actions == ("restart(slot 2)",)
+    assert inc.actions == ("restart(slot 2)", "exclude(node gpu-3)", "wait")
     assert steps_redone(events) == 0
+
+
+def test_failures_of_a_log_without_injected_faults_are_incidents() -> None:
+    """A cluster task's real failures: one incident per failure (a peer's symptom during
+    the same healing is not another), detection time unknown."""
+    events = [
+        _ev(0.0, "step_end", step=0),
+        _ev(1.0, "error_detected", slot=2, rank=2, kind="killed", method="process"),
+        _ev(1.01, "error_detected", slot=1, rank=1, kind="conn_reset", method="exception"),
+        _ev(1.02, "action", action="restart", slot=2),
+        _ev(1.2, "transition_end", duration_s=0.1, state_source="local",
+            microbatches_reused=5, microbatches_recomputed=3),
+        _ev(1.5, "step_end", step=1),
+        _ev(3.0, "error_detected", node=1, node_name="gpu-3", kind="heartbeat_lost",
+            method="heartbeat"),
+        _ev(3.1, "action", action="exclude", node=1, node_name="gpu-3"),
+        _ev(3.5, "transition_end", duration_s=0.3, state_source="peer_remote",
+            microbatches_reused=0, microbatches_recomputed=8),
+        _ev(4.0, "step_end", step=2),
+    ]  # fmt: skip
+    killed, lost = incidents(events)
+    assert (killed.fault, killed.kind, killed.detection_s) == ("killed on slot 2", "killed", None)
+    assert killed.actions == ("restart(slot 2)",) and killed.reused == 5
+    assert abs(killed.recovery_s - 0.5) < 1e-9
+    assert (lost.fault, lost.kind, lost.detected_by) == (
+        "heartbeat_lost on node gpu-3",
+        "heartbeat_lost",
+        "heartbeat",
+    )
+    assert lost.state_source == "peer_remote" and lost.actions == ("exclude(node gpu-3)",)
+    injected = [_ev(0.9, "fault_injected", fault="crash", spec="crash:rank=2,step=1", rank=2,
+                    step=1), *events]  # fmt: skip
+    assert len(incidents(injected)) == 1  # with injected faults: those alone, as before
 
 
 def test_steps_redone_after_a_checkpoint_restore() -> None:

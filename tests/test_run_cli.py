@@ -159,3 +159,19 @@ def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
     assert "interrupted" in stderr
     last = events.read_text().splitlines()[-1]
     assert '"task_end"' in last and '"interrupted"' in last
+
+
+def test_a_finished_run_leaves_no_temporary_folder(tmp_path: Path) -> None:
+    """Without ``--log-dir`` the run's folder is temporary: gone once the task finished (with
+    the service's state folder, which goes from a ``--log-dir`` given too)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = subprocess.run(
+        [sys.executable, "-m", "unicron", "run", "--nproc-per-node", "2", str(TRAIN),
+         "--steps", "2"],
+        capture_output=True, text=True, timeout=100, cwd=tmp_path, env={**ENV, "TMPDIR": str(tmp)},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "task train: ok after 2 steps" in p.stderr
+    assert "worker logs" not in p.stderr
+    assert sorted(tmp.glob("unicron-*")) == [] and sorted(tmp.glob("cluster-*")) == []

@@ -87,10 +87,8 @@ class Client:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
-            if isinstance(detail, list):  # FastAPI's validation errors: the first, one line
-                first = detail[0] if detail else {}
-                where = ".".join(str(p) for p in first.get("loc", ())[1:])
-                detail = f"{where}: {first.get('msg', '')}".strip(": ")
+            if isinstance(detail, list):  # FastAPI's validation errors: all, on one line
+                detail = "; ".join(_problem(d) for d in detail if isinstance(d, dict))
             raise ServiceError(r.status_code, str(detail))
         if r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
@@ -98,6 +96,12 @@ class Client:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _problem(err: dict[str, Any]) -> str:
+    """One of FastAPI's validation errors as ``field.path: message``."""
+    where = ".".join(str(p) for p in err.get("loc", ())[1:])
+    return f"{where}: {err.get('msg', '')}".strip(": ")
 
 
 def can_wait(report: M.Report) -> bool:
@@ -313,7 +317,7 @@ def status_main(args: argparse.Namespace) -> int:
         table.add_row(
             t["name"], t["state"], str(t["epoch"]), str(t["step"] + 1 if t["step"] >= 0 else "-"),
             str(t["workers"]), f"{t['min_workers']}..{t['max_workers']}", t["last_fault"] or "-",
-            note[:60],
+            note,
         )  # fmt: skip
     console.print(table)
     errors = sorted({t["plan_error"] for t in tasks if t.get("plan_error")})
@@ -336,16 +340,21 @@ def cancel_main(args: argparse.Namespace) -> int:
 def add_logs_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("task", metavar="TASK")
     p.add_argument("--follow", "-f", action="store_true", help="wait for more until it ends")
+    p.add_argument("--json", action="store_true", help="the events as JSON Lines")
     add_connection_arguments(p)
 
 
 def logs_main(args: argparse.Namespace) -> int:
+    """A task's events, one readable line each (``--json``: the JSON Lines as stored);
+    ``--follow`` until its ``task_end``."""
+    from unicron.control.report import event_line
+
     client = connect(args)
     after = 0
     while True:
         got = call(client, "GET", f"/v1/tasks/{args.task}/events", params={"after": after})
         for e in got["events"]:
-            print(json.dumps(e), flush=True)
+            print(json.dumps(e) if args.json else event_line(e), flush=True)
             if e["event"] == "task_end" and args.follow:
                 return 0
         after = got["last"]
@@ -353,6 +362,44 @@ def logs_main(args: argparse.Namespace) -> int:
             return 0
         if not got["events"]:
             time.sleep(0.5)
+
+
+def fetch_events(client: Client, task: str) -> list[dict[str, Any]]:
+    """Every event of ``task`` so far, oldest first (the API answers in pages)."""
+    out: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        got = call(client, "GET", f"/v1/tasks/{task}/events", params={"after": after})
+        if not got["events"]:
+            return out
+        out += got["events"]
+        after = got["last"]
+
+
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("task", metavar="TASK")
+    p.add_argument("--json", action="store_true", help="the incidents and outcome as JSON")
+    add_connection_arguments(p)
+
+
+def report_main(args: argparse.Namespace) -> int:
+    """``unicron report TASK``: the healing timeline of a cluster task, from its event log
+    on the coordinator: the table ``unicron run`` prints at its end
+    (:func:`unicron.control.report.render`)."""
+    from rich.console import Console
+
+    from unicron.control.report import render, summary
+
+    events = fetch_events(connect(args), args.task)
+    if args.json:
+        print(json.dumps(summary(events), indent=2))
+        return 0
+    console = Console(width=max(Console().width, 160))
+    render(events, console)
+    if not any(e["event"] in ("fault_injected", "error_detected", "task_end") for e in events):
+        last = max((e.get("step", -1) for e in events if e["event"] == "step_end"), default=-1)
+        console.print(f"task {args.task}: no fault so far, {last + 1} step(s) committed")
+    return 0
 
 
 def write_stdout(text: str) -> None:

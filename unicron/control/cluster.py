@@ -13,12 +13,14 @@ task's coordinator is called (its events come back through :meth:`_on_event`, wh
 no cluster lock), so the two locks are never taken in opposite orders.
 
 Task states: ``queued`` (not enough free slots yet) -> ``pending`` (placed, workers
-starting) -> ``running`` <-> ``waiting`` -> ``done`` | ``failed`` | ``cancelled``.
+starting) -> ``running`` <-> ``waiting`` -> ``done`` | ``failed`` | ``cancelled``. A task is
+known by its name until it has ended and its name is submitted again: then by its uid.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -125,7 +127,7 @@ class Cluster:
             self.store, adopted = S.ensure(self.state_dir, host)
         self._lock = threading.RLock()
         self.started = time.time()
-        self.metrics = _Metrics()
+        self.metrics = _Metrics(self.state)
         now = time.time()
         self.nodes: dict[int, Node] = {r.id: Node(r, last_seen=now) for r in self.state.nodes()}
         self._by_name = {n.row.name: n for n in self.nodes.values()}  # every request looks up
@@ -273,9 +275,7 @@ class Cluster:
                 raise Invalid(str(exc)) from None
         with self._lock:
             if spec.name in self.tasks:
-                raise Conflict(
-                    f"a task named {spec.name} exists ({self.tasks[spec.name].row.state})"
-                )
+                self._archive(self.tasks[spec.name])
             self._check_checkpoint_dir_free(spec)
             uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(3)}"
             row = TaskRow(spec.name, uid, spec.model_dump(), "queued", now, [])
@@ -289,6 +289,23 @@ class Cluster:
             view = self.view(task)
         self._call(calls)
         return view
+
+    def _archive(self, task: Task) -> None:
+        """A task of the name being submitted again: refused while it lives (its workers
+        too); once it has ended, it goes on under its uid (``gpt.3f9a1c``), its row, events
+        and outcome with it (``unicron status|logs|report UID``), and the name is free. The
+        caller holds the lock."""
+        row = task.row
+        if row.state not in ENDED or task.controller is not None or row.uid == row.name:
+            what = row.state if task.controller is None else f"{row.state}, workers stopping"
+            raise Conflict(f"a task named {row.name} exists ({what}); submit again once it ended")
+        old = row.name
+        self.state.rename_task(old, row.uid)
+        del self.tasks[old]
+        row.name = row.uid
+        self.tasks[row.uid] = task
+        self._pending_adds = [(m, n) for m, n in self._pending_adds if m != old]
+        log.info("task %s (%s) archived as %s: the name is reused", old, row.state, row.uid)
 
     def _check_checkpoint_dir_free(self, spec: TaskSpec) -> None:
         """Two tasks never write into one checkpoint directory: a task that goes on from a
@@ -480,7 +497,9 @@ class Cluster:
         committed_before: int | None = max(row.committed_step + 1, 0)
         if spec.checkpoint.resume and not adopt and checkpoint is not None:
             committed_before = C.take_progress(checkpoint)
-        task.events = EventLog(self._events_to.get(row.uid, task_dir / "events.jsonl"))
+        task.events = EventLog(
+            self._events_to.get(row.uid, task_dir / "events.jsonl"), enrich=self._name_node
+        )
         task.events.subscribe(functools.partial(self._on_event, task))
         address = self.store.address
         task.controller = Coordinator(
@@ -546,6 +565,24 @@ class Cluster:
             return None
         return Path(ck.dir) if ck.dir else self.state_dir / "tasks" / task.row.uid / "checkpoints"
 
+    def _name_node(self, e: dict[str, Any]) -> None:
+        """An event that names a node by number gets its name beside it (``node_name``): the
+        name is what ``unicron status``, the agent's ``--node-name`` and a person use. Called
+        by the task's event log for every record, from the thread that emits it."""
+        nid = e.get("node")
+        node = self.nodes.get(nid) if isinstance(nid, int) else None
+        if node is not None:
+            e["node_name"] = node.row.name
+
+    def _where(self, task: Task, e: dict[str, Any]) -> str:
+        """Where an event happened, for a person: "slot 2 (node gpu-17)", "node gpu-17"."""
+        if "slot" in e:
+            slot = int(e["slot"])
+            nid = task.row.placement[slot] if 0 <= slot < len(task.row.placement) else -1
+            node = self.nodes.get(nid)
+            return f"slot {slot}" + (f" (node {node.row.name})" if node is not None else "")
+        return f"node {e.get('node_name', e.get('node'))}"
+
     def _on_event(self, task: Task, e: dict[str, Any]) -> None:
         """Every event of a task's log: into SQLite, the task's row and the metrics."""
         row, kind = task.row, e["event"]
@@ -559,8 +596,7 @@ class Cluster:
         elif kind == "step_end":
             row.committed_step = max(row.committed_step, int(e["step"]))
         elif kind == "error_detected":
-            where = f"slot {e['slot']}" if "slot" in e else f"node {e.get('node')}"
-            row.last_fault = f"{e.get('kind')} (SEV{e.get('severity')}) on {where}"
+            row.last_fault = f"{e.get('kind')} (SEV{e.get('severity')}) on {self._where(task, e)}"
         elif kind == "action" and e.get("action") == "wait" and row.state in ACTIVE:
             row.state = "waiting"
         else:
@@ -733,9 +769,13 @@ class Cluster:
 
 class _Metrics:
     """Prometheus metrics (``GET /metrics``): gauges read from the task table at scrape time,
-    counters and histograms fed from the task events."""
+    counters and histograms fed from the task events. The failure counters are kept in the
+    state (meta ``metrics.failures``, written on every detection) and go on from there after
+    a restart, as a counter must; the histograms start again (Prometheus sees a reset)."""
 
-    def __init__(self) -> None:
+    FAILURES_KEY = "metrics.failures"
+
+    def __init__(self, state: State) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -766,6 +806,11 @@ class _Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
             registry=self.registry,
         )
+        self._state = state
+        self._failed: dict[str, float] = json.loads(state.meta(self.FAILURES_KEY) or "{}")
+        for labels, count in self._failed.items():  # "kind|severity" -> count so far
+            kind, _, severity = labels.partition("|")
+            self.failures.labels(kind, severity).inc(count)
         self._faults: dict[tuple[str, int], float] = {}  # (task, rank) -> injected at
         self.failures_seen = 0  # SEV1 and SEV2 detections: the planner's failure rate
         self._lock = threading.Lock()
@@ -776,7 +821,11 @@ class _Metrics:
             if kind == "fault_injected" and e.get("rank") is not None:
                 self._faults[(task, int(e["rank"]))] = float(e["ts"])
             elif kind == "error_detected":
-                self.failures.labels(str(e.get("kind")), str(e.get("severity"))).inc()
+                verdict, severity = str(e.get("kind")), str(e.get("severity"))
+                self.failures.labels(verdict, severity).inc()
+                labels = f"{verdict}|{severity}"
+                self._failed[labels] = self._failed.get(labels, 0) + 1
+                self._state.set_meta(self.FAILURES_KEY, json.dumps(self._failed))
                 if int(e.get("severity", 3)) <= 2:
                     self.failures_seen += 1
                 injected = self._faults.pop((task, int(e.get("rank", -1))), None)

@@ -35,9 +35,14 @@ Event = dict[str, Any]
 
 
 class EventLog:
-    """Thread-safe event sink: appends to a file (if given) and keeps the events in memory."""
+    """Thread-safe event sink: appends to a file (if given) and keeps the events in memory.
+    ``enrich`` (the cluster's: a node's name beside its number) adds fields to each record
+    before anyone sees it."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(
+        self, path: str | Path | None = None, *, enrich: Callable[[Event], None] | None = None
+    ) -> None:
+        self._enrich = enrich
         self._lock = threading.Lock()
         self._events: list[Event] = []
         self._subscribers: list[Callable[[Event], None]] = []
@@ -51,6 +56,8 @@ class EventLog:
         assert event in EVENTS, f"unknown event {event!r}"
         record: Event = {"ts": fields.pop("ts", None) or time.time(), "event": event}
         record.update({k: v for k, v in fields.items() if v is not None})
+        if self._enrich is not None:
+            self._enrich(record)
         line = json.dumps(record, sort_keys=False)
         with self._lock:
             self._events.append(record)

@@ -58,6 +58,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-dir", metavar="DIR", help="workers' output (default /tmp/unicron-agent-NAME)"
     )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="give up (exit 1) if the coordinator does not answer the first registration "
+        "within S seconds (default 60; later outages are waited out)",
+    )
     add_connection_arguments(p)
 
 
@@ -93,13 +101,17 @@ class NodeAgent:
         its workers' gloo traffic goes there too (``GLOO_SOCKET_IFNAME``) unless the
         environment names one"""
 
-    def register(self, stop: threading.Event) -> None:
-        """Register, retrying with backoff while the service cannot be reached."""
+    def register(self, stop: threading.Event, *, timeout_s: float | None = None) -> None:
+        """Register, retrying with backoff while the service cannot be reached; with
+        ``timeout_s`` (``unicron agent``'s first registration, ``--connect-timeout``) give up
+        after that long with a :class:`SystemExit` that says why (exit code 1)."""
         import httpx
 
         from unicron.control.client import ServiceError
 
         backoff = 0.1
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        said = False
         while not stop.is_set():
             self.address = _address(self.client.url)
             self.ifname = _interface(self.address)
@@ -115,8 +127,24 @@ class NodeAgent:
                     },
                 )
                 self.node = int(got["node"])
+                log.info(
+                    "node %s registered as node %d (%d slot(s), address %s)",
+                    self.name, self.node, self.slots, self.address,
+                )  # fmt: skip
                 return
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise SystemExit(
+                        f"unicron: error: node {self.name}: cannot reach the coordinator at "
+                        f"{self.client.url} after {timeout_s:g} s: {exc or type(exc).__name__}"
+                    ) from None
+                if not said:
+                    log.warning(
+                        "node %s: the coordinator at %s does not answer (%s); retrying%s",
+                        self.name, self.client.url, exc or type(exc).__name__,
+                        "" if timeout_s is None else f" for {timeout_s:g} s",
+                    )  # fmt: skip
+                    said = True
                 stop.wait(backoff)
                 backoff = min(backoff * 2, 0.5)
             except ServiceError as exc:
@@ -124,14 +152,17 @@ class NodeAgent:
                     f"the coordinator refused node {self.name}: {exc.detail}"
                 ) from None
 
-    def run(self, stop: threading.Event) -> int:
+    def run(self, stop: threading.Event, *, connect_timeout_s: float | None = None) -> int:
+        """Register (giving up after ``connect_timeout_s``, if given), then heartbeat and run
+        the tasks placed here until ``stop``; the exit code."""
         import httpx
 
         from unicron.control.client import ServiceError
 
-        self.register(stop)
+        self.register(stop, timeout_s=connect_timeout_s)
         backoff = HEARTBEAT_S
         beat_at = 0.0
+        away = False
         while not stop.is_set():
             if any(r.agent.vanished for r in self.tasks.values()):
                 self._vanish()
@@ -145,11 +176,20 @@ class NodeAgent:
                     "POST", f"/v1/agents/{self.name}/heartbeat", json={"instance": self.instance}
                 )
                 backoff = HEARTBEAT_S
+                if away:
+                    log.info("node %s: the coordinator answers again", self.name)
+                    away = False
                 for assignment in got["tasks"]:
                     if assignment["uid"] not in self.tasks:
                         self._start(assignment)
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
                 backoff = min(backoff * 2, 0.5)  # the coordinator is away: its tasks go on
+                if not away:
+                    log.warning(
+                        "node %s: the coordinator does not answer (%s); its tasks go on, "
+                        "retrying", self.name, exc or type(exc).__name__,
+                    )  # fmt: skip
+                    away = True
             except ServiceError as exc:
                 if exc.status == 404:  # a coordinator that lost us (a new state): register
                     self.register(stop)
@@ -298,6 +338,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.slots < 1:
         raise UsageError(f"--slots must be >= 1, got {args.slots}")
+    if not args.connect_timeout > 0:
+        raise UsageError(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout}")
     name = args.node_name or socket.gethostname()
     if not re.match(NAME, name):
         raise UsageError(f"--node-name {name!r}: letters, digits, '.', '_', '-' only")
@@ -311,9 +353,13 @@ def main(args: argparse.Namespace) -> int:
     agent = NodeAgent(client, name=name, slots=args.slots, log_dir=log_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log.info(
+        "unicron agent: node %s, %d slot(s), connecting to %s (worker logs in %s)",
+        name, args.slots, client.url, log_dir,
+    )  # fmt: skip
     gc.freeze()  # the imports' objects: the collector's full passes skip them (runner.main)
     try:
-        code = agent.run(stop)
+        code = agent.run(stop, connect_timeout_s=args.connect_timeout)
     except KeyboardInterrupt:
         stop.set()
         agent.stop()

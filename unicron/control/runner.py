@@ -13,6 +13,7 @@ import argparse
 import gc
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -372,22 +373,64 @@ def main(args: argparse.Namespace) -> int:
     validate(args)
     from rich.console import Console
 
-    from unicron.control.cluster import ENDED, Cluster
-    from unicron.control.node import NodeAgent
-    from unicron.control.report import render
-
     console = Console(stderr=True)
     if not console.is_terminal:
         console = Console(stderr=True, width=160)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="unicron-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = Path(tempfile.mkdtemp(prefix="cluster-", dir=log_dir))
+    try:
+        code = _run(args, console, log_dir, state_dir)
+    except UsageError:  # refused before training: nothing to keep
+        _tidy(args, log_dir, state_dir, kept_why=None)
+        raise
+    except BaseException:
+        _tidy(args, log_dir, state_dir, kept_why="it stopped on an error")
+        raise
+    kept_why = None if code == 0 else "the task did not finish"
+    _tidy(args, log_dir, state_dir, kept_why=kept_why, console=console)
+    return code
+
+
+def _tidy(
+    args: argparse.Namespace,
+    log_dir: Path,
+    state_dir: Path,
+    *,
+    kept_why: str | None,
+    console: Any = None,
+) -> None:
+    """After a run: the service's own state directory goes; a temporary ``--log-dir`` (none
+    given) goes too unless ``kept_why`` (the task did not finish: its worker logs, events
+    and checkpoints are kept, and ``console`` says where). A ``--log-dir`` given is kept."""
+    shutil.rmtree(state_dir, ignore_errors=True)
+    if args.log_dir:
+        if console is not None and not args.quiet:
+            console.print(f"worker logs: {log_dir}", markup=False, highlight=False)
+        return
+    if kept_why is None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif console is not None:
+        console.print(
+            f"worker logs, events and checkpoints kept ({kept_why}): {log_dir}",
+            markup=False,
+            highlight=False,
+        )
+
+
+def _run(args: argparse.Namespace, console: Any, log_dir: Path, state_dir: Path) -> int:
+    """:func:`main`'s run in ``log_dir``, the service's state in ``state_dir``; the exit
+    code."""
+    from unicron.control.cluster import ENDED, Cluster
+    from unicron.control.node import NodeAgent
+    from unicron.control.report import render
+
     spec = task_spec(args, log_dir)
     ckpt_dir = Path(spec.checkpoint.dir) if spec.checkpoint.dir else None
     checkpoint = None if spec.checkpoint.every == 0 and not spec.checkpoint.resume else ckpt_dir
     events_path = Path(args.events) if args.events else log_dir / "events.jsonl"
     events_path.unlink(missing_ok=True)  # this run's log, not appended to an older one
-    state_dir = Path(tempfile.mkdtemp(prefix="cluster-", dir=log_dir))
     cluster = Cluster(state_dir, host="127.0.0.1", embedded=True)
     service = _Service(cluster)
     stop = threading.Event()
@@ -477,7 +520,6 @@ def main(args: argparse.Namespace) -> int:
         from unicron.control.events import read_events
 
         render(read_events(events_path), console)
-        console.print(f"worker logs: {log_dir}")
     if not ok:
         console.print(
             f"unicron: task failed: {outcome.get('reason')}",

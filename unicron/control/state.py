@@ -164,6 +164,13 @@ class State:
                 ),
             )
 
+    def rename_task(self, old: str, new: str) -> None:
+        """Task ``old`` and its events go on under the name ``new`` (an ended task archived
+        under its uid, so that its name can be used again), in one transaction."""
+        with self._tx() as c:
+            c.execute("UPDATE tasks SET name = ? WHERE name = ?", (new, old))
+            c.execute("UPDATE events SET task = ? WHERE task = ?", (new, old))
+
     # -- events ------------------------------------------------------------------------------
     def add_event(self, task: str, event: dict[str, Any]) -> None:
         with self._tx() as c:

@@ -4,7 +4,7 @@
 
     name: gpt                       # letters, digits, '.', '_', '-'
     script: examples/train_gpt.py   # relative to the task file; must exist on every node
-    args: [--steps, "60"]
+    args: [--steps, 60]             # numbers are taken as their text ("60")
     workers: {min: 2, max: 4}       # the task waits (queued) until it can have min
     weight: 1.0                     # the planner's priority (> 0)
     reduce: exact                   # exact | fast
@@ -16,11 +16,15 @@
     readmit_after: 60               # seconds before an excluded slot is probed
     restart_window: 60              # seconds over which the escalation counts failures
     inject: []                      # fault specs, as ``unicron run --inject``
-    model: {preset: gpt3-1.3b}      # the planner's description (optional), as ``unicron plan``
+    model: {preset: gpt-1.3b}       # the planner's description (optional), as ``unicron plan``
+
+A relative ``script`` or ``checkpoint.dir`` is taken from the task file's folder. Examples
+of every kind: ``examples/tasks/*.yaml``.
 
 Validated with pydantic (unknown fields, wrong types and inconsistent values are refused);
-:func:`load` turns any problem into one line (:class:`~unicron.errors.UsageError`). The
-service validates the same model again on ``POST /v1/tasks`` (a 422 naming the field).
+:func:`load` turns the problems into one line that names every one of them
+(:class:`~unicron.errors.UsageError`). The service validates the same model again on
+``POST /v1/tasks`` (a 422 naming the field).
 """
 
 from __future__ import annotations
@@ -95,6 +99,14 @@ class TaskSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     model: dict[str, Any] | None = None
 
+    @field_validator("args", mode="before")
+    @classmethod
+    def _args_as_text(cls, v: Any) -> Any:
+        """``[--steps, 150]``: YAML reads 150 as a number; a script's argument is its text."""
+        if isinstance(v, list):
+            return [_text(a) for a in v]
+        return v
+
     @field_validator("inject")
     @classmethod
     def _faults(cls, v: list[str]) -> list[str]:
@@ -134,12 +146,21 @@ class TaskSpec(BaseModel):
             raise UsageError(f"task {self.name}: script not found: {self.script}")
 
 
+def _text(value: Any) -> Any:
+    """A number (not a boolean: ``yes`` is likely a mistake) as the text a shell would pass."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
 def one_line(exc: ValidationError) -> str:
-    """A pydantic error as one line: the first problem, with the field's path."""
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "task"
-    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{where}: {first['msg']}{more}"
+    """A pydantic error as one line: every problem, each with its field's path, ``; ``
+    between them."""
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "task"
+        problems.append(f"{where}: {err['msg']}")
+    return "; ".join(problems)
 
 
 def parse(data: Any, *, base: Path | None = None) -> TaskSpec:
@@ -152,6 +173,10 @@ def parse(data: Any, *, base: Path | None = None) -> TaskSpec:
         raise UsageError(one_line(exc)) from None
     if base is not None and not Path(spec.script).is_absolute():
         spec = spec.model_copy(update={"script": str((base / spec.script).resolve())})
+    ck = spec.checkpoint
+    if base is not None and ck.dir and not Path(ck.dir).is_absolute():
+        ck = ck.model_copy(update={"dir": str((base / ck.dir).resolve())})
+        spec = spec.model_copy(update={"checkpoint": ck})
     return spec
 
 

@@ -1,0 +1,116 @@
+"""The example task files (``examples/tasks/*.yaml``) submitted to a cluster, and ``unicron
+report`` of a cluster task beside ``unicron run``'s timeline for the same fault.
+
+One cluster for the module (:mod:`unicron.control.lab` on loopback: a coordinator and two
+agents of two slots, separate processes): the GPT, the Llama and the planner's task go in
+with ``unicron submit`` as they are, together with the checkpointing one (its directory moved
+into this test's folder); then the resuming one goes on from its checkpoints. A few steps
+each: this checks that each file is accepted and trains to its end, not what it computes
+(test_cluster_e2e.py checks the bits).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, TRAIN, run_unicron
+from unicron.control.lab import LocalCluster
+from unicron.control.report import incidents
+from unicron.control.taskspec import load
+
+pytestmark = pytest.mark.timeout(300)
+
+TASKS = ROOT / "examples" / "tasks"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), hosts=2, slots=2, loopback=True) as c:
+        c.start_coordinator()
+        for host in range(2):
+            c.start_agent(host, wait=False)
+        c.wait_nodes(2)
+        yield c
+
+
+def cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """``unicron ARGS --coordinator URL`` as a user runs it (the token in the environment)."""
+    return subprocess.run(
+        [sys.executable, "-m", "unicron", *args, "--coordinator", cluster.url],
+        capture_output=True, text=True, timeout=60, env=cluster.env(),
+    )  # fmt: skip
+
+
+def moved(path: Path, checkpoints: Path) -> dict[str, Any]:
+    """A task file as submitted, its checkpoint directory moved to ``checkpoints``."""
+    spec = load(path)
+    ck = spec.checkpoint.model_copy(update={"dir": str(checkpoints)})
+    return spec.model_copy(update={"checkpoint": ck}).model_dump()
+
+
+def cells(line: str) -> list[str]:
+    """The cells of a row of a rich table."""
+    return [c.strip() for c in line.replace("┃", "│").split("│")[1:-1]]
+
+
+def steps(cluster: LocalCluster, name: str) -> list[int]:
+    return [e["step"] for e in cluster.events(name) if e["event"] == "step_end"]
+
+
+def test_every_example_task_file_trains(cluster: LocalCluster, tmp_path: Path) -> None:
+    files = {p.name for p in TASKS.glob("*.yaml")}
+    assert files == {"gpt.yaml", "llama.yaml", "planner.yaml", "gpt-checkpoint.yaml",
+                     "gpt-resume.yaml"}, files  # fmt: skip
+    for name in ("gpt.yaml", "llama.yaml", "planner.yaml"):
+        proc = cli(cluster, "submit", str(TASKS / name))
+        assert proc.returncode == 0 and proc.stdout.startswith("submitted "), proc.stderr
+    checkpoints = tmp_path / "checkpoints"
+    cluster.submit(moved(TASKS / "gpt-checkpoint.yaml", checkpoints))
+    expected = {"gpt": 20, "llama": 10, "planned": 20, "gpt-ckpt": 10}
+    views = {name: cluster.wait_task(name, timeout_s=240) for name in expected}
+    for name, count in expected.items():
+        assert views[name]["state"] == "done", views[name]
+        assert steps(cluster, name) == list(range(count)), name
+    assert views["planned"]["weight"] == 2.0
+    assert any(checkpoints.iterdir())
+    cluster.submit(moved(TASKS / "gpt-resume.yaml", checkpoints))
+    view = cluster.wait_task("gpt-resume", timeout_s=120)
+    assert view["state"] == "done", view
+    resumed = steps(cluster, "gpt-resume")  # from the newest checkpoint (step 5 or 10) on
+    assert resumed[0] in (5, 10) and resumed == list(range(resumed[0], 20)), resumed
+
+
+def test_report_of_a_cluster_task_is_run_s_timeline(cluster: LocalCluster, tmp_path: Path) -> None:
+    """The same fault in a cluster task and in ``unicron run``: ``unicron report`` prints the
+    table ``unicron run`` printed, with the same fault, verdict and action."""
+    fault = "crash:rank=1,step=5"
+    spec = {"name": "faulty", "script": str(TRAIN), "args": ["--steps", "15"],
+            "workers": {"min": 2, "max": 2}, "inject": [fault]}  # fmt: skip
+    cluster.submit(spec)
+    run = run_unicron(tmp_path, "--nproc-per-node", "2", "--inject", fault, steps=15)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert cluster.wait_task("faulty", timeout_s=120)["state"] == "done"
+    proc = cli(cluster, "report", "faulty")
+    assert proc.returncode == 0, proc.stderr
+    table = [line for line in proc.stdout.splitlines() if "│" in line or "┃" in line]
+    header = next(line for line in run.stderr.splitlines() if "detected by" in line)
+    assert cells(table[0]) == cells(header)  # the same columns
+    (ran,) = incidents(run.events)
+    assert cells(table[1])[:1] == [ran.fault] == ["crash:step=5,rank=1"], table
+    assert "task faulty: ok after 15 steps" in proc.stdout
+    proc = cli(cluster, "report", "faulty", "--json")
+    (got,) = json.loads(proc.stdout)["incidents"]
+    assert (got["fault"], got["kind"], got["actions"][:1]) == (
+        ran.fault,
+        ran.kind,
+        [*ran.actions[:1]],
+    )
+    for inc in (got, ran.__dict__):
+        assert None not in (inc["detection_s"], inc["transition_s"], inc["recovery_s"]), inc
