@@ -36,6 +36,7 @@ from unicron.planner.perf import (
     Layout,
     ParallelConfig,
     PerfOptions,
+    best_split,
     evaluate,
     megatron_flops_per_gpu,
 )
@@ -61,8 +62,9 @@ class Run:
     model: ModelSpec
     global_batch: int
     layout: dict[str, Any]
-    """The published layout fields; absent ones (micro-batch, vp, recompute) are searched
-    (``interleaved: true``: the source says the schedule is interleaved, vp > 1 searched)."""
+    """The published layout fields; absent ones (micro-batch, vp, recompute, the layer split)
+    are searched (``interleaved: true``: the source says the schedule is interleaved, vp > 1
+    searched; ``split``: :attr:`~unicron.planner.perf.Layout.split`, else the search's)."""
     precision: str
     stack: str
     """``current`` or ``megatron-2021``."""
@@ -164,23 +166,28 @@ def _candidates(run: Run) -> list[Layout]:
     if "vp" in lay:
         vps = [lay["vp"]]
     else:
-        vps = [v for v in (2, 4, 8) if pp > 1 and pp * v <= run.model.layers]
+        vps = [v for v in (2, 4, 8) if pp > 1 and best_split(run.model, pp, v) is not None]
         if not lay.get("interleaved", False):
             vps.insert(0, 1)
+    splits = {v: best_split(run.model, pp, v) for v in vps}
+    if "split" in lay:  # the source says how the layers were split
+        splits = {v: Layout(pp=pp, vp=v, split=lay["split"]) for v in vps}
     mbs = [lay["mb"]] if "mb" in lay else [b for b in (1, 2, 4, 8) if run.global_batch % b == 0]
     recs = [lay["recompute"]] if "recompute" in lay else ["none", "selective", "full"]
     out = []
     for vp, mb, rec in itertools.product(vps, mbs, recs):
+        split = splits[vp]
+        if split is None:  # Megatron-Core cannot split the layers so: not a published layout
+            continue
         m = math.ceil(run.global_batch / (mb * dp))
         if vp > 1 and "vp" not in lay and m % pp:
             continue
         out.append(
-            Layout(
+            replace(
+                split,
                 tp=tp,
-                pp=pp,
                 cp=cp,
                 dp=dp,
-                vp=vp,
                 micro_batch=mb,
                 sharding=lay.get("sharding", "dist-opt"),
                 recompute=rec,
