@@ -195,6 +195,8 @@ def options_for(
             flash_attention=False,
             overlap=False,
             distributed_optimizer=False,
+            fsdp=False,
+            selective_recompute=False,
         )
     return opts
 

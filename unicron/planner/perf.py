@@ -67,6 +67,8 @@ class PerfOptions:
     """No ``s^2`` attention-score activations and causal blocks skipped (Dao et al. 2022)."""
     allow_recompute: bool = True
     """Try selective, then full activation recomputation when a layout does not fit without."""
+    selective_recompute: bool = True
+    """Offer selective recomputation (Korthikanti et al. 2022; not in the Megatron-LM of 2021)."""
     interleave: bool = True
     """Try interleaved (virtual) pipeline stages."""
     context_parallel: bool = True
@@ -621,7 +623,9 @@ def _layouts_of_base(
         shardings.append("optim-grads")
     if o.fsdp and pp == 1:
         shardings.append("fsdp")
-    modes = RECOMPUTE_MODES if o.allow_recompute else ("none",)
+    modes: tuple[str, ...] = RECOMPUTE_MODES if o.allow_recompute else ("none",)
+    if not o.selective_recompute:
+        modes = tuple(r for r in modes if r != "selective")
     for split in splits:
         if split is None:
             continue
