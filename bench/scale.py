@@ -151,33 +151,20 @@ def run(quick: bool, sizes: tuple[str, ...] | None = None, reps: int | None = No
             )
             for arm in arms:
                 for metric, values in (("step_time_s", times), ("step_period_s", periods)):
-                    rows.append(
-                        make_row(
-                            system=arm,
-                            scenario=SCENARIO,
-                            note=note,
-                            unit="s",
-                            metric=kind_metric(metric, size),
-                            values=values[arm],
-                        )
-                    )
+                    rows.append(make_row(system=arm, scenario=SCENARIO, note=note, unit="s",
+                                         metric=kind_metric(metric, size),
+                                         values=values[arm]))  # fmt: skip
             for metric, values in (("step_time", times), ("step_period", periods)):
                 ddp = values["plain DDP"]
                 for arm in arms:
                     if arm == "plain DDP":
                         continue
                     ratios = (
-                        (
-                            "",
-                            [statistics.median(values[arm]) / statistics.median(ddp)],
-                            "median / plain DDP's median, same run",
-                        ),
-                        (
-                            "_paired",
-                            paired(values[arm], ddp),
-                            "each repetition's / plain DDP's in the same repetition",
-                        ),
-                    )
+                        ("", [statistics.median(values[arm]) / statistics.median(ddp)],
+                         "median / plain DDP's median, same run"),
+                        ("_paired", paired(values[arm], ddp),
+                         "each repetition's / plain DDP's in the same repetition"),
+                    )  # fmt: skip
                     for suffix, ratio, how in ratios:
                         rows.append(
                             make_row(
