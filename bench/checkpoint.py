@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from bench.common import Row, make_row, print_table, save_scenario, write_summary
+from bench.common import Row, bench_parser, make_row, print_table, save_scenario, write_summary
 from bench.events import read_events
 from unicron.runtime import checkpoint as C
 
@@ -218,8 +218,10 @@ def _rows(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    rows = run("--quick" in args)
+    p = bench_parser(
+        "bench.checkpoint", __doc__, quick="fewer steps and repetitions, two small sizes"
+    )
+    rows = run(p.parse_args(argv).quick)
     print_table(rows, title="checkpoints: step-time cost, write and restore time")
     results = ROOT / "bench" / "results"
     save_scenario(rows, SCENARIO, results, replace=True)

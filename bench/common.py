@@ -18,6 +18,7 @@ run of each mode (``quick``, ``full``) took, scenario by scenario, with its sett
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -28,7 +29,7 @@ import time
 from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RUNS_FILE = "runs.json"
@@ -384,3 +385,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class BenchParser(argparse.ArgumentParser):
+    """The command-line parser of every ``python -m bench.*`` command: ``--help`` prints the
+    usage and exits 0 without running anything; an unknown flag or a bad value prints one
+    line (``prog: error: ...``) and exits 2. Each command's ``main`` builds one."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def bench_parser(prog: str, doc: str | None, quick: str | None = None) -> BenchParser:
+    """A :class:`BenchParser` for ``python -m prog`` described by the first line of ``doc``
+    (the module's docstring), with ``--quick`` (help text ``quick``) when given."""
+    p = BenchParser(prog=f"python -m {prog}", description=(doc or "").strip().splitlines()[0])
+    if quick is not None:
+        p.add_argument("--quick", action="store_true", help=quick)
+    return p
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return int(text)

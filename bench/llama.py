@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, make_row, print_table, save_scenario
+from bench.common import Row, bench_parser, make_row, print_table, save_scenario
 from bench.events import read_events
 
 SCENARIO = "llama"
@@ -107,8 +107,9 @@ def run(quick: bool) -> list[Row]:
     return rows
 
 
-def main() -> int:
-    rows = run("--quick" in sys.argv[1:])
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("bench.llama", __doc__, quick="fewer steps and repetitions")
+    rows = run(p.parse_args(argv).quick)
     print_table(rows, title="Hugging Face Llama, own loop: Unicron step API vs plain DDP")
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results")
     return 0

@@ -31,7 +31,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make `bench` and `unicron` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import make_row, print_table, save_scenario
+from bench.common import bench_parser, make_row, print_table, save_scenario
 from unicron.planner import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -212,10 +212,25 @@ def run(quick: bool) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
-    if "--accuracy" in sys.argv[1:]:
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m bench.planner`` / ``python bench/planner.py``: the table, or the accuracy."""
+    p = bench_parser(
+        "bench.planner", __doc__, quick="2 seeds instead of 5, 3 timing repetitions instead of 7"
+    )
+    p.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="only print the performance model's accuracy table (docs/planner.md)",
+    )
+    args = p.parse_args(argv)
+    if args.accuracy:
         print(calibration.markdown(calibration.report()))
-        sys.exit(0)
-    result = run(quick="--quick" in sys.argv[1:])
+        return 0
+    result = run(quick=args.quick)
     print_table(result, title="planner")
     print(f"wrote {save_scenario(result, SCENARIO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import Row, make_row, print_table, save_scenario
+from bench.common import Row, bench_parser, make_row, print_table, save_scenario
 from bench.events import read_events
 from examples.gpt import build, loss_fn
 from unicron.runtime.ledger import Ledger, assign, mb_seed
@@ -177,9 +177,9 @@ def update_distance_rows(m: int = 8, world: int = 4) -> list[Row]:
     return rows
 
 
-def main() -> int:
-    quick = "--quick" in sys.argv[1:]
-    rows = run(quick)
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("bench.reduce", __doc__, quick="32 steps, one repetition")
+    rows = run(p.parse_args(argv).quick)
     print_table(rows, title="--reduce exact vs fast")
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results")
     return 0

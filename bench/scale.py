@@ -40,7 +40,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import Row, kind_metric, make_row, print_table, save_scenario
+from bench.common import (
+    Row,
+    bench_parser,
+    kind_metric,
+    make_row,
+    positive_int,
+    print_table,
+    save_scenario,
+)
 from bench.events import Event, read_events
 
 SCENARIO = "scale"
@@ -179,18 +187,20 @@ def paired(arm: list[float], ddp: list[float]) -> list[float]:
     return [a / d for a, d in zip(arm, ddp, strict=True)]
 
 
-def main() -> int:
-    args = sys.argv[1:]
-    sizes = tuple(a.split("=", 1)[1] for a in args if a.startswith("--size=")) or None
-    unknown = [s for s in sizes or () if s not in PLAN]
-    if unknown:
-        print(f"unknown size {unknown[0]!r}: choose from {', '.join(PLAN)}", file=sys.stderr)
-        return 2
-    reps_arg = [a.split("=", 1)[1] for a in args if a.startswith("--reps=")]
-    if reps_arg and (not reps_arg[-1].isdigit() or int(reps_arg[-1]) < 1):
-        print(f"--reps must be a whole number >= 1, got {reps_arg[-1]!r}", file=sys.stderr)
-        return 2
-    rows = run("--quick" in args, sizes, int(reps_arg[-1]) if reps_arg else None)
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("bench.scale", __doc__, quick="fewer steps and repetitions")
+    p.add_argument(
+        "--size",
+        action="append",
+        choices=list(PLAN),
+        help="only this model size (repeatable; default: every size of the mode)",
+    )
+    p.add_argument(
+        "--reps", type=positive_int, default=None, help="repetitions per arm (default: the mode's)"
+    )
+    args = p.parse_args(argv)
+    sizes = tuple(args.size) if args.size else None
+    rows = run(args.quick, sizes, args.reps)
     print_table(rows, title="steady-state step time by model size")
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results")
     return 0

@@ -254,15 +254,33 @@ def _print(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.common import bench_parser
+
+    p = bench_parser(
+        "bench.simulator", __doc__, quick="one repetition, fewer seeds, only the 10x scale run"
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument(
+        "--crosscheck",
+        action="store_true",
+        help="only the cross-check against the closed-form model (crosscheck.md)",
+    )
+    what.add_argument(
+        "--constants",
+        action="store_true",
+        help="only the constants table, rewritten into docs/simulator.md",
+    )
+    args = p.parse_args(argv)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    if "--crosscheck" in sys.argv:
+    if args.crosscheck:
         rows, md, summary = crosscheck()
         print(md)
         _write(RESULTS / "crosscheck.md", md)
         print(f"wrote {RESULTS / 'crosscheck.md'} (its rows go to simulator.json with the rest)")
         return _splice(DOCS, CC_BEGIN, CC_END, summary)
-    if "--constants" in sys.argv:
+    if args.constants:
         _table, md = constants(seeds=[0, 1], days=30.0)
         print(md)
         doc = DOCS.read_text()
@@ -273,7 +291,7 @@ def main() -> int:
         _write(DOCS, head + md + rest.split(END, 1)[1])
         print(f"rewrote the constants table in {DOCS}")
         return 0
-    rows = run(quick="--quick" in sys.argv)
+    rows = run(quick=args.quick)
     _print(rows)
     out = RESULTS / "simulator.json"
     _write(out, json.dumps(complete(rows), indent=2) + "\n")

@@ -47,7 +47,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, free_port, make_row, print_table, save_scenario
+from bench.common import Row, bench_parser, free_port, make_row, print_table, save_scenario
 from bench.events import read_events
 
 SCENARIO = "transfer"
@@ -471,9 +471,9 @@ def _plot(rows: list[Row], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def main() -> int:
-    quick = "--quick" in sys.argv[1:]
-    rows = run(quick)
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("bench.transfer", __doc__, quick="smaller sizes and fewer repetitions")
+    rows = run(p.parse_args(argv).quick)
     print_table(rows, title="state transfer against state size")
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results")
     return 0

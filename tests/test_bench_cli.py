@@ -268,3 +268,52 @@ def test_the_summary_is_written_even_when_the_suite_is_interrupted(
         cli.main(["--results", str(tmp_path)])
     assert "| unicron | wall_s | 3 s |" in (tmp_path / "SUMMARY.md").read_text()
     assert not (tmp_path / "runs.json").exists()  # not a whole run
+
+
+BENCH_COMMANDS = ("scale", "reduce", "llama", "transfer", "checkpoint", "simulator", "planner")
+
+
+@pytest.mark.parametrize("name", BENCH_COMMANDS)
+def test_bench_command_parses_its_arguments(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--help`` prints the usage and runs nothing; an unknown flag exits 2 with one line."""
+    import importlib
+
+    mod = importlib.import_module(f"bench.{name}")
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(mod, "run", never)
+    with pytest.raises(SystemExit) as done:
+        mod.main(["--help"])
+    assert done.value.code == 0
+    assert f"python -m bench.{name}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        mod.main(["--quick", "--no-such-flag"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--no-such-flag" in err
+
+
+@pytest.mark.parametrize("argv", [["--reps=0"], ["--reps", "x"], ["--size=huge"]])
+def test_bench_scale_rejects_bad_values(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import bench.scale
+
+    monkeypatch.setattr(bench.scale, "run", lambda *a: [])
+    with pytest.raises(SystemExit) as done:
+        bench.scale.main(argv)
+    assert done.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_bench_scale_keeps_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.scale
+
+    seen: list[tuple[object, ...]] = []
+    monkeypatch.setattr(bench.scale, "run", lambda *a: seen.append(a) or [])
+    monkeypatch.setattr(bench.scale, "save_scenario", lambda *a, **k: None)
+    assert bench.scale.main(["--quick", "--size=100m", "--size", "example", "--reps=2"]) == 0
+    assert seen == [(True, ("100m", "example"), 2)]

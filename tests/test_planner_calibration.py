@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,53 @@ def test_command_prints_the_table() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "| held-out | H100 |" in proc.stdout and "llama3-405b-8k-16384" in proc.stdout
+
+
+def test_the_planners_own_pick_is_compared_with_the_best_published_run() -> None:
+    runs = [r for r in calibration.load_runs() if r.id in ("mpt-3b-2k-a100", "mpt-3b-8k-a100")]
+    picks = calibration.choices(runs)
+    assert len(picks) == 2
+    for c in picks:
+        assert c.config is not None and c.best_published == c.run.published_tokens_per_gpu()
+        assert c.tokens_per_gpu == pytest.approx(
+            c.run.global_batch * c.run.model.seq_len / c.config.iter_time_s / c.run.gpus
+        )
+    pick = picks[0]
+    assert pick.config is not None and pick.config.layout is not None
+    lay = pick.config.layout
+    published = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "mb": lay.micro_batch}
+    same = replace(pick.run, layout=published | {"sharding": lay.sharding})
+    assert calibration.Choice(run=same, config=pick.config, best_published=1.0).same_layout
+    other = replace(same, layout=published | {"mb": lay.micro_batch * 2})
+    assert not calibration.Choice(run=other, config=pick.config, best_published=1.0).same_layout
+    table = calibration.choice_markdown(picks)
+    assert "| held-out | A100 | 2 |" in table
+
+
+def test_held_out_set_is_frozen(tmp_path: Path) -> None:
+    """Every held-out run, and every change to one, is in data/heldout.yaml (issue #38)."""
+    assert calibration.check_frozen() == []
+    text = calibration.DATA.read_text()
+    # an edit to a held-out run's entry is caught ...
+    edited = tmp_path / "runs.yaml"
+    edited.write_text(
+        text.replace(
+            "value: 376, unit: tokens_per_s_per_gpu", "value: 400, unit: tokens_per_s_per_gpu"
+        )
+    )
+    assert edited.read_text() != text
+    problems = calibration.check_frozen(edited)
+    assert len(problems) == 1 and "without a record" in problems[0]
+    # ... as is moving a run between the sets, and an edit to a calibration run is not
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(
+        text.replace("{id: mpt-1b-8k-a100, set: held-out", "{id: mpt-1b-8k-a100, set: calibration")
+    )
+    assert any("dropped ['mpt-1b-8k-a100']" in p for p in calibration.check_frozen(moved))
+    calib = tmp_path / "calib.yaml"
+    calib.write_text(
+        text.replace(
+            "value: 916, unit: tokens_per_s_per_gpu", "value: 900, unit: tokens_per_s_per_gpu"
+        )
+    )
+    assert calib.read_text() != text and calibration.check_frozen(calib) == []

@@ -250,3 +250,24 @@ def test_python_m_unicron_plan() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "total_waf" in json.loads(proc.stdout)
+
+
+def test_layouts_lists_the_fastest_fitting_ones(tmp_path: Path) -> None:
+    spec = parse_spec(_spec(), "spec")
+    plain = build_report(spec)
+    report = build_report(spec, layouts=5)
+    for before, row in zip(plain.rows, report.rows, strict=True):
+        assert before.fitting == () and row.layout == before.layout
+        assert 0 < len(row.fitting) <= 5
+        times = [f.iter_time_s for f in row.fitting]
+        assert times == sorted(times)
+        assert all(f.memory_bytes_per_gpu <= f.usable_bytes for f in row.fitting)
+        assert row.fitting[0].gpus == row.gpus
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(_spec()))
+    proc = _run(str(path), "--json", "--layouts", "3")
+    assert proc.returncode == 0, proc.stderr
+    tasks = json.loads(proc.stdout)["tasks"]
+    assert all(1 <= len(t["layouts"]) <= 3 for t in tasks)
+    bad = _run(str(path), "--layouts", "-1")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1

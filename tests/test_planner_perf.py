@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -19,7 +18,7 @@ from unicron.planner import (
     state_bytes,
     throughput_table,
 )
-from unicron.planner.perf import _stages
+from unicron.planner.perf import best_split, stage_layers
 
 A100 = GPU_PRESETS["A100-80GB"]
 H100 = GPU_PRESETS["H100-80GB"]
@@ -78,22 +77,41 @@ def test_every_family_is_plannable_at_its_published_scale(
         assert cfg.layout.ep > 1 or cfg.layout.sharding == "fsdp"
 
 
-def test_uneven_pipeline_stages() -> None:
-    # 126 layers on 16 stages: Llama 3's 7, 14 x 8, 7 (the slowest stage does 8 either way;
-    # the first, with the most micro-batches in flight, takes the fewest)
-    assert _stages(126, 16, 0.5) == (7, 7, 8.0)
-    assert _stages(96, 12, 0.3) == (8, 8, 8.3)  # even split: the logit layer on the last
-    assert _stages(10, 4, 0.2) == (2, 2, 3.0)  # 2, 3, 3, 2
-    for layers, pp in ((126, 16), (80, 9), (8, 7), (61, 4)):
-        first, last, work = _stages(layers, pp, 0.4)
-        per = math.ceil((layers - first - last) / max(pp - 2, 1)) if pp > 2 else 0
-        assert 1 <= first <= per or pp <= 2
-        assert max(per, last + 0.4) == pytest.approx(work)
+def test_uneven_pipeline_stages_are_the_ones_megatron_accepts() -> None:
+    # 126 layers on 16 stages: Llama 3's 7, 14 x 8, 7, i.e. the embedding and the loss
+    # counted as layers; with vp 8 each virtual stage one layer (the first only the embedding)
+    llama = MODEL_PRESETS["llama3-405b"]
+    for vp in (1, 2, 4, 8):
+        split = best_split(llama, 16, vp)
+        assert split is not None and split.split == "embedding-loss"
+        assert stage_layers(126, split) == (7, 8, 7)
+    assert best_split(llama, 16, 3) is None  # 128 is no multiple of 48; 7 and 8 of no 3
+    # an even split when the layers divide; the logit layer then sits on a full last stage
+    assert stage_layers(96, Layout(pp=12, vp=4)) == (8, 8, 8)
+    assert stage_layers(96, Layout(pp=12, vp=3)) is None  # 8 layers in 3 virtual stages
+    assert stage_layers(10, Layout(pp=4)) is None
+    uneven = Layout(pp=4, split="first-last", first_layers=2, last_layers=2)
+    assert stage_layers(10, uneven) == (2, 3, 2)
+    assert stage_layers(10, replace(uneven, vp=2)) is None  # 3 middle layers, 2 virtual stages
+    for layers, pp in ((126, 16), (80, 9), (61, 4), (32, 2)):
+        for vp in (1, 2, 4):
+            split = best_split(replace(llama, layers=layers), pp, vp)
+            if split is None:
+                continue
+            got = stage_layers(layers, split)
+            assert got is not None
+            first, mid, last = got
+            assert first + last + (pp - 2) * mid == layers if pp > 2 else first + last == layers
+            if split.split != "embedding-loss":
+                assert first % vp == last % vp == mid % vp == 0
     m = MODEL_PRESETS["llama3-405b"]
     cfg = evaluate(
-        m, 2048, Layout(tp=8, pp=16, dp=64, vp=4, micro_batch=1, recompute="full"), H100, 8
-    )
+        m, 2048, Layout(tp=8, pp=16, dp=64, vp=4, micro_batch=1, recompute="full",
+                        split="embedding-loss"), H100, 8
+    )  # fmt: skip
     assert cfg.achieved_flops > 0
+    with pytest.raises(ValueError, match="cannot split 126 layers"):
+        evaluate(m, 2048, Layout(tp=8, pp=16, dp=64, vp=4, micro_batch=1), H100, 8)
 
 
 def test_interleaving_shrinks_the_bubble_and_costs_memory() -> None:

@@ -36,11 +36,15 @@ from unicron.planner.perf import (
     Layout,
     ParallelConfig,
     PerfOptions,
+    best_split,
     evaluate,
     megatron_flops_per_gpu,
 )
 
 DATA = Path(__file__).with_name("data") / "runs.yaml"
+FROZEN = Path(__file__).with_name("data") / "heldout.yaml"
+"""The frozen held-out set: its run ids, the digest of their entries and every change made
+to them since, with the reason (:func:`held_out_digest`, :func:`check_frozen`)."""
 TOLERANCE = 0.15
 """The goal: predicted throughput per GPU within 15% of the published figure."""
 STACK_MEGATRON_2021 = 0.74
@@ -61,8 +65,9 @@ class Run:
     model: ModelSpec
     global_batch: int
     layout: dict[str, Any]
-    """The published layout fields; absent ones (micro-batch, vp, recompute) are searched
-    (``interleaved: true``: the source says the schedule is interleaved, vp > 1 searched)."""
+    """The published layout fields; absent ones (micro-batch, vp, recompute, the layer split)
+    are searched (``interleaved: true``: the source says the schedule is interleaved, vp > 1
+    searched; ``split``: :attr:`~unicron.planner.perf.Layout.split`, else the search's)."""
     precision: str
     stack: str
     """``current`` or ``megatron-2021``."""
@@ -135,6 +140,44 @@ def load_runs(path: Path = DATA) -> tuple[Run, ...]:
     return tuple(runs)
 
 
+def held_out_digest(path: Path = DATA) -> str:
+    """SHA-256 of the held-out runs' entries as the data file has them (each run with its
+    source's and its model's entry, canonical JSON, in id order): any edit to a held-out run,
+    its source note or its model shape changes it."""
+    import hashlib
+
+    doc = yaml.safe_load(path.read_text())
+    entries = [
+        {"run": r, "source": doc["sources"][r["source"]], "model": doc["models"].get(r["model"])}
+        for r in sorted(doc["runs"], key=lambda r: r["id"])
+        if r["set"] == "held-out"
+    ]
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+
+
+def check_frozen(path: Path = DATA, frozen: Path = FROZEN) -> list[str]:
+    """What differs between the data file's held-out runs and the frozen record: ids added or
+    dropped, or a digest that no recorded change accounts for (the last change's digest must
+    be the current one). Empty when the protocol holds; tests/test_planner_calibration.py."""
+    record = yaml.safe_load(frozen.read_text())
+    ids = sorted(
+        r["id"] for r in yaml.safe_load(path.read_text())["runs"] if r["set"] == "held-out"
+    )
+    out = []
+    if ids != sorted(record["runs"]):
+        gone, new = set(record["runs"]) - set(ids), set(ids) - set(record["runs"])
+        out.append(
+            f"held-out ids differ from {frozen.name}: dropped {sorted(gone)}, added {sorted(new)}"
+        )
+    last = record["changes"][-1] if record.get("changes") else record
+    if last["digest"] != held_out_digest(path):
+        out.append(
+            f"held-out entries changed without a record in {frozen.name} (digest "
+            f"{held_out_digest(path)[:12]}...): add a change with its date, runs, what and why"
+        )
+    return out
+
+
 def sources(path: Path = DATA) -> dict[str, dict[str, Any]]:
     """The data file's sources (citation, where in it, whether recomputation is counted)."""
     return dict(yaml.safe_load(path.read_text())["sources"])
@@ -152,6 +195,8 @@ def options_for(
             flash_attention=False,
             overlap=False,
             distributed_optimizer=False,
+            fsdp=False,
+            selective_recompute=False,
         )
     return opts
 
@@ -164,23 +209,28 @@ def _candidates(run: Run) -> list[Layout]:
     if "vp" in lay:
         vps = [lay["vp"]]
     else:
-        vps = [v for v in (2, 4, 8) if pp > 1 and pp * v <= run.model.layers]
+        vps = [v for v in (2, 4, 8) if pp > 1 and best_split(run.model, pp, v) is not None]
         if not lay.get("interleaved", False):
             vps.insert(0, 1)
+    splits = {v: best_split(run.model, pp, v) for v in vps}
+    if "split" in lay:  # the source says how the layers were split
+        splits = {v: Layout(pp=pp, vp=v, split=lay["split"]) for v in vps}
     mbs = [lay["mb"]] if "mb" in lay else [b for b in (1, 2, 4, 8) if run.global_batch % b == 0]
     recs = [lay["recompute"]] if "recompute" in lay else ["none", "selective", "full"]
     out = []
     for vp, mb, rec in itertools.product(vps, mbs, recs):
+        split = splits[vp]
+        if split is None:  # Megatron-Core cannot split the layers so: not a published layout
+            continue
         m = math.ceil(run.global_batch / (mb * dp))
         if vp > 1 and "vp" not in lay and m % pp:
             continue
         out.append(
-            Layout(
+            replace(
+                split,
                 tp=tp,
-                pp=pp,
                 cp=cp,
                 dp=dp,
-                vp=vp,
                 micro_batch=mb,
                 sharding=lay.get("sharding", "dist-opt"),
                 recompute=rec,
@@ -361,6 +411,99 @@ def markdown(preds: Sequence[Prediction]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """The planner's own pick for a run's model, batch and GPUs, against what was published."""
+
+    run: Run
+    config: ParallelConfig | None
+    """:func:`~unicron.planner.perf.best_config` with the run's options; None: nothing fits."""
+    best_published: float
+    """The best published tokens/s per GPU of the same model (shape and sequence) on the same
+    GPU, in any run of the data file."""
+
+    @property
+    def tokens_per_gpu(self) -> float:
+        if self.config is None:
+            return 0.0
+        return (
+            self.run.global_batch * self.run.model.seq_len / self.config.iter_time_s / self.run.gpus
+        )
+
+    @property
+    def over_best(self) -> float:
+        """How much faster than the best published run the planner predicts its pick."""
+        return self.tokens_per_gpu / self.best_published - 1.0
+
+    @property
+    def same_layout(self) -> bool:
+        """The pick is the published layout (every degree the source gives)."""
+        if self.config is None or self.config.layout is None:
+            return False
+        lay, pub = self.config.layout, self.run.layout
+        dp = self.run.gpus // (pub.get("tp", 1) * pub.get("pp", 1) * pub.get("cp", 1))
+        fields: dict[str, object] = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "vp": lay.vp}
+        fields |= {"mb": lay.micro_batch, "sharding": lay.sharding}
+        fields |= {"recompute": lay.recompute, "split": lay.split}
+        degrees = all(pub.get(k, 1) == fields[k] for k in ("tp", "pp", "cp"))
+        return lay.dp == dp and degrees and all(pub[k] == v for k, v in fields.items() if k in pub)
+
+
+def choices(runs: Sequence[Run] | None = None) -> list[Choice]:
+    """Every run's model, batch and GPU count planned from scratch (slow: seconds a run)."""
+    from unicron.planner.perf import best_config
+
+    runs = runs or load_runs()
+    best: dict[tuple[str, int, str, str], float] = {}
+    for r in runs:
+        key = (r.model.name, r.model.seq_len, r.gpu.name, r.precision)
+        best[key] = max(best.get(key, 0.0), r.published_tokens_per_gpu())
+    out = []
+    for r in runs:
+        cfg = best_config(r.model, r.global_batch, r.gpus, r.gpu, 8, options_for(r))
+        key = (r.model.name, r.model.seq_len, r.gpu.name, r.precision)
+        out.append(Choice(run=r, config=cfg, best_published=best[key]))
+    return out
+
+
+def choice_markdown(picks: Sequence[Choice]) -> str:
+    """The table of the planner's own picks docs/planner.md shows."""
+    lines = [
+        "| run | set | GPUs | the planner's layout | predicted tok/s/GPU | best published "
+        "| over best | published layout? |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in picks:
+        lay = c.config.describe() if c.config is not None else "none fits"
+        lines.append(
+            f"| {c.run.id} | {c.run.set} | {c.run.gpus} | {lay} | {c.tokens_per_gpu:,.0f} | "
+            f"{c.best_published:,.0f} | {100 * c.over_best:+.1f}% | "
+            f"{'yes' if c.same_layout else 'no'} |"
+        )
+    lines += [
+        "",
+        "| set | GPU | runs | pick at most 15% over the best published | worst | "
+        "picks that are the published layout: error |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for set_ in ("calibration", "held-out"):
+        for gen in ("A100", "H100"):
+            group = [c for c in picks if c.run.set == set_ and c.run.generation == gen]
+            if not group:
+                continue
+            ok = sum(c.over_best <= TOLERANCE for c in group)
+            same = [c for c in group if c.same_layout]
+            errs = ", ".join(
+                f"{c.run.id} {100 * (c.tokens_per_gpu / c.run.published_tokens_per_gpu() - 1):+.1f}%"  # noqa: E501
+                for c in same
+            )
+            lines.append(
+                f"| {set_} | {gen} | {len(group)} | {ok} ({100 * ok / len(group):.0f}%) | "
+                f"{100 * max(c.over_best for c in group):+.1f}% | {errs or 'none'} |"
+            )
+    return "\n".join(lines)
+
+
 def as_json(preds: Sequence[Prediction]) -> dict[str, Any]:
     return {
         "runs": [
@@ -388,13 +531,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m unicron.planner.calibration")
     parser.add_argument("--fit", action="store_true", help="refit the constants, print them")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--digest",
+        action="store_true",
+        help="print the held-out runs' digest (for a recorded change in data/heldout.yaml)",
+    )
+    parser.add_argument(
+        "--choice",
+        action="store_true",
+        help="also plan every run from scratch and compare the pick with the best published run",
+    )
     args = parser.parse_args(argv)
+    if args.digest:
+        print(held_out_digest())
+        return 0
     if args.fit:
         params = fit()
         print(json.dumps(params, indent=2))
         return 0
     preds = report()
     print(json.dumps(as_json(preds), indent=2) if args.json else markdown(preds))
+    if args.choice and not args.json:
+        print("\n" + choice_markdown(choices()))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``unicron plan SPEC.yaml [--json]``: the planner alone (DESIGN.md, commands).
+"""``unicron plan SPEC.yaml [--json] [--layouts N]``: the planner alone (DESIGN.md, commands).
 
 :mod:`unicron.cli` calls :func:`add_arguments` then :func:`main`. The command loads the
 spec (:mod:`unicron.planner.spec`), applies the event to the cluster, builds one
@@ -20,7 +20,14 @@ import numpy as np
 
 from unicron.errors import UsageError
 from unicron.planner.hardware import GIB
-from unicron.planner.perf import DEFAULT_OPTIONS, PerfOptions, best_config, throughput_table
+from unicron.planner.perf import (
+    DEFAULT_OPTIONS,
+    ParallelConfig,
+    PerfOptions,
+    best_config,
+    fitting_layouts,
+    throughput_table,
+)
 from unicron.planner.solver import (
     TaskState,
     expected_time_to_failure_s,
@@ -48,6 +55,8 @@ class Row:
     achieved_flops: float
     waf: float
     reason: str
+    fitting: tuple[ParallelConfig, ...] = ()
+    """With ``--layouts N``: the N fastest layouts that fit on these GPUs (fastest first)."""
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -109,8 +118,9 @@ def _flops_table(spec: PlanSpec, task: TaskSpec, where: str, units: int) -> np.n
     return table
 
 
-def build_report(spec: PlanSpec) -> Report:
-    """Apply the event, solve, and describe every task. Pure apart from nothing: no I/O."""
+def build_report(spec: PlanSpec, layouts: int = 0) -> Report:
+    """Apply the event, solve, and describe every task. Pure apart from nothing: no I/O.
+    ``layouts``: also list each task's that many fastest fitting layouts on its GPUs."""
     c, ev = spec.cluster, spec.event
     down = (set(c.down) | set(ev.nodes_lost)) - set(ev.nodes_back)
     up_nodes = c.nodes - len(down)
@@ -162,6 +172,13 @@ def build_report(spec: PlanSpec) -> Report:
             reason = f"new task; {reason}"
         if cfg is not None and cfg.note:
             reason = f"{reason}; layout chosen for {cfg.note}"
+        fitting: tuple[ParallelConfig, ...] = ()
+        if layouts and cfg is not None:
+            fitting = tuple(
+                fitting_layouts(
+                    task.model, task.global_batch, gpus, c.gpu, c.gpus_per_node, _options(task)
+                )[:layouts]
+            )
         rows.append(
             Row(
                 name=task.name,
@@ -176,6 +193,7 @@ def build_report(spec: PlanSpec) -> Report:
                 achieved_flops=flops,
                 waf=task.weight * flops,
                 reason=reason,
+                fitting=fitting,
             )
         )
     return Report(
@@ -205,6 +223,7 @@ def report_json(report: Report) -> dict[str, Any]:
                 "achieved_flops": r.achieved_flops,
                 "waf": r.waf,
                 "reason": r.reason,
+                "layouts": [_fitting_json(f, r.gpus) for f in r.fitting],
             }
             for r in report.rows
         ],
@@ -212,6 +231,14 @@ def report_json(report: Report) -> dict[str, Any]:
         "units_available": report.units_available,
         "unit_gpus": report.unit_gpus,
         "d_run_s": None if math.isinf(report.d_run_s) else report.d_run_s,
+    }
+
+
+def _fitting_json(cfg: ParallelConfig, gpus: int) -> dict[str, Any]:
+    return {
+        "layout": cfg.describe(),
+        "memory_gib": round(cfg.memory_bytes_per_gpu / GIB, 1),
+        "tflops_per_gpu": round(cfg.achieved_flops / gpus / 1e12, 3),
     }
 
 
@@ -239,18 +266,46 @@ def _print_table(report: Report) -> None:
         )
     table.add_section()
     table.add_row("total", "", "", "", "", "", f"{report.total_waf / 1e15:.2f}", "")
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    for r in report.rows:
+        if not r.fitting:
+            continue
+        sub = Table(
+            title=f"{r.name}: the {len(r.fitting)} fastest layouts that fit on {r.gpus} GPUs"
+        )
+        for col in ("#", "layout", "GiB/GPU", "TFLOP/s/GPU"):
+            sub.add_column(col, justify="left" if col == "layout" else "right")
+        for i, f in enumerate(r.fitting, 1):
+            row = _fitting_json(f, r.gpus)
+            sub.add_row(
+                str(i), row["layout"], f"{row['memory_gib']:.0f}", f"{row['tflops_per_gpu']:.1f}"
+            )
+        console.print(sub)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Called by :mod:`unicron.cli` to declare the command's arguments."""
     parser.add_argument("spec", type=Path, metavar="SPEC.yaml", help="cluster, tasks and event")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--layouts",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="also list each task's N fastest layouts that fit in memory on its GPUs",
+    )
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)
 
 
 def main(args: argparse.Namespace) -> int:
     """Called by :mod:`unicron.cli`; returns the exit code."""
-    report = build_report(load_spec(args.spec))
+    report = build_report(load_spec(args.spec), layouts=args.layouts)
     if args.json:
         print(json.dumps(report_json(report), indent=2))
     else:

@@ -27,7 +27,8 @@ from unicron.planner.hardware import GIB, GPUSpec
 from unicron.planner.model import MODEL_PRESETS, ModelSpec, _require_positive_int
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-SHARDINGS = ("ddp", "dist-opt", "fsdp")
+SHARDINGS = ("ddp", "dist-opt", "optim-grads", "fsdp")
+SPLITS = ("even", "first-last", "embedding-loss")
 PRECISIONS = ("bf16", "fp8")
 _DP_BUCKET_BYTES = 40e6 * 4  # Megatron-LM's gradient buckets: 40M fp32 elements
 
@@ -57,12 +58,17 @@ class PerfOptions:
     allocator fragmentation)."""
     distributed_optimizer: bool = True
     """Allow sharding the optimizer state over the data-parallel group (ZeRO-1)."""
+    grad_sharding: bool = True
+    """Allow sharding the gradients too (``optim-grads``: Megatron-FSDP's ``optim_grads``
+    strategy, ZeRO-2; Meta's FSDP for Llama 3): reduce-scattered every micro-batch."""
     fsdp: bool = True
     """Allow fully sharded data parallelism (weights, gradients and optimizer state sharded)."""
     flash_attention: bool = True
     """No ``s^2`` attention-score activations and causal blocks skipped (Dao et al. 2022)."""
     allow_recompute: bool = True
     """Try selective, then full activation recomputation when a layout does not fit without."""
+    selective_recompute: bool = True
+    """Offer selective recomputation (Korthikanti et al. 2022; not in the Megatron-LM of 2021)."""
     interleave: bool = True
     """Try interleaved (virtual) pipeline stages."""
     context_parallel: bool = True
@@ -90,6 +96,11 @@ class PerfOptions:
     closer than this are a tie for the headroom rule."""
     headroom_fraction: float = 0.10
     """Share of usable memory a preferred layout leaves free."""
+    exact_batch: bool = True
+    """The global batch is a whole number of micro-batches on every replica, as Megatron-Core
+    requires (``global_batch % (micro_batch * dp) == 0``). False: a replica may run
+    ``ceil(global_batch / (micro_batch * dp))``, the batch padded, as the systems the cluster
+    simulator compares reshape theirs to any GPU count (:mod:`unicron.sim.engine`)."""
 
     def __post_init__(self) -> None:
         if self.efficiency_max is not None and not 0 < self.efficiency_max <= 1:
@@ -139,10 +150,21 @@ class Layout:
     micro_batch: int = 1
     """Sequences per micro-batch."""
     sharding: str = "dist-opt"
-    """``ddp`` (replicated state), ``dist-opt`` (optimizer state sharded, ZeRO-1) or ``fsdp``."""
+    """``ddp`` (replicated state), ``dist-opt`` (optimizer state sharded, ZeRO-1),
+    ``optim-grads`` (optimizer state and gradients sharded, ZeRO-2) or ``fsdp`` (all)."""
     recompute: str = "none"
     """Activation recomputation: ``none``, ``selective`` (attention core and activation
     functions) or ``full`` (every layer's forward pass)."""
+    split: str = "even"
+    """How the layers go onto the pipeline stages, as Megatron-Core can be told: ``even``
+    (``layers / pp`` each), ``first-last`` (``--decoder-first/last-pipeline-num-layers``:
+    :attr:`first_layers` and :attr:`last_layers`, the middle stages equal) or
+    ``embedding-loss`` (``--account-for-embedding/loss-in-pipeline-split``: the embedding and
+    the loss count as one layer each, so the first and last stages hold one layer fewer)."""
+    first_layers: int = 0
+    """Layers of the first stage with ``split="first-last"``; 0 otherwise."""
+    last_layers: int = 0
+    """Layers of the last stage with ``split="first-last"``; 0 otherwise."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "vp", "ep", "micro_batch"):
@@ -151,6 +173,13 @@ class Layout:
             raise ValueError(f"sharding: must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute: must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split: must be one of {SPLITS}, got {self.split!r}")
+        if self.split == "first-last":
+            _require_positive_int("first_layers", self.first_layers)
+            _require_positive_int("last_layers", self.last_layers)
+        elif self.first_layers or self.last_layers:
+            raise ValueError("first_layers, last_layers: only with split='first-last'")
 
     @property
     def gpus(self) -> int:
@@ -190,7 +219,9 @@ class ParallelConfig:
         return self.tp * self.pp * self.dp
 
     def describe(self) -> str:
-        """Compact label, e.g. ``tp8 pp16 vp4 dp64 mb1 dist-opt``; shown by ``unicron plan``."""
+        """Compact label, e.g. ``tp8 pp16 vp8 split-embedding-loss dp128 mb1 optim-grads``;
+        shown by ``unicron plan``. Every token is one Megatron-Core setting (docs/planner.md,
+        "Layouts a launcher accepts")."""
         lay = self.layout or Layout(
             tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=self.micro_batch
         )
@@ -200,6 +231,10 @@ class ParallelConfig:
         parts.append(f"pp{lay.pp}")
         if lay.vp > 1:
             parts.append(f"vp{lay.vp}")
+        if lay.split == "first-last":
+            parts.append(f"first{lay.first_layers} last{lay.last_layers}")
+        elif lay.split == "embedding-loss":
+            parts.append("split-embedding-loss")
         parts.append(f"dp{lay.dp}")
         if lay.ep > 1:
             parts.append(f"ep{lay.ep}")
@@ -242,32 +277,98 @@ def _group_bw(size: float | np.ndarray, stride: int, gpu: GPUSpec, gpn: int) -> 
     return np.where(size * stride > gpn, across, gpu.intra_node_bw)
 
 
-def _stages(layers: int, pp: int, logit_layers: float) -> tuple[int, int, float]:
-    """Layers on the first and last stage and the slowest stage's work, in layers.
+def stage_layers(layers: int, lay: Layout) -> tuple[int, int, int] | None:
+    """Transformer layers of the first stage, of each middle stage and of the last stage of
+    ``lay`` (middle 0 when ``pp <= 2``), or None where Megatron-Core refuses the split.
 
-    The layers need not divide ``pp``: the last stage (which also runs the logit layer,
-    worth ``logit_layers`` layers) may take fewer, as Megatron-Core's uneven first/last
-    stages do. Among the splits with the least work on the slowest stage, the first stage
-    (which holds the most micro-batches in flight, hence the most activations) takes the
-    fewest layers: Llama 3's 126 layers on 16 stages run 7, 14 x 8, 7 (Grattafiori et al.
-    2024, section 3.3.2).
+    Megatron-Core's rules (TransformerConfig checks; the ``--decoder-first/last-pipeline-
+    num-layers`` and ``--account-for-embedding/loss-in-pipeline-split`` options): ``even``
+    needs ``layers % pp == 0``; ``first-last`` needs the middle stages equal; with ``vp``
+    virtual stages every stage's layer count is a multiple of ``vp``, except with
+    ``embedding-loss``, where ``layers + 2`` must be a multiple of ``pp * vp`` (the first
+    virtual stage holds the embedding in place of a layer, the last the loss). Called by the
+    search (:func:`best_split`), the pricing (:func:`evaluate`) and :func:`launch_problems`.
     """
+    pp, vp = lay.pp, lay.vp
     if pp == 1:
-        return layers, layers, layers + logit_layers
+        return (layers, 0, layers) if vp == 1 and lay.split == "even" else None
+    if pp > layers:
+        return None
+    if lay.split == "even":
+        if layers % pp or (layers // pp) % vp:
+            return None
+        n = layers // pp
+        return n, (n if pp > 2 else 0), n
+    if lay.split == "embedding-loss":
+        if (layers + 2) % (pp * vp) or (layers + 2) // pp < 2:
+            return None
+        n = (layers + 2) // pp
+        return n - 1, (n if pp > 2 else 0), n - 1
+    first, last = lay.first_layers, lay.last_layers
+    rest = layers - first - last
+    if pp == 2:
+        mid = 0
+        if rest != 0:
+            return None
+    else:
+        if rest < pp - 2 or rest % (pp - 2):
+            return None
+        mid = rest // (pp - 2)
+    if first % vp or last % vp or mid % vp:
+        return None
+    return first, mid, last
+
+
+def _logit_layers(model: ModelSpec) -> float:
+    """The output layer's work in transformer layers (model FLOPs): ``V h / (W + 2 s h)``."""
+    per_layer = model.attention_weights + model.router_weights
+    per_layer += model.active_experts * model.expert_weights
+    return model.vocab * model.hidden / (per_layer + 2.0 * model.seq_len * model.hidden)
+
+
+@functools.lru_cache(maxsize=4096)
+def best_split(model: ModelSpec, pp: int, vp: int) -> Layout | None:
+    """The layer split the search gives ``pp`` stages of ``vp`` virtual stages: among the
+    splits Megatron-Core accepts (:func:`stage_layers`), the least work on the slowest stage
+    (the last also runs the output layer), then the fewest layers on the first stage (it
+    holds the most micro-batches in flight), then the simplest flags (even, embedding-loss,
+    first-last). Llama 3 405B's 126 layers on 16 stages: 7, 14 x 8, 7 (Grattafiori et al.
+    2024, section 3.3.2), i.e. ``embedding-loss`` with vp 1, 2, 4 or 8. Returns a Layout
+    with only ``pp``, ``vp`` and the split fields set, or None when no split is legal."""
+    layers, logit = model.layers, _logit_layers(model)
     best: tuple[float, int, int] | None = None
-    for last in range(1, math.ceil(layers / pp) + 1):
-        rest = layers - last
-        if rest < pp - 1:
-            break
-        per = math.ceil(rest / (pp - 1))  # the most on a middle stage
-        first = max(1, rest - (pp - 2) * per)
-        work = max(float(per), last + logit_layers)
-        key = (round(work, 9), first, last)
-        if best is None or key[:2] < best[:2]:
-            best = key
-    assert best is not None, "pp <= layers is checked by the callers"
-    work, first, last = best
-    return first, last, work
+    pick: Layout | None = None
+
+    def consider(lay: Layout, rank: int) -> None:
+        nonlocal best, pick
+        got = stage_layers(layers, lay)
+        if got is None:
+            return
+        first, mid, last = got
+        key = (round(max(first, mid, last + logit), 9), first, rank)
+        if best is None or key < best:
+            best, pick = key, lay
+
+    consider(Layout(pp=pp, vp=vp), 0)
+    if pp == 1:
+        return pick
+    consider(Layout(pp=pp, vp=vp, split="embedding-loss"), 1)
+    # first-last: the middle stages equal, the first and last no fuller than a middle one
+    # (pp 2: any two multiples of vp); only the best (first, last) per middle is priced
+    mids = [0] if pp == 2 else range(vp, layers // (pp - 2) + 1, vp)
+    for mid in mids:
+        rest = layers - (pp - 2) * mid
+        cap = rest if pp == 2 else mid
+        options = [
+            (max(f, mid, rest - f + logit), f)
+            for f in range(vp, min(cap, rest - vp) + 1, vp)
+            if (rest - f) % vp == 0 and vp <= rest - f <= cap
+        ]
+        if options:
+            _, f = min(options)
+            lay = Layout(pp=pp, vp=vp, split="first-last", first_layers=f, last_layers=rest - f)
+            consider(lay, 2)
+    return pick
 
 
 def _exposed(comm: Any, window: float, o: PerfOptions) -> Any:
@@ -325,29 +426,39 @@ def _evaluate(
     t_attn = tokens * attn / tp / (gpu.peak_flops * e_attn)
     t_layer = t_gemm + t_attn
     t_logit = tokens * 6.0 * model.vocab * h / tp / (gemm_peak * e_dense)
-    first_layers, last_layers, work = _stages(l_, pp, t_logit / t_layer)
+    split = stage_layers(l_, lay)
+    if split is None:
+        raise ValueError(
+            f"layout: Megatron-Core cannot split {l_} layers as {lay.split!r} over pp={pp} "
+            f"vp={vp} (first_layers={lay.first_layers}, last_layers={lay.last_layers})"
+        )
+    first_layers, mid_layers, last_layers = split
+    if pp == 1:
+        work = l_ + t_logit / t_layer
+    else:
+        work = max(first_layers, mid_layers, last_layers + t_logit / t_layer)
     t_comp = work * t_layer  # the slowest stage sets the pace
 
     # -- communication per micro-batch on the slowest stage ----------------------------------
-    stage_layers = work if pp > 1 else float(l_)
+    n_stage = work if pp > 1 else float(l_)
     t_comm = np.zeros_like(dp, dtype=np.float64)
     if tp > 1:
         n_coll = 6 if full else 4
         vol = n_coll * 2.0 * (tp - 1) / tp * 2.0 * tokens * h
         t_tp = vol / gpu.intra_node_bw + n_coll * _latency(tp, False, o)
-        t_comm += stage_layers * t_tp * (1.0 - (o.tp_comm_hidden if o.overlap else 0.0))
+        t_comm += n_stage * t_tp * (1.0 - (o.tp_comm_hidden if o.overlap else 0.0))
     if cp > 1:
         inter = tp * cp > gpn
         vol = 3.0 * (cp - 1) * 2.0 * 2.0 * tokens * model.kv_dim / tp
         t_cp = vol / float(_group_bw(cp, tp, gpu, gpn))
         t_cp += 3 * (cp - 1) * (o.latency_inter_s if inter else o.latency_intra_s)
-        t_comm += stage_layers * (_exposed(t_cp, t_attn, o) if o.overlap else t_cp)
+        t_comm += n_stage * (_exposed(t_cp, t_attn, o) if o.overlap else t_cp)
     if model.is_moe and ep > 1:
         inter = tp * cp * ep > gpn
         n_a2a = 6 if full else 4
         vol = n_a2a * (ep - 1) / ep * tokens * k * h * 2.0 / tp
         t_ep = vol / float(_group_bw(ep, tp * cp, gpu, gpn))
-        t_comm += stage_layers * (t_ep + n_a2a * _latency(ep, inter, o))
+        t_comm += n_stage * (t_ep + n_a2a * _latency(ep, inter, o))
     if pp > 1:
         p2p_inter = tp * cp * dp >= gpn
         bw = np.where(p2p_inter, gpu.inter_node_bw, gpu.intra_node_bw)
@@ -367,7 +478,8 @@ def _evaluate(
     else:
         p_first = first_layers * per_layer + (table + positions) / tp
         p_last = last_layers * per_layer + table / tp
-    p_gpu = max(p_first, p_last)
+    p_mid = mid_layers * per_layer
+    p_gpu = max(p_first, p_last, p_mid)
     shard = dp * cp
     sharded = dense_share / shard + (1 - dense_share) / np.maximum(shard / ep, 1)
 
@@ -380,48 +492,83 @@ def _evaluate(
         0.0,
     )
     frac = (shard - 1) / shard
+    rs_rounds = (np.ceil(m / pp) if vp > 1 else m) if lay.sharding == "optim-grads" else 1.0
     t_fsdp = np.zeros_like(t_comm)
     if lay.sharding == "fsdp":
         # all-gather bf16 weights forward and backward, reduce-scatter gradients
-        t_f = frac * p_gpu * (4.0 + o.grad_bytes) / bw + 3 * stage_layers * lat
+        t_f = frac * p_gpu * (4.0 + o.grad_bytes) / bw + 3 * n_stage * lat
         t_fsdp = _exposed(t_f, t_comp, o) if o.overlap else t_f
         t_dp = np.zeros_like(t_comm)
     else:
         buckets = math.ceil(p_gpu * o.grad_bytes / _DP_BUCKET_BYTES)
+        rs_window: Any = 2.0 / 3.0 * t_comp * vp
         if lay.sharding == "dist-opt":
             t_rs = frac * p_gpu * o.grad_bytes / bw
             t_ag = frac * p_gpu * 2.0 / bw
+        elif lay.sharding == "optim-grads":
+            # no whole gradient is kept: a virtual stage's is reduce-scattered (in fp32) once
+            # its backward has run for every micro-batch of a group of pp (interleaved: the
+            # schedule runs them back to back), else after every micro-batch (1F1B)
+            t_rs = rs_rounds * frac * p_gpu * o.grad_bytes / bw
+            t_ag = frac * p_gpu * 2.0 / bw
+            rs_window = rs_window * rs_rounds
         else:
             t_rs = 2.0 * frac * p_gpu * o.grad_bytes / bw
             t_ag = np.zeros_like(t_comm)
         if o.overlap:
-            t_rs = _exposed(t_rs, 2.0 / 3.0 * t_comp * vp, o)
+            t_rs = _exposed(t_rs, rs_window, o)
             t_ag = _exposed(t_ag, 1.0 / 3.0 * t_comp * vp, o)
-        t_dp = t_rs + t_ag + 2 * buckets * lat
+        t_dp = t_rs + t_ag + 2 * buckets * lat * rs_rounds
     # optimizer step: read and write fp32 master weights, two moments and the gradient
     t_opt = p_gpu * (1.0 if lay.sharding == "ddp" else sharded) * 32.0 / gpu.memory_bw
 
     t_slot = t_comp + t_comm + t_fsdp
     t_iter = (m + (pp - 1) / vp) * t_slot + t_dp + t_opt
 
-    # -- memory: the first stage (embedding, most micro-batches in flight) or the last (logits)
+    # -- memory: the fullest of the first stage (embedding, most micro-batches in flight), the
+    # second (a full middle stage, nearly as many in flight) and the last (logits) ------------
     def state(params: float) -> np.ndarray:
         if lay.sharding == "ddp":
             out = params * 18.0 + 0.0 * shard
         elif lay.sharding == "dist-opt":
             out = params * (6.0 + 12.0 * sharded)
+        elif lay.sharding == "optim-grads":  # bf16 weights whole; fp32 grads, master, Adam sharded
+            out = params * (2.0 + 16.0 * sharded)
         else:  # fsdp: everything sharded, plus two layers' weights gathered at a time
             out = params * 18.0 * sharded + 2.0 * 2.0 * per_layer * np.minimum(shard, 2)
         return out + (params if fp8 else 0.0)  # FP8 copies of the weights
 
+    def held(rank: int) -> np.ndarray:
+        """Micro-batches of its own layers pipeline rank ``rank`` holds at its peak: 1F1B's
+        ``pp - rank``; the interleaved schedule's warm-up forwards (Megatron-Core:
+        ``2 (pp - rank - 1) + (vp - 1) pp``, all of them when there are no more) plus one, each
+        a virtual stage of ``1/vp`` of the rank's layers."""
+        if vp == 1:
+            return np.minimum(m, pp - rank)
+        return np.minimum(m * vp, 2 * (pp - rank - 1) + (vp - 1) * pp + 1) / vp
+
+    def peak(params: float, act: Any) -> np.ndarray:
+        """State plus activations; with ``optim-grads`` the whole-gradient buffers of the
+        virtual stages being accumulated and reduce-scattered (two) live only once the
+        backward has freed one virtual stage's activations (1F1B: two buckets at a time)."""
+        base = state(params) + act
+        if lay.sharding != "optim-grads":
+            return base
+        if vp == 1:
+            return base + 2.0 * _DP_BUCKET_BYTES
+        buffers = 2.0 * params / vp * o.grad_bytes
+        return np.maximum(base, base - act / vp + buffers)
+
     logits = 2 * 2.0 * tokens * model.vocab / tp  # bf16 logits and their gradient
     if pp == 1:
-        mem = state(p_gpu) + _activations(model, lay, tokens, l_, 1.0, o) + logits
+        mem = peak(p_gpu, _activations(model, lay, tokens, l_, 1.0, o) + logits)
     else:
-        in_flight = np.minimum(m, pp) * ((1.0 + (pp - 1) / (pp * vp)) if vp > 1 else 1.0)
-        first = state(p_first) + _activations(model, lay, tokens, first_layers, in_flight, o)
-        last = state(p_last) + _activations(model, lay, tokens, last_layers, 1.0, o) + logits
-        mem = np.maximum(first, last)
+        act_first = _activations(model, lay, tokens, first_layers, held(0), o)
+        act_last = _activations(model, lay, tokens, last_layers, held(pp - 1), o) + logits
+        mem = np.maximum(peak(p_first, act_first), peak(p_last, act_last))
+        if pp > 2:
+            act_mid = _activations(model, lay, tokens, mid_layers, held(1), o)
+            mem = np.maximum(mem, peak(p_mid, act_mid))
     return t_iter, mem
 
 
@@ -464,25 +611,32 @@ def _context_degrees(model: ModelSpec, o: PerfOptions) -> list[int]:
 def _layouts_of_base(
     model: ModelSpec, global_batch: int, tp: int, cp: int, pp: int, o: PerfOptions
 ) -> Iterator[Layout]:
-    """Every layout with these tensor, context and pipeline degrees (dp left at 1)."""
-    vps = [1]
-    if o.interleave and pp > 1 and model.layers // pp >= 2:
-        vps.append(min(8, model.layers // pp))
+    """Every layout with these tensor, context and pipeline degrees (dp left at 1): the
+    virtual stages whose layer split Megatron-Core accepts (:func:`best_split`), expert
+    degrees dividing the experts, the shardings, micro-batches and recomputation modes."""
+    splits = [best_split(model, pp, 1)]
+    if o.interleave and pp > 1:
+        splits += [best_split(model, pp, v) for v in range(2, 9)]
     eps = [e for e in range(1, model.experts + 1) if model.experts % e == 0]
     shardings = ["dist-opt" if o.distributed_optimizer else "ddp"]
+    if o.distributed_optimizer and o.grad_sharding:
+        shardings.append("optim-grads")
     if o.fsdp and pp == 1:
         shardings.append("fsdp")
-    modes = RECOMPUTE_MODES if o.allow_recompute else ("none",)
-    for vp in vps:
+    modes: tuple[str, ...] = RECOMPUTE_MODES if o.allow_recompute else ("none",)
+    if not o.selective_recompute:
+        modes = tuple(r for r in modes if r != "selective")
+    for split in splits:
+        if split is None:
+            continue
         for ep in eps:
             for sharding in shardings:
                 for b in _micro_batches(global_batch, o):
                     for rec in modes:
-                        yield Layout(
+                        yield replace(
+                            split,
                             tp=tp,
                             cp=cp,
-                            pp=pp,
-                            vp=vp,
                             ep=ep,
                             micro_batch=b,
                             sharding=sharding,
@@ -490,10 +644,14 @@ def _layouts_of_base(
                         )
 
 
-def _valid_dp(model: ModelSpec, global_batch: int, lay: Layout, dp: np.ndarray) -> np.ndarray:
+def _valid_dp(
+    model: ModelSpec, global_batch: int, lay: Layout, dp: np.ndarray, o: PerfOptions
+) -> np.ndarray:
     """Mask of the data-parallel degrees ``lay`` can run with."""
     b = lay.micro_batch
-    ok = dp <= global_batch // b  # a replica with nothing to do: use fewer GPUs instead
+    # Megatron-Core: a whole number of micro-batches on every replica; else no replica idle
+    exact = np.mod(global_batch, b * dp) == 0
+    ok = exact if o.exact_batch else dp <= global_batch // b
     if lay.vp > 1:  # interleaved 1F1B needs a multiple of pp micro-batches
         ok &= np.ceil(global_batch / (b * dp)) % lay.pp == 0
     if lay.ep > 1:
@@ -517,10 +675,13 @@ class _Search:
 def _bases(
     model: ModelSpec, gpn: int, o: PerfOptions, max_gpus: int
 ) -> Iterator[tuple[int, int, int]]:
+    s = model.seq_len
     for tp in _divisors(gpn):
-        if model.heads % tp or model.kv % tp or tp > max_gpus:
+        if model.heads % tp or model.kv % tp or tp > max_gpus or s % tp:
             continue
         for cp in _context_degrees(model, o):
+            if cp > 1 and (s % (2 * cp) or (s // cp) % tp):  # load-balanced causal chunks
+                continue
             for pp in range(1, min(model.layers, max_gpus // (tp * cp)) + 1):
                 yield tp, cp, pp
 
@@ -551,7 +712,7 @@ def _search(
             dp = np.arange(1, max_gpus // base + 1, dtype=np.float64)
         ks = (dp * base).astype(np.int64)
         for lay in _layouts_of_base(model, global_batch, tp, cp, pp, o):
-            ok = _valid_dp(model, global_batch, lay, dp)
+            ok = _valid_dp(model, global_batch, lay, dp, o)
             if not ok.any():
                 continue
             t, mem = _evaluate(model, global_batch, lay, dp, gpu, gpn, o)
@@ -645,6 +806,50 @@ def best_config(
     return _config(model, global_batch, gpus, found, gpu, options)
 
 
+def fitting_layouts(
+    model: ModelSpec,
+    global_batch: int,
+    gpus: int,
+    gpu: GPUSpec,
+    gpus_per_node: int,
+    options: PerfOptions = DEFAULT_OPTIONS,
+) -> list[ParallelConfig]:
+    """Every layout the search tries on exactly ``gpus`` GPUs that fits in memory, fastest
+    first: what ``unicron plan --layouts N`` lists beside its pick (:func:`best_config` is the
+    first of these, or a slower one with headroom). Each satisfies :func:`launch_problems`."""
+    _check_args(global_batch, gpus, gpus_per_node)
+    usable = gpu.memory_bytes * options.memory_usable_fraction
+    out = []
+    for tp, cp, pp in _bases(model, gpus_per_node, options, gpus):
+        base = tp * cp * pp
+        if gpus % base:
+            continue
+        dp = np.array([float(gpus // base)])
+        for lay in _layouts_of_base(model, global_batch, tp, cp, pp, options):
+            if not _valid_dp(model, global_batch, lay, dp, options)[0]:
+                continue
+            t, mem = _evaluate(model, global_batch, lay, dp, gpu, gpus_per_node, options)
+            if float(mem[0]) > usable:
+                continue
+            full = replace(lay, dp=gpus // base)
+            out.append(
+                ParallelConfig(
+                    tp,
+                    pp,
+                    full.dp * cp,
+                    lay.micro_batch,
+                    float(t[0]),
+                    model.flops_per_token * global_batch * model.seq_len / float(t[0]),
+                    float(mem[0]),
+                    lay.recompute == "full",
+                    layout=full,
+                    usable_bytes=usable,
+                )
+            )
+    out.sort(key=lambda c: c.iter_time_s)
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def _table_search(
     model: ModelSpec, global_batch: int, max_gpus: int, gpu: GPUSpec, gpn: int, o: PerfOptions
@@ -722,6 +927,52 @@ def evaluate(
     )
 
 
+def launch_problems(model: ModelSpec, global_batch: int, layout: Layout) -> list[str]:
+    """Why Megatron-Core (or PyTorch FSDP, for ``fsdp``) would refuse to start ``layout``:
+    one sentence per broken rule, none when it launches. The rules, from Megatron-Core's
+    argument and TransformerConfig checks: query and key/value heads divisible by ``tp``;
+    the sequence divisible by ``tp`` (sequence parallelism) and, with context parallelism,
+    by ``2 cp`` with ``s / cp`` divisible by ``tp``; the layer split legal
+    (:func:`stage_layers`: ``vp`` divides each stage's layers); interleaving only with
+    pipelining and a multiple of ``pp`` micro-batches; experts divisible by ``ep`` and ``ep``
+    dividing ``dp * cp``; the global batch a multiple of ``micro_batch * dp``; FSDP without
+    pipelining. tests/test_planner_layouts.py holds every layout the search prints to it."""
+    lay, out = layout, []
+    if model.heads % lay.tp or model.kv % lay.tp:
+        out.append(f"tp={lay.tp} does not divide {model.heads} heads and {model.kv} KV heads")
+    s = model.seq_len
+    if s % lay.tp:
+        out.append(f"sequence {s} not divisible by tp={lay.tp} (sequence parallelism)")
+    if lay.cp > 1 and (s % (2 * lay.cp) or (s // lay.cp) % lay.tp):
+        out.append(f"sequence {s} not divisible by 2 cp ({2 * lay.cp}) with s/cp by tp")
+    split = stage_layers(model.layers, lay)
+    if split is not None:  # checked again here, apart from stage_layers' own rules
+        first, mid, last = split
+        total = first + last + max(lay.pp - 2, 0) * mid if lay.pp > 1 else first
+        if lay.split == "embedding-loss":
+            whole = (model.layers + 2) % (lay.pp * lay.vp) == 0
+        else:
+            whole = all(n % lay.vp == 0 for n in (first, mid, last))
+        if total != model.layers or not whole or (lay.vp > 1 and lay.pp == 1):
+            split = None
+    if split is None:
+        out.append(
+            f"{model.layers} layers cannot be split {lay.split!r} over pp={lay.pp} vp={lay.vp}"
+        )
+    if model.experts % lay.ep or (lay.dp * lay.cp) % lay.ep:
+        out.append(f"ep={lay.ep} must divide {model.experts} experts and dp*cp={lay.dp * lay.cp}")
+    if global_batch % (lay.micro_batch * lay.dp):
+        out.append(
+            f"global batch {global_batch} not a multiple of micro-batch {lay.micro_batch} "
+            f"x dp {lay.dp}"
+        )
+    elif lay.vp > 1 and (global_batch // (lay.micro_batch * lay.dp)) % lay.pp:
+        out.append(f"interleaving needs a multiple of pp={lay.pp} micro-batches")
+    if lay.sharding == "fsdp" and lay.pp > 1:
+        out.append("fsdp (PyTorch FULL_SHARD) is searched without pipelining")
+    return out
+
+
 def megatron_flops_per_gpu(model: ModelSpec, global_batch: int, gpus: int, iter_s: float) -> float:
     """FLOP/s per GPU as Narayanan et al. 2021 report it (eq. 3, counts the recompute pass)."""
     n_layers, h, s, v = model.layers, model.hidden, model.seq_len, model.vocab
@@ -738,8 +989,12 @@ __all__ = [
     "ParallelConfig",
     "PerfOptions",
     "best_config",
+    "best_split",
     "evaluate",
+    "fitting_layouts",
+    "launch_problems",
     "megatron_flops_per_gpu",
+    "stage_layers",
     "state_bytes",
     "throughput_table",
 ]

@@ -202,13 +202,18 @@ def prepare(workload: Workload) -> Prepared:
     """Performance tables, iteration times and the reference plan (the planner, D_run = inf)."""
     from unicron import planner
 
+    # the systems compared (Varuna, Oobleck, Bamboo) reshape the batch to any GPU count; a
+    # Megatron-Core launch needs it to divide (PerfOptions.exact_batch, docs/planner.md)
+    options = planner.PerfOptions(exact_batch=False)
     gpu = workload.gpu_type()
     n, g = workload.nodes, workload.gpus_per_node
     perfs: list[TaskPerf] = []
     for spec in workload.tasks:
         model = model_spec(spec.model)
         cap = n if spec.max_nodes is None else min(n, spec.max_nodes)
-        table = planner.throughput_table(model, spec.global_batch, cap * g, gpu, g, unit=g)
+        table = planner.throughput_table(
+            model, spec.global_batch, cap * g, gpu, g, unit=g, options=options
+        )
         flops = np.zeros(n + 1)
         flops[: len(table)] = table[: n + 1]
         flops[cap + 1 :] = 0.0
@@ -240,7 +245,7 @@ def prepare(workload: Workload) -> Prepared:
         units = reference[p.spec.name]
         iter_s = FALLBACK_ITER_S
         for k in range(units, 0, -1):  # the size it really runs on (see _monotone)
-            cfg = planner.best_config(p.model, p.spec.global_batch, k * g, gpu, g)
+            cfg = planner.best_config(p.model, p.spec.global_batch, k * g, gpu, g, options)
             if cfg is not None:
                 iter_s = cfg.iter_time_s
                 break
