@@ -20,6 +20,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from unicron.errors import UsageError
+from unicron.sim import engine, trace
+from unicron.sim.policies import Varuna, make_policy
+
 TRACES = ("5m", "10m", "30m", "1h", "3h", "6h")
 SYSTEMS = ("oobleck", "varuna", "bamboo")
 TOLERANCE = 0.15
@@ -71,10 +77,6 @@ def _close(ours: float, theirs: float) -> bool:
 
 def load(path: Path = DATA) -> dict[str, Any]:
     """The data file as a mapping (UsageError if unreadable)."""
-    import yaml
-
-    from unicron.errors import UsageError
-
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -88,8 +90,6 @@ def calibrated_gpu(wl: Any, target_flops: float) -> Any:
     """``wl``'s GPU with peak FLOP/s and bandwidths scaled by one factor so that the task's
     throughput on all ``wl.nodes`` nodes is ``target_flops`` (every term of the planner's
     iteration time scales with that factor; memory does not change)."""
-    from unicron.sim import engine
-
     gpu = wl.gpu_type()
     f = engine.prepare(wl).perf[0].flops[wl.nodes]
     k = target_flops / f
@@ -104,9 +104,6 @@ def calibrated_gpu(wl: Any, target_flops: float) -> Any:
 
 def run(data: dict[str, Any], trace_dir: Path = TRACE_DIR) -> list[Cell]:
     """Every (model, trace, system) cell of the data file, ours beside the artifact's."""
-    from unicron.sim import engine, trace
-    from unicron.sim.policies import Varuna, make_policy
-
     cells: list[Cell] = []
     reasons = data.get("reasons", {}) or {}
     for art_model, m in data["models"].items():

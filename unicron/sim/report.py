@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from unicron.sim.engine import LOSSES
 from unicron.sim.metrics import PolicyResult, ratios
+from unicron.sim.task import LOSSES
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
