@@ -101,8 +101,9 @@ def _workload(args: argparse.Namespace) -> Any:
 
 def main(args: argparse.Namespace) -> int:
     """Run each policy over the same trace and write the report into ``--out``."""
-    from unicron.sim import engine, report, trace
+    from unicron.sim import engine, measured, report, trace
 
+    m = measured.load()  # a broken install fails before the work, not after it
     names = _policies(args.policies)
     wl = _workload(args)
     if args.days is not None and not args.days > 0:
@@ -124,9 +125,6 @@ def main(args: argparse.Namespace) -> int:
         label = f"generated: {args.rate}/node/day, Llama 3 cause mix, seed {args.seed}"
     prepared = engine.prepare(wl)
     results = _run_all(prepared, events, names, duration, args)
-    from unicron.sim import measured
-
-    m = measured.load()
     meta = {
         "trace": label,
         "unicron_constants": {
