@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from unicron.errors import UsageError
+from unicron.planner import GPUSpec
 from unicron.sim import engine, trace
 from unicron.sim.policies import Varuna, make_policy
 
@@ -86,7 +87,7 @@ def load(path: Path = DATA) -> dict[str, Any]:
     return data
 
 
-def calibrated_gpu(wl: Any, target_flops: float) -> Any:
+def calibrated_gpu(wl: engine.Workload, target_flops: float) -> GPUSpec:
     """``wl``'s GPU with peak FLOP/s and bandwidths scaled by one factor so that the task's
     throughput on all ``wl.nodes`` nodes is ``target_flops`` (every term of the planner's
     iteration time scales with that factor; memory does not change)."""

@@ -22,7 +22,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 
@@ -509,7 +509,7 @@ class Bamboo(Policy):
         self._grow_below_target(sim, self.rebalance_s, running_too=True)
 
 
-def _doubled_table(sim: Simulation, task: TaskRun) -> Any:
+def _doubled_table(sim: Simulation, task: TaskRun) -> np.ndarray:
     """F(k) of a model with twice ``task``'s layers (nonzero where Bamboo's memory fits)."""
     wl = sim.workload
     model = task.perf.model
@@ -664,7 +664,7 @@ class Unicron(Policy):
     to give its nodes to others, which the runtime does not do (beyond the runtime)."""
     nodes_lost: int = field(default=0, init=False)
     """Node losses seen so far (the observed failure rate for D_run)."""
-    _states: dict[str, tuple[tuple[int, float, bool, int, int], Any]] = field(
+    _states: dict[str, tuple[tuple[int, float, bool, int, int], planner.TaskState]] = field(
         default_factory=dict, init=False, repr=False
     )
     _warm: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
@@ -737,7 +737,9 @@ class Unicron(Policy):
         )
         return planner.expected_time_to_failure_s(rate, max(nodes, 1))
 
-    def _state(self, task: TaskRun, cost: float, faulted: bool, base: int, spare: int) -> Any:
+    def _state(
+        self, task: TaskRun, cost: float, faulted: bool, base: int, spare: int
+    ) -> planner.TaskState:
         """The planner's view of ``task`` above its reserved ``base`` units, with ``spare``
         units to share, reused while it is unchanged (building one copies the task's F
         table: a tenth of a replan's time at 100 tasks)."""

@@ -42,6 +42,7 @@ from unicron.control.allocation import TaskView, throughput
 from unicron.errors import UsageError
 from unicron.planner import ModelSpec
 from unicron.sim import engine
+from unicron.sim.metrics import PolicyResult
 from unicron.sim.policies import Unicron
 from unicron.sim.trace import TraceEvent
 
@@ -206,7 +207,7 @@ def measured_table(
     return out
 
 
-def prepare(sc: Scenario, rates: dict[str, dict[int, float]]) -> Any:
+def prepare(sc: Scenario, rates: dict[str, dict[int, float]]) -> engine.Prepared:
     """The simulator's :class:`~unicron.sim.engine.Prepared` for ``sc``: measured F tables
     (booked), the runtime's model (planned with), and the reference plan: the planner's on
     the whole cluster with the model, which is what the real cluster starts with."""
@@ -282,7 +283,7 @@ class Constants:
     """the runtime's failure-rate prior for D_run (``Cluster._d_run_s``)"""
 
 
-def simulate(sc: Scenario, constants: Constants) -> Any:
+def simulate(sc: Scenario, constants: Constants) -> PolicyResult:
     """Replay ``sc`` under the Unicron policy with ``constants``: a
     :class:`~unicron.sim.metrics.PolicyResult`."""
     prepared = prepare(sc, constants.rates)
