@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo cluster-demo test test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
+.PHONY: demo cluster-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
+
+# the tests not marked e2e (no real processes, clusters or process groups): under 2 minutes
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not e2e" $(PYTEST_ARGS)
 
 # the suite beside BURNERS (default 2) processes spinning on the CPU: a slower machine than
 # CI's, to find the races a test would lose there (a stop's CI run is one try). ~15 min.

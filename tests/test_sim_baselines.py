@@ -162,6 +162,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("body", "line", "what"),
     [
