@@ -151,8 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {write_summary(args.results)}")
         if args.results == RESULTS_DIR:
             try:
-                measured.write()
-                print(f"wrote {measured.DATA}")
+                if measured.refresh():
+                    print(f"wrote {measured.DATA}")
             except measured.ResultsError as exc:
                 print(f"python -m bench: simulator constants not written: {exc}", file=sys.stderr)
     return 0

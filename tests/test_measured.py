@@ -79,16 +79,24 @@ def test_a_missing_or_malformed_data_file_is_an_error_not_a_fallback(tmp_path: P
 def test_a_stale_data_file_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     res = _results(tmp_path)
     out = tmp_path / "measured.json"
-    bench_measured.write(out, res)
+    doc = bench_measured.write(out, res)
     args = ["--check", "--results", str(res), "--out", str(out)]
     assert bench_measured.main(args) == 0
+    doc["provenance"]["date"] = "2026-03-01T00:00:00Z"
+    out.write_text(json.dumps(doc))
     # a rerun of the node scenario since: new rows, dated after the file was written
-    (res / "node.json").write_text(json.dumps([_row("detection_heartbeat_s", 0.7, "2999-01-01")]))
+    rerun = _row("detection_heartbeat_s", 0.7, "2026-06-01T00:00:00Z")
+    (res / "node.json").write_text(json.dumps([rerun]))
     assert bench_measured.main(args) == 1
     err = capsys.readouterr().err
     assert "warning:" in err and "stale" in err
-    assert "before source rows of 2999-01-01" in err
+    assert "before source rows of 2026-06-01T00:00:00Z" in err
     assert "differs: node_detect_s" in err
+    assert bench_measured.refresh(out, res)  # the suite's last step rewrites it ...
+    assert bench_measured.main(args) == 0
+    written = out.read_text()
+    assert not bench_measured.refresh(out, res)  # ... and leaves a fresh one alone
+    assert out.read_text() == written
 
 
 def test_the_package_data_file_is_fresh_and_the_policy_uses_it() -> None:
