@@ -37,7 +37,8 @@ class TaskSpec:
 
     name: str
     model: str
-    """A :data:`unicron.planner.MODEL_PRESETS` name or one of :func:`model_names`."""
+    """A :data:`unicron.planner.MODEL_PRESETS` name or one of
+    :func:`unicron.sim.engine.model_names`."""
     global_batch: int
     weight: float = 1.0
     min_nodes: int = 1
@@ -60,7 +61,8 @@ class TaskSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskPerf:
-    """What the planner says about one task on this cluster (computed once by :func:`prepare`)."""
+    """What the planner says about one task on this cluster (computed once by
+    :func:`unicron.sim.engine.prepare`)."""
 
     spec: TaskSpec
     flops: np.ndarray
@@ -70,7 +72,7 @@ class TaskPerf:
     state_bytes: float
     """Training state to move or load (planner's :func:`~unicron.planner.state_bytes`)."""
     model: ModelSpec
-    """The model's shape (:func:`model_spec`)."""
+    """The model's shape (:func:`unicron.sim.engine.model_spec`)."""
     plan_flops: np.ndarray | None = None
     """What the planner believes F(nodes) is, where that differs from what the task really
     gets (``flops``): the sim-to-real scenario (:mod:`unicron.sim.scenario`) plans with the
@@ -79,7 +81,8 @@ class TaskPerf:
 
 @dataclass(eq=False)
 class TaskRun:
-    """One task's mutable timeline under one policy (owned by :class:`Simulation`)."""
+    """One task's mutable timeline under one policy (owned by
+    :class:`unicron.sim.engine.Simulation`)."""
 
     perf: TaskPerf
     ref_waf: float
