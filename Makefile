@@ -44,6 +44,10 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+# the tests not marked e2e (no real processes, clusters or process groups): under 2 minutes
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not e2e" $(PYTEST_ARGS)
+
 # the suite beside BURNERS (default 2) processes spinning on the CPU: a slower machine than
 # CI's, to find the races a test would lose there (a stop's CI run is one try). ~15 min.
 BURNERS ?= 2

@@ -9,7 +9,9 @@ saved as soon as it ends: into ``bench/results/<scenario>.json``, in place of th
 after a run of the whole full suite, else merged with them. A run of the whole suite (no
 ``--scenario``, ``--system`` or ``--reps``) also records its duration in
 ``bench/results/runs.json``.
-``bench/results/SUMMARY.md`` is regenerated at the end.
+``bench/results/SUMMARY.md`` is regenerated at the end, and so are the simulator's measured
+constants (``unicron/sim/data/measured.json``, :mod:`bench.measured`) when the results went to
+``bench/results``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench import measured
 from bench.common import (
     RESULTS_DIR,
     Row,
@@ -146,6 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     finally:  # the summary follows the saved files, also after an interruption
         print(f"wrote {write_summary(args.results)}")
+        if args.results == RESULTS_DIR:
+            try:
+                if measured.refresh():
+                    print(f"wrote {measured.DATA}")
+            except measured.ResultsError as exc:
+                print(f"python -m bench: simulator constants not written: {exc}", file=sys.stderr)
     return 0
 
 

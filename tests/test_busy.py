@@ -155,6 +155,7 @@ def test_the_run_queue_wait_is_taken_out_of_a_step() -> None:
     assert own_compute_s(0.3, float("nan")) == 0.3
 
 
+@pytest.mark.e2e
 def test_read_queued_s_counts_waiting_for_a_cpu_not_sleeping() -> None:
     """A thread that sleeps waits of its own accord (not counted); one that competes with
     busy processes for fewer cores than there are runnable threads waits in the run queue."""

@@ -64,6 +64,7 @@ def _assert_equal(a: Any, b: Any) -> None:
         assert a == b
 
 
+@pytest.mark.e2e
 def test_kill_9_of_the_writer_never_leaves_a_broken_checkpoint(tmp_path: Path) -> None:
     ctx = mp.get_context("fork")
     rng = random.Random(14)

@@ -25,7 +25,7 @@ from unicron.control.lab import LocalCluster
 from unicron.control.taskspec import TaskSpec
 from unicron.runtime import checkpoint as C
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 STEPS = 40
 """enough that a stop or a cancel, which reaches the workers up to half a second after the step

@@ -22,6 +22,8 @@ from tests.conftest import TRAIN, run_unicron
 from unicron.control import netns
 from unicron.control.lab import LocalCluster
 
+pytestmark = pytest.mark.e2e
+
 STEPS = 120
 """long enough for the returned node to start its workers and rejoin: its agent is back about
 2 s after the loss and its workers 2 s later, while 60 steps took under 5 s once a step got

@@ -156,6 +156,7 @@ def test_what_the_planner_cannot_take_is_refused_at_submit(
     assert "bad" not in cluster.tasks
 
 
+@pytest.mark.e2e
 def test_an_unknown_placement_is_exit_2(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -21,6 +21,8 @@ from unicron.control.service import make_app, serve
 from unicron.control.state import open_state
 from unicron.control.taskspec import TaskSpec
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_gpt.py")
 TOKEN = "s3cret-token"

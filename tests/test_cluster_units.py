@@ -179,6 +179,7 @@ def test_a_database_of_another_schema_is_refused(tmp_path: Path) -> None:
         open_state(tmp_path)
 
 
+@pytest.mark.e2e
 def test_the_coordinator_refuses_a_foreign_state_dir_with_one_line(tmp_path: Path) -> None:
     import os
     import subprocess

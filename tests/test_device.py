@@ -91,6 +91,7 @@ def _survivors(marker: str) -> list[str]:
     return found
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -109,6 +110,7 @@ def test_cuda_asked_of_a_node_without_it_or_with_exact_mode_exits_2(
     assert not r.events  # before anything started
 
 
+@pytest.mark.e2e
 def test_a_model_too_large_for_the_slots_exits_2_and_nothing_is_left_running(
     run: Any, tmp_path: Path
 ) -> None:
@@ -123,6 +125,7 @@ def test_a_model_too_large_for_the_slots_exits_2_and_nothing_is_left_running(
     assert not _survivors(str(tmp_path)), _survivors(str(tmp_path))
 
 
+@pytest.mark.e2e
 def test_each_worker_trains_on_its_device_and_learns_its_local_rank(
     run: Any, tmp_path: Path
 ) -> None:
@@ -149,6 +152,7 @@ class _Communicator:
         self.aborted += 1
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(30)
 def test_a_superseded_nccl_epoch_is_left_by_aborting_its_communicator() -> None:
     """The NCCL wait logic on the CPU: a collective that never completes is polled in slices;

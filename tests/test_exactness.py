@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.e2e
 
 STEPS = 36
 FAULTS = (

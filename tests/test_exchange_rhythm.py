@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "rhythm-token"
 ROUND_S = 0.02  # the agent's loop: unicron.control.agent.Agent.run
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

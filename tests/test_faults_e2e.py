@@ -23,7 +23,7 @@ STEPS = 24
 SCRIPTS = ROOT / "tests" / "scripts"
 RESTART_LIMIT = 3  # EscalationSettings.restart_limit: restarts a slot gets before exclusion
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
 from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 
+pytestmark = pytest.mark.e2e
+
 TIMEOUT_S = 8.0
 KEEP: list[EpochGroup] = []  # an abandoned group is never freed (as the worker does)
 

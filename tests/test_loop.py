@@ -43,6 +43,7 @@ def _ok(r: RunResult, steps: int) -> str:
     return sha
 
 
+@pytest.mark.e2e
 def test_hugging_face_llama_with_its_own_loop_heals_bit_for_bit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -60,6 +61,7 @@ def test_hugging_face_llama_with_its_own_loop_heals_bit_for_bit(
     assert any(e.get("microbatches_reused") for e in faulty.of("transition_end"))
 
 
+@pytest.mark.e2e
 def test_the_example_gpt_as_a_plain_loop_heals_bit_for_bit_and_matches_train(
     tmp_path: Path,
 ) -> None:
@@ -74,6 +76,7 @@ def test_the_example_gpt_as_a_plain_loop_heals_bit_for_bit_and_matches_train(
     assert "hang" in [e["kind"] for e in faulty.of("error_detected") if e["slot"] == 3]
 
 
+@pytest.mark.e2e
 def test_gradients_handed_over_and_clipped_by_the_loop_heal_bit_for_bit(tmp_path: Path) -> None:
     steps = 6
     clipped = ("--misuse", "none", "--clip")
@@ -110,6 +113,7 @@ def sampler_clean(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _ok(r, SAMPLER_STEPS)
 
 
+@pytest.mark.e2e
 def test_a_restarted_worker_receives_the_samplers_position_with_the_state(
     tmp_path: Path, sampler_clean: str
 ) -> None:
@@ -120,6 +124,7 @@ def test_a_restarted_worker_receives_the_samplers_position_with_the_state(
     assert any(e["state_source"] == "peer_node" for e in healed.of("transition_end"))
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_reads_the_samplers_position_from_the_checkpoint(
     tmp_path: Path, sampler_clean: str
 ) -> None:
@@ -141,6 +146,7 @@ MISUSE = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("misuse", sorted(MISUSE))
 def test_bad_use_of_the_step_api_exits_2_naming_the_mistake_before_the_commit(
     tmp_path: Path, misuse: str

@@ -10,6 +10,8 @@ import pytest
 
 from unicron.control import netns
 
+pytestmark = pytest.mark.e2e
+
 WHY = netns.available()
 needs_netns = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces here: {WHY}")
 

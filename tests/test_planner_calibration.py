@@ -104,6 +104,7 @@ def test_the_constants_in_force_are_the_fitted_ones() -> None:
     assert calibration._loss(calib, fitted) > now - 0.005
 
 
+@pytest.mark.e2e
 def test_command_prints_the_table() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "unicron.planner.calibration"],

@@ -167,6 +167,7 @@ def test_todays_models_plan_with_their_layouts(task: dict[str, Any]) -> None:
         parse_spec({"cluster": {"nodes": 8}, "tasks": [{**task, "precision": "fp8"}]}, ROOT)
 
 
+@pytest.mark.e2e
 def test_json_output_end_to_end() -> None:
     proc = _run(str(ROOT / "examples" / "plans" / "node-lost.yaml"), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -180,12 +181,14 @@ def test_json_output_end_to_end() -> None:
     assert sum(t["gpus"] for t in out["tasks"]) <= 15 * 8
 
 
+@pytest.mark.e2e
 def test_table_output_end_to_end() -> None:
     proc = _run(str(ROOT / "examples" / "plans" / "task-added.yaml"))
     assert proc.returncode == 0, proc.stderr
     assert "gpt3-175b" in proc.stdout and "layout" in proc.stdout and "dist-opt" in proc.stdout
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("doc", "field"),
     [
@@ -230,11 +233,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, doc: dict[str, Any], fi
     assert len(lines) == 1 and field in lines[0], proc.stderr
 
 
+@pytest.mark.e2e
 def test_missing_file_exits_2(tmp_path: Path) -> None:
     proc = _run(str(tmp_path / "nope.yaml"))
     assert proc.returncode == 2 and "cannot read" in proc.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(
     any(importlib.util.find_spec(m.partition(":")[0]) is None for m, _ in COMMANDS.values()),
     reason="python -m unicron needs every command module (other issues) to exist",

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import ROOT, TRAIN
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

@@ -163,6 +163,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("body", "line", "what"),
     [
@@ -183,39 +184,8 @@ def test_bad_trace_exits_2_with_file_and_line(tmp_path, body, line, what):
     assert len(p.stderr.strip().splitlines()) == 1
 
 
-def test_unicron_constants_come_from_bench_results(tmp_path):
-    import json
-
-    from unicron.sim import measured
-
-    def row(metric, value, scenario):
-        return {"system": "unicron", "scenario": scenario, "metric": metric, "median": value}
-
-    (tmp_path / "error.json").write_text(
-        json.dumps(
-            [row("detection_s[nccl]", 0.03, "error"), row("detection_s[cuda]", 0.07, "error")]
-        )
-    )
-    (tmp_path / "crash.json").write_text(json.dumps([row("detection_s", 0.05, "crash")]))
-    (tmp_path / "node.json").write_text(json.dumps([row("detection_heartbeat_s", 0.9, "node")]))
-    (tmp_path / "hang.json").write_text(json.dumps([row("detection_s", 2.5, "hang")]))
-    m = measured.load(tmp_path)
-    got = (m.exception_detect_s, m.exit_detect_s, m.node_detect_s, m.hang_floor_s)
-    assert got == pytest.approx((0.03, 0.06, 0.9, 2.5))
-    assert m.source.startswith("bench/results")
-    assert measured.load(tmp_path / "missing") == measured.DESIGN_TARGETS
-    # the policy the command runs takes the repository's measured figures
-    real = measured.load()
-    uni = make_policy("unicron")
-    assert uni.node_detect_s == real.node_detect_s  # type: ignore[attr-defined]
-    if real is not measured.DESIGN_TARGETS:
-        node = json.loads((measured.RESULTS / "node.json").read_text())
-        hb = [r["median"] for r in node if r["system"] == "unicron"]
-        assert uni.node_detect_s in hb  # type: ignore[attr-defined]
-
-
 def _run_a(prepared):
-    from unicron.sim.engine import TaskRun
+    from unicron.sim.task import TaskRun
 
     return TaskRun(perf=prepared.by_name("a"), ref_waf=prepared.ref_waf("a"), target=2)
 

@@ -27,6 +27,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.e2e
 def test_malformed_trace_line_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("0,add,node1\n0,add,node2\n1000,explode,node1\n")
@@ -47,6 +48,7 @@ def test_load_csv_errors(tmp_path, line, what):
         load_csv(f)
 
 
+@pytest.mark.e2e
 def test_unknown_policy_lists_known_ones(tmp_path):
     p = _run("--rate", "0.1", "--policies", "unicron,nope", "--out", str(tmp_path))
     assert p.returncode == 2

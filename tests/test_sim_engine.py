@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from unicron.sim.engine import LOSSES, TaskSpec, Workload, paper_workload, prepare, simulate
+from unicron.sim.engine import TaskSpec, Workload, paper_workload, prepare, simulate
 from unicron.sim.metrics import PolicyResult
 from unicron.sim.policies import POLICIES, make_policy
+from unicron.sim.task import LOSSES
 from unicron.sim.trace import TraceEvent, generate
 
 DAY = 86400.0

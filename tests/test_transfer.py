@@ -29,6 +29,8 @@ from unicron.runtime.transfer import (
     transfer,
 )
 
+pytestmark = pytest.mark.e2e
+
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)

@@ -27,7 +27,6 @@ user's model code does not change.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import math
 import os
 import threading
@@ -68,6 +67,7 @@ from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
+from unicron.runtime.digest import params_sha256
 from unicron.runtime.gradients import Reducer
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.runtime.inject import Fault, FaultPlan, parse, stop_self
@@ -166,15 +166,6 @@ class WorkerContext:
 
 def _every(raw: str) -> int | None:
     return None if raw == "auto" else int(raw)
-
-
-def params_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 of the model's parameters and buffers, in ``state_dict`` order."""
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def device() -> torch.device:

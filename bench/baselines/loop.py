@@ -11,7 +11,6 @@ same ``--inject`` faults (parsed by :mod:`unicron.runtime.inject`) at the same s
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -230,11 +229,3 @@ def accumulate(
             (loss * scale).backward()
         total += float(loss.detach())
     return total / max(len(ids), 1)
-
-
-def params_sha256(model: nn.Module) -> str:
-    """Hash of the parameters' bytes, as Unicron's ``task_end`` reports it."""
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()

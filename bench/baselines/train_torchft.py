@@ -25,9 +25,9 @@ from bench.baselines.loop import (
     Trainer,
     accumulate,
     local_microbatches,
-    params_sha256,
     setup_threads,
 )
+from unicron.runtime.digest import params_sha256
 
 
 def parse_args() -> argparse.Namespace:

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from unicron.errors import UsageError
 
 if TYPE_CHECKING:
-    from unicron.control.agent import FatalError
+    from unicron.control.agent import Agent, FatalError
+    from unicron.control.client import Client
 
 log = logging.getLogger("unicron.control.node")
 
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass
 class _Running:
-    agent: Any  # unicron.control.agent.Agent
+    agent: Agent
     thread: threading.Thread
     stop: threading.Event
 
@@ -80,7 +81,7 @@ class NodeAgent:
     """See the module docstring; :meth:`run` until ``stop`` is set or the node vanishes."""
 
     def __init__(
-        self, client: Any, *, name: str, slots: int, log_dir: Path, per_task: bool = True
+        self, client: Client, *, name: str, slots: int, log_dir: Path, per_task: bool = True
     ) -> None:
         self.client = client
         self.name = name

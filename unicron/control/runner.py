@@ -20,11 +20,19 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unicron.errors import UsageError
 from unicron.runtime import checkpoint as C
 from unicron.runtime.inject import Fault, parse
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.live import Live
+
+    from unicron.control.cluster import Cluster
+    from unicron.control.events import EventLog
+    from unicron.control.taskspec import TaskSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -332,7 +340,7 @@ def _check_resume(root: Path, reduce: str) -> None:
         print(f"unicron: warning: skipping checkpoint: {reason}", file=sys.stderr)
 
 
-def task_spec(args: argparse.Namespace, log_dir: Path) -> Any:
+def task_spec(args: argparse.Namespace, log_dir: Path) -> TaskSpec:
     """The run's arguments as a task file would say them (:mod:`unicron.control.taskspec`)."""
     from unicron.control.taskspec import TaskSpec
 
@@ -551,7 +559,7 @@ class _Service:
     """The cluster service of this run: its HTTP API on 127.0.0.1 and a free port (uvicorn on
     a thread), a fresh token, the cluster's ticker, and a client for the agents."""
 
-    def __init__(self, cluster: Any) -> None:
+    def __init__(self, cluster: Cluster) -> None:
         import secrets
         import socket
 
@@ -587,9 +595,9 @@ class _Display:
     """A live status line (step, loss, workers, epoch) on a terminal; notable events as lines
     otherwise."""
 
-    def __init__(self, console: Any, events: Any) -> None:
+    def __init__(self, console: Console, events: EventLog) -> None:
         self.console = console
-        self.live: Any = None
+        self.live: Live | None = None
         self.state: dict[str, Any] = {"step": "-", "loss": "-", "workers": "-", "epoch": "-"}
         if console.is_terminal:
             from rich.live import Live

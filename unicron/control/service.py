@@ -37,7 +37,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
@@ -45,9 +45,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from unicron.control import messages as M
 from unicron.control.client import ENV_TOKEN, resolve_token
-from unicron.control.cluster import Conflict, Invalid, NotFound
+from unicron.control.cluster import Cluster, Conflict, Invalid, NotFound
 from unicron.control.taskspec import NAME, TaskSpec
 from unicron.errors import UsageError
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 log = logging.getLogger("unicron.control.service")
 
@@ -111,7 +115,7 @@ class Exchange(BaseModel):
     reports: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
 
 
-def make_app(cluster: Any, token: str) -> Any:
+def make_app(cluster: Cluster, token: str) -> FastAPI:
     """The FastAPI application over ``cluster`` (a :class:`~unicron.control.cluster.Cluster`).
 
     The token check and the agents' two calls (``heartbeat``, ``exchange``: nearly every
@@ -144,10 +148,10 @@ def make_app(cluster: Any, token: str) -> Any:
         they need the token too. A plain ASGI middleware: Starlette's ``@app.middleware``
         (``BaseHTTPMiddleware``) would cost every request a task group and a stream."""
 
-        def __init__(self, inner: Any) -> None:
+        def __init__(self, inner: ASGIApp) -> None:
             self.inner = inner
 
-        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
             if scope["type"] == "http" and scope["path"] in unguarded:
                 try:
                     await authorized(Request(scope))
@@ -235,7 +239,7 @@ def make_app(cluster: Any, token: str) -> Any:
     return app
 
 
-def serve(cluster: Any, token: str, host: str, port: int) -> Any:
+def serve(cluster: Cluster, token: str, host: str, port: int) -> uvicorn.Server:
     """A uvicorn server for the app (``server.run()`` blocks; ``server.should_exit`` stops)."""
     import uvicorn
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from unicron.errors import UsageError
+
 if TYPE_CHECKING:
     import torch
 
@@ -643,8 +645,6 @@ def check_resume(root: Path, reduce: str, *, flag: str) -> list[str]:
     written in the same reduce mode (the worker checks the model when it loads it). Raises
     :class:`~unicron.errors.UsageError` with one line (``flag`` names the setting); returns
     the reasons checkpoints newer than the one used were skipped."""
-    from unicron.errors import UsageError
-
     if not root.is_dir():
         raise UsageError(f"{flag} {root}: no such directory")
     if not os.access(root, os.W_OK | os.X_OK):

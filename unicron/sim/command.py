@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from unicron.errors import UsageError
+
+if TYPE_CHECKING:  # imported when the command runs (see above)
+    from rich.progress import TaskID
+
+    from unicron.sim.engine import Prepared, Workload
+    from unicron.sim.metrics import PolicyResult
+    from unicron.sim.trace import TraceEvent
 
 POLICY_NAMES = (
     "unicron",
@@ -71,7 +79,7 @@ def _policies(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _workload(args: argparse.Namespace) -> Any:
+def _workload(args: argparse.Namespace) -> Workload:
     from dataclasses import replace
 
     from unicron.sim import engine
@@ -101,8 +109,9 @@ def _workload(args: argparse.Namespace) -> Any:
 
 def main(args: argparse.Namespace) -> int:
     """Run each policy over the same trace and write the report into ``--out``."""
-    from unicron.sim import engine, report, trace
+    from unicron.sim import engine, measured, report, trace
 
+    m = measured.load()  # a broken install fails before the work, not after it
     names = _policies(args.policies)
     wl = _workload(args)
     if args.days is not None and not args.days > 0:
@@ -124,9 +133,6 @@ def main(args: argparse.Namespace) -> int:
         label = f"generated: {args.rate}/node/day, Llama 3 cause mix, seed {args.seed}"
     prepared = engine.prepare(wl)
     results = _run_all(prepared, events, names, duration, args)
-    from unicron.sim import measured
-
-    m = measured.load()
     meta = {
         "trace": label,
         "unicron_constants": {
@@ -169,8 +175,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run_all(
-    prepared: Any, events: Any, names: list[str], duration: float, args: argparse.Namespace
-) -> list[Any]:
+    prepared: Prepared,
+    events: Sequence[TraceEvent],
+    names: list[str],
+    duration: float,
+    args: argparse.Namespace,
+) -> list[PolicyResult]:
     from unicron.sim import engine
     from unicron.sim.policies import make_policy
 
@@ -189,7 +199,7 @@ def _run_all(
         for n in names:
             job = bar.add_task(f"{n:>12}", total=duration)
 
-            def tick(now: float, job: Any = job) -> None:
+            def tick(now: float, job: TaskID = job) -> None:
                 bar.update(job, completed=now)
 
             results.append(

@@ -23,6 +23,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from unicron.errors import UsageError
+from unicron.planner import GPUSpec
+from unicron.sim import engine, trace
+from unicron.sim.policies import BAMBOO_ARTIFACT_OOM, make_policy
+
 TRACES = ("5m", "10m", "30m", "1h", "3h", "6h")
 SYSTEMS = ("oobleck", "varuna", "bamboo")
 TOLERANCE = 0.15
@@ -59,8 +66,6 @@ class Mechanism:
 
 def mechanisms() -> tuple[Mechanism, ...]:
     """Every mechanism of the cross-check (policies.py documents each field)."""
-    from unicron.sim.policies import BAMBOO_ARTIFACT_OOM
-
     return (
         Mechanism(
             name="train-through-restart",
@@ -121,8 +126,6 @@ BAMBOO_USEFUL_SHARE = 0.1971
 
 def policy(system: str, without: frozenset[str] = frozenset()) -> Any:
     """``system``'s policy with its mechanisms on, except those named in ``without``."""
-    from unicron.sim.policies import make_policy
-
     pol = make_policy(system)
     values = {m.field: m.off if m.name in without else m.on for m in mechanisms() if m.field}
     return replace(pol, **{f: v for f, v in values.items() if hasattr(pol, f)})
@@ -150,8 +153,6 @@ def ours(
 ) -> tuple[float, float]:
     """Our (effective-time fraction, normalised throughput) for one cell, with ``system``'s
     mechanisms on except those in ``without``."""
-    from unicron.sim import engine
-
     pol = policy(system, without)
     r = engine.simulate(prepared, events, pol, duration_s=duration_s)
     booked = None
@@ -212,10 +213,6 @@ def _close(ours: float, theirs: float) -> bool:
 
 def load(path: Path = DATA) -> dict[str, Any]:
     """The data file as a mapping (UsageError if unreadable)."""
-    import yaml
-
-    from unicron.errors import UsageError
-
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:
@@ -225,12 +222,10 @@ def load(path: Path = DATA) -> dict[str, Any]:
     return data
 
 
-def calibrated_gpu(wl: Any, target_flops: float) -> Any:
+def calibrated_gpu(wl: engine.Workload, target_flops: float) -> GPUSpec:
     """``wl``'s GPU with peak FLOP/s and bandwidths scaled by one factor so that the task's
     throughput on all ``wl.nodes`` nodes is ``target_flops`` (every term of the planner's
     iteration time scales with that factor; memory does not change)."""
-    from unicron.sim import engine
-
     gpu = wl.gpu_type()
     f = engine.prepare(wl).perf[0].flops[wl.nodes]
     k = target_flops / f
@@ -245,8 +240,6 @@ def calibrated_gpu(wl: Any, target_flops: float) -> Any:
 
 def prepare(data: dict[str, Any], art_model: str) -> tuple[Any, float]:
     """One model's scenario (30 calibrated nodes) and its FLOPs per sample."""
-    from unicron.sim import engine
-
     m = data["models"][art_model]
     spec = engine.model_spec(m["ours"])
     wl = engine.Workload(
@@ -270,8 +263,6 @@ def cell(
     trace_dir: Path = TRACE_DIR,
 ) -> Cell:
     """One cell: ours with the system's mechanisms, without them, and the artifact's."""
-    from unicron.sim import trace
-
     p, _flops_per_sample = prepare(data, art_model) if prepared is None else prepared
     events = trace.load_csv(trace_dir / f"{tr}.csv")
     duration = max(e.time_s for e in events)
@@ -378,8 +369,6 @@ def summary(cells: list[Cell]) -> str:
         "| mechanism | system | policy field: cross-check value (default) |",
         "|---|---|---|",
     ]
-    from unicron.sim.policies import make_policy
-
     for m in mechanisms():
         if m.field is None:
             lines.append(f"| {m.name} | {m.system} | none: the measure (`crosscheck.measures`) |")

@@ -18,33 +18,27 @@ so for every task ``ref_waf * T = useful + sum(losses)`` holds exactly.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
+from unicron import planner
+from unicron.detect import classify
+from unicron.planner import GPUSpec, ModelSpec
+from unicron.sim.metrics import PolicyResult, collect
+from unicron.sim.task import Mode, TaskPerf, TaskRun, TaskSpec
 from unicron.sim.trace import DETECTORS, TraceEvent
-
-if TYPE_CHECKING:
-    from unicron.planner import GPUSpec, ModelSpec
-    from unicron.sim.metrics import PolicyResult
-    from unicron.sim.policies import Policy
-
-LOSSES = ("detection", "transition", "lost_work", "sub_healthy", "idle")
-"""Categories of lost time, in report order."""
 
 FALLBACK_ITER_S = 10.0
 """Iteration time assumed where the planner finds no configuration (no fit)."""
 
 
 def _extra_models() -> dict[str, ModelSpec]:
-    from unicron.planner import ModelSpec
-
     # BERT-large (Devlin et al. 2019: 24 layers, hidden 1024, 16 heads, 512 tokens, WordPiece
     # vocabulary 30,522): a model of the Oobleck artifact's scenarios (docs/simulator.md).
     # Its layers cost what a decoder layer of the same shape costs, so the planner's GPT
@@ -68,8 +62,6 @@ def _extra_models() -> dict[str, ModelSpec]:
 
 def model_spec(name: str) -> ModelSpec:
     """A model by name: the planner's presets, then the simulator's extra models."""
-    from unicron import planner
-
     if name in planner.MODEL_PRESETS:
         return planner.MODEL_PRESETS[name]
     return _extra_models()[name]
@@ -77,45 +69,7 @@ def model_spec(name: str) -> ModelSpec:
 
 def model_names() -> list[str]:
     """Every model name :func:`model_spec` knows."""
-    from unicron import planner
-
     return [*planner.MODEL_PRESETS, *_extra_models()]
-
-
-class Mode(enum.StrEnum):
-    """A task's state. RUNNING -> DOWN (a fault: recovery phases) -> RUNNING or IDLE;
-    IDLE -> DOWN (nodes came: restart phases) -> RUNNING."""
-
-    RUNNING = "running"
-    DOWN = "down"
-    IDLE = "idle"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskSpec:
-    """One training task of the workload."""
-
-    name: str
-    model: str
-    """A :data:`unicron.planner.MODEL_PRESETS` name or one of :func:`model_names`."""
-    global_batch: int
-    weight: float = 1.0
-    min_nodes: int = 1
-    """Fewest nodes the task runs on (also the size of one torchft replica group)."""
-    max_nodes: int | None = None
-    """Most nodes it can use (caps the planner's table; None: the whole cluster)."""
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("name: must be a non-empty string")
-        if self.global_batch < 1:
-            raise ValueError(f"global_batch: must be >= 1, got {self.global_batch}")
-        if not (math.isfinite(self.weight) and self.weight >= 0):
-            raise ValueError(f"weight: must be a finite number >= 0, got {self.weight}")
-        if self.min_nodes < 1:
-            raise ValueError(f"min_nodes: must be >= 1, got {self.min_nodes}")
-        if self.max_nodes is not None and self.max_nodes < self.min_nodes:
-            raise ValueError(f"max_nodes: must be >= min_nodes ({self.min_nodes})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +86,6 @@ class Workload:
 
     def gpu_type(self) -> GPUSpec:
         """The GPU the planner prices: ``gpu_spec``, else the preset named ``gpu``."""
-        from unicron import planner
-
         return self.gpu_spec if self.gpu_spec is not None else planner.GPU_PRESETS[self.gpu]
 
     def __post_init__(self) -> None:
@@ -146,25 +98,6 @@ class Workload:
         names = [t.name for t in self.tasks]
         if len(set(names)) != len(names):
             raise ValueError("tasks: names must be unique")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskPerf:
-    """What the planner says about one task on this cluster (computed once by :func:`prepare`)."""
-
-    spec: TaskSpec
-    flops: np.ndarray
-    """Achieved FLOP/s with 0..nodes nodes (0 where nothing fits or beyond max_nodes)."""
-    iter_time_s: float
-    """Iteration time at the reference allocation."""
-    state_bytes: float
-    """Training state to move or load (planner's :func:`~unicron.planner.state_bytes`)."""
-    model: ModelSpec
-    """The model's shape (:func:`model_spec`)."""
-    plan_flops: np.ndarray | None = None
-    """What the planner believes F(nodes) is, where that differs from what the task really
-    gets (``flops``): the sim-to-real scenario (:mod:`unicron.sim.scenario`) plans with the
-    runtime's model and books the rates measured on the real cluster. None: ``flops``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,8 +133,6 @@ def _monotone(flops: np.ndarray, cap: int) -> np.ndarray:
 
 def prepare(workload: Workload) -> Prepared:
     """Performance tables, iteration times and the reference plan (the planner, D_run = inf)."""
-    from unicron import planner
-
     # the systems compared (Varuna, Oobleck, Bamboo) reshape the batch to any GPU count; a
     # Megatron-Core launch needs it to divide (PerfOptions.exact_batch, docs/planner.md)
     options = planner.PerfOptions(exact_batch=False)
@@ -261,69 +192,32 @@ def prepare(workload: Workload) -> Prepared:
     return Prepared(workload=workload, perf=tuple(final), reference=reference)
 
 
-@dataclass(eq=False)
-class TaskRun:
-    """One task's mutable timeline under one policy (owned by :class:`Simulation`)."""
-
-    perf: TaskPerf
-    ref_waf: float
-    target: int
-    """Nodes the policy wants the task to hold (fixed world size for Megatron)."""
-    nodes: list[str] = field(default_factory=list)
-    mode: Mode = Mode.IDLE
-    reason: str = "idle"
-    since: float = 0.0
-    token: int = 0
-    flops: np.ndarray | None = None
-    """F(nodes) this policy gets (None: the planner's, ``perf.flops``; Bamboo masks the node
-    counts where its doubled memory does not fit)."""
-    factor: float = 1.0
-    """Multiplier on F(nodes) while running (steady overhead x live replica fraction)."""
-    booked_useful: float | None = None
-    """Share of a running second the effective-time measure books as useful (None:
-    ``factor``; Bamboo's artifact bookkeeping sets its own)."""
-    sample_loss: float = 0.0
-    """Fraction of the global batch dropped per step (torchft while replicas are missing)."""
-    useful: float = 0.0
-    loss: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSSES, 0.0))
-    down_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(LOSSES, 0.0))
-    ckpt_clock: float = 0.0
-    """Running seconds since the last periodic checkpoint (its phase in the schedule)."""
-    ckpt_phase: float = 0.0
-    """``ckpt_clock`` at the last checkpoint: a rollback returns the schedule there."""
-    work_since_ckpt: float = 0.0
-    run_start: float = 0.0
-    """When the task last started running (its step boundaries count from here)."""
-    overhead_s: float = 0.0
-    """Running seconds lost to the steady factor (checkpoint stalls, redundant computation):
-    the running time times ``1 - factor``, for the effective-time fraction."""
-    lost_samples: float = 0.0
-    faults: int = 0
-    transitions: int = 0
-    """Transition phases the policy started for the task (superseded ones included)."""
-    extra: dict[str, int] = field(default_factory=dict)
-    """Policy bookkeeping (torchft: replica groups out)."""
-
-    @property
-    def name(self) -> str:
-        return self.perf.spec.name
-
-    @property
-    def spec(self) -> TaskSpec:
-        return self.perf.spec
-
-    def rate(self) -> float:
-        """WAF while running with the current nodes (0 below the minimum)."""
-        n = len(self.nodes)
-        if n < self.spec.min_nodes:
-            return 0.0
-        flops = self.perf.flops if self.flops is None else self.flops
-        return float(self.spec.weight * flops[min(n, len(flops) - 1)]) * self.factor
-
-
 def _natural(name: str) -> tuple[tuple[int, int | str], ...]:
     """Sort key that orders embedded numbers numerically."""
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name) if p)
+
+
+class Policy(Protocol):
+    """What a :class:`Simulation` calls on its recovery policy (the classes of
+    :mod:`unicron.sim.policies` implement it): ``start`` once at time 0, a hook per trace
+    event, ``ckpt_interval`` each time it books a running task's time."""
+
+    @property
+    def name(self) -> str: ...
+
+    def ckpt_interval(self, task: TaskRun) -> float: ...
+
+    def start(self, sim: Simulation) -> None: ...
+
+    def on_fault(
+        self, sim: Simulation, task: TaskRun, node: str, signal: str, sev: int
+    ) -> None: ...
+
+    def on_node_lost(
+        self, sim: Simulation, task: TaskRun | None, node: str, signal: str, sev: int
+    ) -> None: ...
+
+    def on_node_back(self, sim: Simulation, node: str) -> None: ...
 
 
 class Simulation:
@@ -568,8 +462,6 @@ class Simulation:
         return lambda _t: self._on_trace(ev)
 
     def _on_trace(self, ev: TraceEvent) -> None:
-        from unicron.detect import classify
-
         node = ev.node
         if ev.action == "add":
             if self.present.get(node) or node in self.standby:
@@ -619,8 +511,6 @@ class Simulation:
 
     def run(self) -> PolicyResult:
         """Replay the trace to ``duration_s`` and return the result."""
-        from unicron.sim.metrics import collect
-
         self.policy.start(self)
         while self._heap:
             t, _, fn = heapq.heappop(self._heap)
@@ -631,7 +521,13 @@ class Simulation:
         self.now = self.duration_s
         for task in self.tasks.values():
             self.advance(task, self.duration_s)
-        return collect(self)
+        return collect(
+            self.policy.name,
+            list(self.tasks.values()),
+            duration_s=self.duration_s,
+            series=self.series,
+            ignored_events=self.ignored_events,
+        )
 
 
 def simulate(
@@ -711,8 +607,6 @@ def workload_from_mapping(data: object, where: str) -> Workload:
     raw_tasks = data.get("tasks")
     if not isinstance(cluster, dict) or not isinstance(raw_tasks, list):
         raise ValueError(f"{where}: 'cluster' must be a mapping and 'tasks' a list")
-    from unicron import planner
-
     gpu = str(cluster.get("gpu", "A800-80GB"))
     if gpu not in planner.GPU_PRESETS:
         raise ValueError(f"{where}: unknown gpu {gpu!r} (known: {', '.join(planner.GPU_PRESETS)})")

@@ -1,25 +1,29 @@
-"""The Unicron policy's constants, read from the runtime's measured benchmark results.
+"""The Unicron policy's constants, measured by the benchmarks and shipped as package data.
 
 ``python -m bench`` runs the real runtime (processes, gloo) and writes its figures to
-``bench/results/*.json`` (docs/benchmarks.md). :func:`load` reads the Unicron rows the
-simulator needs: how fast each kind of failure is detected, and the hang detector's
-floor. What cannot be measured on these machines is a named assumption with a source
-(:data:`ASSUMPTIONS`). Called by :func:`unicron.sim.policies.make_policy`; the command
-records which source was used in ``summary.json`` (``meta.unicron_constants``).
+``bench/results``; its last step, ``python -m bench.measured``, derives from those rows how
+fast each kind of failure is detected and the hang detector's floor, and writes them with
+their provenance (the command, the git commit, the date, the source rows) to
+``unicron/sim/data/measured.json``, which ships in the wheel. :func:`load` reads only that
+file, so ``unicron simulate`` gives the same numbers from a checkout and from an install; a
+missing or unreadable file is an error (:class:`MeasuredDataError`), never a fallback.
+Whether the file is stale against ``bench/results`` is checked where those files are (the
+benchmark command's ``--check`` and the test suite), not here. What cannot be measured on
+these machines is a named assumption with a source (:data:`ASSUMPTIONS`). Called by
+:meth:`unicron.sim.policies.Unicron.measured`; the command records the constants and their
+provenance in ``summary.json`` (``meta.unicron_constants``).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+from unicron.errors import UsageError
 
-COMM_KINDS = ("nccl", "timeout", "conn_reset", "conn_refused")
-CRASH_KINDS = ("cuda", "oom", "illegal_memory")
+DATA = Path(__file__).resolve().parent / "data" / "measured.json"
+"""The package data file ``python -m bench.measured`` writes."""
 
 ASSUMPTIONS: dict[str, tuple[float, str]] = {
     "regroup_s": (
@@ -38,65 +42,45 @@ ASSUMPTIONS: dict[str, tuple[float, str]] = {
 """Name -> (value, source) of what the simulator assumes for Unicron (0: computed)."""
 
 
+class MeasuredDataError(UsageError):
+    """The package data file is missing or malformed (a broken install or checkout)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Measured:
-    """Detection latencies in seconds and where each came from."""
+    """Detection latencies in seconds and where they came from."""
 
     exception_detect_s: float
     exit_detect_s: float
     node_detect_s: float
     hang_floor_s: float
     source: str
-    """``bench/results`` (with the files' dates) or the fallback's name."""
+    """One line: the results' dates, and the command, commit and date that derived them."""
 
 
-DESIGN_TARGETS = Measured(
-    exception_detect_s=0.2,
-    exit_detect_s=0.5,
-    node_detect_s=3.0,
-    hang_floor_s=1.5,
-    source="DESIGN.md targets (bench/results not found)",
-)
-"""Used only where ``bench/results`` is absent (an installed package without the tree)."""
+FIELDS = ("exception_detect_s", "exit_detect_s", "node_detect_s", "hang_floor_s")
 
 
-def _rows(name: str, results: Path) -> list[dict[str, Any]]:
-    data = json.loads((results / f"{name}.json").read_text())
-    return [r for r in data if isinstance(r, dict) and r.get("system") == "unicron"]
-
-
-def _median(rows: list[dict[str, Any]], metrics: list[str]) -> float:
-    values = [float(r["median"]) for r in rows if r.get("metric") in metrics]
-    if not values:
-        raise KeyError(", ".join(metrics))
-    return float(statistics.median(values))
-
-
-def load(results: Path = RESULTS) -> Measured:
-    """The measured constants (DESIGN targets if the result files are missing or lack a row).
-
-    * comm errors: median of ``detection_s[kind]`` for the communication kinds (error.json);
-    * crashes: median of crash.json ``detection_s`` and error.json's crash kinds;
-    * lost node: node.json ``detection_heartbeat_s`` (the node-health path; a dead host
-      has no process left to report);
-    * hang: hang.json ``detection_s`` is the statistical detector's floor.
-    """
+def load(path: Path = DATA) -> Measured:
+    """The measured constants from the package data file (``MeasuredDataError`` if it is
+    missing or lacks a field)."""
+    fix = "reinstall the package, or run `python -m bench.measured` in a checkout"
     try:
-        error = _rows("error", results)
-        crash = _rows("crash", results)
-        node = _rows("node", results)
-        hang = _rows("hang", results)
-        dates = sorted(
-            {str(r.get("date", ""))[:10] for r in error + crash + node + hang if r.get("date")}
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise MeasuredDataError(
+            f"{path}: the simulator's measured constants: {exc.strerror or exc}; {fix}"
+        ) from None
+    except ValueError as exc:
+        raise MeasuredDataError(f"{path}: not JSON ({exc}); {fix}") from None
+    try:
+        constants = {k: float(doc["constants"][k]) for k in FIELDS}
+        prov = doc["provenance"]
+        dates = sorted({str(s["date"])[:10] for s in doc["sources"] if s.get("date")})
+        source = (
+            f"bench/results ({', '.join(dates) or 'undated'}) via {prov['command']} "
+            f"at {str(prov['commit'])[:12]}, {prov['date']}"
         )
-        return Measured(
-            exception_detect_s=_median(error, [f"detection_s[{k}]" for k in COMM_KINDS]),
-            exit_detect_s=_median(
-                crash + error, ["detection_s", *(f"detection_s[{k}]" for k in CRASH_KINDS)]
-            ),
-            node_detect_s=_median(node, ["detection_heartbeat_s"]),
-            hang_floor_s=_median(hang, ["detection_s"]),
-            source=f"bench/results ({', '.join(dates) or 'undated'})",
-        )
-    except (OSError, ValueError, KeyError):
-        return DESIGN_TARGETS
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MeasuredDataError(f"{path}: malformed, missing or bad {exc}; {fix}") from None
+    return Measured(**constants, source=source)

@@ -11,13 +11,11 @@ cluster, summed WAF-seconds lost / the summed reference WAF. So
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from unicron.sim.engine import LOSSES
-
-if TYPE_CHECKING:
-    from unicron.sim.engine import Simulation
+from unicron.sim.task import LOSSES, TaskRun
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,12 +92,20 @@ def _seconds(loss: dict[str, float], ref: float) -> dict[str, float]:
     return {k: (loss[k] / ref if ref > 0 else 0.0) for k in LOSSES}
 
 
-def collect(sim: Simulation) -> PolicyResult:
-    """Summarise a finished simulation (all tasks advanced to ``duration_s``)."""
-    T = sim.duration_s
+def collect(
+    policy: str,
+    runs: Sequence[TaskRun],
+    *,
+    duration_s: float,
+    series: list[tuple[float, float]],
+    ignored_events: int,
+) -> PolicyResult:
+    """Summarise a finished simulation: ``runs`` are its tasks, all advanced to
+    ``duration_s``; ``series`` its (seconds, accumulated WAF) samples."""
+    T = duration_s
     tasks: list[TaskResult] = []
     total_loss = dict.fromkeys(LOSSES, 0.0)
-    for t in sim.tasks.values():
+    for t in runs:
         for k in LOSSES:
             total_loss[k] += t.loss[k]
         tasks.append(
@@ -117,19 +123,19 @@ def collect(sim: Simulation) -> PolicyResult:
                 transitions=t.transitions,
             )
         )
-    ref = sum(t.ref_waf for t in sim.tasks.values())
-    useful = sum(t.useful for t in sim.tasks.values())
+    ref = sum(t.ref_waf for t in runs)
+    useful = sum(t.useful for t in runs)
     return PolicyResult(
-        policy=sim.policy.name,
+        policy=policy,
         duration_s=T,
         ref_waf=ref,
         accumulated_waf=useful,
         effective_fraction=useful / (ref * T) if ref > 0 else 0.0,
         breakdown_s=_seconds(total_loss, ref),
         lost_samples=sum(t.lost_samples for t in tasks),
-        series=list(sim.series),
+        series=list(series),
         tasks=tasks,
-        ignored_events=sim.ignored_events,
+        ignored_events=ignored_events,
         effective_time_fraction=(
             sum(t.effective_time_fraction * t.ref_waf for t in tasks) / ref if ref > 0 else 0.0
         ),

@@ -21,12 +21,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, Literal
 
 import numpy as np
 
-from unicron.sim.engine import Mode, Simulation, TaskRun
+from unicron import planner
+from unicron.sim import measured
+from unicron.sim.engine import Simulation
+from unicron.sim.task import Mode, TaskRun
 
 COMM_KINDS = frozenset({"nccl", "timeout", "conn_reset", "conn_refused"})
 Method = Literal["crash", "comm", "hang", "node"]
@@ -73,8 +76,6 @@ class Policy:
         """Allocate the initial nodes and start every task (called once at time 0)."""
         targets = dict(sim.prepared.reference)
         if self.initial == "proportional":
-            from unicron import planner
-
             states = [
                 planner.TaskState(
                     name=t.name,
@@ -658,12 +659,8 @@ BAMBOO_ARTIFACT_OOM = frozenset({"gpt-350m", "gpt-2.7b", "gpt-6.7b"})
 723: ``# OOM``, a throughput table of zeros, for GPT-3 medium, 2.7B and 6.7B)."""
 
 
-def _doubled_table(sim: Simulation, task: TaskRun) -> Any:
+def _doubled_table(sim: Simulation, task: TaskRun) -> np.ndarray:
     """F(k) of a model with twice ``task``'s layers (nonzero where Bamboo's memory fits)."""
-    from dataclasses import replace
-
-    from unicron import planner
-
     wl = sim.workload
     model = task.perf.model
     doubled = replace(model, name=f"{model.name}-x2", layers=2 * model.layers)
@@ -817,7 +814,7 @@ class Unicron(Policy):
     to give its nodes to others, which the runtime does not do (beyond the runtime)."""
     nodes_lost: int = field(default=0, init=False)
     """Node losses seen so far (the observed failure rate for D_run)."""
-    _states: dict[str, tuple[tuple[int, float, bool, int, int], Any]] = field(
+    _states: dict[str, tuple[tuple[int, float, bool, int, int], planner.TaskState]] = field(
         default_factory=dict, init=False, repr=False
     )
     _warm: set[tuple[str, str]] = field(default_factory=set, init=False, repr=False)
@@ -835,8 +832,6 @@ class Unicron(Policy):
     @classmethod
     def measured(cls) -> Unicron:
         """Unicron with the runtime's measured detection latencies and the named assumptions."""
-        from unicron.sim import measured
-
         m = measured.load()
         return cls(
             exception_detect_s=m.exception_detect_s,
@@ -854,8 +849,6 @@ class Unicron(Policy):
         )
 
     def transition_s(self, sim: Simulation, task: TaskRun) -> float:
-        from unicron import planner
-
         if self.transition_fixed_s is not None:
             return self.transition_fixed_s
         wl = sim.workload
@@ -886,8 +879,6 @@ class Unicron(Policy):
         self._replan(sim, None)
 
     def _d_run_s(self, sim: Simulation) -> float:
-        from unicron import planner
-
         nodes = sim.healthy_count()
         node_days = max(sim.now, 1.0) * sim.workload.nodes / 86400.0
         prior_events = 1.0
@@ -896,12 +887,12 @@ class Unicron(Policy):
         )
         return planner.expected_time_to_failure_s(rate, max(nodes, 1))
 
-    def _state(self, task: TaskRun, cost: float, faulted: bool, base: int, spare: int) -> Any:
+    def _state(
+        self, task: TaskRun, cost: float, faulted: bool, base: int, spare: int
+    ) -> planner.TaskState:
         """The planner's view of ``task`` above its reserved ``base`` units, with ``spare``
         units to share, reused while it is unchanged (building one copies the task's F
         table: a tenth of a replan's time at 100 tasks)."""
-        from unicron import planner
-
         key = (len(task.nodes), cost, faulted, base, spare)
         hit = self._states.get(task.name)
         if hit is not None and hit[0] == key:
@@ -929,8 +920,6 @@ class Unicron(Policy):
         Unless :attr:`preempt_below_min`, every started task's minimum is reserved first and
         the solver shares the rest, as the runtime's allocation does (a task never placed is
         queued and reserves nothing); when the minimums do not fit, nothing moves."""
-        from unicron import planner
-
         units = sim.healthy_count()
         base = {
             t.name: t.spec.min_nodes

@@ -11,10 +11,13 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from unicron.sim.engine import LOSSES
 from unicron.sim.metrics import PolicyResult, ratios
+from unicron.sim.task import LOSSES
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -92,7 +95,7 @@ def plots(results: list[PolicyResult], out: Path) -> list[Path]:
     return paths
 
 
-def _save(fig: Any, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     tmp = path.with_name(f".{path.stem}.tmp.png")
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, path)

@@ -35,8 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
+from unicron import planner
+from unicron.control.allocation import TaskView, throughput
 from unicron.errors import UsageError
+from unicron.planner import ModelSpec
+from unicron.sim import engine
+from unicron.sim.metrics import PolicyResult
+from unicron.sim.policies import Unicron
 from unicron.sim.trace import TraceEvent
 
 
@@ -148,8 +155,6 @@ def _trace(raw: Any, where: str, nodes: int, duration: float) -> tuple[TraceEven
 
 def load(path: Path) -> Scenario:
     """Read and validate a scenario file; one line on any problem."""
-    import yaml
-
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
@@ -169,8 +174,6 @@ def sim_trace(sc: Scenario) -> list[TraceEvent]:
 def model_table(task: ScenarioTask, nodes: int, microbatches: int) -> np.ndarray:
     """What the runtime's planner believes: ``M / ceil(M / k)`` on k workers, capped at the
     task's maximum (:func:`unicron.control.allocation.throughput`, the same function)."""
-    from unicron.control.allocation import TaskView, throughput
-
     view = TaskView(
         name=task.name,
         weight=task.weight,
@@ -204,14 +207,10 @@ def measured_table(
     return out
 
 
-def prepare(sc: Scenario, rates: dict[str, dict[int, float]]) -> Any:
+def prepare(sc: Scenario, rates: dict[str, dict[int, float]]) -> engine.Prepared:
     """The simulator's :class:`~unicron.sim.engine.Prepared` for ``sc``: measured F tables
     (booked), the runtime's model (planned with), and the reference plan: the planner's on
     the whole cluster with the model, which is what the real cluster starts with."""
-    from unicron import planner
-    from unicron.planner import ModelSpec
-    from unicron.sim import engine
-
     model = ModelSpec(name="example", layers=2, hidden=128, heads=4, seq_len=64, vocab=256)
     perfs = []
     for t in sc.tasks:
@@ -284,12 +283,9 @@ class Constants:
     """the runtime's failure-rate prior for D_run (``Cluster._d_run_s``)"""
 
 
-def simulate(sc: Scenario, constants: Constants) -> Any:
+def simulate(sc: Scenario, constants: Constants) -> PolicyResult:
     """Replay ``sc`` under the Unicron policy with ``constants``: a
     :class:`~unicron.sim.metrics.PolicyResult`."""
-    from unicron.sim import engine
-    from unicron.sim.policies import Unicron
-
     prepared = prepare(sc, constants.rates)
     policy = Unicron(
         node_detect_s=constants.node_detect_s,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from unicron.detect import classify  # the runtime's table: a kind's severity is the same
 from unicron.errors import UsageError
 
 Action = Literal["add", "remove", "fault"]
@@ -100,8 +101,6 @@ LLAMA3_RATE_PER_NODE_DAY = 419 / (2048 * 54)
 
 def _classify_severity(signal: str) -> int:
     """Severity (1..3) of a classifier input, through the runtime's table."""
-    from unicron.detect import classify  # the same table the runtime uses (issue 3)
-
     verdict = (
         classify.classify_detector(signal)
         if signal in DETECTORS
