@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo cluster-demo test test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
+.PHONY: demo cluster-demo slurm-demo test test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 # a coordinator and three agents in network namespaces (root + iproute2; else loopback)
 cluster-demo: $(STAMP)
 	$(BIN)/python examples/cluster_demo.py
+
+# a real Slurm on this machine (root; apt-installs slurm-wlm and munge if missing): slurmctld,
+# three slurmd in network namespaces, the sbatch example trains, loses a node, heals (~2-4 min)
+slurm-demo: $(STAMP)
+	$(BIN)/python examples/slurm_demo.py
 
 SRC := unicron tests bench examples
 
