@@ -8,6 +8,8 @@ whole demo (daemons, a job, a lost node) is ``make slurm-demo``, not part of thi
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import importlib.util
 import re
 import shlex
@@ -19,7 +21,7 @@ from types import ModuleType
 
 import pytest
 
-from unicron.cli import build_parser
+from unicron.cli import COMMANDS, build_parser
 from unicron.control.taskspec import parse
 from unicron.errors import UsageError
 
@@ -121,6 +123,16 @@ def test_the_demo_task_file_is_a_valid_task(tmp_path: Path) -> None:
     assert Path(spec.script).is_file()
 
 
+def options(command: str) -> set[str]:
+    """The option strings ``unicron COMMAND`` has, exactly as spelled (no abbreviations)."""
+    mod, _, prefix = COMMANDS[command][0].partition(":")
+    p = argparse.ArgumentParser()
+    getattr(importlib.import_module(mod), f"add_{prefix}_arguments" if prefix else "add_arguments")(
+        p
+    )
+    return {s for a in p._actions for s in a.option_strings}
+
+
 def sbatch_commands() -> list[tuple[str, list[str]]]:
     """Each ``-m unicron COMMAND ...`` of the sbatch script (continuations joined): the
     command and its options."""
@@ -136,8 +148,7 @@ def test_the_sbatch_script_runs_real_commands_with_flags_they_accept() -> None:
     found = sbatch_commands()
     assert {c for c, _ in found} >= {"coordinator", "agent", "status", "submit", "logs", "cancel"}
     for command, flags in found:
-        actions = build_parser(command)._subparsers._group_actions[0].choices[command]._actions  # type: ignore[union-attr]
-        known = {s for a in actions for s in a.option_strings}
+        known = options(command)
         assert set(flags) <= known, f"unicron {command}: {set(flags) - known} unknown"
     agent = dict(found)["agent"]
     assert {"--node-name", "--slots", "--log-dir"} <= set(agent)
