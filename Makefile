@@ -24,7 +24,8 @@ cluster-demo: $(STAMP)
 	$(BIN)/python examples/cluster_demo.py
 
 # a real Slurm on this machine (root; apt-installs slurm-wlm and munge if missing): slurmctld,
-# three slurmd in network namespaces, the sbatch example trains, loses a node, heals (~2-4 min)
+# three slurmd in network namespaces, the sbatch example trains, loses a node, heals; a job
+# requeued mid-run goes on from its checkpoint (~4 min)
 slurm-demo: $(STAMP)
 	$(BIN)/python examples/slurm_demo.py
 

@@ -12,7 +12,11 @@ MUNGE authentication under a key made for the run. Then, as a Slurm user would:
    the task on the two nodes left;
 3. the job ends when the task does; the demo checks that the job completed, the task healed
    and finished, and that its parameters equal those of a fault-free ``unicron run`` on three
-   workers, bit for bit.
+   workers, bit for bit;
+4. ``n1`` resumed, a second job (``sbatch --requeue``, a checkpoint every 5 steps) is
+   requeued at step 15 (``scontrol requeue``): all its processes are killed, Slurm starts the
+   script again, which starts a new coordinator and resubmits the task to go on from its
+   newest checkpoint; it must end with the same parameters too (``--no-requeue`` skips it).
 
 Everything is torn down whatever happens: the job cancelled, the daemons stopped, the
 namespaces removed (with everything still running in them), the work directory deleted
@@ -21,7 +25,7 @@ slurmd slurm-client munge`` with apt-get when run as root, else exits 2 saying w
 
 The pure parts (the generated ``slurm.conf``, Slurm's host lists) are tested in
 ``tests/test_slurm_demo.py``; this run itself is not in the default test suite (a few
-minutes on 2 cores).
+minutes on 2 cores: 3-4 in all).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol")
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+"""a job's final states (``scontrol show job``)"""
 LOST = "n1"
 """the node Slurm takes away mid-training (n0 runs the batch script and the coordinator)"""
 
@@ -160,13 +166,14 @@ CGROUP_CONF = (
 )
 
 
-def task_file(name: str, steps: int, workers: int) -> str:
+def task_file(name: str, steps: int, workers: int, *, checkpoint: Path | None = None) -> str:
     """The demo's task: the small GPT for ``steps`` steps on up to ``workers`` workers (one
-    suffices to go on)."""
-    return (
+    suffices to go on); with ``checkpoint``, a checkpoint there every 5 steps."""
+    text = (
         f"name: {name}\nscript: {HERE / 'train_gpt.py'}\nargs: [--steps, '{steps}']\n"
         f"workers: {{min: 1, max: {workers}}}\n"
     )
+    return text + (f"checkpoint: {{every: 5, dir: {checkpoint}}}\n" if checkpoint else "")
 
 
 # -- the machine -------------------------------------------------------------------------------
@@ -219,7 +226,7 @@ class Demo:
             ),
             "UNICRON_PYTHON": sys.executable,
             "UNICRON_TOKEN": self.token,
-            "UNICRON_STATE_DIR": str(workdir / "unicron"),
+            "UNICRON_STATE_ROOT": str(workdir / "unicron"),
         }
 
     # -- bring-up ---------------------------------------------------------------------------
@@ -284,49 +291,78 @@ class Demo:
         text = self.slurm("scontrol", "show", "job", "-o", self.job)
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
-    def train(self) -> dict[str, Any]:
-        """Submit, lose ``n1`` mid-training, wait for the end; what was seen."""
-        from unicron.control.client import Client
-
-        task = self.workdir / "task.yaml"
-        task.write_text(task_file("gpt", self.steps, self.count))
+    def submit(self, task: Path, *options: str) -> None:
         out = self.slurm(
             "sbatch", f"--nodes={self.count}", f"--output={self.workdir}/job-%j.out",
-            f"--chdir={self.workdir}", str(HERE / "slurm" / "unicron.sbatch"), str(task),
+            f"--chdir={self.workdir}", *options, str(HERE / "slurm" / "unicron.sbatch"), str(task),
         )  # fmt: skip
         self.job = out.split()[-1]
-        print(f"sbatch: job {self.job}", flush=True)
+        print(f"sbatch {' '.join(options)}: job {self.job}", flush=True)
+
+    def wait_step(self, step: int) -> None:
+        """Until the task (on the coordinator of the job's first node) has committed ``step``."""
+        from unicron.control.client import Client
+
         head = self.conf.nodes[0][1]
         client = Client(f"http://{head}:29400", self.token, timeout_s=10.0)
-        seen: dict[str, Any] = {}
 
-        def at(step: int) -> bool:
+        def at() -> bool:
             state = self.job_info()["JobState"]
             if state not in ("PENDING", "RUNNING", "CONFIGURING"):
                 raise RuntimeError(f"job {self.job} {state} early; see {self.workdir}")
             with contextlib.suppress(Exception):
-                view = client.request("GET", "/v1/tasks/gpt")
-                return bool(view["step"] >= step)
+                return bool(client.request("GET", "/v1/tasks/gpt")["step"] >= step)
             return False
 
-        self.until(lambda: at(10), 300, "the task at step 10")
-        seen["nodes_before"] = self.job_info()["NodeList"]
-        print(f"the job runs on {seen['nodes_before']}", flush=True)
-        print(f"the task is at step 10; scontrol update nodename={LOST} state=down", flush=True)
+        self.until(at, 300, f"the task at step {step}")
+
+    def wait_end(self, start: int) -> dict[str, Any]:
+        """Until the job has ended after ``start`` requeues; its end, the task's view and
+        events as the script wrote them."""
+        self.until(lambda: self.job_info()["JobState"] in ENDED
+                   and int(self.job_info()["Restarts"]) >= start, 600, "the job's end")  # fmt: skip
+        info = self.job_info()
+        state = self.workdir / "unicron" / f"unicron-{self.job}.{start}"
+        self.job = None
+        return {
+            "job_state": info["JobState"], "exit_code": info["ExitCode"],
+            "restarts": int(info["Restarts"]),
+            "view": json.loads((state / "gpt.json").read_text()),
+            "events": [json.loads(line) for line in (state / "gpt.events.jsonl").open()],
+        }  # fmt: skip
+
+    def train(self) -> dict[str, Any]:
+        """Submit, lose ``n1`` mid-training, wait for the end; what was seen."""
+        task = self.workdir / "task.yaml"
+        task.write_text(task_file("gpt", self.steps, self.count))
+        self.submit(task)
+        self.wait_step(10)
+        before = self.job_info()["NodeList"]
+        print(f"the job runs on {before}; the task is at step 10", flush=True)
+        print(f"scontrol update nodename={LOST} state=down", flush=True)
         self.slurm("scontrol", "update", f"nodename={LOST}", "state=down",
                    "reason=unicron slurm-demo: node lost")  # fmt: skip
-        self.until(lambda: self.job_info()["NodeList"] != seen["nodes_before"], 30, "job shrank")
-        seen["nodes_after"] = self.job_info()["NodeList"]
-        print(f"Slurm removed {LOST} from the job: now on {seen['nodes_after']}", flush=True)
-        self.until(lambda: self.job_info()["JobState"] not in ("RUNNING", "COMPLETING"), 600,
-                   "the job's end")  # fmt: skip
-        info = self.job_info()
-        seen["job_state"], seen["exit_code"] = info["JobState"], info["ExitCode"]
-        state = self.workdir / "unicron"
-        seen["view"] = json.loads((state / "gpt.json").read_text())
-        seen["events"] = [json.loads(line) for line in (state / "gpt.events.jsonl").open()]
-        self.job = None
-        return seen
+        self.until(lambda: self.job_info()["NodeList"] != before, 30, "the job's shrinking")
+        after = self.job_info()["NodeList"]
+        print(f"Slurm removed {LOST} from the job: now on {after}", flush=True)
+        return {"nodes_before": before, "nodes_after": after, **self.wait_end(0)}
+
+    def requeue(self) -> dict[str, Any]:
+        """``n1`` resumed; a job with ``--requeue`` and a checkpoint every 5 steps, requeued
+        by ``scontrol requeue`` at step 15: its second start must go on from a checkpoint."""
+        self.slurm("scontrol", "update", f"nodename={LOST}", "state=resume")
+        self.until(lambda: self.idle_nodes() == self.count, 60, f"{LOST} back")
+        ckpt = self.workdir / "checkpoints"
+        task = self.workdir / "task-requeue.yaml"
+        task.write_text(task_file("gpt", self.steps, self.count, checkpoint=ckpt))
+        self.submit(task, "--requeue")
+        self.wait_step(15)
+        print(f"the task is at step 15; scontrol requeue {self.job}", flush=True)
+        self.slurm("scontrol", "requeue", str(self.job))
+        # Slurm holds a requeued job back for two minutes (its begin time); no need here
+        self.until(lambda: self.job_info()["JobState"] == "PENDING", 60, "the job requeued")
+        self.slurm("scontrol", "update", f"jobid={self.job}", "starttime=now")
+        return self.wait_end(1)
 
     # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -389,10 +425,40 @@ def verdict(seen: dict[str, Any], want: str | None, steps: int) -> list[str]:
     return problems
 
 
+def sha(seen: dict[str, Any]) -> str | None:
+    return (seen["view"].get("outcome") or {}).get("params_sha256")
+
+
+def verdict_requeue(seen: dict[str, Any], want: str | None, steps: int) -> list[str]:
+    """The requeued job's problems: it must have started twice, gone on from a checkpoint
+    (taken every 5 steps, requeued at step 15 or a little after) and ended as the fault-free
+    run did."""
+    problems = []
+    if (seen["job_state"], seen["exit_code"], seen["restarts"]) != ("COMPLETED", "0:0", 1):
+        problems.append(
+            f"ended {seen['job_state']} ({seen['exit_code']}), {seen['restarts']} restarts"
+        )
+    if seen["view"]["state"] != "done":
+        problems.append(f"the task ended {seen['view']['state']}: {seen['view'].get('outcome')}")
+    committed = [e["step"] for e in seen["events"] if e["event"] == "step_end"]
+    first = committed[0] if committed else -1
+    if not 5 <= first <= 25 or committed != list(range(first, steps)):
+        problems.append(f"its second start committed {committed[:3]}..., not from a checkpoint")
+    if sha(seen) is None or sha(seen) != want:
+        problems.append(f"params sha256 {sha(seen)} differs from the fault-free run's {want}")
+    return problems
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument(
+        "--no-requeue",
+        dest="requeue",
+        action="store_false",
+        help="skip the second job (requeued mid-run, it goes on from its checkpoint)",
+    )
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         print("slurm-demo: run as root (slurmd, network namespaces)", file=sys.stderr)
@@ -415,11 +481,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         demo.up()
         print(f"Slurm up: slurmctld and {demo.count} slurmd nodes ({time.monotonic() - t0:.0f} s)")
         seen = demo.train()
-        demo.close()
         print(f"job {seen['job_state']} (exit {seen['exit_code']}); task {seen['view']['state']}")
+        again = demo.requeue() if args.requeue else None
+        demo.close()
         want = reference(workdir, args.steps, demo.count)
         problems = verdict(seen, want, args.steps)
-        print(f"slurm run, node lost: params sha256 {seen['view']['outcome'].get('params_sha256')}")
+        print(f"slurm run, node lost: params sha256 {sha(seen)}")
+        if again is not None:
+            problems += [f"requeued job: {p}" for p in verdict_requeue(again, want, args.steps)]
+            print(f"slurm run, requeued: params sha256 {sha(again)}")
         print(f"unicron run, no fault: params sha256 {want}")
         for problem in problems:
             print(f"FAILED: {problem}")

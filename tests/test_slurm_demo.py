@@ -120,7 +120,9 @@ def test_the_demo_task_file_is_a_valid_task(tmp_path: Path) -> None:
 
     spec = parse(yaml.safe_load(demo().task_file("gpt", 40, 3)))
     assert (spec.workers.min, spec.workers.max, spec.args) == (1, 3, ["--steps", "40"])
-    assert Path(spec.script).is_file()
+    assert Path(spec.script).is_file() and spec.checkpoint.dir is None
+    spec = parse(yaml.safe_load(demo().task_file("gpt", 40, 3, checkpoint=tmp_path)))
+    assert (spec.checkpoint.every, spec.checkpoint.dir) == (5, str(tmp_path))
 
 
 def options(command: str) -> set[str]:
