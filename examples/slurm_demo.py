@@ -473,6 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if (why := netns.available()) is not None:
         print(f"slurm-demo: {why}", file=sys.stderr)
         return 2
+    # SIGTERM (a timeout, a CI runner) unwinds like Ctrl-C: the teardown below still runs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = Path(tempfile.mkdtemp(prefix="unicron-slurm-demo-"))
     t0 = time.monotonic()
     demo: Demo | None = None
