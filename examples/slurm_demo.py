@@ -297,7 +297,7 @@ class Demo:
             f"--chdir={self.workdir}", *options, str(HERE / "slurm" / "unicron.sbatch"), str(task),
         )  # fmt: skip
         self.job = out.split()[-1]
-        print(f"sbatch {' '.join(options)}: job {self.job}", flush=True)
+        print(" ".join(["sbatch", *options]) + f": job {self.job}", flush=True)
 
     def wait_step(self, step: int) -> None:
         """Until the task (on the coordinator of the job's first node) has committed ``step``."""
@@ -496,8 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in problems:
             print(f"FAILED: {problem}")
         if not problems:
-            print(f"bitwise identical; the node Slurm took away was healed over "
-                  f"({time.monotonic() - t0:.0f} s in all)")  # fmt: skip
+            what = "the node Slurm took away" + (" and the requeue" if again else "")
+            print(f"bitwise identical: {what} changed nothing ({time.monotonic() - t0:.0f} s)")
         return 1 if problems else 0
     finally:
         if demo is not None:
