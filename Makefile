@@ -4,8 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo cluster-demo dashboard-shot test test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
-
+.PHONY: demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -29,6 +28,11 @@ dashboard-shot: $(STAMP)
 	mkdir -p docs/img
 	UNICRON_DASHBOARD_PNG=docs/img/dashboard.png $(BIN)/pytest -q \
 		tests/test_dashboard.py::test_the_page_shows_a_running_task_and_a_node_lost_and_back
+# a real Slurm on this machine (root; apt-installs slurm-wlm and munge if missing): slurmctld,
+# three slurmd in network namespaces, the sbatch example trains, loses a node, heals; a job
+# requeued mid-run goes on from its checkpoint (~4 min)
+slurm-demo: $(STAMP)
+	$(BIN)/python examples/slurm_demo.py
 
 SRC := unicron tests bench examples
 
