@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
