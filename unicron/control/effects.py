@@ -1,12 +1,13 @@
 """What a task's coordinator decided to do, as values, and the executor that does it.
 
-The coordinator's decision methods (:class:`unicron.control.coordinator.Coordinator`) change
-only the coordinator's own state (membership, slots, detectors) and describe everything that
-reaches outside it as an :data:`Effect`: an event-log record, a key on the task's store, an
-epoch announced, an action queued for a node's agent. :meth:`Coordinator.decide_exchange` and
-:meth:`Coordinator.decide_tick` return them without carrying them out (what the unit tests
-read); every other entry point hands them to an :class:`Executor` before it returns, in the
-order they were decided.
+The coordinator's judges (:mod:`~unicron.control.membership`, :mod:`~unicron.control.health`,
+:mod:`~unicron.control.readmission`, :mod:`~unicron.control.failures`) change only the
+coordinator's own book (membership, slots, detectors: :mod:`unicron.control.book`) and
+describe everything that reaches outside it as an :data:`Effect`: an event-log record, a key
+on the task's store, an epoch announced, an action queued for a node's agent.
+:meth:`Coordinator.decide_exchange` and :meth:`Coordinator.decide_tick` return them without
+carrying them out (what the unit tests read); every other entry point hands them to an
+:class:`Executor` before it returns, in the order they were decided.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Escalation: from one classified failure to the action to take, given what came before.
 
-The table (:mod:`unicron.detect.classify`) says what *one* failure deserves. The coordinator
-owns one
-:class:`Escalation` for the cluster and calls :meth:`Escalation.decide` on every detected
-error (a worker's report, a process exit, a detector), then carries out the returned
-:class:`Decision` and logs it as an ``action`` event with its ``reason``. It calls
-:meth:`Escalation.healthy` when a slot completes a step, and :meth:`Escalation.readmit` when
-an excluded slot passed its health probe (``Coordinator.probe_done``; nodes are not readmitted
-yet). Pure policy: the clock is passed in as ``now``.
+The table (:mod:`unicron.detect.classify`) says what *one* failure deserves. Each task's
+coordinator owns one :class:`Escalation`; :mod:`unicron.control.failures` calls
+:meth:`Escalation.decide` on every detected error (a worker's report, a process exit, a
+detector), carries out the returned :class:`Decision` and logs it as an ``action`` event with
+its ``reason``. :mod:`unicron.control.health` calls :meth:`Escalation.healthy` when a slot
+completes a step, :mod:`unicron.control.readmission` calls :meth:`Escalation.readmit` when an
+excluded slot passed its health probe or a lost node came back. Its memory of each slot is a
+:class:`SlotRecord`, kept on the coordinator's slot table (:meth:`Escalation.bind`). Pure
+policy: the clock is passed in as ``now``.
 
 Rules, in order (``decide``):
 
