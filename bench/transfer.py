@@ -85,7 +85,7 @@ def _member(arm: str, size: str, rank: int, world: int, port: int, out: Any) -> 
     import torch.distributed as dist
 
     from bench.sized_gpt import build
-    from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
+    from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
     from unicron.runtime.group import EpochGroup, EpochWatch
     from unicron.runtime.transfer import (
         inventory,

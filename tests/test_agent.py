@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from unicron import protocol as P
 from unicron.control import messages as M
-from unicron.control import protocol as P
 from unicron.control.agent import (
     IDLE_ROUND_S,
     ROUND_S,

@@ -27,9 +27,9 @@ from unicron.control.coordinator import (
 )
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog, read_events
-from unicron.control.protocol import done_key, trained_key
 from unicron.detect.classify import verdict_for_kind
 from unicron.detect.monitor import MonitorSettings, StepMonitor
+from unicron.protocol import done_key, trained_key
 
 
 class Cluster:

@@ -16,8 +16,8 @@ from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskSt
 from unicron.control.effects import AnnounceEpoch, LogEvent, Tell, WriteStoreKey
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
-from unicron.control.protocol import EpochInfo, done_key, epoch_key
 from unicron.detect.classify import verdict_for_kind
+from unicron.protocol import EpochInfo, done_key, epoch_key
 
 
 def running(tmp: Path) -> Coordinator:

@@ -163,7 +163,7 @@ def test_a_superseded_nccl_epoch_is_left_by_aborting_its_communicator() -> None:
 
     import torch.distributed as dist
 
-    from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
+    from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
     from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
 from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 
 pytestmark = pytest.mark.e2e

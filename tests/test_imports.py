@@ -145,3 +145,13 @@ def test_a_relative_circle_is_found_and_type_checking_is_left_out(tmp_path: Path
         },
     )
     assert circles(import_graph(pkg)) == [["pkg.c", "pkg.sub.a", "pkg.sub.b"]]
+
+
+def test_the_data_path_imports_nothing_of_the_control_plane() -> None:
+    # runtime/ (groups, reduce, transfer, ...) and the wire contract are below control/: the
+    # arrows point one way (control/ imports them, never the reverse)
+    graph = import_graph(PACKAGE)
+    below = [m for m in graph if m.startswith("unicron.runtime") or m == "unicron.protocol"]
+    assert "unicron.runtime.group" in below
+    up = {m: sorted(d for d in graph[m] if d.startswith("unicron.control")) for m in below}
+    assert {m: d for m, d in up.items() if d} == {}

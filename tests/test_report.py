@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from unicron.control.protocol import EpochInfo
 from unicron.control.report import incidents, median_step_s, steps_redone
 from unicron.detect.straggler import straggler_plan
+from unicron.protocol import EpochInfo
 
 
 def _ev(ts: float, event: str, **kw: Any) -> dict[str, Any]:

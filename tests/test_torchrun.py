@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import TRAIN
 from unicron.control import runner
-from unicron.control.protocol import EpochInfo
 from unicron.errors import UsageError
+from unicron.protocol import EpochInfo
 from unicron.worker import epoch_env
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import unicron.runtime.transfer as transfer_module
-from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
 from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 from unicron.runtime.transfer import (
     Spec,

@@ -39,8 +39,10 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from unicron.control import protocol as P
-from unicron.control.protocol import (
+from unicron import protocol as P
+from unicron.detect.busy import read_queued_s
+from unicron.errors import UsageError
+from unicron.protocol import (
     ENV_BUCKET_CAP_MB,
     ENV_CHECKPOINT,
     ENV_CHECKPOINT_EVERY,
@@ -61,8 +63,6 @@ from unicron.control.protocol import (
     trained_key,
     usage_key,
 )
-from unicron.detect.busy import read_queued_s
-from unicron.errors import UsageError
 from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
 from unicron.runtime import ledger as L
@@ -107,7 +107,7 @@ class TrainResult:
 @dataclass(frozen=True, kw_only=True)
 class WorkerContext:
     """What ``unicron run`` tells a worker through its environment
-    (:mod:`unicron.control.protocol`)."""
+    (:mod:`unicron.protocol`)."""
 
     task: str
     slot: int

@@ -1,7 +1,7 @@
 """The agent: one per node. Starts and supervises the node's workers.
 
 It listens on an authenticated local socket for its workers' reports (the typed messages of
-:mod:`unicron.control.protocol`, :data:`~unicron.control.protocol.KINDS`), starts workers through
+:mod:`unicron.protocol`, :data:`~unicron.protocol.KINDS`), starts workers through
 the warm zygote (:mod:`unicron.runtime.launcher`; a plain spawn when the zygote is gone), notices a
 worker that exits or is killed (its socket closes; the zygote reports the exit status), writes
 what it sees to the event log and reports it to the coordinator (step times, epochs entered,
@@ -16,7 +16,7 @@ never calls the agent; the agent calls the coordinator's ``exchange`` once per r
 
 A round (:meth:`Agent.poll`) sleeps until the first thing timed is due (:meth:`Agent.round_s`)
 or its doorbell rings: a worker's message that is not quiet (an error, an epoch entered; see
-:func:`unicron.control.protocol.quiet`), the zygote's, a new connection. It then reads every
+:func:`unicron.protocol.quiet`), the zygote's, a new connection. It then reads every
 socket that has something; a step's reports, a dozen per step, wait in their sockets for it.
 
 Each slot's process is in one :class:`WorkerState` (its diagram is there); a move it does not
@@ -43,10 +43,12 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, Protocol
 
+from unicron import protocol as P
 from unicron.control import messages as M
-from unicron.control import protocol as P
 from unicron.control.messages import Kill, Probe, Reply, Spawn
-from unicron.control.protocol import (
+from unicron.detect.busy import read_thread_clocks
+from unicron.detect.classify import Verdict, classify_exit, classify_message
+from unicron.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
     ENV_BELL,
@@ -63,8 +65,6 @@ from unicron.control.protocol import (
     ENV_TASK,
     ENV_THREADS,
 )
-from unicron.detect.busy import read_thread_clocks
-from unicron.detect.classify import Verdict, classify_exit, classify_message
 from unicron.runtime import device as D
 from unicron.runtime.inject import Fault
 
@@ -295,7 +295,7 @@ class Agent:
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
-        # the workers' doorbell (:func:`unicron.control.protocol.quiet`): a datagram wakes a round
+        # the workers' doorbell (:func:`unicron.protocol.quiet`): a datagram wakes a round
         self._bell = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._bell.bind(("127.0.0.1", 0))
         self._bell.setblocking(False)
@@ -531,7 +531,7 @@ class Agent:
         """One round: read reports, notice exits, run the monitor, let the coordinator act.
 
         The round waits up to ``timeout`` for its doorbell (a worker's message that is not
-        :func:`~unicron.control.protocol.quiet`), the zygote or a new connection's hello, then
+        :func:`~unicron.protocol.quiet`), the zygote or a new connection's hello, then
         reads every socket that has something: a worker's step reports wait for the next round
         instead of waking one each (a dozen per step; docs/cluster.md, The rhythm)."""
         self._drain_accepted()

@@ -2,7 +2,7 @@
 
 The cluster service (:mod:`unicron.control.cluster`, which ``unicron run`` also runs, on this
 machine) builds one per task, on a client connection to the cluster's store (keys scoped by
-task and epoch, :mod:`unicron.control.protocol`); a coordinator built without one serves a
+task and epoch, :mod:`unicron.protocol`); a coordinator built without one serves a
 ``TCPStore`` of its own (the unit tests). It turns what the task's supervisors report (a
 worker ready, failed, raised, began or finished a step, entered an epoch, finished) into
 decisions, runs the task's detectors and announces epochs.
@@ -64,12 +64,12 @@ from unicron.control.events import EventLog
 from unicron.control.failures import MIN_COPIES
 from unicron.control.health import FAST_EXCHANGE_S, LONE_HANG_OVERRUN
 from unicron.control.messages import AgentAction, Kill, Probe, Reply, Spawn
-from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key, trained_key, usage_key
 from unicron.control.readmission import PROBE_BACKOFF_MAX
 from unicron.control.slots import IllegalTransition, Slot, SlotState, SlotTable
 from unicron.detect.busy import Sample
 from unicron.detect.classify import Verdict
 from unicron.detect.monitor import StepMonitor
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, trained_key, usage_key
 from unicron.runtime.checkpoint import has_checkpoint
 
 __all__ = [

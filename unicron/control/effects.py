@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from unicron.control.events import EventLog
 from unicron.control.messages import AgentAction
-from unicron.control.protocol import EpochInfo, epoch_info_key, epoch_key
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LogEvent:
 
 @dataclass(frozen=True)
 class WriteStoreKey:
-    """Set ``key`` on the task's store (``trained``, ``done``: :mod:`unicron.control.protocol`)."""
+    """Set ``key`` on the task's store (``trained``, ``done``: :mod:`unicron.protocol`)."""
 
     key: str
     value: str
@@ -44,7 +44,7 @@ class WriteStoreKey:
 @dataclass(frozen=True)
 class AnnounceEpoch:
     """Publish epoch ``info`` of ``task``: its description first, then the pointer to it that
-    workers watch (:func:`~unicron.control.protocol.epoch_key`)."""
+    workers watch (:func:`~unicron.protocol.epoch_key`)."""
 
     task: str
     info: EpochInfo

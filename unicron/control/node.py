@@ -205,8 +205,8 @@ class NodeAgent:
     def _start(self, a: dict[str, Any]) -> None:
         from unicron.control.agent import Agent, AgentConfig
         from unicron.control.client import TaskLink
-        from unicron.control.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME
         from unicron.detect.classify import KINDS
+        from unicron.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME
         from unicron.runtime import device as D
         from unicron.runtime.inject import parse
 

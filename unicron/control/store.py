@@ -1,7 +1,7 @@
 """The cluster's TCPStore, served by a process of its own so that it outlives the coordinator.
 
 Every task's process groups rendezvous on this store and its workers read their epochs from
-it (:mod:`unicron.control.protocol`), so it must not die with the coordinator: a coordinator
+it (:mod:`unicron.protocol`), so it must not die with the coordinator: a coordinator
 killed with ``kill -9`` takes the HTTP API and the decisions away, not the training.
 :func:`ensure` (called by the cluster service at start-up) adopts the store that
 ``STATE_DIR/store.json`` names if it still answers, else starts a new one
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unicron.control.protocol import host_port
+from unicron.protocol import host_port
 
 RECORD = "store.json"
 """in the state directory: the store's host, port and process id"""

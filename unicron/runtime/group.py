@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron.control.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, epoch_prefix
+from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, epoch_prefix
 
 
 def _threads() -> set[int]:

@@ -26,7 +26,8 @@ import sys
 import traceback
 from multiprocessing.connection import Client, Connection, wait
 
-from unicron.control.protocol import (
+from unicron.errors import UsageError
+from unicron.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
     ENV_THREADS,
@@ -40,7 +41,6 @@ from unicron.control.protocol import (
     encode,
     host_port,
 )
-from unicron.errors import UsageError
 
 _PR_SET_PDEATHSIG = 1
 ENV_PRELOAD = "UNICRON_PRELOAD"

@@ -9,7 +9,7 @@ bytes and the local buffer holds megabytes), which is the agent's failure, not t
 
 The agent reads its workers' sockets once per round (:meth:`~unicron.control.agent.Agent.
 round_s`: when its next exchange or timed check is due) and is woken sooner by its doorbell:
-after a message that is not :func:`~unicron.control.protocol.quiet` (an error, an epoch
+after a message that is not :func:`~unicron.protocol.quiet` (an error, an epoch
 entered, the worker done) the link sends the doorbell a one-byte datagram. A step's reports,
 a dozen per step from a node's workers, so wake no one (docs/cluster.md, The rhythm).
 """
@@ -22,7 +22,7 @@ import socket
 import threading
 from multiprocessing.connection import Client, Connection
 
-from unicron.control.protocol import (
+from unicron.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
     ENV_BELL,
@@ -37,7 +37,7 @@ from unicron.control.protocol import (
 
 
 class AgentLink:
-    """Sends messages (:data:`unicron.control.protocol.KINDS`) to the agent."""
+    """Sends messages (:data:`unicron.protocol.KINDS`) to the agent."""
 
     def __init__(self, conn: Connection | None, bell: tuple[str, int] | None = None) -> None:
         self._conn = conn
