@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("unicron.control.client:status", "nodes and tasks of the cluster"),
     "cancel": ("unicron.control.client:cancel", "cancel a task"),
     "logs": ("unicron.control.client:logs", "a task's event log"),
+    "token": ("unicron.control.credentials", "add, rotate, revoke or list cluster credentials"),
     "plan": ("unicron.planner.command", "plan slots and parallel configs for tasks"),
     "simulate": ("unicron.sim.command", "trace-driven comparison of recovery policies"),
 }

@@ -80,6 +80,7 @@ class NodeAgent:
         self.log_dir = log_dir
         self.per_task = per_task  # a directory per task under log_dir (``unicron run``: one task)
         self.instance = secrets.token_hex(8)
+        self.gpus = _gpus()  # the coordinator places CUDA tasks only where there are GPUs
         self.node: int | None = None
         self.tasks: dict[str, _Running] = {}
         self.vanished = False
@@ -112,6 +113,7 @@ class NodeAgent:
                         "slots": self.slots,
                         "address": self.address,
                         "instance": self.instance,
+                        "gpus": self.gpus,
                     },
                 )
                 self.node = int(got["node"])
@@ -257,6 +259,16 @@ class NodeAgent:
         for uid, r in list(self.tasks.items()):
             r.thread.join(timeout=5.0)
             self._end(uid)
+
+
+def _gpus() -> int:
+    """This node's CUDA devices: 0 without an NVIDIA device node (no need to import torch to
+    know), else what torch counts."""
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        return 0
+    from unicron.runtime import device as D
+
+    return D.gpu_count()
 
 
 def _address(url: str) -> str:

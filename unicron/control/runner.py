@@ -477,7 +477,7 @@ def main(args: argparse.Namespace) -> int:
         from unicron.control.events import read_events
 
         render(read_events(events_path), console)
-        console.print(f"worker logs: {log_dir}")
+        console.print(f"worker logs: {log_dir}", markup=False)
     if not ok:
         console.print(
             f"unicron: task failed: {outcome.get('reason')}",
@@ -560,7 +560,9 @@ class _Display:
         s = self.state
         line = f"step {s['step']}  loss {s['loss']}  workers {s['workers']}  epoch {s['epoch']}"
         if s.get("waiting"):
-            line += f"  WAITING: {s['waiting']}"
+            from rich.markup import escape  # the planner's reason: text, not markup
+
+            line += f"  WAITING: {escape(str(s['waiting']))}"
         return line
 
     def _on_event(self, e: dict[str, Any]) -> None:
