@@ -309,3 +309,63 @@ def test_fuzz_every_operation_with_and_without_credentials(tmp_path: Path) -> No
         assert any(s < 300 for s in seen["admin"]), seen
     finally:
         cluster.close(stop_store=True)
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+def test_tls_the_client_verifies_the_coordinator(cluster: Cluster, tmp_path: Path) -> None:
+    """``make certs``' test CA: a client given it talks HTTPS; one without it refuses the
+    certificate; plain HTTP to the TLS port gets nothing."""
+    import socket
+    import threading
+
+    import httpx
+
+    from unicron.control.client import Client
+    from unicron.control.service import serve
+
+    certs = tmp_path / "certs"
+    made = subprocess.run(["make", "-s", "-C", str(ROOT), "certs", f"CERTS={certs}"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = serve(cluster, ADMIN, "127.0.0.1", port,
+                tls=(str(certs / "coordinator.pem"), str(certs / "coordinator.key")))  # fmt: skip
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not srv.started:
+            assert time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        good = Client(f"https://127.0.0.1:{port}", ADMIN, verify=str(certs / "ca.pem"))
+        assert isinstance(good.request("GET", "/v1/nodes"), list)
+        good.close()
+        unknown = Client(f"https://127.0.0.1:{port}", ADMIN)  # the system's CAs only
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            unknown.request("GET", "/v1/nodes")
+        unknown.close()
+        plain = Client(f"http://127.0.0.1:{port}", ADMIN)
+        with pytest.raises(httpx.TransportError):
+            plain.request("GET", "/v1/nodes")
+        plain.close()
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--host", "192.0.2.1"], "--host 192.0.2.1 is not a loopback address: serve TLS"),
+        (["--tls-cert", "/no/cert.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-cert", "/no/c.pem", "--tls-key", "/no/k.pem"], "--tls-cert /no/c.pem: no such"),
+    ],
+)
+def test_plain_http_off_loopback_is_refused(flags: list[str], says: str, tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "unicron", "coordinator", "--state-dir",
+                           str(tmp_path / "s"), *flags], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert says in proc.stderr and not (tmp_path / "s").exists()
