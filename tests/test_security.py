@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from unicron.control.cluster import Cluster
 from unicron.control.credentials import FILE, Credentials, digest, write_entries
 from unicron.control.service import make_app
+from unicron.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_gpt.py")
@@ -178,6 +179,12 @@ def test_a_user_cancels_only_their_own_tasks(api: TestClient) -> None:
     big = {"workers": {"min": 99, "max": 99}}
     r = api.post("/v1/tasks", headers=auth(TOKENS["alice"]), json=spec("alices", **big))
     assert r.status_code == 201 and r.json()["owner"] == "alice"
+    uid = r.json()["uid"]
+    assert len(uid.rsplit(".", 1)[1]) == 32  # 128 random bits: the prefix of its store keys
+    for path in ("/v1/tasks/alices", "/v1/tasks"):  # bob does not learn it; an admin does
+        got = api.get(path, headers=auth(TOKENS["bob"])).json()
+        assert uid not in json.dumps(got) and "alices" in json.dumps(got)
+        assert uid in json.dumps(api.get(path, headers=auth(ADMIN)).json())
     r = api.post("/v1/tasks/alices/cancel", headers=auth(TOKENS["bob"]))
     assert r.status_code == 403 and "belongs to alice" in r.json()["detail"]
     assert api.get("/v1/tasks/alices", headers=auth(TOKENS["bob"])).json()["state"] == "queued"
@@ -224,6 +231,10 @@ def test_rotated_and_expired_credentials_stop_working(tmp_path: Path) -> None:
     assert creds.who(temp.encode()) is not None
     assert creds.who(temp.encode(), now=time.time() + 61) is None
     assert (state / FILE).stat().st_mode & 0o777 == 0o600
+    (state / FILE).write_text("{not json")  # a bad edit: the service keeps what it read
+    assert creds.who(second.encode()) is not None
+    with pytest.raises(UsageError, match="not a credentials file"):
+        Credentials(ADMIN, path=state / FILE)  # ... and a start on it is refused
 
 
 @pytest.mark.parametrize(

@@ -298,7 +298,9 @@ class Cluster:
                     f"a task named {spec.name} exists ({self.tasks[spec.name].row.state})"
                 )
             self._check_checkpoint_dir_free(spec)
-            uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(3)}"
+            # the uid prefixes every store key of the task: 128 random bits make it a secret
+            # the task's workers, its agents, its owner and an admin know (docs/security.md)
+            uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(16)}"
             row = TaskRow(spec.name, uid, spec.model_dump(), "queued", now, [])
             task = Task(row, spec)
             self.tasks[spec.name] = self._by_uid[uid] = task

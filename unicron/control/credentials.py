@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from unicron.errors import UsageError
+
+log = logging.getLogger("unicron.control.credentials")
 
 FILE = "credentials.json"
 """in the state directory: user and agent credentials (hashes, roles, expiries)"""
@@ -81,7 +84,7 @@ class Credentials:
         self._seen: dict[Path, float] = {}
         self._by_digest: dict[str, tuple[Principal, float | None]] = {}
         self._lock = threading.Lock()
-        self._reload()
+        self._reload(strict=True)
 
     def _changed(self, path: Path | None) -> bool:
         if path is None:
@@ -95,7 +98,7 @@ class Credentials:
         self._seen[path] = mtime
         return True
 
-    def _reload(self) -> None:
+    def _reload(self, *, strict: bool = False) -> None:
         if self._changed(self.admin_file):
             assert self.admin_file is not None
             try:
@@ -105,7 +108,13 @@ class Credentials:
                 pass  # a file being rewritten: the last good token stays
         if self._changed(self.path):
             assert self.path is not None
-            entries = read_entries(self.path)
+            try:
+                entries = read_entries(self.path)
+            except UsageError as exc:
+                if strict:  # at start-up: the coordinator refuses to start (exit 2)
+                    raise
+                log.warning("%s; the credentials read before stay", exc)
+                return
             self._by_digest = {
                 e["sha256"]: (Principal(name, e["role"]), e.get("expires"))
                 for name, e in entries.items()

@@ -318,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
     )
     log.setLevel(logging.INFO)
     log_dir = Path(args.log_dir or f"/tmp/unicron-agent-{name}")
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # workers' output: the owner's only
     client = connect(args)
     agent = NodeAgent(client, name=name, slots=args.slots, log_dir=log_dir)
     stop = threading.Event()

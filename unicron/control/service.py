@@ -1,9 +1,12 @@
 """``unicron coordinator``: the cluster service, an HTTP/JSON API (FastAPI on uvicorn).
 
 Users (``unicron submit|status|cancel|logs``, :mod:`unicron.control.client`) and agents
-(:mod:`unicron.control.node`) talk to it; every request carries the cluster's token
-(``Authorization: Bearer TOKEN``) and one without it, or with a wrong one, gets 401 and a
-log line, never data. The OpenAPI schema is served at ``/openapi.json``.
+(:mod:`unicron.control.node`) talk to it; every request carries a token (``Authorization:
+Bearer TOKEN``): the admin's, a user's or a node's agent's (:mod:`unicron.control.credentials`).
+:class:`Door` checks it before the body is read: 401 without a known one, 403 outside its
+role, 413 for a body over :data:`MAX_BODY_BYTES`, each with a log line, never data. HTTPS
+with ``--tls-cert``/``--tls-key``; plain HTTP only on loopback unless ``--insecure-http``
+(docs/security.md). The OpenAPI schema is served at ``/openapi.json``.
 
 ========================================  ==================================================
 ``POST /v1/tasks``                        submit a task (``unicron.control.taskspec.TaskSpec``)
@@ -17,14 +20,16 @@ log line, never data. The OpenAPI schema is served at ``/openapi.json``.
 ``POST /v1/agents/{node}/tasks/{uid}/exchange``  one round of a task's supervisor
 ========================================  ==================================================
 
-Errors are 4xx with ``{"detail": "one line"}``: 404 unknown task or node, 409 a conflict
-with the cluster's state, 422 a body that is not valid (FastAPI names the field).
+Errors are 4xx with ``{"detail": "one line"}``: 401/403/413 from the door, 404 unknown task
+or node, 409 a conflict with the cluster's state, 422 a body that is not valid (FastAPI
+names the field) or an agent's report the cluster refuses (``cluster.screen``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import sys
@@ -226,6 +231,14 @@ async def declared(_: Annotated[Any, Depends(BEARER)]) -> None:
     check itself is :class:`Door`'s, before the body is read."""
 
 
+def shown(view: dict[str, Any], who: Principal) -> dict[str, Any]:
+    """A task's view as ``who`` may see it: another user's task without its ``uid`` (the
+    secret prefix of its keys in the training store; docs/security.md)."""
+    if who.role == "admin" or view.get("owner") == who.name:
+        return dict(view)
+    return {**view, "uid": None}
+
+
 def make_app(cluster: Any, token: str | Credentials, *, max_body: int = MAX_BODY_BYTES) -> Any:
     """The FastAPI application over ``cluster`` (a :class:`~unicron.control.cluster.Cluster`),
     behind :class:`Door`; ``token``: the admin token, or every credential.
@@ -263,12 +276,12 @@ def make_app(cluster: Any, token: str | Credentials, *, max_body: int = MAX_BODY
         return dict(cluster.submit(spec, time.time(), owner=who.name))
 
     @app.get("/v1/tasks", summary="list tasks")
-    def tasks() -> list[dict[str, Any]]:
-        return list(cluster.task_views())
+    def tasks(who: Annotated[Principal, Depends(principal)]) -> list[dict[str, Any]]:
+        return [shown(v, who) for v in cluster.task_views()]
 
     @app.get("/v1/tasks/{name}", summary="show a task")
-    def task(name: str) -> dict[str, Any]:
-        return dict(cluster.task_view(name))
+    def task(name: str, who: Annotated[Principal, Depends(principal)]) -> dict[str, Any]:
+        return shown(cluster.task_view(name), who)
 
     @app.post("/v1/tasks/{name}/cancel", summary="cancel a task")
     def cancel(name: str, who: Annotated[Principal, Depends(principal)]) -> dict[str, Any]:
@@ -281,8 +294,13 @@ def make_app(cluster: Any, token: str | Credentials, *, max_body: int = MAX_BODY
         return dict(cluster.cancel(name, time.time()))
 
     @app.get("/v1/tasks/{name}/events", summary="a task's events after an id")
-    def events(name: str, after: int = 0) -> dict[str, Any]:
+    def events(
+        name: str, who: Annotated[Principal, Depends(principal)], after: int = 0
+    ) -> dict[str, Any]:
         found, last = cluster.events(name, after)
+        view = cluster.task_view(name)
+        if shown(view, who)["uid"] is None:  # a checkpoint's path names it
+            found = json.loads(json.dumps(found).replace(view["uid"], f"{name}.(hidden)"))
         return {"events": found, "last": last}
 
     @app.get("/v1/nodes", summary="list nodes")
