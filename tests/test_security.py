@@ -167,12 +167,32 @@ def test_forged_and_replayed_reports_are_refused_with_a_reason(
             assert any(why in m and "refused the exchange of node n-a" in m
                        for m in caplog.messages), why  # fmt: skip
         assert errors() == []
+        for raw in (
+            b'{"type": "StepBegan", "slot": %d, "ts": 1e400, "step": 0}' % slot["n-a"],
+            b'{"type": "CpuTime", "slot": %d, "ts": 1.0, "cpu_s": NaN}' % slot["n-a"],
+        ):
+            r = api.post(f"/v1/agents/n-a/tasks/{uid}/exchange", headers={**auth(TOKENS["n-a"]),
+                         "Content-Type": "application/json"},
+                         content=b'{"instance": "n-a", "reports": [%s]}' % raw)  # fmt: skip
+            assert r.status_code == 422 and "not a finite number" in r.text, r.text
         # a replay from a process the node's name was taken from: refused (409)
         r = exchange("n-a", detected(slot["n-a"]), instance="an-old-agent")
         assert r.status_code == 409 and errors() == []
         r = exchange("n-a", detected(slot["n-a"]))  # its own slot: heard
         assert r.status_code == 200 and errors() == [slot["n-a"]]
     api.post("/v1/tasks/pair/cancel", headers=auth(ADMIN))
+
+
+def test_the_events_api_answers_odd_numbers(api: TestClient, cluster: Cluster) -> None:
+    """A diverged loss (NaN) in a task's log, an ``after`` beyond SQLite's integers: 200 and
+    422, never 500."""
+    api.post("/v1/tasks", headers=auth(ADMIN), json=spec("nan", workers={"min": 99, "max": 99}))
+    cluster.state.add_event("nan", {"event": "step_end", "ts": 1.0, "loss": float("nan")})
+    r = api.get("/v1/tasks/nan/events", headers=auth(ADMIN))
+    assert r.status_code == 200 and r.json()["events"][-1]["loss"] == "NaN"
+    for after in ("99999999999999999999999", "-1", "x"):
+        r = api.get(f"/v1/tasks/nan/events?after={after}", headers=auth(ADMIN))
+        assert r.status_code == 422, (after, r.status_code)
 
 
 def test_a_user_cancels_only_their_own_tasks(api: TestClient) -> None:

@@ -18,6 +18,7 @@ starting) -> ``running`` <-> ``waiting`` -> ``done`` | ``failed`` | ``cancelled`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -811,6 +812,10 @@ def screen(node: NodeRow, task: TaskRow, epoch: int, reports: list[M.Report]) ->
 def _malformed(r: M.Report, epoch: int) -> str:
     """Why report ``r`` cannot come from an agent of this release ("" if it can)."""
     name = type(r).__name__
+    for f in dataclasses.fields(r):
+        value = getattr(r, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name}.{f.name} is not a finite number"
     if isinstance(r, M.Event):
         if r.name not in WORKER_EVENTS:
             return f"event {r.name[:40]!r} is not one a worker writes"

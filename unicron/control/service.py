@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
@@ -295,13 +295,16 @@ def make_app(cluster: Any, token: str | Credentials, *, max_body: int = MAX_BODY
 
     @app.get("/v1/tasks/{name}/events", summary="a task's events after an id")
     def events(
-        name: str, who: Annotated[Principal, Depends(principal)], after: int = 0
+        name: str,
+        who: Annotated[Principal, Depends(principal)],
+        after: Annotated[int, Query(ge=0, le=2**63 - 1)] = 0,
     ) -> dict[str, Any]:
         found, last = cluster.events(name, after)
         view = cluster.task_view(name)
+        text = json.dumps(found)  # a diverged loss is NaN: JSON has no word for it
         if shown(view, who)["uid"] is None:  # a checkpoint's path names it
-            found = json.loads(json.dumps(found).replace(view["uid"], f"{name}.(hidden)"))
-        return {"events": found, "last": last}
+            text = text.replace(view["uid"], f"{name}.(hidden)")
+        return {"events": json.loads(text, parse_constant=str), "last": last}
 
     @app.get("/v1/nodes", summary="list nodes")
     def nodes() -> list[dict[str, Any]]:
