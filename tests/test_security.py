@@ -215,6 +215,24 @@ def test_a_user_cancels_only_their_own_tasks(api: TestClient) -> None:
     assert r.status_code == 200
 
 
+def test_token_command_bad_input_is_exit_2_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / FILE).write_text("[1, 2]")
+    for argv, says in (
+        (["add", "bad name", "--state-dir", str(tmp_path)], "NAME: letters"),
+        (["add", "admin", "--state-dir", str(tmp_path)], "NAME: letters"),
+        (["add", "x", "--state-dir", str(tmp_path / "no")], "not a directory"),
+        (["revoke", "ghost", "--state-dir", str(tmp_path)], "no credential named ghost"),
+        (["add", "x", "--expires-in", "-1", "--state-dir", str(tmp_path)], "--expires-in"),
+        (["list", "--state-dir", str(tmp_path / "bad")], "not a credentials file"),
+    ):
+        proc = subprocess.run([sys.executable, "-m", "unicron", "token", *argv],
+                              capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert says in proc.stderr, (argv, proc.stderr)
+
+
 def test_rotated_and_expired_credentials_stop_working(tmp_path: Path) -> None:
     """``unicron token add`` twice under one name: the first token stops working at once,
     without a restart of the service (its file is read again when it changes)."""
@@ -346,6 +364,7 @@ def test_fuzz_every_operation_with_and_without_credentials(tmp_path: Path) -> No
 def test_tls_the_client_verifies_the_coordinator(cluster: Cluster, tmp_path: Path) -> None:
     """``make certs``' test CA: a client given it talks HTTPS; one without it refuses the
     certificate; plain HTTP to the TLS port gets nothing."""
+    import shutil
     import socket
     import threading
 
@@ -354,6 +373,8 @@ def test_tls_the_client_verifies_the_coordinator(cluster: Cluster, tmp_path: Pat
     from unicron.control.client import Client
     from unicron.control.service import serve
 
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl here: make certs needs it")
     certs = tmp_path / "certs"
     made = subprocess.run(["make", "-s", "-C", str(ROOT), "certs", f"CERTS={certs}"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip

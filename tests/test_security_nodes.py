@@ -93,10 +93,11 @@ def store_pid(state: Path) -> int:
     return int(json.loads((state / "store.json").read_text())["pid"])
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Coordinator, str]]:
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Coordinator, str]]:
     """A coordinator and one agent (``n1``, two slots); the agent's environment carries the
     admin token and a marker its workers inherit."""
+    tmp_path = tmp_path_factory.mktemp("cluster")
     c = start_coordinator(tmp_path / "state")
     marker = f"UNICRON_TEST_MARKER_{uuid.uuid4().hex}"
     log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
