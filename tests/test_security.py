@@ -86,6 +86,20 @@ def test_a_body_over_the_limit_is_413_and_not_parsed(api: TestClient) -> None:
     assert "big" not in [t["name"] for t in api.get("/v1/tasks", headers=auth(ADMIN)).json()]
 
 
+def test_a_websocket_without_a_token_is_closed_at_the_door(api: TestClient) -> None:
+    from starlette.websockets import WebSocketDisconnect
+
+    codes = []
+    for headers in ({}, auth("wrong-token-000"), auth(ADMIN)):
+        with (
+            pytest.raises(WebSocketDisconnect) as exc,
+            api.websocket_connect("/v1/ws", headers=headers),
+        ):
+            pass
+        codes.append(exc.value.code)
+    assert codes[:2] == [1008, 1008] and codes[2] != 1008  # no such route: the router's close
+
+
 def test_odd_bearer_tokens_are_401_never_500(api: TestClient) -> None:
     for value in ("Bearer \xe9t\xe9-token-0123".encode("latin-1"), b"Bearer ", b"Bearer  ",
                   b"Basic " + ADMIN.encode(), b"bearer", ADMIN.encode()):  # fmt: skip

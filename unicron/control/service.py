@@ -144,13 +144,20 @@ class Door:
         self.max_body = max_body
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):  # lifespan
             await self.inner(scope, receive, send)
             return
         headers = dict(scope.get("headers") or ())
         given = headers.get(b"authorization", b"")
         scheme, _, value = given.partition(b" ")
         who = self.credentials.who(value.strip()) if scheme.lower() == b"bearer" else None
+        if scope["type"] == "websocket":  # none is served yet; one would need the token too
+            if who is None or not allowed(who, scope["path"]):
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            scope["unicron.principal"] = who
+            await self.inner(scope, receive, send)
+            return
         if who is None:
             why = "no token" if not given else "a wrong token"
             await self._refuse(scope, receive, send, 401, "missing or wrong token", why)
