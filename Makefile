@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
+.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,25 @@ slurm-demo: $(STAMP)
 	$(BIN)/python examples/slurm_demo.py
 
 SRC := unicron tests bench examples
+
+# a test CA and the coordinator's certificate for HOST, in CERTS (docs/security.md, TLS):
+# unicron coordinator --tls-cert CERTS/coordinator.pem --tls-key CERTS/coordinator.key;
+# clients: --ca-file CERTS/ca.pem (or UNICRON_CA_FILE). A production CA is yours to bring.
+CERTS ?= certs
+HOST ?= 127.0.0.1
+certs:
+	@mkdir -p $(CERTS) && chmod 700 $(CERTS)
+	@case "$(HOST)" in *[!0-9.]*) san="DNS:$(HOST)";; *) san="IP:$(HOST)";; esac; \
+	openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 365 \
+		-subj "/CN=unicron test CA" -keyout $(CERTS)/ca.key -out $(CERTS)/ca.pem 2>/dev/null && \
+	openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "/CN=$(HOST)" \
+		-keyout $(CERTS)/coordinator.key -out $(CERTS)/coordinator.csr 2>/dev/null && \
+	printf 'subjectAltName=%s,DNS:localhost\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nauthorityKeyIdentifier=keyid\n' "$$san" \
+		> $(CERTS)/coordinator.ext && \
+	openssl x509 -req -in $(CERTS)/coordinator.csr -CA $(CERTS)/ca.pem -CAkey $(CERTS)/ca.key \
+		-CAcreateserial -days 365 -extfile $(CERTS)/coordinator.ext \
+		-out $(CERTS)/coordinator.pem 2>/dev/null && \
+	chmod 600 $(CERTS)/*.key && echo "$(CERTS)/ca.pem, $(CERTS)/coordinator.pem (.key) for $$san"
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(SRC)

@@ -225,7 +225,7 @@ def test_status_json_submit_and_a_refused_token(server: str, tmp_path: Path) -> 
     assert isinstance(got["nodes"], list)
     proc = unicron("status", "nope", url=server)
     assert proc.returncode == 2 and proc.stderr.strip() == "unicron: error: no task named nope"
-    proc = unicron("status", url=server, token="wrong")
+    proc = unicron("status", url=server, token="wrong-token")
     assert proc.returncode == 2 and proc.stderr.strip() == "unicron: error: missing or wrong token"
 
 

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("unicron.control.client:cancel", "cancel a task"),
     "logs": ("unicron.control.client:logs", "a task's event log"),
     "report": ("unicron.control.client:report", "a cluster task's healing timeline"),
+    "token": ("unicron.control.credentials", "add, rotate, revoke or list cluster credentials"),
     "plan": ("unicron.planner.command", "plan slots and parallel configs for tasks"),
     "simulate": ("unicron.sim.command", "trace-driven comparison of recovery policies"),
 }

@@ -238,6 +238,10 @@ class _Worker:
             self.to(_W.GONE)
 
 
+SECRETS = frozenset(("UNICRON_TOKEN",))
+"""environment variables of the agent's process its workers never inherit"""
+
+
 @dataclass(kw_only=True)
 class AgentConfig:
     node: int
@@ -821,7 +825,12 @@ class Agent:
 
     # -- launching --------------------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        """What every worker, the zygote and the probes start with: this process's
+        environment without the coordinator's credentials (:data:`SECRETS`: a training
+        script and whatever it imports never hold a token of the cluster), the task's
+        settings, and the task file's ``env`` (allow-listed: :func:`~unicron.control.
+        taskspec.refused_env`)."""
+        env = {k: v for k, v in os.environ.items() if k not in SECRETS}
         env.update(self.config.env)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env.setdefault("TORCH_GLOO_LAZY_INIT", "1")  # connect inside the first (sliced) wait

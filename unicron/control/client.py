@@ -27,32 +27,47 @@ from unicron.errors import UsageError
 ENV_TOKEN = "UNICRON_TOKEN"
 """the cluster's token, for the service and for every client (else ``--token-file``)"""
 ENV_COORDINATOR = "UNICRON_COORDINATOR"
+ENV_CA = "UNICRON_CA_FILE"
+"""the CA bundle that verifies an ``https`` coordinator (else ``--ca-file``)"""
 DEFAULT_URL = "http://127.0.0.1:29400"
 
 
 def resolve_token(token_file: str | None, state_dir: Path | None = None) -> str:
     """The token: ``token_file``'s content, ``$UNICRON_TOKEN``, or (for the service only) the
-    state directory's ``token`` file, created with a fresh random token if missing."""
-    if token_file:
-        try:
-            token = Path(token_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise UsageError(f"--token-file {token_file}: {exc.strerror or exc}") from None
-        if not token:
-            raise UsageError(f"--token-file {token_file}: empty")
-        return token
-    if os.environ.get(ENV_TOKEN):
-        return os.environ[ENV_TOKEN].strip()
-    if state_dir is None:
-        raise UsageError(f"no token: pass --token-file FILE or set ${ENV_TOKEN}")
-    path = state_dir / "token"
-    if not path.exists():
+    state directory's ``token`` file, created with a fresh random token if missing. A token
+    that cannot be a bearer token (blank, non-ASCII, spaces) is a one-line
+    :class:`UsageError`."""
+    from unicron.control.credentials import check_token
+
+    path = token_path(token_file, state_dir)
+    if path is None:
+        if ENV_TOKEN not in os.environ:
+            raise UsageError(f"no token: pass --token-file FILE or set ${ENV_TOKEN}")
+        return check_token(os.environ[ENV_TOKEN].strip(), f"${ENV_TOKEN}")
+    if token_file is None and not path.exists():
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
         os.replace(tmp, path)
-    return path.read_text(encoding="utf-8").strip()
+    where = f"--token-file {token_file}" if token_file else str(path)
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: {getattr(exc, 'strerror', None) or exc}") from None
+    return check_token(token, where)
+
+
+def token_path(token_file: str | None, state_dir: Path | None = None) -> Path | None:
+    """The file the token of :func:`resolve_token` comes from: ``token_file``; else
+    ``None`` (the environment) when ``$UNICRON_TOKEN`` is set, even blank (refused then, not
+    ignored); else the state directory's ``token`` (the service), or ``None``. A client
+    re-reads the file when the service refuses its token (a rotated credential)."""
+    if token_file:
+        return Path(token_file)
+    if ENV_TOKEN in os.environ or state_dir is None:
+        return None
+    return state_dir / "token"
 
 
 class ServiceError(RuntimeError):
@@ -65,23 +80,57 @@ class ServiceError(RuntimeError):
 
 
 class Client:
-    """One HTTP connection pool to the coordinator, the token on every request."""
+    """One HTTP connection pool to the coordinator, the token on every request.
 
-    def __init__(self, url: str, token: str, *, timeout_s: float = 10.0) -> None:
+    ``token_file``: where the token came from; refused once (401), the client reads it again
+    and, if it changed (the credential was rotated), retries with the new one: an agent
+    goes on through a rotation without a restart. ``verify``: for an ``https`` URL, the CA
+    bundle to check the coordinator's certificate against (``None``: the system's)."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout_s: float = 10.0,
+        token_file: Path | None = None,
+        verify: str | None = None,
+    ) -> None:
         import httpx
 
         self.url = url.rstrip("/")
+        self.token_file = token_file
+        self._token = token
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=timeout_s,
             trust_env=False,  # never through a proxy: the coordinator is on our network
+            verify=_ssl_context(verify) if self.url.startswith("https://") else True,
         )
+
+    def _rotated(self) -> bool:
+        """Whether the token file now holds another valid token (then it is used)."""
+        from unicron.control.credentials import TOKEN_CHARS
+
+        if self.token_file is None:
+            return False
+        try:
+            token = self.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return False
+        if token == self._token or not TOKEN_CHARS.match(token):
+            return False
+        self._token = token
+        self._http.headers["Authorization"] = f"Bearer {token}"
+        return True
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         """The decoded JSON answer; :class:`ServiceError` for 4xx/5xx; ``httpx.TransportError``
         when the coordinator cannot be reached."""
         r = self._http.request(method, path, **kwargs)
+        if r.status_code == 401 and self._rotated():
+            r = self._http.request(method, path, **kwargs)
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)
@@ -209,8 +258,10 @@ class TaskLink:
         try:
             reply = M.from_wire(self.client.request("POST", self.path, json=body))
         except (httpx.TransportError, ServiceError) as exc:
-            if isinstance(exc, ServiceError) and exc.status < 500 and exc.status != 404:
+            if isinstance(exc, ServiceError) and exc.status < 500 and exc.status not in (401, 404):
                 raise  # refused (superseded, bad report): the agent's business
+            # 401: its credential was rotated and its file not yet rewritten; the reports
+            # wait, as for a coordinator that is away, and the workers train on
             if self.down_since is None:
                 self.down_since = now
             self._reconnect = True
@@ -236,12 +287,25 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
         help=f"the cluster service (default ${ENV_COORDINATOR} or {DEFAULT_URL})",
     )
     p.add_argument("--token-file", metavar="FILE", help="the token (else $UNICRON_TOKEN)")
+    p.add_argument(
+        "--ca-file",
+        metavar="FILE",
+        default=os.environ.get(ENV_CA),
+        help=f"for an https URL: the CA that signed the coordinator's certificate (default "
+        f"${ENV_CA}, else the system's)",
+    )
 
 
 def connect(args: argparse.Namespace) -> Client:
     if not str(args.coordinator).startswith(("http://", "https://")):
         raise UsageError(f"--coordinator must be an http(s) URL, got {args.coordinator!r}")
-    return Client(args.coordinator, resolve_token(args.token_file))
+    token = resolve_token(args.token_file)
+    return Client(
+        args.coordinator,
+        token,
+        token_file=token_path(args.token_file),
+        verify=getattr(args, "ca_file", None),
+    )
 
 
 def call(client: Client, method: str, path: str, **kwargs: Any) -> Any:
@@ -304,26 +368,36 @@ def status_main(args: argparse.Namespace) -> int:
         for col in ("node", "state", "slots", "used", "address", "silent"):
             table.add_column(col)
         for n in nodes:
-            table.add_row(
+            table.add_row(*plain(
                 n["name"], n["state"], str(n["slots"]), str(n["used"]), n["address"],
                 f"{n['silent_s']:.1f} s",
-            )  # fmt: skip
+            ))  # fmt: skip
         console.print(table)
     table = Table(title="tasks")
-    for col in ("task", "state", "epoch", "step", "workers", "min..max", "last fault", "note"):
+    for col in ("task", "owner", "state", "epoch", "step", "workers", "min..max", "last fault",
+                "note"):  # fmt: skip
         table.add_column(col)
     for t in tasks:
         note = t["waiting"] or ((t.get("outcome") or {}).get("reason") or "")
-        table.add_row(
-            t["name"], t["state"], str(t["epoch"]), str(t["step"] + 1 if t["step"] >= 0 else "-"),
-            str(t["workers"]), f"{t['min_workers']}..{t['max_workers']}", t["last_fault"] or "-",
-            note,
-        )  # fmt: skip
+        table.add_row(*plain(
+            t["name"], t.get("owner", "-"), t["state"], str(t["epoch"]),
+            str(t["step"] + 1 if t["step"] >= 0 else "-"), str(t["workers"]),
+            f"{t['min_workers']}..{t['max_workers']}", t["last_fault"] or "-", note,
+        ))  # fmt: skip
     console.print(table)
     errors = sorted({t["plan_error"] for t in tasks if t.get("plan_error")})
     for error in errors:  # the cluster keeps its allocation while the planner fails
         console.print(f"planner error (allocation kept): {error}", markup=False)
     return 0
+
+
+def plain(*cells: Any) -> list[Any]:
+    """Table cells as plain text: what users and workers wrote (task names, notes, reasons)
+    is shown as it is, never read as ``rich`` markup (``[/x]`` in a reason would crash the
+    table)."""
+    from rich.text import Text
+
+    return [Text(str(c)) for c in cells]
 
 
 def add_cancel_arguments(p: argparse.ArgumentParser) -> None:
@@ -400,6 +474,17 @@ def report_main(args: argparse.Namespace) -> int:
         last = max((e.get("step", -1) for e in events if e["event"] == "step_end"), default=-1)
         console.print(f"task {args.task}: no fault so far, {last + 1} step(s) committed")
     return 0
+
+
+def _ssl_context(cafile: str | None) -> Any:
+    """A client TLS context that verifies the coordinator's certificate and host name,
+    against ``cafile`` (a test CA: ``make certs``) or the system's roots."""
+    import ssl
+
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--ca-file {cafile}: {exc}") from None
 
 
 def write_stdout(text: str) -> None:

@@ -19,6 +19,7 @@ known by its name until it has ended and its name is submitted again: then by it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -91,6 +92,7 @@ class Node:
     row: NodeRow
     last_seen: float
     lost: bool = False
+    gpus: int | None = None  # CUDA devices its agent counted on registering; None: unknown
 
 
 @dataclass
@@ -101,6 +103,7 @@ class Task:
     events: EventLog | None = None
     leaving: set[int] = field(default_factory=set)  # ranks given back, worker not yet gone
     excluded: set[int] = field(default_factory=set)  # ranks its coordinator took out of the plan
+    refused: str = ""  # why a planned slot was refused (a node without the task's device)
 
 
 class Cluster:
@@ -132,6 +135,7 @@ class Cluster:
         self.nodes: dict[int, Node] = {r.id: Node(r, last_seen=now) for r in self.state.nodes()}
         self._by_name = {n.row.name: n for n in self.nodes.values()}  # every request looks up
         self.tasks: dict[str, Task] = {}
+        self.owners = self.state.owners()  # task name -> who submitted it
         self._by_uid: dict[str, Task] = {}  # ... and every exchange its task
         self._triggers: list[str] = []  # what happened since the last plan
         last_alive = float(self.state.meta("alive_ts") or "nan")
@@ -176,7 +180,16 @@ class Cluster:
             S.stop(self.state_dir)
 
     # -- nodes -----------------------------------------------------------------------------
-    def register(self, name: str, slots: int, address: str, instance: str, now: float) -> int:
+    def register(
+        self,
+        name: str,
+        slots: int,
+        address: str,
+        instance: str,
+        now: float,
+        *,
+        gpus: int | None = None,
+    ) -> int:
         """An agent starts (or reconnects): its node's id. A new process under the name of a
         node that is still heartbeating is refused (:class:`Conflict`); under the name of a
         lost one it brings the node back to the tasks placed there."""
@@ -187,6 +200,7 @@ class Cluster:
                 nid = max(self.nodes, default=-1) + 1
                 node = Node(NodeRow(nid, name, slots, address, instance, now), last_seen=now)
                 self.nodes[nid] = self._by_name[name] = node
+                node.gpus = gpus
                 self.state.save_node(node.row)
                 log.info("node %s registered as node %d with %d slot(s)", name, nid, slots)
                 self._triggers.append(f"node {name} registered")
@@ -212,7 +226,7 @@ class Cluster:
                 ]
                 log.info("node %s (node %d) is back", name, node.row.id)
                 self._triggers.append(f"node {name} back")
-            node.last_seen, node.lost = now, False
+            node.last_seen, node.lost, node.gpus = now, False, gpus
         for task in returned:
             assert task.controller is not None
             task.controller.node_returned(node.row.id, now)
@@ -244,6 +258,8 @@ class Cluster:
             node.last_seen, node.lost = now, False
             task = self._by_uid.get(uid)
             controller = None if task is None else task.controller
+            if task is not None and controller is not None:
+                reports = screen(node.row, task.row, controller.epoch, reports)
         if controller is None:  # ended (or never known): its workers leave
             return M.Reply(over=True, finished=True)
         return controller.exchange(node.row.id, reports, now, read_until=read_until)
@@ -261,10 +277,16 @@ class Cluster:
 
     # -- tasks -----------------------------------------------------------------------------
     def submit(
-        self, spec: TaskSpec, now: float, *, events_to: Path | None = None
+        self,
+        spec: TaskSpec,
+        now: float,
+        *,
+        events_to: Path | None = None,
+        owner: str = "admin",
     ) -> dict[str, Any]:
         """Accept a task: placed at once if its minimum fits, else queued. ``events_to``
-        (``unicron run --events``; never from the API): the task's event log goes there."""
+        (``unicron run --events``; never from the API): the task's event log goes there.
+        ``owner``: who submitted it (the only one but an admin who may cancel it)."""
         if not Path(spec.script).is_file():
             raise Invalid(f"script: no such file on the coordinator's host: {spec.script}")
         ck = spec.checkpoint
@@ -277,13 +299,17 @@ class Cluster:
             if spec.name in self.tasks:
                 self._archive(self.tasks[spec.name])
             self._check_checkpoint_dir_free(spec)
-            uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(3)}"
+            # the uid prefixes every store key of the task: 128 random bits make it a secret
+            # the task's workers, its agents, its owner and an admin know (docs/security.md)
+            uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(16)}"
             row = TaskRow(spec.name, uid, spec.model_dump(), "queued", now, [])
             task = Task(row, spec)
             self.tasks[spec.name] = self._by_uid[uid] = task
             if events_to is not None:
                 self._events_to[row.uid] = events_to
             self.state.save_task(row)
+            self.state.set_owner(spec.name, owner)
+            self.owners[spec.name] = owner
             calls = self._replan(now, f"task {spec.name} submitted")
             self._settle(now, calls)
             view = self.view(task)
@@ -444,6 +470,14 @@ class Cluster:
                 continue
             if node not in free:
                 continue  # the node went meanwhile: the next plan decides again
+            if task.spec.device == "cuda" and self.nodes[node].gpus == 0:
+                task.refused = (
+                    f"device cuda: node {self.nodes[node].row.name} has no CUDA device; "
+                    "waiting for a node with GPUs"
+                )
+                log.warning("task %s: refused a slot on node %s: no CUDA device", name,
+                            self.nodes[node].row.name)  # fmt: skip
+                continue
             if task.controller is None:
                 waiting.setdefault(name, []).append(node)
                 kept.append((name, node))
@@ -725,8 +759,9 @@ class Cluster:
             "max_workers": task.spec.workers.max,
             "weight": task.spec.weight,
             "last_fault": row.last_fault,
-            "waiting": c.waiting_reason if c is not None else "",
+            "waiting": c.waiting_reason if c is not None else task.refused,
             "submitted_ts": row.submitted_ts,
+            "owner": self.owners.get(row.name, "admin"),
             "outcome": row.outcome,
             "plan_error": self.plan_error,  # the planner failed: the allocation was kept
         }
@@ -765,6 +800,78 @@ class Cluster:
             tasks = [(t.row.state, t.row.workers if t.row.state in ACTIVE else 0, t.row.name,
                       t.row.committed_step) for t in self.tasks.values()]  # fmt: skip
         return self.metrics.render(tasks)
+
+
+WORKER_EVENTS = frozenset(
+    ("step_end", "transition_end", "fault_injected", "checkpoint_saved", "checkpoint_interval")
+)
+"""the event-log records a worker writes (:mod:`unicron.worker`, its checkpointer); any other
+name in an agent's report is a forgery (the coordinator writes the rest itself)"""
+_INT_FIELDS = ("epoch", "step", "slot", "rank", "node")
+_EXTRA = {"returncode": int}
+"""what a :class:`~unicron.control.messages.Detected` report may carry besides its fields"""
+
+
+def screen(node: NodeRow, task: TaskRow, epoch: int, reports: list[M.Report]) -> list[M.Report]:
+    """The reports of ``node``'s agent about ``task`` (now at ``epoch``) that the task's
+    coordinator may hear, checked against what the cluster knows before it does.
+
+    A report about a slot this node does not hold is dropped, with a log line: a slot the
+    task gave back meanwhile (a race, logged at info), or another node's slot (a forgery,
+    logged as a warning: an agent reports for its own node only). A report no agent of this
+    release sends is refused whole (:class:`Invalid`, 422 with the reason, logged): an event
+    name a worker does not write, an event whose ``epoch``/``step``/``slot``/``rank``/``node``
+    is not an integer, a step's ``step_end`` without them, an epoch the coordinator has not
+    announced yet (a replay from the future), a detection with fields of its own."""
+    kept: list[M.Report] = []
+    for r in reports:
+        why = _malformed(r, epoch)
+        if why:
+            log.warning("task %s: refused the exchange of node %s: %s", task.uid, node.name, why)
+            raise Invalid(f"reports: {why}")
+        slot = getattr(r, "slot", None)
+        if isinstance(r, M.Event) and isinstance(r.fields.get("slot"), int):
+            slot = r.fields["slot"]
+        holder = (
+            task.placement[slot] if slot is not None and 0 <= slot < len(task.placement) else -2
+        )
+        if slot is not None and holder != node.id:
+            level = logging.INFO if holder == -1 else logging.WARNING
+            whose = "given back" if holder == -1 else "not on this node"
+            log.log(level, "task %s: dropped %s of node %s for slot %s (%s)", task.uid,
+                    type(r).__name__, node.name, slot, whose)  # fmt: skip
+            continue
+        kept.append(r)
+    return kept
+
+
+def _malformed(r: M.Report, epoch: int) -> str:
+    """Why report ``r`` cannot come from an agent of this release ("" if it can)."""
+    name = type(r).__name__
+    for f in dataclasses.fields(r):
+        value = getattr(r, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name}.{f.name} is not a finite number"
+    if isinstance(r, M.Event):
+        if r.name not in WORKER_EVENTS:
+            return f"event {r.name[:40]!r} is not one a worker writes"
+        bad = [k for k in _INT_FIELDS if k in r.fields and type(r.fields[k]) is not int]
+        if bad:
+            return f"event {r.name}: {bad[0]} is not an integer"
+        if r.name == "step_end" and not ("epoch" in r.fields and "step" in r.fields):
+            return "event step_end: needs epoch and step"
+        if r.name == "transition_end" and "step" not in r.fields:
+            return "event transition_end: needs step"
+    said = getattr(r, "epoch", None)
+    if isinstance(r, M.Event):
+        said = r.fields.get("epoch")
+    if said is not None and said > epoch:
+        return f"{name}: epoch {said} is not announced (the task is at epoch {epoch})"
+    if isinstance(r, M.Detected):
+        for k, v in r.extra.items():
+            if k not in _EXTRA or type(v) is not _EXTRA[k]:
+                return f"Detected: extra field {str(k)[:40]!r} is not one an agent sends"
+    return ""
 
 
 class _Metrics:

@@ -85,7 +85,9 @@ class LocalCluster:
         self.coordinator = subprocess.Popen(
             [sys.executable, "-m", "unicron", "coordinator", "--host", self.net.host_address,
              "--port", str(self.port), "--state-dir", str(self.state_dir),
-             "--node-timeout", str(self.node_timeout_s), *self.coordinator_args],
+             "--node-timeout", str(self.node_timeout_s),
+             "--insecure-http",  # a network namespace of the test's own: nobody else on it
+             *self.coordinator_args],
             env=self.env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip

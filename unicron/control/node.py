@@ -89,6 +89,7 @@ class NodeAgent:
         self.log_dir = log_dir
         self.per_task = per_task  # a directory per task under log_dir (``unicron run``: one task)
         self.instance = secrets.token_hex(8)
+        self.gpus = _gpus()  # the coordinator places CUDA tasks only where there are GPUs
         self.node: int | None = None
         self.tasks: dict[str, _Running] = {}
         self.vanished = False
@@ -125,6 +126,7 @@ class NodeAgent:
                         "slots": self.slots,
                         "address": self.address,
                         "instance": self.instance,
+                        "gpus": self.gpus,
                     },
                 )
                 self.node = int(got["node"])
@@ -300,6 +302,16 @@ class NodeAgent:
             self._end(uid)
 
 
+def _gpus() -> int:
+    """This node's CUDA devices: 0 without an NVIDIA device node (no need to import torch to
+    know), else what torch counts."""
+    if not any(Path("/dev").glob("nvidia[0-9]*")):
+        return 0
+    from unicron.runtime import device as D
+
+    return D.gpu_count()
+
+
 def _address(url: str) -> str:
     """This host's address as the coordinator sees it (the source address of a connection to
     it), for the node table."""
@@ -349,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
     )
     log.setLevel(logging.INFO)
     log_dir = Path(args.log_dir or f"/tmp/unicron-agent-{name}")
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # workers' output: the owner's only
     client = connect(args)
     agent = NodeAgent(client, name=name, slots=args.slots, log_dir=log_dir)
     stop = threading.Event()

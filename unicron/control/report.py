@@ -218,6 +218,7 @@ def fmt_s(x: float | None) -> str:
 
 def render(events: list[Event], console: Any) -> None:
     """Print the timeline table and the outcome with ``rich``."""
+    from rich.markup import escape  # a reason is a worker's text: never read as markup
     from rich.table import Table
 
     table = Table(title="Self-healing timeline", title_justify="left")
@@ -252,8 +253,8 @@ def render(events: list[Event], console: Any) -> None:
     end = task_end(events)
     if end is not None:
         console.print(
-            f"task {end.get('task')}: [bold]{end.get('status')}[/bold] after {end.get('steps')} "
-            f"steps, final loss {end.get('final_loss')}, steps redone {steps_redone(events)}, "
-            f"params sha256 {str(end.get('params_sha256', '-'))[:16]}..."
-            + (f"\nreason: {end['reason']}" if end.get("reason") else "")
+            f"task {escape(str(end.get('task')))}: [bold]{escape(str(end.get('status')))}[/bold] "
+            f"after {end.get('steps')} steps, final loss {end.get('final_loss')}, steps redone "
+            f"{steps_redone(events)}, params sha256 {str(end.get('params_sha256', '-'))[:16]}..."
+            + (f"\nreason: {escape(str(end['reason']))}" if end.get("reason") else "")
         )

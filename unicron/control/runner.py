@@ -610,7 +610,9 @@ class _Display:
         s = self.state
         line = f"step {s['step']}  loss {s['loss']}  workers {s['workers']}  epoch {s['epoch']}"
         if s.get("waiting"):
-            line += f"  WAITING: {s['waiting']}"
+            from rich.markup import escape  # the planner's reason: text, not markup
+
+            line += f"  WAITING: {escape(str(s['waiting']))}"
         return line
 
     def _on_event(self, e: dict[str, Any]) -> None:

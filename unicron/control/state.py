@@ -13,6 +13,7 @@ cannot read; it never overwrites either. Only :class:`unicron.control.cluster.Cl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -31,6 +32,7 @@ DB = "state.db"
 OURS = {
     *(DB + end for end in ("", ".new", "-wal", "-shm")),
     *("store.json", "store.log", "store.starting.json", "tasks", "token", "coordinator.log"),
+    *("credentials.json", "credentials.json.tmp", "token.tmp"),
 }
 """what a state directory may hold besides the database"""
 
@@ -52,6 +54,8 @@ CREATE TABLE events (
 );
 CREATE INDEX events_by_task ON events (task, id);
 """
+_OWNERS = "CREATE TABLE IF NOT EXISTS owners (task TEXT PRIMARY KEY, owner TEXT NOT NULL);"
+"""who submitted each task (added to a database of an older release when it is opened)"""
 
 
 @dataclass
@@ -170,6 +174,17 @@ class State:
         with self._tx() as c:
             c.execute("UPDATE tasks SET name = ? WHERE name = ?", (new, old))
             c.execute("UPDATE events SET task = ? WHERE task = ?", (new, old))
+            c.execute("UPDATE owners SET task = ? WHERE task = ?", (new, old))
+
+    def owners(self) -> dict[str, str]:
+        """Who submitted each task (a task submitted before owners were kept: none)."""
+        with self._lock:
+            rows = self._conn.execute("SELECT task, owner FROM owners").fetchall()
+        return {str(t): str(o) for t, o in rows}
+
+    def set_owner(self, task: str, owner: str) -> None:
+        with self._tx() as c:
+            c.execute("INSERT OR REPLACE INTO owners (task, owner) VALUES (?, ?)", (task, owner))
 
     # -- events ------------------------------------------------------------------------------
     def add_event(self, task: str, event: dict[str, Any]) -> None:
@@ -200,7 +215,8 @@ def open_state(state_dir: Path) -> State:
     state_dir = Path(state_dir)
     if state_dir.exists() and not state_dir.is_dir():
         raise UsageError(f"--state-dir {state_dir}: not a directory")
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)  # task specs, their env, the token: the owner's only
     path = state_dir / DB
     if not path.exists():
         foreign = sorted(p.name for p in state_dir.iterdir() if p.name not in OURS)
@@ -212,6 +228,7 @@ def open_state(state_dir: Path) -> State:
             )
         tmp = state_dir / f"{DB}.new"  # built aside, then renamed: never half-created
         tmp.unlink(missing_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600))  # SQLite keeps the mode
         new = sqlite3.connect(tmp)
         new.executescript(_TABLES)
         with new:
@@ -222,9 +239,7 @@ def open_state(state_dir: Path) -> State:
         new.close()
         os.replace(tmp, path)
         conn = sqlite3.connect(path, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        return State(conn, path)
+        return _ready(conn, path)
     try:
         conn = sqlite3.connect(f"file:{path}?mode=rw", uri=True, check_same_thread=False)
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
@@ -235,6 +250,19 @@ def open_state(state_dir: Path) -> State:
         conn.close()
         found = "no schema" if row is None else f"schema {row[0]!r}"
         raise UsageError(f"--state-dir {state_dir}: {DB} has {found}, expected {SCHEMA!r}")
+    return _ready(conn, path)
+
+
+def _ready(conn: sqlite3.Connection, path: Path) -> State:
+    """WAL, the owners table, and the database's files the owner's only (SQLite gives its
+    ``-wal`` and ``-shm`` files the database's mode; a database of an older release was
+    created 0644)."""
+    os.chmod(path, 0o600)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
+    with conn:
+        conn.execute(_OWNERS)
+    for end in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{path}{end}", 0o600)
     return State(conn, path)

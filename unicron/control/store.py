@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -61,12 +62,34 @@ def _answers(info: StoreInfo) -> bool:
 
 
 def serve_here(host: str) -> Any:
-    """A store served by this process (``unicron run``: nothing outlives it)."""
+    """A store served by this process (``unicron run``: nothing outlives it), listening on
+    ``host`` only (:func:`listen`)."""
     import torch.distributed as dist
 
+    port, fd = listen(host)
     return dist.TCPStore(
-        host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=dt.timedelta(seconds=60),
+        master_listen_fd=fd,
     )
+
+
+def listen(host: str) -> tuple[int, int]:
+    """A socket listening on ``host`` and a free port, for the store's server: its port and
+    file descriptor (open for the rest of the process: the store never lets go of it). A
+    TCPStore given only a port listens on every interface of the machine (``*:PORT``),
+    whatever host it is told; handed this socket (``master_listen_fd``) it serves the
+    coordinator's address alone (docs/security.md)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(1024)
+    port = int(sock.getsockname()[1])
+    return port, sock.detach()
 
 
 def read_record(state_dir: Path) -> StoreInfo | None:
@@ -85,7 +108,8 @@ def ensure(state_dir: Path, host: str) -> tuple[StoreInfo, bool]:
         return found, True
     ready = state_dir / "store.starting.json"
     ready.unlink(missing_ok=True)
-    with open(state_dir / "store.log", "ab") as out:
+    fd = os.open(state_dir / "store.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with open(fd, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "unicron.control.store", "--host", host, "--out", str(ready)],
             stdout=out,
@@ -122,11 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    port, fd = listen(args.host)
     store = dist.TCPStore(
-        args.host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
+        args.host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=dt.timedelta(seconds=60),
+        master_listen_fd=fd,
     )
     tmp = Path(args.out + ".tmp")
-    tmp.write_text(json.dumps({"host": args.host, "port": store.port, "pid": os.getpid()}))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
+        json.dump({"host": args.host, "port": store.port, "pid": os.getpid()}, f)
     os.replace(tmp, args.out)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -16,6 +16,7 @@
     readmit_after: 60               # seconds before an excluded slot is probed
     restart_window: 60              # seconds over which the escalation counts failures
     inject: []                      # fault specs, as ``unicron run --inject``
+    env: {HF_HOME: /data/hf}        # added to the workers' environment (not LD_*, PYTHON*...)
     model: {preset: gpt-1.3b}       # the planner's description (optional), as ``unicron plan``
 
 A relative ``script`` or ``checkpoint.dir`` is taken from the task file's folder. Examples
@@ -30,6 +31,7 @@ Validated with pydantic (unknown fields, wrong types and inconsistent values are
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -82,7 +84,7 @@ class TaskSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(pattern=NAME)
-    script: str = Field(min_length=1)
+    script: str = Field(min_length=1, max_length=4096)
     args: list[str] = Field(default_factory=list)
     workers: Workers = Field(default_factory=lambda: Workers.model_validate({}))
     weight: float = Field(1.0, gt=0, allow_inf_nan=False)
@@ -95,8 +97,8 @@ class TaskSpec(BaseModel):
     give_up_after: float = Field(600.0, gt=0)
     readmit_after: float = Field(60.0, gt=0)
     restart_window: float = Field(60.0, ge=0.001, le=86_400)
-    inject: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
+    inject: list[str] = Field(default_factory=list, max_length=1024)
+    env: dict[str, str] = Field(default_factory=dict, max_length=256)
     model: dict[str, Any] | None = None
 
     @field_validator("args", mode="before")
@@ -105,6 +107,35 @@ class TaskSpec(BaseModel):
         """``[--steps, 150]``: YAML reads 150 as a number; a script's argument is its text."""
         if isinstance(v, list):
             return [_text(a) for a in v]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reduce_for_device(cls, data: Any) -> Any:
+        """No ``reduce`` given: the device's default, as ``unicron run`` chooses it."""
+        if isinstance(data, dict) and "reduce" not in data and data.get("device") == "cuda":
+            return {**data, "reduce": "fast"}
+        return data
+
+    @model_validator(mode="after")
+    def _device_supports_reduce(self) -> TaskSpec:
+        """``unicron run``'s check (:func:`unicron.runtime.device.check`), on every submit."""
+        from unicron.runtime.device import REDUCE_MODES
+
+        if self.reduce not in REDUCE_MODES[self.device]:
+            allowed = ", ".join(REDUCE_MODES[self.device])
+            raise ValueError(
+                f"reduce {self.reduce} is not supported with device {self.device} (supported: "
+                f"{allowed}); see docs/runtime.md, Accelerators"
+            )
+        return self
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            why = refused_env(name) or ("longer than 4096 characters" if len(value) > 4096 else "")
+            if why:
+                raise ValueError(f"{name}: {why}")
         return v
 
     @field_validator("inject")
@@ -151,6 +182,54 @@ def _text(value: Any) -> Any:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return str(value)
     return value
+
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_REFUSED_PREFIXES = ("LD_", "PYTHON", "UNICRON_", "TORCH_", "GLOO_", "NCCL_")
+"""a task's ``env`` may not set these: the dynamic loader's (``LD_PRELOAD``,
+``LD_LIBRARY_PATH``), Python's start-up (``PYTHONPATH``, ``PYTHONSTARTUP``), and what the
+agent itself tells its workers (docs/security.md)"""
+ENV_REFUSED = frozenset(
+    [
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "IFS",
+        "BASH_ENV",
+        "ENV",
+        "MALLOC_CONF",
+        "GCONV_PATH",
+        "LOCALDOMAIN",
+        "HOSTALIASES",
+        "RES_OPTIONS",
+        "TMPDIR",
+        "CUDA_VISIBLE_DEVICES",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMP_NUM_THREADS",
+    ]
+)
+"""... nor these names: what finds programs and libraries, or what the agent sets per slot"""
+ENV_ALLOWED = frozenset(["UNICRON_PRELOAD"])
+"""... except these: the modules the task's own zygote imports before its workers start
+(:data:`unicron.runtime.launcher.ENV_PRELOAD`; the script could import them itself)"""
+
+
+def refused_env(name: str) -> str:
+    """Why a task file's ``env`` may not set ``name`` ("" if it may)."""
+    if not ENV_NAME.match(name):
+        return "not an environment variable name"
+    if name in ENV_ALLOWED:
+        return ""
+    if name in ENV_REFUSED or name.startswith(ENV_REFUSED_PREFIXES):
+        return "a task may not set it (the loader's, Python's or the agent's; docs/security.md)"
+    return ""
 
 
 def one_line(exc: ValidationError) -> str:

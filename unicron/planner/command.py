@@ -244,6 +244,7 @@ def _fitting_json(cfg: ParallelConfig, gpus: int) -> dict[str, Any]:
 
 def _print_table(report: Report) -> None:
     from rich.console import Console
+    from rich.markup import escape  # task names and reasons come from the user's file
     from rich.table import Table
 
     d_run = "inf" if math.isinf(report.d_run_s) else f"{report.d_run_s / 3600:.3g} h"
@@ -255,14 +256,14 @@ def _print_table(report: Report) -> None:
     table.add_column("reason")
     for r in report.rows:
         table.add_row(
-            r.name,
+            escape(r.name),
             f"{r.gpus_before} -> {r.gpus}",
             r.layout or "-",
             "-" if r.memory_gib is None else f"{r.memory_gib:.0f}",
             f"{r.tflops_per_gpu:.1f}",
             f"{r.achieved_flops / 1e15:.2f}",
             f"{r.waf / 1e15:.2f}",
-            r.reason,
+            escape(r.reason),
         )
     table.add_section()
     table.add_row("total", "", "", "", "", "", f"{report.total_waf / 1e15:.2f}", "")

@@ -81,8 +81,12 @@ def run_env(kind: str, nproc_per_node: int, gpus: int) -> dict[str, str]:
 
 
 def slot_device(kind: str, local_rank: int, gpus: int) -> str:
-    """The device of a node's ``local_rank``-th slot: GPUs round robin, or the CPU."""
-    return f"cuda:{local_rank % gpus}" if kind == "cuda" and gpus > 0 else "cpu"
+    """The device of a node's ``local_rank``-th slot: GPUs round robin, or the CPU. CUDA asked
+    for on a node without GPUs is ``cuda:0`` all the same: its worker refuses it as bad input
+    (:func:`current`) rather than train on the CPU unasked."""
+    if kind != "cuda":
+        return "cpu"
+    return f"cuda:{local_rank % gpus}" if gpus > 0 else "cuda:0"
 
 
 def slot_env(kind: str, local_rank: int, local_world: int, gpus: int) -> dict[str, str]:
