@@ -229,6 +229,7 @@ def test_a_user_cancels_only_their_own_tasks(api: TestClient) -> None:
     assert r.status_code == 200
 
 
+@pytest.mark.e2e
 def test_token_command_bad_input_is_exit_2_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     (tmp_path / "bad").mkdir()
@@ -247,6 +248,7 @@ def test_token_command_bad_input_is_exit_2_one_line(tmp_path: Path) -> None:
         assert says in proc.stderr, (argv, proc.stderr)
 
 
+@pytest.mark.e2e
 def test_rotated_and_expired_credentials_stop_working(tmp_path: Path) -> None:
     """``unicron token add`` twice under one name: the first token stops working at once,
     without a restart of the service (its file is read again when it changes)."""
@@ -289,6 +291,7 @@ def test_rotated_and_expired_credentials_stop_working(tmp_path: Path) -> None:
         Credentials(ADMIN, path=state / FILE)  # ... and a start on it is refused
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("value", "why"),
     [("   ", "$UNICRON_TOKEN: a token must be"), ("t\xf6ken-0123", "$UNICRON_TOKEN: a token")],
@@ -331,6 +334,7 @@ def test_status_prints_user_text_as_text(cluster: Cluster, capsys: Any) -> None:
     assert "bad input [/x] here" in out and "n[/x]" in out and "[bold]a" in out
 
 
+@pytest.mark.e2e
 def test_fuzz_every_operation_with_and_without_credentials(tmp_path: Path) -> None:
     """schemathesis over every operation: with the admin's token no 5xx; without a token,
     or with a wrong one, nothing but 401."""
@@ -375,6 +379,7 @@ def test_fuzz_every_operation_with_and_without_credentials(tmp_path: Path) -> No
 
 
 # -- TLS ----------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_tls_the_client_verifies_the_coordinator(cluster: Cluster, tmp_path: Path) -> None:
     """``make certs``' test CA: a client given it talks HTTPS; one without it refuses the
     certificate; plain HTTP to the TLS port gets nothing."""
@@ -421,6 +426,7 @@ def test_tls_the_client_verifies_the_coordinator(cluster: Cluster, tmp_path: Pat
         thread.join(timeout=10)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
