@@ -164,3 +164,11 @@ def test_the_sbatch_script_parses_and_asks_for_what_node_failure_needs() -> None
     text = SBATCH.read_text()
     assert "#SBATCH --no-kill" in text  # else Slurm ends the job with its first lost node
     assert re.search(r"srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1", text)
+
+
+def test_the_sbatch_script_keeps_the_events_as_json_lines() -> None:
+    # the demo (and a person) reads the task's events back from the state directory as JSON
+    # Lines: `unicron logs` prints them so only with --json (readable lines by default)
+    text = re.sub(r"\\\n\s*", " ", SBATCH.read_text())
+    kept = [m.group(0) for m in re.finditer(r"-m unicron logs [^\n]*>[^\n]*\.jsonl", text)]
+    assert kept and all("--json" in line for line in kept)
