@@ -29,7 +29,7 @@ TRAIN = ROOT / "examples" / "train_gpt.py"
 TOKEN = "admin-token-nodes-0123"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "UNICRON_TOKEN": TOKEN}
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 def free_port() -> int:

@@ -25,7 +25,7 @@ from unicron.control.lab import LocalCluster
 from unicron.control.report import incidents
 from unicron.control.taskspec import load
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 TASKS = ROOT / "examples" / "tasks"
 
