@@ -127,3 +127,63 @@ def test_equal_shares_ignore_weights_and_respect_limits() -> None:
     assert moves(d) == {"a": (4, 3), "b": (0, 2)}  # 5 over 2: the first submitted gets 3
     capped = view("c", 1, 1, 1, {}, running=False)
     assert moves(decide([capped], cap, DAY, placement="equal")) == {"c": (0, 1)}
+
+
+def _modelled(name: str, preset: str, weight: float, hi: int, ranks: dict[int, int], *,
+              running: bool, model: bool) -> TaskView:  # fmt: skip
+    from unicron.planner import MODEL_PRESETS
+
+    more = {"model": MODEL_PRESETS[preset], "global_batch": 256} if model else {}
+    return TaskView(name=name, weight=weight, min_workers=1, max_workers=hi, ranks=ranks,
+                    running=running, microbatches=None, **more)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_the_performance_model_splits_otherwise_where_a_layout_does_not_fit() -> None:
+    """gpt-13b needs 4 A100s: on the 3 free slots it would do nothing, so the performance
+    model gives them to the small task, where counting workers gives them to the heavier."""
+    from unicron.control.allocation import Hardware
+    from unicron.planner import GPU_PRESETS
+
+    hw = Hardware(GPU_PRESETS["A100-80GB"], 4)
+    splits = {}
+    for model in (False, True):
+        small = _modelled("small", "gpt-1.3b", 1.0, 4, {0: 0}, running=True, model=model)
+        big = _modelled("big", "gpt-13b", 2.0, 8, {}, running=False, model=model)
+        d = decide([small, big], {0: 4}, DAY, hardware=hw)
+        splits[model] = (moves(d), d.reasons)
+    assert splits[False][0] == {"small": (1, 1), "big": (0, 3)}
+    assert splits[True][0] == {"small": (1, 4), "big": (0, 0)}
+    reasons = splits[True][1]
+    assert "on 4: tp1 pp1 dp4" in reasons["small"], reasons
+    assert reasons["big"] == (
+        "waits: no layout of gpt-13b at global batch 256 fits on up to 3 slot(s) of A100-80GB "
+        "(4 per node)"
+    )
+    assert "worker-equivalents" in reasons["small"] and "PFLOP/s" not in reasons["small"]
+
+
+def test_a_count_that_divides_badly_is_worth_less_than_the_workers() -> None:
+    """The same model priced by the performance model: 3 slots of a global batch of 256 are
+    worth less than 3 workers (the layout's data-parallel degree must divide the batch)."""
+    from unicron.control.allocation import Hardware, throughput
+    from unicron.planner import GPU_PRESETS
+
+    hw = Hardware(GPU_PRESETS["A100-80GB"], 4)
+    t = _modelled("small", "gpt-1.3b", 1.0, 8, {}, running=False, model=True)
+    rel = throughput(t, 8, hw)
+    assert max(rel[u] / u for u in range(1, 9)) == 1.0  # the best count per slot is the unit
+    assert rel[3] < 0.95 * 3 and rel[4] > 0.99 * 4  # 4 divides 256; 3 does not
+    assert list(throughput(t, 8, None)) == list(range(9))  # no hardware: workers count
+
+
+def test_a_measured_transition_is_what_the_planner_weighs() -> None:
+    """A grow that repays a 0.2 s transition over the time to the next failure is made; the
+    same grow against a transition as long as that time is not."""
+    import dataclasses
+
+    a = view("a", 1, 1, 4, {0: 0, 1: 0}, running=True, mb=None)
+    short = dataclasses.replace(a, transition_s=0.2)
+    long_ = dataclasses.replace(a, transition_s=10 * 3600.0)
+    assert moves(decide([short], {0: 4}, 3600.0)) == {"a": (2, 4)}
+    assert moves(decide([long_], {0: 4}, 3600.0)) == {"a": (2, 2)}
+    assert "0.2 s transition" in decide([short], {0: 4}, 3600.0).reasons["a"]

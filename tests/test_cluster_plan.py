@@ -130,6 +130,51 @@ def _status(cluster: Cluster) -> str:
 def test_the_placement_setting_is_validated() -> None:
     with pytest.raises(ValueError, match="placement must be one of planner, keep, equal"):
         ClusterSettings(placement="fifo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gpu must be one of A100-80GB, "):
+        ClusterSettings(gpu="GTX-1080")
+
+
+@pytest.mark.parametrize("described", [False, True])
+def test_tasks_that_describe_their_model_are_placed_by_the_performance_model(
+    cluster: Cluster, described: bool
+) -> None:
+    """The live cluster's allocation prices a task that describes its model with the
+    performance model: gpt-13b cannot train on the 3 slots a running task could give up,
+    so it waits and says why, where counting workers would have taken them."""
+    now = time.time()
+    cluster.register("n0", 4, "127.0.0.1", "i0", now)
+
+    def model(preset: str) -> dict[str, Any]:
+        return {"model": {"preset": preset}, "global_batch": 256} if described else {}
+
+    submit(cluster, "small", now, workers={"min": 1, "max": 4}, **model("gpt-1.3b"))
+    assert cluster.tasks["small"].row.placement == [0, 0, 0, 0]
+    submit(cluster, "big", now, weight=2.0, workers={"min": 1, "max": 8}, **model("gpt-13b"))
+    big = cluster.task_view("big")
+    if not described:  # counting workers: the heavier task takes all but small's minimum
+        assert cluster.tasks["small"].leaving == {1, 2, 3}
+        assert [n for _, n in cluster._pending_adds] == [0, 0, 0] and big["waiting"] == ""
+        return
+    assert not cluster.tasks["small"].leaving and not cluster._pending_adds
+    assert big["state"] == "queued"
+    assert big["waiting"] == (
+        "waits: no layout of gpt-13b at global batch 256 fits on up to 3 slot(s) of "
+        "A100-80GB (4 per node)"
+    )
+
+
+def test_a_task_is_priced_by_its_own_measured_transitions(cluster: Cluster) -> None:
+    now = time.time()
+    cluster.register("n0", 2, "127.0.0.1", "i0", now)
+    submit(cluster, "a", now, workers={"min": 1, "max": 2})
+    submit(cluster, "b", now, workers={"min": 1, "max": 2})
+    a, b = cluster.tasks["a"], cluster.tasks["b"]
+    assert cluster._transition_s(a) == allocation.TRANSITION_S  # nothing measured yet
+    for d in (0.3, 0.1, 0.2):
+        cluster._on_event(a, {"event": "transition_end", "rank": 0, "duration_s": d, "ts": now})
+    cluster._on_event(a, {"event": "transition_end", "rank": 1, "duration_s": 9.0, "ts": now})
+    assert cluster._transition_s(a) == pytest.approx(0.2)  # rank 0's, their median
+    assert cluster._transition_s(b) == pytest.approx(0.2)  # none of its own: the cluster's
 
 
 @pytest.mark.parametrize(
@@ -140,6 +185,9 @@ def test_the_placement_setting_is_validated() -> None:
         ({"workers": {"min": 3, "max": 2}}, "min (3) is above max (2)"),
         ({"model": {"preset": "no-such-model"}}, "model"),
         ({"model": {"layers": 2}}, "model"),
+        ({"model": {"preset": "gpt-1.3b"}}, "model and global_batch go together"),
+        ({"global_batch": 256}, "model and global_batch go together"),
+        ({"model": {"preset": "gpt-1.3b"}, "global_batch": 0}, "global_batch"),
     ],
 )
 def test_what_the_planner_cannot_take_is_refused_at_submit(

@@ -9,11 +9,22 @@ failure, then turns the counts into moves: which of a task's launch ranks to giv
 the nodes where it holds the most, so that it stays packed) and on which nodes a growing or
 starting task gets its slots. Pure: no clock, no I/O.
 
-Throughput model: a data-parallel task of ``M`` micro-batches per step makes
-``M / ceil(M / u)`` micro-batch rounds' worth of progress per unit of time on ``u`` workers
-(a step lasts as many rounds as its busiest worker computes), times its weight; until its
-workers report ``M`` it is taken as linear. A task's ``model`` in its file is not used yet:
-every task here trains on identical slots.
+Throughput model, in one unit for every task (worker-equivalents: what ``u`` workers do,
+counted in what one worker does at its best):
+
+- a task that describes its ``model`` (and ``global_batch``) in its file is priced by the
+  planner's performance model (:func:`unicron.planner.throughput_table`): the achieved FLOP/s
+  of its fastest layout on ``u`` slots of the cluster's GPU type (``unicron coordinator
+  --gpu``; a node's slots are its GPUs), divided by the best FLOP/s per GPU over all counts.
+  A count on which no layout fits is worth 0, and a count that divides badly is worth less
+  than its neighbours; the reason names the layout (``tp2 pp1 dp3 ...``);
+- any other task makes ``M / ceil(M / u)`` micro-batch rounds' worth of progress on ``u``
+  workers (``M`` micro-batches per step: a step lasts as many rounds as its busiest worker
+  computes); until its workers report ``M`` it is taken as linear.
+
+Each task's transition costs its own measured time (:attr:`TaskView.transition_s`: the
+cluster passes the median of its recent ``transition_end`` durations, an epoch plus its
+state transfer), against the expected time to the next failure.
 
 Two baseline placements (``unicron coordinator --placement``; docs/cluster.md) exist to
 measure what the planner gains (``python -m bench.simreal``): ``keep`` places tasks with the
@@ -33,11 +44,20 @@ from typing import Literal
 
 import numpy as np
 
-from unicron.planner import TaskState, solve
+from unicron.planner import GPUSpec, ModelSpec, TaskState, best_config, solve, throughput_table
 
 TRANSITION_S = 2.0
-"""what a change of a task's worker count costs it (an epoch, a state transfer to joiners;
-~0.1-0.4 s measured on this machine's example, 5-20x headroom)"""
+"""what a change of a task's worker count costs it before any transition of the cluster was
+measured (an epoch, a state transfer to joiners; ~0.1-0.4 s measured on this machine's
+example, 5-20x headroom)"""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one slot is, for the performance model: its GPU type and how many a node holds."""
+
+    gpu: GPUSpec
+    gpus_per_node: int
 
 
 Placement = Literal["planner", "keep", "equal"]
@@ -57,6 +77,12 @@ class TaskView:
     running: bool
     """started (its count never drops below its minimum, nor to 0, by a plan)"""
     microbatches: int | None = None
+    model: ModelSpec | None = None
+    """the planner's description of what it trains (its task file's ``model``), or None"""
+    global_batch: int = 0
+    """sequences per step, for :attr:`model`"""
+    transition_s: float = TRANSITION_S
+    """what a change of its worker count costs it, seconds (measured by the cluster)"""
 
 
 @dataclass(frozen=True)
@@ -83,14 +109,53 @@ class Decision:
         return any(m.before != m.after for m in self.moves)
 
 
-def throughput(t: TaskView, units: int) -> np.ndarray:
-    """Relative throughput of ``t`` on 0..units workers (capped at its maximum)."""
-    m = t.microbatches
+def throughput(t: TaskView, units: int, hardware: Hardware | None = None) -> np.ndarray:
+    """Relative throughput of ``t`` on 0..units workers (capped at its maximum), in
+    worker-equivalents (see the module docstring): from the performance model when ``t``
+    describes its model and ``hardware`` is known and some count fits, else from its
+    micro-batches."""
+    priced = _priced(t, units, hardware)
     out = np.zeros(units + 1)
     for u in range(1, units + 1):
         k = min(u, t.max_workers)
-        out[u] = k if not m else m / math.ceil(m / k)
+        if priced is not None:
+            out[u] = priced[k]
+        else:
+            m = t.microbatches
+            out[u] = k if not m else m / math.ceil(m / k)
     return out
+
+
+def _priced(t: TaskView, units: int, hardware: Hardware | None) -> np.ndarray | None:
+    """The performance model's achieved FLOP/s of ``t`` on 0..units slots over the best
+    FLOP/s per slot (all 0 when no count fits), or None: no model or no hardware."""
+    if t.model is None or hardware is None or units < 1 or t.global_batch < 1:
+        return None
+    table = throughput_table(t.model, t.global_batch, units, hardware.gpu, hardware.gpus_per_node)
+    per_slot = max(float(table[u]) / u for u in range(1, units + 1))
+    return np.zeros(units + 1) if per_slot <= 0 else np.asarray(table) / per_slot
+
+
+def layout_of(t: TaskView, workers: int, within: int, hardware: Hardware | None) -> str:
+    """What the performance model says of ``t`` on ``workers`` slots, for the plan's reason:
+    its layout (``on 6: tp2 pp1 dp3 ...``), that none fits on any count up to ``within``
+    (the slots it could have had), or ``""`` (a task without a model, or waiting for other
+    reasons)."""
+    if t.model is None or hardware is None or t.global_batch < 1:
+        return ""
+    gpu, gpn = hardware.gpu, hardware.gpus_per_node
+    if workers < 1:
+        most = min(t.max_workers, within)
+        if most < 1:
+            return ""
+        if throughput_table(t.model, t.global_batch, most, gpu, gpn).any():
+            return ""
+        return (
+            f"no layout of {t.model.name} at global batch {t.global_batch} fits on up to "
+            f"{most} slot(s) of {gpu.name} ({gpn} per node)"
+        )
+    cfg = best_config(t.model, t.global_batch, workers, gpu, gpn)
+    return f"on {workers}: " + ("no layout fits" if cfg is None else cfg.describe())
 
 
 def decide(
@@ -100,12 +165,14 @@ def decide(
     *,
     placement: Placement = "planner",
     task_event: bool = True,
+    hardware: Hardware | None = None,
 ) -> Decision:
     """The allocation of ``capacity`` (live node -> slots) to ``tasks`` (see the module
     docstring). A running task keeps at least its minimum (preemption is not done here): its
     minimum is reserved, and the solver shares the rest by each task's marginal throughput;
     slots on lost nodes are not counted as held. ``task_event``: the trigger includes a task
-    submitted or ended (the ``keep`` placement plans only then)."""
+    submitted or ended (the ``keep`` placement plans only then). ``hardware``: what a slot
+    is, for tasks that describe their model (None: every task by its micro-batches)."""
     units = sum(capacity.values())
     held = {t.name: min(sum(1 for n in t.ranks.values() if n in capacity), units) for t in tasks}
     reserved = {t.name: t.min_workers if t.running else 0 for t in tasks}
@@ -120,11 +187,17 @@ def decide(
             0.0,
             dict.fromkeys((t.name for t in tasks), why),
         )
-    full = [throughput(t, units) for t in tasks]
+    full = [throughput(t, units, hardware) for t in tasks]
     if placement == "equal":
         target, reasons = _equal(tasks, units)
     else:
         target, reasons = _planned(tasks, full, held, reserved, spare, units, d_run_s)
+    for t in tasks:
+        said = layout_of(t, target[t.name], spare + reserved[t.name], hardware)
+        if said.startswith("no layout"):
+            reasons[t.name] = f"waits: {said}"
+        elif said:
+            reasons[t.name] = f"{reasons[t.name]}; {said}".lstrip("; ")
     waf_before = sum(
         t.weight * f[held[t.name]] for t, f in zip(tasks, full, strict=True) if held[t.name]
     )
@@ -178,10 +251,10 @@ def _planned(
                 min_units=0 if t.running else t.min_workers,
                 current_units=min(max(held[t.name] - base, 0), spare),
                 flops=marginal,
-                transition_s=TRANSITION_S,
+                transition_s=t.transition_s,
             )
         )
-    plan = solve(states, spare, d_run_s)
+    plan = solve(states, spare, d_run_s, rate_unit=("worker-equivalents", 1.0))
     target = {t.name: min(reserved[t.name] + plan.allocation[t.name], t.max_workers) for t in tasks}
     reasons = {
         t.name: (f"beyond its minimum of {t.min_workers}: " if t.running else "")

@@ -26,9 +26,10 @@ import logging
 import math
 import os
 import secrets
+import statistics
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from unicron.control.state import NodeRow, State, TaskRow, open_state
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.errors import UsageError
+from unicron.planner.hardware import GPU_PRESETS
 from unicron.planner.solver import expected_time_to_failure_s
 from unicron.runtime import checkpoint as C
 
@@ -51,6 +53,8 @@ log = logging.getLogger("unicron.control.cluster")
 
 ACTIVE = ("pending", "running", "waiting")
 ENDED = ("done", "failed", "cancelled")
+TRANSITIONS_KEPT = 16
+"""recent transitions per task whose median prices its next one (:meth:`Cluster._transition_s`)"""
 
 
 class NotFound(LookupError):
@@ -76,6 +80,10 @@ class ClusterSettings:
     placement: A.Placement = "planner"
     """who decides each task's worker count: the planner (default), or one of the baselines
     the benchmark compares it with, ``keep`` or ``equal`` (:mod:`unicron.control.allocation`)"""
+    gpu: str = "A100-80GB"
+    """what one slot is for the performance model (a preset of
+    :data:`unicron.planner.GPU_PRESETS`; a node's slots are its GPUs): used only for tasks
+    that describe their ``model``"""
 
     def __post_init__(self) -> None:
         for name in ("node_timeout_s", "tick_s"):
@@ -85,6 +93,8 @@ class ClusterSettings:
             raise ValueError(
                 f"placement must be one of {', '.join(A.PLACEMENTS)}, got {self.placement!r}"
             )
+        if self.gpu not in GPU_PRESETS:
+            raise ValueError(f"gpu must be one of {', '.join(GPU_PRESETS)}, got {self.gpu!r}")
 
 
 @dataclass
@@ -104,6 +114,9 @@ class Task:
     leaving: set[int] = field(default_factory=set)  # ranks given back, worker not yet gone
     excluded: set[int] = field(default_factory=set)  # ranks its coordinator took out of the plan
     refused: str = ""  # why a planned slot was refused (a node without the task's device)
+    held_back: str = ""  # why the planner gives a queued task no slot (no layout fits)
+    transitions: deque[float] = field(default_factory=lambda: deque(maxlen=TRANSITIONS_KEPT))
+    """its recent transitions' durations (rank 0's ``transition_end``), seconds"""
 
 
 class Cluster:
@@ -403,10 +416,14 @@ class Cluster:
                     ranks=ranks,
                     running=c is not None,
                     microbatches=None if c is None else c.microbatches,
+                    model=task.spec.planner_model(),
+                    global_batch=task.spec.global_batch or 0,
+                    transition_s=self._transition_s(task),
                 )
             )
         if not views or not capacity:
             return []
+        hardware = A.Hardware(GPU_PRESETS[self.settings.gpu], max(capacity.values(), default=1))
         started = time.perf_counter()
         try:
             decision = A.decide(
@@ -415,6 +432,7 @@ class Cluster:
                 self._d_run_s(now, len(capacity)),
                 placement=self.settings.placement,
                 task_event=any(t.startswith("task ") for t in trigger.split("; ")),
+                hardware=hardware,
             )
         except Exception as exc:  # a planner error never stops the cluster
             self.plan_error = f"{trigger}: {type(exc).__name__}: {exc}"
@@ -423,6 +441,9 @@ class Cluster:
         decision_s = time.perf_counter() - started
         self.metrics.decision.observe(decision_s)
         self.plan_error = ""
+        for m in decision.moves:  # a queued task left out for its model says why
+            why = decision.reasons.get(m.task, "")
+            self.tasks[m.task].held_back = why if m.after == 0 and "no layout" in why else ""
         if not decision.changed:
             return []
         calls: list[Callable[[], None]] = []
@@ -516,6 +537,14 @@ class Cluster:
             for nid, n in sorted(self.nodes.items())
             if not n.lost and now - n.last_seen < self.settings.node_timeout_s
         }
+
+    def _transition_s(self, task: Task) -> float:
+        """What a change of ``task``'s worker count costs it, measured: the median of its
+        recent transitions (an epoch plus the state its joiners took), else of every task's,
+        else the allocation's prior (:data:`~unicron.control.allocation.TRANSITION_S`)."""
+        own = list(task.transitions)
+        seen = own or [d for t in self.tasks.values() for d in t.transitions]
+        return float(statistics.median(seen)) if seen else A.TRANSITION_S
 
     def _d_run_s(self, now: float, nodes: int) -> float:
         """Expected time to the next failure: a prior of one failure per node and day,
@@ -629,6 +658,9 @@ class Cluster:
                 row.state = "running"
         elif kind == "step_end":
             row.committed_step = max(row.committed_step, int(e["step"]))
+        elif kind == "transition_end" and e.get("rank") == 0 and "duration_s" in e:
+            task.transitions.append(float(e["duration_s"]))
+            changed = False
         elif kind == "error_detected":
             row.last_fault = f"{e.get('kind')} (SEV{e.get('severity')}) on {self._where(task, e)}"
         elif kind == "action" and e.get("action") == "wait" and row.state in ACTIVE:
@@ -759,7 +791,7 @@ class Cluster:
             "max_workers": task.spec.workers.max,
             "weight": task.spec.weight,
             "last_fault": row.last_fault,
-            "waiting": c.waiting_reason if c is not None else task.refused,
+            "waiting": c.waiting_reason if c is not None else task.refused or task.held_back,
             "submitted_ts": row.submitted_ts,
             "owner": self.owners.get(row.name, "admin"),
             "outcome": row.outcome,

@@ -57,6 +57,7 @@ from unicron.control.credentials import Credentials, Principal
 from unicron.control.dashboard import PAGE, Dashboard, is_page, page
 from unicron.control.taskspec import NAME, TaskSpec
 from unicron.errors import UsageError
+from unicron.planner.hardware import GPU_PRESETS
 
 if TYPE_CHECKING:
     import uvicorn
@@ -101,6 +102,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="planner",
         help="who sets each task's worker count: the planner (default), or a baseline: keep "
         "(nothing moves between tasks on node events) or equal (equal shares)",
+    )
+    p.add_argument(
+        "--gpu",
+        choices=tuple(GPU_PRESETS),
+        default="A100-80GB",
+        help="what a slot is to the performance model, for tasks that describe their model "
+        "(default A100-80GB; a node's slots are its GPUs)",
     )
 
 
@@ -447,7 +455,9 @@ def main(args: argparse.Namespace) -> int:
     cluster = Cluster(  # first: it refuses a directory that is not a state's
         state_dir,
         host=advertise,
-        settings=ClusterSettings(node_timeout_s=args.node_timeout, placement=args.placement),
+        settings=ClusterSettings(
+            node_timeout_s=args.node_timeout, placement=args.placement, gpu=args.gpu
+        ),
     )
     try:
         token = resolve_token(args.token_file, state_dir)

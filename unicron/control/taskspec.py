@@ -18,6 +18,7 @@
     inject: []                      # fault specs, as ``unicron run --inject``
     env: {HF_HOME: /data/hf}        # added to the workers' environment (not LD_*, PYTHON*...)
     model: {preset: gpt-1.3b}       # the planner's description (optional), as ``unicron plan``
+    global_batch: 256               # sequences per step, for ``model`` (required with it)
 
 A relative ``script`` or ``checkpoint.dir`` is taken from the task file's folder. Examples
 of every kind: ``examples/tasks/*.yaml``.
@@ -33,12 +34,15 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from unicron.errors import UsageError
+
+if TYPE_CHECKING:
+    from unicron.planner import ModelSpec
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 
@@ -100,6 +104,7 @@ class TaskSpec(BaseModel):
     inject: list[str] = Field(default_factory=list, max_length=1024)
     env: dict[str, str] = Field(default_factory=dict, max_length=256)
     model: dict[str, Any] | None = None
+    global_batch: int | None = Field(None, ge=1, le=1 << 24)
 
     @field_validator("args", mode="before")
     @classmethod
@@ -162,6 +167,25 @@ class TaskSpec(BaseModel):
             except UsageError as exc:
                 raise ValueError(str(exc)) from exc
         return v
+
+    @model_validator(mode="after")
+    def _global_batch_with_model(self) -> TaskSpec:
+        """The performance model prices a model at a global batch: both, or neither."""
+        if (self.model is None) != (self.global_batch is None):
+            raise ValueError(
+                "model and global_batch go together (the planner prices a model at a global "
+                "batch: sequences per step)"
+            )
+        return self
+
+    def planner_model(self) -> ModelSpec | None:
+        """The task's ``model`` as the planner's :class:`~unicron.planner.ModelSpec` (None
+        without one); the cluster's allocation prices the task with it."""
+        if self.model is None:
+            return None
+        from unicron.planner.spec import _model
+
+        return _model(self.model, "model")
 
     @field_validator("give_up_after", "readmit_after")
     @classmethod

@@ -219,12 +219,20 @@ def _backtrack(
     return {t.name: allocation[t.name] for t in tasks}
 
 
-def solve(tasks: Sequence[TaskState], units: int, d_run_s: float) -> Plan:
+def solve(
+    tasks: Sequence[TaskState],
+    units: int,
+    d_run_s: float,
+    *,
+    rate_unit: tuple[str, float] = ("PFLOP/s", 1e15),
+) -> Plan:
     """Allocate ``units`` units to ``tasks`` maximising the summed reward.
 
     Called by the ``unicron plan`` command, the coordinator on every trigger and the cluster
     simulator. Each task gets 0 or between its minimum and ``units``; the total never exceeds
     ``units``. Ties prefer each task's current allocation, then fewer units. Pure function.
+    ``rate_unit``: how the reasons print a task's ``flops`` (name, and the value of one);
+    the cluster's allocation, whose rates are worker-equivalents, passes its own.
     """
     if isinstance(units, bool) or not isinstance(units, int) or units < 0:
         raise ValueError(f"units: must be an integer >= 0, got {units!r}")
@@ -246,7 +254,7 @@ def solve(tasks: Sequence[TaskState], units: int, d_run_s: float) -> Plan:
     if math.isinf(d_run_s):
         rewards = {k: math.inf if v > 0 else v for k, v in rewards.items()}
     total_waf = sum(waf(t, allocation[t.name]) for t in tasks)
-    reasons = {t.name: _reason(t, allocation[t.name], units, d_run_s) for t in tasks}
+    reasons = {t.name: _reason(t, allocation[t.name], units, d_run_s, rate_unit) for t in tasks}
     return Plan(
         allocation=allocation,
         reasons=reasons,
@@ -256,12 +264,12 @@ def solve(tasks: Sequence[TaskState], units: int, d_run_s: float) -> Plan:
     )
 
 
-def _pflops(x: float) -> str:
-    return f"{x / 1e15:.3g} PFLOP/s"
-
-
-def _reason(t: TaskState, u: int, units: int, d_run_s: float) -> str:
+def _reason(t: TaskState, u: int, units: int, d_run_s: float, rate_unit: tuple[str, float]) -> str:
     """One sentence on why ``t`` gets ``u`` units (shown by ``unicron plan``)."""
+
+    def _pflops(x: float) -> str:
+        return f"{x / rate_unit[1]:.3g} {rate_unit[0]}"
+
     c = t.current_units
     d_run = "no failure expected" if math.isinf(d_run_s) else f"D_run {d_run_s / 3600:.3g} h"
     if t.weight == 0 and u == 0:
@@ -278,7 +286,7 @@ def _reason(t: TaskState, u: int, units: int, d_run_s: float) -> str:
             return "waits: the free units earn more WAF in other tasks"
         return (
             f"kept {u} units: no move gains enough WAF over {d_run} "
-            f"to repay a {t.transition_s:.0f} s transition"
+            f"to repay a {t.transition_s:.3g} s transition"
         )
     if u == 0:
         return f"stopped (had {c} units): they earn more WAF in other tasks"
@@ -288,7 +296,7 @@ def _reason(t: TaskState, u: int, units: int, d_run_s: float) -> str:
     if u > c:
         return (
             f"grew {c} -> {u} units: +{_pflops(gain)} WAF over {d_run} "
-            f"repays the {t.transition_s:.0f} s transition"
+            f"repays the {t.transition_s:.3g} s transition"
         )
     return f"shrank {c} -> {u} units ({_pflops(gain)} WAF): the units earn more elsewhere"
 
