@@ -28,6 +28,10 @@ ENV_FAULTS = "UNICRON_FAULTS"  # --inject specs still to fire in this slot, join
 ENV_REDUCE = "UNICRON_REDUCE"  # exact | fast
 ENV_ON_LOST = "UNICRON_ON_LOST"  # recompute | drop
 ENV_BUCKET_CAP_MB = "UNICRON_BUCKET_CAP_MB"  # the gradient buckets' bound (MB)
+BUCKET_CAP_MB = 25.0
+"""the buckets' bound when a task does not say (DDP's ``bucket_cap_mb`` default): the task
+file's default, the agent's and the worker's; :mod:`unicron.runtime.reduce`, which imports
+nothing of the project, keeps the same number (a test holds them equal)"""
 ENV_THREADS = "UNICRON_THREADS"
 STACKS_SIGNAL = signal.SIGUSR1
 """a worker writes every thread's Python stack to its log on this signal (``faulthandler``): the

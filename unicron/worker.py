@@ -118,7 +118,7 @@ class WorkerContext:
     faults: tuple[Fault, ...]
     reduce: str = "exact"
     on_lost: str = "recompute"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = P.BUCKET_CAP_MB
     """the gradient buckets' bound (``unicron run --bucket-cap-mb``; the first bucket's is
     the smaller of it and :data:`unicron.runtime.reduce.FIRST_BUCKET_MB`)"""
     slice_s: float = 0.05

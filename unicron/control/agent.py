@@ -252,7 +252,7 @@ class AgentConfig:
     log_dir: Path
     reduce: str = "exact"
     on_lost: str = "recompute"
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = P.BUCKET_CAP_MB
     threads: int = 1
     checkpoint: Path | None = None
     checkpoint_every: int | str = 0  # steps, or "auto"

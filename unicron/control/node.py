@@ -233,7 +233,7 @@ class NodeAgent:
             log_dir=self.log_dir / uid if self.per_task else self.log_dir,
             reduce=a["reduce"],
             on_lost=a["on_lost"],
-            bucket_cap_mb=float(a.get("bucket_cap_mb", 25.0)),
+            bucket_cap_mb=float(a["bucket_cap_mb"]),
             threads=int(a["threads"]),
             checkpoint=Path(a["checkpoint"]) if a["checkpoint"] else None,
             checkpoint_every=a["checkpoint_every"],

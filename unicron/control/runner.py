@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from unicron.control import flags as F
 from unicron.errors import UsageError
 from unicron.runtime import checkpoint as C
 from unicron.runtime.inject import Fault, parse
@@ -51,36 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="worker processes per node (default 1; as under torchrun, also cpu: the CPU "
         "count, gpu: the GPU count, auto: gpu with --device cuda, else cpu)",
     )
-    p.add_argument(
-        "--reduce",
-        choices=("exact", "fast"),
-        default=None,
-        help="exact: a fixed summation tree of float32 sums, bitwise independent of "
-        "failures (the default on cpu); fast: float32 (the default, and the only mode, on cuda)",
-    )
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda"),
-        default="cpu",
-        help="cpu (default; gloo), or cuda: each slot gets one of the node's GPUs (round "
-        "robin; NCCL when every slot has its own, else gloo); the script learns it from "
-        "unicron.worker.device() and LOCAL_RANK",
-    )
-    p.add_argument(
-        "--on-lost",
-        choices=("recompute", "drop"),
-        default="recompute",
-        help="micro-batches lost with a failed worker: recompute them (default, the "
-        "failure-free update) or drop them (the global batch shrinks; a control)",
-    )
-    p.add_argument(
-        "--bucket-cap-mb",
-        type=float,
-        default=25.0,
-        metavar="MB",
-        help="bound of one gradient bucket of the reduce, as DDP's bucket_cap_mb (default "
-        "25); any value gives the same bits in exact mode",
-    )
+    F.add_to(p)  # the task settings, from the task file's model
     p.add_argument(
         "--inject",
         action="append",
@@ -99,29 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fail (exit 1) when fewer usable slots remain (default 1)",
     )
     p.add_argument(
-        "--checkpoint-every",
-        default="auto",
-        metavar="K|auto",
-        help="rank 0 writes a persistent checkpoint (read only when no replica holds the state "
-        "any more) every K steps, or at the Young/Daly interval sqrt(2 x measured cost x MTBF) "
-        "(default auto; 0: none)",
-    )
-    p.add_argument(
-        "--mtbf",
-        type=float,
-        default=3 * 3600.0,
-        metavar="S",
-        help="expected seconds between failures, refined by the failures seen; sets the auto "
-        "checkpoint interval (default 10800)",
-    )
-    p.add_argument(
-        "--checkpoint-keep",
-        type=int,
-        default=3,
-        metavar="N",
-        help="checkpoints kept on disk, older ones deleted (default 3; 0: all)",
-    )
-    p.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
         help="where checkpoints go: one directory per step (default: LOG_DIR/checkpoints)",
@@ -130,31 +79,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume",
         metavar="DIR",
         help="go on from the newest valid checkpoint in DIR (new checkpoints go there too)",
-    )
-    p.add_argument(
-        "--readmit-after",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="an excluded slot gets a health probe S seconds after its exclusion (twice as "
-        "long after each further one) and rejoins if it passes (default 60; inf: never)",
-    )
-    p.add_argument(
-        "--restart-window",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="the escalation's memory: more than 3 restarts of a slot, or 3 failing slots of a "
-        "node, within S seconds exclude it; an excluded slot that stayed back for S seconds "
-        "starts its probe backoff again (default 60)",
-    )
-    p.add_argument(
-        "--give-up-after",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="below --min-workers the task waits for capacity (restarts, excluded slots or "
-        "nodes passing their health probe) this long, then fails (default 600; inf: never)",
     )
     p.add_argument(
         "--task",
@@ -177,7 +101,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             default=None,
             help=argparse.SUPPRESS,
         )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument(
         "--log-dir", "--log_dir", metavar="DIR", help="workers' stdout/stderr (default: a temp dir)"
     )
@@ -206,19 +129,11 @@ def validate(args: argparse.Namespace) -> list[Fault]:
 
     args.reduce = args.reduce or D.default_reduce(args.device)  # before --resume's check
     D.check(args.device, args.reduce, D.gpu_count() if args.device == "cuda" else 0)
+    every = args.checkpoint_every
+    if every != "auto" and not (every.isdigit() and int(every) >= 0):
+        raise UsageError(f"--checkpoint-every must be an integer >= 0 or auto, got {every!r}")
+    F.check(args)  # every task setting against the task file's model
     _validate_checkpoint_args(args)
-    if args.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {args.threads}")
-    if not args.readmit_after > 0:  # also NaN
-        raise UsageError(f"--readmit-after must be > 0 seconds, got {args.readmit_after}")
-    if not 0.001 <= args.restart_window <= 86_400:  # also NaN
-        raise UsageError(
-            f"--restart-window must be in 0.001..86400 seconds, got {args.restart_window}"
-        )
-    if not args.give_up_after > 0:  # also NaN
-        raise UsageError(f"--give-up-after must be > 0 seconds, got {args.give_up_after}")
-    if not 0 < args.bucket_cap_mb <= 4096:  # also NaN and inf
-        raise UsageError(f"--bucket-cap-mb must be in (0, 4096] MB, got {args.bucket_cap_mb}")
     if not Path(args.script).is_file():
         raise UsageError(f"script not found: {args.script}")
     faults = [parse(spec, KINDS) for spec in args.inject]
@@ -302,13 +217,7 @@ def _nproc_per_node(raw: str, device: str) -> int:
 
 
 def _validate_checkpoint_args(args: argparse.Namespace) -> None:
-    every = args.checkpoint_every
-    if every != "auto" and not (every.isdigit() and int(every) >= 0):
-        raise UsageError(f"--checkpoint-every must be an integer >= 0 or auto, got {every!r}")
-    if not 0 < args.mtbf < float("inf"):
-        raise UsageError(f"--mtbf must be a number of seconds > 0, got {args.mtbf}")
-    if args.checkpoint_keep < 0:
-        raise UsageError(f"--checkpoint-keep must be >= 0, got {args.checkpoint_keep}")
+    """``--resume`` and ``--checkpoint-dir``: one directory, its checkpoints readable."""
     if args.resume is not None:
         other = args.checkpoint_dir and Path(args.checkpoint_dir).resolve()
         if other and other != Path(args.resume).resolve():
@@ -344,11 +253,8 @@ def task_spec(args: argparse.Namespace, log_dir: Path) -> TaskSpec:
     """The run's arguments as a task file would say them (:mod:`unicron.control.taskspec`)."""
     from unicron.control.taskspec import TaskSpec
 
-    every = args.checkpoint_every
-    checkpoint: dict[str, Any] = {
-        "every": "auto" if every == "auto" else int(every),
-        "keep": args.checkpoint_keep,
-        "mtbf": args.mtbf,
+    settings = F.task_fields(args)
+    settings["checkpoint"] |= {
         "dir": str(Path(args.resume or args.checkpoint_dir or log_dir / "checkpoints")),
         "resume": bool(args.resume),
     }
@@ -358,16 +264,8 @@ def task_spec(args: argparse.Namespace, log_dir: Path) -> TaskSpec:
             "script": os.path.abspath(args.script),
             "args": list(args.args),
             "workers": {"min": args.min_workers, "max": args.nnodes * args.nproc_per_node},
-            "reduce": args.reduce,
-            "device": args.device,
-            "on_lost": args.on_lost,
-            "bucket_cap_mb": args.bucket_cap_mb,
-            "threads": args.threads,
-            "checkpoint": checkpoint,
-            "give_up_after": args.give_up_after,
-            "readmit_after": args.readmit_after,
-            "restart_window": args.restart_window,
             "inject": list(args.inject),
+            **settings,
         }
     )
 

@@ -40,6 +40,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from unicron.errors import UsageError
+from unicron.protocol import BUCKET_CAP_MB
 
 if TYPE_CHECKING:
     from unicron.planner import ModelSpec
@@ -61,9 +62,20 @@ class Workers(BaseModel):
 
 class Checkpoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    every: int | Literal["auto"] = "auto"
-    keep: int = Field(3, ge=0)
-    mtbf: float = Field(3 * 3600.0, gt=0, allow_inf_nan=False)
+    every: int | Literal["auto"] = Field(
+        "auto",
+        description="rank 0 writes a persistent checkpoint (read only when no replica holds "
+        "the state any more) every K steps, or at the Young/Daly interval sqrt(2 x measured "
+        "cost x MTBF) (auto; 0: never)",
+    )
+    keep: int = Field(3, ge=0, description="checkpoints kept on disk, older ones deleted (0: all)")
+    mtbf: float = Field(
+        3 * 3600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="expected seconds between failures, refined by the failures seen; sets "
+        "the auto checkpoint interval",
+    )
     dir: str | None = None
     """where checkpoints go (default: the coordinator's STATE_DIR/tasks/UID/checkpoints)"""
     resume: bool = False
@@ -92,15 +104,53 @@ class TaskSpec(BaseModel):
     args: list[str] = Field(default_factory=list)
     workers: Workers = Field(default_factory=lambda: Workers.model_validate({}))
     weight: float = Field(1.0, gt=0, allow_inf_nan=False)
-    reduce: Literal["exact", "fast"] = "exact"
-    device: Literal["cpu", "cuda"] = "cpu"
-    on_lost: Literal["recompute", "drop"] = "recompute"
-    bucket_cap_mb: float = Field(25.0, gt=0, le=4096, allow_inf_nan=False)
-    threads: int = Field(1, ge=1, le=256)
+    reduce: Literal["exact", "fast"] = Field(
+        "exact",
+        description="exact: a fixed summation tree of float32 sums, bitwise independent of "
+        "failures; fast: float32 (the only mode on cuda, and its default)",
+    )
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="cpu (gloo), or cuda: each slot gets one of the node's GPUs (round robin; "
+        "NCCL when every slot has its own, else gloo); the script learns it from "
+        "unicron.worker.device() and LOCAL_RANK",
+    )
+    on_lost: Literal["recompute", "drop"] = Field(
+        "recompute",
+        description="micro-batches lost with a failed worker: recompute them (the failure-free "
+        "update) or drop them (the global batch shrinks; a control)",
+    )
+    bucket_cap_mb: float = Field(
+        BUCKET_CAP_MB,
+        gt=0,
+        le=4096,
+        allow_inf_nan=False,
+        description="bound of one gradient bucket of the reduce, MB, as DDP's bucket_cap_mb; "
+        "any value gives the same bits in exact mode",
+    )
+    threads: int = Field(1, ge=1, le=256, description="torch threads per worker")
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
-    give_up_after: float = Field(600.0, gt=0)
-    readmit_after: float = Field(60.0, gt=0)
-    restart_window: float = Field(60.0, ge=0.001, le=86_400)
+    give_up_after: float = Field(
+        600.0,
+        gt=0,
+        description="below the minimum of workers the task waits for capacity (restarts, "
+        "excluded slots or nodes passing their health probe) this many seconds, then fails "
+        "(inf: never)",
+    )
+    readmit_after: float = Field(
+        60.0,
+        gt=0,
+        description="an excluded slot gets a health probe this many seconds after its "
+        "exclusion (twice as long after each further one) and rejoins if it passes (inf: never)",
+    )
+    restart_window: float = Field(
+        60.0,
+        ge=0.001,
+        le=86_400,
+        description="the escalation's memory, seconds: more than 3 restarts of a slot, or 3 "
+        "failing slots of a node, within it exclude it; an excluded slot that stayed back "
+        "this long starts its probe backoff again",
+    )
     inject: list[str] = Field(default_factory=list, max_length=1024)
     env: dict[str, str] = Field(default_factory=dict, max_length=256)
     model: dict[str, Any] | None = None
