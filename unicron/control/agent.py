@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import json
 import logging
 import os
 import queue
@@ -38,6 +39,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
@@ -242,6 +244,22 @@ SECRETS = frozenset(("UNICRON_TOKEN",))
 """environment variables of the agent's process its workers never inherit"""
 
 
+def import_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a zygote's imports read from its environment, for ``threads`` torch threads on
+    top of ``base`` (default: this process's): torch's thread pools, its C++ log level and
+    gloo's lazy connect (a setting the task gave stays). Part of every zygote's environment
+    (:meth:`Agent._base_env`), and all of one started before its task is known
+    (:func:`unicron.runtime.launcher.prewarm`)."""
+    base = os.environ if base is None else base
+    return {
+        "TORCH_CPP_LOG_LEVEL": base.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        "TORCH_GLOO_LAZY_INIT": base.get("TORCH_GLOO_LAZY_INIT", "1"),  # inside a sliced wait
+        ENV_THREADS: str(threads),
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
 @dataclass(kw_only=True)
 class AgentConfig:
     node: int
@@ -317,19 +335,32 @@ class Agent:
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
     # -- start, stop ------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the zygote and every slot's worker (called once, before :meth:`run`)."""
+    def start(self, zygote: subprocess.Popen[bytes] | None = None) -> None:
+        """Start the zygote and every slot's worker (called once, before :meth:`run`).
+        ``zygote``: one started ahead with :func:`import_env` of this task's settings
+        (:func:`unicron.runtime.launcher.prewarm`), adopted here: it gets the rest of the
+        environment on its stdin; one that died meanwhile is replaced."""
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.config.log_dir / f"zygote-node{self.node}.log", "ab")  # noqa: SIM115
-        self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "unicron.runtime.launcher", "zygote"],
-            env=self._base_env(),
-            stdout=out,
-            stderr=out,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        out.close()
+        if zygote is not None and zygote.poll() is None and zygote.stdin is not None:
+            try:
+                zygote.stdin.write(json.dumps(self._base_env()).encode() + b"\n")
+                zygote.stdin.close()
+                self._zygote = zygote
+            except OSError:  # it died between the look and the write
+                zygote = None
+        else:
+            zygote = None
+        if zygote is None:
+            out = open(self.config.log_dir / f"zygote-node{self.node}.log", "ab")  # noqa: SIM115
+            self._zygote = subprocess.Popen(
+                [sys.executable, "-m", "unicron.runtime.launcher", "zygote"],
+                env=self._base_env(),
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            out.close()
         for slot in self.config.slots:
             self.spawn(slot)
 
@@ -832,8 +863,7 @@ class Agent:
         taskspec.refused_env`)."""
         env = {k: v for k, v in os.environ.items() if k not in SECRETS}
         env.update(self.config.env)
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        env.setdefault("TORCH_GLOO_LAZY_INIT", "1")  # connect inside the first (sliced) wait
+        env.update(import_env(self.config.threads, env))
         env.update(
             {
                 ENV_TASK: self.task,
@@ -845,11 +875,8 @@ class Agent:
                 ENV_REDUCE: self.config.reduce,
                 ENV_ON_LOST: self.config.on_lost,
                 ENV_BUCKET_CAP_MB: repr(self.config.bucket_cap_mb),
-                ENV_THREADS: str(self.config.threads),
                 ENV_CHECKPOINT: str(self.config.checkpoint or ""),
                 ENV_CHECKPOINT_EVERY: str(self.config.checkpoint_every),
-                "OMP_NUM_THREADS": str(self.config.threads),
-                "PYTHONUNBUFFERED": "1",
             }
         )
         return env

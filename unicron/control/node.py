@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -81,9 +82,18 @@ class NodeAgent:
     """See the module docstring; :meth:`run` until ``stop`` is set or the node vanishes."""
 
     def __init__(
-        self, client: Client, *, name: str, slots: int, log_dir: Path, per_task: bool = True
+        self,
+        client: Client,
+        *,
+        name: str,
+        slots: int,
+        log_dir: Path,
+        per_task: bool = True,
+        zygote: subprocess.Popen[bytes] | None = None,
     ) -> None:
         self.client = client
+        self.zygote = zygote
+        """a zygote started ahead for the first task (``unicron run``), or None"""
         self.name = name
         self.slots = slots
         self.log_dir = log_dir
@@ -244,7 +254,8 @@ class NodeAgent:
         agent = Agent(config, link, task=uid, store_address=a["store"])
         holder.append(agent)
         stop = threading.Event()
-        agent.start()
+        zygote, self.zygote = self.zygote, None  # the first task adopts it
+        agent.start(zygote)
         thread = threading.Thread(target=agent.run, args=(stop,), name=f"task-{uid}", daemon=True)
         thread.start()
         self.tasks[uid] = _Running(agent, thread, stop)
