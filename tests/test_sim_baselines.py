@@ -66,15 +66,18 @@ def test_spot_replacement_takes_the_lost_nodes_place(small, tmp_path):
     assert _task(r, "a").final_nodes == 2
 
 
-def test_standby_node_replaces_a_lost_one_at_once(small):
-    # Five alive, four places: spare waits, and fills node1's place the moment it is lost.
+@pytest.mark.parametrize(("name", "within_s"), [("unicron-all", 60), ("unicron", 400)])
+def test_standby_node_replaces_a_lost_one_at_once(small, name, within_s):
+    # Five alive, four places: spare waits, and fills node1's place the moment it is lost
+    # (from peers within seconds; the runtime today reloads these sharded layouts' state
+    # from the checkpoint first, a few minutes at the storage's bandwidth)
     trace = [_ev(0, "add", n) for n in ("node1", "node2", "node3", "node4", "spare")]
     trace.append(_ev(1000, "remove", "node1"))
-    r = simulate(small, trace, make_policy("unicron"), duration_s=DAY)
+    r = simulate(small, trace, make_policy(name), duration_s=DAY)
     assert sum(t.final_nodes for t in r.tasks) == 4
     a = _task(r, "a")
     assert a.down_s["idle"] == 0.0
-    assert a.breakdown_s["sub_healthy"] < 60  # back on two nodes within seconds
+    assert a.breakdown_s["sub_healthy"] < within_s
 
 
 def test_varuna_progresses_when_failures_come_faster_than_30_minutes(small):

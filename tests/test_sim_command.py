@@ -65,7 +65,7 @@ def test_summary_schema(tmp_path):
     assert rc == 0
     doc = json.loads((out / "summary.json").read_text())
     names = [p["policy"] for p in doc["policies"]]
-    assert names == ["unicron", "megatron", "oobleck", "varuna", "bamboo", "torchft"]
+    assert names == ["unicron", "unicron-all", "megatron", "oobleck", "varuna", "bamboo", "torchft"]
     for p in doc["policies"]:
         assert p["accumulated_waf"] > 0
         assert 0 < p["effective_fraction"] <= 1

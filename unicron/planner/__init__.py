@@ -16,6 +16,7 @@ from unicron.planner.perf import (
     PerfOptions,
     best_config,
     evaluate,
+    layout_table,
     state_bytes,
     throughput_table,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "evaluate",
     "expected_time_to_failure_s",
     "greedy_marginal",
+    "layout_table",
     "proportional_share",
     "solve",
     "state_bytes",

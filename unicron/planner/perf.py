@@ -898,6 +898,29 @@ def throughput_table(
     return _table(model, global_batch, max_gpus, gpu, gpus_per_node, unit, options)
 
 
+@functools.lru_cache(maxsize=256)
+def layout_table(
+    model: ModelSpec,
+    global_batch: int,
+    max_gpus: int,
+    gpu: GPUSpec,
+    gpus_per_node: int,
+    unit: int = 1,
+    options: PerfOptions = DEFAULT_OPTIONS,
+) -> tuple[ParallelConfig | None, ...]:
+    """The configuration behind each entry of :func:`throughput_table` (the same search):
+    entry ``u`` is :func:`best_config` on ``u * unit`` GPUs, None where nothing fits.
+    Memoised; the simulator asks which layout a task runs on each node count."""
+    _check_args(global_batch, max_gpus, gpus_per_node)
+    _require_positive_int("unit", unit)
+    found = _table_search(model, global_batch, max_gpus, gpu, gpus_per_node, options)
+    configs = (
+        _config(model, global_batch, u * unit, found, gpu, options)
+        for u in range(1, max_gpus // unit + 1)
+    )
+    return (None, *configs)
+
+
 def evaluate(
     model: ModelSpec,
     global_batch: int,

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # imported when the command runs (see above)
 
 POLICY_NAMES = (
     "unicron",
+    "unicron-all",
     "megatron",
     "megatron-30m",
     "megatron-wait",
@@ -32,7 +33,7 @@ POLICY_NAMES = (
     "bamboo",
     "torchft",
 )
-DEFAULT_POLICIES = "unicron,megatron,oobleck,varuna,bamboo,torchft"
+DEFAULT_POLICIES = "unicron,unicron-all,megatron,oobleck,varuna,bamboo,torchft"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

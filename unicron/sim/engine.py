@@ -131,6 +131,28 @@ def _monotone(flops: np.ndarray, cap: int) -> np.ndarray:
     return out
 
 
+def _peer_healable(
+    p: TaskPerf, n: int, g: int, gpu: planner.GPUSpec, options: planner.PerfOptions
+) -> np.ndarray:
+    """Per node count, whether the layout the task really runs on there (the best count at
+    or below it, as :func:`_monotone` books) is one the runtime heals from peers: tp = cp =
+    pp = 1 with replicated state (``ddp``). Counts where nothing runs count as healable."""
+    cap = n if p.spec.max_nodes is None else min(n, p.spec.max_nodes)
+    configs = planner.layout_table(
+        p.model, p.spec.global_batch, cap * g, gpu, g, unit=g, options=options
+    )
+    raw = np.array([0.0] + [c.achieved_flops if c else 0.0 for c in configs[1:]])
+    out = np.ones(n + 1, dtype=bool)
+    for k in range(1, min(cap, len(configs) - 1) + 1):
+        runs_on = int(np.argmax(raw[: k + 1]))  # the first best count <= k
+        c = configs[runs_on]
+        if c is not None and c.layout is not None:
+            lay = c.layout
+            out[k] = lay.tp == 1 and lay.cp == 1 and lay.pp == 1 and lay.sharding == "ddp"
+    out.setflags(write=False)
+    return out
+
+
 def prepare(workload: Workload) -> Prepared:
     """Performance tables, iteration times and the reference plan (the planner, D_run = inf)."""
     # the systems compared (Varuna, Oobleck, Bamboo) reshape the batch to any GPU count; a
@@ -187,6 +209,7 @@ def prepare(workload: Workload) -> Prepared:
                 iter_time_s=iter_s,
                 state_bytes=p.state_bytes,
                 model=p.model,
+                peer_healable=_peer_healable(p, n, g, gpu, options),
             )
         )
     return Prepared(workload=workload, perf=tuple(final), reference=reference)

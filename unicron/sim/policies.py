@@ -779,6 +779,14 @@ class Unicron(Policy):
     :func:`~unicron.planner.transition_time_s`, D_run from the observed failure rate).
     Returning nodes trigger a replan too (grow back when it pays). Partial-results reuse
     means an interrupted step costs nothing; state comes from peers, never a checkpoint.
+
+    Only where the runtime heals that way (:attr:`heals`): by default a task whose layout is
+    not a data-parallel replica of the whole model with replicated state (tensor, pipeline
+    or context parallel, or its optimizer state sharded: what the planner picks for most
+    tasks) recovers as the runtime would recover it today, from its persistent checkpoint:
+    rank 0 writes one in the background every :meth:`ckpt_interval` (Young/Daly, as
+    ``checkpoint: {every: auto}``), a SEV1 or SEV2 failure rolls the task back to it and
+    reloads it at :attr:`storage_bw_per_node`; Unicron's detection and planning stay.
     """
 
     name: ClassVar[str] = "unicron"
@@ -808,6 +816,20 @@ class Unicron(Policy):
     join_cold_s: float = 0.0
     """As :attr:`join_s`, on a node new to the task (its first worker there starts a fresh
     process that imports torch: seconds on a CPU machine)."""
+    heals: Literal["runtime", "all"] = "runtime"
+    """Which layouts heal from peers (state from a peer, partial-results reuse, moves
+    without a checkpoint): ``runtime``, those the runtime heals today (data-parallel
+    replicas of the whole model with replicated state, :attr:`TaskPerf.peer_healable`);
+    ``all``, every layout, as the paper claims for Megatron's 3D parallelism (beyond the
+    runtime: the ``unicron-all`` policy)."""
+    storage_bw_per_node: float = LLAMA3_STORAGE_BW_PER_NODE
+    """Checkpoint write and read bandwidth per node, for layouts that do not heal from peers
+    (as Megatron's)."""
+    host_copy_bw_per_gpu: float = 25e9
+    """The step-time cost of a checkpoint for those layouts: the state's copy to host memory
+    before the background write (assumption: PCIe 4.0 x16, ~25 GB/s per GPU)."""
+    checkpoint_mtbf_s: float = 3 * 3600.0
+    """The MTBF prior of the runtime's automatic interval (``checkpoint.mtbf`` default)."""
     preempt_below_min: bool = False
     """Off (as the runtime, ``unicron/control/allocation.py``): a replan reserves every
     task's minimum and shares the rest. On: the solver may leave a task below its minimum
@@ -823,8 +845,11 @@ class Unicron(Policy):
     _started: set[str] = field(default_factory=set, init=False, repr=False)
     """Tasks that ran (as the runtime's started tasks, their minimum is reserved; one never
     placed is queued there and reserves nothing)."""
+    _sim: Simulation | None = field(default=None, init=False, repr=False)
+    """The simulation it runs in (set by :meth:`start`; :meth:`ckpt_interval` needs it)."""
 
     def start(self, sim: Simulation) -> None:
+        self._sim = sim
         super().start(sim)
         self._warm = {(t.name, n) for t in sim.tasks.values() for n in t.nodes}
         self._started = {t.name for t in sim.tasks.values() if t.mode is Mode.RUNNING}
@@ -841,6 +866,41 @@ class Unicron(Policy):
             regroup_s=measured.ASSUMPTIONS["regroup_s"][0],
         )
 
+    def peer_heals(self, task: TaskRun) -> bool:
+        """Whether ``task``, on its nodes now, heals from its peers (:attr:`heals`)."""
+        return self._heals_on(task, len(task.nodes))
+
+    def _heals_on(self, task: TaskRun, nodes: int) -> bool:
+        ok = task.perf.peer_healable
+        return self.heals == "all" or ok is None or bool(ok[min(nodes, len(ok) - 1)])
+
+    def _gpus(self, sim: Simulation, task: TaskRun) -> int:
+        return max(len(task.nodes), 1) * sim.workload.gpus_per_node
+
+    def _copy_s(self, sim: Simulation, task: TaskRun) -> float:
+        return task.perf.state_bytes / (self.host_copy_bw_per_gpu * self._gpus(sim, task))
+
+    def _storage_s(self, task: TaskRun) -> float:
+        return task.perf.state_bytes / (self.storage_bw_per_node * max(len(task.nodes), 1))
+
+    def checkpoint_interval_s(self, sim: Simulation, task: TaskRun) -> float:
+        """The runtime's automatic interval for a task that does not heal from peers: Young/
+        Daly from the step-time cost of a checkpoint and the MTBF prior, raised to the
+        background write's time (:func:`unicron.runtime.checkpoint.choose_interval`)."""
+        yd = math.sqrt(2.0 * self._copy_s(sim, task) * self.checkpoint_mtbf_s)
+        return max(yd, self._storage_s(task))
+
+    def ckpt_interval(self, task: TaskRun) -> float:
+        sim = self._sim
+        if sim is None or self.peer_heals(task):
+            return math.inf
+        return self.checkpoint_interval_s(sim, task)
+
+    def steady_factor(self, sim: Simulation, task: TaskRun) -> float:
+        if self.peer_heals(task):
+            return 1.0
+        return max(0.0, 1.0 - self._copy_s(sim, task) / self.checkpoint_interval_s(sim, task))
+
     def detect_s(self, task: TaskRun, method: Method) -> float:
         if method == "hang":
             return max(self.hang_factor * task.perf.iter_time_s, self.hang_floor_s)
@@ -851,6 +911,8 @@ class Unicron(Policy):
     def transition_s(self, sim: Simulation, task: TaskRun) -> float:
         if self.transition_fixed_s is not None:
             return self.transition_fixed_s
+        if not self.peer_heals(task):  # every rank reloads the checkpoint
+            return self.regroup_s + self._storage_s(task)
         wl = sim.workload
         bw = wl.gpu_type().inter_node_bw * wl.gpus_per_node
         return planner.transition_time_s(task.perf.model, bw, self.regroup_s)
@@ -859,6 +921,8 @@ class Unicron(Policy):
         if task.mode is Mode.IDLE:
             return
         d = self.detect_s(task, method_of(signal))
+        if sev <= 2 and task.mode is Mode.RUNNING and not self.peer_heals(task):
+            sim.rollback(task)  # the restarted rank's state is on no peer: the checkpoint's
         fix = task.perf.iter_time_s if sev >= 3 else self.transition_s(sim, task)
         if sev <= 1:
             sim.recover(task, [("detection", d)], lambda _t: self._replan(sim, task))
@@ -872,6 +936,8 @@ class Unicron(Policy):
         self._warm = {(t, n) for t, n in self._warm if n != node}
         if task is None:
             return
+        if task.mode is Mode.RUNNING and not self.peer_heals(task):
+            sim.rollback(task)
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d)], lambda _t: self._replan(sim, task))
 
@@ -949,7 +1015,9 @@ class Unicron(Policy):
                 task.target = want
                 changed.append(task)
         for task in changed:
-            sim.set_factor(task, 1.0)
+            sim.set_factor(task, self.steady_factor(sim, task))
+            if self._heals_on(task, had[task.name]) and not self.peer_heals(task):
+                sim.checkpointed(task)  # its checkpoints start with the new layout
             if len(task.nodes) < task.spec.min_nodes:
                 sim.cancel(task)
                 sim.set_mode(task, Mode.IDLE)
@@ -960,7 +1028,13 @@ class Unicron(Policy):
                 self._join_later(sim, task, had[task.name], cost[task.name], delay, faulted)
                 continue
             self._warm |= {(task.name, n) for n in task.nodes}
-            sim.recover(task, [("transition", cost[task.name])], sim.starter(task))
+            move = cost[task.name]
+            if task is not faulted and task.mode is Mode.RUNNING and not self.peer_heals(task):
+                # a layout change without peer healing: a checkpoint first (nothing lost),
+                # then every rank reloads it on the new nodes
+                sim.checkpointed(task)
+                move += self._storage_s(task)
+            sim.recover(task, [("transition", move)], sim.starter(task))
 
     def _join_delay(self, task: TaskRun, old: int) -> float:
         """How long the new workers of ``task`` (its nodes past the first ``old``) take to
@@ -995,15 +1069,35 @@ class Unicron(Policy):
             if task.token != tok:  # a later replan or fault took over
                 return
             self._warm |= {(task.name, n) for n in task.nodes}
-            sim.set_factor(task, 1.0)
+            sim.set_factor(task, self.steady_factor(sim, task))
             sim.recover(task, [("transition", cost)], sim.starter(task))
 
         sim.schedule(sim.now + delay, join)
 
 
+@dataclass(kw_only=True)
+class UnicronAll(Unicron):
+    """:class:`Unicron` with every layout healing from peers (``heals="all"``): the paper's
+    claim for Megatron's 3D parallelism, beyond the runtime until it heals model-parallel
+    replicas. Reported beside ``unicron`` to show what that would add."""
+
+    name: ClassVar[str] = "unicron-all"
+    heals: Literal["runtime", "all"] = "all"
+
+
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (Unicron, Megatron, Megatron30, MegatronWait, Oobleck, Varuna, Bamboo, TorchFT)
+    for cls in (
+        Unicron,
+        UnicronAll,
+        Megatron,
+        Megatron30,
+        MegatronWait,
+        Oobleck,
+        Varuna,
+        Bamboo,
+        TorchFT,
+    )
 }
 """Policy name -> class, in report order (``--policies`` takes these names)."""
 
@@ -1011,8 +1105,8 @@ POLICIES: dict[str, type[Policy]] = {
 def make_policy(name: str, *, initial: Literal["planner", "proportional"] = "planner") -> Policy:
     """A policy with its default constants; ``initial`` applies to the baselines only."""
     cls = POLICIES[name]
-    if cls is Unicron:
-        return Unicron.measured()
+    if issubclass(cls, Unicron):
+        return cls.measured()
     return cls(initial=initial)
 
 
@@ -1026,6 +1120,9 @@ CONSTANTS: tuple[tuple[str, str, str], ...] = (
     ("unicron", "hang_floor_s", "measured: bench/results/hang.json detection_s"),
     ("unicron", "hang_factor", "DESIGN.md: hang threshold 3 x step"),
     ("unicron", "regroup_s", "assumption: MegaScale (NSDI'24) section 3.5, init < 30 s"),
+    ("unicron", "host_copy_bw_per_gpu", "assumption: PCIe 4.0 x16, ~25 GB/s per GPU"),
+    ("unicron", "storage_bw_per_node", "Llama 3 (arXiv 2407.21783) 3.3.4: 2 TB/s / 2,048 nodes"),
+    ("unicron", "checkpoint_mtbf_s", "the runtime's checkpoint.mtbf default (3 h)"),
     ("megatron", "timeout_s", "Megatron-LM --distributed-timeout-minutes default 10"),
     ("megatron", "exit_detect_s", "assumption: launcher tears the job down"),
     ("megatron", "restart_s", "assumption: schedule, launch, NCCL init"),

@@ -77,6 +77,11 @@ class TaskPerf:
     """What the planner believes F(nodes) is, where that differs from what the task really
     gets (``flops``): the sim-to-real scenario (:mod:`unicron.sim.scenario`) plans with the
     runtime's model and books the rates measured on the real cluster. None: ``flops``."""
+    peer_healable: np.ndarray | None = None
+    """Per node count (0..nodes): whether the layout the task runs on there is one the
+    runtime heals from its peers today, a data-parallel replica of the whole model with
+    replicated state (tp = cp = pp = 1, ``ddp``: docs/simulator.md). None: every count (a
+    task whose layouts are not known, e.g. a measured profile)."""
 
 
 @dataclass(eq=False)
