@@ -394,7 +394,7 @@ the artifact's measured 30-node Oobleck throughput. Effective time: useful step 
 time (the artifact's breakdown); norm. tput: average throughput / healthy 30-node
 throughput. A cell is within when both are within 15 % (or both below {ABS_FLOOR}).
 Mechanisms: the artifact's behaviours our policies model (file and line in the field's
-docstring, unicron/sim/policies.py); ours runs with its system's mechanisms on, and once
+docstring, unicron/sim/baselines.py); ours runs with its system's mechanisms on, and once
 with none. *yes, by M*: the cell misses without M alone and meets the tolerance with it
 (tests/test_sim_baselines.py recomputes such cells both ways).
 
