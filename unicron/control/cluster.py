@@ -388,6 +388,7 @@ class Cluster:
         task coordinators, made by the caller after it lets go of the cluster lock). One
         ``plan`` event per task concerned: the allocation before and after, both WAFs, why."""
         capacity = {nid: n.slots for nid, n in self._free_capacity(now).items()}
+        per_node = max(capacity.values(), default=1)  # GPUs per node, for the perf model
         for task in self.tasks.values():  # an excluded slot is nobody's until readmitted
             excluded = list(task.excluded)  # a copy: coordinators change it (_trigger_of)
             for r in excluded if task.row.state in ACTIVE else ():
@@ -423,7 +424,7 @@ class Cluster:
             )
         if not views or not capacity:
             return []
-        hardware = A.Hardware(GPU_PRESETS[self.settings.gpu], max(capacity.values(), default=1))
+        hardware = A.Hardware(GPU_PRESETS[self.settings.gpu], max(per_node, 1))
         started = time.perf_counter()
         try:
             decision = A.decide(

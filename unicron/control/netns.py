@@ -158,6 +158,19 @@ class Lab:
         ns = self.members[host].netns
         return list(argv) if ns is None else ["ip", "netns", "exec", ns, *argv]
 
+    def cut(self, host: int) -> None:
+        """Cut host ``host`` off the lab (its link down: a partition, not a death: what runs
+        there goes on, unable to reach anyone, and nobody reaches it)."""
+        h = self.members[host]
+        assert h.netns is not None
+        _ip("-n", h.netns, "link", "set", h.ifname, "down")
+
+    def restore(self, host: int) -> None:
+        """Bring the link of host ``host`` back (:meth:`cut` undone; its address stayed)."""
+        h = self.members[host]
+        assert h.netns is not None
+        _ip("-n", h.netns, "link", "set", h.ifname, "up")
+
     def popen(
         self,
         host: int,
