@@ -6,8 +6,9 @@ where namespaces cannot be made, which ``test_the_hosts_are_namespaces`` reports
 Every task trains the same script and must end with the parameters of a fault-free
 ``unicron run --nproc-per-node 4`` of as many steps, bit for bit: one loses a node (its agent
 and workers vanish) that then comes back under the same name; one loses the coordinator to
-``kill -9`` mid-training and restarts it on the same state directory; in the last, two tasks
-share the slots and the planner moves them.
+``kill -9`` mid-training and restarts it on the same state directory; one loses a node to a
+partition (its link cut, its processes alive) that heals; in the last, two tasks share the
+slots and the planner moves them.
 """
 
 from __future__ import annotations
@@ -126,6 +127,53 @@ def test_coordinator_killed_and_restarted(cluster: LocalCluster, reference: str)
     assert back["epoch"] == before  # adopted as it ran: the same membership, nobody restarted
     check_steps(events)
     assert len(of(events, "task_end")) == 1
+    assert view["outcome"]["params_sha256"] == reference
+
+
+def test_a_partition_is_fenced_and_no_stale_epoch_commits(
+    cluster: LocalCluster, reference: str
+) -> None:
+    """A host's link is cut, not its processes killed: the coordinator declares the node
+    lost and the task goes on without it; the cut-off workers cannot commit (the store and
+    their peers are out of reach). When the link comes back, the same agent is fenced (410:
+    its workers hold an epoch that is over), stops them and registers again; the node's slots
+    rejoin with fresh workers and the state of the live replicas. Every commit belongs to the
+    epoch current when it was made, each step once, and the bits are the fault-free ones."""
+    if not cluster.isolated:
+        pytest.skip("a partition needs network namespaces")
+    cluster.submit(task("partition"))
+    cluster.wait_task("partition", lambda v: v["step"] >= 8)
+    host = next(h for h in range(2) if cluster.node(f"n{h}")["id"] == 1)
+    agent = cluster.agents[host]
+    assert isinstance(cluster.net, netns.Lab)
+    cluster.net.cut(host)
+    try:
+        cluster.wait_until(lambda: cluster.node(f"n{host}")["state"] == "lost", "node lost")
+        time.sleep(1.0)  # the survivors train on; the cut-off workers are stranded
+    finally:
+        cluster.net.restore(host)
+    view = cluster.wait_task("partition")
+    assert view["state"] == "done", view
+    assert agent.poll() is None  # the same agent process, fenced, not restarted
+    events = cluster.events("partition")
+    (lost,) = [e for e in of(events, "error_detected") if e["kind"] == "heartbeat_lost"]
+    assert lost["node"] == 1 and lost["severity"] == 1
+    readmitted = [e for e in of(events, "action") if e["action"] == "readmit"]
+    assert {e["slot"] for e in readmitted} == {2, 3}, readmitted
+    assert all(e["reason"] == "node 1 is back" for e in readmitted)
+    # in the order the coordinator logged them: no commit of an epoch that an urgent one (a
+    # member dropped) replaced, and commits never go back to an older epoch (a join is not
+    # urgent: the step in flight may commit in the old epoch just after the new is announced)
+    left, last = 0, 0
+    for e in events:
+        if e["event"] == "epoch_begin" and e["urgent"]:
+            left = e["epoch"]
+        elif e["event"] == "step_end":
+            assert e["epoch"] >= max(left, last), e
+            last = e["epoch"]
+    assert left >= 2  # the node's loss was urgent
+    assert sorted(of(events, "epoch_begin")[-1]["members"]) == [0, 1, 2, 3]
+    check_steps(events)
     assert view["outcome"]["params_sha256"] == reference
 
 

@@ -215,3 +215,24 @@ def test_an_unknown_placement_is_exit_2(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "--placement: invalid choice: 'fifo'" in proc.stderr
+
+
+def test_a_node_declared_lost_is_fenced_until_it_registers_again(cluster: Cluster) -> None:
+    """A partition that heals: the agent that speaks again after its node was declared lost
+    is refused (its workers hold an epoch that is over) until it registers as a new process,
+    which brings the node back to its tasks."""
+    from unicron.control.cluster import Fenced
+
+    now = time.time()
+    nid = cluster.register("n0", 2, "127.0.0.1", "i0", now)
+    submit(cluster, "a", now, workers={"min": 1, "max": 2})
+    cluster.tick(now + cluster.settings.node_timeout_s + 0.5)
+    assert cluster.nodes[nid].lost
+    with pytest.raises(Fenced, match="node n0 was declared lost"):
+        cluster.heartbeat("n0", "i0", now + 3)
+    with pytest.raises(Fenced):
+        cluster.exchange("n0", "i0", cluster.tasks["a"].row.uid, [], now + 3, None)
+    assert cluster.nodes[nid].lost  # speaking did not bring it back
+    assert cluster.register("n0", 2, "127.0.0.1", "i1", now + 4) == nid
+    assert not cluster.nodes[nid].lost
+    assert cluster.heartbeat("n0", "i1", now + 4)  # its task's assignment again

@@ -258,10 +258,12 @@ class TaskLink:
         try:
             reply = M.from_wire(self.client.request("POST", self.path, json=body))
         except (httpx.TransportError, ServiceError) as exc:
-            if isinstance(exc, ServiceError) and exc.status < 500 and exc.status not in (401, 404):
+            held = (401, 404, 410)
+            if isinstance(exc, ServiceError) and exc.status < 500 and exc.status not in held:
                 raise  # refused (superseded, bad report): the agent's business
-            # 401: its credential was rotated and its file not yet rewritten; the reports
-            # wait, as for a coordinator that is away, and the workers train on
+            # 401: its credential was rotated and its file not yet rewritten; 410: the node
+            # was declared lost (its agent's heartbeat learns it too, and stops this task's
+            # workers): the reports wait, as for a coordinator that is away
             if self.down_since is None:
                 self.down_since = now
             self._reconnect = True

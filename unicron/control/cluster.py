@@ -69,6 +69,12 @@ class Invalid(ValueError):
     """The request is well-formed but unusable (HTTP 422)."""
 
 
+class Fenced(RuntimeError):
+    """An agent of a node the cluster declared lost (HTTP 410): a partition ended, not a
+    death. Its workers are out of their tasks' epochs; it must stop them and register again
+    (as a new process under the node's name), which brings the node back to its tasks."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ClusterSettings:
     node_timeout_s: float = 2.0
@@ -246,10 +252,11 @@ class Cluster:
         return node.row.id
 
     def heartbeat(self, name: str, instance: str, now: float) -> list[dict[str, Any]]:
-        """The agent of ``name`` is alive: the tasks it must run (one assignment each)."""
+        """The agent of ``name`` is alive: the tasks it must run (one assignment each). An
+        agent of a node declared lost meanwhile is fenced (:class:`Fenced`)."""
         with self._lock:
-            node = self._node(name, instance)
-            node.last_seen, node.lost = now, False
+            node = self._live_node(name, instance, now)
+            node.last_seen = now
             return [
                 self._assignment(t, node.row.id)
                 for t in self.tasks.values()
@@ -267,8 +274,8 @@ class Cluster:
     ) -> M.Reply:
         """One round of a node's supervisor of task ``uid`` (see ``Coordinator.exchange``)."""
         with self._lock:
-            node = self._node(name, instance)
-            node.last_seen, node.lost = now, False
+            node = self._live_node(name, instance, now)
+            node.last_seen = now
             task = self._by_uid.get(uid)
             controller = None if task is None else task.controller
             if task is not None and controller is not None:
@@ -276,6 +283,18 @@ class Cluster:
         if controller is None:  # ended (or never known): its workers leave
             return M.Reply(over=True, finished=True)
         return controller.exchange(node.row.id, reports, now, read_until=read_until)
+
+    def _live_node(self, name: str, instance: str, now: float) -> Node:
+        """The node of a heartbeat or an exchange: a node declared lost does not come back
+        by speaking again (a partition healed): its workers may still hold an epoch the task
+        left, so its agent is told to stop them and register anew (:class:`Fenced`)."""
+        node = self._node(name, instance)
+        if node.lost:
+            raise Fenced(
+                f"node {name} was declared lost ({now - node.last_seen:.1f} s silent): its "
+                "workers are out of their tasks; stop them and register again"
+            )
+        return node
 
     def _node(self, name: str, instance: str) -> Node:
         node = self._by_name.get(name)

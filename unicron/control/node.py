@@ -206,6 +206,8 @@ class NodeAgent:
             except ServiceError as exc:
                 if exc.status == 404:  # a coordinator that lost us (a new state): register
                     self.register(stop)
+                elif exc.status == 410:  # declared lost (a partition): fenced
+                    self._fenced(stop, exc.detail)
                 elif exc.status == 409:
                     log.error("node %s: %s; exiting", self.name, exc.detail)
                     self.stop()
@@ -283,6 +285,19 @@ class NodeAgent:
             r.agent.poll(0.02)
         r.agent.stop()
         self.errors += r.agent.errors
+
+    def _fenced(self, stop: threading.Event, why: str) -> None:
+        """The coordinator declared this node lost while it could not hear it (a partition):
+        its tasks went on without it, so every worker here holds an epoch that is over. They
+        stop now (no drain: their work is void), and the agent registers again as a new
+        process would, which brings the node back to its tasks with fresh workers."""
+        log.warning("%s (fenced)", why)
+        interrupted, self.interrupted = self.interrupted, True
+        self.kill_all()
+        self.stop()
+        self.interrupted = interrupted
+        self.instance = secrets.token_hex(8)
+        self.register(stop)
 
     def interrupt(self) -> None:
         """The run is interrupted: from now on nothing waits for workers to end by

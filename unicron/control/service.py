@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from unicron.control import messages as M
 from unicron.control.client import ENV_TOKEN, resolve_token, token_path
-from unicron.control.cluster import Cluster, Conflict, Invalid, NotFound
+from unicron.control.cluster import Cluster, Conflict, Fenced, Invalid, NotFound
 from unicron.control.credentials import FILE as CREDENTIALS
 from unicron.control.credentials import Credentials, Principal
 from unicron.control.dashboard import PAGE, Dashboard, is_page, page
@@ -298,6 +298,10 @@ def make_app(
     @app.exception_handler(Invalid)
     def _422(_: Request, exc: Invalid) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    @app.exception_handler(Fenced)
+    def _410(_: Request, exc: Fenced) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=410)
 
     @app.post("/v1/tasks", status_code=201, summary="submit a task")
     def submit(spec: TaskSpec, who: Annotated[Principal, Depends(principal)]) -> dict[str, Any]:
