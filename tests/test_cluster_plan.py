@@ -218,21 +218,31 @@ def test_an_unknown_placement_is_exit_2(tmp_path: Path) -> None:
 
 
 def test_a_node_declared_lost_is_fenced_until_it_registers_again(cluster: Cluster) -> None:
-    """A partition that heals: the agent that speaks again after its node was declared lost
-    is refused (its workers hold an epoch that is over) until it registers as a new process,
-    which brings the node back to its tasks."""
+    """A partition that heals: the agent that speaks again after its task went on without
+    its node is refused (its workers hold an epoch that is over) until it registers as a new
+    process, which brings the node back to its tasks. A silence no task acted on (an agent
+    starved for a moment) is not fenced."""
     from unicron.control.cluster import Fenced
 
     now = time.time()
     nid = cluster.register("n0", 2, "127.0.0.1", "i0", now)
+    cluster.register("n1", 2, "127.0.0.1", "j0", now)
     submit(cluster, "a", now, workers={"min": 1, "max": 2})
-    cluster.tick(now + cluster.settings.node_timeout_s + 0.5)
-    assert cluster.nodes[nid].lost
-    with pytest.raises(Fenced, match="node n0 was declared lost"):
-        cluster.heartbeat("n0", "i0", now + 3)
-    with pytest.raises(Fenced):
-        cluster.exchange("n0", "i0", cluster.tasks["a"].row.uid, [], now + 3, None)
-    assert cluster.nodes[nid].lost  # speaking did not bring it back
-    assert cluster.register("n0", 2, "127.0.0.1", "i1", now + 4) == nid
+    a = cluster.tasks["a"]
+    assert a.row.placement == [nid, nid] and a.controller is not None
+    late = now + cluster.settings.node_timeout_s + 0.5
+    cluster.heartbeat("n1", "j0", late)
+    cluster.tick(late)
+    assert cluster.nodes[nid].lost and nid not in a.controller.lost_nodes
+    assert cluster.heartbeat("n0", "i0", late + 0.1)  # no task dropped it: live again
     assert not cluster.nodes[nid].lost
-    assert cluster.heartbeat("n0", "i1", now + 4)  # its task's assignment again
+    a.controller.lost_nodes.add(nid)  # the task dropped the node (heartbeat_lost)
+    cluster.nodes[nid].lost = True
+    with pytest.raises(Fenced, match=r"node n0 was declared lost .* task\(s\) a went on"):
+        cluster.heartbeat("n0", "i0", late + 1)
+    with pytest.raises(Fenced):
+        cluster.exchange("n0", "i0", a.row.uid, [], late + 1, None)
+    assert cluster.nodes[nid].lost  # speaking did not bring it back
+    assert cluster.register("n0", 2, "127.0.0.1", "i1", late + 2) == nid
+    assert not cluster.nodes[nid].lost
+    assert cluster.heartbeat("n0", "i1", late + 2)  # its task's assignment again

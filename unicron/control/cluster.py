@@ -285,15 +285,29 @@ class Cluster:
         return controller.exchange(node.row.id, reports, now, read_until=read_until)
 
     def _live_node(self, name: str, instance: str, now: float) -> Node:
-        """The node of a heartbeat or an exchange: a node declared lost does not come back
-        by speaking again (a partition healed): its workers may still hold an epoch the task
-        left, so its agent is told to stop them and register anew (:class:`Fenced`)."""
+        """The node of a heartbeat or an exchange. A node a task dropped as lost does not
+        come back by speaking again (a partition healed): its workers there hold an epoch the
+        task left, so its agent is told to stop them and register anew (:class:`Fenced`). A
+        node only the cluster's ticker marked lost (a silence no task acted on: an agent
+        starved for a few seconds on a loaded host) is simply live again."""
         node = self._node(name, instance)
         if node.lost:
-            raise Fenced(
-                f"node {name} was declared lost ({now - node.last_seen:.1f} s silent): its "
-                "workers are out of their tasks; stop them and register again"
-            )
+            dropped = [
+                t.row.name
+                for t in self.tasks.values()
+                if t.controller is not None
+                and node.row.id in t.row.placement
+                and node.row.id in t.controller.lost_nodes  # a snapshot read, no lock
+            ]
+            if dropped:
+                raise Fenced(
+                    f"node {name} was declared lost ({now - node.last_seen:.1f} s silent) and "
+                    f"task(s) {', '.join(dropped)} went on without it: its workers there are "
+                    "out of their epoch; stop them and register again"
+                )
+            log.info("node %s speaks again after %.1f s; no task dropped it", name,
+                     now - node.last_seen)  # fmt: skip
+            node.lost = False
         return node
 
     def _node(self, name: str, instance: str) -> Node:
