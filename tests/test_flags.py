@@ -84,3 +84,29 @@ def test_the_buckets_default_is_one_number() -> None:
 
     assert TaskSpec.model_fields["bucket_cap_mb"].default == protocol.BUCKET_CAP_MB
     assert reduce.BUCKET_CAP_MB == protocol.BUCKET_CAP_MB
+
+
+def test_the_workers_settings_go_through_their_environment_unchanged() -> None:
+    """The agent writes a task's settings to its workers' environment and the worker reads
+    them back (:class:`unicron.protocol.WorkerSettings`): every field has its variable, and
+    every value, default or not, comes back as it went."""
+    import dataclasses
+
+    from unicron.protocol import WORKER_ENV, WorkerSettings
+
+    assert set(WORKER_ENV) == {f.name for f in dataclasses.fields(WorkerSettings)}
+    assert WorkerSettings.from_env(WorkerSettings().env()) == WorkerSettings()
+    odd = WorkerSettings(reduce="fast", on_lost="drop", bucket_cap_mb=0.25, checkpoint="/c",
+                         checkpoint_every="auto", checkpoint_mtbf_s=61.5, checkpoint_keep=0,
+                         resume=True)  # fmt: skip
+    assert WorkerSettings.from_env(odd.env()) == odd
+    assert WorkerSettings.from_env({}) == WorkerSettings()  # nothing set: the defaults
+
+
+def test_the_workers_defaults_are_the_task_files() -> None:
+    from unicron.protocol import WorkerSettings
+
+    w, spec = WorkerSettings(), TaskSpec.model_validate({"name": "t", "script": "t.py"})
+    assert (w.reduce, w.on_lost, w.bucket_cap_mb) == (spec.reduce, spec.on_lost, spec.bucket_cap_mb)
+    ck = spec.checkpoint
+    assert (w.checkpoint_mtbf_s, w.checkpoint_keep, w.resume) == (ck.mtbf, ck.keep, ck.resume)

@@ -44,6 +44,63 @@ ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the a
 ENV_CHECKPOINT_KEEP = "UNICRON_CHECKPOINT_KEEP"  # checkpoints kept; 0: all
 ENV_RESUME = "UNICRON_RESUME"  # "1": the task goes on from the newest checkpoint
 
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    """The task settings every worker reads from its environment, each defined once: its
+    variable (:data:`WORKER_ENV`), its default and its text. The cluster makes them from the
+    task file (:meth:`unicron.control.cluster.Cluster` assignment, as ``settings``), the agent
+    writes them (:meth:`env`), the worker reads them (:meth:`from_env`)."""
+
+    reduce: str = "exact"
+    on_lost: str = "recompute"
+    bucket_cap_mb: float = BUCKET_CAP_MB
+    checkpoint: str = ""
+    """the persistent checkpoints' directory ("": none)"""
+    checkpoint_every: str = "0"
+    """committed steps between checkpoints, or ``auto`` (Young/Daly); "0": never"""
+    checkpoint_mtbf_s: float = 3 * 3600.0
+    checkpoint_keep: int = 3
+    resume: bool = False
+
+    def env(self) -> dict[str, str]:
+        """The variables a worker of these settings starts with."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                text = "1" if value else "0"
+            else:
+                text = repr(value) if isinstance(value, float) else str(value)
+            out[WORKER_ENV[f.name]] = text
+        return out
+
+    @classmethod
+    def from_env(cls, environ: Any) -> WorkerSettings:
+        """The settings in ``environ`` (a variable that is not set keeps its default)."""
+        defaults = cls()
+        given: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(WORKER_ENV[f.name])
+            if raw is None:
+                continue
+            kind = type(getattr(defaults, f.name))
+            given[f.name] = raw == "1" if kind is bool else kind(raw)
+        return cls(**given)
+
+
+WORKER_ENV = {
+    "reduce": ENV_REDUCE,
+    "on_lost": ENV_ON_LOST,
+    "bucket_cap_mb": ENV_BUCKET_CAP_MB,
+    "checkpoint": ENV_CHECKPOINT,
+    "checkpoint_every": ENV_CHECKPOINT_EVERY,
+    "checkpoint_mtbf_s": ENV_CHECKPOINT_MTBF,
+    "checkpoint_keep": ENV_CHECKPOINT_KEEP,
+    "resume": ENV_RESUME,
+}
+"""each :class:`WorkerSettings` field's environment variable"""
+
 # -- messages on the agent's local socket -------------------------------------------------
 # Worker -> agent (unicron.worker, unicron.runtime.launcher, through unicron.runtime.link),
 # zygote -> agent and agent -> zygote (unicron.runtime.launcher). Each kind is one frozen

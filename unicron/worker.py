@@ -43,17 +43,9 @@ from unicron import protocol as P
 from unicron.detect.busy import read_queued_s
 from unicron.errors import UsageError
 from unicron.protocol import (
-    ENV_BUCKET_CAP_MB,
-    ENV_CHECKPOINT,
-    ENV_CHECKPOINT_EVERY,
-    ENV_CHECKPOINT_KEEP,
-    ENV_CHECKPOINT_MTBF,
     ENV_FAULTS,
     ENV_INCARNATION,
     ENV_NODE,
-    ENV_ON_LOST,
-    ENV_REDUCE,
-    ENV_RESUME,
     ENV_SLOT,
     ENV_STORE,
     ENV_TASK,
@@ -145,6 +137,7 @@ class WorkerContext:
             raise UsageError(f"{api} runs under the launcher: {LAUNCHER}")
         host, port = host_port(os.environ[ENV_STORE])
         specs = os.environ.get(ENV_FAULTS, "")
+        settings = P.WorkerSettings.from_env(os.environ)
         return cls(
             task=os.environ[ENV_TASK],
             slot=int(os.environ[ENV_SLOT]),
@@ -153,14 +146,14 @@ class WorkerContext:
             store_host=host,
             store_port=port,
             faults=tuple(parse(s) for s in specs.split(";") if s),
-            reduce=os.environ.get(ENV_REDUCE, "exact"),
-            checkpoint=Path(os.environ[ENV_CHECKPOINT]) if os.environ.get(ENV_CHECKPOINT) else None,
-            checkpoint_every=_every(os.environ.get(ENV_CHECKPOINT_EVERY, "0")),
-            checkpoint_mtbf_s=float(os.environ.get(ENV_CHECKPOINT_MTBF, cls.checkpoint_mtbf_s)),
-            checkpoint_keep=int(os.environ.get(ENV_CHECKPOINT_KEEP, cls.checkpoint_keep)),
-            resume=os.environ.get(ENV_RESUME) == "1",
-            on_lost=os.environ.get(ENV_ON_LOST, "recompute"),
-            bucket_cap_mb=float(os.environ.get(ENV_BUCKET_CAP_MB, cls.bucket_cap_mb)),
+            reduce=settings.reduce,
+            checkpoint=Path(settings.checkpoint) if settings.checkpoint else None,
+            checkpoint_every=_every(settings.checkpoint_every),
+            checkpoint_mtbf_s=settings.checkpoint_mtbf_s,
+            checkpoint_keep=settings.checkpoint_keep,
+            resume=settings.resume,
+            on_lost=settings.on_lost,
+            bucket_cap_mb=settings.bucket_cap_mb,
         )
 
 

@@ -54,14 +54,9 @@ from unicron.protocol import (
     ENV_AGENT,
     ENV_AUTHKEY,
     ENV_BELL,
-    ENV_BUCKET_CAP_MB,
-    ENV_CHECKPOINT,
-    ENV_CHECKPOINT_EVERY,
     ENV_FAULTS,
     ENV_INCARNATION,
     ENV_NODE,
-    ENV_ON_LOST,
-    ENV_REDUCE,
     ENV_SLOT,
     ENV_STORE,
     ENV_TASK,
@@ -268,12 +263,9 @@ class AgentConfig:
     argv: list[str]
     faults: list[Fault]
     log_dir: Path
-    reduce: str = "exact"
-    on_lost: str = "recompute"
-    bucket_cap_mb: float = P.BUCKET_CAP_MB
     threads: int = 1
-    checkpoint: Path | None = None
-    checkpoint_every: int | str = 0  # steps, or "auto"
+    settings: P.WorkerSettings = field(default_factory=P.WorkerSettings)
+    """what the task's workers read from their environment"""
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -872,11 +864,7 @@ class Agent:
                 ENV_AGENT: self.address,
                 ENV_BELL: self.bell_address,
                 ENV_AUTHKEY: self._authkey.hex(),
-                ENV_REDUCE: self.config.reduce,
-                ENV_ON_LOST: self.config.on_lost,
-                ENV_BUCKET_CAP_MB: repr(self.config.bucket_cap_mb),
-                ENV_CHECKPOINT: str(self.config.checkpoint or ""),
-                ENV_CHECKPOINT_EVERY: str(self.config.checkpoint_every),
+                **self.config.settings.env(),
             }
         )
         return env

@@ -47,6 +47,7 @@ from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.errors import UsageError
 from unicron.planner.hardware import GPU_PRESETS
 from unicron.planner.solver import expected_time_to_failure_s
+from unicron.protocol import WorkerSettings
 from unicron.runtime import checkpoint as C
 
 log = logging.getLogger("unicron.control.cluster")
@@ -630,10 +631,20 @@ class Cluster:
             self.state.save_task(row)
 
     def _assignment(self, task: Task, nid: int) -> dict[str, Any]:
-        """What a node's agent needs to run its part of ``task``."""
+        """What a node's agent needs to run its part of ``task``; ``settings``: what its
+        workers read from their environment (:class:`~unicron.protocol.WorkerSettings`)."""
         spec = task.spec
-        every = spec.checkpoint.every
         checkpoint = self._checkpoint_dir(task)
+        settings = WorkerSettings(
+            reduce=spec.reduce,
+            on_lost=spec.on_lost,
+            bucket_cap_mb=spec.bucket_cap_mb,
+            checkpoint="" if checkpoint is None else str(checkpoint),
+            checkpoint_every=str(spec.checkpoint.every),
+            checkpoint_mtbf_s=spec.checkpoint.mtbf,
+            checkpoint_keep=spec.checkpoint.keep,
+            resume=spec.checkpoint.resume,
+        )
         return {
             "uid": task.row.uid,
             "name": task.row.name,
@@ -641,17 +652,10 @@ class Cluster:
             "script": spec.script,
             "args": spec.args,
             "inject": spec.inject,
-            "reduce": spec.reduce,
-            "on_lost": spec.on_lost,
-            "bucket_cap_mb": spec.bucket_cap_mb,
             "threads": spec.threads,
             "store": self.store.address,
-            "checkpoint": None if checkpoint is None else str(checkpoint),
-            "checkpoint_every": str(every),
-            "resume": spec.checkpoint.resume,
             "device": spec.device,
-            "checkpoint_keep": spec.checkpoint.keep,
-            "checkpoint_mtbf": spec.checkpoint.mtbf,
+            "settings": dataclasses.asdict(settings),
             "env": spec.env,
         }
 

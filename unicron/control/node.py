@@ -220,19 +220,14 @@ class NodeAgent:
         from unicron.control.agent import Agent, AgentConfig
         from unicron.control.client import TaskLink
         from unicron.detect.classify import KINDS
-        from unicron.protocol import ENV_CHECKPOINT_KEEP, ENV_CHECKPOINT_MTBF, ENV_RESUME
+        from unicron.protocol import WorkerSettings
         from unicron.runtime import device as D
         from unicron.runtime.inject import parse
 
         assert self.node is not None
         uid = a["uid"]
         gpus = D.gpu_count() if a["device"] == "cuda" else 0
-        env = {
-            ENV_CHECKPOINT_MTBF: repr(float(a["checkpoint_mtbf"])),
-            ENV_CHECKPOINT_KEEP: str(a["checkpoint_keep"]),
-            ENV_RESUME: "1" if a["resume"] else "0",
-            **D.run_env(a["device"], len(a["slots"]), gpus),
-        }
+        env = D.run_env(a["device"], len(a["slots"]), gpus)
         if self.ifname is not None and GLOO_IFNAME not in os.environ:
             env[GLOO_IFNAME] = self.ifname
         env.update(a["env"])  # the task file's word is last
@@ -243,12 +238,8 @@ class NodeAgent:
             argv=list(a["args"]),
             faults=[parse(s, KINDS) for s in a["inject"]],
             log_dir=self.log_dir / uid if self.per_task else self.log_dir,
-            reduce=a["reduce"],
-            on_lost=a["on_lost"],
-            bucket_cap_mb=float(a["bucket_cap_mb"]),
             threads=int(a["threads"]),
-            checkpoint=Path(a["checkpoint"]) if a["checkpoint"] else None,
-            checkpoint_every=a["checkpoint_every"],
+            settings=WorkerSettings(**a["settings"]),
             env=env,
         )
         holder: list[Agent] = []
