@@ -20,7 +20,8 @@ import torch
 
 from tests.conftest import ROOT, RunResult, run_unicron
 from unicron.errors import UsageError
-from unicron.worker import Loop, _SamplerData
+from unicron.runtime.data import SamplerData as _SamplerData
+from unicron.worker import Loop
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -43,15 +43,8 @@ from unicron import protocol as P
 from unicron.detect.busy import read_queued_s
 from unicron.errors import UsageError
 from unicron.protocol import (
-    ENV_FAULTS,
-    ENV_INCARNATION,
-    ENV_NODE,
-    ENV_SLOT,
-    ENV_STORE,
-    ENV_TASK,
     EpochInfo,
     done_key,
-    host_port,
     trained_key,
     usage_key,
 )
@@ -59,10 +52,12 @@ from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
+from unicron.runtime.context import WorkerContext, epoch_env, save_atomic
+from unicron.runtime.data import Data, LedgerData, SamplerData
 from unicron.runtime.digest import params_sha256
 from unicron.runtime.gradients import Reducer
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
-from unicron.runtime.inject import Fault, FaultPlan, parse, stop_self
+from unicron.runtime.inject import Fault, FaultPlan, stop_self
 from unicron.runtime.link import AgentLink, connect_agent
 from unicron.runtime.transfer import (
     Inventory,
@@ -81,8 +76,6 @@ ABANDONED: list[EpochGroup] = []
 """every group this process built, kept until it exits: freeing a gloo group whose abandoned
 collective still waits on a dead peer joins its I/O thread, which never returns"""
 
-LAUNCHER = "`unicron run --nproc-per-node N SCRIPT [ARGS]`"
-
 
 @dataclass(frozen=True, kw_only=True)
 class TrainResult:
@@ -94,71 +87,6 @@ class TrainResult:
     params_sha256: str
     rank: int
     epoch: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkerContext:
-    """What ``unicron run`` tells a worker through its environment
-    (:mod:`unicron.protocol`)."""
-
-    task: str
-    slot: int
-    node: int
-    incarnation: int
-    store_host: str
-    store_port: int
-    faults: tuple[Fault, ...]
-    reduce: str = "exact"
-    on_lost: str = "recompute"
-    bucket_cap_mb: float = P.BUCKET_CAP_MB
-    """the gradient buckets' bound (``unicron run --bucket-cap-mb``; the first bucket's is
-    the smaller of it and :data:`unicron.runtime.reduce.FIRST_BUCKET_MB`)"""
-    slice_s: float = 0.05
-    """how long a collective is waited for between two looks at the epoch key"""
-    timeout_s: float = 300.0
-    """last-resort bound on one collective or rendezvous (the process-group timeout)"""
-    max_reattempts: int = 2
-    """SEV3 errors retried in place per step before the error ends the process"""
-    checkpoint: Path | None = None
-    """the persistent checkpoints' directory: written by rank 0, read only when no replica
-    holds the state (docs/checkpoint.md)"""
-    checkpoint_every: int | None = 0
-    """committed steps between two checkpoints (0: never write one; None: auto, Young/Daly)"""
-    checkpoint_mtbf_s: float = C.IntervalSettings.mtbf_s
-    checkpoint_keep: int = C.IntervalSettings.keep
-    resume: bool = False
-    """the task goes on from the newest checkpoint (``unicron run --resume``)"""
-
-    @classmethod
-    def from_env(cls, api: str = "unicron.worker.train()") -> WorkerContext:
-        """The context of this worker; :class:`UsageError` naming ``api`` outside ``unicron
-        run``."""
-        if ENV_STORE not in os.environ:
-            raise UsageError(f"{api} runs under the launcher: {LAUNCHER}")
-        host, port = host_port(os.environ[ENV_STORE])
-        specs = os.environ.get(ENV_FAULTS, "")
-        settings = P.WorkerSettings.from_env(os.environ)
-        return cls(
-            task=os.environ[ENV_TASK],
-            slot=int(os.environ[ENV_SLOT]),
-            node=int(os.environ.get(ENV_NODE, "0")),
-            incarnation=int(os.environ.get(ENV_INCARNATION, "0")),
-            store_host=host,
-            store_port=port,
-            faults=tuple(parse(s) for s in specs.split(";") if s),
-            reduce=settings.reduce,
-            checkpoint=Path(settings.checkpoint) if settings.checkpoint else None,
-            checkpoint_every=_every(settings.checkpoint_every),
-            checkpoint_mtbf_s=settings.checkpoint_mtbf_s,
-            checkpoint_keep=settings.checkpoint_keep,
-            resume=settings.resume,
-            on_lost=settings.on_lost,
-            bucket_cap_mb=settings.bucket_cap_mb,
-        )
-
-
-def _every(raw: str) -> int | None:
-    return None if raw == "auto" else int(raw)
 
 
 def device() -> torch.device:
@@ -177,135 +105,6 @@ def default_collate(items: Sequence[Any]) -> Any:
     if isinstance(first, tuple | list):
         return type(first)(torch.stack([it[i] for it in items]) for i in range(len(first)))
     return torch.stack(list(items))
-
-
-def save_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def epoch_env(info: EpochInfo, slot: int, store: tuple[str, int]) -> dict[str, str]:
-    """torchrun's variables for this worker in epoch ``info`` (``docs/loop.md``): ``RANK`` and
-    ``WORLD_SIZE`` of the epoch, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` among the epoch's
-    members on this worker's node, ``GROUP_RANK`` the node's index among the epoch's nodes,
-    ``MASTER_ADDR``/``MASTER_PORT`` the coordinator's store (the same in every epoch).
-    The worker sets them in ``os.environ`` as it enters each epoch."""
-    rank = info.members.index(slot)
-    node = info.nodes[rank]
-    local = [s for s, n in zip(info.members, info.nodes, strict=True) if n == node]
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(len(info.members)),
-        "LOCAL_RANK": str(local.index(slot)),
-        "LOCAL_WORLD_SIZE": str(len(local)),
-        "GROUP_RANK": str(sorted(set(info.nodes)).index(node)),
-        "MASTER_ADDR": store[0],
-        "MASTER_PORT": str(store[1]),
-        "UNICRON_EPOCH": str(info.epoch),
-    }
-
-
-# -- where a step's samples come from --------------------------------------------------------
-class _Data(Protocol):
-    """The samples of each micro-batch of the step being computed. ``state()`` is part of the
-    committed state: exchanged with the ledger, given to joiners, written into checkpoints."""
-
-    def samples(self, step: int, mb: int) -> list[int]: ...
-
-    def state(self) -> tuple[int, int]: ...
-
-    def load(self, state: Sequence[int]) -> None: ...
-
-    def advance(self) -> None: ...
-
-
-@dataclass
-class _LedgerData:
-    """The ledger's seeded permutation: the samples of (step, mb) follow from the step alone,
-    so there is no state of its own (``(-1, -1)``)."""
-
-    ledger: L.Ledger
-
-    def samples(self, step: int, mb: int) -> list[int]:
-        return self.ledger.samples(step, mb)
-
-    def state(self) -> tuple[int, int]:
-        return (-1, -1)
-
-    def load(self, state: Sequence[int]) -> None:
-        pass
-
-    def advance(self) -> None:
-        pass
-
-
-@dataclass
-class _SamplerData:
-    """A user's ``torch.utils.data.Sampler``: each step takes the next M x B indices of its
-    stream, from the committed ``(epoch, position)``; a new pass over the data calls the
-    sampler's ``set_epoch(epoch)`` (as ``DistributedSampler`` has), so a pass must list the same
-    indices on every replica. The state moves on only when a step commits."""
-
-    sampler: Any
-    num_microbatches: int
-    micro_batch_size: int
-    epoch: int = 0
-    position: int = 0
-    _orders: dict[int, list[int]] = field(default_factory=dict)
-    _batch: tuple[tuple[int, int], list[int], tuple[int, int]] | None = None
-
-    def __post_init__(self) -> None:
-        first = self._order(0)
-        self._orders.clear()
-        if first != self._order(0):
-            raise UsageError(
-                "the sampler lists other indices each time it is iterated, so replicas would "
-                "read different samples: use one whose order follows set_epoch(epoch), e.g. "
-                "DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=S)"
-            )
-
-    def _order(self, epoch: int) -> list[int]:
-        if epoch not in self._orders:
-            if hasattr(self.sampler, "set_epoch"):
-                self.sampler.set_epoch(epoch)
-            order = [int(i) for i in self.sampler]
-            if not order:
-                raise UsageError("the sampler yields no index: nothing to train on")
-            self._orders = {epoch: order}  # steps move forward: one pass cached
-        return self._orders[epoch]
-
-    def _global(self) -> tuple[list[int], tuple[int, int]]:
-        """The committed step's M x B indices and the state after them."""
-        key = (self.epoch, self.position)
-        if self._batch is None or self._batch[0] != key:
-            want = self.num_microbatches * self.micro_batch_size
-            epoch, pos = self.epoch, self.position
-            out: list[int] = []
-            while len(out) < want:
-                order = self._order(epoch)
-                take = order[pos : pos + want - len(out)]
-                out += take
-                pos += len(take)
-                if pos >= len(order):
-                    epoch, pos = epoch + 1, 0
-            self._batch = (key, out, (epoch, pos))
-        return self._batch[1], self._batch[2]
-
-    def samples(self, step: int, mb: int) -> list[int]:
-        b = self.micro_batch_size
-        return self._global()[0][mb * b : (mb + 1) * b]
-
-    def state(self) -> tuple[int, int]:
-        return (self.epoch, self.position)
-
-    def load(self, state: Sequence[int]) -> None:
-        self.epoch, self.position = int(state[0]), int(state[1])
-
-    def advance(self) -> None:
-        self.epoch, self.position = self._global()[1]
 
 
 # -- the step API ------------------------------------------------------------------------------
@@ -424,10 +223,10 @@ class Loop:
             num_microbatches=num_microbatches,
             seed=seed,
         )  # ValueError for bad sizes
-        data: _Data = (
-            _LedgerData(ledger)
+        data: Data = (
+            LedgerData(ledger)
             if sampler is None
-            else _SamplerData(sampler, num_microbatches, micro_batch_size)
+            else SamplerData(sampler, num_microbatches, micro_batch_size)
         )
         link = connect_agent()
         self._runner = _Runner(
@@ -527,7 +326,7 @@ class _Runner:
     steps: int
     out: Path | None
     ledger: L.Ledger
-    data: _Data
+    data: Data
     seed: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0  # committed steps

@@ -1,0 +1,124 @@
+"""What ``unicron run`` tells a worker (:class:`WorkerContext`, read from its environment),
+torchrun's variables for each epoch (:func:`epoch_env`) and the atomic write of the final
+state (:func:`save_atomic`): the worker API's (:mod:`unicron.worker`) plumbing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unicron import protocol as P
+from unicron.errors import UsageError
+from unicron.protocol import (
+    ENV_FAULTS,
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_SLOT,
+    ENV_STORE,
+    ENV_TASK,
+    EpochInfo,
+    host_port,
+)
+from unicron.runtime import checkpoint as C
+from unicron.runtime.inject import Fault, parse
+
+LAUNCHER = "`unicron run --nproc-per-node N SCRIPT [ARGS]`"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerContext:
+    """What ``unicron run`` tells a worker through its environment
+    (:mod:`unicron.protocol`)."""
+
+    task: str
+    slot: int
+    node: int
+    incarnation: int
+    store_host: str
+    store_port: int
+    faults: tuple[Fault, ...]
+    reduce: str = "exact"
+    on_lost: str = "recompute"
+    bucket_cap_mb: float = P.BUCKET_CAP_MB
+    """the gradient buckets' bound (``unicron run --bucket-cap-mb``; the first bucket's is
+    the smaller of it and :data:`unicron.runtime.reduce.FIRST_BUCKET_MB`)"""
+    slice_s: float = 0.05
+    """how long a collective is waited for between two looks at the epoch key"""
+    timeout_s: float = 300.0
+    """last-resort bound on one collective or rendezvous (the process-group timeout)"""
+    max_reattempts: int = 2
+    """SEV3 errors retried in place per step before the error ends the process"""
+    checkpoint: Path | None = None
+    """the persistent checkpoints' directory: written by rank 0, read only when no replica
+    holds the state (docs/checkpoint.md)"""
+    checkpoint_every: int | None = 0
+    """committed steps between two checkpoints (0: never write one; None: auto, Young/Daly)"""
+    checkpoint_mtbf_s: float = C.IntervalSettings.mtbf_s
+    checkpoint_keep: int = C.IntervalSettings.keep
+    resume: bool = False
+    """the task goes on from the newest checkpoint (``unicron run --resume``)"""
+
+    @classmethod
+    def from_env(cls, api: str = "unicron.worker.train()") -> WorkerContext:
+        """The context of this worker; :class:`UsageError` naming ``api`` outside ``unicron
+        run``."""
+        if ENV_STORE not in os.environ:
+            raise UsageError(f"{api} runs under the launcher: {LAUNCHER}")
+        host, port = host_port(os.environ[ENV_STORE])
+        specs = os.environ.get(ENV_FAULTS, "")
+        settings = P.WorkerSettings.from_env(os.environ)
+        return cls(
+            task=os.environ[ENV_TASK],
+            slot=int(os.environ[ENV_SLOT]),
+            node=int(os.environ.get(ENV_NODE, "0")),
+            incarnation=int(os.environ.get(ENV_INCARNATION, "0")),
+            store_host=host,
+            store_port=port,
+            faults=tuple(parse(s) for s in specs.split(";") if s),
+            reduce=settings.reduce,
+            checkpoint=Path(settings.checkpoint) if settings.checkpoint else None,
+            checkpoint_every=_every(settings.checkpoint_every),
+            checkpoint_mtbf_s=settings.checkpoint_mtbf_s,
+            checkpoint_keep=settings.checkpoint_keep,
+            resume=settings.resume,
+            on_lost=settings.on_lost,
+            bucket_cap_mb=settings.bucket_cap_mb,
+        )
+
+
+def _every(raw: str) -> int | None:
+    return None if raw == "auto" else int(raw)
+
+
+def save_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary file, then rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def epoch_env(info: EpochInfo, slot: int, store: tuple[str, int]) -> dict[str, str]:
+    """torchrun's variables for this worker in epoch ``info`` (``docs/loop.md``): ``RANK`` and
+    ``WORLD_SIZE`` of the epoch, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` among the epoch's
+    members on this worker's node, ``GROUP_RANK`` the node's index among the epoch's nodes,
+    ``MASTER_ADDR``/``MASTER_PORT`` the coordinator's store (the same in every epoch).
+    The worker sets them in ``os.environ`` as it enters each epoch."""
+    rank = info.members.index(slot)
+    node = info.nodes[rank]
+    local = [s for s, n in zip(info.members, info.nodes, strict=True) if n == node]
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(len(info.members)),
+        "LOCAL_RANK": str(local.index(slot)),
+        "LOCAL_WORLD_SIZE": str(len(local)),
+        "GROUP_RANK": str(sorted(set(info.nodes)).index(node)),
+        "MASTER_ADDR": store[0],
+        "MASTER_PORT": str(store[1]),
+        "UNICRON_EPOCH": str(info.epoch),
+    }
