@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
@@ -29,7 +28,7 @@ import secrets
 import statistics
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,9 @@ from unicron.control import store as S
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
-from unicron.control.state import NodeRow, State, TaskRow, open_state
+from unicron.control.metrics import Metrics
+from unicron.control.screen import Invalid, screen
+from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow, open_state
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.errors import UsageError
@@ -52,8 +53,6 @@ from unicron.runtime import checkpoint as C
 
 log = logging.getLogger("unicron.control.cluster")
 
-ACTIVE = ("pending", "running", "waiting")
-ENDED = ("done", "failed", "cancelled")
 TRANSITIONS_KEPT = 16
 """recent transitions per task whose median prices its next one (:meth:`Cluster._transition_s`)"""
 
@@ -64,10 +63,6 @@ class NotFound(LookupError):
 
 class Conflict(RuntimeError):
     """The request contradicts the cluster's state (HTTP 409)."""
-
-
-class Invalid(ValueError):
-    """The request is well-formed but unusable (HTTP 422)."""
 
 
 class Fenced(RuntimeError):
@@ -150,7 +145,7 @@ class Cluster:
             self.store, adopted = S.ensure(self.state_dir, host)
         self._lock = threading.RLock()
         self.started = time.time()
-        self.metrics = _Metrics(self.state)
+        self.metrics = Metrics(self.state)
         now = time.time()
         self.nodes: dict[int, Node] = {r.id: Node(r, last_seen=now) for r in self.state.nodes()}
         self._by_name = {n.row.name: n for n in self.nodes.values()}  # every request looks up
@@ -870,155 +865,3 @@ class Cluster:
             tasks = [(t.row.state, t.row.workers if t.row.state in ACTIVE else 0, t.row.name,
                       t.row.committed_step) for t in self.tasks.values()]  # fmt: skip
         return self.metrics.render(tasks)
-
-
-WORKER_EVENTS = frozenset(
-    ("step_end", "transition_end", "fault_injected", "checkpoint_saved", "checkpoint_interval")
-)
-"""the event-log records a worker writes (:mod:`unicron.worker`, its checkpointer); any other
-name in an agent's report is a forgery (the coordinator writes the rest itself)"""
-_INT_FIELDS = ("epoch", "step", "slot", "rank", "node")
-_EXTRA = {"returncode": int}
-"""what a :class:`~unicron.control.messages.Detected` report may carry besides its fields"""
-
-
-def screen(node: NodeRow, task: TaskRow, epoch: int, reports: list[M.Report]) -> list[M.Report]:
-    """The reports of ``node``'s agent about ``task`` (now at ``epoch``) that the task's
-    coordinator may hear, checked against what the cluster knows before it does.
-
-    A report about a slot this node does not hold is dropped, with a log line: a slot the
-    task gave back meanwhile (a race, logged at info), or another node's slot (a forgery,
-    logged as a warning: an agent reports for its own node only). A report no agent of this
-    release sends is refused whole (:class:`Invalid`, 422 with the reason, logged): an event
-    name a worker does not write, an event whose ``epoch``/``step``/``slot``/``rank``/``node``
-    is not an integer, a step's ``step_end`` without them, an epoch the coordinator has not
-    announced yet (a replay from the future), a detection with fields of its own."""
-    kept: list[M.Report] = []
-    for r in reports:
-        why = _malformed(r, epoch)
-        if why:
-            log.warning("task %s: refused the exchange of node %s: %s", task.uid, node.name, why)
-            raise Invalid(f"reports: {why}")
-        slot = getattr(r, "slot", None)
-        if isinstance(r, M.Event) and isinstance(r.fields.get("slot"), int):
-            slot = r.fields["slot"]
-        holder = (
-            task.placement[slot] if slot is not None and 0 <= slot < len(task.placement) else -2
-        )
-        if slot is not None and holder != node.id:
-            level = logging.INFO if holder == -1 else logging.WARNING
-            whose = "given back" if holder == -1 else "not on this node"
-            log.log(level, "task %s: dropped %s of node %s for slot %s (%s)", task.uid,
-                    type(r).__name__, node.name, slot, whose)  # fmt: skip
-            continue
-        kept.append(r)
-    return kept
-
-
-def _malformed(r: M.Report, epoch: int) -> str:
-    """Why report ``r`` cannot come from an agent of this release ("" if it can)."""
-    name = type(r).__name__
-    for f in dataclasses.fields(r):
-        value = getattr(r, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{name}.{f.name} is not a finite number"
-    if isinstance(r, M.Event):
-        if r.name not in WORKER_EVENTS:
-            return f"event {r.name[:40]!r} is not one a worker writes"
-        bad = [k for k in _INT_FIELDS if k in r.fields and type(r.fields[k]) is not int]
-        if bad:
-            return f"event {r.name}: {bad[0]} is not an integer"
-        if r.name == "step_end" and not ("epoch" in r.fields and "step" in r.fields):
-            return "event step_end: needs epoch and step"
-        if r.name == "transition_end" and "step" not in r.fields:
-            return "event transition_end: needs step"
-    said = getattr(r, "epoch", None)
-    if isinstance(r, M.Event):
-        said = r.fields.get("epoch")
-    if said is not None and said > epoch:
-        return f"{name}: epoch {said} is not announced (the task is at epoch {epoch})"
-    if isinstance(r, M.Detected):
-        for k, v in r.extra.items():
-            if k not in _EXTRA or type(v) is not _EXTRA[k]:
-                return f"Detected: extra field {str(k)[:40]!r} is not one an agent sends"
-    return ""
-
-
-class _Metrics:
-    """Prometheus metrics (``GET /metrics``): gauges read from the task table at scrape time,
-    counters and histograms fed from the task events. The failure counters are kept in the
-    state (meta ``metrics.failures``, written on every detection) and go on from there after
-    a restart, as a counter must; the histograms start again (Prometheus sees a reset)."""
-
-    FAILURES_KEY = "metrics.failures"
-
-    def __init__(self, state: State) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.registry = CollectorRegistry()
-        self.tasks = Gauge("unicron_tasks", "tasks by state", ["state"], registry=self.registry)
-        self.workers = Gauge("unicron_workers", "workers of active tasks", registry=self.registry)
-        self.steps = Gauge(
-            "unicron_committed_steps", "last committed step per task", ["task"],
-            registry=self.registry,
-        )  # fmt: skip
-        self.failures = Counter(
-            "unicron_failures", "detected failures", ["kind", "severity"], registry=self.registry
-        )
-        self.detection = Histogram(
-            "unicron_detection_seconds",
-            "injected fault to its detection",
-            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 120),
-            registry=self.registry,
-        )
-        self.transition = Histogram(
-            "unicron_transition_seconds",
-            "transition durations (rendezvous to the first step of an epoch)",
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
-            registry=self.registry,
-        )
-        self.decision = Histogram(
-            "unicron_plan_decision_seconds",
-            "the planner's decision on a trigger (every trigger, changed or not)",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
-            registry=self.registry,
-        )
-        self._state = state
-        self._failed: dict[str, float] = json.loads(state.meta(self.FAILURES_KEY) or "{}")
-        for labels, count in self._failed.items():  # "kind|severity" -> count so far
-            kind, _, severity = labels.partition("|")
-            self.failures.labels(kind, severity).inc(count)
-        self._faults: dict[tuple[str, int], float] = {}  # (task, rank) -> injected at
-        self.failures_seen = 0  # SEV1 and SEV2 detections: the planner's failure rate
-        self._lock = threading.Lock()
-
-    def observe(self, task: str, e: dict[str, Any]) -> None:
-        kind = e["event"]
-        with self._lock:
-            if kind == "fault_injected" and e.get("rank") is not None:
-                self._faults[(task, int(e["rank"]))] = float(e["ts"])
-            elif kind == "error_detected":
-                verdict, severity = str(e.get("kind")), str(e.get("severity"))
-                self.failures.labels(verdict, severity).inc()
-                labels = f"{verdict}|{severity}"
-                self._failed[labels] = self._failed.get(labels, 0) + 1
-                self._state.set_meta(self.FAILURES_KEY, json.dumps(self._failed))
-                if int(e.get("severity", 3)) <= 2:
-                    self.failures_seen += 1
-                injected = self._faults.pop((task, int(e.get("rank", -1))), None)
-                if injected is not None:
-                    self.detection.observe(max(float(e["ts"]) - injected, 0.0))
-            elif kind == "transition_end" and e.get("rank") == 0 and "duration_s" in e:
-                self.transition.observe(float(e["duration_s"]))
-
-    def render(self, tasks: list[tuple[str, int, str, int]]) -> bytes:
-        from prometheus_client import generate_latest
-
-        with self._lock:
-            counts = Counter(state for state, *_ in tasks)
-            for state in ("queued", *ACTIVE, *ENDED):
-                self.tasks.labels(state).set(counts.get(state, 0))
-            self.workers.set(sum(w for _, w, _, _ in tasks))
-            for _, _, name, step in tasks:
-                self.steps.labels(name).set(step + 1)
-            return generate_latest(self.registry)

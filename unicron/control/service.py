@@ -24,7 +24,7 @@ with ``--tls-cert``/``--tls-key``; plain HTTP only on loopback unless ``--insecu
 
 Errors are 4xx with ``{"detail": "one line"}``: 401/403/413 from the door, 404 unknown task
 or node, 409 a conflict with the cluster's state, 422 a body that is not valid (FastAPI
-names the field) or an agent's report the cluster refuses (``cluster.screen``).
+names the field) or an agent's report the cluster refuses (``screen.screen``).
 
 The dashboard's page and scripts under ``/ui/`` are the only paths served without the token:
 they are the same files for everyone and hold no data. The page asks for the token, keeps it

@@ -57,6 +57,11 @@ CREATE INDEX events_by_task ON events (task, id);
 _OWNERS = "CREATE TABLE IF NOT EXISTS owners (task TEXT PRIMARY KEY, owner TEXT NOT NULL);"
 """who submitted each task (added to a database of an older release when it is opened)"""
 
+ACTIVE = ("pending", "running", "waiting")
+"""the states of a task that holds slots"""
+ENDED = ("done", "failed", "cancelled")
+"""the states of a task that is over"""
+
 
 @dataclass
 class TaskRow:

@@ -1,0 +1,92 @@
+"""What the cluster service checks in an agent's reports before a task's coordinator hears
+them (:func:`screen`, called by :meth:`unicron.control.cluster.Cluster.exchange`): a report
+about a slot the node does not hold is dropped, a report no agent of this release sends is
+refused whole (:class:`Invalid`, HTTP 422).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+from unicron.control import messages as M
+from unicron.control.state import NodeRow, TaskRow
+
+log = logging.getLogger("unicron.control.cluster")
+
+
+class Invalid(ValueError):
+    """The request is well-formed but unusable (HTTP 422)."""
+
+
+WORKER_EVENTS = frozenset(
+    ("step_end", "transition_end", "fault_injected", "checkpoint_saved", "checkpoint_interval")
+)
+"""the event-log records a worker writes (:mod:`unicron.worker`, its checkpointer); any other
+name in an agent's report is a forgery (the coordinator writes the rest itself)"""
+_INT_FIELDS = ("epoch", "step", "slot", "rank", "node")
+_EXTRA = {"returncode": int}
+"""what a :class:`~unicron.control.messages.Detected` report may carry besides its fields"""
+
+
+def screen(node: NodeRow, task: TaskRow, epoch: int, reports: list[M.Report]) -> list[M.Report]:
+    """The reports of ``node``'s agent about ``task`` (now at ``epoch``) that the task's
+    coordinator may hear, checked against what the cluster knows before it does.
+
+    A report about a slot this node does not hold is dropped, with a log line: a slot the
+    task gave back meanwhile (a race, logged at info), or another node's slot (a forgery,
+    logged as a warning: an agent reports for its own node only). A report no agent of this
+    release sends is refused whole (:class:`Invalid`, 422 with the reason, logged): an event
+    name a worker does not write, an event whose ``epoch``/``step``/``slot``/``rank``/``node``
+    is not an integer, a step's ``step_end`` without them, an epoch the coordinator has not
+    announced yet (a replay from the future), a detection with fields of its own."""
+    kept: list[M.Report] = []
+    for r in reports:
+        why = _malformed(r, epoch)
+        if why:
+            log.warning("task %s: refused the exchange of node %s: %s", task.uid, node.name, why)
+            raise Invalid(f"reports: {why}")
+        slot = getattr(r, "slot", None)
+        if isinstance(r, M.Event) and isinstance(r.fields.get("slot"), int):
+            slot = r.fields["slot"]
+        holder = (
+            task.placement[slot] if slot is not None and 0 <= slot < len(task.placement) else -2
+        )
+        if slot is not None and holder != node.id:
+            level = logging.INFO if holder == -1 else logging.WARNING
+            whose = "given back" if holder == -1 else "not on this node"
+            log.log(level, "task %s: dropped %s of node %s for slot %s (%s)", task.uid,
+                    type(r).__name__, node.name, slot, whose)  # fmt: skip
+            continue
+        kept.append(r)
+    return kept
+
+
+def _malformed(r: M.Report, epoch: int) -> str:
+    """Why report ``r`` cannot come from an agent of this release ("" if it can)."""
+    name = type(r).__name__
+    for f in dataclasses.fields(r):
+        value = getattr(r, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name}.{f.name} is not a finite number"
+    if isinstance(r, M.Event):
+        if r.name not in WORKER_EVENTS:
+            return f"event {r.name[:40]!r} is not one a worker writes"
+        bad = [k for k in _INT_FIELDS if k in r.fields and type(r.fields[k]) is not int]
+        if bad:
+            return f"event {r.name}: {bad[0]} is not an integer"
+        if r.name == "step_end" and not ("epoch" in r.fields and "step" in r.fields):
+            return "event step_end: needs epoch and step"
+        if r.name == "transition_end" and "step" not in r.fields:
+            return "event transition_end: needs step"
+    said = getattr(r, "epoch", None)
+    if isinstance(r, M.Event):
+        said = r.fields.get("epoch")
+    if said is not None and said > epoch:
+        return f"{name}: epoch {said} is not announced (the task is at epoch {epoch})"
+    if isinstance(r, M.Detected):
+        for k, v in r.extra.items():
+            if k not in _EXTRA or type(v) is not _EXTRA[k]:
+                return f"Detected: extra field {str(k)[:40]!r} is not one an agent sends"
+    return ""
