@@ -15,15 +15,9 @@ import pytest
 
 from unicron import protocol as P
 from unicron.control import messages as M
-from unicron.control.agent import (
-    IDLE_ROUND_S,
-    ROUND_S,
-    Agent,
-    AgentConfig,
-    IllegalTransition,
-    WorkerState,
-)
+from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig
 from unicron.control.client import can_wait
+from unicron.control.workerstate import IllegalTransition, WorkerState
 from unicron.runtime.link import AgentLink
 
 

@@ -26,7 +26,6 @@ draw raises :class:`IllegalTransition`.
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import logging
 import os
@@ -48,6 +47,10 @@ from typing import Any, Protocol
 from unicron import protocol as P
 from unicron.control import messages as M
 from unicron.control.messages import Kill, Probe, Reply, Spawn
+from unicron.control.workerstate import (
+    Worker,
+    WorkerState,
+)
 from unicron.detect.busy import read_thread_clocks
 from unicron.detect.classify import Verdict, classify_exit, classify_message
 from unicron.protocol import (
@@ -68,11 +71,6 @@ from unicron.runtime.inject import Fault
 log = logging.getLogger("unicron.control.agent")
 
 EXIT_GRACE_S = 0.3
-CPU_SAMPLE_AFTER_S = 0.2
-"""a step that has lasted this long gets its worker's CPU time sampled: early enough that at
-the 1 s hang floor two samples lie :data:`unicron.detect.busy.MIN_GAP_S` apart"""
-CPU_SAMPLE_EVERY_S = 0.2
-"""and sampled again this often while it lasts (:mod:`unicron.detect.busy`)"""
 _TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
 _HUNG = frozenset({"hang", "stall", "collective_stall"})
@@ -104,135 +102,6 @@ class FatalError:
     slot: int
     ts: float
     error: P.Error
-
-
-class WorkerState(enum.Enum):
-    """Where the process of one slot stands, as its agent sees it. Every change goes through
-    :meth:`_Worker.to`, which refuses a move not drawn here::
-
-        NEW --spawn--> STARTING --ready--> READY --entered--> MEMBER --done--> DONE
-                          |                  |                  |             |
-                          +------------------+--leave-----------+--> LEAVING  |
-                          |                  |                  |       |     |
-                          +------------------+--exit------------+-------+-----+--> GONE
-
-        spawn:  any state -> STARTING (a new incarnation; one still running is killed first)
-        ready:  STARTING -> READY                (it built its model and waits for an epoch)
-        entered: READY -> MEMBER                 (it joined an epoch; it stays a member between
-                                                  epochs: it reports ready once per process)
-        done:   MEMBER | READY -> DONE           (it reported the task's last step; READY: a
-                                                  resumed run that had no step left)
-        leave:  STARTING | READY | MEMBER -> LEAVING   (killed: its slot goes to another task)
-        exit:   STARTING | READY | MEMBER | DONE | LEAVING -> GONE   (it exited, was cut off,
-                                                  or vanished with its node)
-
-    A report that does not apply where the worker stands leaves it there (an ``entered`` read
-    after its ``leave``, a ``leave`` after it finished: its exit is then the normal end). A
-    process runs in every state but NEW and GONE (:attr:`_Worker.alive`). A kill owed to a
-    process whose pid is not known yet (:attr:`_Worker.kill_pending`) is no state of its
-    lifecycle: it is carried out as soon as the pid is.
-    """
-
-    NEW = "new"  # no process yet: the slot's first spawn is still to come
-    STARTING = "starting"  # started (or queued for the zygote), not ready yet
-    READY = "ready"  # reported ready, entered no epoch since
-    MEMBER = "member"  # entered an epoch
-    DONE = "done"  # reported the last step: its exit is the normal end
-    LEAVING = "leaving"  # killed because its slot goes to another task: its exit heals nothing
-    GONE = "gone"  # exited (or vanished with its node)
-
-
-_W = WorkerState
-_LIVE = frozenset({_W.STARTING, _W.READY, _W.MEMBER, _W.DONE, _W.LEAVING})
-_WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
-    _W.NEW: frozenset({_W.STARTING}),
-    _W.STARTING: frozenset({_W.READY, _W.LEAVING, _W.GONE}),
-    _W.READY: frozenset({_W.STARTING, _W.MEMBER, _W.DONE, _W.LEAVING, _W.GONE}),
-    _W.MEMBER: frozenset({_W.STARTING, _W.DONE, _W.LEAVING, _W.GONE}),
-    _W.DONE: frozenset({_W.STARTING, _W.GONE}),
-    _W.LEAVING: frozenset({_W.STARTING, _W.GONE}),
-    _W.GONE: frozenset({_W.STARTING}),
-}
-"""the moves :class:`WorkerState`'s diagram draws (staying in a state is always allowed)"""
-
-
-class IllegalTransition(RuntimeError):
-    """A worker asked to move where :class:`WorkerState`'s diagram does not go: a bug here."""
-
-
-@dataclass
-class _Worker:
-    """What the agent knows of the process in one slot (one incarnation at a time): its
-    :class:`WorkerState`, and facts that are not its lifecycle."""
-
-    slot: int
-    incarnation: int = -1
-    state: WorkerState = WorkerState.NEW
-    pid: int | None = None
-    conn: Connection | None = None
-    popen: subprocess.Popen[bytes] | None = None
-    eof_ts: float | None = None
-    error: P.Error | None = None  # the last error it reported before exiting
-    verdict: Verdict | None = None  # set when it was killed for a logged reason (hang, ...)
-    step: int | None = None
-    kill_pending: bool = False  # asked to die before its pid was known
-    computing_since: float | None = None  # its step began then and has not ended yet
-    cpu_read_at: float = 0.0  # when its CPU time was last sampled (unicron.detect.busy)
-    tid: int | None = None  # the thread that computes its steps (its CPU time is sampled)
-
-    def to(self, new: WorkerState) -> None:
-        """Move to ``new``; :class:`IllegalTransition` if the diagram has no such move."""
-        if new is not self.state and new not in _WORKER_NEXT[self.state]:
-            raise IllegalTransition(f"worker in slot {self.slot}: {self.state.name} -> {new.name}")
-        self.state = new
-
-    @property
-    def alive(self) -> bool:
-        """Its process runs (or is being started)."""
-        return self.state in _LIVE
-
-    def sample_at(self) -> float | None:
-        """When the CPU time of the thread computing its step is sampled next (None: it
-        computes no step): :data:`CPU_SAMPLE_AFTER_S` into the step, then every
-        :data:`CPU_SAMPLE_EVERY_S` (:mod:`unicron.detect.busy`)."""
-        if (
-            not self.alive
-            or self.pid is None
-            or self.tid is None  # sent with the step's begin, with computing_since
-            or self.computing_since is None
-        ):
-            return None
-        return max(self.computing_since + CPU_SAMPLE_AFTER_S, self.cpu_read_at + CPU_SAMPLE_EVERY_S)
-
-    # -- the moves, by what happened ----------------------------------------------------------
-    def spawned(self) -> None:
-        """A new incarnation is started."""
-        self.to(_W.STARTING)
-
-    def readied(self) -> None:
-        """It reported ready (built its model; it waits for an epoch)."""
-        if self.state is _W.STARTING:
-            self.to(_W.READY)
-
-    def entered(self) -> None:
-        """It entered an epoch."""
-        if self.state is _W.READY:
-            self.to(_W.MEMBER)
-
-    def done(self) -> None:
-        """It reported the task's last step."""
-        if self.state in (_W.READY, _W.MEMBER):
-            self.to(_W.DONE)
-
-    def leave(self) -> None:
-        """It is killed because its slot goes to another task."""
-        if self.state in (_W.STARTING, _W.READY, _W.MEMBER):
-            self.to(_W.LEAVING)
-
-    def exited(self) -> None:
-        """Its process is gone (exited, cut off, or vanished with its node)."""
-        if self.alive:
-            self.to(_W.GONE)
 
 
 SECRETS = frozenset(("UNICRON_TOKEN",))
@@ -301,7 +170,7 @@ class Agent:
         self.store_address = store_address
         self.reply = Reply()  # the coordinator's last answer
         self._reports: list[M.Report] = []  # this round's, in order
-        self.workers = {s: _Worker(s) for s in config.slots}
+        self.workers = {s: Worker(s) for s in config.slots}
         self.fired: set[str] = set()
         self._step_ends: deque[tuple[int, int]] = deque(maxlen=64)  # (epoch, step) sent on
         self.errors: list[FatalError] = []  # every error that ended a worker, in order
@@ -412,7 +281,7 @@ class Agent:
         an earlier incarnation still running is killed (its pid, if the zygote has not told
         it yet, is killed when it does), and a slot waiting for the zygote is launched once."""
         if slot not in self.workers:  # a slot the task was given while it ran
-            self.workers[slot] = _Worker(slot)
+            self.workers[slot] = Worker(slot)
             self.config.slots.append(slot)
         w = self.workers[slot]
         if w.pid is not None and w.alive:
@@ -695,7 +564,7 @@ class Agent:
             if sender is not None:
                 self._from_worker(sender, msg)
 
-    def _set_pid(self, w: _Worker, pid: int) -> None:
+    def _set_pid(self, w: Worker, pid: int) -> None:
         w.pid = pid
         if w.kill_pending:
             _kill(pid)

@@ -266,7 +266,7 @@ class NodeAgent:
         """Let workers that finished the task exit by themselves (they may still be writing
         their files; at most :attr:`drain_s`), then stop its supervisor and any worker left
         (those of a failed or cancelled task at once: they would train on)."""
-        from unicron.control.agent import WorkerState
+        from unicron.control.workerstate import WorkerState
 
         r = self.tasks.pop(uid)
         deadline = time.time() + (0.0 if self.interrupted else self.drain_s)
