@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import unicron.runtime.transfer as transfer_module
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
+from unicron.runtime import stateorder
 from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 from unicron.runtime.transfer import (
     Spec,
@@ -498,7 +499,7 @@ def test_laying_the_state_out_in_stream_order_changes_no_value_and_no_step() -> 
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 3
     moments: list[torch.Tensor] = []
     transfer_module._tensors(opt.state_dict(), moments)
-    assert transfer_module._in_order(moments)  # in stream order
+    assert stateorder._in_order(moments)  # in stream order
     before = [p.data_ptr() for p in params]
     assert transfer_module.lay_out_parameters(model)  # already laid out: nothing moves
     assert [p.data_ptr() for p in params] == before

@@ -49,12 +49,56 @@ import json
 import logging
 import operator
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+
+from unicron.runtime.stateorder import (
+    _check_model,
+    _numel,
+    _optim_targets,
+    _param_states,
+    fresh,
+    lay_out_optimizer_state,
+    lay_out_parameters,
+)
+from unicron.runtime.statetree import (
+    _DTYPE_NAME,
+    Spec,
+    _fill,
+    _skeleton,
+    _tensors,
+    _unskeleton,
+    decode,
+    encode,
+    state_nbytes,
+    state_tensors,
+)
+
+__all__ = [  # what the worker, the benchmark and the tests take from here
+    "Inventory",
+    "Link",
+    "Spec",
+    "Stats",
+    "Wire",
+    "decode",
+    "encode",
+    "fresh",
+    "inventory",
+    "lay_out_optimizer_state",
+    "lay_out_parameters",
+    "layout",
+    "model_tensors",
+    "rehearse",
+    "share",
+    "state_nbytes",
+    "state_tensors",
+    "transfer",
+    "warm_up",
+]
 
 log = logging.getLogger("unicron.runtime.transfer")
 
@@ -94,169 +138,6 @@ class Stats:
     nbytes: int
     chunks: int
     packed: int  # chunks that spanned several tensors (copied through a staging buffer)
-
-
-@dataclass(frozen=True, slots=True)
-class Spec:
-    """Where the manifest has a tensor: its shape and dtype (its bytes come in the stream)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-# -- the state as a list of tensors --------------------------------------------------------
-# One pass over a state dict, dispatched on the exact type (a transfer walks a few hundred
-# tensors; isinstance chains and a dataclass per tensor cost more than moving 5 MB does).
-def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
-    """Append the tensors in ``obj`` to ``out`` in stream order: dicts with integer keys (the
-    optimizer's state) or with string keys in sorted order, lists and tuples in order."""
-    kind = type(obj)
-    if kind is dict or isinstance(obj, dict):
-        keys = _ordered(obj)
-        for k in keys:
-            v = obj[k]
-            if type(v) is torch.Tensor:
-                out.append(v)
-            else:
-                _tensors(v, out)
-    elif kind is list or kind is tuple:
-        for v in obj:
-            _tensors(v, out)
-    elif isinstance(obj, torch.Tensor):
-        out.append(obj)
-
-
-def _ordered(d: dict[Any, Any]) -> list[Any]:
-    """``d``'s keys in stream order: sorted if all are strings or all integers, else as
-    they come."""
-    return _keys(d)[0]
-
-
-def _keys(d: dict[Any, Any]) -> tuple[list[Any], bool]:
-    """(:func:`_ordered`'s keys, whether all are strings: an empty dict's are)."""
-    keys = list(d)
-    kind = type(keys[0]) if keys else str
-    same = all(type(k) is kind for k in keys)
-    if same and (kind is str or kind is int):
-        keys.sort()
-    return keys, same and kind is str
-
-
-def _skeleton(obj: Any, out: list[torch.Tensor]) -> Any:
-    """``obj`` as JSON-ready data (:func:`encode`'s format) with each tensor replaced by its
-    spec; the tensors go to ``out`` in the order of :func:`_tensors`."""
-    kind = type(obj)
-    if kind is torch.Tensor or isinstance(obj, torch.Tensor):
-        out.append(obj)
-        return ["T", list(obj.shape), _DTYPE_NAME[obj.dtype]]
-    if kind is dict or isinstance(obj, dict):
-        keys, named = _keys(obj)
-        if named:
-            return {k: _item(obj[k], out) for k in keys}
-        plain: list[Any] = ["D"]
-        for k in keys:
-            plain.append(_item(k, out))
-            plain.append(_item(obj[k], out))
-        return plain
-    if kind is list:
-        return ["L", *(_item(v, out) for v in obj)]
-    if kind is tuple:
-        return ["U", *(_item(v, out) for v in obj)]
-    if kind is Spec:
-        return ["T", list(obj.shape), _DTYPE_NAME[obj.dtype]]
-    if obj is None or kind is bool or kind is int or kind is float or kind is str:
-        return obj
-    if isinstance(obj, bool | int | float | str):  # e.g. an enum's value: sent as its base
-        return obj
-    raise TypeError(f"the state dict holds a {kind.__name__}, which the transfer cannot send")
-
-
-_PLAIN = frozenset({type(None), bool, int, float, str})
-
-
-def _item(obj: Any, out: list[torch.Tensor]) -> Any:
-    """:func:`_skeleton` of a container's item, its commonest kinds without a call (an
-    optimizer's state dict is a few hundred of them: 0.28 -> 0.1 ms at 160 tensors)."""
-    kind = type(obj)
-    if kind is torch.Tensor:
-        out.append(obj)
-        return ["T", list(obj.shape), _DTYPE_NAME[obj.dtype]]
-    if kind in _PLAIN:
-        return obj
-    return _skeleton(obj, out)
-
-
-def _unskeleton(obj: Any, specs: list[Spec]) -> Any:
-    """Inverse of :func:`_skeleton`: the data with a :class:`Spec` wherever a tensor stood;
-    the specs also go to ``specs`` in stream order."""
-    kind = type(obj)
-    if kind is dict:
-        return {k: _unskeleton(v, specs) for k, v in obj.items()}
-    if kind is not list:
-        return obj
-    tag = obj[0]
-    if tag == "T":
-        spec = Spec(tuple(obj[1]), _DTYPES[obj[2]])
-        specs.append(spec)
-        return spec
-    if tag == "L":
-        return [_unskeleton(v, specs) for v in obj[1:]]
-    if tag == "U":
-        return tuple(_unskeleton(v, specs) for v in obj[1:])
-    assert tag == "D", tag
-    it = iter(obj[1:])
-    return {_unskeleton(k, specs): _unskeleton(v, specs) for k, v in zip(it, it, strict=True)}
-
-
-def _fill(skeleton: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    """Put the next tensor wherever a :class:`Spec` stands in ``skeleton``."""
-    kind = type(skeleton)
-    if kind is Spec:
-        return next(tensors)
-    if kind is dict:
-        return {k: _fill(v, tensors) for k, v in skeleton.items()}
-    if kind is list:
-        return [_fill(v, tensors) for v in skeleton]
-    if kind is tuple:
-        return tuple(_fill(v, tensors) for v in skeleton)
-    return skeleton
-
-
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
-_DTYPE_NAME = {d: name for name, d in _DTYPES.items()}
-
-
-def state_tensors(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[Any, list[torch.Tensor]]:
-    """(the state dicts ``{"model": ..., "optim": ...}`` with a :class:`Spec` for each
-    tensor, the state's tensors in stream order), without copying a tensor."""
-    tensors: list[torch.Tensor] = []
-    plain = _skeleton({"model": model.state_dict(), "optim": optimizer.state_dict()}, tensors)
-    return _unskeleton(plain, []), tensors
-
-
-def state_nbytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the state the transfer moves (parameters, buffers, optimizer state)."""
-    return sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer)[1])
-
-
-# -- the manifest as JSON -------------------------------------------------------------------
-def encode(skeleton: Any) -> bytes:
-    """A state dict (with tensors or their :class:`Spec` in their place) as JSON. A dict
-    with string keys stays an object; every array is tagged by its first element: ``T`` a
-    tensor's spec (shape, dtype), ``L`` a list, ``U`` a tuple, ``D`` a dict with other keys
-    (key, value, key, value...). Floats keep every bit (``repr`` round-trips; NaN and
-    infinities included). Raises ``TypeError`` naming any other kind of value (a state dict
-    holds numbers, strings, None and containers)."""
-    return json.dumps(_skeleton(skeleton, []), separators=(",", ":")).encode()
-
-
-def decode(data: bytes) -> Any:
-    """Inverse of :func:`encode` (a :class:`Spec` wherever a tensor stood)."""
-    return _unskeleton(json.loads(data), [])
 
 
 # -- the byte stream and its chunks ---------------------------------------------------------
@@ -568,177 +449,6 @@ class _Incoming:
             self.link.broadcast(rest, self.src)
             data += rest.cpu().numpy().tobytes()
         return json.loads(data)
-
-
-def fresh(specs: list[Spec], device: torch.device) -> list[torch.Tensor]:
-    """Empty tensors for ``specs`` that follow each other in one buffer (each at the next
-    offset its dtype allows), so that the stream lands in them in place (:meth:`_Stream.view`)
-    and not through a staging buffer. Scalars (the optimizer's step counts) live on the CPU,
-    as the optimizer keeps them; they share the buffer when ``device`` is the CPU."""
-    cpu = torch.device("cpu")
-    return _together(specs, [cpu if not s.shape else device for s in specs])
-
-
-def _together(specs: list[Spec], where: list[torch.device]) -> list[torch.Tensor]:
-    """Empty tensors for ``specs`` on the devices ``where``: those of one device follow each
-    other in one buffer, in order, each at the next offset its dtype allows."""
-    offsets: list[int] = []
-    ends: dict[torch.device, int] = {}
-    for s, d in zip(specs, where, strict=True):
-        size = s.dtype.itemsize
-        at = -(-ends.get(d, 0) // size) * size
-        offsets.append(at)
-        ends[d] = at + _numel(s.shape) * size
-    bufs = {d: torch.empty(n, dtype=torch.uint8, device=d) for d, n in ends.items()}
-    typed: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-    strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # a state has few distinct shapes
-    out = []
-    for s, d, at in zip(specs, where, offsets, strict=True):
-        whole = typed.get((d, s.dtype))
-        if whole is None:  # the buffer seen as this dtype, once (offsets are aligned to it)
-            n = bufs[d].numel() // s.dtype.itemsize * s.dtype.itemsize
-            whole = typed[d, s.dtype] = bufs[d][:n].view(s.dtype)
-        st = strides.get(s.shape)
-        if st is None:
-            st = strides[s.shape] = _strides(s.shape)
-        out.append(whole.as_strided(s.shape, st, at // s.dtype.itemsize))
-    return out
-
-
-# -- the state laid out in stream order ------------------------------------------------------
-# A holder sends a chunk from the tensors' own memory, and a needer receives it there, when
-# the chunk's tensors follow each other in one storage; tensors allocated one by one (a
-# model's parameters, AdamW's moments) are packed through staging buffers instead, a copy
-# on each side. The worker therefore lays its state out once, in stream order.
-def lay_out_parameters(model: torch.nn.Module) -> bool:
-    """Move the model's parameters into one buffer per device, in stream order (their
-    ``.data``; the parameter objects, their gradients and hooks stay). Called by the worker
-    when it starts. Leaves them where they are, and returns False, if one is not a plain
-    contiguous tensor or shares memory with another tensor of the model (a view, a weight
-    aliased by a buffer): moving it would undo that sharing."""
-    keyed: list[torch.Tensor] = []
-    _tensors(model.state_dict(keep_vars=True), keyed)
-    params = {id(p) for p in model.parameters()}
-    order = list({id(t): t for t in keyed if id(t) in params}.values())  # tied: listed once
-    if not order or not all(_movable(p) for p in order):
-        return False
-    mine = [p.untyped_storage().data_ptr() for p in order]
-    theirs = {
-        t.untyped_storage().data_ptr()
-        for t in keyed
-        if id(t) not in params and t.layout == torch.strided and t.device.type != "meta"
-    }
-    if len(set(mine)) != len(mine) or theirs & set(mine):  # shared memory, or laid out
-        return _in_order(order)
-    moved = _relocated(order)
-    for p, t in zip(order, moved, strict=True):
-        p.data = t
-    return True
-
-
-def lay_out_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Move the optimizer's state tensors into one buffer per device, in stream order (the
-    order of :func:`_tensors` over its state dict: parameters in their groups' order, each
-    one's keys sorted). Called by the worker after a step, until it returns True: False
-    while the optimizer has no state yet; True once laid out, or if the state is not one
-    this function knows (a key that is not a string, a tensor shared or not contiguous)."""
-    if not optimizer.state:
-        return False
-    entries: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    for state in _param_states(optimizer):
-        if not all(type(k) is str for k in state):
-            return True
-        entries += [(state, k, state[k]) for k in sorted(state) if type(state[k]) is torch.Tensor]
-    tensors = [t for _, _, t in entries]
-    if not tensors or _in_order(tensors) or not all(_movable(t) for t in tensors):
-        return True
-    if len({t.untyped_storage().data_ptr() for t in tensors}) != len(tensors):
-        return True
-    for (state, k, _), t in zip(entries, _relocated(tensors), strict=True):
-        state[k] = t
-    return True
-
-
-def _param_states(optimizer: torch.optim.Optimizer) -> Iterator[dict[Any, Any]]:
-    """The optimizer's non-empty per-parameter states, in its state dict's order (parameters
-    in their groups' order)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if state:
-                yield state
-
-
-def _movable(t: torch.Tensor) -> bool:
-    """A plain dense tensor in memory of its own kind (not a subclass such as a DTensor)."""
-    return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.layout == torch.strided
-        and t.device.type != "meta"
-        and t.is_contiguous()
-    )
-
-
-def _in_order(tensors: list[torch.Tensor]) -> bool:
-    """Each device's tensors lie in one storage, each at or after the end of the one before."""
-    last: dict[torch.device, tuple[int, int]] = {}
-    for t in tensors:
-        base, at = t.untyped_storage().data_ptr(), t.data_ptr()
-        prev = last.get(t.device)
-        if prev is not None and (prev[0] != base or at < prev[1]):
-            return False
-        last[t.device] = (base, at + t.numel() * t.element_size())
-    return True
-
-
-def _relocated(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors``, on their devices, laid out by :func:`_together`."""
-    out = _together([Spec(tuple(t.shape), t.dtype) for t in tensors], [t.device for t in tensors])
-    with torch.no_grad():
-        for new, old in zip(out, tensors, strict=True):
-            new.copy_(old)
-    return out
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A contiguous tensor's strides."""
-    strides = [1] * len(shape)
-    for j in range(len(shape) - 2, -1, -1):
-        strides[j] = strides[j + 1] * max(shape[j + 1], 1)
-    return tuple(strides)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _check_model(mine: list[torch.Tensor], wanted: list[list[Any]]) -> None:
-    """A needer's model tensors against the holder's specs (``["T", shape, dtype]``)."""
-    if len(mine) != len(wanted):
-        raise RuntimeError(
-            f"this worker's model has {len(mine)} tensors, the holder's {len(wanted)}"
-        )
-    for i, (own, (_, shape, dtype)) in enumerate(zip(mine, wanted, strict=True)):
-        if list(own.shape) != shape or _DTYPE_NAME[own.dtype] != dtype:
-            raise RuntimeError(
-                f"this worker's model differs from the holder's (tensor {i}: "
-                f"{tuple(own.shape)} {own.dtype}, holder {tuple(shape)} {dtype})"
-            )
-
-
-def _optim_targets(
-    specs: list[Spec], own: list[torch.Tensor], device: torch.device
-) -> list[torch.Tensor]:
-    """A needer's destinations for the optimizer's tensors: its own if every shape agrees
-    (written in place), else fresh ones in one buffer (:func:`fresh`)."""
-    if len(own) == len(specs) and all(
-        tuple(t.shape) == s.shape and t.dtype == s.dtype for t, s in zip(own, specs, strict=True)
-    ):
-        return own
-    return fresh(specs, device)
 
 
 # -- what a member has, taken before the transfer ---------------------------------------------
