@@ -44,7 +44,14 @@ from typing import Literal
 
 import numpy as np
 
-from unicron.planner import GPUSpec, ModelSpec, TaskState, best_config, solve, throughput_table
+from unicron.planner import (
+    GPUSpec,
+    ModelSpec,
+    TaskState,
+    layout_table,
+    solve,
+    throughput_table,
+)
 
 TRANSITION_S = 2.0
 """what a change of a task's worker count costs it before any transition of the cluster was
@@ -136,25 +143,24 @@ def _priced(t: TaskView, units: int, hardware: Hardware | None) -> np.ndarray | 
     return np.zeros(units + 1) if per_slot <= 0 else np.asarray(table) / per_slot
 
 
-def layout_of(t: TaskView, workers: int, within: int, hardware: Hardware | None) -> str:
+def layout_of(t: TaskView, workers: int, within: int, units: int, hardware: Hardware | None) -> str:
     """What the performance model says of ``t`` on ``workers`` slots, for the plan's reason:
     its layout (``on 6: tp2 pp1 dp3 ...``), that none fits on any count up to ``within``
     (the slots it could have had), or ``""`` (a task without a model, or waiting for other
-    reasons)."""
-    if t.model is None or hardware is None or t.global_batch < 1:
+    reasons). Read from the search that priced it on ``units`` slots (:func:`_priced`)."""
+    if t.model is None or hardware is None or t.global_batch < 1 or units < 1:
         return ""
     gpu, gpn = hardware.gpu, hardware.gpus_per_node
+    configs = layout_table(t.model, t.global_batch, units, gpu, gpn)
     if workers < 1:
         most = min(t.max_workers, within)
-        if most < 1:
-            return ""
-        if throughput_table(t.model, t.global_batch, most, gpu, gpn).any():
+        if most < 1 or any(c is not None for c in configs[1 : most + 1]):
             return ""
         return (
             f"no layout of {t.model.name} at global batch {t.global_batch} fits on up to "
             f"{most} slot(s) of {gpu.name} ({gpn} per node)"
         )
-    cfg = best_config(t.model, t.global_batch, workers, gpu, gpn)
+    cfg = configs[workers]
     return f"on {workers}: " + ("no layout fits" if cfg is None else cfg.describe())
 
 
@@ -193,7 +199,7 @@ def decide(
     else:
         target, reasons = _planned(tasks, full, held, reserved, spare, units, d_run_s)
     for t in tasks:
-        said = layout_of(t, target[t.name], spare + reserved[t.name], hardware)
+        said = layout_of(t, target[t.name], spare + reserved[t.name], units, hardware)
         if said.startswith("no layout"):
             reasons[t.name] = f"waits: {said}"
         elif said:

@@ -709,6 +709,26 @@ def _table_search(
 
 
 @functools.lru_cache(maxsize=1024)
+def _configs(
+    model: ModelSpec,
+    global_batch: int,
+    max_gpus: int,
+    gpu: GPUSpec,
+    gpus_per_node: int,
+    unit: int,
+    options: PerfOptions,
+) -> tuple[ParallelConfig | None, ...]:
+    """The pick on ``u * unit`` GPUs for ``u = 0 .. max_gpus // unit`` (None where nothing
+    fits), from one search: what :func:`throughput_table` and :func:`layout_table` read."""
+    found = _table_search(model, global_batch, max_gpus, gpu, gpus_per_node, options)
+    configs = (
+        _config(model, global_batch, u * unit, found, gpu, options)
+        for u in range(1, max_gpus // unit + 1)
+    )
+    return (None, *configs)
+
+
+@functools.lru_cache(maxsize=1024)
 def _table(
     model: ModelSpec,
     global_batch: int,
@@ -718,12 +738,8 @@ def _table(
     unit: int,
     options: PerfOptions,
 ) -> np.ndarray:
-    found = _table_search(model, global_batch, max_gpus, gpu, gpus_per_node, options)
-    out = np.zeros(max_gpus // unit + 1, dtype=np.float64)
-    for u in range(1, len(out)):
-        cfg = _config(model, global_batch, u * unit, found, gpu, options)
-        if cfg is not None:
-            out[u] = cfg.achieved_flops
+    configs = _configs(model, global_batch, max_gpus, gpu, gpus_per_node, unit, options)
+    out = np.array([0.0 if c is None else c.achieved_flops for c in configs], dtype=np.float64)
     out.setflags(write=False)
     return out
 
@@ -749,7 +765,6 @@ def throughput_table(
     return _table(model, global_batch, max_gpus, gpu, gpus_per_node, unit, options)
 
 
-@functools.lru_cache(maxsize=256)
 def layout_table(
     model: ModelSpec,
     global_batch: int,
@@ -764,12 +779,7 @@ def layout_table(
     Memoised; the simulator asks which layout a task runs on each node count."""
     _check_args(global_batch, max_gpus, gpus_per_node)
     _require_positive_int("unit", unit)
-    found = _table_search(model, global_batch, max_gpus, gpu, gpus_per_node, options)
-    configs = (
-        _config(model, global_batch, u * unit, found, gpu, options)
-        for u in range(1, max_gpus // unit + 1)
-    )
-    return (None, *configs)
+    return _configs(model, global_batch, max_gpus, gpu, gpus_per_node, unit, options)
 
 
 def evaluate(

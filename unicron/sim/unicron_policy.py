@@ -134,7 +134,7 @@ class Unicron(Policy):
         return task.perf.state_bytes / (self.host_copy_bw_per_gpu * self._gpus(sim, task))
 
     def _storage_s(self, task: TaskRun) -> float:
-        return task.perf.state_bytes / (self.storage_bw_per_node * max(len(task.nodes), 1))
+        return self._load_s(task, len(task.nodes), self.storage_bw_per_node)
 
     def checkpoint_interval_s(self, sim: Simulation, task: TaskRun) -> float:
         """The runtime's automatic interval for a task that does not heal from peers: Young/
