@@ -64,6 +64,7 @@ UNITS = {
     "step_time_p99_s": "s",
     "recovery_over_floor": "x",
     "step_time_vs_ddp": "x",
+    "step_time_vs_plain": "x",
 }
 
 Row = dict[str, Any]

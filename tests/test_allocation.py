@@ -187,3 +187,21 @@ def test_a_measured_transition_is_what_the_planner_weighs() -> None:
     assert moves(decide([short], {0: 4}, 3600.0)) == {"a": (2, 4)}
     assert moves(decide([long_], {0: 4}, 3600.0)) == {"a": (2, 2)}
     assert "0.2 s transition" in decide([short], {0: 4}, 3600.0).reasons["a"]
+
+
+def test_a_tensor_parallel_task_moves_in_whole_replicas_on_one_node() -> None:
+    # nodes of 3 slots: a replica of 2 fits once per node, the third slot of each stays free
+    a = TaskView(name="a", weight=1, min_workers=2, max_workers=6, ranks={}, running=False,
+                 microbatches=8, tp=2)  # fmt: skip
+    d = decide([a], {0: 3, 1: 3}, DAY)
+    (m,) = d.moves
+    assert (m.after, m.add_on) == (4, (0, 0, 1, 1))
+    # a heavier task arrives: the running one gives back a whole replica (its ranks on one
+    # node), never one rank of each
+    held = {0: 0, 1: 0, 2: 1, 3: 1}
+    running = TaskView(name="a", weight=1, min_workers=2, max_workers=6, ranks=held,
+                       running=True, microbatches=8, tp=2)  # fmt: skip
+    b = view("b", 5, 1, 4, {}, running=False)
+    d = decide([running, b], {0: 3, 1: 3}, DAY)
+    release = next(m for m in d.moves if m.task == "a").release
+    assert sorted(release) in ([0, 1], [2, 3]), release

@@ -270,7 +270,16 @@ def test_the_summary_is_written_even_when_the_suite_is_interrupted(
     assert not (tmp_path / "runs.json").exists()  # not a whole run
 
 
-BENCH_COMMANDS = ("scale", "reduce", "llama", "transfer", "checkpoint", "simulator", "planner")
+BENCH_COMMANDS = (
+    "scale",
+    "reduce",
+    "llama",
+    "tp",
+    "transfer",
+    "checkpoint",
+    "simulator",
+    "planner",
+)
 
 
 @pytest.mark.parametrize("name", BENCH_COMMANDS)

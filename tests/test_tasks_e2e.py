@@ -67,7 +67,7 @@ def steps(cluster: LocalCluster, name: str) -> list[int]:
 def test_every_example_task_file_trains(cluster: LocalCluster, tmp_path: Path) -> None:
     files = {p.name for p in TASKS.glob("*.yaml")}
     assert files == {"gpt.yaml", "llama.yaml", "planner.yaml", "gpt-checkpoint.yaml",
-                     "gpt-resume.yaml"}, files  # fmt: skip
+                     "gpt-resume.yaml", "llama-tp.yaml"}, files  # fmt: skip
     for name in ("gpt.yaml", "llama.yaml", "planner.yaml"):
         proc = cli(cluster, "submit", str(TASKS / name))
         assert proc.returncode == 0 and proc.stdout.startswith("submitted "), proc.stderr
@@ -114,3 +114,25 @@ def test_report_of_a_cluster_task_is_run_s_timeline(cluster: LocalCluster, tmp_p
     )
     for inc in (got, ran.__dict__):
         assert None not in (inc["detection_s"], inc["transition_s"], inc["recovery_s"]), inc
+
+
+def test_a_tensor_parallel_task_heals_in_the_cluster_to_run_s_bits(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """``examples/tasks/llama-tp.yaml`` (TP=2 replicas) submitted with a rank lost mid-run
+    ends with the bits of a fault-free ``unicron run --tp 2`` of the same script: the
+    replicas on two nodes of the cluster, on one node there."""
+    spec = load(TASKS / "llama-tp.yaml").model_dump()
+    spec["inject"] = ["crash:rank=0,step=5"]
+    cluster.submit(spec)
+    script = ROOT / "examples" / "train_llama_tp.py"
+    run = run_unicron(tmp_path, "--nproc-per-node", "4", "--tp", "2", script=script,
+                      script_args=("--steps", "12"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    view = cluster.wait_task("llama-tp", timeout_s=180)
+    assert view["state"] == "done", view
+    assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
+    epochs = [
+        tuple(e["members"]) for e in cluster.events("llama-tp") if e["event"] == "epoch_begin"
+    ]
+    assert all(len(m) % 2 == 0 for m in epochs) and len(epochs) >= 3, epochs

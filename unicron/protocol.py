@@ -43,6 +43,8 @@ ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 
 ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the auto interval
 ENV_CHECKPOINT_KEEP = "UNICRON_CHECKPOINT_KEEP"  # checkpoints kept; 0: all
 ENV_RESUME = "UNICRON_RESUME"  # "1": the task goes on from the newest checkpoint
+ENV_TP = "UNICRON_TP"  # tensor-parallel degree: ranks per replica (1: a replica is one rank)
+ENV_TP_RANK = "UNICRON_TP_RANK"  # the slot's place in its replica (0 .. tp-1), per slot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +64,9 @@ class WorkerSettings:
     checkpoint_mtbf_s: float = 3 * 3600.0
     checkpoint_keep: int = 3
     resume: bool = False
+    tp: int = 1
+    """ranks per replica, tensor parallel on one node (docs/runtime.md, Model-parallel
+    replicas)"""
 
     def env(self) -> dict[str, str]:
         """The variables a worker of these settings starts with."""
@@ -98,6 +103,7 @@ WORKER_ENV = {
     "checkpoint_mtbf_s": ENV_CHECKPOINT_MTBF,
     "checkpoint_keep": ENV_CHECKPOINT_KEEP,
     "resume": ENV_RESUME,
+    "tp": ENV_TP,
 }
 """each :class:`WorkerSettings` field's environment variable"""
 
@@ -154,6 +160,19 @@ class StepBegin:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Waiting:
+    """Inside ``step``, the worker waits (``waiting``) or no longer waits on the other ranks of
+    its replica (a sum of a tensor-parallel replica that has taken more than
+    :data:`unicron.runtime.group.WAIT_REPORT_S`): it computes nothing meanwhile, so the hang
+    detector looks at the ranks it waits for, not at it."""
+
+    step: int
+    epoch: int
+    ts: float
+    waiting: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepDone:
     """The worker computed ``step`` (``microbatches`` of it, in ``compute_s``) at ``ts``; the
     reduce and the commit vote follow. ``cpu_s``: the computing thread's CPU time then;
@@ -195,6 +214,8 @@ class Done:
     params_sha256: str
     rank: int
     epoch: int
+    shard: int = 0
+    """the worker's place in its replica (tensor parallel): replicas agree shard by shard"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +267,7 @@ LocalMessage = (
     | Event
     | StepBegin
     | StepDone
+    | Waiting
     | Error
     | Done
     | NodeFault
@@ -262,6 +284,7 @@ KINDS: dict[str, type[LocalMessage]] = {
     "event": Event,
     "step_begin": StepBegin,
     "step_done": StepDone,
+    "waiting": Waiting,
     "error": Error,
     "done": Done,
     "node_fault": NodeFault,

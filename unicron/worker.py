@@ -42,6 +42,7 @@ import torch.distributed as dist
 from unicron import protocol as P
 from unicron.detect.busy import read_queued_s
 from unicron.errors import UsageError
+from unicron.parallel import TensorParallel, tensor_parallel
 from unicron.protocol import (
     EpochInfo,
     done_key,
@@ -143,6 +144,8 @@ class Step:
 
     def __iter__(self) -> Iterator[Any]:
         for mb in self.microbatches:
+            if self._r.par.broken is not None:
+                return  # the replica broke: the commit says False, the step comes again
             if mb in self._r.done:
                 continue
             yield self.batch(mb)
@@ -341,6 +344,10 @@ class _Runner:
     _attempt: Step | None = None  # the step handed out and not yet committed
     _crash_at: int = -1
     _laid_out: bool = False  # the optimizer's state is in stream order (lay_out_optimizer_state)
+    # -- the replica (tensor parallel: ctx.tp ranks; docs/runtime.md, Model-parallel replicas)
+    par: TensorParallel = field(default_factory=tensor_parallel)
+    _dp: EpochGroup | None = None  # this epoch's members at this place, one per replica
+    _ckpt_at: int = -1  # tp > 1: the step the replicas' shards are checkpointed at next
 
     def __post_init__(self) -> None:
         self.grads = Reducer(
@@ -366,13 +373,15 @@ class _Runner:
         # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self.store.check([trained_key(self.ctx.task)])
         self.has_state = self.has_state and not self.ctx.resume
+        if self.par.size != self.ctx.tp:
+            raise RuntimeError(f"tensor parallel {self.par.size} in a task of tp {self.ctx.tp}")
         if self.ctx.checkpoint is not None:
             every, keep = self.ctx.checkpoint_every, self.ctx.checkpoint_keep
             settings = C.IntervalSettings(
                 every_steps=every, mtbf_s=self.ctx.checkpoint_mtbf_s, keep=keep
             )
             self.ckpt = C.Checkpointer(
-                root=self.ctx.checkpoint,
+                root=C.shard_root(self.ctx.checkpoint, self.par.rank, self.ctx.tp),
                 settings=settings,
                 reduce=self.ctx.reduce,
                 ledger=self._ledger_desc(),
@@ -428,8 +437,9 @@ class _Runner:
                     if self._newer_epoch(g):
                         self._leave(EpochOver("new epoch at the step boundary"), epoch)
                         break
-                    todo = L.assign(range(self.M), g.world)[g.rank]
-                    self._held = [set(share) for share in L.assign(range(self.M), g.world)]
+                    shares = L.assign(range(self.M), self._replicas(g))
+                    todo = shares[g.rank // self.ctx.tp]
+                    self._held = [set(share) for share in shares]
                 first = False
                 attempt = self._begin(g, todo)
                 yield attempt
@@ -475,8 +485,9 @@ class _Runner:
             self.ckpt.join()
         group = self.groups[-1]
         sha = params_sha256(self.model)
-        if group.rank == 0 and self.out is not None:
-            save_atomic(self.model.state_dict(), self.out / "final.pt")
+        if group.rank < self.ctx.tp and self.out is not None:  # replica 0: a file per shard
+            name = "final.pt" if self.ctx.tp == 1 else f"final.tp{self.par.rank}.pt"
+            save_atomic(self.model.state_dict(), self.out / name)
         self.link.send(
             P.Done(
                 steps=self.step,
@@ -485,6 +496,7 @@ class _Runner:
                 params_sha256=sha,
                 rank=group.rank,
                 epoch=epoch,
+                shard=self.par.rank,
             )
         )
         self.result = TrainResult(
@@ -525,12 +537,13 @@ class _Runner:
         self.groups.append(g)
         ABANDONED.append(g)  # an old gloo group with a pending operation blocks its destructor
         g.rendezvous()
+        self._replica_groups(g)
         if info.urgent and self.ckpt is not None:
             self.ckpt.note_failure()  # the observed failure rate sets the checkpoint interval
         reused, source = self._sync(g)
         if reused and self.ctx.on_lost == "drop":
             self._missing = []  # the control: the interrupted step's global batch shrinks
-        shares = L.assign(self._missing, g.world)
+        shares = L.assign(self._missing, self._replicas(g))
         self._held = [held | set(share) for held, share in zip(self._held, shares, strict=True)]
         if rank == 0:
             self._event(
@@ -544,7 +557,35 @@ class _Runner:
                 microbatches_recomputed=len(self._missing) if reused else 0,
                 members=list(info.members),
             )
-        return g, shares[rank]
+        return g, shares[rank // self.ctx.tp]
+
+    def _replicas(self, g: EpochGroup) -> int:
+        """How many replicas epoch ``g`` has (its members are whole replicas, in order)."""
+        return g.world // self.ctx.tp
+
+    def _replica_groups(self, g: EpochGroup) -> None:
+        """This member's groups in epoch ``g``: with ``tp`` > 1 members ``q*tp .. q*tp+tp-1``
+        are replica q, this member its place ``rank % tp``; the members at that place, one per
+        replica, reduce gradients and pass state (:attr:`_dp`), the replica's ranks sum
+        partial outputs (:class:`~unicron.parallel.TensorParallel`, bound to the epoch)."""
+        tp = self.ctx.tp
+        if tp == 1:
+            self._dp = g
+            return
+        if g.world % tp or g.rank % tp != self.par.rank:
+            raise RuntimeError(
+                f"epoch {g.info.epoch}: slot {self.ctx.slot} (place {self.par.rank} of a "
+                f"replica of {tp}) at rank {g.rank} of {g.world}: not whole replicas in order"
+            )
+        first = g.rank - self.par.rank
+        self._dp = g.subgroup(list(range(self.par.rank, g.world, tp)), "dp")
+        replica = g.subgroup(list(range(first, first + tp)), "tp")
+        # a long wait in the replica's sum is its other ranks' doing: say so, so that the
+        # hang detector looks at them (a hung rank's partners wait; they do not hang)
+        replica.on_wait = lambda waiting: self.link.send(
+            P.Waiting(step=self.step, epoch=g.info.epoch, ts=time.time(), waiting=waiting)
+        )
+        self.par.bind_epoch(replica.allreduce, EpochOver)
 
     # -- transition: ledger exchange and nearest-source state ---------------------------------
     def _sync(self, g: EpochGroup) -> tuple[int, str]:
@@ -574,45 +615,72 @@ class _Runner:
             have.append(inventory(tensors, self.optimizer, manifest=self.has_state))
 
         rows = [r.tolist() for r in g.allgather(mine, meanwhile=take)]
+        tp, place = self.ctx.tp, self.par.rank
+        n = len(rows) // tp  # replicas; member q*tp + c is place c of replica q
         target = max(r[0] for r in rows)
-        if target < 0:  # every replica is gone: the last resort, the persistent checkpoint
+        # per place, the replicas at the newest step with the first such one's parameters
+        # hold that place's state; the others (joiners, replicas that differ, e.g. models
+        # built with other seeds) receive it, as DDP's first broadcast would
+        refs: list[list[int] | None] = []
+        holders: list[list[int]] = []
+        for c in range(tp):
+            col = rows[c::tp]
+            ref = next((row for row in col if row[0] == target), None)
+            refs.append(ref)
+            holders.append(
+                [] if ref is None else
+                [q for q, row in enumerate(col) if row[0] == target and row[2] == ref[2]]
+            )  # fmt: skip
+        if target < 0 or not all(holders):
+            # every replica is gone (or, tensor parallel, every copy of some place's shard at
+            # the newest step): the last resort, the persistent checkpoint
             self._load_checkpoint()
             self._missing = list(range(self.M))
-            self._held = [set() for _ in rows]
+            self._held = [set() for _ in range(n)]
             return 0, "checkpoint"
-        # members at the newest step with the first such member's parameters hold the state;
-        # the others (joiners, and replicas that differ, e.g. models built with other seeds)
-        # receive it, as DDP's first broadcast would
-        ref = next(row for row in rows if row[0] == target)
-        holders = [r for r, row in enumerate(rows) if row[0] == target and row[2] == ref[2]]
-        needers = [r for r in range(len(rows)) if r not in holders]
+        mine_ref, have_state = refs[place], holders[place]
+        assert mine_ref is not None and self._dp is not None
+        needers = [q for q in range(n) if q not in have_state]
         source = "local"
         if needers:
             # the nearest holders (on the needers' node, else all) each stream a share
-            near = [h for h in holders if rows[h][1] == rows[needers[0]][1]]
+            node_of = [row[1] for row in rows[place::tp]]
+            near = [h for h in have_state if node_of[h] == node_of[needers[0]]]
             source = "peer_node" if near else "peer_remote"
             # needers whose model's layout is the holders' post its receives at once
-            agreed = all(rows[r][-1] == ref[-1] for r in needers)
-            transfer(g, self.model, self.optimizer, holders=near or holders, needers=needers,
-                     device=self.device, have=have[0], agreed=agreed)  # fmt: skip
-            if g.rank in needers:
+            agreed = all(rows[q * tp + place][-1] == mine_ref[-1] for q in needers)
+            transfer(self._dp, self.model, self.optimizer, holders=near or have_state,
+                     needers=needers, device=self.device, have=have[0], agreed=agreed)  # fmt: skip
+            if self._dp.rank in needers:
                 self.step, self.has_state, self._laid_out = target, True, False
-                self.data.load(ref[3:5])  # the data position is committed state too
-        done_sets = [{mb for mb in range(self.M) if rows[r][5 + mb]} for r in holders]
-        if g.rank in needers:
+                self.data.load(mine_ref[3:5])  # the data position is committed state too
+        # a replica's partial results count when every rank of it holds its place's state
+        # and all of them computed the same micro-batches (a rank that left mid-way dropped
+        # its sums: then none of the replica's count)
+        masks = [row[5 : 5 + self.M] for row in rows]
+        kept = [
+            all(q in holders[c] for c in range(tp))
+            and all(masks[q * tp + c] == masks[q * tp] for c in range(tp))
+            for q in range(n)
+        ]
+        done_sets = [
+            {mb for mb in range(self.M) if masks[q * tp][mb]} if kept[q] else set()
+            for q in range(n)
+        ]
+        if not kept[self._dp.rank]:
             self.done.clear()
             self.grads.clear()
-        self._held = [
-            done_sets[holders.index(r)] if r in holders else set() for r in range(len(rows))
-        ]
+        self._held = done_sets
         self._missing = L.missing(done_sets, self.M)
         return self.M - len(self._missing), source
 
     def _load_checkpoint(self) -> None:
         """Every replica is gone: go on from the newest valid checkpoint (a checkpoint of
-        another model, data layout or reduce mode stops the task: exit 2)."""
+        another model, data layout or reduce mode stops the task: exit 2). Tensor parallel:
+        each rank its place's shard, of the newest step every shard has."""
         root = self.ctx.checkpoint
-        found = C.load_newest(root) if root is not None else None
+        tp = self.ctx.tp
+        found = C.load_newest_shard(root, self.par.rank, tp) if root is not None else None
         if found is None:
             raise RuntimeError("no member of the epoch holds the model state and no checkpoint")
         manifest, parts = found
@@ -645,14 +713,29 @@ class _Runner:
 
     def _maybe_checkpoint(self, rank: int) -> None:
         """Rank 0 checkpoints the committed state when the interval says so: the copy is
-        taken here, at the step boundary; the write runs in the background."""
-        if rank != 0 or self.ckpt is None:
+        taken here, at the step boundary; the write runs in the background. Tensor parallel:
+        every rank of replica 0 writes its place's shard, at the steps rank 0 names two
+        boundaries ahead on the store (the others pass a boundary only after rank 0 voted
+        for the step between: they read it in time), so every shard has the same steps."""
+        if rank >= self.ctx.tp or self.ckpt is None:
             return
-        world, now = self.groups[-1].world, time.time()
-        self.ckpt.at_boundary(
-            self.model, self.optimizer, step=self.step, world=world, now=now,
-            data=self.data.state(),
-        )  # fmt: skip
+        world, now, data = self.groups[-1].world, time.time(), self.data.state()
+        if self.ctx.tp == 1:
+            self.ckpt.at_boundary(
+                self.model, self.optimizer, step=self.step, world=world, now=now, data=data
+            )
+            return
+        key = f"{self.ctx.task}/checkpoint_at"
+        at = self.store.add(key, 0)
+        if (
+            rank == 0
+            and at < self.step
+            and self.ckpt.decide(self.model, self.optimizer, step=self.step, now=now, data=data)
+        ):
+            at = self.store.add(key, self.step + 2 - at)
+        if at == self.step:
+            self.ckpt.save(self.model, self.optimizer, step=self.step, world=world, now=now,
+                           data=data)  # fmt: skip
 
     # -- one attempt at a step ------------------------------------------------------------------
     def _begin(self, g: EpochGroup, todo: list[int]) -> Step:
@@ -677,7 +760,9 @@ class _Runner:
             except Exception as exc:  # nothing is computed yet: a SEV3 error is retried here
                 if not self._reattempt(exc, step, attempt):
                     raise
-        self.grads.start(g, [R.cover(ids, self.M) for ids in self._held])
+        self.par.reset()
+        assert self._dp is not None
+        self.grads.start(self._dp, [R.cover(ids, self.M) for ids in self._held])
         self._crash_at = self.faults.crash_point(step, len(todo))
         self._attempt = Step(self, step, todo, g)
         return self._attempt
@@ -732,6 +817,11 @@ class _Runner:
             self.done.clear()  # the local sums are abandoned: redo the step's work here
             self.current = None
             raise
+        if self.par.broken is not None:  # a sum of the replica failed: the sums mean nothing
+            self.done.clear()
+            self.grads.clear()
+            self.current = None
+            return
         self._computed(mb)
 
     def add_gradients(self, s: Step, grads: Sequence[torch.Tensor | None], loss: float) -> None:
@@ -776,6 +866,12 @@ class _Runner:
     def commit(self, s: Step, before_optimizer: Callable[[], object] | None) -> bool:
         """Reduce, vote, apply (see :meth:`Step.commit`)."""
         self._check_open(s, "step.commit()")
+        if self.par.broken is not None:  # the replica broke in this attempt: nobody commits
+            s.closed = True
+            self.groups[-1].abort(s.index)
+            why = self.par.broken
+            s.broken = why if isinstance(why, EpochOver) else CollectiveError(why)
+            return False
         if self.current is not None:
             self.refuse(
                 f"step {s.index}: commit() before micro-batch {self.current} was computed: "

@@ -64,6 +64,7 @@ from unicron.protocol import (
     ENV_STORE,
     ENV_TASK,
     ENV_THREADS,
+    ENV_TP_RANK,
 )
 from unicron.runtime import device as D
 from unicron.runtime.inject import Fault
@@ -602,6 +603,16 @@ class Agent:
             self._report(
                 M.StepBegan(slot=slot, ts=sent, step=msg.step, epoch=msg.epoch, cpu_s=msg.cpu_s)
             )
+        elif isinstance(msg, P.Waiting):
+            self._report(
+                M.WaitingOnReplica(
+                    slot=slot,
+                    ts=min(msg.ts, now),
+                    step=msg.step,
+                    epoch=msg.epoch,
+                    waiting=msg.waiting,
+                )
+            )
         elif isinstance(msg, P.StepDone):
             w.computing_since = None
             self._report(
@@ -748,6 +759,9 @@ class Agent:
             ENV_SLOT: str(slot),
             ENV_INCARNATION: str(self.workers[slot].incarnation),
             ENV_FAULTS: ";".join(faults),
+            # its place in its replica: the task's slots on this node in groups of tp
+            # (unicron.control.replicas, which the coordinator uses alike)
+            ENV_TP_RANK: str(self.config.slots.index(slot) % self.config.settings.tp),
             **self._device_env(slot),
         }
 

@@ -90,6 +90,9 @@ class TaskView:
     """sequences per step, for :attr:`model`"""
     transition_s: float = TRANSITION_S
     """what a change of its worker count costs it, seconds (measured by the cluster)"""
+    tp: int = 1
+    """ranks per replica: its counts are multiples of it, and whole replicas (``tp`` slots of
+    one node, :mod:`unicron.control.replicas`) move together"""
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,9 @@ def throughput(t: TaskView, units: int, hardware: Hardware | None = None) -> np.
     priced = _priced(t, units, hardware)
     out = np.zeros(units + 1)
     for u in range(1, units + 1):
-        k = min(u, t.max_workers)
+        k = min(u, t.max_workers) // t.tp * t.tp  # ranks beyond whole replicas idle
+        if k == 0:
+            continue
         if priced is not None:
             out[u] = priced[k]
         else:
@@ -216,11 +221,23 @@ def decide(
     return Decision(tuple(moves), float(waf_before), float(waf_after), reasons)
 
 
+def _groups(t: TaskView, capacity: dict[int, int]) -> list[tuple[int, ...]]:
+    """``t``'s ranks on live nodes as its replicas would group them (each node's ranks in
+    order, ``tp`` at a time; a node's last group may be short: a replica never whole)."""
+    out: list[tuple[int, ...]] = []
+    for node in sorted({n for n in t.ranks.values() if n in capacity}):
+        on = sorted(r for r, n in t.ranks.items() if n == node)
+        out += [tuple(on[i : i + t.tp]) for i in range(0, len(on), t.tp)]
+    return out
+
+
 def _equal(tasks: list[TaskView], units: int) -> tuple[dict[str, int], dict[str, str]]:
     """Equal shares of ``units`` (the ``equal`` baseline; see the module docstring)."""
     share, extra = divmod(units, len(tasks))
     target = {
         t.name: min(max(share + (1 if i < extra else 0), t.min_workers), t.max_workers)
+        // t.tp
+        * t.tp
         for i, t in enumerate(tasks)
     }
     over = sum(target.values()) - units
@@ -261,7 +278,10 @@ def _planned(
             )
         )
     plan = solve(states, spare, d_run_s, rate_unit=("worker-equivalents", 1.0))
-    target = {t.name: min(reserved[t.name] + plan.allocation[t.name], t.max_workers) for t in tasks}
+    target = {
+        t.name: min(reserved[t.name] + plan.allocation[t.name], t.max_workers) // t.tp * t.tp
+        for t in tasks
+    }
     reasons = {
         t.name: (f"beyond its minimum of {t.min_workers}: " if t.running else "")
         + plan.reasons[t.name]
@@ -282,26 +302,34 @@ def _moves(
     moves: list[Move] = []
     for t in tasks:  # shrinking first: their slots free up
         if target[t.name] < held[t.name]:
-            live = [(r, n) for r, n in sorted(t.ranks.items()) if n in capacity]
-            count = {n: sum(1 for _, m in live if m == n) for _, n in live}
-            order = sorted(live, key=lambda rn: (count[rn[1]], -rn[0]))  # thin nodes first
-            give = order[: held[t.name] - target[t.name]]
-            for _, n in give:
-                free[n] += 1
-            moves.append(Move(t.name, held[t.name], target[t.name], tuple(r for r, _ in give)))
+            # whole replicas (short ones first), from the nodes where it holds the fewest
+            count = {n: sum(1 for m in t.ranks.values() if m == n) for n in capacity}
+            groups = sorted(
+                _groups(t, capacity), key=lambda g: (len(g) == t.tp, count[t.ranks[g[0]]], -g[0])
+            )
+            give_back: list[int] = []
+            for g in groups:
+                if held[t.name] - len(give_back) <= target[t.name]:
+                    break
+                give_back += g
+            for r in give_back:
+                free[t.ranks[r]] += 1
+            after = held[t.name] - len(give_back)
+            moves.append(Move(t.name, held[t.name], after, tuple(give_back)))
     for t in tasks:
         extra = target[t.name] - held[t.name]
         if extra > 0:
             mine = {n: sum(1 for m in t.ranks.values() if m == n) for n in capacity}
             nodes: list[int] = []
-            for _ in range(extra):  # pack: nodes it is on, then the freest
-                open_ = [n for n in free if free[n] > 0]
+            # pack: nodes it is on, then the freest; a replica's tp ranks on one node
+            for _ in range(extra // t.tp):
+                open_ = [n for n in free if free[n] >= t.tp]
                 if not open_:
                     break
                 n = max(open_, key=lambda n: (mine[n], free[n], -n))
-                free[n] -= 1
-                mine[n] += 1
-                nodes.append(n)
+                free[n] -= t.tp
+                mine[n] += t.tp
+                nodes += [n] * t.tp
             after = held[t.name] + len(nodes)
             moves.append(Move(t.name, held[t.name], after, add_on=tuple(nodes)))
         elif extra == 0:

@@ -449,6 +449,7 @@ class Cluster:
                     model=task.spec.planner_model(),
                     global_batch=task.spec.global_batch or 0,
                     transition_s=self._transition_s(task),
+                    tp=task.spec.tp,
                 )
             )
         if not views or not capacity:
@@ -603,6 +604,7 @@ class Cluster:
             escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
             settings=CoordinatorSettings(
                 min_workers=spec.workers.min,
+                tp=spec.tp,
                 checkpoint=checkpoint,
                 committed_before=committed_before,
                 readmit_after_s=spec.readmit_after,
@@ -639,6 +641,7 @@ class Cluster:
             checkpoint_mtbf_s=spec.checkpoint.mtbf,
             checkpoint_keep=spec.checkpoint.keep,
             resume=spec.checkpoint.resume,
+            tp=spec.tp,
         )
         return {
             "uid": task.row.uid,

@@ -322,6 +322,9 @@ class Coordinator:
                 cpu_s=r.cpu_s,
                 queued_s=r.queued_s,
             )
+        elif isinstance(r, M.WaitingOnReplica):
+            with self._lock:
+                health.waiting_on_replica(self.book, r.slot, r.step, r.epoch, r.waiting, r.ts)
         elif isinstance(r, M.CpuTime):
             self.book.cpu.sampled(r.slot, Sample(r.ts, r.cpu_s, r.queued_s))
         elif isinstance(r, M.Event):

@@ -62,6 +62,32 @@ def step_started(
         b.monitor.step_started(slot, step, now)
 
 
+def waiting_on_replica(
+    b: TaskBook, slot: int, step: int, epoch: int, waiting: bool, now: float
+) -> None:
+    """The worker in ``slot`` waits (or no longer waits) on its replica's other ranks inside
+    ``step``: while it waits it is in a collective (``REDUCE``, as a member waiting for its
+    peers), so a hang of the rank it waits for is that rank's alone (its peers' evidence,
+    :func:`check_suspect`), never its own; then it computes again."""
+    o = b.slots[slot]
+    p = o.progress
+    if (
+        p is None
+        or p.epoch != epoch
+        or p.step != step
+        or p.phase
+        not in (
+            Phase.COMPUTE,
+            Phase.REDUCE,
+        )
+    ):
+        return  # a late report of an older step or epoch
+    if waiting and p.phase is Phase.COMPUTE:
+        o.progress = Progress(epoch, Phase.REDUCE, step, now)
+    elif not waiting and p.phase is Phase.REDUCE and o.computed != step:
+        o.progress = Progress(epoch, Phase.COMPUTE, step, p.since)
+
+
 def step_computed(
     b: TaskBook,
     slot: int,

@@ -12,10 +12,12 @@ as values). Each changes the book and appends its effects there.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from typing import Any
 
+from unicron.control import replicas
 from unicron.control.book import Outcome, TaskBook, TaskState
 from unicron.control.effects import AnnounceEpoch, WriteStoreKey
 from unicron.control.messages import Kill, Spawn
@@ -92,15 +94,27 @@ def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> N
     o.progress = Progress(
         known.epoch if known else b.epoch, Phase.DONE, report.get("steps", -1), now
     )
-    shas = {x.done["params_sha256"] for x in b.slots.values() if x.done}
-    if len(shas) > 1:  # every replica applied every update: they must agree bit for bit
-        fail(b, f"replicas finished with different parameters: {sorted(shas)}", now)
+    # every replica applied every update: they must agree bit for bit, place by place (a
+    # tensor-parallel replica's ranks hold different shards)
+    shas: dict[int, set[str]] = {}
+    for x in b.slots.values():
+        if x.done:
+            shas.setdefault(int(x.done.get("shard", 0)), set()).add(x.done["params_sha256"])
+    if any(len(found) > 1 for found in shas.values()):
+        differ = sorted(sha for found in shas.values() if len(found) > 1 for sha in found)
+        fail(b, f"replicas finished with different parameters: {differ}", now)
         return
     if b.state in (TaskState.RUNNING, TaskState.WAITING):
         b.state = TaskState.DONE
         b.effects.append(WriteStoreKey(done_key(b.task), "done"))
     if report.get("rank") == 0 or not b.outcome:
         b.outcome = Outcome(TaskState.DONE, "finished", report)
+    if b.settings.tp > 1 and len(shas) == b.settings.tp:
+        # the whole model's digest: its shards' digests in place order
+        per_shard = [next(iter(shas[k])) for k in range(b.settings.tp)]
+        whole = hashlib.sha256(",".join(per_shard).encode()).hexdigest()
+        result = {**b.outcome.result, "params_sha256": whole, "shards_sha256": per_shard}
+        b.outcome = Outcome(TaskState.DONE, "finished", result)
 
 
 def finished(b: TaskBook) -> bool:
@@ -150,7 +164,7 @@ def release_slots(b: TaskBook, slots: list[int], now: float, reason: str) -> Non
         else:
             s.to(SlotState.LEAVING)
             leaving.append(slot)
-    rest = tuple(m for m in b.members if m not in leaving)
+    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], b.settings.tp)
     if rest != b.members and b.active():
         gone = ", ".join(map(str, leaving))
         announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released")
@@ -197,7 +211,7 @@ def maybe_start(b: TaskBook, now: float) -> None:
     if b.started_at is None:
         b.started_at = now
     usable = [s for s, o in sorted(b.slots.items()) if not o.excluded]
-    ready = tuple(s for s in usable if b.slots[s].ready)
+    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], b.settings.tp)
     timed_out = now - b.started_at > b.settings.start_timeout_s
     if ready and (
         len(ready) == len(usable) or (timed_out and len(ready) >= b.settings.min_workers)
@@ -214,7 +228,8 @@ def grow(b: TaskBook, now: float) -> None:
         for s, o in sorted(b.slots.items())
         if o.ready and o.alive and not o.excluded and s not in b.members
     )
-    grown = b.members + joiners
+    grown = replicas.whole(b.slots, b.members + joiners, b.settings.tp)
+    joiners = tuple(s for s in grown if s not in b.members)
     if joiners and len(grown) >= b.settings.min_workers:
         below = b.state is TaskState.WAITING or len(b.members) < b.settings.min_workers
         running(b, now)
@@ -231,7 +246,8 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     """After members were lost: fail the task if it cannot go on, else announce an epoch of
     the survivors, or (below the task's minimum, where it is worth nothing) wait for
     restarted or readmitted workers to bring it back. Returns False if the task failed."""
-    survivors = tuple(m for m in b.members if b.slots[m].alive)
+    # whole replicas only: the living ranks of a broken one wait outside the epoch
+    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.settings.tp)
     usable = [s for s, o in b.slots.items() if not o.excluded]
     # slots that can come back: usable ones, and excluded ones a health probe may readmit
     # (not those of lost nodes: no agent to run a probe; none if probes are turned off)
@@ -260,6 +276,8 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     if survivors == b.members and len(usable) >= minimum:
         return True
     if len(survivors) < minimum:
+        for slot in replicas.orphans(b.slots, b.members, survivors):
+            b.forget(slot)
         b.members = survivors  # no epoch below the minimum: wait for capacity
         restarting = len(usable) >= minimum
         wait(
@@ -325,6 +343,8 @@ def announce(
 ) -> None:
     """A new epoch of ``members`` (none: nobody to tell; the next epoch is made of the workers
     that come back)."""
+    for slot in replicas.orphans(b.slots, b.members, members):
+        b.forget(slot)  # waits outside the epoch: its last step is no hang
     b.members = members
     if not members:
         return

@@ -100,6 +100,18 @@ class StepComputed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WaitingOnReplica:
+    """The worker in ``slot`` waits (``waiting``), or no longer, on the other ranks of its
+    replica inside ``step`` (a tensor-parallel sum): not a hang of its own."""
+
+    slot: int
+    ts: float
+    step: int
+    epoch: int
+    waiting: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class CpuTime:
     """The agent read the clocks of the computing thread of the worker in ``slot``, whose step
     has lasted a while: its CPU time, and how long it has waited runnable for a CPU
@@ -216,6 +228,7 @@ Report = (
     | EpochEntered
     | StepBegan
     | StepComputed
+    | WaitingOnReplica
     | CpuTime
     | Event
     | Detected
@@ -256,6 +269,7 @@ _TYPES: dict[str, type] = {
         EpochEntered,
         StepBegan,
         StepComputed,
+        WaitingOnReplica,
         CpuTime,
         Event,
         Detected,

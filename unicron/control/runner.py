@@ -126,6 +126,7 @@ def validate(args: argparse.Namespace) -> list[Fault]:
     world = args.nnodes * args.nproc_per_node
     if not 1 <= args.min_workers <= world:
         raise UsageError(f"--min-workers must be in 1..{world}, got {args.min_workers}")
+    _check_tp(args)
     from unicron.runtime import device as D  # imports torch only to count GPUs, for --device cuda
 
     args.reduce = args.reduce or D.default_reduce(args.device)  # before --resume's check
@@ -197,6 +198,26 @@ def _nnodes(raw: str) -> int:
             "and heals the task down to --min-workers workers; give one number"
         )
     return int(lo)
+
+
+def _check_tp(args: argparse.Namespace) -> None:
+    """``--tp``: a replica's ranks are on one node, and the task is worth whole replicas;
+    ``--min-workers`` left at its default becomes one replica."""
+    tp = args.tp
+    if tp is None or tp <= 1:
+        return  # (below 1: the task file's model says so, with the flag's name)
+    if args.nproc_per_node % tp:
+        raise UsageError(
+            f"--tp {tp} must divide --nproc-per-node {args.nproc_per_node}: a replica's "
+            "ranks are on one node"
+        )
+    if args.min_workers == 1:
+        args.min_workers = tp
+    elif args.min_workers % tp:
+        raise UsageError(
+            f"--min-workers {args.min_workers} must be a multiple of --tp {tp}: the task "
+            "trains on whole replicas"
+        )
 
 
 def _nproc_per_node(raw: str, device: str) -> int:

@@ -10,6 +10,7 @@
     reduce: exact                   # exact | fast
     bucket_cap_mb: 25               # the gradient buckets' bound (MB), as DDP's
     threads: 1                      # torch threads per worker
+    tp: 1                           # ranks per replica, tensor parallel on one node
     checkpoint: {every: auto, keep: 3, mtbf: 10800}   # also dir, resume
     device: cpu                     # cpu | cuda
     give_up_after: 600              # seconds below min before the task fails
@@ -129,6 +130,14 @@ class TaskSpec(BaseModel):
         "any value gives the same bits in exact mode",
     )
     threads: int = Field(1, ge=1, le=256, description="torch threads per worker")
+    tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="ranks per replica: tensor parallel over that many slots of one node "
+        "(the script builds its shard: unicron.parallel); a replica that loses a rank waits "
+        "out of the step, its other ranks alive, until the rank is back",
+    )
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
     give_up_after: float = Field(
         600.0,
@@ -181,6 +190,16 @@ class TaskSpec(BaseModel):
             raise ValueError(
                 f"reduce {self.reduce} is not supported with device {self.device} (supported: "
                 f"{allowed}); see docs/runtime.md, Accelerators"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _whole_replicas(self) -> TaskSpec:
+        """Workers come in whole replicas of ``tp`` ranks."""
+        if self.tp > 1 and (self.workers.min % self.tp or self.workers.max % self.tp):
+            raise ValueError(
+                f"workers: min ({self.workers.min}) and max ({self.workers.max}) must be "
+                f"multiples of tp ({self.tp}): a replica is tp workers"
             )
         return self
 

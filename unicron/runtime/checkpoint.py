@@ -293,8 +293,37 @@ def newest(
 
 def has_checkpoint(root: Path | None) -> bool:
     """Whether ``root`` holds a complete checkpoint (manifest present; cheap: the coordinator
-    asks it when deciding whether a task can outlive its last replica)."""
-    return root is not None and any((p / MANIFEST).exists() for p in steps(root))
+    asks it when deciding whether a task can outlive its last replica); a tensor-parallel
+    task's (:func:`shard_root`) counts when its first shard has one."""
+    if root is None:
+        return False
+    return any((p / MANIFEST).exists() for p in steps(root) + steps(root / "tp0"))
+
+
+def shard_root(root: Path, place: int, tp: int) -> Path:
+    """Where the shard of place ``place`` of a replica of ``tp`` ranks is checkpointed: ``root``
+    itself for a replica of one rank, else ``root/tp{place}`` (each written by the rank of
+    replica 0 at that place, at the same steps: :class:`Checkpointer`'s caller sees to it)."""
+    return root if tp == 1 else root / f"tp{place}"
+
+
+def load_newest_shard(root: Path, place: int, tp: int) -> tuple[Manifest, dict[str, Any]] | None:
+    """The shard of place ``place`` at the newest step whose checkpoint verifies in every
+    shard (every rank of a replica decides alike: the same files, read by each), or ``None``.
+    With ``tp`` 1, :func:`load_newest`."""
+    if tp == 1:
+        return load_newest(root)
+    shards = [
+        {int(p.name[len(PREFIX) :]): p for p in steps(shard_root(root, c, tp))} for c in range(tp)
+    ]
+    for step in sorted(set.intersection(*(set(d) for d in shards)), reverse=True):
+        try:
+            for c in range(tp):
+                verify(shards[c][step])
+            return load(shards[place][step])
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint of step %d: %s", step, exc)
+    return None
 
 
 def load(path: Path) -> tuple[Manifest, dict[str, Any]]:
@@ -523,15 +552,29 @@ class Checkpointer:
         data: Sequence[int] = (-1, -1),
     ) -> None:
         """Called by rank 0 right after each commit (``step`` steps committed): checkpoint if
-        the interval says so. With the automatic interval the first call only measures the
-        cost (a copy, discarded), so the first checkpoint comes one interval later."""
+        the interval says so (:meth:`decide`)."""
+        if self.decide(model, optimizer, step=step, now=now, data=data):
+            self.save(model, optimizer, step=step, world=world, now=now, data=data)
+
+    def decide(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        step: int,
+        now: float,
+        data: Sequence[int] = (-1, -1),
+    ) -> bool:
+        """Whether the interval says to checkpoint at ``step``. With the automatic interval
+        the first call only measures the cost (a copy, discarded) and says no, so the first
+        checkpoint comes one interval later."""
         if self.settings.every_steps is None and self.cost_s is None:
             t0 = time.perf_counter()
             snapshot(model, optimizer, step=step, ledger=self.ledger, data=data)
             self.cost_s, self.last_ts = time.perf_counter() - t0, now
             self._update_interval(now)
-        elif self.due(step, now):
-            self.save(model, optimizer, step=step, world=world, now=now, data=data)
+            return False
+        return self.due(step, now)
 
     def due(self, step: int, now: float) -> bool:
         """Whether the state committed at ``step`` should be checkpointed."""

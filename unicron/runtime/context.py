@@ -62,6 +62,8 @@ class WorkerContext:
     checkpoint_keep: int = C.IntervalSettings.keep
     resume: bool = False
     """the task goes on from the newest checkpoint (``unicron run --resume``)"""
+    tp: int = 1
+    """ranks per replica (tensor parallel); this slot's place is :mod:`unicron.parallel`'s"""
 
     @classmethod
     def from_env(cls, api: str = "unicron.worker.train()") -> WorkerContext:
@@ -88,6 +90,7 @@ class WorkerContext:
             resume=settings.resume,
             on_lost=settings.on_lost,
             bucket_cap_mb=settings.bucket_cap_mb,
+            tp=settings.tp,
         )
 
 

@@ -42,6 +42,11 @@ def _threads() -> set[int]:
         return set()
 
 
+WAIT_REPORT_S = 0.5
+"""a wait of a group with :attr:`EpochGroup.on_wait` that lasts longer than this is reported
+(a tensor-parallel replica's sum: the rank waits on its replica, it does not hang itself)"""
+
+
 class EpochOver(Exception):
     """This epoch was superseded (or its collective failed): go to the next one."""
 
@@ -249,6 +254,10 @@ class EpochGroup:
         self._left = False
         self._threads: set[int] = set()  # gloo: the threads its construction started
         self.subgroups: dict[str, EpochGroup] = {}  # by name and ranks; left with this group
+        self._path = ""  # a subgroup's store keys: its parents' names and ranks, nested
+        self.on_wait: Callable[[bool], None] | None = None
+        """told True when one of this group's waits passes :data:`WAIT_REPORT_S`, False when
+        that wait ends (the worker tells its agent: :class:`unicron.protocol.Waiting`)"""
         self.peers: dict[int, PeerLink] = {}  # by epoch rank; closed with this group
 
     # -- membership -------------------------------------------------------------------------
@@ -343,8 +352,12 @@ class EpochGroup:
         sub = copy.copy(self)
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
         sub.subgroups, sub.peers, sub._left, sub._threads = {}, {}, False, set()
+        # a subgroup of a subgroup (a replica's data-parallel group and its own subgroups)
+        # keeps its keys apart from its cousins' of the same name and ranks
+        sub._path = f"{self._path}sub/{key}/"
+        sub.on_wait = None
         try:
-            sub.pg = sub._build(dist.PrefixStore(f"sub/{key}", self._own_store()))
+            sub.pg = sub._build(dist.PrefixStore(f"{self._path}sub/{key}", self._own_store()))
         except (RuntimeError, dist.DistStoreError) as exc:
             raise CollectiveError(exc) from exc
         self.subgroups[key] = sub
@@ -352,12 +365,31 @@ class EpochGroup:
 
     # -- collectives ------------------------------------------------------------------------
     def _wait(self, work: Any) -> None:
+        if self.on_wait is None:
+            self._wait_for(work, None)
+            return
+        said: list[bool] = []
+        try:
+            self._wait_for(work, time.monotonic() + WAIT_REPORT_S, said)
+        finally:
+            if said:
+                self.on_wait(False)
+
+    def _waited(self, report_at: float | None, said: list[bool] | None) -> None:
+        """Between two slices of a wait: tell :attr:`on_wait` once it has lasted long."""
+        if report_at is None or said is None or said or self.on_wait is None:
+            return
+        if time.monotonic() >= report_at:
+            said.append(True)
+            self.on_wait(True)
+
+    def _wait_for(self, work: Any, report_at: float | None, said: list[bool] | None = None) -> None:
         if isinstance(work, _Works):
             for part in work.parts:
-                self._wait(part)
+                self._wait_for(part, report_at, said)
             return
         if self.backend == "nccl":
-            self._poll(work)
+            self._poll(work, report_at, said)
             return
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -372,8 +404,11 @@ class EpochGroup:
                 self._check(urgent_only=False)
                 if time.monotonic() > deadline:
                     raise CollectiveError(exc) from exc
+                self._waited(report_at, said)
 
-    def _poll(self, work: Any) -> None:
+    def _poll(
+        self, work: Any, report_at: float | None = None, said: list[bool] | None = None
+    ) -> None:
         """NCCL: ``wait(timeout)`` does not return control to the CPU in slices, so poll the
         work's completion and look at the epoch between polls; a superseded epoch aborts the
         communicator (:meth:`leave`) instead of waiting for a watchdog timeout."""
@@ -384,6 +419,7 @@ class EpochGroup:
             if time.monotonic() < next_look:
                 continue
             next_look = time.monotonic() + self.slice.total_seconds()
+            self._waited(report_at, said)
             if self.watch.superseded(self.info.epoch, urgent_only=False) or (
                 time.monotonic() > deadline
             ):

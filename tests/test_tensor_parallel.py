@@ -1,0 +1,188 @@
+"""Replicas of several ranks (tensor parallel): the layers, the grouping, the decisions.
+
+The layers of :mod:`unicron.parallel` split a model the way Megatron-LM does and compute the
+unsplit model's function (two ranks in two threads over a real gloo group); a replica's
+replicated parameters get the same gradient on every rank, bit for bit. The coordinator
+forms epochs of whole replicas: a replica that lost a rank sits out, its living rank waits
+(not killed, its last step no hang), and comes back whole with its restarted rank. The end to
+end runs are in ``tests/test_tensor_parallel_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from unicron.control import messages as M
+from unicron.control import replicas
+from unicron.control.coordinator import Coordinator, CoordinatorSettings
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.control.events import EventLog
+from unicron.control.slots import SlotTable
+from unicron.detect.classify import verdict_for_kind
+from unicron.parallel import TensorParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import llama_tp
+
+CFG = llama_tp.LlamaConfig(layers=1, dim=32, heads=4, kv_heads=2, hidden=64, seq_len=16)
+
+
+def _ranks(tp: int, body: Any) -> list[Any]:
+    """Run ``body(tp_handle)`` on ``tp`` threads, each a rank of one gloo group."""
+    store = dist.HashStore()
+    out: list[Any] = [None] * tp
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            pg = dist.ProcessGroupGloo(store, r, tp, datetime.timedelta(seconds=30))
+            handle = TensorParallel(r, tp)
+            handle.bind_epoch(lambda t: pg.allreduce([t]).wait(), RuntimeError)
+            out[r] = body(handle)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+_BUILD = threading.Lock()  # the threads draw from one global RNG: one build at a time
+
+
+def _step(tp: TensorParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    with _BUILD:
+        model, _, data = llama_tp.build(tp, seed=3, cfg=CFG)
+    x, y = data[0]
+    batch = (torch.stack([x, data[1][0]]), torch.stack([y, data[1][1]]))
+    loss = llama_tp.loss_fn(model, batch)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}  # type: ignore[union-attr]
+
+
+def test_a_split_model_computes_the_whole_models_function() -> None:
+    (loss1, grads1) = _step(TensorParallel(0, 1))
+    shards = _ranks(2, _step)
+    for r, (loss, grads) in enumerate(shards):
+        assert torch.allclose(loss, loss1, rtol=1e-5), (loss, loss1)
+        for name, g in grads.items():
+            whole = grads1[name]
+            if g.shape == whole.shape:  # replicated: the whole gradient
+                assert torch.allclose(g, whole, rtol=1e-4, atol=1e-6), name
+                continue
+            split = 0 if name.endswith((".q.weight", ".k.weight", ".v.weight", ".gate.weight",
+                                        ".up.weight")) else 1  # fmt: skip
+            part = whole.chunk(2, dim=split)[r]
+            assert torch.allclose(g, part, rtol=1e-4, atol=1e-6), name
+    # the replicated parameters' gradients agree bit for bit across the replica's ranks
+    (_, a), (_, b) = shards
+    same = [n for n in a if a[n].shape == b[n].shape and n.startswith(("tok", "norm", "head"))]
+    assert same and all(torch.equal(a[n], b[n]) for n in same)
+
+
+def test_a_failed_sum_breaks_the_attempt_and_later_sums_are_skipped() -> None:
+    tp = TensorParallel(1, 2)
+    calls = []
+
+    def fail(t: torch.Tensor) -> None:
+        calls.append(t)
+        raise RuntimeError("Connection closed by peer")
+
+    tp.bind_epoch(fail, RuntimeError)
+    x = torch.ones(3)
+    assert torch.equal(tp.all_reduce(x), x) and isinstance(tp.broken, RuntimeError)
+    assert tp.all_reduce(x) is x and len(calls) == 1  # skipped once broken
+    tp.reset()
+    assert tp.broken is None
+    with pytest.raises(ValueError, match="not divisible"):
+        tp.shard(6, "heads")  # fine
+        TensorParallel(0, 4).shard(6, "heads")
+
+
+def test_without_a_group_a_split_layer_says_how_to_run_it() -> None:
+    with pytest.raises(RuntimeError, match="unicron run --tp"):
+        TensorParallel(0, 2).all_reduce(torch.ones(2))
+
+
+# -- the grouping ------------------------------------------------------------------------------
+def test_replicas_are_groups_of_tp_slots_of_one_node_in_slot_order() -> None:
+    table = SlotTable({0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1})
+    assert replicas.group_of(table, 1, 2) == (0, 1)
+    assert replicas.group_of(table, 3, 2) == (2, 3)
+    assert replicas.group_of(table, 6, 2) == (6,)  # node 1's third slot: never whole
+    assert [replicas.place(table, s, 2) for s in range(7)] == [0, 1, 0, 1, 0, 1, 0]
+    assert replicas.whole(table, [2, 3, 0, 4, 5, 6], 2) == (2, 3, 4, 5)
+    assert replicas.whole(table, [3, 1, 0, 2], 2) == (2, 3, 0, 1)  # each in place order
+    assert replicas.whole(table, [0, 2, 4], 1) == (0, 2, 4)
+
+
+def _coordinator(tmp: Path) -> Coordinator:
+    c = Coordinator(
+        task="t",
+        slots={0: 0, 1: 0, 2: 0, 3: 0},
+        events=EventLog(tmp / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(tp=2, min_workers=2),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
+    assert c.epoch == 1 and c.members == (0, 1, 2, 3)
+    return c
+
+
+def test_a_lost_rank_takes_its_replica_out_and_its_partner_waits_alive(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path)
+    c.exchange(0, [M.StepBegan(slot=0, ts=0.5, step=4, epoch=1, cpu_s=0.0)], 0.5)
+    crash = M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))
+    c.exchange(0, [crash], 1.0)
+    assert c.epoch == 2 and c.members == (2, 3)  # replica (0, 1) sits out
+    book = c.book
+    assert book.slots[0].alive and book.slots[0].progress is None  # waits: no step to hang in
+    assert [a for a in c.take_actions(0) if isinstance(a, M.Kill)] == []  # slot 0 not killed
+    # the restarted rank is ready: the replica is whole again and comes back at a boundary
+    c.exchange(0, [M.Ready(slot=1, ts=2.0, microbatches=8)], 2.0)
+    assert c.epoch == 3 and c.members == (2, 3, 0, 1)
+
+
+def test_a_task_of_one_replica_waits_for_its_lost_rank(tmp_path: Path) -> None:
+    c = Coordinator(
+        task="t",
+        slots={0: 0, 1: 0},
+        events=EventLog(tmp_path / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(tp=2, min_workers=2),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(2)], 0.0)
+    c.exchange(0, [M.WorkerFailed(slot=0, ts=1.0, verdict=verdict_for_kind("segfault"))], 1.0)
+    assert c.members == () and c.book.slots[1].alive
+    c.exchange(0, [M.Ready(slot=0, ts=2.0, microbatches=8)], 2.0)
+    assert c.members == (0, 1)
+
+
+def test_a_rank_waiting_on_its_replica_is_no_hang_suspect(tmp_path: Path) -> None:
+    from unicron.detect.stall import Phase
+
+    c = _coordinator(tmp_path)
+    began = [M.StepBegan(slot=s, ts=0.5, step=4, epoch=1, cpu_s=0.0) for s in range(4)]
+    c.exchange(0, began, 0.5)
+    wait = M.WaitingOnReplica(slot=0, ts=1.0, step=4, epoch=1, waiting=True)
+    c.exchange(0, [wait], 1.0)
+    assert c.book.slots[0].progress.phase is Phase.REDUCE  # type: ignore[union-attr]
+    old = M.WaitingOnReplica(slot=1, ts=1.0, step=3, epoch=1, waiting=True)  # a late one
+    c.exchange(0, [old], 1.0)
+    assert c.book.slots[1].progress.phase is Phase.COMPUTE  # type: ignore[union-attr]
+    done = M.WaitingOnReplica(slot=0, ts=1.5, step=4, epoch=1, waiting=False)
+    c.exchange(0, [done], 1.5)
+    p = c.book.slots[0].progress
+    assert p is not None and p.phase is Phase.COMPUTE

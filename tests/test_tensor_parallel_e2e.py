@@ -1,0 +1,107 @@
+"""Tensor-parallel replicas under ``unicron run``, end to end: TP=2 x DP=2 on 4 workers.
+
+A rank lost mid-step (rank 0 of a replica, then the other place of the other replica, then
+a hang, found as the hung rank's alone from its partner's report that it waits) takes its
+replica out of the step; the other replica's finished micro-batches are kept, its
+partner waits alive and the replica comes back whole, its restarted rank taking its shard
+from the same place in the live replica. The run ends with the fault-free run's bits, shard
+by shard. Losing a rank of every replica at once falls back to the sharded checkpoint, to
+the same bits. Bad layouts are refused with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = ROOT / "examples" / "train_llama_tp.py"
+STEPS = 20
+
+
+def _tp(run: Any, *flags: str, steps: int = STEPS) -> Any:
+    r = run(*flags, script=SCRIPT, script_args=("--steps", str(steps), "--out", "out"))
+    return r
+
+
+def _shards(r: Any) -> list[torch.Tensor]:
+    out = r.out.parent / "out"
+    return [
+        torch.cat([t.reshape(-1) for t in torch.load(out / f"final.tp{c}.pt").values()])
+        for c in (0, 1)
+    ]
+
+
+def test_a_lost_rank_heals_its_replica_to_the_fault_free_bits(run: Any) -> None:
+    layout = ("--nproc-per-node", "4", "--tp", "2")
+    clean = _tp(run, *layout)
+    faulty = _tp(
+        run,
+        *layout,
+        "--inject", "crash:rank=0,step=6,mb=1",  # place 0 of replica 0, mid-step
+        "--inject", "crash:rank=3,step=13",  # place 1 of replica 1
+        "--inject", "hang:rank=2,step=17",  # its partner (slot 3) waits in their sums
+    )  # fmt: skip
+    for r in (clean, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.task_end["status"] == "ok" and r.task_end["steps"] == STEPS
+    assert faulty.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    for a, b in zip(_shards(faulty), _shards(clean), strict=True):
+        assert torch.equal(a, b)
+    # replica grain: the broken replica left the epoch whole, only the dead ranks restarted
+    epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
+    assert (2, 3) in epochs and (0, 1) in epochs, epochs
+    assert all(len(m) % 2 == 0 for m in epochs)
+    restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
+    assert restarted == [0, 2, 3]  # the hung rank alone, not the partner waiting on it
+    (hang,) = [e for e in faulty.of("error_detected") if e["kind"] == "hang"]
+    assert hang["slot"] == 2
+    # the live replica's micro-batches were kept, only the broken one's recomputed
+    partial = [e for e in faulty.of("transition_end") if e.get("microbatches_reused")]
+    assert partial and all(
+        e["microbatches_reused"] + e["microbatches_recomputed"] == 8 for e in partial
+    )
+    # nothing finished was lost: every step committed exactly once
+    assert sorted(e["step"] for e in faulty.of("step_end")) == list(range(STEPS))
+
+
+def test_every_replica_broken_falls_back_to_the_sharded_checkpoint(run: Any) -> None:
+    layout = ("--nnodes", "2", "--nproc-per-node", "2", "--tp", "2", "--checkpoint-every", "3")
+    clean = _tp(run, *layout, steps=12)
+    faulty = _tp(
+        run, *layout, "--inject", "crash:rank=0,step=8", "--inject", "crash:rank=2,step=8",
+        steps=12,
+    )  # fmt: skip
+    for r in (clean, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert faulty.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    assert "checkpoint" in {e["state_source"] for e in faulty.of("transition_end")}
+    saved = [e for e in faulty.of("checkpoint_saved") if e["ok"]]
+    by_step: dict[int, set[str]] = {}
+    for e in saved:
+        by_step.setdefault(e["step"], set()).add(Path(e["path"]).parent.name)
+    assert by_step and all(places == {"tp0", "tp1"} for places in by_step.values()), by_step
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--nproc-per-node", "4", "--tp", "3"), "--tp 3 must divide --nproc-per-node 4"),
+        (("--nproc-per-node", "4", "--tp", "2", "--min-workers", "3"), "multiple of --tp 2"),
+        (("--nproc-per-node", "4", "--tp", "0"), "--tp"),
+        (("--nproc-per-node", "3", "--tp", "3"), "heads (4) is not divisible by tp (3)"),
+    ],
+)
+def test_a_bad_layout_gets_one_line_and_exit_2(
+    run: Any, flags: tuple[str, ...], message: str
+) -> None:
+    r = _tp(run, *flags, steps=2)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
