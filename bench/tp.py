@@ -1,6 +1,6 @@
 """Tensor-parallel replicas: Unicron against plain PyTorch under torchrun, TP=2 x DP=2.
 
-In one run, interleaved: ``examples/train_llama_tp.py`` under ``unicron run --tp 2`` and the
+In one run, interleaved: ``examples/train_llama_parallel.py`` under ``unicron run --tp 2`` and the
 same model, micro-batches and seeds in plain PyTorch (``bench/baselines/tp_ckpt.py``: the
 replica's sums over a torch process group, DDP across replicas, a shard checkpoint every
 ``K`` steps), 4 CPU workers each. Fault-free: the median ``duration_s`` of ``step_end``
@@ -47,7 +47,7 @@ def _command(arm: str, steps: int, workdir: Path, fault: str | None) -> list[str
                 "--events", events, *inject]  # fmt: skip
     return [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(NPROC), "--tp", "2",
             "--quiet", "--events", events, "--log-dir", str(workdir / "logs"), *inject,
-            str(ROOT / "examples" / "train_llama_tp.py"), "--steps", str(steps)]  # fmt: skip
+            str(ROOT / "examples" / "train_llama_parallel.py"), "--steps", str(steps)]  # fmt: skip
 
 
 def _events(arm: str, steps: int, workdir: Path, fault: str | None = None) -> list[dict[str, Any]]:
@@ -94,7 +94,7 @@ def run(quick: bool) -> list[Row]:
                 recover[arm].append(r)
                 redone[arm].append(n)
     note = (
-        f"examples/llama_tp.py (2 layers, dim 128), TP=2 x DP=2 on {NPROC} CPU workers, "
+        f"examples/llama_parallel.py (2 layers, dim 128), TP=2 x DP=2 on {NPROC} CPU workers, "
         f"{steps} steps, median after step {warmup}; load average {load:.1f} / "
         f"{os.cpu_count()} CPUs at the start"
     )

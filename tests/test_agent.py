@@ -148,6 +148,7 @@ class _Link:
     [
         P.StepBegin(step=4, epoch=3, ts=1.5, cpu_s=3.0),
         P.StepDone(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
+        P.Waiting(step=4, epoch=3, ts=1.6, waiting=True),
         P.Event(name="step_end", fields={"epoch": 3, "step": 4, "loss": 2.5}),
         P.Event(name="step_end", fields={"epoch": 3, "step": 0, "loss": 2.5}),
         P.Event(name="fault_injected", fields={"spec": "crash@rank=1,step=3"}),
@@ -298,6 +299,7 @@ LOCAL = [
     P.Event(name="step_end", fields={"step": 4, "loss": 2.5}),
     P.StepBegin(step=4, epoch=3, ts=1.5, cpu_s=3.0),
     P.StepDone(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
+    P.Waiting(step=4, epoch=3, ts=1.6, waiting=True),
     P.Error(type_name="RuntimeError", message="boom", in_band=True, step=4, epoch=3),
     P.Done(steps=10, final_loss=1.0, params_sha256="ab", rank=0, epoch=3),
     P.NodeFault(),

@@ -192,7 +192,7 @@ def test_a_measured_transition_is_what_the_planner_weighs() -> None:
 def test_a_tensor_parallel_task_moves_in_whole_replicas_on_one_node() -> None:
     # nodes of 3 slots: a replica of 2 fits once per node, the third slot of each stays free
     a = TaskView(name="a", weight=1, min_workers=2, max_workers=6, ranks={}, running=False,
-                 microbatches=8, tp=2)  # fmt: skip
+                 microbatches=8, replica_ranks=2)  # fmt: skip
     d = decide([a], {0: 3, 1: 3}, DAY)
     (m,) = d.moves
     assert (m.after, m.add_on) == (4, (0, 0, 1, 1))
@@ -200,7 +200,7 @@ def test_a_tensor_parallel_task_moves_in_whole_replicas_on_one_node() -> None:
     # node), never one rank of each
     held = {0: 0, 1: 0, 2: 1, 3: 1}
     running = TaskView(name="a", weight=1, min_workers=2, max_workers=6, ranks=held,
-                       running=True, microbatches=8, tp=2)  # fmt: skip
+                       running=True, microbatches=8, replica_ranks=2)  # fmt: skip
     b = view("b", 5, 1, 4, {}, running=False)
     d = decide([running, b], {0: 3, 1: 3}, DAY)
     release = next(m for m in d.moves if m.task == "a").release

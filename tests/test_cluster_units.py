@@ -208,6 +208,7 @@ EXAMPLES: list[Any] = [
     M.EpochEntered(slot=0, ts=1.0, epoch=4),
     M.StepBegan(slot=1, ts=2.0, step=5, epoch=2, cpu_s=1.5),
     M.StepComputed(slot=1, ts=2.5, step=5, compute_s=0.25, microbatches=2, cpu_s=1.75),
+    M.WaitingOnReplica(slot=1, ts=2.125, step=5, epoch=2, waiting=True),
     M.CpuTime(slot=1, ts=2.25, cpu_s=1.625),
     M.Event(ts=3.0, name="step_end", fields={"step": 5, "loss": 1.25, "members": [0, 1]}),
     M.Detected(slot=2, ts=4.0, step=None, verdict=VERDICT, method="process", extra={"rc": -9}),

@@ -125,7 +125,7 @@ def test_a_tensor_parallel_task_heals_in_the_cluster_to_run_s_bits(
     spec = load(TASKS / "llama-tp.yaml").model_dump()
     spec["inject"] = ["crash:rank=0,step=5"]
     cluster.submit(spec)
-    script = ROOT / "examples" / "train_llama_tp.py"
+    script = ROOT / "examples" / "train_llama_parallel.py"
     run = run_unicron(tmp_path, "--nproc-per-node", "4", "--tp", "2", script=script,
                       script_args=("--steps", "12"))  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

@@ -1,4 +1,7 @@
-"""Tensor parallelism inside a replica: the layers a script builds its shard of the model with.
+"""Model parallelism inside a replica: the parts a script builds its shard of the model with.
+
+Tensor parallel (below) and pipeline parallel (:class:`PipelineParallel`: a stage ends in
+``send``, the next begins with ``receive``; docs/runtime.md, Model-parallel replicas).
 
 A task run with ``--tp T`` (task file: ``tp: T``) trains replicas of T ranks on one node.
 Each rank builds the same model with its own shard of the large matrices, Megatron-LM's way:
@@ -40,13 +43,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from unicron.protocol import ENV_TP, ENV_TP_RANK
+from unicron.protocol import ENV_PP, ENV_PP_STAGE, ENV_TP, ENV_TP_RANK
 
 __all__ = [
     "ColumnParallelLinear",
+    "PipelineParallel",
     "RowParallelLinear",
     "TensorParallel",
     "copy_to_replica",
+    "pipeline_parallel",
     "reduce_from_replica",
     "tensor_parallel",
 ]
@@ -111,7 +116,122 @@ class TensorParallel:
         return self.rank * k, k
 
 
+class PipelineParallel:
+    """This rank's pipeline stage (:attr:`stage` of :attr:`stages`) and its links to the
+    neighbouring stages of its replica (the same tensor-parallel rank in each).
+
+    One per process (:func:`pipeline_parallel`). A stage's module ends in :meth:`send`
+    (every stage but the last: it passes its output on and returns the micro-batch's loss,
+    filled in once the backward pass came back from the last stage) and begins with
+    :meth:`receive` (every stage but the first); the gradient goes back the same links. The
+    schedule is one micro-batch at a time through the stages and back (no overlap: a stage
+    waits while the others compute; the pipeline schedules that overlap, GPipe's and 1F1B's,
+    are not built yet). A failed link breaks the attempt as a failed sum does (it shares
+    :attr:`TensorParallel.broken`)."""
+
+    def __init__(self, stage: int, stages: int, tp: TensorParallel) -> None:
+        if not 0 <= stage < stages:
+            raise ValueError(f"pipeline stage {stage} outside 0..{stages - 1}")
+        self.stage, self.stages, self.tp = stage, stages, tp
+        self.loss = 0.0
+        """the current micro-batch's loss: the last stage's, set by the worker before the
+        backward pass; the others', received with the gradient"""
+        self._prev: Callable[[torch.Tensor, int], None] | None = None
+        self._next: Callable[[torch.Tensor, int], None] | None = None
+        self._catch: tuple[type[BaseException], ...] = ()
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def bind_epoch(
+        self,
+        prev: Callable[[torch.Tensor, int], None] | None,
+        next_: Callable[[torch.Tensor, int], None] | None,
+        catch: type[BaseException],
+    ) -> None:
+        """Broadcast over the links of this epoch: ``prev(tensor, src)`` with the previous
+        stage (this stage is member 1 of the pair), ``next_`` with the next (member 0); an
+        exception of type ``catch`` breaks the attempt. Called by the worker."""
+        self._prev, self._next, self._catch = prev, next_, (catch,)
+
+    def _move(self, link: Callable[[torch.Tensor, int], None] | None, t: torch.Tensor,
+              src: int) -> None:  # fmt: skip
+        if self.tp.broken is not None:
+            return
+        if link is None:
+            raise RuntimeError(
+                f"pipeline stage {self.stage} of {self.stages} without its links: run the "
+                "script under `unicron run --pp N`"
+            )
+        try:
+            link(t, src)
+        except self._catch as exc:  # a stage of the replica is gone, or the epoch is over
+            self.tp.broken = exc
+
+    def send(self, x: torch.Tensor) -> torch.Tensor:
+        """Pass this stage's output ``x`` to the next stage; the micro-batch's loss comes
+        back (a scalar the worker's backward pass runs from; its value arrives with the
+        gradient)."""
+        if self.last:
+            raise RuntimeError("the last pipeline stage computes the loss: it sends nothing")
+        return _Send.apply(x, self)
+
+    def receive(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32
+                ) -> torch.Tensor:  # fmt: skip
+        """The previous stage's output, of ``shape`` (the stages agree on it: the script
+        knows it from the batch every stage has), as this stage's input."""
+        if self.first:
+            raise RuntimeError("the first pipeline stage receives nothing: it reads the batch")
+        anchor = torch.zeros((), requires_grad=True)
+        return _Receive.apply(anchor, self, tuple(shape), dtype)
+
+
+class _Send(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, pp: PipelineParallel) -> torch.Tensor:
+        ctx.pp, ctx.shape, ctx.dtype = pp, x.shape, x.dtype
+        pp._move(pp._next, x.detach().contiguous(), 0)
+        out = torch.zeros((), dtype=torch.float32)
+        ctx.out = out  # the loss, written when the gradient brings it back
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        pp: PipelineParallel = ctx.pp
+        buf = torch.zeros(math.prod(ctx.shape) + 1, dtype=torch.float32)
+        pp._move(pp._next, buf, 1)
+        pp.loss = float(buf[-1])
+        ctx.out.fill_(pp.loss)
+        back = buf[:-1].view(ctx.shape).to(ctx.dtype)
+        return back * grad, None
+
+
+class _Receive(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, pp: PipelineParallel,
+                shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        ctx.pp = pp
+        x = torch.zeros(shape, dtype=dtype)
+        pp._move(pp._prev, x, 0)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        pp: PipelineParallel = ctx.pp
+        buf = torch.empty(grad.numel() + 1, dtype=torch.float32)
+        buf[:-1].copy_(grad.reshape(-1))
+        buf[-1] = pp.loss
+        pp._move(pp._prev, buf, 1)
+        return None, None, None, None
+
+
 _TP: TensorParallel | None = None
+_PP: PipelineParallel | None = None
 
 
 def tensor_parallel() -> TensorParallel:
@@ -122,6 +242,17 @@ def tensor_parallel() -> TensorParallel:
         size = int(os.environ.get(ENV_TP, "1"))
         _TP = TensorParallel(int(os.environ.get(ENV_TP_RANK, "0")) if size > 1 else 0, size)
     return _TP
+
+
+def pipeline_parallel() -> PipelineParallel:
+    """This process's :class:`PipelineParallel`: under ``unicron run --pp P`` its slot's stage
+    (fixed for the slot's life) of P; else stage 0 of 1."""
+    global _PP
+    if _PP is None:
+        stages = int(os.environ.get(ENV_PP, "1"))
+        stage = int(os.environ.get(ENV_PP_STAGE, "0")) if stages > 1 else 0
+        _PP = PipelineParallel(stage, stages, tensor_parallel())
+    return _PP
 
 
 class _CopyToReplica(torch.autograd.Function):

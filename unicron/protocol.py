@@ -44,7 +44,9 @@ ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the a
 ENV_CHECKPOINT_KEEP = "UNICRON_CHECKPOINT_KEEP"  # checkpoints kept; 0: all
 ENV_RESUME = "UNICRON_RESUME"  # "1": the task goes on from the newest checkpoint
 ENV_TP = "UNICRON_TP"  # tensor-parallel degree: ranks per replica (1: a replica is one rank)
-ENV_TP_RANK = "UNICRON_TP_RANK"  # the slot's place in its replica (0 .. tp-1), per slot
+ENV_TP_RANK = "UNICRON_TP_RANK"  # the slot's tensor-parallel rank in its stage (0 .. tp-1)
+ENV_PP = "UNICRON_PP"  # pipeline stages per replica (1: no pipeline)
+ENV_PP_STAGE = "UNICRON_PP_STAGE"  # the slot's pipeline stage in its replica (0 .. pp-1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +67,10 @@ class WorkerSettings:
     checkpoint_keep: int = 3
     resume: bool = False
     tp: int = 1
-    """ranks per replica, tensor parallel on one node (docs/runtime.md, Model-parallel
-    replicas)"""
+    """ranks per pipeline stage of a replica, tensor parallel (docs/runtime.md,
+    Model-parallel replicas)"""
+    pp: int = 1
+    """pipeline stages per replica (a replica is ``tp * pp`` ranks of one node)"""
 
     def env(self) -> dict[str, str]:
         """The variables a worker of these settings starts with."""
@@ -104,6 +108,7 @@ WORKER_ENV = {
     "checkpoint_keep": ENV_CHECKPOINT_KEEP,
     "resume": ENV_RESUME,
     "tp": ENV_TP,
+    "pp": ENV_PP,
 }
 """each :class:`WorkerSettings` field's environment variable"""
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from unicron import protocol as P
 from unicron.detect.busy import read_queued_s
 from unicron.errors import UsageError
-from unicron.parallel import TensorParallel, tensor_parallel
+from unicron.parallel import PipelineParallel, TensorParallel, pipeline_parallel, tensor_parallel
 from unicron.protocol import (
     EpochInfo,
     done_key,
@@ -344,8 +344,9 @@ class _Runner:
     _attempt: Step | None = None  # the step handed out and not yet committed
     _crash_at: int = -1
     _laid_out: bool = False  # the optimizer's state is in stream order (lay_out_optimizer_state)
-    # -- the replica (tensor parallel: ctx.tp ranks; docs/runtime.md, Model-parallel replicas)
+    # -- the replica (tp x pp ranks; docs/runtime.md, Model-parallel replicas)
     par: TensorParallel = field(default_factory=tensor_parallel)
+    pipe: PipelineParallel = field(default_factory=pipeline_parallel)
     _dp: EpochGroup | None = None  # this epoch's members at this place, one per replica
     _ckpt_at: int = -1  # tp > 1: the step the replicas' shards are checkpointed at next
 
@@ -373,15 +374,22 @@ class _Runner:
         # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self.store.check([trained_key(self.ctx.task)])
         self.has_state = self.has_state and not self.ctx.resume
-        if self.par.size != self.ctx.tp:
-            raise RuntimeError(f"tensor parallel {self.par.size} in a task of tp {self.ctx.tp}")
+        if (self.par.size, self.pipe.stages) != (self.ctx.tp, self.ctx.pp):
+            raise RuntimeError(
+                f"tensor x pipeline parallel {self.par.size} x {self.pipe.stages} in a task of "
+                f"tp {self.ctx.tp} x pp {self.ctx.pp}"
+            )
+        self.R = self.ctx.tp * self.ctx.pp
+        """ranks per replica"""
+        self.place = self.pipe.stage * self.ctx.tp + self.par.rank
+        """this rank's place in its replica (its shard of the state)"""
         if self.ctx.checkpoint is not None:
             every, keep = self.ctx.checkpoint_every, self.ctx.checkpoint_keep
             settings = C.IntervalSettings(
                 every_steps=every, mtbf_s=self.ctx.checkpoint_mtbf_s, keep=keep
             )
             self.ckpt = C.Checkpointer(
-                root=C.shard_root(self.ctx.checkpoint, self.par.rank, self.ctx.tp),
+                root=C.shard_root(self.ctx.checkpoint, self.place, self.R),
                 settings=settings,
                 reduce=self.ctx.reduce,
                 ledger=self._ledger_desc(),
@@ -438,7 +446,7 @@ class _Runner:
                         self._leave(EpochOver("new epoch at the step boundary"), epoch)
                         break
                     shares = L.assign(range(self.M), self._replicas(g))
-                    todo = shares[g.rank // self.ctx.tp]
+                    todo = shares[g.rank // self.R]
                     self._held = [set(share) for share in shares]
                 first = False
                 attempt = self._begin(g, todo)
@@ -485,8 +493,8 @@ class _Runner:
             self.ckpt.join()
         group = self.groups[-1]
         sha = params_sha256(self.model)
-        if group.rank < self.ctx.tp and self.out is not None:  # replica 0: a file per shard
-            name = "final.pt" if self.ctx.tp == 1 else f"final.tp{self.par.rank}.pt"
+        if group.rank < self.R and self.out is not None:  # replica 0: a file per shard
+            name = "final.pt" if self.R == 1 else f"final.shard{self.place}.pt"
             save_atomic(self.model.state_dict(), self.out / name)
         self.link.send(
             P.Done(
@@ -496,7 +504,7 @@ class _Runner:
                 params_sha256=sha,
                 rank=group.rank,
                 epoch=epoch,
-                shard=self.par.rank,
+                shard=self.place,
             )
         )
         self.result = TrainResult(
@@ -557,35 +565,53 @@ class _Runner:
                 microbatches_recomputed=len(self._missing) if reused else 0,
                 members=list(info.members),
             )
-        return g, shares[rank // self.ctx.tp]
+        return g, shares[rank // self.R]
 
     def _replicas(self, g: EpochGroup) -> int:
         """How many replicas epoch ``g`` has (its members are whole replicas, in order)."""
-        return g.world // self.ctx.tp
+        return g.world // self.R
 
     def _replica_groups(self, g: EpochGroup) -> None:
-        """This member's groups in epoch ``g``: with ``tp`` > 1 members ``q*tp .. q*tp+tp-1``
-        are replica q, this member its place ``rank % tp``; the members at that place, one per
-        replica, reduce gradients and pass state (:attr:`_dp`), the replica's ranks sum
-        partial outputs (:class:`~unicron.parallel.TensorParallel`, bound to the epoch)."""
-        tp = self.ctx.tp
-        if tp == 1:
+        """This member's groups in epoch ``g``: with ``R = tp * pp`` > 1 ranks per replica,
+        members ``q*R .. q*R+R-1`` are replica q in place order (place ``stage * tp + tp
+        rank``); the members at this place, one per replica, reduce gradients and pass state
+        (:attr:`_dp`); the stage's ranks of the replica sum partial outputs
+        (:class:`~unicron.parallel.TensorParallel`), and each stage is linked to its
+        neighbours at the same tensor-parallel rank (:class:`~unicron.parallel.
+        PipelineParallel`), all bound to the epoch."""
+        R, tp = self.R, self.ctx.tp
+        if R == 1:
             self._dp = g
             return
-        if g.world % tp or g.rank % tp != self.par.rank:
+        if g.world % R or g.rank % R != self.place:
             raise RuntimeError(
-                f"epoch {g.info.epoch}: slot {self.ctx.slot} (place {self.par.rank} of a "
-                f"replica of {tp}) at rank {g.rank} of {g.world}: not whole replicas in order"
+                f"epoch {g.info.epoch}: slot {self.ctx.slot} (place {self.place} of a replica "
+                f"of {R}) at rank {g.rank} of {g.world}: not whole replicas in order"
             )
-        first = g.rank - self.par.rank
-        self._dp = g.subgroup(list(range(self.par.rank, g.world, tp)), "dp")
-        replica = g.subgroup(list(range(first, first + tp)), "tp")
-        # a long wait in the replica's sum is its other ranks' doing: say so, so that the
-        # hang detector looks at them (a hung rank's partners wait; they do not hang)
-        replica.on_wait = lambda waiting: self.link.send(
-            P.Waiting(step=self.step, epoch=g.info.epoch, ts=time.time(), waiting=waiting)
-        )
-        self.par.bind_epoch(replica.allreduce, EpochOver)
+        first = g.rank - self.place
+        self._dp = g.subgroup(list(range(self.place, g.world, R)), "dp")
+
+        def said(waiting: bool) -> None:
+            # a long wait on the replica is its other ranks' doing: say so, so that the hang
+            # detector looks at them (a hung rank's partners wait; they do not hang)
+            self.link.send(
+                P.Waiting(step=self.step, epoch=g.info.epoch, ts=time.time(), waiting=waiting)
+            )
+
+        if tp > 1:
+            start = first + self.pipe.stage * tp
+            replica = g.subgroup(list(range(start, start + tp)), "tp")
+            replica.on_wait = said
+            self.par.bind_epoch(replica.allreduce, EpochOver)
+        links: list[Callable[[torch.Tensor, int], None] | None] = []
+        for other in (g.rank - tp, g.rank + tp):  # the same tp rank one stage up, one down
+            if not first <= other < first + R:
+                links.append(None)
+                continue
+            pair = g.subgroup(sorted([g.rank, other]), "pp")
+            pair.on_wait = said
+            links.append(pair.broadcast)
+        self.pipe.bind_epoch(links[0], links[1], EpochOver)
 
     # -- transition: ledger exchange and nearest-source state ---------------------------------
     def _sync(self, g: EpochGroup) -> tuple[int, str]:
@@ -615,16 +641,16 @@ class _Runner:
             have.append(inventory(tensors, self.optimizer, manifest=self.has_state))
 
         rows = [r.tolist() for r in g.allgather(mine, meanwhile=take)]
-        tp, place = self.ctx.tp, self.par.rank
-        n = len(rows) // tp  # replicas; member q*tp + c is place c of replica q
+        size, place = self.R, self.place  # ranks per replica, this rank's place
+        n = len(rows) // size  # replicas; member q*size + c is place c of replica q
         target = max(r[0] for r in rows)
         # per place, the replicas at the newest step with the first such one's parameters
         # hold that place's state; the others (joiners, replicas that differ, e.g. models
         # built with other seeds) receive it, as DDP's first broadcast would
         refs: list[list[int] | None] = []
         holders: list[list[int]] = []
-        for c in range(tp):
-            col = rows[c::tp]
+        for c in range(size):
+            col = rows[c::size]
             ref = next((row for row in col if row[0] == target), None)
             refs.append(ref)
             holders.append(
@@ -632,7 +658,7 @@ class _Runner:
                 [q for q, row in enumerate(col) if row[0] == target and row[2] == ref[2]]
             )  # fmt: skip
         if target < 0 or not all(holders):
-            # every replica is gone (or, tensor parallel, every copy of some place's shard at
+            # every replica is gone (or, model parallel, every copy of some place's shard at
             # the newest step): the last resort, the persistent checkpoint
             self._load_checkpoint()
             self._missing = list(range(self.M))
@@ -644,11 +670,11 @@ class _Runner:
         source = "local"
         if needers:
             # the nearest holders (on the needers' node, else all) each stream a share
-            node_of = [row[1] for row in rows[place::tp]]
+            node_of = [row[1] for row in rows[place::size]]
             near = [h for h in have_state if node_of[h] == node_of[needers[0]]]
             source = "peer_node" if near else "peer_remote"
             # needers whose model's layout is the holders' post its receives at once
-            agreed = all(rows[q * tp + place][-1] == mine_ref[-1] for q in needers)
+            agreed = all(rows[q * size + place][-1] == mine_ref[-1] for q in needers)
             transfer(self._dp, self.model, self.optimizer, holders=near or have_state,
                      needers=needers, device=self.device, have=have[0], agreed=agreed)  # fmt: skip
             if self._dp.rank in needers:
@@ -659,12 +685,12 @@ class _Runner:
         # its sums: then none of the replica's count)
         masks = [row[5 : 5 + self.M] for row in rows]
         kept = [
-            all(q in holders[c] for c in range(tp))
-            and all(masks[q * tp + c] == masks[q * tp] for c in range(tp))
+            all(q in holders[c] for c in range(size))
+            and all(masks[q * size + c] == masks[q * size] for c in range(size))
             for q in range(n)
         ]
         done_sets = [
-            {mb for mb in range(self.M) if masks[q * tp][mb]} if kept[q] else set()
+            {mb for mb in range(self.M) if masks[q * size][mb]} if kept[q] else set()
             for q in range(n)
         ]
         if not kept[self._dp.rank]:
@@ -676,11 +702,10 @@ class _Runner:
 
     def _load_checkpoint(self) -> None:
         """Every replica is gone: go on from the newest valid checkpoint (a checkpoint of
-        another model, data layout or reduce mode stops the task: exit 2). Tensor parallel:
+        another model, data layout or reduce mode stops the task: exit 2). Model parallel:
         each rank its place's shard, of the newest step every shard has."""
         root = self.ctx.checkpoint
-        tp = self.ctx.tp
-        found = C.load_newest_shard(root, self.par.rank, tp) if root is not None else None
+        found = C.load_newest_shard(root, self.place, self.R) if root is not None else None
         if found is None:
             raise RuntimeError("no member of the epoch holds the model state and no checkpoint")
         manifest, parts = found
@@ -717,10 +742,10 @@ class _Runner:
         every rank of replica 0 writes its place's shard, at the steps rank 0 names two
         boundaries ahead on the store (the others pass a boundary only after rank 0 voted
         for the step between: they read it in time), so every shard has the same steps."""
-        if rank >= self.ctx.tp or self.ckpt is None:
+        if rank >= self.R or self.ckpt is None:
             return
         world, now, data = self.groups[-1].world, time.time(), self.data.state()
-        if self.ctx.tp == 1:
+        if self.R == 1:
             self.ckpt.at_boundary(
                 self.model, self.optimizer, step=self.step, world=world, now=now, data=data
             )
@@ -811,6 +836,8 @@ class _Runner:
     def backward(self, s: Step, loss: torch.Tensor) -> None:
         """Backward of the current micro-batch; the gradient hooks take each gradient."""
         mb, last = self._take(s, "step.backward(loss)")
+        if self.pipe.last and self.pipe.stages > 1:
+            self.pipe.loss = float(loss.detach())  # goes back to the other stages
         try:
             self.grads.backward(mb, loss, last=last)
         except BaseException:

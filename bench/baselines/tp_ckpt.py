@@ -4,8 +4,8 @@
         --nproc-per-node 4 --max-restarts 3 -m bench.baselines.tp_ckpt \\
         --steps N --ckpt-every K --ckpt-dir DIR --events FILE [--inject SPEC]
 
-The same work as ``examples/train_llama_tp.py`` under ``unicron run --tp 2``: the model of
-``examples/llama_tp.py`` split over the replica's process group (``TensorParallel.bind``,
+The same work as ``examples/train_llama_parallel.py`` under ``unicron run --tp 2``: the model of
+``examples/llama_parallel.py`` split over the replica's process group (``TensorParallel.bind``,
 ranks 2q and 2q+1 form replica q), DDP across replicas on each place's group, the ledger's
 micro-batches (8 of 4 sequences a step, each replica a contiguous block), each seeded the
 same way, AdamW. Replica 0's rank at each place writes its shard every K steps; on any
@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import llama_tp
+import llama_parallel
 
 from bench.baselines.loop import CPU, EventWriter, FaultPlan, setup_threads
 from unicron.parallel import TensorParallel
@@ -60,7 +60,7 @@ def main() -> int:
     dp_groups = [dist.new_group(list(range(c, world, TP))) for c in range(TP)]
     tp = TensorParallel(place, TP)
     tp.bind(tp_groups[q])
-    model, opt, dataset = llama_tp.build(tp, seed=SEED)
+    model, opt, dataset = llama_parallel.build(tp, seed=SEED)
     model.train()
     shard = Path(args.ckpt_dir) / f"ckpt-tp{place}.pt"
     start = 0
@@ -85,7 +85,7 @@ def main() -> int:
             batch = torch.utils.data.default_collate([dataset[j] for j in ledger.samples(step, mb)])
             ctx = ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext()
             with ctx:
-                out = llama_tp.loss_fn(ddp, batch)
+                out = llama_parallel.loss_fn(ddp, batch)
                 (out / len(mine)).backward()
             total += float(out.detach())
         opt.step()

@@ -60,6 +60,7 @@ from unicron.protocol import (
     ENV_FAULTS,
     ENV_INCARNATION,
     ENV_NODE,
+    ENV_PP_STAGE,
     ENV_SLOT,
     ENV_STORE,
     ENV_TASK,
@@ -759,11 +760,16 @@ class Agent:
             ENV_SLOT: str(slot),
             ENV_INCARNATION: str(self.workers[slot].incarnation),
             ENV_FAULTS: ";".join(faults),
-            # its place in its replica: the task's slots on this node in groups of tp
-            # (unicron.control.replicas, which the coordinator uses alike)
-            ENV_TP_RANK: str(self.config.slots.index(slot) % self.config.settings.tp),
+            # its place in its replica: the task's slots on this node in groups of tp x pp
+            # (unicron.control.replicas, which the coordinator uses alike), stage by stage
+            **self._place_env(slot),
             **self._device_env(slot),
         }
+
+    def _place_env(self, slot: int) -> dict[str, str]:
+        tp, pp = self.config.settings.tp, self.config.settings.pp
+        place = self.config.slots.index(slot) % (tp * pp)
+        return {ENV_TP_RANK: str(place % tp), ENV_PP_STAGE: str(place // tp)}
 
     def _device_env(self, slot: int) -> dict[str, str]:
         """The slot's device (this node's GPUs round robin) and torchrun's LOCAL_RANK."""

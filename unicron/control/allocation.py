@@ -90,9 +90,9 @@ class TaskView:
     """sequences per step, for :attr:`model`"""
     transition_s: float = TRANSITION_S
     """what a change of its worker count costs it, seconds (measured by the cluster)"""
-    tp: int = 1
-    """ranks per replica: its counts are multiples of it, and whole replicas (``tp`` slots of
-    one node, :mod:`unicron.control.replicas`) move together"""
+    replica_ranks: int = 1
+    """ranks per replica (``tp * pp``): its counts are multiples of it, and whole replicas
+    (that many slots of one node, :mod:`unicron.control.replicas`) move together"""
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,9 @@ def throughput(t: TaskView, units: int, hardware: Hardware | None = None) -> np.
     priced = _priced(t, units, hardware)
     out = np.zeros(units + 1)
     for u in range(1, units + 1):
-        k = min(u, t.max_workers) // t.tp * t.tp  # ranks beyond whole replicas idle
+        k = (
+            min(u, t.max_workers) // t.replica_ranks * t.replica_ranks
+        )  # ranks beyond whole replicas idle
         if k == 0:
             continue
         if priced is not None:
@@ -227,7 +229,7 @@ def _groups(t: TaskView, capacity: dict[int, int]) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = []
     for node in sorted({n for n in t.ranks.values() if n in capacity}):
         on = sorted(r for r, n in t.ranks.items() if n == node)
-        out += [tuple(on[i : i + t.tp]) for i in range(0, len(on), t.tp)]
+        out += [tuple(on[i : i + t.replica_ranks]) for i in range(0, len(on), t.replica_ranks)]
     return out
 
 
@@ -236,8 +238,8 @@ def _equal(tasks: list[TaskView], units: int) -> tuple[dict[str, int], dict[str,
     share, extra = divmod(units, len(tasks))
     target = {
         t.name: min(max(share + (1 if i < extra else 0), t.min_workers), t.max_workers)
-        // t.tp
-        * t.tp
+        // t.replica_ranks
+        * t.replica_ranks
         for i, t in enumerate(tasks)
     }
     over = sum(target.values()) - units
@@ -279,7 +281,9 @@ def _planned(
         )
     plan = solve(states, spare, d_run_s, rate_unit=("worker-equivalents", 1.0))
     target = {
-        t.name: min(reserved[t.name] + plan.allocation[t.name], t.max_workers) // t.tp * t.tp
+        t.name: min(reserved[t.name] + plan.allocation[t.name], t.max_workers)
+        // t.replica_ranks
+        * t.replica_ranks
         for t in tasks
     }
     reasons = {
@@ -305,7 +309,8 @@ def _moves(
             # whole replicas (short ones first), from the nodes where it holds the fewest
             count = {n: sum(1 for m in t.ranks.values() if m == n) for n in capacity}
             groups = sorted(
-                _groups(t, capacity), key=lambda g: (len(g) == t.tp, count[t.ranks[g[0]]], -g[0])
+                _groups(t, capacity),
+                key=lambda g: (len(g) == t.replica_ranks, count[t.ranks[g[0]]], -g[0]),
             )
             give_back: list[int] = []
             for g in groups:
@@ -322,14 +327,14 @@ def _moves(
             mine = {n: sum(1 for m in t.ranks.values() if m == n) for n in capacity}
             nodes: list[int] = []
             # pack: nodes it is on, then the freest; a replica's tp ranks on one node
-            for _ in range(extra // t.tp):
-                open_ = [n for n in free if free[n] >= t.tp]
+            for _ in range(extra // t.replica_ranks):
+                open_ = [n for n in free if free[n] >= t.replica_ranks]
                 if not open_:
                     break
                 n = max(open_, key=lambda n: (mine[n], free[n], -n))
-                free[n] -= t.tp
-                mine[n] += t.tp
-                nodes += [n] * t.tp
+                free[n] -= t.replica_ranks
+                mine[n] += t.replica_ranks
+                nodes += [n] * t.replica_ranks
             after = held[t.name] + len(nodes)
             moves.append(Move(t.name, held[t.name], after, add_on=tuple(nodes)))
         elif extra == 0:

@@ -50,8 +50,8 @@ class TaskState(enum.Enum):
 class CoordinatorSettings:
     min_workers: int = 1
     """the task is worth nothing below this many workers: it waits (or fails) instead"""
-    tp: int = 1
-    """ranks per replica (tensor parallel, on one node): an epoch holds whole replicas only
+    replica_ranks: int = 1
+    """ranks per replica (``tp * pp``, on one node): an epoch holds whole replicas only
     (:func:`unicron.control.replicas.whole`)"""
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""

@@ -449,7 +449,7 @@ class Cluster:
                     model=task.spec.planner_model(),
                     global_batch=task.spec.global_batch or 0,
                     transition_s=self._transition_s(task),
-                    tp=task.spec.tp,
+                    replica_ranks=task.spec.replica_ranks,
                 )
             )
         if not views or not capacity:
@@ -604,7 +604,7 @@ class Cluster:
             escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
             settings=CoordinatorSettings(
                 min_workers=spec.workers.min,
-                tp=spec.tp,
+                replica_ranks=spec.replica_ranks,
                 checkpoint=checkpoint,
                 committed_before=committed_before,
                 readmit_after_s=spec.readmit_after,
@@ -642,6 +642,7 @@ class Cluster:
             checkpoint_keep=spec.checkpoint.keep,
             resume=spec.checkpoint.resume,
             tp=spec.tp,
+            pp=spec.pp,
         )
         return {
             "uid": task.row.uid,

@@ -50,6 +50,7 @@ SHARED: tuple[Flag, ...] = (
     Flag("bucket_cap_mb", "--bucket-cap-mb", "MB"),
     Flag("threads", "--threads", "N"),
     Flag("tp", "--tp", "N"),
+    Flag("pp", "--pp", "N"),
     Flag("checkpoint.every", "--checkpoint-every", "K|auto"),
     Flag("checkpoint.mtbf", "--mtbf", "S"),
     Flag("checkpoint.keep", "--checkpoint-keep", "N"),
@@ -138,9 +139,10 @@ def check(args: argparse.Namespace, fields: Mapping[str, Any] | None = None) -> 
     :class:`~unicron.errors.UsageError` naming the flag of every problem, on one line."""
     by_loc = {tuple(f.field.split(".")): f.flag for f in SHARED}
     data = {"name": "run", "script": "run", **(fields or task_fields(args))}
-    tp = data.get("tp", 1)
-    if isinstance(tp, int) and tp >= 1:  # one replica: the runner checks --min-workers itself
-        data.setdefault("workers", {"min": tp, "max": tp})
+    tp, pp = data.get("tp", 1), data.get("pp", 1)
+    if isinstance(tp, int) and isinstance(pp, int) and tp >= 1 and pp >= 1:
+        # one replica: the runner checks --min-workers itself
+        data.setdefault("workers", {"min": tp * pp, "max": tp * pp})
     try:
         TaskSpec.model_validate(data)
     except ValidationError as exc:

@@ -109,9 +109,9 @@ def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> N
         b.effects.append(WriteStoreKey(done_key(b.task), "done"))
     if report.get("rank") == 0 or not b.outcome:
         b.outcome = Outcome(TaskState.DONE, "finished", report)
-    if b.settings.tp > 1 and len(shas) == b.settings.tp:
+    if b.settings.replica_ranks > 1 and len(shas) == b.settings.replica_ranks:
         # the whole model's digest: its shards' digests in place order
-        per_shard = [next(iter(shas[k])) for k in range(b.settings.tp)]
+        per_shard = [next(iter(shas[k])) for k in range(b.settings.replica_ranks)]
         whole = hashlib.sha256(",".join(per_shard).encode()).hexdigest()
         result = {**b.outcome.result, "params_sha256": whole, "shards_sha256": per_shard}
         b.outcome = Outcome(TaskState.DONE, "finished", result)
@@ -164,7 +164,9 @@ def release_slots(b: TaskBook, slots: list[int], now: float, reason: str) -> Non
         else:
             s.to(SlotState.LEAVING)
             leaving.append(slot)
-    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], b.settings.tp)
+    rest = replicas.whole(
+        b.slots, [m for m in b.members if m not in leaving], b.settings.replica_ranks
+    )
     if rest != b.members and b.active():
         gone = ", ".join(map(str, leaving))
         announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released")
@@ -211,7 +213,9 @@ def maybe_start(b: TaskBook, now: float) -> None:
     if b.started_at is None:
         b.started_at = now
     usable = [s for s, o in sorted(b.slots.items()) if not o.excluded]
-    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], b.settings.tp)
+    ready = replicas.whole(
+        b.slots, [s for s in usable if b.slots[s].ready], b.settings.replica_ranks
+    )
     timed_out = now - b.started_at > b.settings.start_timeout_s
     if ready and (
         len(ready) == len(usable) or (timed_out and len(ready) >= b.settings.min_workers)
@@ -228,7 +232,7 @@ def grow(b: TaskBook, now: float) -> None:
         for s, o in sorted(b.slots.items())
         if o.ready and o.alive and not o.excluded and s not in b.members
     )
-    grown = replicas.whole(b.slots, b.members + joiners, b.settings.tp)
+    grown = replicas.whole(b.slots, b.members + joiners, b.settings.replica_ranks)
     joiners = tuple(s for s in grown if s not in b.members)
     if joiners and len(grown) >= b.settings.min_workers:
         below = b.state is TaskState.WAITING or len(b.members) < b.settings.min_workers
@@ -247,7 +251,9 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     the survivors, or (below the task's minimum, where it is worth nothing) wait for
     restarted or readmitted workers to bring it back. Returns False if the task failed."""
     # whole replicas only: the living ranks of a broken one wait outside the epoch
-    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.settings.tp)
+    survivors = replicas.whole(
+        b.slots, [m for m in b.members if b.slots[m].alive], b.settings.replica_ranks
+    )
     usable = [s for s, o in b.slots.items() if not o.excluded]
     # slots that can come back: usable ones, and excluded ones a health probe may readmit
     # (not those of lost nodes: no agent to run a probe; none if probes are turned off)

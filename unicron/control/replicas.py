@@ -1,9 +1,11 @@
 """Replicas of several ranks: which slots train together as one model-parallel replica.
 
-A task with ``tp`` > 1 (tensor parallel) runs each replica on ``tp`` slots of one node: the
-slots of the task on a node, in slot order, in groups of ``tp``; a slot's *place* in its
-group is its tensor-parallel rank, fixed for the slot's life (its worker builds that shard
-of the model: :data:`unicron.protocol.ENV_TP_RANK`, which the agent computes the same way).
+A task of ``tp`` x ``pp`` > 1 ranks per replica (tensor and pipeline parallel) runs each
+replica on that many slots of one node: the slots of the task on a node, in slot order, in
+groups of ``tp * pp``; a slot's *place* in its group (stage ``place // tp``, tensor-parallel
+rank ``place % tp``) is fixed for the slot's life (its worker builds that shard of the model:
+:data:`unicron.protocol.ENV_TP_RANK` and :data:`~unicron.protocol.ENV_PP_STAGE`, which the
+agent computes the same way). Below, ``size`` is ``tp * pp``.
 An epoch holds whole replicas only: a replica that lost a rank sits out until the rank is
 back, its other ranks alive and waiting (never killed for it), and rejoins at a step
 boundary with the shard of each place streamed from the same place in a live replica.
@@ -23,30 +25,30 @@ from unicron.control.slots import SlotTable
 __all__ = ["group_of", "orphans", "place", "whole"]
 
 
-def group_of(slots: SlotTable, slot: int, tp: int) -> tuple[int, ...]:
-    """The slots of ``slot``'s replica, in place order (fewer than ``tp`` on a node whose
-    slot count ``tp`` does not divide: that group is never whole)."""
+def group_of(slots: SlotTable, slot: int, size: int) -> tuple[int, ...]:
+    """The slots of ``slot``'s replica, in place order (fewer than ``size`` on a node whose
+    slot count ``size`` does not divide: that group is never whole)."""
     on = slots.on_node(slots[slot].node)
-    first = on.index(slot) // tp * tp
-    return tuple(on[first : first + tp])
+    first = on.index(slot) // size * size
+    return tuple(on[first : first + size])
 
 
-def place(slots: SlotTable, slot: int, tp: int) -> int:
-    """``slot``'s tensor-parallel rank in its replica."""
-    return slots.on_node(slots[slot].node).index(slot) % tp
+def place(slots: SlotTable, slot: int, size: int) -> int:
+    """``slot``'s place in its replica."""
+    return slots.on_node(slots[slot].node).index(slot) % size
 
 
-def whole(slots: SlotTable, candidates: Sequence[int], tp: int) -> tuple[int, ...]:
+def whole(slots: SlotTable, candidates: Sequence[int], size: int) -> tuple[int, ...]:
     """The replicas all of whose slots are ``candidates``, each in place order, in the order
     their first slot comes in ``candidates`` (members keep their order, replica by replica)."""
-    if tp == 1:
+    if size == 1:
         return tuple(candidates)
     given, out = set(candidates), list[int]()
     for slot in candidates:
         if slot in out:
             continue
-        group = group_of(slots, slot, tp)
-        if len(group) == tp and given.issuperset(group):
+        group = group_of(slots, slot, size)
+        if len(group) == size and given.issuperset(group):
             out.extend(group)
     return tuple(out)
 

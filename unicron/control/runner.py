@@ -201,22 +201,26 @@ def _nnodes(raw: str) -> int:
 
 
 def _check_tp(args: argparse.Namespace) -> None:
-    """``--tp``: a replica's ranks are on one node, and the task is worth whole replicas;
-    ``--min-workers`` left at its default becomes one replica."""
-    tp = args.tp
-    if tp is None or tp <= 1:
-        return  # (below 1: the task file's model says so, with the flag's name)
-    if args.nproc_per_node % tp:
+    """``--tp`` and ``--pp``: a replica's ``tp x pp`` ranks are on one node, and the task is
+    worth whole replicas; ``--min-workers`` left at its default becomes one replica."""
+    tp, pp = args.tp or 1, args.pp or 1
+    if tp < 1 or pp < 1:
+        return  # the task file's model says so, with the flag's name
+    n = tp * pp
+    if n == 1:
+        return
+    said = " x ".join(f"--{k} {v}" for k, v in (("tp", tp), ("pp", pp)) if v > 1)
+    if args.nproc_per_node % n:
         raise UsageError(
-            f"--tp {tp} must divide --nproc-per-node {args.nproc_per_node}: a replica's "
-            "ranks are on one node"
+            f"{said} ({n} ranks) must divide --nproc-per-node {args.nproc_per_node}: a "
+            "replica's ranks are on one node"
         )
     if args.min_workers == 1:
-        args.min_workers = tp
-    elif args.min_workers % tp:
+        args.min_workers = n
+    elif args.min_workers % n:
         raise UsageError(
-            f"--min-workers {args.min_workers} must be a multiple of --tp {tp}: the task "
-            "trains on whole replicas"
+            f"--min-workers {args.min_workers} must be a multiple of {said} ({n} ranks): the "
+            "task trains on whole replicas"
         )
 
 

@@ -10,7 +10,8 @@
     reduce: exact                   # exact | fast
     bucket_cap_mb: 25               # the gradient buckets' bound (MB), as DDP's
     threads: 1                      # torch threads per worker
-    tp: 1                           # ranks per replica, tensor parallel on one node
+    tp: 1                           # tensor-parallel ranks per pipeline stage
+    pp: 1                           # pipeline stages per replica (tp * pp ranks, one node)
     checkpoint: {every: auto, keep: 3, mtbf: 10800}   # also dir, resume
     device: cpu                     # cpu | cuda
     give_up_after: 600              # seconds below min before the task fails
@@ -134,9 +135,16 @@ class TaskSpec(BaseModel):
         1,
         ge=1,
         le=64,
-        description="ranks per replica: tensor parallel over that many slots of one node "
-        "(the script builds its shard: unicron.parallel); a replica that loses a rank waits "
-        "out of the step, its other ranks alive, until the rank is back",
+        description="tensor-parallel ranks per pipeline stage of a replica (the script "
+        "builds its shard: unicron.parallel); a replica that loses a rank waits out of the "
+        "step, its other ranks alive, until the rank is back",
+    )
+    pp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="pipeline stages per replica, each tp ranks: a replica is tp x pp slots "
+        "of one node (the script builds its stage: unicron.parallel)",
     )
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
     give_up_after: float = Field(
@@ -195,13 +203,19 @@ class TaskSpec(BaseModel):
 
     @model_validator(mode="after")
     def _whole_replicas(self) -> TaskSpec:
-        """Workers come in whole replicas of ``tp`` ranks."""
-        if self.tp > 1 and (self.workers.min % self.tp or self.workers.max % self.tp):
+        """Workers come in whole replicas of ``tp * pp`` ranks."""
+        n = self.replica_ranks
+        if n > 1 and (self.workers.min % n or self.workers.max % n):
             raise ValueError(
                 f"workers: min ({self.workers.min}) and max ({self.workers.max}) must be "
-                f"multiples of tp ({self.tp}): a replica is tp workers"
+                f"multiples of tp x pp ({n}): a replica is that many workers"
             )
         return self
+
+    @property
+    def replica_ranks(self) -> int:
+        """Ranks per replica: ``tp * pp``."""
+        return self.tp * self.pp
 
     @field_validator("env")
     @classmethod

@@ -297,14 +297,15 @@ def has_checkpoint(root: Path | None) -> bool:
     task's (:func:`shard_root`) counts when its first shard has one."""
     if root is None:
         return False
-    return any((p / MANIFEST).exists() for p in steps(root) + steps(root / "tp0"))
+    return any((p / MANIFEST).exists() for p in steps(root) + steps(root / "shard0"))
 
 
 def shard_root(root: Path, place: int, tp: int) -> Path:
-    """Where the shard of place ``place`` of a replica of ``tp`` ranks is checkpointed: ``root``
-    itself for a replica of one rank, else ``root/tp{place}`` (each written by the rank of
-    replica 0 at that place, at the same steps: :class:`Checkpointer`'s caller sees to it)."""
-    return root if tp == 1 else root / f"tp{place}"
+    """Where the shard of place ``place`` of a replica of ``tp`` ranks (``tp * pp``) is
+    checkpointed: ``root`` itself for a replica of one rank, else ``root/shard{place}`` (each
+    written by the rank of replica 0 at that place, at the same steps: :class:`Checkpointer`'s
+    caller sees to it)."""
+    return root if tp == 1 else root / f"shard{place}"
 
 
 def load_newest_shard(root: Path, place: int, tp: int) -> tuple[Manifest, dict[str, Any]] | None:

@@ -63,7 +63,9 @@ class WorkerContext:
     resume: bool = False
     """the task goes on from the newest checkpoint (``unicron run --resume``)"""
     tp: int = 1
-    """ranks per replica (tensor parallel); this slot's place is :mod:`unicron.parallel`'s"""
+    """tensor-parallel ranks per stage; this slot's rank is :mod:`unicron.parallel`'s"""
+    pp: int = 1
+    """pipeline stages per replica; this slot's stage is :mod:`unicron.parallel`'s"""
 
     @classmethod
     def from_env(cls, api: str = "unicron.worker.train()") -> WorkerContext:
@@ -91,6 +93,7 @@ class WorkerContext:
             on_lost=settings.on_lost,
             bucket_cap_mb=settings.bucket_cap_mb,
             tp=settings.tp,
+            pp=settings.pp,
         )
 
 

@@ -1,4 +1,5 @@
-"""Tensor-parallel replicas under ``unicron run``, end to end: TP=2 x DP=2 on 4 workers.
+"""Model-parallel replicas under ``unicron run``, end to end: TP=2 x DP=2 on 4 workers,
+TP=2 x PP=2 x DP=2 on 8, and a pipeline's middle stage (PP=3 x DP=2 on 6).
 
 A rank lost mid-step (rank 0 of a replica, then the other place of the other replica, then
 a hang, found as the hung rank's alone from its partner's report that it waits) takes its
@@ -21,7 +22,7 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
 
-SCRIPT = ROOT / "examples" / "train_llama_tp.py"
+SCRIPT = ROOT / "examples" / "train_llama_parallel.py"
 STEPS = 20
 
 
@@ -33,8 +34,8 @@ def _tp(run: Any, *flags: str, steps: int = STEPS) -> Any:
 def _shards(r: Any) -> list[torch.Tensor]:
     out = r.out.parent / "out"
     return [
-        torch.cat([t.reshape(-1) for t in torch.load(out / f"final.tp{c}.pt").values()])
-        for c in (0, 1)
+        torch.cat([t.reshape(-1) for t in torch.load(path).values()])
+        for path in sorted(out.glob("final.shard*.pt"))
     ]
 
 
@@ -86,16 +87,62 @@ def test_every_replica_broken_falls_back_to_the_sharded_checkpoint(run: Any) -> 
     by_step: dict[int, set[str]] = {}
     for e in saved:
         by_step.setdefault(e["step"], set()).add(Path(e["path"]).parent.name)
-    assert by_step and all(places == {"tp0", "tp1"} for places in by_step.values()), by_step
+    assert by_step and all(places == {"shard0", "shard1"} for places in by_step.values()), by_step
+
+
+def _same(clean: Any, faulty: Any, steps: int) -> None:
+    for r in (clean, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.task_end["status"] == "ok" and r.task_end["steps"] == steps
+    assert faulty.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    shards = _shards(faulty)
+    assert len(shards) >= 2  # a file per place of the replica
+    for a, b in zip(shards, _shards(clean), strict=True):
+        assert torch.equal(a, b)
+    assert sorted(e["step"] for e in faulty.of("step_end")) == list(range(steps))
+
+
+def test_a_lost_rank_of_a_3d_replica_heals_to_the_fault_free_bits(run: Any) -> None:
+    """TP=2 x PP=2 x DP=2: rank 2 (stage 1, rank 0 of its tensor-parallel group, replica 0)
+    lost mid-micro-batch, then rank 5 (stage 0, replica 1)."""
+    layout = ("--nproc-per-node", "8", "--tp", "2", "--pp", "2")
+    clean = _tp(run, *layout, steps=10)
+    faulty = _tp(
+        run, *layout, "--inject", "crash:rank=2,step=4,mb=1", "--inject", "crash:rank=5,step=7",
+        steps=10,
+    )  # fmt: skip
+    _same(clean, faulty, 10)
+    epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
+    assert (4, 5, 6, 7) in epochs and all(len(m) % 4 == 0 for m in epochs), epochs
+    restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
+    assert restarted == [2, 5]
+
+
+def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run: Any) -> None:
+    """PP=3 x DP=2 (a layer a stage): the middle stage of replica 0 crashes mid-step, the
+    middle stage of replica 1 hangs (its neighbours wait on it and say so: it alone is
+    restarted)."""
+    layout = ("--nproc-per-node", "6", "--pp", "3")
+    script_args = ("--layers", "3")
+    clean = run(*layout, script=SCRIPT, script_args=("--steps", "10", "--out", "out", *script_args))
+    faulty = run(
+        *layout, "--inject", "crash:rank=1,step=4,mb=1", "--inject", "hang:rank=4,step=7",
+        script=SCRIPT, script_args=("--steps", "10", "--out", "out", *script_args),
+    )  # fmt: skip
+    _same(clean, faulty, 10)
+    restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
+    assert restarted == [1, 4]
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--nproc-per-node", "4", "--tp", "3"), "--tp 3 must divide --nproc-per-node 4"),
+        (("--nproc-per-node", "4", "--tp", "3"), "--tp 3 (3 ranks) must divide --nproc-per-node 4"),
         (("--nproc-per-node", "4", "--tp", "2", "--min-workers", "3"), "multiple of --tp 2"),
         (("--nproc-per-node", "4", "--tp", "0"), "--tp"),
         (("--nproc-per-node", "3", "--tp", "3"), "heads (4) is not divisible by tp (3)"),
+        (("--nproc-per-node", "4", "--tp", "2", "--pp", "3"), "(6 ranks) must divide"),
+        (("--nproc-per-node", "4", "--pp", "4"), "layers (2) is not divisible by pp (4)"),
     ],
 )
 def test_a_bad_layout_gets_one_line_and_exit_2(

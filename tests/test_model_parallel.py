@@ -1,11 +1,13 @@
-"""Replicas of several ranks (tensor parallel): the layers, the grouping, the decisions.
+"""Replicas of several ranks (tensor and pipeline parallel): the parts, the grouping, the
+decisions.
 
 The layers of :mod:`unicron.parallel` split a model the way Megatron-LM does and compute the
 unsplit model's function (two ranks in two threads over a real gloo group); a replica's
-replicated parameters get the same gradient on every rank, bit for bit. The coordinator
-forms epochs of whole replicas: a replica that lost a rank sits out, its living rank waits
-(not killed, its last step no hang), and comes back whole with its restarted rank. The end to
-end runs are in ``tests/test_tensor_parallel_e2e.py``.
+replicated parameters get the same gradient on every rank, bit for bit; two pipeline stages
+compute the whole model's loss and gradients bit for bit, the loss coming back to the
+first. The coordinator forms epochs of whole replicas: a replica that lost a rank sits out,
+its living rank waits (not killed, its last step no hang), and comes back whole with its
+restarted rank. The end to end runs are in ``tests/test_model_parallel_e2e.py``.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
 from unicron.control.slots import SlotTable
 from unicron.detect.classify import verdict_for_kind
-from unicron.parallel import TensorParallel
+from unicron.parallel import PipelineParallel, TensorParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import llama_tp
+import llama_parallel
 
-CFG = llama_tp.LlamaConfig(layers=1, dim=32, heads=4, kv_heads=2, hidden=64, seq_len=16)
+CFG = llama_parallel.LlamaConfig(layers=1, dim=32, heads=4, kv_heads=2, hidden=64, seq_len=16)
 
 
 def _ranks(tp: int, body: Any) -> list[Any]:
@@ -64,10 +66,10 @@ _BUILD = threading.Lock()  # the threads draw from one global RNG: one build at 
 
 def _step(tp: TensorParallel) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     with _BUILD:
-        model, _, data = llama_tp.build(tp, seed=3, cfg=CFG)
+        model, _, data = llama_parallel.build(tp, seed=3, cfg=CFG)
     x, y = data[0]
     batch = (torch.stack([x, data[1][0]]), torch.stack([y, data[1][1]]))
-    loss = llama_tp.loss_fn(model, batch)
+    loss = llama_parallel.loss_fn(model, batch)
     loss.backward()
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}  # type: ignore[union-attr]
 
@@ -90,6 +92,52 @@ def test_a_split_model_computes_the_whole_models_function() -> None:
     (_, a), (_, b) = shards
     same = [n for n in a if a[n].shape == b[n].shape and n.startswith(("tok", "norm", "head"))]
     assert same and all(torch.equal(a[n], b[n]) for n in same)
+
+
+def _stage_step(pp: PipelineParallel) -> tuple[float, dict[str, torch.Tensor]]:
+    cfg = llama_parallel.LlamaConfig(layers=2, dim=32, heads=4, kv_heads=2, hidden=64,
+                                     seq_len=16)  # fmt: skip
+    with _BUILD:
+        model, _, data = llama_parallel.build(pp.tp, seed=3, cfg=cfg, pp=pp)
+    x, y = data[0]
+    batch = (torch.stack([x, data[1][0]]), torch.stack([y, data[1][1]]))
+    loss = llama_parallel.loss_fn(model, batch)
+    if pp.last:
+        pp.loss = float(loss.detach())  # the worker does this before the backward pass
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}  # type: ignore[union-attr]
+    return float(loss.detach()), grads
+
+
+def test_two_pipeline_stages_compute_the_whole_model_bit_for_bit() -> None:
+    whole_loss, whole = _stage_step(PipelineParallel(0, 1, TensorParallel(0, 1)))
+    store = dist.HashStore()
+    out: list[Any] = [None, None]
+
+    def stage(s: int) -> None:
+        pg = dist.ProcessGroupGloo(store, s, 2, datetime.timedelta(seconds=30))
+
+        def link(t: torch.Tensor, src: int) -> None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            pg.broadcast([t], opts).wait()
+
+        pp = PipelineParallel(s, 2, TensorParallel(0, 1))
+        pp.bind_epoch(link if s == 1 else None, link if s == 0 else None, RuntimeError)
+        out[s] = _stage_step(pp)
+
+    threads = [threading.Thread(target=stage, args=(s,)) for s in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    (loss0, grads0), (loss1, grads1) = out
+    assert loss0 == loss1 == whole_loss  # the first stage learns the loss with the gradient
+    # stage 1's blocks are the whole model's second: blocks.0 there is blocks.1 here
+    renamed = {n.replace("blocks.0.", "blocks.1.", 1): g for n, g in grads1.items()}
+    assert sorted([*grads0, *renamed]) == sorted(whole)
+    for name, g in [*grads0.items(), *renamed.items()]:
+        assert torch.equal(g, whole[name]), name
 
 
 def test_a_failed_sum_breaks_the_attempt_and_later_sums_are_skipped() -> None:
@@ -134,7 +182,7 @@ def _coordinator(tmp: Path) -> Coordinator:
         slots={0: 0, 1: 0, 2: 0, 3: 0},
         events=EventLog(tmp / "events.jsonl"),
         escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(tp=2, min_workers=2),
+        settings=CoordinatorSettings(replica_ranks=2, min_workers=2),
     )
     c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
     assert c.epoch == 1 and c.members == (0, 1, 2, 3)
@@ -161,7 +209,7 @@ def test_a_task_of_one_replica_waits_for_its_lost_rank(tmp_path: Path) -> None:
         slots={0: 0, 1: 0},
         events=EventLog(tmp_path / "events.jsonl"),
         escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(tp=2, min_workers=2),
+        settings=CoordinatorSettings(replica_ranks=2, min_workers=2),
     )
     c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(2)], 0.0)
     c.exchange(0, [M.WorkerFailed(slot=0, ts=1.0, verdict=verdict_for_kind("segfault"))], 1.0)

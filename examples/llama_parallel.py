@@ -1,11 +1,14 @@
-"""A small Llama-style model that splits over a tensor-parallel replica, and its data.
+"""A small Llama-style model that splits over a model-parallel replica, and its data.
 
 RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP, written in
-plain PyTorch with :mod:`unicron.parallel`'s layers where Megatron-LM splits a Llama: the
-query, key and value projections and the MLP's gate and up projections keep this rank's
-heads and hidden units (column parallel), the attention output and the MLP's down
-projection sum the ranks' parts (row parallel). Embeddings, norms and the output head are
-replicated. With ``tp`` 1 it is an ordinary model. Trained on the byte corpus of ``gpt.py``.
+plain PyTorch with :mod:`unicron.parallel`'s parts where Megatron-LM splits a Llama. Tensor
+parallel: the query, key and value projections and the MLP's gate and up projections keep
+this rank's heads and hidden units (column parallel), the attention output and the MLP's
+down projection sum the ranks' parts (row parallel); embeddings, norms and the output head
+are replicated. Pipeline parallel: each stage holds an equal share of the layers, the first
+the embedding, the last the final norm and the head; a stage receives its input from the
+previous one and sends its output on. With ``tp`` and ``pp`` 1 it is an ordinary model.
+Trained on the byte corpus of ``gpt.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ import torch.nn.functional as F
 from gpt import ByteDataset, make_corpus
 from torch import nn
 
-from unicron.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel
+from unicron.parallel import (
+    ColumnParallelLinear,
+    PipelineParallel,
+    RowParallelLinear,
+    TensorParallel,
+)
 
 
 @dataclass(frozen=True)
@@ -32,11 +40,13 @@ class LlamaConfig:
     rope_theta: float = 10000.0
 
 
-def check(cfg: LlamaConfig, tp: int) -> str | None:
-    """Why ``cfg`` cannot split over ``tp`` ranks (``None``: it can)."""
+def check(cfg: LlamaConfig, tp: int, pp: int = 1) -> str | None:
+    """Why ``cfg`` cannot split over ``tp`` ranks and ``pp`` stages (``None``: it can)."""
     for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("hidden", cfg.hidden)):
         if n % tp:
             return f"{what} ({n}) is not divisible by tp ({tp})"
+    if cfg.layers % pp:
+        return f"layers ({cfg.layers}) is not divisible by pp ({pp}): stages of equal layers"
     return None
 
 
@@ -109,18 +119,30 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """A decoder-only Llama-style transformer over bytes, this rank's shard of it."""
+    """A decoder-only Llama-style transformer over bytes, this rank's shard of it: its
+    stage's layers (``pp``), of each its slice (``tp``)."""
 
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, tp: TensorParallel, pp: PipelineParallel | None = None
+    ) -> None:
         super().__init__()
-        why = check(cfg, tp.size)
+        stages = 1 if pp is None else pp.stages
+        why = check(cfg, tp.size, stages)
         if why is not None:
             raise ValueError(why)
-        self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, tp) for _ in range(cfg.layers))
-        self.norm = RMSNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.cfg, self.pp = cfg, pp
+        # every rank draws the whole model (the same RNG stream), then keeps its stage's part
+        tok = nn.Embedding(cfg.vocab, cfg.dim)
+        blocks = [Block(cfg, tp) for _ in range(cfg.layers)]
+        norm, head = RMSNorm(cfg.dim), nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        first = pp is None or pp.first
+        last = pp is None or pp.last
+        per = cfg.layers // stages
+        stage = 0 if pp is None else pp.stage
+        self.tok = tok if first else None
+        self.blocks = nn.ModuleList(blocks[stage * per : (stage + 1) * per])
+        self.norm = norm if last else None
+        self.head = head if last else None
         cos, sin = rope(cfg)
         self.cos: torch.Tensor
         self.sin: torch.Tensor
@@ -128,26 +150,41 @@ class Llama(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx)
+        """The logits (the last stage), or the micro-batch's loss as the other stages know
+        it (a scalar that the backward pass starts from)."""
+        if self.tok is not None:
+            x = self.tok(idx)
+        else:  # a later stage: the previous stage's output
+            assert self.pp is not None
+            x = self.pp.receive((*idx.shape, self.cfg.dim))
         for block in self.blocks:
             x = block(x, self.cos, self.sin)
+        if self.head is None or self.norm is None:
+            assert self.pp is not None
+            return self.pp.send(x)
         return self.head(self.norm(x))
 
 
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Mean next-byte cross-entropy of one micro-batch."""
+    """Mean next-byte cross-entropy of one micro-batch (a stage before the last: the loss
+    that comes back from it)."""
     x, y = batch
     logits = model(x)
+    if logits.dim() == 0:
+        return logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def build(
-    tp: TensorParallel, seed: int = 0, cfg: LlamaConfig | None = None
+    tp: TensorParallel,
+    seed: int = 0,
+    cfg: LlamaConfig | None = None,
+    pp: PipelineParallel | None = None,
 ) -> tuple[Llama, torch.optim.Optimizer, ByteDataset]:
     """This rank's shard of the model (seeded: every rank draws the same whole weights), its
     AdamW optimizer and the dataset."""
     cfg = cfg or LlamaConfig()
     torch.manual_seed(seed)
-    model = Llama(cfg, tp)
+    model = Llama(cfg, tp, pp)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     return model, opt, ByteDataset(make_corpus(), cfg.seq_len)

@@ -1,0 +1,60 @@
+"""Train the small Llama-style model of ``llama_parallel.py`` in model-parallel replicas.
+
+    unicron run --nproc-per-node 4 --tp 2 examples/train_llama_parallel.py --steps 60
+    unicron run --nproc-per-node 8 --tp 2 --pp 2 examples/train_llama_parallel.py --steps 60
+
+Each replica is ``--tp`` x ``--pp`` ranks of one node: ``--pp`` pipeline stages of an equal
+share of the layers, each stage ``--tp`` ranks holding their shard of its attention heads and
+MLP units; replicas are data parallel. The model code is plain PyTorch with
+``unicron.parallel``'s parts; the loop is ``unicron.worker.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import llama_parallel
+
+import unicron.parallel
+import unicron.worker
+from unicron.errors import UsageError
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per global batch")
+    p.add_argument("--heads", type=int, default=llama_parallel.LlamaConfig.heads)
+    p.add_argument("--kv-heads", type=int, default=llama_parallel.LlamaConfig.kv_heads)
+    p.add_argument("--layers", type=int, default=llama_parallel.LlamaConfig.layers)
+    p.add_argument("--out", default=None, help="replica 0 writes OUT/final.pt (a file per shard)")
+    args = p.parse_args()
+    tp, pp = unicron.parallel.tensor_parallel(), unicron.parallel.pipeline_parallel()
+    cfg = llama_parallel.LlamaConfig(heads=args.heads, kv_heads=args.kv_heads, layers=args.layers)
+    why = llama_parallel.check(cfg, tp.size, pp.stages)
+    if why is not None:
+        raise UsageError(f"--tp {tp.size} --pp {pp.stages}: {why}")
+    model, optimizer, dataset = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp)
+    model.train()
+    result = unicron.worker.train(
+        model=model,
+        optimizer=optimizer,
+        loss_fn=llama_parallel.loss_fn,
+        dataset=dataset,
+        micro_batch_size=args.micro_batch_size,
+        num_microbatches=args.microbatches,
+        steps=args.steps,
+        seed=args.seed,
+        out=args.out,
+    )
+    if result is not None and result.rank == 0:
+        print(
+            f"done: {result.steps} steps, loss {result.final_loss:.4f}, "
+            f"params of shard 0 {result.params_sha256[:16]}"
+        )
+
+
+if __name__ == "__main__":
+    main()
