@@ -5,7 +5,8 @@ same model, micro-batches and seeds in plain PyTorch (``bench/baselines/tp_ckpt.
 replica's sums over a torch process group, DDP across replicas, a shard checkpoint every
 ``K`` steps), 4 CPU workers each. Fault-free: the median ``duration_s`` of ``step_end``
 after the warm-up steps (``step_time_vs_plain`` divides Unicron's by the baseline's). Then
-rank 0 (place 0 of replica 0) SIGKILLed mid-step half-way: ``detection_s`` (Unicron: the
+rank 0 (place 0 of replica 0) SIGKILLed mid-step half-way (half a checkpoint interval after the
+baseline's checkpoint): ``detection_s`` (Unicron: the
 fault to its ``error_detected``), ``recovery_s`` (the fault to the first step at or after the
 interrupted one that finishes: Unicron re-forms the replica and recomputes its micro-batches;
 torchrun restarts every rank and redoes the steps since the checkpoint) and
@@ -63,10 +64,16 @@ def step_time(arm: str, steps: int, warmup: int, workdir: Path) -> float:
     return statistics.median(float(e["duration_s"]) for e in ends if int(e["step"]) >= warmup)
 
 
+def _fault_step(steps: int) -> int:
+    """Half-way, and half a checkpoint interval past the baseline's last checkpoint (its
+    expected loss: a failure falls anywhere between two checkpoints)."""
+    return steps // 2 // CKPT_EVERY * CKPT_EVERY + CKPT_EVERY // 2
+
+
 def crash(arm: str, steps: int, workdir: Path) -> tuple[float | None, float, int]:
     """``arm`` with rank 0 SIGKILLed mid-step half-way: (detection_s or None, recovery_s,
     steps redone)."""
-    at = steps // 2
+    at = _fault_step(steps)
     evs = _events(arm, steps, workdir, f"crash:rank=0,step={at},mb=1")
     ts = float(next(e for e in evs if e["event"] == "fault_injected")["ts"])
     detected = next((float(e["ts"]) for e in evs if e["event"] == "error_detected"), None)
@@ -104,7 +111,7 @@ def run(quick: bool) -> list[Row]:
     said = "median step time / plain PyTorch's at the layout, same run"
     rows.append(make_row(system=ARMS[0], scenario=SCENARIO, metric="step_time_vs_plain",
                          values=[ratio], status="derived", note=said))  # fmt: skip
-    crash_note = f"rank 0 (place 0 of replica 0) SIGKILLed mid-step at step {steps // 2}"
+    crash_note = f"rank 0 (place 0 of replica 0) SIGKILLed mid-step at step {_fault_step(steps)}"
     rows.append(make_row(system=ARMS[0], scenario=SCENARIO, metric="detection_s",
                          values=detect, note=crash_note))  # fmt: skip
     for arm in ARMS:

@@ -165,3 +165,18 @@ def test_harsh_trace_orders_policies():
     assert res["megatron"].accumulated_waf >= res["megatron-30m"].accumulated_waf
     assert res["torchft"].lost_samples > 0
     assert all(math.isfinite(r.accumulated_waf) for r in res.values())
+
+
+def test_peer_healing_covers_the_model_parallel_replicas_the_runtime_heals() -> None:
+    """Replicated state in replicas of ``tp x pp`` ranks on one node heal from a peer (the
+    runtime's model-parallel replicas, tests/test_model_parallel_e2e.py); sharded state,
+    context or expert parallelism, interleaved stages or a replica wider than a node do not."""
+    from unicron.planner import Layout
+    from unicron.sim.engine import heals_from_peers
+
+    assert heals_from_peers(Layout(dp=8, sharding="ddp"), 8)
+    assert heals_from_peers(Layout(tp=2, pp=2, dp=4, sharding="ddp"), 8)
+    assert not heals_from_peers(Layout(tp=4, pp=4, dp=1, sharding="ddp"), 8)  # two nodes
+    assert not heals_from_peers(Layout(tp=2, dp=4, sharding="dist-opt"), 8)
+    assert not heals_from_peers(Layout(cp=2, dp=4, sharding="ddp"), 8)
+    assert not heals_from_peers(Layout(pp=2, vp=2, dp=4, sharding="ddp"), 8)

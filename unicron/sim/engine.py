@@ -131,12 +131,27 @@ def _monotone(flops: np.ndarray, cap: int) -> np.ndarray:
     return out
 
 
+def heals_from_peers(lay: planner.Layout, gpus_per_node: int) -> bool:
+    """Whether the runtime rebuilds a lost rank of ``lay`` from a live replica: replicated
+    optimizer state (``ddp``), no context or expert parallelism, no interleaved stages, and a
+    replica (``tp * pp`` ranks) on one node (docs/runtime.md, Model-parallel replicas)."""
+    return (
+        lay.sharding == "ddp"
+        and lay.cp == 1
+        and lay.ep == 1
+        and lay.vp == 1
+        and lay.tp * lay.pp <= gpus_per_node
+    )
+
+
 def _peer_healable(
     p: TaskPerf, n: int, g: int, gpu: planner.GPUSpec, options: planner.PerfOptions
 ) -> np.ndarray:
     """Per node count, whether the layout the task really runs on there (the best count at
-    or below it, as :func:`_monotone` books) is one the runtime heals from peers: tp = cp =
-    pp = 1 with replicated state (``ddp``). Counts where nothing runs count as healable."""
+    or below it, as :func:`_monotone` books) is one the runtime heals from peers: replicated
+    optimizer state (``ddp``), no context or expert parallelism, no interleaved stages, and a
+    replica (``tp * pp`` ranks) on one node (docs/runtime.md, Model-parallel replicas).
+    Counts where nothing runs count as healable."""
     cap = n if p.spec.max_nodes is None else min(n, p.spec.max_nodes)
     configs = planner.layout_table(
         p.model, p.spec.global_batch, cap * g, gpu, g, unit=g, options=options
@@ -148,7 +163,7 @@ def _peer_healable(
         c = configs[runs_on]
         if c is not None and c.layout is not None:
             lay = c.layout
-            out[k] = lay.tp == 1 and lay.cp == 1 and lay.pp == 1 and lay.sharding == "ddp"
+            out[k] = heals_from_peers(lay, g)
     out.setflags(write=False)
     return out
 
