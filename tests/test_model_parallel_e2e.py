@@ -73,7 +73,9 @@ def test_a_lost_rank_heals_its_replica_to_the_fault_free_bits(run: Any) -> None:
 
 
 def test_every_replica_broken_falls_back_to_the_sharded_checkpoint(run: Any) -> None:
-    layout = ("--nnodes", "2", "--nproc-per-node", "2", "--tp", "2", "--checkpoint-every", "3")
+    # the automatic interval at a 1 s MTBF: a checkpoint every few steps, at the steps rank 0
+    # names ahead for every shard
+    layout = ("--nnodes", "2", "--nproc-per-node", "2", "--tp", "2", "--mtbf", "1")
     clean = _tp(run, *layout, steps=12)
     faulty = _tp(
         run, *layout, "--inject", "crash:rank=0,step=8", "--inject", "crash:rank=2,step=8",

@@ -139,6 +139,8 @@ class PipelineParallel:
         self._prev: Callable[[torch.Tensor, int], None] | None = None
         self._next: Callable[[torch.Tensor, int], None] | None = None
         self._catch: tuple[type[BaseException], ...] = ()
+        self.device = torch.device("cpu")
+        """where received activations and gradients are put (the worker's device)"""
 
     @property
     def first(self) -> bool:
@@ -153,11 +155,15 @@ class PipelineParallel:
         prev: Callable[[torch.Tensor, int], None] | None,
         next_: Callable[[torch.Tensor, int], None] | None,
         catch: type[BaseException],
+        device: torch.device | None = None,
     ) -> None:
         """Broadcast over the links of this epoch: ``prev(tensor, src)`` with the previous
         stage (this stage is member 1 of the pair), ``next_`` with the next (member 0); an
-        exception of type ``catch`` breaks the attempt. Called by the worker."""
+        exception of type ``catch`` breaks the attempt; ``device``: the worker's. Called by
+        the worker."""
         self._prev, self._next, self._catch = prev, next_, (catch,)
+        if device is not None:
+            self.device = device
 
     def _move(self, link: Callable[[torch.Tensor, int], None] | None, t: torch.Tensor,
               src: int) -> None:  # fmt: skip
@@ -203,7 +209,7 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         pp: PipelineParallel = ctx.pp
-        buf = torch.zeros(math.prod(ctx.shape) + 1, dtype=torch.float32)
+        buf = torch.zeros(math.prod(ctx.shape) + 1, dtype=torch.float32, device=pp.device)
         pp._move(pp._next, buf, 1)
         pp.loss = float(buf[-1])
         ctx.out.fill_(pp.loss)
@@ -216,14 +222,14 @@ class _Receive(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, pp: PipelineParallel,
                 shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         ctx.pp = pp
-        x = torch.zeros(shape, dtype=dtype)
+        x = torch.zeros(shape, dtype=dtype, device=pp.device)
         pp._move(pp._prev, x, 0)
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
         pp: PipelineParallel = ctx.pp
-        buf = torch.empty(grad.numel() + 1, dtype=torch.float32)
+        buf = torch.empty(grad.numel() + 1, dtype=torch.float32, device=grad.device)
         buf[:-1].copy_(grad.reshape(-1))
         buf[-1] = pp.loss
         pp._move(pp._prev, buf, 1)

@@ -611,7 +611,7 @@ class _Runner:
             pair = g.subgroup(sorted([g.rank, other]), "pp")
             pair.on_wait = said
             links.append(pair.broadcast)
-        self.pipe.bind_epoch(links[0], links[1], EpochOver)
+        self.pipe.bind_epoch(links[0], links[1], EpochOver, self.device)
 
     # -- transition: ledger exchange and nearest-source state ---------------------------------
     def _sync(self, g: EpochGroup) -> tuple[int, str]:
@@ -738,14 +738,16 @@ class _Runner:
 
     def _maybe_checkpoint(self, rank: int) -> None:
         """Rank 0 checkpoints the committed state when the interval says so: the copy is
-        taken here, at the step boundary; the write runs in the background. Tensor parallel:
-        every rank of replica 0 writes its place's shard, at the steps rank 0 names two
-        boundaries ahead on the store (the others pass a boundary only after rank 0 voted
-        for the step between: they read it in time), so every shard has the same steps."""
+        taken here, at the step boundary; the write runs in the background. Model parallel:
+        every rank of replica 0 writes its place's shard, every K steps (``every_steps``),
+        or with the automatic interval at the steps rank 0 names two boundaries ahead on the
+        store (the others pass a boundary only after rank 0 voted for the step between: they
+        read it in time), so every shard has the same steps."""
         if rank >= self.R or self.ckpt is None:
             return
         world, now, data = self.groups[-1].world, time.time(), self.data.state()
-        if self.R == 1:
+        if self.R == 1 or self.ckpt.settings.every_steps is not None:
+            # one rank, or every K steps: the same steps on every shard without a word
             self.ckpt.at_boundary(
                 self.model, self.optimizer, step=self.step, world=world, now=now, data=data
             )

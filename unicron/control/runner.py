@@ -251,7 +251,7 @@ def _validate_checkpoint_args(args: argparse.Namespace) -> None:
         _check_resume(Path(args.resume), args.reduce)
     elif args.checkpoint_dir:
         root = Path(args.checkpoint_dir)
-        found = C.newest(root, check_files=False)
+        found = C.newest(root, check_files=False) or C.newest(root / "shard0", check_files=False)
         if found is not None:
             raise UsageError(
                 f"--checkpoint-dir {root} already holds checkpoints (newest: step "

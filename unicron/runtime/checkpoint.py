@@ -694,7 +694,10 @@ def check_resume(root: Path, reduce: str, *, flag: str) -> list[str]:
     if not os.access(root, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {root}: no permission to write (new checkpoints go there)")
     skipped: list[str] = []
-    found = newest(root, skipped=skipped)
+    # a model-parallel task's shards (shard_root): the first one's stand for all (each rank
+    # reads the newest step every shard has)
+    sharded = not steps(root) and (root / "shard0").is_dir()
+    found = newest(root / "shard0" if sharded else root, skipped=skipped)
     if found is None:
         why = f"{len(skipped)} checkpoint(s), none valid ({skipped[0]})" if skipped else "empty"
         raise UsageError(f"{flag} {root}: no checkpoint to go on from: {why}")
