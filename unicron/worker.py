@@ -31,7 +31,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -53,13 +53,21 @@ from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
-from unicron.runtime.context import WorkerContext, epoch_env, save_atomic
+from unicron.runtime import replica
+from unicron.runtime.context import (
+    WorkerContext,
+    default_collate,
+    device_for,
+    epoch_env,
+    save_atomic,
+)
 from unicron.runtime.data import Data, LedgerData, SamplerData
 from unicron.runtime.digest import params_sha256
 from unicron.runtime.gradients import Reducer
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.runtime.inject import Fault, FaultPlan, stop_self
 from unicron.runtime.link import AgentLink, connect_agent
+from unicron.runtime.step import Step
 from unicron.runtime.transfer import (
     Inventory,
     inventory,
@@ -97,99 +105,7 @@ def device() -> torch.device:
     return D.current()
 
 
-def default_collate(items: Sequence[Any]) -> Any:
-    """Stack a list of samples (tensors, tuples of tensors, or dicts of tensors) into one
-    batch; ``torch.utils.data.default_collate`` works as well."""
-    first = items[0]
-    if isinstance(first, Mapping):
-        return {k: torch.stack([it[k] for it in items]) for k in first}
-    if isinstance(first, tuple | list):
-        return type(first)(torch.stack([it[i] for it in items]) for i in range(len(first)))
-    return torch.stack(list(items))
-
-
 # -- the step API ------------------------------------------------------------------------------
-class Step:
-    """One attempt at a step of the task, handed out by :class:`Loop`.
-
-    Iterate it for this replica's micro-batches (each collated, moved to the device, with the
-    RNG seeded by (seed, step, micro-batch)), call :meth:`backward` with each one's loss, then
-    :meth:`commit`. Or, with a data pipeline of your own: :attr:`microbatches` are the ids,
-    :meth:`samples` their dataset indices, and :meth:`batch` seeds and returns one batch. A
-    step whose commit returns False is handed out again, with only the micro-batches that
-    nobody living has computed.
-    """
-
-    def __init__(self, runner: _Runner, index: int, todo: list[int], group: EpochGroup) -> None:
-        self._r = runner
-        self.index = index
-        """the step of the task (steps committed before it)"""
-        self.microbatches = tuple(todo)
-        """ids of this replica's micro-batches in this attempt (0 .. num_microbatches-1)"""
-        self.epoch = group.info.epoch
-        self.rank = group.rank
-        self.world = group.world
-        self.loss: float | None = None
-        """the step's mean loss over all its micro-batches, once committed"""
-        self.committed = False
-        self.closed = False
-        self.broken: EpochOver | None = None
-        """why the commit failed (the epoch changed); the loop goes to the next epoch"""
-        self.began = time.perf_counter()
-        self.queued_at_start = read_queued_s()
-        """this thread's run-queue wait so far (:mod:`unicron.detect.busy`)"""
-
-    def __repr__(self) -> str:
-        return f"Step({self.index}, microbatches={list(self.microbatches)}, epoch={self.epoch})"
-
-    def __iter__(self) -> Iterator[Any]:
-        for mb in self.microbatches:
-            if self._r.par.broken is not None:
-                return  # the replica broke: the commit says False, the step comes again
-            if mb in self._r.done:
-                continue
-            yield self.batch(mb)
-            if self._r.current == mb:
-                self._r.refuse(
-                    f"step {self.index}: micro-batch {mb} was handed out but not computed: call "
-                    "step.backward(loss) for every batch the step yields"
-                )
-
-    def samples(self, mb: int) -> list[int]:
-        """Dataset indices of micro-batch ``mb`` of this step."""
-        return self._r.data.samples(self.index, mb)
-
-    def batch(self, mb: int) -> Any:
-        """Micro-batch ``mb``, collated and on the device; the RNG is seeded for it. Its
-        gradient goes in with the next :meth:`backward`."""
-        self._r.open_microbatch(self, mb)
-        return self._r.make_batch(self.index, mb)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` for the current micro-batch (its mean loss, not divided by the
-        number of micro-batches: the commit divides the sum): the gradient hooks add each
-        parameter's gradient into this replica's local sums, and the last micro-batch's start
-        the exchange."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            self._r.refuse(f"step.backward(loss): loss must be a one-element tensor, got {loss!r}")
-        self._r.backward(self, loss)
-
-    def add_gradients(self, grads: Sequence[torch.Tensor | None], loss: float) -> None:
-        """Hand over the current micro-batch's gradients yourself (e.g. from
-        ``torch.autograd.grad``): one per trainable parameter, in ``model.parameters()`` order
-        (None: zero), and its loss."""
-        self._r.add_gradients(self, grads, loss)
-
-    def commit(self, *, before_optimizer: Callable[[], object] | None = None) -> bool:
-        """Reduce every replica's sums, vote, step the optimizer with the mean gradient.
-        True: the step committed (:attr:`loss` holds its loss). False: the membership changed
-        (a peer failed or one joined mid-step); the loop hands this step out again in the new
-        epoch, with whatever is left to compute. ``before_optimizer`` runs once the mean
-        gradient is in each parameter's ``.grad``, right before ``optimizer.step()`` (e.g.
-        ``lambda: clip_grad_norm_(model.parameters(), 1.0)``)."""
-        return self._r.commit(self, before_optimizer)
-
-
 class Loop:
     """Train with your own loop under ``unicron run``: iterate it for the steps.
 
@@ -244,7 +160,7 @@ class Loop:
             ledger=ledger,
             data=data,
             seed=seed,
-            device=_device_for(model, ctx, link),
+            device=device_for(model, ctx, link),
         )
         self._iterated = False
 
@@ -294,25 +210,6 @@ def train(
             step.backward(loss_fn(model, batch))
         step.commit()
     return loop.result
-
-
-def _device_for(model: torch.nn.Module, ctx: WorkerContext, link: AgentLink) -> torch.device:
-    """Check the slot's device and memory before anything is built, then move the model there.
-    Bad input (a device the node lacks, a model too large for the slot) ends the whole run with
-    exit code 2: the agent is told first, then this process exits."""
-    try:
-        dev = D.current()
-        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        sharing = -(-local_world // max(1, D.gpu_count())) if dev.type == "cuda" else 1
-        D.check_fits(numel, ctx.reduce, D.slot_memory(dev, local_world, sharing), dev)
-    except UsageError as exc:
-        link.send(P.Error(type_name="UsageError", message=str(exc), usage=True))
-        raise SystemExit(2) from exc
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    model.to(dev)  # in place: the optimizer keeps the same parameter objects
-    return dev
 
 
 @dataclass(kw_only=True)
@@ -572,24 +469,7 @@ class _Runner:
         return g.world // self.R
 
     def _replica_groups(self, g: EpochGroup) -> None:
-        """This member's groups in epoch ``g``: with ``R = tp * pp`` > 1 ranks per replica,
-        members ``q*R .. q*R+R-1`` are replica q in place order (place ``stage * tp + tp
-        rank``); the members at this place, one per replica, reduce gradients and pass state
-        (:attr:`_dp`); the stage's ranks of the replica sum partial outputs
-        (:class:`~unicron.parallel.TensorParallel`), and each stage is linked to its
-        neighbours at the same tensor-parallel rank (:class:`~unicron.parallel.
-        PipelineParallel`), all bound to the epoch."""
-        R, tp = self.R, self.ctx.tp
-        if R == 1:
-            self._dp = g
-            return
-        if g.world % R or g.rank % R != self.place:
-            raise RuntimeError(
-                f"epoch {g.info.epoch}: slot {self.ctx.slot} (place {self.place} of a replica "
-                f"of {R}) at rank {g.rank} of {g.world}: not whole replicas in order"
-            )
-        first = g.rank - self.place
-        self._dp = g.subgroup(list(range(self.place, g.world, R)), "dp")
+        """This member's groups in epoch ``g`` (:func:`unicron.runtime.replica.bind`)."""
 
         def said(waiting: bool) -> None:
             # a long wait on the replica is its other ranks' doing: say so, so that the hang
@@ -598,20 +478,9 @@ class _Runner:
                 P.Waiting(step=self.step, epoch=g.info.epoch, ts=time.time(), waiting=waiting)
             )
 
-        if tp > 1:
-            start = first + self.pipe.stage * tp
-            replica = g.subgroup(list(range(start, start + tp)), "tp")
-            replica.on_wait = said
-            self.par.bind_epoch(replica.allreduce, EpochOver)
-        links: list[Callable[[torch.Tensor, int], None] | None] = []
-        for other in (g.rank - tp, g.rank + tp):  # the same tp rank one stage up, one down
-            if not first <= other < first + R:
-                links.append(None)
-                continue
-            pair = g.subgroup(sorted([g.rank, other]), "pp")
-            pair.on_wait = said
-            links.append(pair.broadcast)
-        self.pipe.bind_epoch(links[0], links[1], EpochOver, self.device)
+        self._dp = replica.bind(
+            g, place=self.place, par=self.par, pipe=self.pipe, device=self.device, said=said
+        )
 
     # -- transition: ledger exchange and nearest-source state ---------------------------------
     def _sync(self, g: EpochGroup) -> tuple[int, str]:
@@ -642,62 +511,37 @@ class _Runner:
 
         rows = [r.tolist() for r in g.allgather(mine, meanwhile=take)]
         size, place = self.R, self.place  # ranks per replica, this rank's place
-        n = len(rows) // size  # replicas; member q*size + c is place c of replica q
-        target = max(r[0] for r in rows)
-        # per place, the replicas at the newest step with the first such one's parameters
-        # hold that place's state; the others (joiners, replicas that differ, e.g. models
-        # built with other seeds) receive it, as DDP's first broadcast would
-        refs: list[list[int] | None] = []
-        holders: list[list[int]] = []
-        for c in range(size):
-            col = rows[c::size]
-            ref = next((row for row in col if row[0] == target), None)
-            refs.append(ref)
-            holders.append(
-                [] if ref is None else
-                [q for q, row in enumerate(col) if row[0] == target and row[2] == ref[2]]
-            )  # fmt: skip
-        if target < 0 or not all(holders):
+        sp = replica.plan(rows, size, self.M)
+        if sp.lost:
             # every replica is gone (or, model parallel, every copy of some place's shard at
             # the newest step): the last resort, the persistent checkpoint
             self._load_checkpoint()
             self._missing = list(range(self.M))
-            self._held = [set() for _ in range(n)]
+            self._held = [set() for _ in range(len(rows) // size)]
             return 0, "checkpoint"
-        mine_ref, have_state = refs[place], holders[place]
-        assert mine_ref is not None and self._dp is not None
-        needers = [q for q in range(n) if q not in have_state]
+        ref, holders = sp.refs[place], sp.holders[place]
+        assert ref is not None and self._dp is not None
+        needers = [q for q in range(len(rows) // size) if q not in holders]
         source = "local"
         if needers:
             # the nearest holders (on the needers' node, else all) each stream a share
-            node_of = [row[1] for row in rows[place::size]]
-            near = [h for h in have_state if node_of[h] == node_of[needers[0]]]
+            node_of = [row[replica.NODE] for row in rows[place::size]]
+            near = [h for h in holders if node_of[h] == node_of[needers[0]]]
             source = "peer_node" if near else "peer_remote"
             # needers whose model's layout is the holders' post its receives at once
-            agreed = all(rows[q * size + place][-1] == mine_ref[-1] for q in needers)
-            transfer(self._dp, self.model, self.optimizer, holders=near or have_state,
+            agreed = all(rows[q * size + place][-1] == ref[-1] for q in needers)
+            transfer(self._dp, self.model, self.optimizer, holders=near or holders,
                      needers=needers, device=self.device, have=have[0], agreed=agreed)  # fmt: skip
             if self._dp.rank in needers:
-                self.step, self.has_state, self._laid_out = target, True, False
-                self.data.load(mine_ref[3:5])  # the data position is committed state too
+                self.step, self.has_state, self._laid_out = sp.target, True, False
+                self.data.load(ref[3:5])  # the data position is committed state too
         # a replica's partial results count when every rank of it holds its place's state
-        # and all of them computed the same micro-batches (a rank that left mid-way dropped
-        # its sums: then none of the replica's count)
-        masks = [row[5 : 5 + self.M] for row in rows]
-        kept = [
-            all(q in holders[c] for c in range(size))
-            and all(masks[q * size + c] == masks[q * size] for c in range(size))
-            for q in range(n)
-        ]
-        done_sets = [
-            {mb for mb in range(self.M) if masks[q * size][mb]} if kept[q] else set()
-            for q in range(n)
-        ]
-        if not kept[self._dp.rank]:
+        # and all of them computed the same micro-batches (:func:`replica.plan`)
+        if not sp.kept[self._dp.rank]:
             self.done.clear()
             self.grads.clear()
-        self._held = done_sets
-        self._missing = L.missing(done_sets, self.M)
+        self._held = sp.done
+        self._missing = L.missing(sp.done, self.M)
         return self.M - len(self._missing), source
 
     def _load_checkpoint(self) -> None:
@@ -737,32 +581,15 @@ class _Runner:
         }
 
     def _maybe_checkpoint(self, rank: int) -> None:
-        """Rank 0 checkpoints the committed state when the interval says so: the copy is
-        taken here, at the step boundary; the write runs in the background. Model parallel:
-        every rank of replica 0 writes its place's shard, every K steps (``every_steps``),
-        or with the automatic interval at the steps rank 0 names two boundaries ahead on the
-        store (the others pass a boundary only after rank 0 voted for the step between: they
-        read it in time), so every shard has the same steps."""
-        if rank >= self.R or self.ckpt is None:
-            return
-        world, now, data = self.groups[-1].world, time.time(), self.data.state()
-        if self.R == 1 or self.ckpt.settings.every_steps is not None:
-            # one rank, or every K steps: the same steps on every shard without a word
-            self.ckpt.at_boundary(
-                self.model, self.optimizer, step=self.step, world=world, now=now, data=data
-            )
-            return
-        key = f"{self.ctx.task}/checkpoint_at"
-        at = self.store.add(key, 0)
-        if (
-            rank == 0
-            and at < self.step
-            and self.ckpt.decide(self.model, self.optimizer, step=self.step, now=now, data=data)
-        ):
-            at = self.store.add(key, self.step + 2 - at)
-        if at == self.step:
-            self.ckpt.save(self.model, self.optimizer, step=self.step, world=world, now=now,
-                           data=data)  # fmt: skip
+        """Replica 0 checkpoints the committed state when the interval says so: the copy is
+        taken here, at the step boundary; the write runs in the background
+        (:func:`unicron.runtime.checkpoint.at_boundary_of`: every shard at the same steps)."""
+        if self.ckpt is not None:
+            C.at_boundary_of(
+                self.ckpt, self.store, f"{self.ctx.task}/checkpoint_at", rank=rank,
+                size=self.R, model=self.model, optimizer=self.optimizer, step=self.step,
+                world=self.groups[-1].world, now=time.time(), data=self.data.state(),
+            )  # fmt: skip
 
     # -- one attempt at a step ------------------------------------------------------------------
     def _begin(self, g: EpochGroup, todo: list[int]) -> Step:

@@ -650,6 +650,38 @@ class Checkpointer:
             self._writer.join()
 
 
+def at_boundary_of(
+    ckpt: Checkpointer,
+    store: Any,
+    key: str,
+    *,
+    rank: int,
+    size: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    world: int,
+    now: float,
+    data: Sequence[int] = (-1, -1),
+) -> None:
+    """A member of rank ``rank`` after a commit (``step`` steps committed), in an epoch of
+    replicas of ``size`` ranks: replica 0's ranks checkpoint their place's shard (with one
+    rank, rank 0 the whole state) when the interval says so, every shard at the same steps:
+    every K steps each decides alone; with the automatic interval rank 0 names the step two
+    boundaries ahead on ``store`` under ``key`` (the others pass a boundary only after rank 0
+    voted for the step between: they read it in time). Called by the worker."""
+    if rank >= size:
+        return
+    if size == 1 or ckpt.settings.every_steps is not None:
+        ckpt.at_boundary(model, optimizer, step=step, world=world, now=now, data=data)
+        return
+    at = store.add(key, 0)
+    if rank == 0 and at < step and ckpt.decide(model, optimizer, step=step, now=now, data=data):
+        at = store.add(key, step + 2 - at)
+    if at == step:
+        ckpt.save(model, optimizer, step=step, world=world, now=now, data=data)
+
+
 def _differs(old: Interval | None, new: Interval) -> bool:
     """Whether ``new`` is worth announcing: another kind, or 20% away from ``old``."""
     if old is None or (old.seconds is None) != (new.seconds is None):

@@ -6,6 +6,7 @@ state (:func:`save_atomic`): the worker API's (:mod:`unicron.worker`) plumbing.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,9 @@ from unicron.protocol import (
     host_port,
 )
 from unicron.runtime import checkpoint as C
+from unicron.runtime import device as D
 from unicron.runtime.inject import Fault, parse
+from unicron.runtime.link import AgentLink
 
 LAUNCHER = "`unicron run --nproc-per-node N SCRIPT [ARGS]`"
 
@@ -128,3 +131,34 @@ def epoch_env(info: EpochInfo, slot: int, store: tuple[str, int]) -> dict[str, s
         "MASTER_PORT": str(store[1]),
         "UNICRON_EPOCH": str(info.epoch),
     }
+
+
+def default_collate(items: Sequence[Any]) -> Any:
+    """Stack a list of samples (tensors, tuples of tensors, or dicts of tensors) into one
+    batch; ``torch.utils.data.default_collate`` works as well."""
+    first = items[0]
+    if isinstance(first, Mapping):
+        return {k: torch.stack([it[k] for it in items]) for k in first}
+    if isinstance(first, tuple | list):
+        return type(first)(torch.stack([it[i] for it in items]) for i in range(len(first)))
+    return torch.stack(list(items))
+
+
+def device_for(model: torch.nn.Module, ctx: WorkerContext, link: AgentLink) -> torch.device:
+    """Check the slot's device and memory before anything is built, then move the model there
+    (the worker's :class:`~unicron.worker.Loop` calls it). Bad input (a device the node
+    lacks, a model too large for the slot) ends the whole run with exit code 2: the agent is
+    told first, then this process exits."""
+    try:
+        dev = D.current()
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        sharing = -(-local_world // max(1, D.gpu_count())) if dev.type == "cuda" else 1
+        D.check_fits(numel, ctx.reduce, D.slot_memory(dev, local_world, sharing), dev)
+    except UsageError as exc:
+        link.send(P.Error(type_name="UsageError", message=str(exc), usage=True))
+        raise SystemExit(2) from exc
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    model.to(dev)  # in place: the optimizer keeps the same parameter objects
+    return dev

@@ -1,0 +1,122 @@
+"""A worker's replica in an epoch: its groups, and who holds which shard of the state.
+
+A replica is ``R = tp * pp`` ranks (docs/runtime.md, Model-parallel replicas); an epoch's
+members are whole replicas in place order, member ``q*R + c`` being place ``c`` of replica
+``q`` (place ``stage * tp + tp rank``). Called by the worker (:mod:`unicron.worker`) when it
+enters an epoch: :func:`bind` builds this member's groups and points the model's parallel
+parts at them; :func:`plan` reads the ledger exchange's rows (one per member) into what the
+transition does, place by place. With ``R`` 1 both reduce to a replica of one rank: the
+place's group is the epoch's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from unicron.parallel import PipelineParallel, TensorParallel
+from unicron.runtime.group import EpochGroup, EpochOver
+
+__all__ = ["SyncPlan", "bind", "plan"]
+
+STEP, NODE, DIGEST, MASK = 0, 1, 2, 5
+"""columns of a ledger exchange row: committed step (-1: no state), node, the parameters'
+digest (step 0), data position (3, 4), then one 0/1 per micro-batch held, the layout's digest
+last"""
+
+
+def bind(
+    g: EpochGroup,
+    *,
+    place: int,
+    par: TensorParallel,
+    pipe: PipelineParallel,
+    device: torch.device,
+    said: Callable[[bool], None],
+) -> EpochGroup:
+    """This member's groups in epoch ``g``; returns its place's group (one member per replica:
+    the exact reduce and the state transfer of this place's shard). The stage's ranks of the
+    replica sum partial outputs (``par``); each stage is linked to its neighbours at the same
+    tensor-parallel rank (``pipe``); a wait of either past
+    :data:`~unicron.runtime.group.WAIT_REPORT_S` is told to ``said`` (the hang detector then
+    looks at the ranks waited for)."""
+    tp, size = par.size, par.size * pipe.stages
+    if size == 1:
+        return g
+    if g.world % size or g.rank % size != place:
+        raise RuntimeError(
+            f"epoch {g.info.epoch}: place {place} of a replica of {size} at rank {g.rank} of "
+            f"{g.world}: not whole replicas in order"
+        )
+    first = g.rank - place
+    dp = g.subgroup(list(range(place, g.world, size)), "dp")
+    if tp > 1:
+        start = first + pipe.stage * tp
+        replica = g.subgroup(list(range(start, start + tp)), "tp")
+        replica.on_wait = said
+        par.bind_epoch(replica.allreduce, EpochOver)
+    links: list[Callable[[torch.Tensor, int], None] | None] = []
+    for other in (g.rank - tp, g.rank + tp):  # the same tp rank one stage up, one down
+        if not first <= other < first + size:
+            links.append(None)
+            continue
+        pair = g.subgroup(sorted([g.rank, other]), "pp")
+        pair.on_wait = said
+        links.append(pair.broadcast)
+    pipe.bind_epoch(links[0], links[1], EpochOver, device)
+    return dp
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """What the ledger exchange's rows say, for the member at ``place``."""
+
+    target: int
+    """the newest committed step any member holds (-1: none)"""
+    holders: list[list[int]]
+    """per place, the replicas whose rank there holds that place's state at ``target`` (the
+    first such rank's parameters); empty for a place none holds"""
+    refs: list[list[int] | None]
+    """per place, the first holder's row (its data position, its layout)"""
+    kept: list[bool]
+    """per replica, whether its sums count: every rank of it holds its place's state and
+    computed the same micro-batches (a rank that left mid-way dropped its sums)"""
+    done: list[set[int]]
+    """per replica, the micro-batches of the step its kept sums hold (else none)"""
+
+    @property
+    def lost(self) -> bool:
+        """No member holds some place's state: the last resort, the checkpoint."""
+        return self.target < 0 or not all(self.holders)
+
+
+def plan(rows: Sequence[Sequence[int]], size: int, microbatches: int) -> SyncPlan:
+    """Read the rows of one ledger exchange (members in place order, ``size`` ranks per
+    replica): per place, the replicas at the newest step with the first such one's
+    parameters hold that place's state, the others (joiners, replicas that differ, e.g.
+    models built with other seeds) receive it, as DDP's first broadcast would. Pure."""
+    n = len(rows) // size
+    target = max(r[STEP] for r in rows)
+    refs: list[list[int] | None] = []
+    holders: list[list[int]] = []
+    for c in range(size):
+        col = rows[c::size]
+        ref = next((list(row) for row in col if row[STEP] == target), None)
+        refs.append(ref)
+        holders.append(
+            [] if ref is None else
+            [q for q, row in enumerate(col) if row[STEP] == target and row[DIGEST] == ref[DIGEST]]
+        )  # fmt: skip
+    masks = [list(row[MASK : MASK + microbatches]) for row in rows]
+    kept = [
+        all(q in holders[c] for c in range(size))
+        and all(masks[q * size + c] == masks[q * size] for c in range(size))
+        for q in range(n)
+    ]
+    done = [
+        {mb for mb in range(microbatches) if masks[q * size][mb]} if kept[q] else set()
+        for q in range(n)
+    ]
+    return SyncPlan(target, holders, refs, kept, done)
