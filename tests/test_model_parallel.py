@@ -234,3 +234,23 @@ def test_a_rank_waiting_on_its_replica_is_no_hang_suspect(tmp_path: Path) -> Non
     c.exchange(0, [done], 1.5)
     p = c.book.slots[0].progress
     assert p is not None and p.phase is Phase.COMPUTE
+
+
+def test_the_ledger_exchange_is_read_place_by_place() -> None:
+    from unicron.runtime.replica import plan
+
+    def row(step: int, mask: list[int]) -> list[int]:  # step, node, digest, data, mask, layout
+        return [step, 0, 0, 0, 0, *mask, 7]
+
+    a, b = [1, 1, 0, 0], [0, 0, 1, 1]
+    sp = plan([row(5, a), row(5, a), row(5, b), row(5, b)], 2, 4)
+    assert (sp.target, sp.holders, sp.kept, sp.done) == (5, [[0, 1], [0, 1]], [True, True],
+                                                         [{0, 1}, {2, 3}])  # fmt: skip
+    # replica 0's place 1 restarted: it needs its shard, replica 0's sums do not count
+    sp = plan([row(5, a), row(-1, [0] * 4), row(5, b), row(5, b)], 2, 4)
+    assert sp.holders == [[0, 1], [1]] and sp.kept == [False, True] and sp.done[0] == set()
+    # the ranks of replica 1 left the step at different points: none of its sums count
+    sp = plan([row(5, a), row(5, a), row(5, b), row(5, [0, 0, 1, 0])], 2, 4)
+    assert sp.kept == [True, False] and not sp.lost
+    # no rank at place 1 holds the newest state: the checkpoint
+    assert plan([row(5, a), row(-1, a), row(5, b), row(3, b)], 2, 4).lost
