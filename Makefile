@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak clean
+.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak soak-parallel clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -105,6 +105,10 @@ bench-simreal: $(STAMP)
 # about 100 mixed faults in one run, bit-exact against the fault-free run (bench/chaos.py)
 soak: $(STAMP)
 	$(BIN)/python -m bench.chaos
+
+# the same on tensor-parallel replicas (TP=2 x DP=2: a fault takes a replica out of the step)
+soak-parallel: $(STAMP)
+	$(BIN)/python -m bench.chaos --tp 2
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

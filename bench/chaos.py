@@ -12,6 +12,11 @@ per kind the worst detection against the goal (a hang found within ``max(3 x med
 (finished steps reported again, i.e. redone from a checkpoint).
 
     python -m bench.chaos [--quick] [--faults N] [--seed S] [--gap G] [--keep DIR]  # make soak
+    python -m bench.chaos --tp 2      # the same on model-parallel replicas (make soak-parallel)
+
+With ``--tp T`` and/or ``--pp P`` the run is ``examples/train_llama_parallel.py`` on replicas
+of ``T x P`` of the 4 workers (data parallel over the rest): a fault takes a replica out of
+the step while its other ranks wait, and the result must still be the fault-free run's.
 
 Writes ``bench/results/chaos.json`` (rows) and prints the table. Not part of ``python -m
 bench``: it is a long scenario of its own.
@@ -98,16 +103,19 @@ def schedule(faults: int, seed: int, gap: int = 5) -> tuple[list[Planned], int]:
 
 
 def _run(
-    workdir: Path, steps: int, specs: list[str], timeout_s: float
+    workdir: Path, steps: int, specs: list[str], timeout_s: float, layout: tuple[int, int] = (1, 1)
 ) -> tuple[list[Event], float]:
     workdir.mkdir(parents=True)
     events = workdir / "events.jsonl"
+    tp, pp = layout
+    script = "train_gpt.py" if layout == (1, 1) else "train_llama_parallel.py"
     cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(WORKERS), "--quiet",
+           "--tp", str(tp), "--pp", str(pp),
            "--events", str(events), "--log-dir", str(workdir / "logs"),
            "--readmit-after", str(TIME_SCALE), "--restart-window", str(TIME_SCALE),
            "--checkpoint-every", "10",
            *(a for s in specs for a in ("--inject", s)),
-           str(ROOT / "examples" / "train_gpt.py"), "--steps", str(steps),
+           str(ROOT / "examples" / script), "--steps", str(steps),
            "--out", str(workdir / "out")]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
@@ -155,9 +163,14 @@ def measure_faults(events: list[Event]) -> dict[str, Any]:
     }
 
 
-def scenario_name(gap: int) -> str:
-    """``chaos`` for the default spacing; another spacing's rows go to a file of their own."""
-    return SCENARIO if gap == 5 else f"{SCENARIO}-gap{gap}"
+def scenario_name(gap: int, layout: tuple[int, int] = (1, 1)) -> str:
+    """``chaos`` for the default spacing and replicas of one rank; another spacing's or
+    layout's rows go to a file of their own (``chaos-gap3``, ``chaos-tp2``)."""
+    tp, pp = layout
+    parts = [SCENARIO] + ([f"gap{gap}"] if gap != 5 else [])
+    parts += [f"tp{tp}"] if tp > 1 else []
+    parts += [f"pp{pp}"] if pp > 1 else []
+    return "-".join(parts)
 
 
 def run(
@@ -166,16 +179,17 @@ def run(
     seed: int = 0,
     keep: Path | None = None,
     gap: int = 5,
+    layout: tuple[int, int] = (1, 1),
 ) -> list[Row]:
     """The rows of this scenario; ``keep``: leave both runs' event logs and worker logs there;
-    ``gap``: steps between two faults."""
+    ``gap``: steps between two faults; ``layout``: (tp, pp) of the replicas."""
     n = faults if faults is not None else (24 if quick else 100)
     planned, steps = schedule(n, seed, gap)
     timeout_s = 120.0 + steps * 2.0
     with tempfile.TemporaryDirectory(prefix="unicron-bench-chaos-") as tmp:
         where = keep if keep is not None else Path(tmp)
-        clean, clean_wall = _run(where / "clean", steps, [], timeout_s)
-        faulty, wall = _run(where / "faulty", steps, [p.spec for p in planned], timeout_s)
+        clean, clean_wall = _run(where / "clean", steps, [], timeout_s, layout)
+        faulty, wall = _run(where / "faulty", steps, [p.spec for p in planned], timeout_s, layout)
     end_clean = next(e for e in clean if e["event"] == "task_end")
     end = next(e for e in faulty if e["event"] == "task_end")
     m = measure_faults(faulty)
@@ -183,10 +197,11 @@ def run(
     healed = m["fired"] - m["undetected"] if end.get("status") == "ok" else 0
     median_step = m["median_step_s"] or 0.0
     goal = max(3 * median_step, 1.0) + 0.5
-    base = dict(system="unicron", scenario=scenario_name(gap))
+    base = dict(system="unicron", scenario=scenario_name(gap, layout))
+    what = "" if layout == (1, 1) else f", replicas of tp {layout[0]} x pp {layout[1]}"
     setup = (
         f"{n} faults planned, one every {gap} steps, seed {seed}, {steps} steps, "
-        f"{WORKERS} workers on 1 node"
+        f"{WORKERS} workers on 1 node{what}"
     )
     rows = [
         make_row(**base, metric="faults_injected", values=[m["fired"]], unit="", note=setup),
@@ -225,16 +240,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gap", type=int, default=5, help="steps between two faults (default 5)")
     p.add_argument("--keep", type=Path, default=None, help="keep the runs' logs in this new dir")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica stage")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
     args = p.parse_args(argv)
+    if args.tp < 1 or args.pp < 1 or WORKERS % (args.tp * args.pp):
+        p.error(f"--tp x --pp must divide the {WORKERS} workers")
     if args.faults is not None and args.faults < 1:
         p.error("--faults must be >= 1")
     if args.gap < 1:
         p.error("--gap must be >= 1")
     if args.keep is not None and args.keep.exists():
         p.error(f"--keep {args.keep}: already exists")
-    rows = run(args.quick, args.faults, args.seed, args.keep, args.gap)
+    layout = (args.tp, args.pp)
+    rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout)
     print_table(rows, title="Fault soak: mixed faults in one run")
-    save_scenario(rows, scenario_name(args.gap), ROOT / "bench" / "results", replace=True)
+    save_scenario(rows, scenario_name(args.gap, layout), ROOT / "bench" / "results", replace=True)
     return 0
 
 

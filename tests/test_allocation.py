@@ -205,3 +205,15 @@ def test_a_tensor_parallel_task_moves_in_whole_replicas_on_one_node() -> None:
     d = decide([running, b], {0: 3, 1: 3}, DAY)
     release = next(m for m in d.moves if m.task == "a").release
     assert sorted(release) in ([0, 1], [2, 3]), release
+
+
+def test_the_partner_of_an_excluded_rank_waits_and_is_not_given_back() -> None:
+    """Found by the model-parallel soak: an excluded rank left its partner a short replica,
+    the plan rounded the task down to whole replicas and gave the partner away, and the
+    replica never came back when the excluded rank was readmitted."""
+    held = {0: 0, 1: 0, 3: 0}  # rank 2 excluded: 3 waits for it
+    a = TaskView(name="a", weight=1, min_workers=2, max_workers=4, ranks=held, running=True,
+                 microbatches=8, replica_ranks=2, parked=frozenset({3}))  # fmt: skip
+    d = decide([a], {0: 3}, DAY)
+    (m,) = d.moves
+    assert m.release == () and (m.before, m.after) == (2, 2)

@@ -93,6 +93,10 @@ class TaskView:
     replica_ranks: int = 1
     """ranks per replica (``tp * pp``): its counts are multiples of it, and whole replicas
     (that many slots of one node, :mod:`unicron.control.replicas`) move together"""
+    parked: frozenset[int] = frozenset()
+    """ranks (in :attr:`ranks`) whose replica has an excluded rank: they wait for it, idle,
+    and a plan neither counts them nor gives them back (the replica is whole again once the
+    excluded rank passes its health probe)"""
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,12 @@ def decide(
     submitted or ended (the ``keep`` placement plans only then). ``hardware``: what a slot
     is, for tasks that describe their model (None: every task by its micro-batches)."""
     units = sum(capacity.values())
-    held = {t.name: min(sum(1 for n in t.ranks.values() if n in capacity), units) for t in tasks}
+    held = {
+        t.name: min(
+            sum(1 for r, n in t.ranks.items() if n in capacity and r not in t.parked), units
+        )
+        for t in tasks
+    }
     reserved = {t.name: t.min_workers if t.running else 0 for t in tasks}
     spare = units - sum(reserved.values())
     if spare < 0 or (placement == "keep" and not task_event):
@@ -228,7 +237,7 @@ def _groups(t: TaskView, capacity: dict[int, int]) -> list[tuple[int, ...]]:
     order, ``tp`` at a time; a node's last group may be short: a replica never whole)."""
     out: list[tuple[int, ...]] = []
     for node in sorted({n for n in t.ranks.values() if n in capacity}):
-        on = sorted(r for r, n in t.ranks.items() if n == node)
+        on = sorted(r for r, n in t.ranks.items() if n == node and r not in t.parked)
         out += [tuple(on[i : i + t.replica_ranks]) for i in range(0, len(on), t.replica_ranks)]
     return out
 

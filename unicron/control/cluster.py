@@ -450,6 +450,7 @@ class Cluster:
                     global_batch=task.spec.global_batch or 0,
                     transition_s=self._transition_s(task),
                     replica_ranks=task.spec.replica_ranks,
+                    parked=self._parked(task),
                 )
             )
         if not views or not capacity:
@@ -505,6 +506,22 @@ class Cluster:
                 )
         log.info("plan on %s: %s -> %s", trigger, before, after)
         return calls
+
+    def _parked(self, task: Task) -> frozenset[int]:
+        """The ranks of ``task`` waiting for an excluded rank of their replica (a node's
+        ranks in order, ``tp * pp`` at a time: :mod:`unicron.control.replicas`)."""
+        size, excluded = task.spec.replica_ranks, set(task.excluded)  # (coordinators change it)
+        if size == 1 or not excluded:
+            return frozenset()
+        out: set[int] = set()
+        placement = task.row.placement
+        for node in {placement[r] for r in excluded if 0 <= r < len(placement)}:
+            on = [r for r, n in enumerate(placement) if n == node]
+            for i in range(0, len(on), size):
+                group = on[i : i + size]
+                if any(r in excluded for r in group):
+                    out.update(r for r in group if r not in excluded)
+        return frozenset(out)
 
     def _settle(self, now: float, calls: list[Callable[[], None]]) -> None:
         """Carry out the queued additions whose slot is free: a running task gets a new rank
