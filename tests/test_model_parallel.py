@@ -254,3 +254,21 @@ def test_the_ledger_exchange_is_read_place_by_place() -> None:
     assert sp.kept == [True, False] and not sp.lost
     # no rank at place 1 holds the newest state: the checkpoint
     assert plan([row(5, a), row(-1, a), row(5, b), row(3, b)], 2, 4).lost
+
+
+def test_a_task_whose_shard_is_gone_everywhere_fails_at_once_without_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    from unicron.control.book import TaskState
+
+    c = _coordinator(tmp_path)  # replicas (0, 1) and (2, 3), no checkpoint
+    done = [M.StepComputed(slot=s, ts=0.5, step=0, compute_s=0.1) for s in range(4)]
+    c.exchange(0, done, 0.5)
+    c.step_committed(1, 0, 0.6)  # the fresh models are the task's state no more
+    for n, slot in enumerate((0, 2)):  # place 0 of both replicas
+        c.exchange(
+            0, [M.WorkerFailed(slot=slot, ts=1.0 + n, verdict=verdict_for_kind("segfault"))],
+            1.0 + n,
+        )  # fmt: skip
+    assert c.book.state is TaskState.FAILED
+    assert "every replica holding the model state is gone" in c.book.outcome.reason  # type: ignore[union-attr]

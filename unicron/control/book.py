@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unicron.control import replicas
 from unicron.control.effects import Effect, LogEvent, Tell
 from unicron.control.escalation import Escalation
 from unicron.control.messages import AgentAction, Kill, Spawn
@@ -186,8 +187,27 @@ class TaskBook:
         return self.state in (TaskState.DONE, TaskState.FAILED)
 
     def other_holders(self, slot: int) -> list[int]:
-        """The live slots other than ``slot`` that hold the task's state."""
-        return [h for h in self.slots.holders() if h != slot]
+        """The live slots other than ``slot`` that hold the task's state (model parallel: its
+        shard, at the same place of another replica)."""
+        size = self.settings.replica_ranks
+        if size == 1:
+            return [h for h in self.slots.holders() if h != slot]
+        mine = replicas.place(self.slots, slot, size)
+        return [
+            h
+            for h in self.slots.holders()
+            if h != slot and replicas.place(self.slots, h, size) == mine
+        ]
+
+    def state_held(self) -> bool:
+        """Some live slot holds the task's state (model parallel: every place's shard)."""
+        size = self.settings.replica_ranks
+        held = self.slots.holders()
+        if size == 1:
+            return bool(held)
+        if not self.trained:
+            return True  # no step committed: any worker builds the state again
+        return len({replicas.place(self.slots, h, size) for h in held}) == size
 
     def has_checkpoint(self) -> bool:
         """The task has a persistent checkpoint to fall back on (read from its directory)."""

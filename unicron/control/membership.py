@@ -274,7 +274,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
             f"{len(recoverable)} slot(s) left that can be used again, fewer than the "
             f"minimum of {minimum}"
         )
-    elif b.active() and not b.slots.holders() and not b.has_checkpoint():
+    elif b.active() and not b.state_held() and not b.has_checkpoint():
         why = "every replica holding the model state is gone (no checkpoint to fall back on)"
     if why:
         fail(b, f"{why}; last error: {b.last_error}", now)
