@@ -272,3 +272,21 @@ def test_a_task_whose_shard_is_gone_everywhere_fails_at_once_without_a_checkpoin
         )  # fmt: skip
     assert c.book.state is TaskState.FAILED
     assert "every replica holding the model state is gone" in c.book.outcome.reason  # type: ignore[union-attr]
+
+
+def test_both_replicas_broken_in_one_step_come_back_together(tmp_path: Path) -> None:
+    """Place 0 of one replica and place 1 of the other lost in the same step: each replica
+    alone lacks a shard (a rollback to the checkpoint); together they hold both, so the first
+    one back waits for the other's restart."""
+    c = _coordinator(tmp_path)
+    done = [M.StepComputed(slot=s, ts=0.5, step=0, compute_s=0.1) for s in range(4)]
+    c.exchange(0, done, 0.5)
+    c.step_committed(1, 0, 0.6)
+    for slot in (0, 3):
+        c.exchange(0, [M.WorkerFailed(slot=slot, ts=1.0, verdict=verdict_for_kind("segfault"))],
+                   1.0)  # fmt: skip
+    assert c.members == ()
+    c.exchange(0, [M.Ready(slot=0, ts=2.0, microbatches=8)], 2.0)
+    assert c.members == ()  # slot 2 holds place 0, its partner is restarting
+    c.exchange(0, [M.Ready(slot=3, ts=2.5, microbatches=8)], 2.5)
+    assert sorted(c.members) == [0, 1, 2, 3]

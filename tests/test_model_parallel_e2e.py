@@ -1,9 +1,10 @@
 """Model-parallel replicas under ``unicron run``, end to end: TP=2 x DP=2 on 4 workers,
 TP=2 x PP=2 x DP=2 on 8, and a pipeline's middle stage (PP=3 x DP=2 on 6).
 
-A rank lost mid-step (rank 0 of a replica, then the other place of the other replica, then
-a hang, found as the hung rank's alone from its partner's report that it waits) takes its
-replica out of the step; the other replica's finished micro-batches are kept, its
+A rank lost mid-step (rank 0 of a replica; then a rank of each replica in the same step,
+whose living ranks together hold both shards; then the other place of the other replica;
+then a hang, found as the hung rank's alone from its partner's report that it waits) takes
+its replica out of the step; the other replica's finished micro-batches are kept, its
 partner waits alive and the replica comes back whole, its restarted rank taking its shard
 from the same place in the live replica. The run ends with the fault-free run's bits, shard
 by shard. Losing a rank of every replica at once falls back to the sharded checkpoint, to
@@ -45,7 +46,12 @@ def test_a_lost_rank_heals_its_replica_to_the_fault_free_bits(run: Any) -> None:
     faulty = _tp(
         run,
         *layout,
+        "--checkpoint-every", "0",  # no checkpoint to fall back on: replicas heal each other
         "--inject", "crash:rank=0,step=6,mb=1",  # place 0 of replica 0, mid-step
+        # both replicas broken in one step (place 1 of one, place 0 of the other): together
+        # their living ranks hold both shards
+        "--inject", "crash:rank=1,step=9,mb=1",
+        "--inject", "crash:rank=2,step=9,mb=1",
         "--inject", "crash:rank=3,step=13",  # place 1 of replica 1
         "--inject", "hang:rank=2,step=17",  # its partner (slot 3) waits in their sums
     )  # fmt: skip
@@ -60,7 +66,7 @@ def test_a_lost_rank_heals_its_replica_to_the_fault_free_bits(run: Any) -> None:
     assert (2, 3) in epochs and (0, 1) in epochs, epochs
     assert all(len(m) % 2 == 0 for m in epochs)
     restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
-    assert restarted == [0, 2, 3]  # the hung rank alone, not the partner waiting on it
+    assert restarted == [0, 1, 2, 2, 3]  # the hung rank alone, not the partner waiting on it
     (hang,) = [e for e in faulty.of("error_detected") if e["kind"] == "hang"]
     assert hang["slot"] == 2
     # the live replica's micro-batches were kept, only the broken one's recomputed

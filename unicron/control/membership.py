@@ -234,6 +234,8 @@ def grow(b: TaskBook, now: float) -> None:
     )
     grown = replicas.whole(b.slots, b.members + joiners, b.settings.replica_ranks)
     joiners = tuple(s for s in grown if s not in b.members)
+    if not b.members and _shard_on_its_way(b, grown):
+        return  # a replica being restarted brings a shard the others lack: it joins too
     if joiners and len(grown) >= b.settings.min_workers:
         below = b.state is TaskState.WAITING or len(b.members) < b.settings.min_workers
         running(b, now)
@@ -244,6 +246,26 @@ def grow(b: TaskBook, now: float) -> None:
             now=now,
             reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
         )
+
+
+def _shard_on_its_way(b: TaskBook, candidates: tuple[int, ...]) -> bool:
+    """Model parallel, nobody training: whether ``candidates`` lack some place's shard that a
+    living rank outside them holds while its replica's lost rank is being restarted. Both
+    replicas lost a rank in the same step: each alone would roll back to the checkpoint,
+    together they hold every shard (the wait is one restart)."""
+    size = b.settings.replica_ranks
+    if size == 1 or not b.trained:
+        return False
+    have = {replicas.place(b.slots, s, size) for s in candidates if b.slots[s].has_state}
+    for s, o in b.slots.items():
+        if s in candidates or not o.alive or not o.has_state:
+            continue
+        if replicas.place(b.slots, s, size) in have:
+            continue
+        group = replicas.group_of(b.slots, s, size)
+        if any(b.slots[m].state is SlotState.STARTING for m in group):
+            return True
+    return False
 
 
 def reform(b: TaskBook, now: float, reason: str) -> bool:
