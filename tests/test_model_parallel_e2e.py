@@ -160,3 +160,12 @@ def test_a_bad_layout_gets_one_line_and_exit_2(
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_model_that_does_not_split_is_refused_with_one_line(run: Any) -> None:
+    """``--tp 2`` on the GPT example, which knows nothing of ``unicron.parallel``: every rank
+    of a replica would compute the whole model; refused after the first micro-batch."""
+    r = run("--nproc-per-node", "4", "--tp", "2", steps=3)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--tp 2: the model did not split over its replica" in r.stderr
+    assert "Traceback" not in r.stderr

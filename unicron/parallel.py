@@ -70,6 +70,8 @@ class TensorParallel:
         self.size = size
         self.broken: BaseException | None = None
         """why this attempt's sums failed (``None``: they did not)"""
+        self.used = 0
+        """sums asked for so far (the worker refuses a model that never sums at ``size`` > 1)"""
         self._sum: Callable[[torch.Tensor], None] | None = None
         self._catch: tuple[type[BaseException], ...] = ()
 
@@ -92,7 +94,10 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the replica's ranks (a new tensor); ``x`` itself with
         ``size`` 1, or once the attempt is broken."""
-        if self.size == 1 or self.broken is not None:
+        if self.size == 1:
+            return x
+        self.used += 1
+        if self.broken is not None:
             return x
         if self._sum is None:
             raise RuntimeError(
@@ -141,6 +146,8 @@ class PipelineParallel:
         self._catch: tuple[type[BaseException], ...] = ()
         self.device = torch.device("cpu")
         """where received activations and gradients are put (the worker's device)"""
+        self.used = 0
+        """sends and receives asked for so far"""
 
     @property
     def first(self) -> bool:
@@ -167,6 +174,7 @@ class PipelineParallel:
 
     def _move(self, link: Callable[[torch.Tensor, int], None] | None, t: torch.Tensor,
               src: int) -> None:  # fmt: skip
+        self.used += 1
         if self.tp.broken is not None:
             return
         if link is None:

@@ -241,6 +241,7 @@ class _Runner:
     _attempt: Step | None = None  # the step handed out and not yet committed
     _crash_at: int = -1
     _laid_out: bool = False  # the optimizer's state is in stream order (lay_out_optimizer_state)
+    _split_checked: bool = False  # the model was seen to use its replica (_check_split)
     # -- the replica (tp x pp ranks; docs/runtime.md, Model-parallel replicas)
     par: TensorParallel = field(default_factory=tensor_parallel)
     pipe: PipelineParallel = field(default_factory=pipeline_parallel)
@@ -586,10 +587,18 @@ class _Runner:
         (:func:`unicron.runtime.checkpoint.at_boundary_of`: every shard at the same steps)."""
         if self.ckpt is not None:
             C.at_boundary_of(
-                self.ckpt, self.store, f"{self.ctx.task}/checkpoint_at", rank=rank,
-                size=self.R, model=self.model, optimizer=self.optimizer, step=self.step,
-                world=self.groups[-1].world, now=time.time(), data=self.data.state(),
-            )  # fmt: skip
+                self.ckpt,
+                self.store,
+                f"{self.ctx.task}/checkpoint_at",
+                rank=rank,
+                size=self.R,
+                model=self.model,
+                optimizer=self.optimizer,
+                step=self.step,
+                world=self.groups[-1].world,
+                now=time.time(),
+                data=self.data.state(),
+            )
 
     # -- one attempt at a step ------------------------------------------------------------------
     def _begin(self, g: EpochGroup, todo: list[int]) -> Step:
@@ -673,12 +682,34 @@ class _Runner:
             self.done.clear()  # the local sums are abandoned: redo the step's work here
             self.current = None
             raise
+        if not self._split_checked:
+            self._check_split()
         if self.par.broken is not None:  # a sum of the replica failed: the sums mean nothing
             self.done.clear()
             self.grads.clear()
             self.current = None
             return
         self._computed(mb)
+
+    def _check_split(self) -> None:
+        """After this process's first micro-batch: a model run at ``--tp``/``--pp`` > 1 must
+        have summed over its replica or passed activations between stages, else every rank of
+        a replica computes the whole model (bad input: one line, exit 2)."""
+        self._split_checked = True
+        flags = [
+            f"--{name} {n}"
+            for name, n, used in (
+                ("tp", self.ctx.tp, self.par.used),
+                ("pp", self.ctx.pp, self.pipe.used),
+            )
+            if n > 1 and not used
+        ]
+        if flags:
+            self.refuse(
+                f"{' '.join(flags)}: the model did not split over its replica (no sum or "
+                "link of unicron.parallel in its first micro-batch): build it with "
+                "unicron.parallel's parts (docs/runtime.md, Model-parallel replicas)"
+            )
 
     def add_gradients(self, s: Step, grads: Sequence[torch.Tensor | None], loss: float) -> None:
         """The current micro-batch's gradients, handed over (one per trainable parameter)."""
