@@ -371,6 +371,12 @@ def usage_key(task: str) -> str:
     return f"{task}/usage"
 
 
+def checkpoint_at_key(task: str) -> str:
+    """The step at which a model-parallel task's shards are checkpointed next, named by rank
+    0 two boundaries ahead (:func:`unicron.runtime.checkpoint.at_boundary_of`)."""
+    return f"{task}/checkpoint_at"
+
+
 def done_key(task: str) -> str:
     """Set when the task finished or failed: waiting workers exit."""
     return f"{task}/done"

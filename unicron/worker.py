@@ -45,6 +45,7 @@ from unicron.errors import UsageError
 from unicron.parallel import PipelineParallel, TensorParallel, pipeline_parallel, tensor_parallel
 from unicron.protocol import (
     EpochInfo,
+    checkpoint_at_key,
     done_key,
     trained_key,
     usage_key,
@@ -246,7 +247,6 @@ class _Runner:
     par: TensorParallel = field(default_factory=tensor_parallel)
     pipe: PipelineParallel = field(default_factory=pipeline_parallel)
     _dp: EpochGroup | None = None  # this epoch's members at this place, one per replica
-    _ckpt_at: int = -1  # tp > 1: the step the replicas' shards are checkpointed at next
 
     def __post_init__(self) -> None:
         self.grads = Reducer(
@@ -589,7 +589,7 @@ class _Runner:
             C.at_boundary_of(
                 self.ckpt,
                 self.store,
-                f"{self.ctx.task}/checkpoint_at",
+                checkpoint_at_key(self.ctx.task),
                 rank=rank,
                 size=self.R,
                 model=self.model,

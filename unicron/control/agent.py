@@ -46,6 +46,7 @@ from typing import Any, Protocol
 
 from unicron import protocol as P
 from unicron.control import messages as M
+from unicron.control import replicas
 from unicron.control.messages import Kill, Probe, Reply, Spawn
 from unicron.control.workerstate import (
     Worker,
@@ -768,7 +769,7 @@ class Agent:
 
     def _place_env(self, slot: int) -> dict[str, str]:
         tp, pp = self.config.settings.tp, self.config.settings.pp
-        place = self.config.slots.index(slot) % (tp * pp)
+        place = replicas.place_in(self.config.slots, slot, tp * pp)
         return {ENV_TP_RANK: str(place % tp), ENV_PP_STAGE: str(place // tp)}
 
     def _device_env(self, slot: int) -> dict[str, str]:

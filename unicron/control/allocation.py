@@ -44,6 +44,7 @@ from typing import Literal
 
 import numpy as np
 
+from unicron.control import replicas
 from unicron.planner import (
     GPUSpec,
     ModelSpec,
@@ -238,7 +239,7 @@ def _groups(t: TaskView, capacity: dict[int, int]) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = []
     for node in sorted({n for n in t.ranks.values() if n in capacity}):
         on = sorted(r for r, n in t.ranks.items() if n == node and r not in t.parked)
-        out += [tuple(on[i : i + t.replica_ranks]) for i in range(0, len(on), t.replica_ranks)]
+        out += replicas.grouped(on, t.replica_ranks)
     return out
 
 

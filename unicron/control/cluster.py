@@ -36,6 +36,7 @@ from typing import Any
 
 from unicron.control import allocation as A
 from unicron.control import messages as M
+from unicron.control import replicas
 from unicron.control import store as S
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
@@ -517,8 +518,7 @@ class Cluster:
         placement = task.row.placement
         for node in {placement[r] for r in excluded if 0 <= r < len(placement)}:
             on = [r for r, n in enumerate(placement) if n == node]
-            for i in range(0, len(on), size):
-                group = on[i : i + size]
+            for group in replicas.grouped(on, size):
                 if any(r in excluded for r in group):
                     out.update(r for r in group if r not in excluded)
         return frozenset(out)

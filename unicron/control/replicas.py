@@ -22,20 +22,31 @@ from collections.abc import Iterable, Sequence
 
 from unicron.control.slots import SlotTable
 
-__all__ = ["group_of", "orphans", "place", "whole"]
+__all__ = ["group_of", "grouped", "orphans", "place", "place_in", "whole"]
+
+
+def grouped(on: Sequence[int], size: int) -> list[tuple[int, ...]]:
+    """A node's slots ``on`` (in slot order) as replicas of ``size``: the rule every part
+    shares (the table here, the agent's worker environment, the cluster's allocation). The
+    last group is short where ``size`` does not divide the count: never whole."""
+    return [tuple(on[i : i + size]) for i in range(0, len(on), size)]
+
+
+def place_in(on: Sequence[int], slot: int, size: int) -> int:
+    """``slot``'s place in its replica, among its node's slots ``on`` (:func:`grouped`)."""
+    return list(on).index(slot) % size
 
 
 def group_of(slots: SlotTable, slot: int, size: int) -> tuple[int, ...]:
     """The slots of ``slot``'s replica, in place order (fewer than ``size`` on a node whose
     slot count ``size`` does not divide: that group is never whole)."""
     on = slots.on_node(slots[slot].node)
-    first = on.index(slot) // size * size
-    return tuple(on[first : first + size])
+    return grouped(on, size)[on.index(slot) // size]
 
 
 def place(slots: SlotTable, slot: int, size: int) -> int:
     """``slot``'s place in its replica."""
-    return slots.on_node(slots[slot].node).index(slot) % size
+    return place_in(slots.on_node(slots[slot].node), slot, size)
 
 
 def whole(slots: SlotTable, candidates: Sequence[int], size: int) -> tuple[int, ...]:

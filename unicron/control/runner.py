@@ -126,7 +126,7 @@ def validate(args: argparse.Namespace) -> list[Fault]:
     world = args.nnodes * args.nproc_per_node
     if not 1 <= args.min_workers <= world:
         raise UsageError(f"--min-workers must be in 1..{world}, got {args.min_workers}")
-    _check_tp(args)
+    _check_replica(args)
     from unicron.runtime import device as D  # imports torch only to count GPUs, for --device cuda
 
     args.reduce = args.reduce or D.default_reduce(args.device)  # before --resume's check
@@ -200,7 +200,7 @@ def _nnodes(raw: str) -> int:
     return int(lo)
 
 
-def _check_tp(args: argparse.Namespace) -> None:
+def _check_replica(args: argparse.Namespace) -> None:
     """``--tp`` and ``--pp``: a replica's ``tp x pp`` ranks are on one node, and the task is
     worth whole replicas; ``--min-workers`` left at its default becomes one replica."""
     tp, pp = args.tp or 1, args.pp or 1

@@ -368,28 +368,27 @@ class EpochGroup:
         if self.on_wait is None:
             self._wait_for(work, None)
             return
-        said: list[bool] = []
+        tell, report_at, said = self.on_wait, time.monotonic() + WAIT_REPORT_S, False
+
+        def between() -> None:  # between two slices: tell once the wait has lasted long
+            nonlocal said
+            if not said and time.monotonic() >= report_at:
+                said = True
+                tell(True)
+
         try:
-            self._wait_for(work, time.monotonic() + WAIT_REPORT_S, said)
+            self._wait_for(work, between)
         finally:
             if said:
-                self.on_wait(False)
+                tell(False)
 
-    def _waited(self, report_at: float | None, said: list[bool] | None) -> None:
-        """Between two slices of a wait: tell :attr:`on_wait` once it has lasted long."""
-        if report_at is None or said is None or said or self.on_wait is None:
-            return
-        if time.monotonic() >= report_at:
-            said.append(True)
-            self.on_wait(True)
-
-    def _wait_for(self, work: Any, report_at: float | None, said: list[bool] | None = None) -> None:
+    def _wait_for(self, work: Any, between: Callable[[], None] | None) -> None:
         if isinstance(work, _Works):
             for part in work.parts:
-                self._wait_for(part, report_at, said)
+                self._wait_for(part, between)
             return
         if self.backend == "nccl":
-            self._poll(work, report_at, said)
+            self._poll(work, between)
             return
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -404,11 +403,10 @@ class EpochGroup:
                 self._check(urgent_only=False)
                 if time.monotonic() > deadline:
                     raise CollectiveError(exc) from exc
-                self._waited(report_at, said)
+                if between is not None:
+                    between()
 
-    def _poll(
-        self, work: Any, report_at: float | None = None, said: list[bool] | None = None
-    ) -> None:
+    def _poll(self, work: Any, between: Callable[[], None] | None = None) -> None:
         """NCCL: ``wait(timeout)`` does not return control to the CPU in slices, so poll the
         work's completion and look at the epoch between polls; a superseded epoch aborts the
         communicator (:meth:`leave`) instead of waiting for a watchdog timeout."""
@@ -419,7 +417,8 @@ class EpochGroup:
             if time.monotonic() < next_look:
                 continue
             next_look = time.monotonic() + self.slice.total_seconds()
-            self._waited(report_at, said)
+            if between is not None:
+                between()
             if self.watch.superseded(self.info.epoch, urgent_only=False) or (
                 time.monotonic() > deadline
             ):
