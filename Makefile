@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak soak-parallel clean
+.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak soak-parallel test-long clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -63,10 +63,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# every test but the long scenarios (CI: under 10 minutes on a 2-core machine)
 pytest: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not long" $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# the long scenarios that `make test` leaves out (variants of the ones it runs; the
+# dashboard's browser test wants the distribution's chromium and chromium-driver): ~6 min
+test-long: $(STAMP)
+	$(BIN)/pytest -q -m long $(PYTEST_ARGS)
 
 # the tests not marked e2e (no real processes, clusters or process groups): under 2 minutes
 test-fast: $(STAMP)

@@ -47,6 +47,7 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.long
 def test_every_replica_killed_resumes_from_the_checkpoint_bitwise(
     clean: RunResult, run: Any
 ) -> None:
@@ -234,6 +235,7 @@ def test_a_checkpoint_of_another_model_stops_the_run_with_exit_2(tmp_path: Path)
     assert _tree(ck) == before
 
 
+@pytest.mark.long
 def test_a_cluster_task_resumes_from_the_checkpoint_bitwise(
     clean: RunResult, tmp_path: Path
 ) -> None:

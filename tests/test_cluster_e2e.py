@@ -90,6 +90,7 @@ def test_the_hosts_are_namespaces() -> None:
         pytest.skip(f"network namespaces unavailable ({why}): the cluster tests ran on loopback")
 
 
+@pytest.mark.long
 def test_node_lost_and_back(cluster: LocalCluster, reference: str) -> None:
     host = next(h for h in range(2) if cluster.node(f"n{h}")["id"] == 0)  # agents raced
     cluster.submit(task("node", inject=["node:node=0,step=5"]))
@@ -177,6 +178,7 @@ def test_a_partition_is_fenced_and_no_stale_epoch_commits(
     assert view["outcome"]["params_sha256"] == reference
 
 
+@pytest.mark.long
 def test_the_planner_moves_slots_between_tasks_and_both_stay_exact(
     cluster: LocalCluster, reference: str, short_reference: str
 ) -> None:

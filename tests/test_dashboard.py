@@ -206,6 +206,7 @@ def task_is(name: str, state: str, step: int) -> str:
     return f'const t = {card}; return t?.dataset.state === "{state}" && +t.dataset.step >= {step}'
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_the_page_shows_a_running_task_and_a_node_lost_and_back(tmp_path: Path) -> None:

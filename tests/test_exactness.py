@@ -65,6 +65,7 @@ def test_crashes_leave_the_final_parameters_bitwise_identical(run: Any) -> None:
     assert drift > 1e-4, drift
 
 
+@pytest.mark.long
 def test_adversarial_gradients_stay_bitwise_identical_through_a_regrouping(run: Any) -> None:
     # each micro-batch's loss is scaled by 2^k, k in -40..40: gradients of one step span 2^80,
     # beyond what the float64 sum of float32 values held exactly; 3 workers after the crash

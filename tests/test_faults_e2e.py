@@ -84,6 +84,7 @@ def test_hang_is_detected_by_the_monitor_and_the_hung_worker_restarted(
     assert r.of("step_end")[-1]["workers"] == 4
 
 
+@pytest.mark.long
 def test_a_deadlocked_worker_writes_where_it_hung_before_it_is_killed(run: Any) -> None:
     """A worker blocked for ever on a lock (alive, no CPU) is found by the monitor; before
     the kill the agent has it write every thread's stack into its log."""
@@ -99,6 +100,7 @@ def test_a_deadlocked_worker_writes_where_it_hung_before_it_is_killed(run: Any) 
     assert "most recent call first" in log and "take_twice" in log, log[-3000:]
 
 
+@pytest.mark.long
 def test_a_starved_worker_is_not_killed_as_hung(run: Any) -> None:
     """A worker that other processes starve of CPU lasts past its hang allowance while every
     peer finished the step, but its CPU time advances: it is left to finish (before, it was
@@ -117,6 +119,7 @@ def test_a_starved_worker_is_not_killed_as_hung(run: Any) -> None:
         pytest.skip(f"too loaded to starve a worker past its allowance: {ends[8]:.2f} s")
 
 
+@pytest.mark.long
 def test_a_lone_worker_hang_is_confirmed_at_twice_its_deadline_and_healed_from_the_checkpoint(
     run: Any, clean: RunResult
 ) -> None:
@@ -145,6 +148,7 @@ def test_a_lone_worker_hang_is_confirmed_at_twice_its_deadline_and_healed_from_t
     assert [e["step"] for e in r.of("step_end")].count(back["step"]) == 2  # redone, visibly
 
 
+@pytest.mark.long
 def test_a_lone_slow_worker_with_no_copy_of_its_state_is_reported_not_killed(run: Any) -> None:
     # alone and no checkpoint: a kill would lose the only state; a 30x slower step overruns
     # the lone deadline (2 x max(3 x ~0.1 s, 1 s)), is reported, and the run still finishes
@@ -226,6 +230,7 @@ def test_a_lost_node_is_logged_detected_and_the_survivors_go_on(run: Any, clean:
     assert r.of("step_end")[-1]["workers"] == 2
 
 
+@pytest.mark.long
 def test_an_excluded_slot_passes_its_health_probe_and_rejoins(run: Any) -> None:
     # the probe is a fresh process importing torch: readmitted at step ~17 of a loaded machine
     steps = 100
@@ -313,6 +318,7 @@ def test_too_few_slots_for_min_workers_fails_with_the_reason(run: Any) -> None:
     assert len(r.of("step_end")) < STEPS
 
 
+@pytest.mark.long
 def test_below_the_minimum_the_task_waits_for_readmission(run: Any, clean: RunResult) -> None:
     """The slot's exclusion leaves fewer workers than the minimum: the task waits (the event
     log and the progress output say why), the health probe readmits the slot, and the run

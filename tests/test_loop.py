@@ -44,6 +44,7 @@ def _ok(r: RunResult, steps: int) -> str:
     return sha
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_hugging_face_llama_with_its_own_loop_heals_bit_for_bit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -77,6 +78,7 @@ def test_the_example_gpt_as_a_plain_loop_heals_bit_for_bit_and_matches_train(
     assert "hang" in [e["kind"] for e in faulty.of("error_detected") if e["slot"] == 3]
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_gradients_handed_over_and_clipped_by_the_loop_heal_bit_for_bit(tmp_path: Path) -> None:
     steps = 6
@@ -125,6 +127,7 @@ def test_a_restarted_worker_receives_the_samplers_position_with_the_state(
     assert any(e["state_source"] == "peer_node" for e in healed.of("transition_end"))
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_resumed_run_reads_the_samplers_position_from_the_checkpoint(
     tmp_path: Path, sampler_clean: str

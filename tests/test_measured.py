@@ -131,6 +131,7 @@ def _simulate(cwd: Path, pythonpath: Path, out: str) -> dict[str, object]:
     return summary
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_simulate_from_an_installed_wheel_matches_the_checkout(tmp_path: Path) -> None:

@@ -78,6 +78,7 @@ def test_a_lost_rank_heals_its_replica_to_the_fault_free_bits(run: Any) -> None:
     assert sorted(e["step"] for e in faulty.of("step_end")) == list(range(STEPS))
 
 
+@pytest.mark.long
 def test_every_replica_broken_falls_back_to_the_sharded_checkpoint(run: Any) -> None:
     # the automatic interval at a 1 s MTBF: a checkpoint every few steps, at the steps rank 0
     # names ahead for every shard

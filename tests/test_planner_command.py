@@ -51,6 +51,7 @@ def _spec(**overrides: Any) -> dict[str, Any]:
     return doc
 
 
+@pytest.mark.long
 def test_examples_plan_within_the_cluster() -> None:
     assert EXAMPLES
     for path in EXAMPLES:

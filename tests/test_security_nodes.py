@@ -278,6 +278,7 @@ def stores_of(state: Path) -> list[int]:
     return found
 
 
+@pytest.mark.long
 def test_a_rotated_agent_credential_stops_working_while_training_goes_on(
     tmp_path: Path,
 ) -> None:

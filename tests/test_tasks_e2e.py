@@ -64,6 +64,7 @@ def steps(cluster: LocalCluster, name: str) -> list[int]:
     return [e["step"] for e in cluster.events(name) if e["event"] == "step_end"]
 
 
+@pytest.mark.long
 def test_every_example_task_file_trains(cluster: LocalCluster, tmp_path: Path) -> None:
     files = {p.name for p in TASKS.glob("*.yaml")}
     assert files == {"gpt.yaml", "llama.yaml", "planner.yaml", "gpt-checkpoint.yaml",
@@ -87,6 +88,7 @@ def test_every_example_task_file_trains(cluster: LocalCluster, tmp_path: Path) -
     assert resumed[0] in (5, 10) and resumed == list(range(resumed[0], 20)), resumed
 
 
+@pytest.mark.long
 def test_report_of_a_cluster_task_is_run_s_timeline(cluster: LocalCluster, tmp_path: Path) -> None:
     """The same fault in a cluster task and in ``unicron run``: ``unicron report`` prints the
     table ``unicron run`` printed, with the same fault, verdict and action."""
