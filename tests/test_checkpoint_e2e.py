@@ -224,6 +224,7 @@ def test_a_directory_without_write_permission_is_refused(
         ck.chmod(0o755)
 
 
+@pytest.mark.long
 def test_a_checkpoint_of_another_model_stops_the_run_with_exit_2(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     _checkpoint(ck)

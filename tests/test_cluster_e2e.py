@@ -112,6 +112,7 @@ def test_node_lost_and_back(cluster: LocalCluster, reference: str) -> None:
     assert view["outcome"]["params_sha256"] == reference
 
 
+@pytest.mark.long
 def test_coordinator_killed_and_restarted(cluster: LocalCluster, reference: str) -> None:
     cluster.submit(task("crash"))
     cluster.wait_task("crash", lambda v: v["step"] >= 8)

@@ -166,6 +166,7 @@ def test_a_lone_slow_worker_with_no_copy_of_its_state_is_reported_not_killed(run
     assert len(r.of("epoch_begin")) == 1
 
 
+@pytest.mark.long
 def test_sev3_error_is_reattempted_in_place_without_a_new_epoch(run: Any, clean: RunResult) -> None:
     r = run(
         "--nproc-per-node", "4", "--inject", "error:rank=1,step=10,kind=conn_reset", steps=STEPS
@@ -216,6 +217,7 @@ def test_sev1_error_excludes_the_slot_and_the_task_goes_on_with_three(
     assert r.of("step_end")[-1]["workers"] == 3
 
 
+@pytest.mark.long
 def test_a_lost_node_is_logged_detected_and_the_survivors_go_on(run: Any, clean: RunResult) -> None:
     r = run(
         "--nnodes", "2", "--nproc-per-node", "2", "--inject", "node:node=1,step=10", steps=STEPS
@@ -335,6 +337,7 @@ def test_below_the_minimum_the_task_waits_for_readmission(run: Any, clean: RunRe
     assert all(len(e["members"]) >= 4 for e in r.of("epoch_begin")), r.of("epoch_begin")
 
 
+@pytest.mark.long
 def test_a_task_that_waits_past_its_give_up_deadline_fails(run: Any) -> None:
     r = run(
         "--nproc-per-node", "2", "--min-workers", "2", "--readmit-after", "600",

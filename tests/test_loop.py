@@ -116,6 +116,7 @@ def sampler_clean(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _ok(r, SAMPLER_STEPS)
 
 
+@pytest.mark.long
 @pytest.mark.e2e
 def test_a_restarted_worker_receives_the_samplers_position_with_the_state(
     tmp_path: Path, sampler_clean: str
@@ -151,7 +152,15 @@ MISUSE = {
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("misuse", sorted(MISUSE))
+@pytest.mark.parametrize(
+    "misuse",
+    [  # the default run keeps one misuse caught by the step API, one by the hooks
+        pytest.param(
+            m, marks=[pytest.mark.long] if m in ("optimizer-step", "wrong-microbatch") else []
+        )
+        for m in sorted(MISUSE)
+    ],
+)
 def test_bad_use_of_the_step_api_exits_2_naming_the_mistake_before_the_commit(
     tmp_path: Path, misuse: str
 ) -> None:

@@ -161,6 +161,7 @@ def test_ctrl_c_stops_every_process_and_exits_130(tmp_path: Path) -> None:
     assert '"task_end"' in last and '"interrupted"' in last
 
 
+@pytest.mark.long
 def test_a_finished_run_leaves_no_temporary_folder(tmp_path: Path) -> None:
     """Without ``--log-dir`` the run's folder is temporary: gone once the task finished (with
     the service's state folder, which goes from a ``--log-dir`` given too)."""

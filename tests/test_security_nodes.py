@@ -214,7 +214,13 @@ def test_a_cuda_task_is_refused_on_a_node_without_gpus(
     assert proc.returncode == 0 and "no CUDA device" in proc.stdout, proc.stdout
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "sig",
+    [
+        pytest.param(signal.SIGTERM, id="SIGTERM"),
+        pytest.param(signal.SIGINT, id="SIGINT", marks=pytest.mark.long),
+    ],
+)
 def test_a_signal_stops_the_coordinator_and_its_store(tmp_path: Path, sig: int) -> None:
     c = start_coordinator(tmp_path / "state")
     pid = store_pid(c.state)
@@ -247,6 +253,7 @@ def listening(port: int) -> list[str]:
     return found
 
 
+@pytest.mark.long
 def test_a_failed_start_stops_the_store(tmp_path: Path) -> None:
     """The port is taken: uvicorn gives up, and the store started before it goes too."""
     with socket.socket() as busy:
