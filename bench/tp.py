@@ -1,16 +1,18 @@
-"""Tensor-parallel replicas: Unicron against plain PyTorch under torchrun, TP=2 x DP=2.
+"""Model-parallel replicas: Unicron against plain PyTorch under torchrun, TP=2 and PP=2 (x DP=2).
 
-In one run, interleaved: ``examples/train_llama_parallel.py`` under ``unicron run --tp 2`` and the
-same model, micro-batches and seeds in plain PyTorch (``bench/baselines/tp_ckpt.py``: the
-replica's sums over a torch process group, DDP across replicas, a shard checkpoint every
-``K`` steps), 4 CPU workers each. Fault-free: the median ``duration_s`` of ``step_end``
-after the warm-up steps (``step_time_vs_plain`` divides Unicron's by the baseline's). Then
-rank 0 (place 0 of replica 0) SIGKILLed mid-step half-way (half a checkpoint interval after the
-baseline's checkpoint): ``detection_s`` (Unicron: the
-fault to its ``error_detected``), ``recovery_s`` (the fault to the first step at or after the
-interrupted one that finishes: Unicron re-forms the replica and recomputes its micro-batches;
-torchrun restarts every rank and redoes the steps since the checkpoint) and
-``steps_redone``.
+In one run, interleaved: ``examples/train_llama_parallel.py`` under ``unicron run --tp 2`` (or
+``--pp 2``) and the same model, micro-batches and seeds in plain PyTorch
+(``bench/baselines/tp_ckpt.py``: the replica's sums and pipeline links over torch process
+groups, DDP across replicas, a shard checkpoint every ``K`` steps), 4 CPU workers each, per
+layout. Fault-free, at the smallest model: the median ``duration_s`` of ``step_end`` after the
+warm-up steps (``step_time_vs_plain`` divides Unicron's by the baseline's). Then, at each
+model size: rank 0 (place 0 of replica 0: tensor rank 0, or the first stage) SIGKILLed
+mid-step half-way (half a checkpoint interval after the baseline's checkpoint):
+``detection_s`` (Unicron: the fault to its ``error_detected``), ``recovery_s`` (the fault to
+the first step at or after the interrupted one that finishes: Unicron re-forms the replica
+and recomputes its micro-batches; torchrun restarts every rank and redoes the steps since the
+checkpoint) and ``steps_redone``. Metrics carry ``[layout]`` or ``[layout/dimD]``; the plot
+``bench/results/tp.png`` draws recovery against the replica's state size, per layout.
 
 Run only when named: ``python -m bench.tp [--quick]`` or ``python -m bench --scenario tp``.
 """
@@ -25,42 +27,67 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, bench_parser, make_row, print_table, save_scenario
+from bench.common import Row, bench_parser, make_row, print_table, save_scenario, write_summary
 from bench.events import read_events
 
 SCENARIO = "tp"
 ROOT = Path(__file__).resolve().parents[1]
 NPROC, CKPT_EVERY = 4, 10
-PLAN = {True: (30, 5, 1), False: (60, 10, 3)}  # quick: (steps, warm-up steps, repetitions)
-ARMS = ("unicron --tp 2", "torchrun TP=2 x DP=2")
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (tp, pp): each x DP=2 on NPROC workers
+DIMS = {True: (128,), False: (128, 256, 384)}  # model width (hidden units: twice it)
+PLAN = {True: (30, 5, 1), False: (40, 10, 2)}  # quick: (steps, warm-up steps, repetitions)
+ARMS = ("unicron", "torchrun")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
 
 
-def _command(arm: str, steps: int, workdir: Path, fault: str | None) -> list[str]:
+def _model(dim: int) -> list[str]:
+    return ["--dim", str(dim), "--hidden", str(2 * dim)]
+
+
+def _command(arm: str, layout: str, dim: int, steps: int, workdir: Path, fault: str | None
+             ) -> list[str]:  # fmt: skip
+    tp, pp = LAYOUTS[layout]
     events = str(workdir / "events.jsonl")
     inject = ["--inject", fault] if fault else []
-    if arm == ARMS[1]:
+    if arm == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(NPROC), "--max-restarts", "3",
-                "-m", "bench.baselines.tp_ckpt", "--steps", str(steps),
-                "--ckpt-every", str(CKPT_EVERY), "--ckpt-dir", str(workdir),
-                "--events", events, *inject]  # fmt: skip
-    return [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(NPROC), "--tp", "2",
-            "--quiet", "--events", events, "--log-dir", str(workdir / "logs"), *inject,
-            str(ROOT / "examples" / "train_llama_parallel.py"), "--steps", str(steps)]  # fmt: skip
+                "-m", "bench.baselines.tp_ckpt", "--tp", str(tp), "--pp", str(pp), *_model(dim),
+                "--steps", str(steps), "--ckpt-every", str(CKPT_EVERY),
+                "--ckpt-dir", str(workdir), "--events", events, *inject]  # fmt: skip
+    return [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(NPROC),
+            "--tp", str(tp), "--pp", str(pp), "--quiet", "--events", events,
+            "--log-dir", str(workdir / "logs"), *inject,
+            str(ROOT / "examples" / "train_llama_parallel.py"), "--steps", str(steps),
+            *_model(dim)]  # fmt: skip
 
 
-def _events(arm: str, steps: int, workdir: Path, fault: str | None = None) -> list[dict[str, Any]]:
+def _events(arm: str, layout: str, dim: int, steps: int, workdir: Path,
+            fault: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     workdir.mkdir(parents=True)
-    cmd = _command(arm, steps, workdir, fault)
+    cmd = _command(arm, layout, dim, steps, workdir, fault)
     subprocess.run(cmd, check=True, cwd=ROOT, env=ENV, timeout=900, capture_output=True)
     return [dict(e) for e in read_events(workdir / "events.jsonl")]
 
 
-def step_time(arm: str, steps: int, warmup: int, workdir: Path) -> float:
-    """One fault-free run of ``arm``: its median step time after ``warmup`` steps."""
-    ends = [e for e in _events(arm, steps, workdir) if e["event"] == "step_end"]
+def state_mb(dim: int) -> float:
+    """A replica's training state at width ``dim`` (MB: parameters and AdamW's two moments,
+    float32), whatever the layout splits it into."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import llama_parallel
+
+    from unicron.parallel import TensorParallel
+
+    cfg = llama_parallel.LlamaConfig(dim=dim, hidden=2 * dim)
+    model = llama_parallel.Llama(cfg, TensorParallel(0, 1))
+    return 3 * 4 * sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def step_time(arm: str, layout: str, dim: int, steps: int, warmup: int, workdir: Path) -> float:
+    """One fault-free run: its median step time after ``warmup`` steps."""
+    evs = _events(arm, layout, dim, steps, workdir)
+    ends = [e for e in evs if e["event"] == "step_end"]
     return statistics.median(float(e["duration_s"]) for e in ends if int(e["step"]) >= warmup)
 
 
@@ -70,11 +97,11 @@ def _fault_step(steps: int) -> int:
     return steps // 2 // CKPT_EVERY * CKPT_EVERY + CKPT_EVERY // 2
 
 
-def crash(arm: str, steps: int, workdir: Path) -> tuple[float | None, float, int]:
-    """``arm`` with rank 0 SIGKILLed mid-step half-way: (detection_s or None, recovery_s,
-    steps redone)."""
+def crash(arm: str, layout: str, dim: int, steps: int, workdir: Path
+          ) -> tuple[float | None, float, int]:  # fmt: skip
+    """Rank 0 SIGKILLed mid-step half-way: (detection_s or None, recovery_s, steps redone)."""
     at = _fault_step(steps)
-    evs = _events(arm, steps, workdir, f"crash:rank=0,step={at},mb=1")
+    evs = _events(arm, layout, dim, steps, workdir, f"crash:rank=0,step={at},mb=1")
     ts = float(next(e for e in evs if e["event"] == "fault_injected")["ts"])
     detected = next((float(e["ts"]) for e in evs if e["event"] == "error_detected"), None)
     ends = [e for e in evs if e["event"] == "step_end"]
@@ -86,52 +113,116 @@ def crash(arm: str, steps: int, workdir: Path) -> tuple[float | None, float, int
 def run(quick: bool) -> list[Row]:
     """The rows of this scenario (``python -m bench --scenario tp``)."""
     steps, warmup, reps = PLAN[quick]
+    dims = DIMS[quick]
     load = os.getloadavg()[0]  # the figures' context: a shared machine's other work
-    times: dict[str, list[float]] = {a: [] for a in ARMS}
-    detect: list[float] = []
-    recover: dict[str, list[float]] = {a: [] for a in ARMS}
-    redone: dict[str, list[float]] = {a: [] for a in ARMS}
+    times: dict[tuple[str, str], list[float]] = {}
+    detect: dict[tuple[str, int], list[float]] = {}
+    recover: dict[tuple[str, str, int], list[float]] = {}
+    redone: dict[tuple[str, str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="unicron-bench-tp-") as tmp:
         for rep in range(reps):
-            for i, arm in enumerate(ARMS):
-                times[arm].append(step_time(arm, steps, warmup, Path(tmp) / f"{rep}-{i}"))
-                d, r, n = crash(arm, steps, Path(tmp) / f"{rep}-{i}-crash")
-                if d is not None:
-                    detect.append(d)
-                recover[arm].append(r)
-                redone[arm].append(n)
-    note = (
-        f"examples/llama_parallel.py (2 layers, dim 128), TP=2 x DP=2 on {NPROC} CPU workers, "
-        f"{steps} steps, median after step {warmup}; load average {load:.1f} / "
-        f"{os.cpu_count()} CPUs at the start"
-    )
-    rows = [make_row(system=arm, scenario=SCENARIO, metric="step_time_s", values=times[arm],
-                     note=note) for arm in ARMS]  # fmt: skip
-    ratio = statistics.median(times[ARMS[0]]) / statistics.median(times[ARMS[1]])
-    said = "median step time / plain PyTorch's at the layout, same run"
-    rows.append(make_row(system=ARMS[0], scenario=SCENARIO, metric="step_time_vs_plain",
-                         values=[ratio], status="derived", note=said))  # fmt: skip
-    crash_note = f"rank 0 (place 0 of replica 0) SIGKILLed mid-step at step {_fault_step(steps)}"
-    rows.append(make_row(system=ARMS[0], scenario=SCENARIO, metric="detection_s",
-                         values=detect, note=crash_note))  # fmt: skip
-    for arm in ARMS:
-        how = (
-            "; the replica re-formed, its micro-batches recomputed by the live one"
-            if arm == ARMS[0]
-            else f"; every rank restarted, shards reloaded (a checkpoint every {CKPT_EVERY})"
+            for layout in LAYOUTS:
+                for arm in ARMS:
+                    where = Path(tmp) / f"{rep}-{layout}-{arm}"
+                    t = step_time(arm, layout, dims[0], steps, warmup, where)
+                    times.setdefault((arm, layout), []).append(t)
+                    for dim in dims:
+                        d, r, n = crash(arm, layout, dim, steps, Path(f"{where}-crash{dim}"))
+                        if d is not None:
+                            detect.setdefault((layout, dim), []).append(d)
+                        recover.setdefault((arm, layout, dim), []).append(r)
+                        redone.setdefault((arm, layout, dim), []).append(n)
+    machine = f"load average {load:.1f} / {os.cpu_count()} CPUs at the start"
+    rows: list[Row] = []
+    for layout, (tp, pp) in LAYOUTS.items():
+        shape = f"TP={tp} x PP={pp} x DP=2 on {NPROC} CPU workers"
+        note = (
+            f"examples/llama_parallel.py (2 layers, dim {dims[0]}), {shape}, {steps} steps, "
+            f"median after step {warmup}; {machine}"
         )
-        rows.append(make_row(system=arm, scenario=SCENARIO, metric="recovery_s",
-                             values=recover[arm], note=crash_note + how))  # fmt: skip
-        rows.append(make_row(system=arm, scenario=SCENARIO, metric="steps_redone",
-                             values=redone[arm], note=crash_note))  # fmt: skip
+        for arm in ARMS:
+            rows.append(make_row(system=arm, scenario=SCENARIO, metric=f"step_time_s[{layout}]",
+                                 values=times[(arm, layout)], note=note))  # fmt: skip
+        ratio = statistics.median(times[("unicron", layout)]) / statistics.median(
+            times[("torchrun", layout)]
+        )
+        said = "median step time / plain PyTorch's at the layout, same run"
+        rows.append(make_row(system="unicron", scenario=SCENARIO,
+                             metric=f"step_time_vs_plain[{layout}]", values=[ratio],
+                             status="derived", note=said))  # fmt: skip
+        for dim in dims:
+            kind = f"{layout}/dim{dim}"
+            crash_note = (
+                f"{shape}, dim {dim} (state {state_mb(dim):.1f} MB a replica): rank 0 (place "
+                f"0 of replica 0) SIGKILLed mid-step at step {_fault_step(steps)}; {machine}"
+            )
+            found = detect.get((layout, dim), [])
+            rows.append(make_row(system="unicron", scenario=SCENARIO,
+                                 metric=f"detection_s[{kind}]", values=found,
+                                 note=crash_note))  # fmt: skip
+            for arm in ARMS:
+                how = (
+                    "; the replica re-formed, its micro-batches recomputed by the live one"
+                    if arm == "unicron"
+                    else f"; every rank restarted, shards reloaded (a checkpoint every "
+                    f"{CKPT_EVERY})"
+                )
+                rows.append(make_row(system=arm, scenario=SCENARIO,
+                                     metric=f"recovery_s[{kind}]",
+                                     values=recover[(arm, layout, dim)],
+                                     note=crash_note + how))  # fmt: skip
+                rows.append(make_row(system=arm, scenario=SCENARIO,
+                                     metric=f"steps_redone[{kind}]",
+                                     values=redone[(arm, layout, dim)],
+                                     note=crash_note))  # fmt: skip
     return rows
 
 
+def plot(rows: list[Row], path: Path) -> None:
+    """Recovery time against a replica's state size, one line per layout and system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for layout in LAYOUTS:
+        for arm, style in (("unicron", "-o"), ("torchrun", "--s")):
+            pts = sorted(
+                (state_mb(int(r["metric"].split("/dim")[1][:-1])), r["median"])
+                for r in rows
+                if r["system"] == arm
+                and r["metric"].startswith(f"recovery_s[{layout}/")
+                and r["median"] is not None
+            )
+            if pts:
+                label = f"{arm} {layout}" + (
+                    " (replica re-formed)" if arm == "unicron" else " (job restarted)"
+                )
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+    ax.set_xlabel("state of one replica (MB: parameters + AdamW moments)")
+    ax.set_ylabel("fault -> interrupted step done (s)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("A lost rank of a model-parallel replica (4 CPU workers, gloo)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = bench_parser("bench.tp", __doc__, quick="fewer steps, one repetition")
-    rows = run(p.parse_args(argv).quick)
-    print_table(rows, title="Tensor-parallel replicas: Unicron vs torchrun, TP=2 x DP=2")
-    save_scenario(rows, SCENARIO, ROOT / "bench" / "results")
+    p = bench_parser("bench.tp", __doc__, quick="the smallest model, fewer steps, one repetition")
+    quick = p.parse_args(argv).quick
+    rows = run(quick)
+    print_table(rows, title="Model-parallel replicas: Unicron vs torchrun, TP=2 and PP=2 x DP=2")
+    # a full run measured every row of the scenario: it replaces them all
+    save_scenario(rows, SCENARIO, ROOT / "bench" / "results", replace=not quick)
+    plot(rows, ROOT / "bench" / "results" / "tp.png")
+    write_summary(ROOT / "bench" / "results")
     return 0
 
 

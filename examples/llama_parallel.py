@@ -45,6 +45,11 @@ def check(cfg: LlamaConfig, tp: int, pp: int = 1) -> str | None:
     for what, n in (("heads", cfg.heads), ("kv_heads", cfg.kv_heads), ("hidden", cfg.hidden)):
         if n % tp:
             return f"{what} ({n}) is not divisible by tp ({tp})"
+    if cfg.dim % (2 * cfg.heads) or cfg.heads % cfg.kv_heads:
+        return (
+            f"dim ({cfg.dim}) must be a multiple of 2 x heads ({cfg.heads}) and heads of "
+            f"kv_heads ({cfg.kv_heads})"
+        )
     if cfg.layers % pp:
         return f"layers ({cfg.layers}) is not divisible by pp ({pp}): stages of equal layers"
     return None

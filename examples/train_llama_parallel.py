@@ -29,10 +29,15 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=llama_parallel.LlamaConfig.heads)
     p.add_argument("--kv-heads", type=int, default=llama_parallel.LlamaConfig.kv_heads)
     p.add_argument("--layers", type=int, default=llama_parallel.LlamaConfig.layers)
+    p.add_argument("--dim", type=int, default=llama_parallel.LlamaConfig.dim)
+    p.add_argument("--hidden", type=int, default=llama_parallel.LlamaConfig.hidden)
     p.add_argument("--out", default=None, help="replica 0 writes OUT/final.pt (a file per shard)")
     args = p.parse_args()
     tp, pp = unicron.parallel.tensor_parallel(), unicron.parallel.pipeline_parallel()
-    cfg = llama_parallel.LlamaConfig(heads=args.heads, kv_heads=args.kv_heads, layers=args.layers)
+    cfg = llama_parallel.LlamaConfig(
+        heads=args.heads, kv_heads=args.kv_heads, layers=args.layers, dim=args.dim,
+        hidden=args.hidden,
+    )  # fmt: skip
     why = llama_parallel.check(cfg, tp.size, pp.stages)
     if why is not None:
         raise UsageError(f"--tp {tp.size} --pp {pp.stages}: {why}")

@@ -15,6 +15,7 @@ import pytest
 
 from unicron.control import allocation
 from unicron.control.cluster import Cluster, ClusterSettings
+from unicron.control.planning import transition_s
 from unicron.control.service import serve
 from unicron.control.taskspec import TaskSpec
 
@@ -169,12 +170,16 @@ def test_a_task_is_priced_by_its_own_measured_transitions(cluster: Cluster) -> N
     submit(cluster, "a", now, workers={"min": 1, "max": 2})
     submit(cluster, "b", now, workers={"min": 1, "max": 2})
     a, b = cluster.tasks["a"], cluster.tasks["b"]
-    assert cluster._transition_s(a) == allocation.TRANSITION_S  # nothing measured yet
+    assert (
+        transition_s(a, cluster.tasks.values()) == allocation.TRANSITION_S
+    )  # nothing measured yet
     for d in (0.3, 0.1, 0.2):
         cluster._on_event(a, {"event": "transition_end", "rank": 0, "duration_s": d, "ts": now})
     cluster._on_event(a, {"event": "transition_end", "rank": 1, "duration_s": 9.0, "ts": now})
-    assert cluster._transition_s(a) == pytest.approx(0.2)  # rank 0's, their median
-    assert cluster._transition_s(b) == pytest.approx(0.2)  # none of its own: the cluster's
+    assert transition_s(a, cluster.tasks.values()) == pytest.approx(0.2)  # rank 0's, their median
+    assert transition_s(b, cluster.tasks.values()) == pytest.approx(
+        0.2
+    )  # none of its own: the cluster's
 
 
 @pytest.mark.parametrize(
@@ -222,7 +227,7 @@ def test_a_node_declared_lost_is_fenced_until_it_registers_again(cluster: Cluste
     its node is refused (its workers hold an epoch that is over) until it registers as a new
     process, which brings the node back to its tasks. A silence no task acted on (an agent
     starved for a moment) is not fenced."""
-    from unicron.control.cluster import Fenced
+    from unicron.control.nodetable import Fenced
 
     now = time.time()
     nid = cluster.register("n0", 2, "127.0.0.1", "i0", now)

@@ -1,5 +1,6 @@
 """Model-parallel replicas under ``unicron run``, end to end: TP=2 x DP=2 on 4 workers,
-TP=2 x PP=2 x DP=2 on 8, and a pipeline's middle stage (PP=3 x DP=2 on 6).
+TP=2 x PP=2 x DP=2 on 8, a pipeline's middle stage (PP=3 x DP=2 on 6) and four tensor ranks
+(TP=4 x DP=2 on 8, a long test).
 
 A rank lost mid-step (rank 0 of a replica; then a rank of each replica in the same step,
 whose living ranks together hold both shards; then the other place of the other replica;
@@ -141,6 +142,25 @@ def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run:
     _same(clean, faulty, 10)
     restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
     assert restarted == [1, 4]
+
+
+@pytest.mark.long
+def test_four_tensor_ranks_heal_to_the_fault_free_bits(run: Any) -> None:
+    """TP=4 x DP=2: the replica's sums are over four ranks (gloo's ring, not a pair), deterministic
+    for the layout: tensor rank 2 of replica 1 lost mid-step, then rank 0 of replica 0."""
+    layout = ("--nproc-per-node", "8", "--tp", "4")
+    script_args = ("--steps", "10", "--out", "out", "--kv-heads", "4")
+    clean = run(*layout, script=SCRIPT, script_args=script_args)
+    faulty = run(
+        *layout, "--inject", "crash:rank=6,step=3,mb=1", "--inject", "crash:rank=0,step=7",
+        script=SCRIPT, script_args=script_args,
+    )  # fmt: skip
+    _same(clean, faulty, 10)
+    assert len(_shards(faulty)) == 4
+    epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
+    assert (0, 1, 2, 3) in epochs and all(len(m) % 4 == 0 for m in epochs), epochs
+    restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
+    assert restarted == [0, 6]
 
 
 @pytest.mark.parametrize(

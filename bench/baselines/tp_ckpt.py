@@ -1,17 +1,21 @@
-"""The torchrun baseline at a tensor-parallel layout: TP=2 x DP=2 in plain PyTorch.
+"""The torchrun baseline at a model-parallel layout (TP x PP x DP) in plain PyTorch.
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 python -m torch.distributed.run --standalone \\
-        --nproc-per-node 4 --max-restarts 3 -m bench.baselines.tp_ckpt \\
-        --steps N --ckpt-every K --ckpt-dir DIR --events FILE [--inject SPEC]
+        --nproc-per-node 4 --max-restarts 3 -m bench.baselines.tp_ckpt [--tp 2] [--pp 1] \\
+        [--dim D --hidden H] --steps N --ckpt-every K --ckpt-dir DIR --events FILE \\
+        [--inject SPEC]
 
-The same work as ``examples/train_llama_parallel.py`` under ``unicron run --tp 2``: the model of
-``examples/llama_parallel.py`` split over the replica's process group (``TensorParallel.bind``,
-ranks 2q and 2q+1 form replica q), DDP across replicas on each place's group, the ledger's
-micro-batches (8 of 4 sequences a step, each replica a contiguous block), each seeded the
-same way, AdamW. Replica 0's rank at each place writes its shard every K steps; on any
-failure torchrun restarts the whole job and every rank loads its place's shard, redoing the
-steps since. Rank 0 writes Unicron-format events (``epoch_begin`` per attempt,
-``step_end``, ``task_end``); faults are ``unicron run --inject`` specs, fired once per run.
+The same work as ``examples/train_llama_parallel.py`` under ``unicron run --tp T --pp P``: the
+model of ``examples/llama_parallel.py``, rank ``q * T * P + stage * T + t`` holding tensor
+rank ``t`` of pipeline stage ``stage`` of replica ``q`` (Unicron's places); the tensor sums
+over the stage's process group (``TensorParallel.bind``), the pipeline's activations and
+gradients broadcast over a two-rank group per link (``PipelineParallel.bind_epoch``), DDP
+across replicas on each place's group; the ledger's micro-batches (8 of 4 sequences a step,
+each replica a contiguous block), each seeded the same way, AdamW. Replica 0's rank at each
+place writes its shard every K steps; on any failure torchrun restarts the whole job and
+every rank loads its place's shard, redoing the steps since. Rank 0 writes Unicron-format
+events (``epoch_begin`` per attempt, ``step_end``, ``task_end``); faults are ``unicron run
+--inject`` specs, fired once per run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,16 +38,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import llama_parallel
 
 from bench.baselines.loop import CPU, EventWriter, FaultPlan, setup_threads
-from unicron.parallel import TensorParallel
+from unicron.parallel import PipelineParallel, TensorParallel
 from unicron.runtime.device import seed
 from unicron.runtime.digest import params_sha256
 from unicron.runtime.ledger import Ledger, assign, mb_seed
 
-TP, MICROBATCHES, MICRO_BATCH_SIZE, SEED = 2, 8, 4, 0
+MICROBATCHES, MICRO_BATCH_SIZE, SEED = 8, 4, 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dim", type=int, default=llama_parallel.LlamaConfig.dim)
+    p.add_argument("--hidden", type=int, default=llama_parallel.LlamaConfig.hidden)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--ckpt-every", type=int, default=0, help="0: never checkpoint")
     p.add_argument("--ckpt-dir", required=True)
@@ -55,14 +64,37 @@ def main() -> int:
     events = EventWriter(args.events if rank == 0 else None)
     faults = FaultPlan.from_specs(args.inject, args.ckpt_dir, rank, EventWriter(args.events))
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    replicas, q, place = world // TP, rank // TP, rank % TP
-    tp_groups = [dist.new_group(list(range(r * TP, r * TP + TP))) for r in range(replicas)]
-    dp_groups = [dist.new_group(list(range(c, world, TP))) for c in range(TP)]
-    tp = TensorParallel(place, TP)
-    tp.bind(tp_groups[q])
-    model, opt, dataset = llama_parallel.build(tp, seed=SEED)
+    T, P = args.tp, args.pp
+    size = T * P
+    replicas, q, place = world // size, rank // size, rank % size
+    stage, t = place // T, place % T
+    # every rank creates every group, in one order (new_group is collective)
+    tp_groups = {(r, s): dist.new_group([r * size + s * T + k for k in range(T)])
+                 for r in range(replicas) for s in range(P)}  # fmt: skip
+    dp_groups = [dist.new_group(list(range(c, world, size))) for c in range(size)]
+    links: dict[tuple[int, int], tuple[list[int], Any]] = {}
+    for r in range(replicas):
+        for s in range(P - 1):
+            for k in range(T):
+                pair = [r * size + s * T + k, r * size + (s + 1) * T + k]
+                links[(r, s * T + k)] = (pair, dist.new_group(pair))
+    tp = TensorParallel(t, T)
+    tp.bind(tp_groups[(q, stage)])
+    pp = PipelineParallel(stage, P, tp)
+
+    def link(key: tuple[int, int]) -> Any:
+        pair, group = links[key]
+        return lambda x, src: dist.broadcast(x, src=pair[src], group=group)
+
+    pp.bind_epoch(
+        link((q, place - T)) if stage > 0 else None,
+        link((q, place)) if stage < P - 1 else None,
+        RuntimeError,
+    )
+    cfg = llama_parallel.LlamaConfig(dim=args.dim, hidden=args.hidden)
+    model, opt, dataset = llama_parallel.build(tp, seed=SEED, cfg=cfg, pp=pp if P > 1 else None)
     model.train()
-    shard = Path(args.ckpt_dir) / f"ckpt-tp{place}.pt"
+    shard = Path(args.ckpt_dir) / f"ckpt-place{place}.pt"
     start = 0
     if shard.exists():
         ckpt = torch.load(shard, weights_only=False)
@@ -86,6 +118,8 @@ def main() -> int:
             ctx = ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext()
             with ctx:
                 out = llama_parallel.loss_fn(ddp, batch)
+                if pp.last:  # the loss the earlier stages receive with the gradient
+                    pp.loss = float(out.detach())
                 (out / len(mine)).backward()
             total += float(out.detach())
         opt.step()

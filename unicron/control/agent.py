@@ -32,13 +32,10 @@ import os
 import queue
 import secrets
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
@@ -46,30 +43,37 @@ from typing import Any, Protocol
 
 from unicron import protocol as P
 from unicron.control import messages as M
-from unicron.control import replicas
+from unicron.control.heard import Doorbell, exit_reports, report_of
 from unicron.control.messages import Kill, Probe, Reply, Spawn
+from unicron.control.probes import PROBE_TIMEOUT_S, Probes
+from unicron.control.workerenv import (
+    SECRETS,
+    AgentAddresses,
+    base_env,
+    device_env,
+    import_env,
+    slot_env,
+    start_plainly,
+)
 from unicron.control.workerstate import (
     Worker,
     WorkerState,
 )
 from unicron.detect.busy import read_thread_clocks
-from unicron.detect.classify import Verdict, classify_exit, classify_message
-from unicron.protocol import (
-    ENV_AGENT,
-    ENV_AUTHKEY,
-    ENV_BELL,
-    ENV_FAULTS,
-    ENV_INCARNATION,
-    ENV_NODE,
-    ENV_PP_STAGE,
-    ENV_SLOT,
-    ENV_STORE,
-    ENV_TASK,
-    ENV_THREADS,
-    ENV_TP_RANK,
-)
-from unicron.runtime import device as D
+from unicron.detect.classify import Verdict, classify_message
 from unicron.runtime.inject import Fault
+
+__all__ = [
+    "IDLE_ROUND_S",
+    "PROBE_TIMEOUT_S",
+    "ROUND_S",
+    "SECRETS",
+    "Agent",
+    "AgentConfig",
+    "CoordinatorLink",
+    "FatalError",
+    "import_env",
+]
 
 log = logging.getLogger("unicron.control.agent")
 
@@ -78,23 +82,11 @@ _TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 10
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
 _HUNG = frozenset({"hang", "stall", "collective_stall"})
 """verdict kinds of a worker killed while alive but stuck: it writes its stacks first"""
-PROBE_TIMEOUT_S = 120.0
-"""a health probe (a fresh process: imports, then milliseconds of work) that takes longer fails"""
 ROUND_S = 0.02
 """the shortest wait of a round, while something is polled (a probe, a plainly started
 worker's exit, a closed socket's grace, a zygote still starting)"""
 IDLE_ROUND_S = 0.25
 """the longest: a round starts at least this often (:meth:`Agent.round_s`)"""
-
-
-@dataclass
-class _Probe:
-    """A running health probe (:meth:`Agent.probe`): its process, start time and output."""
-
-    proc: subprocess.Popen[bytes]
-    started: float
-    log: Path
-    overran: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,26 +97,6 @@ class FatalError:
     slot: int
     ts: float
     error: P.Error
-
-
-SECRETS = frozenset(("UNICRON_TOKEN",))
-"""environment variables of the agent's process its workers never inherit"""
-
-
-def import_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What a zygote's imports read from its environment, for ``threads`` torch threads on
-    top of ``base`` (default: this process's): torch's thread pools, its C++ log level and
-    gloo's lazy connect (a setting the task gave stays). Part of every zygote's environment
-    (:meth:`Agent._base_env`), and all of one started before its task is known
-    (:func:`unicron.runtime.launcher.prewarm`)."""
-    base = os.environ if base is None else base
-    return {
-        "TORCH_CPP_LOG_LEVEL": base.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-        "TORCH_GLOO_LAZY_INIT": base.get("TORCH_GLOO_LAZY_INIT", "1"),  # inside a sliced wait
-        ENV_THREADS: str(threads),
-        "OMP_NUM_THREADS": str(threads),
-        "PYTHONUNBUFFERED": "1",
-    }
 
 
 @dataclass(kw_only=True)
@@ -182,18 +154,15 @@ class Agent:
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
         # the workers' doorbell (:func:`unicron.protocol.quiet`): a datagram wakes a round
-        self._bell = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._bell.bind(("127.0.0.1", 0))
-        self._bell.setblocking(False)
-        self._bell_at: tuple[str, int] = self._bell.getsockname()
-        self.bell_address = "{}:{}".format(*self._bell_at)
+        self._bell = Doorbell()
+        self.bell_address = self._bell.address
         self._accepted: queue.Queue[Connection] = queue.Queue()
         self._anonymous: list[Connection] = []  # connected, no hello yet
         self._zygote: subprocess.Popen[bytes] | None = None
         self._zygote_conn: Connection | None = None
         self._pending_spawns: list[int] = []
         self._by_pid: dict[int, int] = {}
-        self._probes: dict[int, _Probe] = {}  # slot -> its running health probe
+        self._probes = Probes(config.log_dir)  # the excluded slots' health probes
         self._dumping: dict[int, float] = {}  # pid of a hung worker -> when to SIGKILL it
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
@@ -215,16 +184,8 @@ class Agent:
         else:
             zygote = None
         if zygote is None:
-            out = open(self.config.log_dir / f"zygote-node{self.node}.log", "ab")  # noqa: SIM115
-            self._zygote = subprocess.Popen(
-                [sys.executable, "-m", "unicron.runtime.launcher", "zygote"],
-                env=self._base_env(),
-                stdout=out,
-                stderr=out,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            out.close()
+            log_path = self.config.log_dir / f"zygote-node{self.node}.log"
+            self._zygote = start_plainly(["zygote"], self._base_env(), log_path)
         for slot in self.config.slots:
             self.spawn(slot)
 
@@ -237,10 +198,7 @@ class Agent:
             if w.popen is not None:
                 w.popen.kill()
                 w.popen.wait()
-        for probe in self._probes.values():
-            _killpg(probe.proc.pid)
-            probe.proc.wait()
-        self._probes.clear()
+        self._probes.kill_all(wait=True)
         if self._zygote is not None:
             _killpg(self._zygote.pid)
             self._zygote.wait()
@@ -316,40 +274,10 @@ class Agent:
 
     def probe(self, slot: int) -> None:
         """Start the health probe of the excluded ``slot`` (``python -m unicron.runtime.health``,
-        a fresh process); :meth:`poll` reports its verdict (``ProbeDone``)."""
-        if slot in self._probes or self.vanished:
-            return
-        n = sum(1 for _ in self.config.log_dir.glob(f"health{slot}.*.log"))
-        log_path = self.config.log_dir / f"health{slot}.{n}.log"
-        with open(log_path, "wb") as out:  # the child keeps its own descriptor
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "unicron.runtime.health", "--slot", str(slot)],
-                env={**self._base_env(), **self._device_env(slot)},  # the slot's own device
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        self._probes[slot] = _Probe(proc, time.time(), log_path)
-
-    def _check_probes(self, now: float) -> None:
-        """Report every probe that ended; one that overran :data:`PROBE_TIMEOUT_S` is killed
-        (its whole process group) and reported once its exit is seen. Never blocks."""
-        for slot, probe in list(self._probes.items()):
-            code = probe.proc.poll()
-            if code is None:
-                if now - probe.started >= PROBE_TIMEOUT_S and not probe.overran:
-                    probe.overran = True
-                    _killpg(probe.proc.pid)
-                continue
-            del self._probes[slot]
-            if probe.overran:
-                ok, detail = False, f"no answer in {PROBE_TIMEOUT_S:g} s"
-            else:
-                lines = probe.log.read_text(errors="replace").strip().splitlines()
-                ok = code == 0
-                detail = lines[-1] if lines else f"exit code {code}"
-            self._report(M.ProbeDone(slot=slot, ts=now, ok=ok, detail=detail))
+        a fresh process, on the slot's own device); :meth:`poll` reports its verdict
+        (``ProbeDone``)."""
+        if not self.vanished:
+            self._probes.start(slot, {**self._base_env(), **device_env(self.config, slot)})
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self, until: threading.Event) -> None:
@@ -385,8 +313,7 @@ class Agent:
 
     def wake(self) -> None:
         """Ring the doorbell: a waiting round starts now (from any thread)."""
-        with contextlib.suppress(OSError):
-            self._bell.sendto(b"!", self._bell_at)
+        self._bell.ring()
 
     def _flush(self) -> None:
         """The loop was stopped (the run interrupted, the node stopping): what the workers
@@ -417,8 +344,7 @@ class Agent:
         """The injected node fault: this node's workers and zygote die at once and the agent
         falls silent (no more reports, no heartbeats), as when a machine is lost."""
         self.vanished = True
-        for probe in self._probes.values():
-            _killpg(probe.proc.pid)
+        self._probes.kill_all()
         for w in self.workers.values():
             if w.pid is not None and w.alive:
                 _kill(w.pid)
@@ -438,7 +364,7 @@ class Agent:
         if self._zygote_conn is not None:
             waken.append(self._zygote_conn)
         if wait(waken, timeout=timeout):
-            self._silence()
+            self._bell.silence()
             self._drain_accepted()
         read_until = time.time()  # every report sent before now is in its socket
         conns: list[Any] = [w.conn for w in self.workers.values() if w.conn is not None]
@@ -462,8 +388,8 @@ class Agent:
                     _kill(pid)
         self._check_exits(now)
         self._sample_cpu(now)
-        if self._probes:
-            self._check_probes(now)
+        for slot, ok, detail in self._probes.check(now) if self._probes else ():
+            self._report(M.ProbeDone(slot=slot, ts=now, ok=ok, detail=detail))
         if self.vanished:
             return  # a lost node says nothing more
         reports, self._reports = self._reports, []
@@ -480,14 +406,6 @@ class Agent:
                     return
             except Exception as exc:  # a bad handshake must not kill the agent
                 log.warning("rejected a connection: %s", exc)
-
-    def _silence(self) -> None:
-        """Empty the doorbell (any number of rings since the last round wake one round)."""
-        while True:
-            try:
-                self._bell.recv(16)
-            except OSError:  # BlockingIOError: empty
-                return
 
     def _drain_accepted(self) -> None:
         while True:
@@ -573,17 +491,11 @@ class Agent:
             _kill(pid)
 
     def _from_worker(self, slot: int, msg: P.LocalMessage) -> None:
-        """One message of the worker in ``slot`` as this round's reports."""
+        """One message of the worker in ``slot`` as this round's reports (the translation:
+        :func:`unicron.control.heard.report_of`) and what it changes on the node."""
         now = time.time()
         w = self.workers[slot]
-        if isinstance(msg, P.Ready):
-            w.readied()
-            self._report(
-                M.Ready(
-                    slot=slot, ts=now, microbatches=msg.microbatches, state_bytes=msg.state_bytes
-                )
-            )
-        elif isinstance(msg, P.Event):
+        if isinstance(msg, P.Event):
             fields = msg.fields
             if msg.name == "fault_injected" and "spec" in fields:
                 if fields["spec"] in self.fired:
@@ -595,39 +507,6 @@ class Agent:
                     return  # every member reports the commit; the coordinator logs the first
                 self._step_ends.append(key)
             self._report(M.Event(ts=now, name=msg.name, fields=fields))
-        elif isinstance(msg, P.Entered):
-            w.entered()
-            self._report(M.EpochEntered(slot=slot, ts=now, epoch=msg.epoch))
-        elif isinstance(msg, P.StepBegin):
-            w.step, w.tid = msg.step, msg.tid
-            sent = min(msg.ts, now)  # the monitor times the worker's step,
-            w.computing_since = sent
-            self._report(
-                M.StepBegan(slot=slot, ts=sent, step=msg.step, epoch=msg.epoch, cpu_s=msg.cpu_s)
-            )
-        elif isinstance(msg, P.Waiting):
-            self._report(
-                M.WaitingOnReplica(
-                    slot=slot,
-                    ts=min(msg.ts, now),
-                    step=msg.step,
-                    epoch=msg.epoch,
-                    waiting=msg.waiting,
-                )
-            )
-        elif isinstance(msg, P.StepDone):
-            w.computing_since = None
-            self._report(
-                M.StepComputed(
-                    slot=slot,
-                    ts=min(msg.ts, now),  # not this agent's read latency
-                    step=msg.step,
-                    compute_s=msg.compute_s,
-                    microbatches=msg.microbatches or None,
-                    cpu_s=msg.cpu_s,
-                    queued_s=msg.queued_s,
-                )
-            )
         elif isinstance(msg, P.Error) and msg.usage:  # bad input: the whole run ends, exit 2
             self._report(M.BadInput(ts=now, message=msg.message))
         elif isinstance(msg, P.Error):
@@ -653,11 +532,21 @@ class Agent:
             reports, self._reports = self._reports, []
             self.link.exchange(self.node, reports, now, read_until=now, flush=True)
             self.vanish()
-        elif isinstance(msg, P.Done):
-            w.done()
-            self._report(M.WorkerDone(slot=slot, ts=now, report=P.encode(msg)))
         else:
-            raise ValueError(f"not a worker's message: {msg!r}")
+            report = report_of(slot, msg, now)
+            if report is None:
+                raise ValueError(f"not a worker's message: {msg!r}")
+            if isinstance(msg, P.Ready):
+                w.readied()
+            elif isinstance(msg, P.Entered):
+                w.entered()
+            elif isinstance(msg, P.StepBegin):  # the monitor times the worker's step
+                w.step, w.tid, w.computing_since = msg.step, msg.tid, report.ts
+            elif isinstance(msg, P.StepDone):
+                w.computing_since = None
+            elif isinstance(msg, P.Done):
+                w.done()
+            self._report(report)
 
     # -- process supervision ----------------------------------------------------------------
     def _sample_cpu(self, now: float) -> None:
@@ -702,81 +591,22 @@ class Agent:
             # never trained in): nothing to heal, but the task must not wait for its report
             self._report(M.WorkerLeft(slot=slot, ts=time.time()))
             return
-        detected = min(t for t in (w.eof_ts, time.time()) if t is not None)
-        if w.verdict is not None:  # the agent killed it and already logged why
-            verdict = w.verdict
-        else:
-            if w.error is not None:
-                verdict = classify_message(w.error.type_name, w.error.message)
-                method = "exception"
-            else:
-                verdict = classify_exit(returncode if returncode is not None else -9)
-                method = "process"
-            if w.error is None or returncode is None or returncode < 0:
-                self._report(
-                    M.Detected(
-                        slot=slot,
-                        ts=detected,
-                        step=w.step,
-                        verdict=verdict,
-                        method=method,
-                        extra={"returncode": returncode},
-                    )
-                )
         if w.conn is not None:
             w.conn.close()
             w.conn = None
-        self._report(M.WorkerFailed(slot=slot, ts=detected, verdict=verdict))
+        for report in exit_reports(w, returncode, time.time()):
+            self._report(report)
 
     # -- launching --------------------------------------------------------------------------
     def _base_env(self) -> dict[str, str]:
-        """What every worker, the zygote and the probes start with: this process's
-        environment without the coordinator's credentials (:data:`SECRETS`: a training
-        script and whatever it imports never hold a token of the cluster), the task's
-        settings, and the task file's ``env`` (allow-listed: :func:`~unicron.control.
-        taskspec.refused_env`)."""
-        env = {k: v for k, v in os.environ.items() if k not in SECRETS}
-        env.update(self.config.env)
-        env.update(import_env(self.config.threads, env))
-        env.update(
-            {
-                ENV_TASK: self.task,
-                ENV_NODE: str(self.node),
-                ENV_STORE: self.store_address,
-                ENV_AGENT: self.address,
-                ENV_BELL: self.bell_address,
-                ENV_AUTHKEY: self._authkey.hex(),
-                **self.config.settings.env(),
-            }
-        )
-        return env
+        """What every worker, the zygote and the probes start with
+        (:func:`unicron.control.workerenv.base_env`)."""
+        at = AgentAddresses(self.task, self.store_address, self.address, self.bell_address,
+                            self._authkey)  # fmt: skip
+        return base_env(self.config, at)
 
     def _slot_env(self, slot: int) -> dict[str, str]:
-        faults = [
-            f.spec
-            for f in self.config.faults
-            if (f.rank == slot or f.node == self.node) and f.spec not in self.fired
-        ]
-        return {
-            ENV_SLOT: str(slot),
-            ENV_INCARNATION: str(self.workers[slot].incarnation),
-            ENV_FAULTS: ";".join(faults),
-            # its place in its replica: the task's slots on this node in groups of tp x pp
-            # (unicron.control.replicas, which the coordinator uses alike), stage by stage
-            **self._place_env(slot),
-            **self._device_env(slot),
-        }
-
-    def _place_env(self, slot: int) -> dict[str, str]:
-        tp, pp = self.config.settings.tp, self.config.settings.pp
-        place = replicas.place_in(self.config.slots, slot, tp * pp)
-        return {ENV_TP_RANK: str(place % tp), ENV_PP_STAGE: str(place // tp)}
-
-    def _device_env(self, slot: int) -> dict[str, str]:
-        """The slot's device (this node's GPUs round robin) and torchrun's LOCAL_RANK."""
-        kind = self.config.env.get(D.ENV_DEVICE_KIND, "cpu")
-        gpus = D.gpu_count() if kind == "cuda" else 0
-        return D.slot_env(kind, self.config.slots.index(slot), len(self.config.slots), gpus)
+        return slot_env(self.config, slot, self.workers[slot].incarnation, self.fired)
 
     def _launch(self, slot: int) -> None:
         w = self.workers[slot]
@@ -795,24 +625,8 @@ class Agent:
                 return
             except OSError:
                 self._zygote_conn = None
-        env = self._base_env()
-        env.update(self._slot_env(slot))
-        with open(logfile, "ab") as out:
-            w.popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "unicron.runtime.launcher",
-                    "worker",
-                    self.config.script,
-                    *self.config.argv,
-                ],
-                env=env,
-                stdout=out,
-                stderr=out,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        env = {**self._base_env(), **self._slot_env(slot)}
+        w.popen = start_plainly(["worker", self.config.script, *self.config.argv], env, logfile)
         w.pid = w.popen.pid
 
 

@@ -19,57 +19,47 @@ known by its name until it has ended and its name is submitted again: then by it
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
 import os
 import secrets
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from unicron.control import allocation as A
 from unicron.control import messages as M
-from unicron.control import replicas
 from unicron.control import store as S
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
 from unicron.control.metrics import Metrics
+from unicron.control.nodetable import Conflict, NodeTable, NotFound
+from unicron.control.planning import (
+    Task,
+    ask,
+    assignment,
+    checkpoint_dir,
+    fold,
+    name_node,
+    plan_event,
+    task_end,
+    task_view,
+    writer_of,
+)
 from unicron.control.screen import Invalid, screen
 from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow, open_state
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.errors import UsageError
 from unicron.planner.hardware import GPU_PRESETS
-from unicron.planner.solver import expected_time_to_failure_s
-from unicron.protocol import WorkerSettings
 from unicron.runtime import checkpoint as C
 
 log = logging.getLogger("unicron.control.cluster")
-
-TRANSITIONS_KEPT = 16
-"""recent transitions per task whose median prices its next one (:meth:`Cluster._transition_s`)"""
-
-
-class NotFound(LookupError):
-    """An unknown task or node (HTTP 404)."""
-
-
-class Conflict(RuntimeError):
-    """The request contradicts the cluster's state (HTTP 409)."""
-
-
-class Fenced(RuntimeError):
-    """An agent of a node the cluster declared lost (HTTP 410): a partition ended, not a
-    death. Its workers are out of their tasks' epochs; it must stop them and register again
-    (as a new process under the node's name), which brings the node back to its tasks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,28 +90,6 @@ class ClusterSettings:
             raise ValueError(f"gpu must be one of {', '.join(GPU_PRESETS)}, got {self.gpu!r}")
 
 
-@dataclass
-class Node:
-    row: NodeRow
-    last_seen: float
-    lost: bool = False
-    gpus: int | None = None  # CUDA devices its agent counted on registering; None: unknown
-
-
-@dataclass
-class Task:
-    row: TaskRow
-    spec: TaskSpec
-    controller: Coordinator | None = None
-    events: EventLog | None = None
-    leaving: set[int] = field(default_factory=set)  # ranks given back, worker not yet gone
-    excluded: set[int] = field(default_factory=set)  # ranks its coordinator took out of the plan
-    refused: str = ""  # why a planned slot was refused (a node without the task's device)
-    held_back: str = ""  # why the planner gives a queued task no slot (no layout fits)
-    transitions: deque[float] = field(default_factory=lambda: deque(maxlen=TRANSITIONS_KEPT))
-    """its recent transitions' durations (rank 0's ``transition_end``), seconds"""
-
-
 class Cluster:
     """See the module docstring. ``host`` is the address workers and agents reach this
     machine at (the store is served there)."""
@@ -148,8 +116,10 @@ class Cluster:
         self.started = time.time()
         self.metrics = Metrics(self.state)
         now = time.time()
-        self.nodes: dict[int, Node] = {r.id: Node(r, last_seen=now) for r in self.state.nodes()}
-        self._by_name = {n.row.name: n for n in self.nodes.values()}  # every request looks up
+        self._nodes = NodeTable(
+            self.state.nodes(), now, self.settings.node_timeout_s, self.state.save_node
+        )
+        self.nodes = self._nodes.by_id
         self.tasks: dict[str, Task] = {}
         self.owners = self.state.owners()  # task name -> who submitted it
         self._by_uid: dict[str, Task] = {}  # ... and every exchange its task
@@ -206,43 +176,21 @@ class Cluster:
         *,
         gpus: int | None = None,
     ) -> int:
-        """An agent starts (or reconnects): its node's id. A new process under the name of a
-        node that is still heartbeating is refused (:class:`Conflict`); under the name of a
-        lost one it brings the node back to the tasks placed there."""
+        """An agent starts (or reconnects): its node's id (:meth:`NodeTable.register`); a
+        node that comes back is returned to the tasks placed there."""
         returned: list[Task] = []
         with self._lock:
-            node = self._by_name.get(name)
-            if node is None:
-                nid = max(self.nodes, default=-1) + 1
-                node = Node(NodeRow(nid, name, slots, address, instance, now), last_seen=now)
-                self.nodes[nid] = self._by_name[name] = node
-                node.gpus = gpus
-                self.state.save_node(node.row)
-                log.info("node %s registered as node %d with %d slot(s)", name, nid, slots)
+            row = NodeRow(-1, name, slots, address, instance, now)
+            node, what = self._nodes.register(row, now, gpus, self._used)
+            if what == "new":
                 self._triggers.append(f"node {name} registered")
-                return nid
-            if node.row.instance != instance:
-                silent = now - node.last_seen
-                if not node.lost and silent < self.settings.node_timeout_s:
-                    raise Conflict(
-                        f"node {name} is live (its agent heartbeated {silent:.1f} s ago); "
-                        "stop it first or choose another --node-name"
-                    )
-                used = self._used(node.row.id)
-                if slots < used:
-                    raise Conflict(
-                        f"node {name} comes back with {slots} slot(s); its tasks hold {used}"
-                    )
-                node.row = NodeRow(node.row.id, name, slots, address, instance, now)
-                self.state.save_node(node.row)
+            elif what == "back":
+                self._triggers.append(f"node {name} back")
                 returned = [
                     t
                     for t in self.tasks.values()
                     if t.controller is not None and node.row.id in t.row.placement
                 ]
-                log.info("node %s (node %d) is back", name, node.row.id)
-                self._triggers.append(f"node {name} back")
-            node.last_seen, node.lost, node.gpus = now, False, gpus
         for task in returned:
             assert task.controller is not None
             task.controller.node_returned(node.row.id, now)
@@ -252,10 +200,9 @@ class Cluster:
         """The agent of ``name`` is alive: the tasks it must run (one assignment each). An
         agent of a node declared lost meanwhile is fenced (:class:`Fenced`)."""
         with self._lock:
-            node = self._live_node(name, instance, now)
-            node.last_seen = now
+            node = self._nodes.speaking(name, instance, now, self._dropped)
             return [
-                self._assignment(t, node.row.id)
+                assignment(t, node.row.id, self.store.address, self._checkpoint_dir(t))
                 for t in self.tasks.values()
                 if t.controller is not None and node.row.id in t.row.placement
             ]
@@ -271,8 +218,7 @@ class Cluster:
     ) -> M.Reply:
         """One round of a node's supervisor of task ``uid`` (see ``Coordinator.exchange``)."""
         with self._lock:
-            node = self._live_node(name, instance, now)
-            node.last_seen = now
+            node = self._nodes.speaking(name, instance, now, self._dropped)
             task = self._by_uid.get(uid)
             controller = None if task is None else task.controller
             if task is not None and controller is not None:
@@ -281,39 +227,15 @@ class Cluster:
             return M.Reply(over=True, finished=True)
         return controller.exchange(node.row.id, reports, now, read_until=read_until)
 
-    def _live_node(self, name: str, instance: str, now: float) -> Node:
-        """The node of a heartbeat or an exchange. A node a task dropped as lost does not
-        come back by speaking again (a partition healed): its workers there hold an epoch the
-        task left, so its agent is told to stop them and register anew (:class:`Fenced`). A
-        node only the cluster's ticker marked lost (a silence no task acted on: an agent
-        starved for a few seconds on a loaded host) is simply live again."""
-        node = self._node(name, instance)
-        if node.lost:
-            dropped = [
-                t.row.name
-                for t in self.tasks.values()
-                if t.controller is not None
-                and node.row.id in t.row.placement
-                and node.row.id in t.controller.lost_nodes  # a snapshot read, no lock
-            ]
-            if dropped:
-                raise Fenced(
-                    f"node {name} was declared lost ({now - node.last_seen:.1f} s silent) and "
-                    f"task(s) {', '.join(dropped)} went on without it: its workers there are "
-                    "out of their epoch; stop them and register again"
-                )
-            log.info("node %s speaks again after %.1f s; no task dropped it", name,
-                     now - node.last_seen)  # fmt: skip
-            node.lost = False
-        return node
-
-    def _node(self, name: str, instance: str) -> Node:
-        node = self._by_name.get(name)
-        if node is None:
-            raise NotFound(f"no node named {name}: register first")
-        if node.row.instance != instance:
-            raise Conflict(f"node {name} was taken over by another agent process")
-        return node
+    def _dropped(self, nid: int) -> list[str]:
+        """The running tasks placed on node ``nid`` that declared it lost and went on."""
+        return [
+            t.row.name
+            for t in self.tasks.values()
+            if t.controller is not None
+            and nid in t.row.placement
+            and nid in t.controller.lost_nodes  # a snapshot read, no lock
+        ]
 
     def _used(self, nid: int) -> int:
         return sum(t.row.placement.count(nid) for t in self.tasks.values() if t.row.state in ACTIVE)
@@ -341,7 +263,12 @@ class Cluster:
         with self._lock:
             if spec.name in self.tasks:
                 self._archive(self.tasks[spec.name])
-            self._check_checkpoint_dir_free(spec)
+            writer = writer_of(spec, self.tasks.values(), self.state_dir)
+            if writer is not None:
+                raise Conflict(
+                    f"checkpoint.dir {ck.dir}: task {writer.row.name} ({writer.row.state}) "
+                    "writes there; submit again when it has ended"
+                )
             # the uid prefixes every store key of the task: 128 random bits make it a secret
             # the task's workers, its agents, its owner and an admin know (docs/security.md)
             uid = spec.name if self.embedded else f"{spec.name}.{secrets.token_hex(16)}"
@@ -376,21 +303,6 @@ class Cluster:
         self._pending_adds = [(m, n) for m, n in self._pending_adds if m != old]
         log.info("task %s (%s) archived as %s: the name is reused", old, row.state, row.uid)
 
-    def _check_checkpoint_dir_free(self, spec: TaskSpec) -> None:
-        """Two tasks never write into one checkpoint directory: a task that goes on from a
-        cancelled one waits until that one's workers are stopped (the caller holds the lock)."""
-        if not spec.checkpoint.dir:
-            return
-        mine = Path(spec.checkpoint.dir).resolve()
-        for t in self.tasks.values():
-            theirs = self._checkpoint_dir(t)
-            live = t.row.state not in ENDED or t.controller is not None
-            if live and theirs is not None and theirs.resolve() == mine:
-                raise Conflict(
-                    f"checkpoint.dir {spec.checkpoint.dir}: task {t.row.name} ({t.row.state}) "
-                    "writes there; submit again when it has ended"
-                )
-
     def cancel(self, name: str, now: float) -> dict[str, Any]:
         with self._lock:
             task = self._task(name)
@@ -417,59 +329,23 @@ class Cluster:
         on a trigger; queue the slots to add, and return the releases to make (calls into
         task coordinators, made by the caller after it lets go of the cluster lock). One
         ``plan`` event per task concerned: the allocation before and after, both WAFs, why."""
-        capacity = {nid: n.slots for nid, n in self._free_capacity(now).items()}
-        per_node = max(capacity.values(), default=1)  # GPUs per node, for the perf model
-        for task in self.tasks.values():  # an excluded slot is nobody's until readmitted
-            excluded = list(task.excluded)  # a copy: coordinators change it (_trigger_of)
-            for r in excluded if task.row.state in ACTIVE else ():
-                node = task.row.placement[r] if r < len(task.row.placement) else -1
-                if node in capacity:
-                    capacity[node] -= 1
-        views = []
-        for task in self.tasks.values():
-            if task.row.state not in ("queued", *ACTIVE) or task.row.state == "cancelled":
-                continue
-            ranks = {
-                r: n
-                for r, n in enumerate(task.row.placement)
-                if n >= 0 and r not in task.leaving and r not in task.excluded
-            }
-            planned = [n for name, n in self._pending_adds if name == task.row.name]
-            for k, node in enumerate(planned):  # planned, not yet free: held where they go
-                ranks[-1 - k] = node
-            c = task.controller
-            views.append(
-                A.TaskView(
-                    name=task.row.name,
-                    weight=task.spec.weight,
-                    min_workers=task.spec.workers.min,
-                    max_workers=task.spec.workers.max,
-                    ranks=ranks,
-                    running=c is not None,
-                    microbatches=None if c is None else c.microbatches,
-                    model=task.spec.planner_model(),
-                    global_batch=task.spec.global_batch or 0,
-                    transition_s=self._transition_s(task),
-                    replica_ranks=task.spec.replica_ranks,
-                    parked=self._parked(task),
-                )
-            )
-        if not views or not capacity:
-            return []
-        hardware = A.Hardware(GPU_PRESETS[self.settings.gpu], max(per_node, 1))
         started = time.perf_counter()
         try:
-            decision = A.decide(
-                views,
-                capacity,
-                self._d_run_s(now, len(capacity)),
+            decision = ask(
+                self.tasks,
+                self._pending_adds,
+                self._nodes.live(now),
+                gpu=self.settings.gpu,
                 placement=self.settings.placement,
-                task_event=any(t.startswith("task ") for t in trigger.split("; ")),
-                hardware=hardware,
+                up_s=now - self.started,
+                failures_seen=self.metrics.failures_seen,
+                trigger=trigger,
             )
         except Exception as exc:  # a planner error never stops the cluster
             self.plan_error = f"{trigger}: {type(exc).__name__}: {exc}"
             log.exception("planner failed on %s; the allocation stays as it is", trigger)
+            return []
+        if decision is None:
             return []
         decision_s = time.perf_counter() - started
         self.metrics.decision.observe(decision_s)
@@ -492,36 +368,10 @@ class Cluster:
                 calls.append(functools.partial(c.release_slots, list(m.release), now, why))
             self._pending_adds += [(m.task, n) for n in m.add_on]
             if task.events is not None and m.before != m.after:
-                task.events.emit(
-                    "plan",
-                    ts=now,
-                    task=task.row.name,
-                    trigger=trigger,
-                    allocation=after,
-                    allocation_before=before,
-                    waf_before=round(decision.waf_before, 6),
-                    waf_after=round(decision.waf_after, 6),
-                    reason=decision.reasons.get(m.task, ""),
-                    placement=self.settings.placement,
-                    decision_ms=round(decision_s * 1000.0, 3),
-                )
+                fields = plan_event(decision, m.task, trigger, self.settings.placement, decision_s)
+                task.events.emit("plan", ts=now, **fields)
         log.info("plan on %s: %s -> %s", trigger, before, after)
         return calls
-
-    def _parked(self, task: Task) -> frozenset[int]:
-        """The ranks of ``task`` waiting for an excluded rank of their replica (a node's
-        ranks in order, ``tp * pp`` at a time: :mod:`unicron.control.replicas`)."""
-        size, excluded = task.spec.replica_ranks, set(task.excluded)  # (coordinators change it)
-        if size == 1 or not excluded:
-            return frozenset()
-        out: set[int] = set()
-        placement = task.row.placement
-        for node in {placement[r] for r in excluded if 0 <= r < len(placement)}:
-            on = [r for r, n in enumerate(placement) if n == node]
-            for group in replicas.grouped(on, size):
-                if any(r in excluded for r in group):
-                    out.update(r for r in group if r not in excluded)
-        return frozenset(out)
 
     def _settle(self, now: float, calls: list[Callable[[], None]]) -> None:
         """Carry out the queued additions whose slot is free: a running task gets a new rank
@@ -530,7 +380,7 @@ class Cluster:
         nothing to do costs nothing)."""
         if not self._pending_adds:
             return
-        free = {nid: n.slots - self._used(nid) for nid, n in self._free_capacity(now).items()}
+        free = {nid: n.slots - self._used(nid) for nid, n in self._nodes.live(now).items()}
         waiting: dict[str, list[int]] = {}
         kept: list[tuple[str, int]] = []
         for name, node in self._pending_adds:
@@ -579,28 +429,6 @@ class Cluster:
             except Exception:
                 log.exception("a planned move failed")
 
-    def _free_capacity(self, now: float) -> dict[int, NodeRow]:
-        return {
-            nid: n.row
-            for nid, n in sorted(self.nodes.items())
-            if not n.lost and now - n.last_seen < self.settings.node_timeout_s
-        }
-
-    def _transition_s(self, task: Task) -> float:
-        """What a change of ``task``'s worker count costs it, measured: the median of its
-        recent transitions (an epoch plus the state its joiners took), else of every task's,
-        else the allocation's prior (:data:`~unicron.control.allocation.TRANSITION_S`)."""
-        own = list(task.transitions)
-        seen = own or [d for t in self.tasks.values() for d in t.transitions]
-        return float(statistics.median(seen)) if seen else A.TRANSITION_S
-
-    def _d_run_s(self, now: float, nodes: int) -> float:
-        """Expected time to the next failure: a prior of one failure per node and day,
-        refined by the failures the cluster saw since it started (docs/planner.md)."""
-        days = max(now - self.started, 0.0) / 86400.0
-        rate = (1.0 + self.metrics.failures_seen) / (1.0 + days)  # per node and day
-        return expected_time_to_failure_s(rate, max(nodes, 1))
-
     def _start(self, task: Task, now: float, *, adopt: bool) -> None:
         spec, row = task.spec, task.row
         task_dir = self.state_dir / "tasks" / row.uid
@@ -609,7 +437,8 @@ class Cluster:
         if spec.checkpoint.resume and not adopt and checkpoint is not None:
             committed_before = C.take_progress(checkpoint)
         task.events = EventLog(
-            self._events_to.get(row.uid, task_dir / "events.jsonl"), enrich=self._name_node
+            self._events_to.get(row.uid, task_dir / "events.jsonl"),
+            enrich=functools.partial(name_node, self.nodes),
         )
         task.events.subscribe(functools.partial(self._on_event, task))
         address = self.store.address
@@ -644,116 +473,28 @@ class Cluster:
             row.state = "pending"
             self.state.save_task(row)
 
-    def _assignment(self, task: Task, nid: int) -> dict[str, Any]:
-        """What a node's agent needs to run its part of ``task``; ``settings``: what its
-        workers read from their environment (:class:`~unicron.protocol.WorkerSettings`)."""
-        spec = task.spec
-        checkpoint = self._checkpoint_dir(task)
-        settings = WorkerSettings(
-            reduce=spec.reduce,
-            on_lost=spec.on_lost,
-            bucket_cap_mb=spec.bucket_cap_mb,
-            checkpoint="" if checkpoint is None else str(checkpoint),
-            checkpoint_every=str(spec.checkpoint.every),
-            checkpoint_mtbf_s=spec.checkpoint.mtbf,
-            checkpoint_keep=spec.checkpoint.keep,
-            resume=spec.checkpoint.resume,
-            tp=spec.tp,
-            pp=spec.pp,
-        )
-        return {
-            "uid": task.row.uid,
-            "name": task.row.name,
-            "slots": [rank for rank, n in enumerate(task.row.placement) if n == nid],
-            "script": spec.script,
-            "args": spec.args,
-            "inject": spec.inject,
-            "threads": spec.threads,
-            "store": self.store.address,
-            "device": spec.device,
-            "settings": dataclasses.asdict(settings),
-            "env": spec.env,
-        }
-
     def _checkpoint_dir(self, task: Task) -> Path | None:
-        """Where the task's checkpoints go; ``None``: it writes none (and has none to read)."""
-        ck = task.spec.checkpoint
-        if ck.every == 0 and not ck.resume:
-            return None
-        return Path(ck.dir) if ck.dir else self.state_dir / "tasks" / task.row.uid / "checkpoints"
-
-    def _name_node(self, e: dict[str, Any]) -> None:
-        """An event that names a node by number gets its name beside it (``node_name``): the
-        name is what ``unicron status``, the agent's ``--node-name`` and a person use. Called
-        by the task's event log for every record, from the thread that emits it."""
-        nid = e.get("node")
-        node = self.nodes.get(nid) if isinstance(nid, int) else None
-        if node is not None:
-            e["node_name"] = node.row.name
-
-    def _where(self, task: Task, e: dict[str, Any]) -> str:
-        """Where an event happened, for a person: "slot 2 (node gpu-17)", "node gpu-17"."""
-        if "slot" in e:
-            slot = int(e["slot"])
-            nid = task.row.placement[slot] if 0 <= slot < len(task.row.placement) else -1
-            node = self.nodes.get(nid)
-            return f"slot {slot}" + (f" (node {node.row.name})" if node is not None else "")
-        return f"node {e.get('node_name', e.get('node'))}"
+        return checkpoint_dir(task, self.state_dir)
 
     def _on_event(self, task: Task, e: dict[str, Any]) -> None:
-        """Every event of a task's log: into SQLite, the task's row and the metrics."""
-        row, kind = task.row, e["event"]
-        self.state.add_event(row.name, e)
-        self.metrics.observe(row.name, e)
-        changed = True
-        if kind == "epoch_begin":
-            row.epoch, row.workers = int(e["epoch"]), len(e.get("members", ()))
-            if row.state == "pending":
-                row.state = "running"
-        elif kind == "step_end":
-            row.committed_step = max(row.committed_step, int(e["step"]))
-        elif kind == "transition_end" and e.get("rank") == 0 and "duration_s" in e:
-            task.transitions.append(float(e["duration_s"]))
-            changed = False
-        elif kind == "error_detected":
-            row.last_fault = f"{e.get('kind')} (SEV{e.get('severity')}) on {self._where(task, e)}"
-        elif kind == "action" and e.get("action") == "wait" and row.state in ACTIVE:
-            row.state = "waiting"
-        else:
-            changed = False
-        self._trigger_of(task, e)
+        """Every event of a task's log: into SQLite, the task's row (:func:`planning.fold`)
+        and the metrics; one that changes what the planner sees makes the next tick replan
+        (called from the task's coordinator, without the cluster lock: only appends)."""
+        self.state.add_event(task.row.name, e)
+        self.metrics.observe(task.row.name, e)
+        changed, trigger = fold(task, e, self.nodes)
+        if trigger is not None:
+            self._triggers.append(trigger)
         if changed:
-            self.state.save_task(row)
-
-    def _trigger_of(self, task: Task, e: dict[str, Any]) -> None:
-        """The task events that change what the planner sees: a slot excluded (a straggler
-        dropped, a device fault, restarts that keep failing) or readmitted, a straggler
-        found. The next tick replans (called from the task's coordinator, without the
-        cluster lock: only appends)."""
-        kind, name = e["event"], task.row.name
-        slot = e.get("slot")
-        if kind == "action" and e.get("action") in ("exclude", "readmit") and slot is not None:
-            if e["action"] == "exclude":
-                task.excluded.add(int(slot))
-            else:
-                task.excluded.discard(int(slot))
-            done = "excluded" if e["action"] == "exclude" else "readmitted"
-            self._triggers.append(f"slot {slot} of task {name} {done}")
-        elif kind == "error_detected" and e.get("kind") == "straggler":
-            self._triggers.append(f"straggler on slot {slot} of task {name}")
+            self.state.save_task(task.row)
 
     # -- time --------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
         """Run every task's detectors, end finished tasks, place queued ones, mark nodes
         lost, and record that the service is alive (the next start reports the gap)."""
         with self._lock:
-            for node in self.nodes.values():
-                if not node.lost and now - node.last_seen > self.settings.node_timeout_s:
-                    node.lost = True
-                    self._triggers.append(f"node {node.row.name} lost")
-                    log.warning(
-                        "node %s is lost (silent %.1f s)", node.row.name, now - node.last_seen
-                    )
+            for node in self._nodes.mark_silent(now):
+                self._triggers.append(f"node {node.row.name} lost")
             active = [t for t in self.tasks.values() if t.controller is not None]
         for task in active:
             c = task.controller
@@ -794,17 +535,7 @@ class Cluster:
             status = "done" if outcome.state is TaskState.DONE else "failed"
         r = outcome.result
         assert task.events is not None
-        task.events.emit(
-            "task_end",
-            ts=now,
-            task=task.row.name,
-            status="ok" if status == "done" else status,
-            steps=r.get("steps"),
-            final_loss=r.get("final_loss"),
-            params_sha256=r.get("params_sha256"),
-            reason=None if status == "done" else outcome.reason,
-            wall_s=round(now - task.row.submitted_ts, 3),
-        )
+        task.events.emit("task_end", ts=now, **task_end(task, status, r, outcome.reason, now))
         # how far it got, beside its checkpoints: a resume of it says how many steps it redoes
         C.record_progress(self._checkpoint_dir(task), c.committed_steps())
         self._end(task, status, outcome.reason, now, result={**r, "usage": outcome.usage})
@@ -831,26 +562,8 @@ class Cluster:
 
     # -- views -------------------------------------------------------------------------------
     def view(self, task: Task) -> dict[str, Any]:
-        row = task.row
-        c = task.controller
-        return {
-            "name": row.name,
-            "uid": row.uid,
-            "state": row.state,
-            "epoch": row.epoch,
-            "step": row.committed_step,
-            "workers": row.workers,
-            "placement": [self.nodes[n].row.name for n in row.placement if n in self.nodes],
-            "min_workers": task.spec.workers.min,
-            "max_workers": task.spec.workers.max,
-            "weight": task.spec.weight,
-            "last_fault": row.last_fault,
-            "waiting": c.waiting_reason if c is not None else task.refused or task.held_back,
-            "submitted_ts": row.submitted_ts,
-            "owner": self.owners.get(row.name, "admin"),
-            "outcome": row.outcome,
-            "plan_error": self.plan_error,  # the planner failed: the allocation was kept
-        }
+        owner = self.owners.get(task.row.name, "admin")
+        return task_view(task, self.nodes, owner, self.plan_error)
 
     def task_views(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -862,18 +575,7 @@ class Cluster:
 
     def node_views(self, now: float) -> list[dict[str, Any]]:
         with self._lock:
-            return [
-                {
-                    "name": n.row.name,
-                    "id": nid,
-                    "slots": n.row.slots,
-                    "used": self._used(nid),
-                    "address": n.row.address,
-                    "state": "lost" if n.lost else "up",
-                    "silent_s": round(now - n.last_seen, 3),
-                }
-                for nid, n in sorted(self.nodes.items())
-            ]
+            return self._nodes.views(now, self._used)
 
     def events(self, name: str, after: int) -> tuple[list[dict[str, Any]], int]:
         with self._lock:

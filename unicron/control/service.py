@@ -51,10 +51,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from unicron.control import messages as M
 from unicron.control.client import ENV_TOKEN, resolve_token, token_path
-from unicron.control.cluster import Cluster, Conflict, Fenced, Invalid, NotFound
+from unicron.control.cluster import Cluster, Invalid
 from unicron.control.credentials import FILE as CREDENTIALS
 from unicron.control.credentials import Credentials, Principal
 from unicron.control.dashboard import PAGE, Dashboard, is_page, page
+from unicron.control.nodetable import Conflict, Fenced, NotFound
 from unicron.control.taskspec import NAME, TaskSpec
 from unicron.errors import UsageError
 from unicron.planner.hardware import GPU_PRESETS

@@ -1,0 +1,116 @@
+"""What the agent hears from its workers, and what it becomes for the coordinator.
+
+The worker speaks :mod:`unicron.protocol` (what it did, in its own terms); the coordinator
+reads :mod:`unicron.control.messages` (what a slot did, stamped with the agent's clock).
+:func:`report_of` is the translation for the messages that are only that; the agent
+(:meth:`unicron.control.agent.Agent._from_worker`) keeps the ones with effects on the node
+(an error that ends the process, a node fault, events it logs once for the node).
+:func:`exit_reports` is the same for a process that exited when nobody planned it; a
+:class:`Doorbell` is how a worker's message that may not wait wakes the agent's round.
+"""
+
+from __future__ import annotations
+
+import socket
+from contextlib import suppress
+
+from unicron import protocol as P
+from unicron.control import messages as M
+from unicron.control.workerstate import Worker
+from unicron.detect.classify import classify_exit, classify_message
+
+__all__ = ["Doorbell", "exit_reports", "report_of"]
+
+
+def report_of(slot: int, msg: P.LocalMessage, now: float) -> M.Report | None:
+    """The report of ``msg`` from the worker in ``slot``, read at ``now`` (the worker's own
+    timestamp where it has one, never later than ``now``: not the agent's read latency), or
+    ``None`` for a message this function does not translate."""
+    if isinstance(msg, P.Ready):
+        return M.Ready(
+            slot=slot, ts=now, microbatches=msg.microbatches, state_bytes=msg.state_bytes
+        )
+    if isinstance(msg, P.Entered):
+        return M.EpochEntered(slot=slot, ts=now, epoch=msg.epoch)
+    if isinstance(msg, P.StepBegin):
+        return M.StepBegan(
+            slot=slot, ts=min(msg.ts, now), step=msg.step, epoch=msg.epoch, cpu_s=msg.cpu_s
+        )
+    if isinstance(msg, P.Waiting):
+        ts = min(msg.ts, now)
+        return M.WaitingOnReplica(
+            slot=slot, ts=ts, step=msg.step, epoch=msg.epoch, waiting=msg.waiting
+        )
+    if isinstance(msg, P.StepDone):
+        return M.StepComputed(
+            slot=slot,
+            ts=min(msg.ts, now),
+            step=msg.step,
+            compute_s=msg.compute_s,
+            microbatches=msg.microbatches or None,
+            cpu_s=msg.cpu_s,
+            queued_s=msg.queued_s,
+        )
+    if isinstance(msg, P.Done):
+        return M.WorkerDone(slot=slot, ts=now, report=P.encode(msg))
+    return None
+
+
+def exit_reports(w: Worker, returncode: int | None, now: float) -> list[M.Report]:
+    """The reports of an unplanned exit of ``w``'s process with ``returncode`` (``None``: its
+    socket closed and no status came), seen at ``now``: how it was detected (unless the
+    agent killed it, or its error was reported already) and that it failed, with the verdict
+    of its error, of its exit status, or the one it was killed with."""
+    detected = min(t for t in (w.eof_ts, now) if t is not None)
+    out: list[M.Report] = []
+    if w.verdict is not None:  # the agent killed it and already logged why
+        verdict = w.verdict
+    else:
+        if w.error is not None:
+            verdict = classify_message(w.error.type_name, w.error.message)
+            method = "exception"
+        else:
+            verdict = classify_exit(returncode if returncode is not None else -9)
+            method = "process"
+        if w.error is None or returncode is None or returncode < 0:
+            extra = {"returncode": returncode}
+            out.append(
+                M.Detected(
+                    slot=w.slot, ts=detected, step=w.step, verdict=verdict, method=method,
+                    extra=extra,
+                )
+            )  # fmt: skip
+    out.append(M.WorkerFailed(slot=w.slot, ts=detected, verdict=verdict))
+    return out
+
+
+class Doorbell:
+    """A worker's way to wake its agent's round at once (:func:`unicron.protocol.quiet`): a
+    datagram to a local socket; the agent's round waits on it (:meth:`fileno`) and empties
+    it (:meth:`silence`): any number of rings since the last round wake one round."""
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.setblocking(False)
+        self._at: tuple[str, int] = self._sock.getsockname()
+        self.address = "{}:{}".format(*self._at)
+        """what a worker is told (:data:`unicron.protocol.ENV_BELL`)"""
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def ring(self) -> None:
+        """Wake the waiting round (from any thread)."""
+        with suppress(OSError):
+            self._sock.sendto(b"!", self._at)
+
+    def silence(self) -> None:
+        while True:
+            try:
+                self._sock.recv(16)
+            except OSError:  # BlockingIOError: empty
+                return
+
+    def close(self) -> None:
+        self._sock.close()

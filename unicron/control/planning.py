@@ -1,0 +1,357 @@
+"""The cluster's tables (a :class:`Node` per agent's machine, a :class:`Task` per submitted
+task) and what the planner in the loop reads of them: each task as the allocation sees it
+(:func:`plan_view`), the slots it may give out (:func:`plan_capacity`), and what each
+task's move costs (:func:`transition_s`) against the expected time to the next failure
+(:func:`d_run_s`); and what a task looks like to a person (:func:`task_view`) or to a node's
+agent (:func:`assignment`).
+
+Pure functions over the tables, called by :class:`unicron.control.cluster.Cluster` under its
+lock (its ``_replan`` asks :func:`unicron.control.allocation.decide` with them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unicron.control import allocation as A
+from unicron.control import replicas
+from unicron.control.coordinator import Coordinator
+from unicron.control.events import EventLog
+from unicron.control.state import ACTIVE, ENDED, NodeRow, TaskRow
+from unicron.control.taskspec import TaskSpec
+from unicron.planner.hardware import GPU_PRESETS
+from unicron.planner.solver import expected_time_to_failure_s
+from unicron.protocol import WorkerSettings
+
+__all__ = [
+    "TRANSITIONS_KEPT",
+    "Node",
+    "Task",
+    "ask",
+    "assignment",
+    "checkpoint_dir",
+    "d_run_s",
+    "fold",
+    "name_node",
+    "parked",
+    "plan_capacity",
+    "plan_event",
+    "plan_view",
+    "task_end",
+    "task_view",
+    "transition_s",
+    "where",
+    "writer_of",
+]
+
+TRANSITIONS_KEPT = 16
+"""recent transitions per task whose median prices its next one (:func:`transition_s`)"""
+
+
+@dataclass
+class Node:
+    row: NodeRow
+    last_seen: float
+    lost: bool = False
+    gpus: int | None = None  # CUDA devices its agent counted on registering; None: unknown
+
+
+@dataclass
+class Task:
+    row: TaskRow
+    spec: TaskSpec
+    controller: Coordinator | None = None
+    events: EventLog | None = None
+    leaving: set[int] = field(default_factory=set)  # ranks given back, worker not yet gone
+    excluded: set[int] = field(default_factory=set)  # ranks its coordinator took out of the plan
+    refused: str = ""  # why a planned slot was refused (a node without the task's device)
+    held_back: str = ""  # why the planner gives a queued task no slot (no layout fits)
+    transitions: deque[float] = field(default_factory=lambda: deque(maxlen=TRANSITIONS_KEPT))
+    """its recent transitions' durations (rank 0's ``transition_end``), seconds"""
+
+
+# -- the planner's view ----------------------------------------------------------------------
+def plan_capacity(free: Mapping[int, NodeRow], tasks: Iterable[Task]) -> dict[int, int]:
+    """The slots of each live node (``free``) the allocation may count: an excluded rank's
+    slot is nobody's until it is readmitted."""
+    capacity = {nid: n.slots for nid, n in free.items()}
+    for task in tasks:
+        excluded = list(task.excluded)  # a copy: coordinators change it
+        for r in excluded if task.row.state in ACTIVE else ():
+            node = task.row.placement[r] if r < len(task.row.placement) else -1
+            if node in capacity:
+                capacity[node] -= 1
+    return capacity
+
+
+def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView | None:
+    """``task`` as the allocation sees it (``None``: it is not to be planned): its ranks and
+    their nodes (a rank leaving or excluded is not its own; ``planned``: the nodes of the
+    slots queued for it, held where they go), its throughput model, its measured
+    ``transition`` and its ranks parked beside an excluded partner."""
+    if task.row.state not in ("queued", *ACTIVE) or task.row.state == "cancelled":
+        return None
+    ranks = {
+        r: n
+        for r, n in enumerate(task.row.placement)
+        if n >= 0 and r not in task.leaving and r not in task.excluded
+    }
+    for k, node in enumerate(planned):
+        ranks[-1 - k] = node
+    c = task.controller
+    return A.TaskView(
+        name=task.row.name,
+        weight=task.spec.weight,
+        min_workers=task.spec.workers.min,
+        max_workers=task.spec.workers.max,
+        ranks=ranks,
+        running=c is not None,
+        microbatches=None if c is None else c.microbatches,
+        model=task.spec.planner_model(),
+        global_batch=task.spec.global_batch or 0,
+        transition_s=transition,
+        replica_ranks=task.spec.replica_ranks,
+        parked=parked(task),
+    )
+
+
+def parked(task: Task) -> frozenset[int]:
+    """The ranks of ``task`` waiting for an excluded rank of their replica (a node's ranks in
+    order, ``tp * pp`` at a time: :mod:`unicron.control.replicas`)."""
+    size, excluded = task.spec.replica_ranks, set(task.excluded)  # (coordinators change it)
+    if size == 1 or not excluded:
+        return frozenset()
+    out: set[int] = set()
+    placement = task.row.placement
+    for node in {placement[r] for r in excluded if 0 <= r < len(placement)}:
+        on = [r for r, n in enumerate(placement) if n == node]
+        for group in replicas.grouped(on, size):
+            if any(r in excluded for r in group):
+                out.update(r for r in group if r not in excluded)
+    return frozenset(out)
+
+
+def transition_s(task: Task, tasks: Iterable[Task]) -> float:
+    """What a change of ``task``'s worker count costs it, measured: the median of its recent
+    transitions (an epoch plus the state its joiners took), else of every task's, else the
+    allocation's prior (:data:`~unicron.control.allocation.TRANSITION_S`)."""
+    seen = list(task.transitions) or [d for t in tasks for d in t.transitions]
+    return float(statistics.median(seen)) if seen else A.TRANSITION_S
+
+
+def d_run_s(up_s: float, failures_seen: int, nodes: int) -> float:
+    """Expected time to the next failure: a prior of one failure per node and day, refined
+    by the ``failures_seen`` in the cluster's ``up_s`` seconds (docs/planner.md)."""
+    days = max(up_s, 0.0) / 86400.0
+    rate = (1.0 + failures_seen) / (1.0 + days)  # per node and day
+    return expected_time_to_failure_s(rate, max(nodes, 1))
+
+
+# -- what others see of a task ---------------------------------------------------------------
+def checkpoint_dir(task: Task, state_dir: Path) -> Path | None:
+    """Where the task's checkpoints go; ``None``: it writes none (and has none to read)."""
+    ck = task.spec.checkpoint
+    if ck.every == 0 and not ck.resume:
+        return None
+    return Path(ck.dir) if ck.dir else state_dir / "tasks" / task.row.uid / "checkpoints"
+
+
+def assignment(task: Task, nid: int, store: str, checkpoint: Path | None) -> dict[str, Any]:
+    """What node ``nid``'s agent needs to run its part of ``task`` (its ranks there, the
+    script, the training ``store``'s address); ``settings``: what its workers read from their
+    environment (:class:`~unicron.protocol.WorkerSettings`)."""
+    spec = task.spec
+    settings = WorkerSettings(
+        reduce=spec.reduce,
+        on_lost=spec.on_lost,
+        bucket_cap_mb=spec.bucket_cap_mb,
+        checkpoint="" if checkpoint is None else str(checkpoint),
+        checkpoint_every=str(spec.checkpoint.every),
+        checkpoint_mtbf_s=spec.checkpoint.mtbf,
+        checkpoint_keep=spec.checkpoint.keep,
+        resume=spec.checkpoint.resume,
+        tp=spec.tp,
+        pp=spec.pp,
+    )
+    return {
+        "uid": task.row.uid,
+        "name": task.row.name,
+        "slots": [rank for rank, n in enumerate(task.row.placement) if n == nid],
+        "script": spec.script,
+        "args": spec.args,
+        "inject": spec.inject,
+        "threads": spec.threads,
+        "store": store,
+        "device": spec.device,
+        "settings": dataclasses.asdict(settings),
+        "env": spec.env,
+    }
+
+
+def task_view(task: Task, nodes: Mapping[int, Node], owner: str, plan_error: str) -> dict[str, Any]:
+    """``task`` for ``unicron status`` and the API: its state, progress, placement by node
+    name, limits, last fault, why it waits, owner and outcome."""
+    row = task.row
+    c = task.controller
+    return {
+        "name": row.name,
+        "uid": row.uid,
+        "state": row.state,
+        "epoch": row.epoch,
+        "step": row.committed_step,
+        "workers": row.workers,
+        "placement": [nodes[n].row.name for n in row.placement if n in nodes],
+        "min_workers": task.spec.workers.min,
+        "max_workers": task.spec.workers.max,
+        "weight": task.spec.weight,
+        "last_fault": row.last_fault,
+        "waiting": c.waiting_reason if c is not None else task.refused or task.held_back,
+        "submitted_ts": row.submitted_ts,
+        "owner": owner,
+        "outcome": row.outcome,
+        "plan_error": plan_error,  # the planner failed: the allocation was kept
+    }
+
+
+# -- what a task's events change ---------------------------------------------------------------
+def where(task: Task, nodes: Mapping[int, Node], e: dict[str, Any]) -> str:
+    """Where an event happened, for a person: "slot 2 (node gpu-17)", "node gpu-17"."""
+    if "slot" in e:
+        slot = int(e["slot"])
+        nid = task.row.placement[slot] if 0 <= slot < len(task.row.placement) else -1
+        node = nodes.get(nid)
+        return f"slot {slot}" + (f" (node {node.row.name})" if node is not None else "")
+    return f"node {e.get('node_name', e.get('node'))}"
+
+
+def fold(task: Task, e: dict[str, Any], nodes: Mapping[int, Node]) -> tuple[bool, str | None]:
+    """Apply one event of ``task``'s log to its row and its sets: (whether the row changed,
+    the planner's trigger it is or ``None``). A trigger is what changes what the planner
+    sees: a slot excluded (a straggler dropped, a device fault, restarts that keep failing)
+    or readmitted, a straggler found."""
+    row, kind = task.row, e["event"]
+    changed = True
+    if kind == "epoch_begin":
+        row.epoch, row.workers = int(e["epoch"]), len(e.get("members", ()))
+        if row.state == "pending":
+            row.state = "running"
+    elif kind == "step_end":
+        row.committed_step = max(row.committed_step, int(e["step"]))
+    elif kind == "transition_end" and e.get("rank") == 0 and "duration_s" in e:
+        task.transitions.append(float(e["duration_s"]))
+        changed = False
+    elif kind == "error_detected":
+        row.last_fault = f"{e.get('kind')} (SEV{e.get('severity')}) on {where(task, nodes, e)}"
+    elif kind == "action" and e.get("action") == "wait" and row.state in ACTIVE:
+        row.state = "waiting"
+    else:
+        changed = False
+    slot, name = e.get("slot"), row.name
+    if kind == "action" and e.get("action") in ("exclude", "readmit") and slot is not None:
+        if e["action"] == "exclude":
+            task.excluded.add(int(slot))
+        else:
+            task.excluded.discard(int(slot))
+        done = "excluded" if e["action"] == "exclude" else "readmitted"
+        return changed, f"slot {slot} of task {name} {done}"
+    if kind == "error_detected" and e.get("kind") == "straggler":
+        return changed, f"straggler on slot {slot} of task {name}"
+    return changed, None
+
+
+# -- the planner's question and answer ----------------------------------------------------------
+def ask(
+    tasks: Mapping[str, Task],
+    pending: list[tuple[str, int]],
+    free: Mapping[int, NodeRow],
+    *,
+    gpu: str,
+    placement: A.Placement,
+    up_s: float,
+    failures_seen: int,
+    trigger: str,
+) -> A.Decision | None:
+    """The allocation's decision for every task on the live nodes ``free`` (``pending``:
+    slots queued for a task, held where they go), or ``None`` when there is nothing to plan.
+    An error of the planner is raised (the cluster keeps its allocation)."""
+    capacity = plan_capacity(free, tasks.values())
+    per_node = max(capacity.values(), default=1)  # GPUs per node, for the perf model
+    views = []
+    for task in tasks.values():
+        planned = [n for name, n in pending if name == task.row.name]
+        view = plan_view(task, planned, transition_s(task, tasks.values()))
+        if view is not None:
+            views.append(view)
+    if not views or not capacity:
+        return None
+    return A.decide(
+        views,
+        capacity,
+        d_run_s(up_s, failures_seen, len(capacity)),
+        placement=placement,
+        task_event=any(t.startswith("task ") for t in trigger.split("; ")),
+        hardware=A.Hardware(GPU_PRESETS[gpu], max(per_node, 1)),
+    )
+
+
+def plan_event(
+    decision: A.Decision, task: str, trigger: str, placement: A.Placement, decision_s: float
+) -> dict[str, Any]:
+    """The fields of ``task``'s ``plan`` event: the allocation before and after, both WAFs,
+    the reason and how long the decision took."""
+    return {
+        "task": task,
+        "trigger": trigger,
+        "allocation": {m.task: m.after for m in decision.moves},
+        "allocation_before": {m.task: m.before for m in decision.moves},
+        "waf_before": round(decision.waf_before, 6),
+        "waf_after": round(decision.waf_after, 6),
+        "reason": decision.reasons.get(task, ""),
+        "placement": placement,
+        "decision_ms": round(decision_s * 1000.0, 3),
+    }
+
+
+def name_node(nodes: Mapping[int, Node], e: dict[str, Any]) -> None:
+    """An event that names a node by number gets its name beside it (``node_name``): the name
+    is what ``unicron status``, the agent's ``--node-name`` and a person use."""
+    nid = e.get("node")
+    node = nodes.get(nid) if isinstance(nid, int) else None
+    if node is not None:
+        e["node_name"] = node.row.name
+
+
+def writer_of(spec: TaskSpec, tasks: Iterable[Task], state_dir: Path) -> Task | None:
+    """The live task that writes into ``spec``'s checkpoint directory, if any: two tasks
+    never write into one (a task that goes on from a cancelled one waits until that one's
+    workers are stopped)."""
+    if not spec.checkpoint.dir:
+        return None
+    mine = Path(spec.checkpoint.dir).resolve()
+    for t in tasks:
+        theirs = checkpoint_dir(t, state_dir)
+        live = t.row.state not in ENDED or t.controller is not None
+        if live and theirs is not None and theirs.resolve() == mine:
+            return t
+    return None
+
+
+def task_end(task: Task, status: str, result: dict[str, Any], reason: str, now: float
+             ) -> dict[str, Any]:  # fmt: skip
+    """The fields of ``task``'s ``task_end`` event: how it ended, its steps, loss and digest,
+    the reason if it did not finish, its wall time since it was submitted."""
+    return {
+        "task": task.row.name,
+        "status": "ok" if status == "done" else status,
+        "steps": result.get("steps"),
+        "final_loss": result.get("final_loss"),
+        "params_sha256": result.get("params_sha256"),
+        "reason": None if status == "done" else reason,
+        "wall_s": round(now - task.row.submitted_ts, 3),
+    }

@@ -1,0 +1,141 @@
+"""What a task's worker processes start with on a node: the environment every one of them,
+the zygote and the health probes share (:func:`base_env`), and what one slot's worker adds
+(:func:`slot_env`: its slot, incarnation, faults to fire, place in its replica and device).
+
+Pure functions of the task's :class:`~unicron.control.agent.AgentConfig` and the agent's
+addresses; the agent (:class:`~unicron.control.agent.Agent`) calls them when it starts the
+zygote, a worker or a probe, and ``unicron run`` calls :func:`import_env` for the zygote it
+starts before its agents (:func:`unicron.runtime.launcher.prewarm`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from unicron.control import replicas
+from unicron.protocol import (
+    ENV_AGENT,
+    ENV_AUTHKEY,
+    ENV_BELL,
+    ENV_FAULTS,
+    ENV_INCARNATION,
+    ENV_NODE,
+    ENV_PP_STAGE,
+    ENV_SLOT,
+    ENV_STORE,
+    ENV_TASK,
+    ENV_THREADS,
+    ENV_TP_RANK,
+)
+from unicron.runtime import device as D
+
+if TYPE_CHECKING:
+    from unicron.control.agent import AgentConfig
+
+__all__ = ["SECRETS", "AgentAddresses", "base_env", "device_env", "import_env", "slot_env"]
+
+SECRETS = frozenset(("UNICRON_TOKEN",))
+"""environment variables of the agent's process its workers never inherit"""
+
+
+def import_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a zygote's imports read from its environment, for ``threads`` torch threads on
+    top of ``base`` (default: this process's): torch's thread pools, its C++ log level and
+    gloo's lazy connect (a setting the task gave stays). Part of every zygote's environment
+    (:func:`base_env`), and all of one started before its task is known
+    (:func:`unicron.runtime.launcher.prewarm`)."""
+    base = os.environ if base is None else base
+    return {
+        "TORCH_CPP_LOG_LEVEL": base.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        "TORCH_GLOO_LAZY_INIT": base.get("TORCH_GLOO_LAZY_INIT", "1"),  # inside a sliced wait
+        ENV_THREADS: str(threads),
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@dataclass(frozen=True)
+class AgentAddresses:
+    """Where a worker reaches its task: the training store, its agent's socket and doorbell,
+    and the key that opens the socket."""
+
+    task: str
+    store: str
+    agent: str
+    bell: str
+    authkey: bytes
+
+
+def base_env(config: AgentConfig, at: AgentAddresses) -> dict[str, str]:
+    """What every worker, the zygote and the probes start with: this process's environment
+    without the coordinator's credentials (:data:`SECRETS`: a training script and whatever it
+    imports never hold a token of the cluster), the task's settings, and the task file's
+    ``env`` (allow-listed: :func:`~unicron.control.taskspec.refused_env`)."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    env.update(config.env)
+    env.update(import_env(config.threads, env))
+    env.update(
+        {
+            ENV_TASK: at.task,
+            ENV_NODE: str(config.node),
+            ENV_STORE: at.store,
+            ENV_AGENT: at.agent,
+            ENV_BELL: at.bell,
+            ENV_AUTHKEY: at.authkey.hex(),
+            **config.settings.env(),
+        }
+    )
+    return env
+
+
+def slot_env(
+    config: AgentConfig, slot: int, incarnation: int, fired: Collection[str]
+) -> dict[str, str]:
+    """What the worker in ``slot`` adds to :func:`base_env`: its slot and incarnation, the
+    faults still to fire in it (``fired``: those the node saw already), its place in its
+    replica (the task's slots on this node in groups of ``tp x pp``, stage by stage:
+    :mod:`unicron.control.replicas`, which the coordinator uses alike) and its device."""
+    faults = [
+        f.spec
+        for f in config.faults
+        if (f.rank == slot or f.node == config.node) and f.spec not in fired
+    ]
+    tp, pp = config.settings.tp, config.settings.pp
+    place = replicas.place_in(config.slots, slot, tp * pp)
+    return {
+        ENV_SLOT: str(slot),
+        ENV_INCARNATION: str(incarnation),
+        ENV_FAULTS: ";".join(faults),
+        ENV_TP_RANK: str(place % tp),
+        ENV_PP_STAGE: str(place // tp),
+        **device_env(config, slot),
+    }
+
+
+def device_env(config: AgentConfig, slot: int) -> dict[str, str]:
+    """The slot's device (this node's GPUs round robin) and torchrun's ``LOCAL_RANK``."""
+    kind = config.env.get(D.ENV_DEVICE_KIND, "cpu")
+    gpus = D.gpu_count() if kind == "cuda" else 0
+    return D.slot_env(kind, config.slots.index(slot), len(config.slots), gpus)
+
+
+def start_plainly(
+    module_args: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    """``python -m unicron.runtime.launcher MODULE_ARGS`` as a process of its own session,
+    its output appended to ``log``: a worker when the zygote is gone, or the zygote itself."""
+    with open(log, "ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "unicron.runtime.launcher", *module_args],
+            env=env,
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
