@@ -27,6 +27,7 @@ user's model code does not change.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 import threading
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,7 @@ from unicron.runtime.gradients import Reducer
 from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
 from unicron.runtime.inject import Fault, FaultPlan, stop_self
 from unicron.runtime.link import AgentLink, connect_agent
+from unicron.runtime.microbatches import MicroBatches, refuse
 from unicron.runtime.step import Step
 from unicron.runtime.transfer import (
     Inventory,
@@ -213,6 +215,26 @@ def train(
     return loop.result
 
 
+def _store_client(ctx: WorkerContext) -> dist.TCPStore:
+    """A new connection to the coordinator's store (the runner's own, and one for each
+    epoch's process group)."""
+    return dist.TCPStore(
+        ctx.store_host,
+        ctx.store_port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=ctx.timeout_s),
+    )
+
+
+def _sev3(exc: Exception) -> bool:
+    """Whether ``exc`` is a SEV3 error (a reset connection, a transient timeout): retried in
+    place, in the same epoch, a bounded number of times, the agent and coordinator told;
+    anything else, or a retry that fails again, ends the process (it is restarted)."""
+    from unicron.detect.classify import Severity, classify_exception
+
+    return classify_exception(exc).severity is Severity.SEV3
+
+
 @dataclass(kw_only=True)
 class _Runner:
     """The epoch and step machinery of one worker, driven by :class:`Loop`: epochs, the
@@ -232,17 +254,12 @@ class _Runner:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     step: int = 0  # committed steps
     has_state: bool = True
-    done: set[int] = field(default_factory=set)  # micro-batches of `step` in `sums`
     groups: list[EpochGroup] = field(default_factory=list)
     result: TrainResult | None = None
-    current: int | None = None  # the micro-batch handed out and not yet computed
     _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
     ckpt: C.Checkpointer | None = None  # rank 0's checkpoints (every member may become it)
     _held: list[set[int]] = field(default_factory=list)  # ids of `step` each member has done
-    _attempt: Step | None = None  # the step handed out and not yet committed
-    _crash_at: int = -1
     _laid_out: bool = False  # the optimizer's state is in stream order (lay_out_optimizer_state)
-    _split_checked: bool = False  # the model was seen to use its replica (_check_split)
     # -- the replica (tp x pp ranks; docs/runtime.md, Model-parallel replicas)
     par: TensorParallel = field(default_factory=tensor_parallel)
     pipe: PipelineParallel = field(default_factory=pipeline_parallel)
@@ -255,19 +272,16 @@ class _Runner:
             exact=self.ctx.reduce == "exact",
             bucket_cap_mb=self.ctx.bucket_cap_mb,
             device=self.device,
-            stray=self._stray_backward,
+            stray=lambda: self.mb.stray_backward(),
         )
         self.faults = FaultPlan(
             list(self.ctx.faults), emit=self._event, rank=self.ctx.slot, act=self._act
         )
+        self.mb = MicroBatches(grads=self.grads, par=self.par, pipe=self.pipe,
+                               faults=self.faults, tp=self.ctx.tp, pp=self.ctx.pp)  # fmt: skip
         self._stepping = False
         self.optimizer.register_step_pre_hook(self._optimizer_step)
-        self.store = dist.TCPStore(
-            self.ctx.store_host,
-            self.ctx.store_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
-        )
+        self.store = _store_client(self.ctx)
         # a freshly built model is the task's state only until the first step commits (the
         # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self.store.check([trained_key(self.ctx.task)])
@@ -278,7 +292,7 @@ class _Runner:
                 f"tp {self.ctx.tp} x pp {self.ctx.pp}"
             )
         self.R = self.ctx.tp * self.ctx.pp
-        """ranks per replica"""
+        """ranks per replica (an epoch's members are whole replicas, in order)"""
         self.place = self.pipe.stage * self.ctx.tp + self.par.rank
         """this rank's place in its replica (its shard of the state)"""
         if self.ctx.checkpoint is not None:
@@ -290,7 +304,7 @@ class _Runner:
                 root=C.shard_root(self.ctx.checkpoint, self.place, self.R),
                 settings=settings,
                 reduce=self.ctx.reduce,
-                ledger=self._ledger_desc(),
+                ledger=self.ledger.describe(),
                 emit=self._event,
             )
         self.watch = EpochWatch(self.store, self.ctx.task)
@@ -302,20 +316,6 @@ class _Runner:
         # the state in stream order, so that a transfer sends and receives it in place: the
         # parameters now, the optimizer's state after the step that creates it (_apply)
         lay_out_parameters(self.model)
-
-    def _store_client(self) -> dist.Store:
-        """A new connection to the coordinator's store, for one epoch's process group only."""
-        return dist.TCPStore(
-            self.ctx.store_host,
-            self.ctx.store_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
-        )
-
-    def refuse(self, message: str) -> NoReturn:
-        """Bad use of the step API: one line, :class:`UsageError` (``unicron run`` exits 2;
-        the launcher reports it). Raised before the step's state changes."""
-        raise UsageError(message)
 
     # -- the loops --------------------------------------------------------------------------
     def attempts(self) -> Iterator[Step]:
@@ -343,18 +343,18 @@ class _Runner:
                     if self._newer_epoch(g):
                         self._leave(EpochOver("new epoch at the step boundary"), epoch)
                         break
-                    shares = L.assign(range(self.M), self._replicas(g))
+                    shares = L.assign(range(self.M), g.world // self.R)
                     todo = shares[g.rank // self.R]
                     self._held = [set(share) for share in shares]
                 first = False
                 attempt = self._begin(g, todo)
                 yield attempt
                 if not attempt.closed:
-                    self.refuse(
+                    refuse(
                         f"step {attempt.index}: the loop went on without step.commit() "
                         "(call it once per step, after the step's micro-batches)"
                     )
-                self._attempt = None
+                self.mb.attempt = None
                 if attempt.broken is not None:
                     self._leave(attempt.broken, epoch)
                     break
@@ -436,7 +436,7 @@ class _Runner:
             rank,
             slice_s=self.ctx.slice_s,
             timeout_s=self.ctx.timeout_s,
-            pg_store=self._store_client,
+            pg_store=functools.partial(_store_client, self.ctx),
             backend=os.environ.get(D.ENV_BACKEND, "gloo"),
             device=self.device,
         )
@@ -449,7 +449,7 @@ class _Runner:
         reused, source = self._sync(g)
         if reused and self.ctx.on_lost == "drop":
             self._missing = []  # the control: the interrupted step's global batch shrinks
-        shares = L.assign(self._missing, self._replicas(g))
+        shares = L.assign(self._missing, g.world // self.R)
         self._held = [held | set(share) for held, share in zip(self._held, shares, strict=True)]
         if rank == 0:
             self._event(
@@ -464,10 +464,6 @@ class _Runner:
                 members=list(info.members),
             )
         return g, shares[rank // self.R]
-
-    def _replicas(self, g: EpochGroup) -> int:
-        """How many replicas epoch ``g`` has (its members are whole replicas, in order)."""
-        return g.world // self.R
 
     def _replica_groups(self, g: EpochGroup) -> None:
         """This member's groups in epoch ``g`` (:func:`unicron.runtime.replica.bind`)."""
@@ -491,7 +487,7 @@ class _Runner:
         """
         if self.step == 0 and self.has_state and self.store.check([trained_key(self.ctx.task)]):
             self.has_state = False  # a fresh model, and a step has committed since it was built
-        mask = [1 if mb in self.done else 0 for mb in range(self.M)]
+        mask = [1 if mb in self.mb.done else 0 for mb in range(self.M)]
         # the parameters' digest tells replicas apart at step 0 (each member built its own
         # model, perhaps with another seed); at a committed step they are identical by
         # construction (one update applied to one state), and a pass over every parameter at
@@ -539,7 +535,7 @@ class _Runner:
         # a replica's partial results count when every rank of it holds its place's state
         # and all of them computed the same micro-batches (:func:`replica.plan`)
         if not sp.kept[self._dp.rank]:
-            self.done.clear()
+            self.mb.done.clear()
             self.grads.clear()
         self._held = sp.done
         self._missing = L.missing(sp.done, self.M)
@@ -557,7 +553,7 @@ class _Runner:
         why = C.mismatch(
             manifest,
             model=C.describe_model(self.model.state_dict()),
-            ledger=self._ledger_desc(),
+            ledger=self.ledger.describe(),
             reduce=self.ctx.reduce,
         )
         if why is not None:
@@ -570,16 +566,7 @@ class _Runner:
         if self.ckpt is not None:
             self.ckpt.last_step = self.step  # no need to write what was just read
         self.grads.clear()
-        self.done.clear()
-
-    def _ledger_desc(self) -> dict[str, int]:
-        lg = self.ledger
-        return {
-            "dataset_len": lg.dataset_len,
-            "micro_batch_size": lg.micro_batch_size,
-            "num_microbatches": lg.num_microbatches,
-            "seed": lg.seed,
-        }
+        self.mb.done.clear()
 
     def _maybe_checkpoint(self, rank: int) -> None:
         """Replica 0 checkpoints the committed state when the interval says so: the copy is
@@ -621,37 +608,16 @@ class _Runner:
                     self.faults.fire_due(kind, step)
                 break
             except Exception as exc:  # nothing is computed yet: a SEV3 error is retried here
-                if not self._reattempt(exc, step, attempt):
-                    raise
+                if not _sev3(exc) or attempt >= self.ctx.max_reattempts:
+                    raise  # the process exits and is restarted
+                self.link.send(P.Error(type_name=type(exc).__name__, message=str(exc),
+                                       in_band=True, in_place=True, step=step))  # fmt: skip
         self.par.reset()
         assert self._dp is not None
         self.grads.start(self._dp, [R.cover(ids, self.M) for ids in self._held])
-        self._crash_at = self.faults.crash_point(step, len(todo))
-        self._attempt = Step(self, step, todo, g)
-        return self._attempt
-
-    def _check_open(self, s: Step, what: str) -> None:
-        if s is not self._attempt or s.closed:
-            self.refuse(f"step {s.index}: {what} after its commit (use the loop's current step)")
-
-    def open_microbatch(self, s: Step, mb: int) -> None:
-        """Micro-batch ``mb`` of step ``s`` is about to be computed (the checks of bad use)."""
-        self._check_open(s, f"micro-batch {mb} asked for")
-        if mb not in s.microbatches:
-            self.refuse(
-                f"step {s.index}: micro-batch {mb} is not this replica's to compute "
-                f"(its micro-batches: {list(s.microbatches)})"
-            )
-        if mb in self.done:
-            self.refuse(f"step {s.index}: micro-batch {mb} is computed already (once per step)")
-        if self.current is not None:
-            self.refuse(
-                f"step {s.index}: micro-batch {mb} asked for before micro-batch {self.current} "
-                "was computed: call step.backward(loss) for each batch before the next"
-            )
-        if s.microbatches.index(mb) == self._crash_at:
-            self.faults.fire_due("crash", s.index)
-        self.current = mb
+        self.mb.crash_at = self.faults.crash_point(step, len(todo))
+        self.mb.attempt = Step(self, step, todo, g)
+        return self.mb.attempt
 
     def make_batch(self, step: int, mb: int) -> Any:
         """Seed the micro-batch's randomness, collate its samples, move them to the device."""
@@ -659,118 +625,25 @@ class _Runner:
         batch = self.collate([self.dataset[i] for i in self.data.samples(step, mb)])
         return D.to_device(batch, self.device)
 
-    def _take(self, s: Step, api: str) -> tuple[int, bool]:
-        """The micro-batch whose gradient comes now, and whether it is the attempt's last."""
-        self._check_open(s, api)
-        mb = self.current
-        if mb is None:
-            self.refuse(
-                f"step {s.index}: {api} without a micro-batch: iterate the step "
-                "(for batch in step) or call step.batch(j) first"
-            )
-        left = [j for j in s.microbatches if j not in self.done and j != mb]
-        return mb, not left
-
-    def backward(self, s: Step, loss: torch.Tensor) -> None:
-        """Backward of the current micro-batch; the gradient hooks take each gradient."""
-        mb, last = self._take(s, "step.backward(loss)")
-        if self.pipe.last and self.pipe.stages > 1:
-            self.pipe.loss = float(loss.detach())  # goes back to the other stages
-        try:
-            self.grads.backward(mb, loss, last=last)
-        except BaseException:
-            self.done.clear()  # the local sums are abandoned: redo the step's work here
-            self.current = None
-            raise
-        if not self._split_checked:
-            self._check_split()
-        if self.par.broken is not None:  # a sum of the replica failed: the sums mean nothing
-            self.done.clear()
-            self.grads.clear()
-            self.current = None
-            return
-        self._computed(mb)
-
-    def _check_split(self) -> None:
-        """After this process's first micro-batch: a model run at ``--tp``/``--pp`` > 1 must
-        have summed over its replica or passed activations between stages, else every rank of
-        a replica computes the whole model (bad input: one line, exit 2)."""
-        self._split_checked = True
-        flags = [
-            f"--{name} {n}"
-            for name, n, used in (
-                ("tp", self.ctx.tp, self.par.used),
-                ("pp", self.ctx.pp, self.pipe.used),
-            )
-            if n > 1 and not used
-        ]
-        if flags:
-            self.refuse(
-                f"{' '.join(flags)}: the model did not split over its replica (no sum or "
-                "link of unicron.parallel in its first micro-batch): build it with "
-                "unicron.parallel's parts (docs/runtime.md, Model-parallel replicas)"
-            )
-
-    def add_gradients(self, s: Step, grads: Sequence[torch.Tensor | None], loss: float) -> None:
-        """The current micro-batch's gradients, handed over (one per trainable parameter)."""
-        params = self.grads.params
-        if len(grads) != len(params):
-            self.refuse(
-                f"step {s.index}: add_gradients got {len(grads)} gradients for "
-                f"{len(params)} trainable parameters"
-            )
-        for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
-            if grad is not None and grad.shape != p.shape:
-                self.refuse(
-                    f"step {s.index}: add_gradients: gradient {i} has shape "
-                    f"{tuple(grad.shape)}, its parameter {tuple(p.shape)}"
-                )
-        mb, last = self._take(s, "step.add_gradients()")
-        self.grads.add(mb, grads, loss, last=last)
-        self._computed(mb)
-
-    def _computed(self, mb: int) -> None:
-        self.done.add(mb)
-        self.current = None
-
-    def _stray_backward(self) -> None:
-        """A backward pass outside step.backward(loss): refused while a step is open."""
-        if self._attempt is not None and not self._attempt.closed:
-            self.refuse(
-                f"step {self._attempt.index}: a backward pass outside step.backward(loss): "
-                "call step.backward(loss) instead of loss.backward(), so that Unicron "
-                "takes the micro-batch's gradient and loss"
-            )
-
     def _optimizer_step(self, *_: Any) -> None:
         """Optimizer pre-step hook: while the task trains, only the commit steps it."""
         if not self._stepping and self.result is None:
-            self.refuse(
+            refuse(
                 "optimizer.step() called by the script: step.commit() steps the optimizer "
                 "after the reduce and the vote; remove the call"
             )
 
     def commit(self, s: Step, before_optimizer: Callable[[], object] | None) -> bool:
         """Reduce, vote, apply (see :meth:`Step.commit`)."""
-        self._check_open(s, "step.commit()")
+        self.mb.check_open(s, "step.commit()")
         if self.par.broken is not None:  # the replica broke in this attempt: nobody commits
             s.closed = True
             self.groups[-1].abort(s.index)
             why = self.par.broken
             s.broken = why if isinstance(why, EpochOver) else CollectiveError(why)
             return False
-        if self.current is not None:
-            self.refuse(
-                f"step {s.index}: commit() before micro-batch {self.current} was computed: "
-                "call step.backward(loss) for it first"
-            )
-        left = [mb for mb in s.microbatches if mb not in self.done]
-        if left:
-            self.refuse(
-                f"step {s.index}: commit() before computing this replica's micro-batches "
-                f"{left}: compute every batch the step yields"
-            )
-        if self._crash_at >= len(s.microbatches):
+        self.mb.check_whole(s)
+        if self.mb.crash_at >= len(s.microbatches):
             self.faults.fire_due("crash", s.index)
         s.closed = True
         g, step = self.groups[-1], s.index
@@ -818,29 +691,9 @@ class _Runner:
         self.step += 1
         self.data.advance()
         self.grads.clear()
-        self.done.clear()
+        self.mb.done.clear()
         self._maybe_checkpoint(g.rank)
         s.committed = True
-        return True
-
-    def _reattempt(self, exc: Exception, step: int, attempt: int) -> bool:
-        """SEV3 errors (a reset connection, a transient timeout) are retried in place, in the
-        same epoch, a bounded number of times; the agent and coordinator are told. Anything
-        else, or a retry that fails again, propagates: the process exits and is restarted."""
-        from unicron.detect.classify import Severity, classify_exception
-
-        verdict = classify_exception(exc)
-        if verdict.severity is not Severity.SEV3 or attempt >= self.ctx.max_reattempts:
-            return False
-        self.link.send(
-            P.Error(
-                type_name=type(exc).__name__,
-                message=str(exc),
-                in_band=True,
-                in_place=True,
-                step=step,
-            )
-        )
         return True
 
     def _apply(

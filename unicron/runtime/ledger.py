@@ -30,6 +30,15 @@ class Ledger:
     seed: int = 0
     _perms: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
+    def describe(self) -> dict[str, int]:
+        """What a checkpoint records of the ledger: a resume under another one is refused."""
+        return {
+            "dataset_len": self.dataset_len,
+            "micro_batch_size": self.micro_batch_size,
+            "num_microbatches": self.num_microbatches,
+            "seed": self.seed,
+        }
+
     def __post_init__(self) -> None:
         if self.dataset_len < 1:
             raise ValueError(f"dataset_len must be >= 1, got {self.dataset_len}")

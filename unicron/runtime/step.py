@@ -15,6 +15,7 @@ import torch
 
 from unicron.detect.busy import read_queued_s
 from unicron.runtime.group import EpochGroup, EpochOver
+from unicron.runtime.microbatches import refuse
 
 if TYPE_CHECKING:
     from unicron.worker import _Runner
@@ -59,11 +60,11 @@ class Step:
         for mb in self.microbatches:
             if self._r.par.broken is not None:
                 return  # the replica broke: the commit says False, the step comes again
-            if mb in self._r.done:
+            if mb in self._r.mb.done:
                 continue
             yield self.batch(mb)
-            if self._r.current == mb:
-                self._r.refuse(
+            if self._r.mb.current == mb:
+                refuse(
                     f"step {self.index}: micro-batch {mb} was handed out but not computed: call "
                     "step.backward(loss) for every batch the step yields"
                 )
@@ -75,7 +76,7 @@ class Step:
     def batch(self, mb: int) -> Any:
         """Micro-batch ``mb``, collated and on the device; the RNG is seeded for it. Its
         gradient goes in with the next :meth:`backward`."""
-        self._r.open_microbatch(self, mb)
+        self._r.mb.open(self, mb)
         return self._r.make_batch(self.index, mb)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -84,14 +85,14 @@ class Step:
         parameter's gradient into this replica's local sums, and the last micro-batch's start
         the exchange."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            self._r.refuse(f"step.backward(loss): loss must be a one-element tensor, got {loss!r}")
-        self._r.backward(self, loss)
+            refuse(f"step.backward(loss): loss must be a one-element tensor, got {loss!r}")
+        self._r.mb.backward(self, loss)
 
     def add_gradients(self, grads: Sequence[torch.Tensor | None], loss: float) -> None:
         """Hand over the current micro-batch's gradients yourself (e.g. from
         ``torch.autograd.grad``): one per trainable parameter, in ``model.parameters()`` order
         (None: zero), and its loss."""
-        self._r.add_gradients(self, grads, loss)
+        self._r.mb.add_gradients(self, grads, loss)
 
     def commit(self, *, before_optimizer: Callable[[], object] | None = None) -> bool:
         """Reduce every replica's sums, vote, step the optimizer with the mean gradient.

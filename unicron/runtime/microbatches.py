@@ -1,0 +1,176 @@
+"""One worker's micro-batches of the step being computed, and the step API's rules of use.
+
+The worker's step loop (``unicron.worker._Runner``) owns one :class:`MicroBatches`; a
+:class:`~unicron.runtime.step.Step` opens each micro-batch the script asks for here, hands
+each loss (:meth:`MicroBatches.backward`) or gradient (:meth:`MicroBatches.add_gradients`)
+the script gives back, and the commit checks here that the attempt's work is whole
+(:meth:`MicroBatches.check_whole`). What this rank has computed of the step (:attr:`done`)
+is the local sums' content: the ledger exchange reads it, a transition may clear it. Bad use
+is refused before anything changes (:func:`refuse`: one line, ``unicron run`` exits 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+
+from unicron.errors import UsageError
+from unicron.parallel import PipelineParallel, TensorParallel
+from unicron.runtime.gradients import Reducer
+from unicron.runtime.inject import FaultPlan
+
+if TYPE_CHECKING:
+    from unicron.runtime.step import Step
+
+__all__ = ["MicroBatches", "refuse"]
+
+
+def refuse(message: str) -> NoReturn:
+    """Bad use of the step API: one line, :class:`UsageError` (``unicron run`` exits 2; the
+    launcher reports it). Raised before the step's state changes."""
+    raise UsageError(message)
+
+
+@dataclass(kw_only=True)
+class MicroBatches:
+    """The micro-batches of the step being computed here, and the attempt handed out."""
+
+    grads: Reducer
+    par: TensorParallel
+    pipe: PipelineParallel
+    faults: FaultPlan
+    tp: int
+    pp: int
+    done: set[int] = field(default_factory=set)
+    """micro-batches of the step in the local sums"""
+    current: int | None = None
+    """the micro-batch handed out and not yet computed"""
+    attempt: Step | None = None
+    """the step handed out and not yet committed"""
+    crash_at: int = -1
+    """the index among the attempt's micro-batches where an injected crash fires"""
+    _split_checked: bool = False  # the model was seen to use its replica (_check_split)
+
+    def clear(self) -> None:
+        """The local sums are abandoned (or reduced): nothing of the step is computed here."""
+        self.done.clear()
+        self.current = None
+
+    def check_open(self, s: Step, what: str) -> None:
+        if s is not self.attempt or s.closed:
+            refuse(f"step {s.index}: {what} after its commit (use the loop's current step)")
+
+    def open(self, s: Step, mb: int) -> None:
+        """Micro-batch ``mb`` of step ``s`` is about to be computed (the checks of bad use)."""
+        self.check_open(s, f"micro-batch {mb} asked for")
+        if mb not in s.microbatches:
+            refuse(
+                f"step {s.index}: micro-batch {mb} is not this replica's to compute "
+                f"(its micro-batches: {list(s.microbatches)})"
+            )
+        if mb in self.done:
+            refuse(f"step {s.index}: micro-batch {mb} is computed already (once per step)")
+        if self.current is not None:
+            refuse(
+                f"step {s.index}: micro-batch {mb} asked for before micro-batch {self.current} "
+                "was computed: call step.backward(loss) for each batch before the next"
+            )
+        if s.microbatches.index(mb) == self.crash_at:
+            self.faults.fire_due("crash", s.index)
+        self.current = mb
+
+    def _take(self, s: Step, api: str) -> tuple[int, bool]:
+        """The micro-batch whose gradient comes now, and whether it is the attempt's last."""
+        self.check_open(s, api)
+        mb = self.current
+        if mb is None:
+            refuse(
+                f"step {s.index}: {api} without a micro-batch: iterate the step "
+                "(for batch in step) or call step.batch(j) first"
+            )
+        left = [j for j in s.microbatches if j not in self.done and j != mb]
+        return mb, not left
+
+    def backward(self, s: Step, loss: torch.Tensor) -> None:
+        """Backward of the current micro-batch; the gradient hooks take each gradient."""
+        mb, last = self._take(s, "step.backward(loss)")
+        if self.pipe.last and self.pipe.stages > 1:
+            self.pipe.loss = float(loss.detach())  # goes back to the other stages
+        try:
+            self.grads.backward(mb, loss, last=last)
+        except BaseException:
+            self.clear()  # the local sums are abandoned: redo the step's work here
+            raise
+        if not self._split_checked:
+            self._check_split()
+        if self.par.broken is not None:  # a sum of the replica failed: the sums mean nothing
+            self.clear()
+            self.grads.clear()
+            return
+        self._computed(mb)
+
+    def _check_split(self) -> None:
+        """After this process's first micro-batch: a model run at ``--tp``/``--pp`` > 1 must
+        have summed over its replica or passed activations between stages, else every rank of
+        a replica computes the whole model (bad input: one line, exit 2)."""
+        self._split_checked = True
+        flags = [
+            f"--{name} {n}"
+            for name, n, used in (("tp", self.tp, self.par.used), ("pp", self.pp, self.pipe.used))
+            if n > 1 and not used
+        ]
+        if flags:
+            refuse(
+                f"{' '.join(flags)}: the model did not split over its replica (no sum or "
+                "link of unicron.parallel in its first micro-batch): build it with "
+                "unicron.parallel's parts (docs/runtime.md, Model-parallel replicas)"
+            )
+
+    def add_gradients(self, s: Step, grads: Sequence[torch.Tensor | None], loss: float) -> None:
+        """The current micro-batch's gradients, handed over (one per trainable parameter)."""
+        params = self.grads.params
+        if len(grads) != len(params):
+            refuse(
+                f"step {s.index}: add_gradients got {len(grads)} gradients for "
+                f"{len(params)} trainable parameters"
+            )
+        for i, (p, grad) in enumerate(zip(params, grads, strict=True)):
+            if grad is not None and grad.shape != p.shape:
+                refuse(
+                    f"step {s.index}: add_gradients: gradient {i} has shape "
+                    f"{tuple(grad.shape)}, its parameter {tuple(p.shape)}"
+                )
+        mb, last = self._take(s, "step.add_gradients()")
+        self.grads.add(mb, grads, loss, last=last)
+        self._computed(mb)
+
+    def _computed(self, mb: int) -> None:
+        self.done.add(mb)
+        self.current = None
+
+    def check_whole(self, s: Step) -> None:
+        """At the commit: every micro-batch of the attempt computed, none half done."""
+        if self.current is not None:
+            refuse(
+                f"step {s.index}: commit() before micro-batch {self.current} was computed: "
+                "call step.backward(loss) for it first"
+            )
+        left = [mb for mb in s.microbatches if mb not in self.done]
+        if left:
+            refuse(
+                f"step {s.index}: commit() before computing this replica's micro-batches "
+                f"{left}: compute every batch the step yields"
+            )
+
+    def stray_backward(self) -> None:
+        """A backward pass outside step.backward(loss): refused while a step is open (the
+        gradient hooks call it)."""
+        if self.attempt is not None and not self.attempt.closed:
+            refuse(
+                f"step {self.attempt.index}: a backward pass outside step.backward(loss): "
+                "call step.backward(loss) instead of loss.backward(), so that Unicron "
+                "takes the micro-batch's gradient and loss"
+            )
