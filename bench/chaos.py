@@ -13,10 +13,12 @@ per kind the worst detection against the goal (a hang found within ``max(3 x med
 
     python -m bench.chaos [--quick] [--faults N] [--seed S] [--gap G] [--keep DIR]  # make soak
     python -m bench.chaos --tp 2      # the same on model-parallel replicas (make soak-parallel)
+    python -m bench.chaos --tp 2 --workers 8   # four such replicas
 
 With ``--tp T`` and/or ``--pp P`` the run is ``examples/train_llama_parallel.py`` on replicas
-of ``T x P`` of the 4 workers (data parallel over the rest): a fault takes a replica out of
-the step while its other ranks wait, and the result must still be the fault-free run's.
+of ``T x P`` of the workers (``--workers``, default 4; data parallel over the rest): a fault
+takes a replica out of the step while its other ranks wait, and the result must still be the
+fault-free run's.
 
 Writes ``bench/results/chaos.json`` (rows) and prints the table. Not part of ``python -m
 bench``: it is a long scenario of its own.
@@ -71,7 +73,9 @@ class Planned:
     step: int
 
 
-def schedule(faults: int, seed: int, gap: int = 5) -> tuple[list[Planned], int]:
+def schedule(
+    faults: int, seed: int, gap: int = 5, workers: int = WORKERS
+) -> tuple[list[Planned], int]:
     """``faults`` faults, one every ``gap`` steps from :data:`FIRST_STEP`, each kind in turn
     (shuffled rounds, so every kind occurs about equally often), on random slots among those
     the earlier faults have presumably not taken out (:data:`OUT_STEPS`): a fault planned on
@@ -84,10 +88,10 @@ def schedule(faults: int, seed: int, gap: int = 5) -> tuple[list[Planned], int]:
         rng.shuffle(round_)
         kinds += round_
     planned = []
-    back_at = dict.fromkeys(range(WORKERS), 0)  # slot -> first step it is presumed back
+    back_at = dict.fromkeys(range(workers), 0)  # slot -> first step it is presumed back
     for i, kind in enumerate(kinds[:faults]):
         step = FIRST_STEP + i * gap
-        live = [r for r in range(WORKERS) if back_at[r] <= step]
+        live = [r for r in range(workers) if back_at[r] <= step]
         rank = rng.choice(live) if live else min(back_at, key=lambda r: (back_at[r], r))
         back_at[rank] = step + OUT_STEPS.get(kind, OUT_STEPS_DEFAULT)
         if kind == "crash":
@@ -103,13 +107,18 @@ def schedule(faults: int, seed: int, gap: int = 5) -> tuple[list[Planned], int]:
 
 
 def _run(
-    workdir: Path, steps: int, specs: list[str], timeout_s: float, layout: tuple[int, int] = (1, 1)
+    workdir: Path,
+    steps: int,
+    specs: list[str],
+    timeout_s: float,
+    layout: tuple[int, int] = (1, 1),
+    workers: int = WORKERS,
 ) -> tuple[list[Event], float]:
     workdir.mkdir(parents=True)
     events = workdir / "events.jsonl"
     tp, pp = layout
     script = "train_gpt.py" if layout == (1, 1) else "train_llama_parallel.py"
-    cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(WORKERS), "--quiet",
+    cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(workers), "--quiet",
            "--tp", str(tp), "--pp", str(pp),
            "--events", str(events), "--log-dir", str(workdir / "logs"),
            "--readmit-after", str(TIME_SCALE), "--restart-window", str(TIME_SCALE),
@@ -163,11 +172,13 @@ def measure_faults(events: list[Event]) -> dict[str, Any]:
     }
 
 
-def scenario_name(gap: int, layout: tuple[int, int] = (1, 1)) -> str:
-    """``chaos`` for the default spacing and replicas of one rank; another spacing's or
-    layout's rows go to a file of their own (``chaos-gap3``, ``chaos-tp2``)."""
+def scenario_name(gap: int, layout: tuple[int, int] = (1, 1), workers: int = WORKERS) -> str:
+    """``chaos`` for the default spacing, workers and replicas of one rank; another
+    spacing's, worker count's or layout's rows go to a file of their own (``chaos-gap3``,
+    ``chaos-w8-tp2``)."""
     tp, pp = layout
     parts = [SCENARIO] + ([f"gap{gap}"] if gap != 5 else [])
+    parts += [f"w{workers}"] if workers != WORKERS else []
     parts += [f"tp{tp}"] if tp > 1 else []
     parts += [f"pp{pp}"] if pp > 1 else []
     return "-".join(parts)
@@ -180,16 +191,19 @@ def run(
     keep: Path | None = None,
     gap: int = 5,
     layout: tuple[int, int] = (1, 1),
+    workers: int = WORKERS,
 ) -> list[Row]:
     """The rows of this scenario; ``keep``: leave both runs' event logs and worker logs there;
-    ``gap``: steps between two faults; ``layout``: (tp, pp) of the replicas."""
+    ``gap``: steps between two faults; ``layout``: (tp, pp) of the replicas; ``workers``: on
+    the one node."""
     n = faults if faults is not None else (24 if quick else 100)
-    planned, steps = schedule(n, seed, gap)
+    planned, steps = schedule(n, seed, gap, workers)
     timeout_s = 120.0 + steps * 2.0
     with tempfile.TemporaryDirectory(prefix="unicron-bench-chaos-") as tmp:
         where = keep if keep is not None else Path(tmp)
-        clean, clean_wall = _run(where / "clean", steps, [], timeout_s, layout)
-        faulty, wall = _run(where / "faulty", steps, [p.spec for p in planned], timeout_s, layout)
+        clean, clean_wall = _run(where / "clean", steps, [], timeout_s, layout, workers)
+        specs = [p.spec for p in planned]
+        faulty, wall = _run(where / "faulty", steps, specs, timeout_s, layout, workers)
     end_clean = next(e for e in clean if e["event"] == "task_end")
     end = next(e for e in faulty if e["event"] == "task_end")
     m = measure_faults(faulty)
@@ -197,11 +211,11 @@ def run(
     healed = m["fired"] - m["undetected"] if end.get("status") == "ok" else 0
     median_step = m["median_step_s"] or 0.0
     goal = max(3 * median_step, 1.0) + 0.5
-    base = dict(system="unicron", scenario=scenario_name(gap, layout))
+    base = dict(system="unicron", scenario=scenario_name(gap, layout, workers))
     what = "" if layout == (1, 1) else f", replicas of tp {layout[0]} x pp {layout[1]}"
     setup = (
         f"{n} faults planned, one every {gap} steps, seed {seed}, {steps} steps, "
-        f"{WORKERS} workers on 1 node{what}"
+        f"{workers} workers on 1 node{what}"
     )
     rows = [
         make_row(**base, metric="faults_injected", values=[m["fired"]], unit="", note=setup),
@@ -242,9 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep the runs' logs in this new dir")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica stage")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
+    p.add_argument("--workers", type=int, default=WORKERS, help=f"default {WORKERS}")
     args = p.parse_args(argv)
-    if args.tp < 1 or args.pp < 1 or WORKERS % (args.tp * args.pp):
-        p.error(f"--tp x --pp must divide the {WORKERS} workers")
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    if args.tp < 1 or args.pp < 1 or args.workers % (args.tp * args.pp):
+        p.error(f"--tp x --pp must divide the {args.workers} workers")
     if args.faults is not None and args.faults < 1:
         p.error("--faults must be >= 1")
     if args.gap < 1:
@@ -252,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep is not None and args.keep.exists():
         p.error(f"--keep {args.keep}: already exists")
     layout = (args.tp, args.pp)
-    rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout)
+    rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout, args.workers)
     print_table(rows, title="Fault soak: mixed faults in one run")
-    save_scenario(rows, scenario_name(args.gap, layout), ROOT / "bench" / "results", replace=True)
+    name = scenario_name(args.gap, layout, args.workers)
+    save_scenario(rows, name, ROOT / "bench" / "results", replace=True)
     return 0
 
 

@@ -11,6 +11,7 @@ from bench.chaos import (
     OUT_STEPS_DEFAULT,
     WORKERS,
     measure_faults,
+    scenario_name,
     schedule,
 )
 from unicron.runtime.inject import parse
@@ -28,6 +29,14 @@ def test_the_schedule_is_seeded_mixed_and_parseable() -> None:
     for p in planned:
         f = parse(p.spec)
         assert (f.rank, f.step) == (p.rank, p.step)
+
+
+def test_more_workers_spread_the_faults_and_keep_their_own_results_file() -> None:
+    planned, _ = schedule(100, seed=0, workers=8)
+    assert {p.rank for p in planned} == set(range(8))
+    assert scenario_name(5, (2, 1)) == "chaos-tp2"
+    assert scenario_name(5, (2, 1), workers=8) == "chaos-w8-tp2"
+    assert scenario_name(5) == "chaos"
 
 
 def test_no_fault_is_planned_on_a_slot_an_earlier_one_took_out() -> None:
