@@ -70,7 +70,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 # the long scenarios that `make test` leaves out (variants of the ones it runs; the
-# dashboard's browser test wants the distribution's chromium and chromium-driver): ~6 min
+# dashboard's browser test wants the distribution's chromium and chromium-driver): ~7 min
 test-long: $(STAMP)
 	$(BIN)/pytest -q -m long $(PYTEST_ARGS)
 
