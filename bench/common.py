@@ -173,6 +173,18 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
+def save_figure(fig: Any, path: Path) -> None:
+    """Write the matplotlib figure ``fig`` to ``path`` as a PNG through a temporary file and
+    a rename, then close it (the benchmarks' plots: ``transfer.png``, ``tp.png``)."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)

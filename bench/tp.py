@@ -27,7 +27,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, bench_parser, make_row, print_table, save_scenario, write_summary
+from bench.common import (
+    Row,
+    bench_parser,
+    make_row,
+    print_table,
+    save_figure,
+    save_scenario,
+    write_summary,
+)
 from bench.events import read_events
 
 SCENARIO = "tp"
@@ -207,11 +215,7 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title("A lost rank of a model-parallel replica (4 CPU workers, gloo)", fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

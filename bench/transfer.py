@@ -47,7 +47,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench.common import Row, bench_parser, free_port, make_row, print_table, save_scenario
+from bench.common import (
+    Row,
+    bench_parser,
+    free_port,
+    make_row,
+    print_table,
+    save_figure,
+    save_scenario,
+)
 from bench.events import read_events
 
 SCENARIO = "transfer"
@@ -464,11 +472,7 @@ def _plot(rows: list[Row], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle("State transfer against state size (loopback, gloo, shared 2-core machine)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

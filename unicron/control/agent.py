@@ -52,6 +52,7 @@ from unicron.control.workerenv import (
     base_env,
     device_env,
     import_env,
+    killpg,
     slot_env,
     start_plainly,
 )
@@ -200,7 +201,7 @@ class Agent:
                 w.popen.wait()
         self._probes.kill_all(wait=True)
         if self._zygote is not None:
-            _killpg(self._zygote.pid)
+            killpg(self._zygote.pid)
             self._zygote.wait()
         self._listener.close()
         self._bell.close()
@@ -338,7 +339,7 @@ class Agent:
             if w.pid is not None and w.alive:
                 _kill(w.pid)
         if self._zygote is not None:
-            _killpg(self._zygote.pid)
+            killpg(self._zygote.pid)
 
     def vanish(self) -> None:
         """The injected node fault: this node's workers and zygote die at once and the agent
@@ -350,7 +351,7 @@ class Agent:
                 _kill(w.pid)
             w.exited()
         if self._zygote is not None:
-            _killpg(self._zygote.pid)
+            killpg(self._zygote.pid)
 
     def poll(self, timeout: float) -> None:
         """One round: read reports, notice exits, run the monitor, let the coordinator act.
@@ -633,9 +634,3 @@ class Agent:
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-
-
-def _killpg(pid: int) -> None:
-    """SIGKILL the process group that ``pid`` leads (a probe and anything it started)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)

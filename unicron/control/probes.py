@@ -8,14 +8,13 @@ returns as ``ProbeDone``.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+
+from unicron.control.workerenv import killpg
 
 __all__ = ["PROBE_TIMEOUT_S", "Probes"]
 
@@ -31,11 +30,6 @@ class _Probe:
     started: float
     log: Path
     overran: bool = False
-
-
-def _killpg(pid: int) -> None:
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 class Probes:
@@ -79,7 +73,7 @@ class Probes:
             if code is None:
                 if now - probe.started >= PROBE_TIMEOUT_S and not probe.overran:
                     probe.overran = True
-                    _killpg(probe.proc.pid)
+                    killpg(probe.proc.pid)
                 continue
             del self._running[slot]
             if probe.overran:
@@ -94,7 +88,7 @@ class Probes:
     def kill_all(self, *, wait: bool = False) -> None:
         """SIGKILL every probe's process group (``wait``: and reap them; forgotten then)."""
         for probe in self._running.values():
-            _killpg(probe.proc.pid)
+            killpg(probe.proc.pid)
             if wait:
                 probe.proc.wait()
         if wait:

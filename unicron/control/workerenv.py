@@ -11,9 +11,11 @@ starts before its agents (:func:`unicron.runtime.launcher.prewarm`).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Collection, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +40,16 @@ from unicron.runtime import device as D
 if TYPE_CHECKING:
     from unicron.control.agent import AgentConfig
 
-__all__ = ["SECRETS", "AgentAddresses", "base_env", "device_env", "import_env", "slot_env"]
+__all__ = [
+    "SECRETS",
+    "AgentAddresses",
+    "base_env",
+    "device_env",
+    "import_env",
+    "killpg",
+    "slot_env",
+    "start_plainly",
+]
 
 SECRETS = frozenset(("UNICRON_TOKEN",))
 """environment variables of the agent's process its workers never inherit"""
@@ -123,6 +134,13 @@ def device_env(config: AgentConfig, slot: int) -> dict[str, str]:
     kind = config.env.get(D.ENV_DEVICE_KIND, "cpu")
     gpus = D.gpu_count() if kind == "cuda" else 0
     return D.slot_env(kind, config.slots.index(slot), len(config.slots), gpus)
+
+
+def killpg(pid: int) -> None:
+    """SIGKILL the process group that ``pid`` leads (a process :func:`start_plainly` started,
+    a zygote or a probe, and anything it started)."""
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def start_plainly(
