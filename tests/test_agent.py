@@ -7,7 +7,9 @@ handed worker messages as its loop would hand them; the coordinator's side is in
 
 from __future__ import annotations
 
+import subprocess
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Pipe
 from pathlib import Path
 
@@ -19,6 +21,19 @@ from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig
 from unicron.control.client import can_wait
 from unicron.control.workerstate import IllegalTransition, WorkerState
 from unicron.runtime.link import AgentLink
+
+
+@pytest.fixture
+def pid() -> Iterator[int]:
+    """The pid of a process this test owns, to stand in for a worker's: the agent SIGKILLs a
+    worker it judges failed and any still alive when it stops, and a made-up number (4242
+    here once) was some other process on the machine (in CI, pytest itself)."""
+    proc = subprocess.Popen(["sleep", "300"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> None:
@@ -100,7 +115,7 @@ def test_a_workers_lifecycle_is_one_state_along_its_diagram(tmp_path: Path) -> N
 
 
 def test_a_workers_last_words_are_read_before_the_zygote_reports_its_exit(
-    tmp_path: Path,
+    tmp_path: Path, pid: int
 ) -> None:
     """A script that cannot import sends its error, then dies; the zygote reports the exit on
     another socket. Read first, that exit must still carry the error, not a bare exit code."""
@@ -112,14 +127,14 @@ def test_a_workers_last_words_are_read_before_the_zygote_reports_its_exit(
         w = agent.workers[0]
         w.spawned()
         agent._zygote_conn = from_zygote
-        agent._handle(from_zygote, P.Spawned(slot=0, pid=4242, incarnation=w.incarnation))
+        agent._handle(from_zygote, P.Spawned(slot=0, pid=pid, incarnation=w.incarnation))
         agent._anonymous.append(from_worker)  # accepted, not read yet
         for msg in (
-            P.Hello(slot=0, pid=4242, incarnation=w.incarnation),
+            P.Hello(slot=0, pid=pid, incarnation=w.incarnation),
             P.Error(type_name="ModuleNotFoundError", message="No module named 'x'"),
         ):
             worker_side.send(P.encode(msg))
-        zygote_side.send(P.encode(P.Exited(pid=4242, returncode=1)))
+        zygote_side.send(P.encode(P.Exited(pid=pid, returncode=1)))
         agent._read(from_zygote)  # the zygote's socket first
         (failed,) = [r for r in agent._reports if isinstance(r, M.WorkerFailed)]
         assert failed.verdict.kind != "exit_error", failed.verdict
@@ -201,7 +216,7 @@ def test_a_round_sleeps_through_step_reports_and_wakes_for_an_error(tmp_path: Pa
         agent.stop()
 
 
-def test_a_round_waits_until_the_first_thing_due(tmp_path: Path) -> None:
+def test_a_round_waits_until_the_first_thing_due(tmp_path: Path, pid: int) -> None:
     """:meth:`Agent.round_s`: the link's next exchange, a hung worker's kill after its stacks,
     a computing worker's next CPU sample; a short round while something is polled; at most
     the idle round."""
@@ -214,12 +229,12 @@ def test_a_round_waits_until_the_first_thing_due(tmp_path: Path) -> None:
         assert agent.round_s(now) == IDLE_ROUND_S
         link.due_s = 0.1
         assert agent.round_s(now) == pytest.approx(0.1)
-        agent._dumping[4242] = now + 0.03
+        agent._dumping[pid] = now + 0.03
         assert agent.round_s(now) == pytest.approx(0.03)
         agent._dumping.clear()
         w = agent.workers[0]
         w.spawned()
-        w.pid, w.tid, w.computing_since = 4242, 4243, now - 0.15  # first sample at 0.2 s
+        w.pid, w.tid, w.computing_since = pid, pid, now - 0.15  # first sample at 0.2 s
         assert agent.round_s(now) == pytest.approx(0.05)
         w.cpu_read_at = now - 0.1  # sampled; the next one 0.2 s after
         assert agent.round_s(now) == pytest.approx(0.1)
@@ -264,7 +279,7 @@ def test_one_round_reads_every_waiting_message_and_follows_new_sockets(tmp_path:
 
 @pytest.mark.timeout(30)
 def test_a_dead_workers_socket_is_read_to_its_end_once_when_the_zygote_reports_first(
-    tmp_path: Path,
+    tmp_path: Path, pid: int
 ) -> None:
     """The zygote's exit report can be read before the dead worker's closed socket is: the
     agent then reads that socket itself, its last message and its end, and goes on (a
@@ -279,10 +294,10 @@ def test_a_dead_workers_socket_is_read_to_its_end_once_when_the_zygote_reports_f
         w = agent.workers[0]
         w.spawned()
         w.conn, agent._zygote_conn = from_worker, from_zygote
-        agent._handle(from_zygote, P.Spawned(slot=0, pid=4242, incarnation=w.incarnation))
+        agent._handle(from_zygote, P.Spawned(slot=0, pid=pid, incarnation=w.incarnation))
         worker_side.send(P.encode(P.Error(type_name="RuntimeError", message="boom")))
         worker_side.close()  # the worker died
-        zygote_side.send(P.encode(P.Exited(pid=4242, returncode=1)))
+        zygote_side.send(P.encode(P.Exited(pid=pid, returncode=1)))
         agent._read(from_zygote)
         assert w.conn is None and not w.alive
         agent.poll(0.01)
