@@ -145,7 +145,10 @@ class Llama(nn.Module):
         per = cfg.layers // stages
         stage = 0 if pp is None else pp.stage
         self.tok = tok if first else None
-        self.blocks = nn.ModuleList(blocks[stage * per : (stage + 1) * per])
+        # named by their place in the whole model (blocks.3 on any stage that holds it): a
+        # layout change moves the state by name (docs/runtime.md, Layout changes)
+        mine = range(stage * per, (stage + 1) * per)
+        self.blocks = nn.ModuleDict({str(i): blocks[i] for i in mine})
         self.norm = norm if last else None
         self.head = head if last else None
         cos, sin = rope(cfg)
@@ -162,7 +165,7 @@ class Llama(nn.Module):
         else:  # a later stage: the previous stage's output
             assert self.pp is not None
             x = self.pp.receive((*idx.shape, self.cfg.dim))
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x, self.cos, self.sin)
         if self.head is None or self.norm is None:
             assert self.pp is not None

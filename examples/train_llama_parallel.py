@@ -2,6 +2,8 @@
 
     unicron run --nproc-per-node 4 --tp 2 examples/train_llama_parallel.py --steps 60
     unicron run --nproc-per-node 8 --tp 2 --pp 2 examples/train_llama_parallel.py --steps 60
+    unicron run --nproc-per-node 8 --tp 2 --pp 2 --pp-choices 1 \
+        examples/train_llama_parallel.py --steps 60   # PP=1 while a slot is excluded
 
 Each replica is ``--tp`` x ``--pp`` ranks of one node: ``--pp`` pipeline stages of an equal
 share of the layers, each stage ``--tp`` ranks holding their shard of its attention heads and
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import llama_parallel
+import torch
 
 import unicron.parallel
 import unicron.worker
@@ -38,11 +41,20 @@ def main() -> None:
         heads=args.heads, kv_heads=args.kv_heads, layers=args.layers, dim=args.dim,
         hidden=args.hidden,
     )  # fmt: skip
-    why = llama_parallel.check(cfg, tp.size, pp.stages)
-    if why is not None:
-        raise UsageError(f"--tp {tp.size} --pp {pp.stages}: {why}")
+    for depth in unicron.parallel.pipeline_depths():  # --pp, and any of --pp-choices
+        why = llama_parallel.check(cfg, tp.size, depth)
+        if why is not None:
+            raise UsageError(f"--tp {tp.size} --pp {depth}: {why}")
     model, optimizer, dataset = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp)
     model.train()
+
+    def rebuild(
+        tp: unicron.parallel.TensorParallel, pp: unicron.parallel.PipelineParallel
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """This rank's shard at another pipeline depth (a layout change)."""
+        model, optimizer, _ = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp)
+        return model.train(), optimizer
+
     result = unicron.worker.train(
         model=model,
         optimizer=optimizer,
@@ -53,6 +65,7 @@ def main() -> None:
         steps=args.steps,
         seed=args.seed,
         out=args.out,
+        rebuild=rebuild,
     )
     if result is not None and result.rank == 0:
         print(

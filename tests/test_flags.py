@@ -36,6 +36,8 @@ def test_each_flag_takes_its_default_choices_and_help_from_its_field(flag: F.Fla
     assert info.description and info.description in " ".join((action.help or "").split())
     if flag.default_note:
         assert action.default is None and flag.default_note in (action.help or "")
+    elif info.default_factory is not None:  # a list: not given, the field's (empty) default
+        assert action.default is None and "(default none)" in (action.help or "")
     else:
         assert action.default == info.default
     if typing.get_origin(info.annotation) is typing.Literal:

@@ -133,10 +133,11 @@ def test_two_pipeline_stages_compute_the_whole_model_bit_for_bit() -> None:
         t.join(60)
     (loss0, grads0), (loss1, grads1) = out
     assert loss0 == loss1 == whole_loss  # the first stage learns the loss with the gradient
-    # stage 1's blocks are the whole model's second: blocks.0 there is blocks.1 here
-    renamed = {n.replace("blocks.0.", "blocks.1.", 1): g for n, g in grads1.items()}
-    assert sorted([*grads0, *renamed]) == sorted(whole)
-    for name, g in [*grads0.items(), *renamed.items()]:
+    # the blocks are named by their place in the whole model: stage 1 holds blocks.1, the
+    # name the layout change moves its state by (unicron.runtime.reshard)
+    assert sorted([*grads0, *grads1]) == sorted(whole)
+    assert any(n.startswith("blocks.1.") for n in grads1)
+    for name, g in [*grads0.items(), *grads1.items()]:
         assert torch.equal(g, whole[name]), name
 
 
@@ -234,6 +235,59 @@ def test_a_rank_waiting_on_its_replica_is_no_hang_suspect(tmp_path: Path) -> Non
     c.exchange(0, [done], 1.5)
     p = c.book.slots[0].progress
     assert p is not None and p.phase is Phase.COMPUTE
+
+
+def test_a_slot_lost_for_good_changes_the_layout_and_its_return_changes_it_back(
+    tmp_path: Path,
+) -> None:
+    """TP=2 x PP=2 on 8 slots that may also run at PP=1: a crash (the rank comes back) keeps
+    the layout, its replica waits; an exclusion (it does not, until its probe) moves the task
+    to PP=1 on the six slots of whole pairs; the readmitted slot brings PP=2 back."""
+    c = Coordinator(
+        task="t",
+        slots=dict.fromkeys(range(8), 0),
+        events=EventLog(tmp_path / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(
+            replica_ranks=4, tp=2, depths=(2, 1), min_workers=2, readmit_after_s=1.0
+        ),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(8)], 0.0)
+    assert (c.epoch, c.members, c.book.pp) == (1, tuple(range(8)), 0)
+    c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))], 1.0)
+    assert (c.members, c.book.pp) == ((4, 5, 6, 7), 0)  # restarted in place: PP=2 kept
+    c.exchange(0, [M.Ready(slot=1, ts=2.0, microbatches=8)], 2.0)
+    assert (c.members, c.book.pp) == ((4, 5, 6, 7, 0, 1, 2, 3), 0)
+    c.exchange(0, [M.WorkerFailed(slot=5, ts=3.0, verdict=verdict_for_kind("ecc"))], 3.0)
+    assert c.book.slots[5].excluded
+    assert (c.members, c.book.pp) == ((6, 7, 0, 1, 2, 3), 1)  # slot 4 waits for its pair
+    assert c.book.size == 2
+    c.exchange(0, [M.ProbeDone(slot=5, ts=5.0, ok=True, detail="ok")], 5.0)
+    c.exchange(0, [M.Ready(slot=5, ts=6.0, microbatches=8)], 6.0)
+    assert (set(c.members), c.book.pp) == (set(range(8)), 0)  # the task's own depth again
+    began = [e.get("pp") for e in c.events.events() if e["event"] == "epoch_begin"]
+    assert began[-3:] == [2, 1, 2]
+
+
+def test_the_moves_of_a_layout_change_take_each_entry_from_the_same_tensor_rank() -> None:
+    from unicron.runtime.reshard import Move, digest, plan
+
+    a, b, c, d = (digest(n) for n in ("blocks.0.w", "blocks.1.w", "tok.weight", "head.weight"))
+    assert digest("blocks.0.w") == a and a > 0 and len({a, b, c, d}) == 4
+    # PP=2 -> PP=1 at TP=2: members 0, 1 were stage 0 (tp ranks 0, 1), 2, 3 stage 1; member 4
+    # (tp rank 0) is new; each new shard is the whole model at its tensor-parallel rank
+    offers = [{a, c}, {a, c}, {b, d}, {b, d}, set()]
+    needs = [{a, b, c, d}] * 5
+    moves, missing = plan(offers, needs, [0, 1, 0, 1, 0])
+    assert missing == []
+    assert moves == [
+        Move(0, 2, tuple(sorted([a, c]))), Move(0, 4, tuple(sorted([a, c]))),
+        Move(1, 3, tuple(sorted([a, c]))), Move(2, 0, tuple(sorted([b, d]))),
+        Move(2, 4, tuple(sorted([b, d]))), Move(3, 1, tuple(sorted([b, d]))),
+    ]  # fmt: skip
+    # only members at the newest step offer: an entry nobody at its tensor rank holds is lost
+    moves, missing = plan([{a}, {b}], [{a, b}, {a, b}], [0, 1])
+    assert missing == sorted([a, b]) and moves == []
 
 
 def test_the_ledger_exchange_is_read_place_by_place() -> None:

@@ -144,6 +144,30 @@ def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run:
     assert restarted == [1, 4]
 
 
+def test_a_layout_change_8_6_8_keeps_the_fault_free_bits(run: Any) -> None:
+    """TP=2 x PP=2 x DP=2 on 8 workers; slot 5 excluded (an ECC error): its replica cannot be
+    whole, so the task goes on at TP=2 x PP=1 x DP=3 on six (``--pp-choices 1``), its state
+    moved by name in memory; a rank of the new layout crashes and heals within it; slot 5
+    passes its health probe and the task is back at PP=2 on eight. No checkpoint: the end is
+    the fault-free run's bits (two stages compute the whole model's gradients bit for bit)."""
+    layout = ("--nproc-per-node", "8", "--tp", "2", "--pp", "2")
+    steps = 40
+    clean = _tp(run, *layout, steps=steps)
+    faulty = _tp(
+        run, *layout, "--pp-choices", "1", "--checkpoint-every", "0", "--readmit-after", "0.5",
+        "--inject", "error:rank=5,step=3,kind=ecc", "--inject", "crash:rank=6,step=6,mb=1",
+        steps=steps,
+    )  # fmt: skip
+    _same(clean, faulty, steps)
+    epochs = [(e["pp"], tuple(e["members"])) for e in faulty.of("epoch_begin")]
+    assert epochs[0] == (2, tuple(range(8))), epochs
+    assert (1, (0, 1, 2, 3, 6, 7)) in epochs, epochs  # slot 4 waits: its pair is excluded
+    assert epochs[-1] == (2, tuple(range(8))), epochs
+    moved = [e for e in faulty.of("transition_end") if e["state_source"] == "reshard"]
+    assert len(moved) == 2, moved  # 8 -> 6 and 6 -> 8
+    assert not [e for e in faulty.of("transition_end") if e["state_source"] == "checkpoint"]
+
+
 @pytest.mark.long
 def test_four_tensor_ranks_heal_to_the_fault_free_bits(run: Any) -> None:
     """TP=4 x DP=2: the replica's sums are over four ranks (gloo's ring, not a pair), deterministic
@@ -172,6 +196,11 @@ def test_four_tensor_ranks_heal_to_the_fault_free_bits(run: Any) -> None:
         (("--nproc-per-node", "3", "--tp", "3"), "heads (4) is not divisible by tp (3)"),
         (("--nproc-per-node", "4", "--tp", "2", "--pp", "3"), "(6 ranks) must divide"),
         (("--nproc-per-node", "4", "--pp", "4"), "layers (2) is not divisible by pp (4)"),
+        (
+            ("--nproc-per-node", "8", "--tp", "2", "--pp-choices", "5"),
+            "a replica of 10 ranks must fit",
+        ),
+        (("--nproc-per-node", "8", "--tp", "2", "--pp-choices", "4"), "--tp 2 --pp 4: layers"),
     ],
 )
 def test_a_bad_layout_gets_one_line_and_exit_2(

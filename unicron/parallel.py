@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from unicron.protocol import ENV_PP, ENV_PP_STAGE, ENV_TP, ENV_TP_RANK
+from unicron.protocol import ENV_PP, ENV_PP_CHOICES, ENV_PP_STAGE, ENV_TP, ENV_TP_RANK
 
 __all__ = [
     "ColumnParallelLinear",
@@ -51,6 +51,7 @@ __all__ = [
     "RowParallelLinear",
     "TensorParallel",
     "copy_to_replica",
+    "pipeline_depths",
     "pipeline_parallel",
     "reduce_from_replica",
     "tensor_parallel",
@@ -267,6 +268,16 @@ def pipeline_parallel() -> PipelineParallel:
         stage = int(os.environ.get(ENV_PP_STAGE, "0")) if stages > 1 else 0
         _PP = PipelineParallel(stage, stages, tensor_parallel())
     return _PP
+
+
+def pipeline_depths() -> tuple[int, ...]:
+    """The pipeline depths this task may run at: its own (``--pp``) first, then those of
+    ``--pp-choices`` (task file: ``pp_choices``), at which the worker calls the script's
+    ``rebuild`` (:func:`unicron.worker.train`). A script checks its model splits at each
+    before it builds anything."""
+    own = int(os.environ.get(ENV_PP, "1"))
+    more = [int(x) for x in os.environ.get(ENV_PP_CHOICES, "").split(",") if x.strip()]
+    return (own, *(d for d in more if d != own))
 
 
 class _CopyToReplica(torch.autograd.Function):

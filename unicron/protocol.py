@@ -47,6 +47,7 @@ ENV_TP = "UNICRON_TP"  # tensor-parallel degree: ranks per replica (1: a replica
 ENV_TP_RANK = "UNICRON_TP_RANK"  # the slot's tensor-parallel rank in its stage (0 .. tp-1)
 ENV_PP = "UNICRON_PP"  # pipeline stages per replica (1: no pipeline)
 ENV_PP_STAGE = "UNICRON_PP_STAGE"  # the slot's pipeline stage in its replica (0 .. pp-1)
+ENV_PP_CHOICES = "UNICRON_PP_CHOICES"  # other pipeline depths the task may run at: "1,4"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +72,9 @@ class WorkerSettings:
     Model-parallel replicas)"""
     pp: int = 1
     """pipeline stages per replica (a replica is ``tp * pp`` ranks of one node)"""
+    pp_choices: str = ""
+    """the other pipeline depths the task may run at, comma-separated (a layout change:
+    :func:`unicron.parallel.pipeline_depths`)"""
 
     def env(self) -> dict[str, str]:
         """The variables a worker of these settings starts with."""
@@ -109,6 +113,7 @@ WORKER_ENV = {
     "resume": ENV_RESUME,
     "tp": ENV_TP,
     "pp": ENV_PP,
+    "pp_choices": ENV_PP_CHOICES,
 }
 """each :class:`WorkerSettings` field's environment variable"""
 
@@ -393,6 +398,9 @@ class EpochInfo:
     nodes: tuple[int, ...]
     urgent: bool
     published_ts: float = 0.0
+    pp: int = 0
+    """the pipeline depth the epoch runs at (0: the task's own; another of its
+    ``pp_choices`` after a layout change)"""
 
     def to_json(self) -> str:
         return json.dumps(
@@ -402,6 +410,7 @@ class EpochInfo:
                 "nodes": self.nodes,
                 "urgent": self.urgent,
                 "published_ts": self.published_ts,
+                "pp": self.pp,
             }
         )
 
@@ -414,4 +423,5 @@ class EpochInfo:
             tuple(d["nodes"]),
             bool(d["urgent"]),
             float(d.get("published_ts", 0.0)),
+            int(d.get("pp", 0)),
         )

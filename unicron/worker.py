@@ -70,6 +70,7 @@ from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochW
 from unicron.runtime.inject import Fault, FaultPlan, stop_self
 from unicron.runtime.link import AgentLink, connect_agent
 from unicron.runtime.microbatches import MicroBatches, refuse
+from unicron.runtime.reshard import Shard, reshard
 from unicron.runtime.step import Step
 from unicron.runtime.transfer import (
     Inventory,
@@ -83,6 +84,12 @@ from unicron.runtime.transfer import (
 )
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+Rebuild = Callable[
+    [TensorParallel, PipelineParallel], tuple[torch.nn.Module, torch.optim.Optimizer]
+]
+"""The script's builder of its shard for another layout: given this rank's tensor-parallel
+place (unchanged) and a pipeline stage, the model (seeded like the first build: its numbers
+are replaced by the task's state) and its optimizer"""
 
 ABANDONED: list[EpochGroup] = []
 """every group this process built, kept until it exits: freeing a gloo group whose abandoned
@@ -135,6 +142,7 @@ class Loop:
         collate: Callable[[Sequence[Any]], Any] = default_collate,
         sampler: Any = None,
         out: str | Path | None = None,
+        rebuild: Rebuild | None = None,
     ) -> None:
         ctx = WorkerContext.from_env("unicron.worker.Loop")
         if steps < 1:
@@ -164,12 +172,24 @@ class Loop:
             data=data,
             seed=seed,
             device=device_for(model, ctx, link),
+            rebuild=rebuild,
         )
         self._iterated = False
 
     @property
     def result(self) -> TrainResult | None:
         return self._runner.result
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model trained now: the one handed in, or after a layout change the shard
+        ``rebuild`` built (the loop's body computes with this one)."""
+        return self._runner.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of :attr:`model`."""
+        return self._runner.optimizer
 
     def __iter__(self) -> Iterator[Step]:
         if self._iterated:
@@ -191,11 +211,13 @@ def train(
     out: str | Path | None = None,
     collate: Callable[[Sequence[Any]], Any] = default_collate,
     sampler: Any = None,
+    rebuild: Rebuild | None = None,
 ) -> TrainResult | None:
     """Train for ``steps`` global steps of ``num_microbatches`` x ``micro_batch_size`` samples:
     the step API's loop (:class:`Loop`) with ``loss_fn(model, batch)``, the mean loss of one
     micro-batch. Returns ``None`` on a worker that was still waiting to join when the task
-    finished."""
+    finished. ``rebuild`` lets the task change its layout with its worker count
+    (:data:`Rebuild`; the task's ``pp_choices``)."""
     loop = Loop(
         model=model,
         optimizer=optimizer,
@@ -207,10 +229,11 @@ def train(
         collate=collate,
         sampler=sampler,
         out=out,
+        rebuild=rebuild,
     )
     for step in loop:
         for batch in step:
-            step.backward(loss_fn(model, batch))
+            step.backward(loss_fn(loop.model, batch))
         step.commit()
     return loop.result
 
@@ -233,6 +256,14 @@ def _sev3(exc: Exception) -> bool:
     from unicron.detect.classify import Severity, classify_exception
 
     return classify_exception(exc).severity is Severity.SEV3
+
+
+def _layout_root(ctx: WorkerContext, pipe: PipelineParallel) -> Path:
+    """Where the checkpoints of a layout go: the task's directory, or for another pipeline
+    depth than the task's own (a layout change) its ``ppN`` folder (shards of another
+    split)."""
+    assert ctx.checkpoint is not None
+    return ctx.checkpoint if pipe.stages == ctx.pp else ctx.checkpoint / f"pp{pipe.stages}"
 
 
 @dataclass(kw_only=True)
@@ -264,23 +295,16 @@ class _Runner:
     par: TensorParallel = field(default_factory=tensor_parallel)
     pipe: PipelineParallel = field(default_factory=pipeline_parallel)
     _dp: EpochGroup | None = None  # this epoch's members at this place, one per replica
+    rebuild: Rebuild | None = None  # the script's builder of a shard for another layout
+    shard: Shard | None = None  # what this worker trains (model, optimizer, stage)
+    _old: Shard | None = None  # a layout change: the shard that holds the state, until moved
+    grads: Reducer = field(init=False)  # the shard's gradients (_adopt)
+    mb: MicroBatches = field(init=False)  # the shard's micro-batches of the step (_adopt)
 
     def __post_init__(self) -> None:
-        self.grads = Reducer(
-            [p for p in self.model.parameters() if p.requires_grad],
-            self.ledger.num_microbatches,
-            exact=self.ctx.reduce == "exact",
-            bucket_cap_mb=self.ctx.bucket_cap_mb,
-            device=self.device,
-            stray=lambda: self.mb.stray_backward(),
-        )
         self.faults = FaultPlan(
             list(self.ctx.faults), emit=self._event, rank=self.ctx.slot, act=self._act
         )
-        self.mb = MicroBatches(grads=self.grads, par=self.par, pipe=self.pipe,
-                               faults=self.faults, tp=self.ctx.tp, pp=self.ctx.pp)  # fmt: skip
-        self._stepping = False
-        self.optimizer.register_step_pre_hook(self._optimizer_step)
         self.store = _store_client(self.ctx)
         # a freshly built model is the task's state only until the first step commits (the
         # coordinator says when, through the store; read again at every ledger exchange)
@@ -291,7 +315,37 @@ class _Runner:
                 f"tensor x pipeline parallel {self.par.size} x {self.pipe.stages} in a task of "
                 f"tp {self.ctx.tp} x pp {self.ctx.pp}"
             )
-        self.R = self.ctx.tp * self.ctx.pp
+        self._adopt(Shard(self.model, self.optimizer, self.pipe))
+        self.watch = EpochWatch(self.store, self.ctx.task)
+        self.M = self.ledger.num_microbatches
+        # staging buffers and first calls of the state transfer, paid now rather than in a
+        # transition (the group's wire: the device with NCCL, else the CPU)
+        nccl = os.environ.get(D.ENV_BACKEND, "gloo") == "nccl"
+        warm_up(self.device if nccl else torch.device("cpu"))
+
+    def _adopt(self, shard: Shard) -> None:
+        """Train ``shard`` from now on (the script's model when the worker starts; a shard
+        of another layout built by the script's ``rebuild``): its reducer, micro-batches,
+        place and checkpoints. What it computed of a step before is dropped."""
+        if self.shard is not None:
+            self.grads.stop()
+            if self.ckpt is not None:
+                self.ckpt.join()
+        self.shard, self.model, self.optimizer = shard, shard.model, shard.optimizer
+        self.pipe = shard.pipe
+        self.grads = Reducer(
+            [p for p in self.model.parameters() if p.requires_grad],
+            self.ledger.num_microbatches,
+            exact=self.ctx.reduce == "exact",
+            bucket_cap_mb=self.ctx.bucket_cap_mb,
+            device=self.device,
+            stray=lambda: self.mb.stray_backward(),
+        )
+        self.mb = MicroBatches(grads=self.grads, par=self.par, pipe=self.pipe,
+                               faults=self.faults, tp=self.ctx.tp, pp=self.pipe.stages)  # fmt: skip
+        self._stepping, self._laid_out = False, False
+        self.optimizer.register_step_pre_hook(self._optimizer_step)
+        self.R = self.ctx.tp * self.pipe.stages
         """ranks per replica (an epoch's members are whole replicas, in order)"""
         self.place = self.pipe.stage * self.ctx.tp + self.par.rank
         """this rank's place in its replica (its shard of the state)"""
@@ -301,18 +355,12 @@ class _Runner:
                 every_steps=every, mtbf_s=self.ctx.checkpoint_mtbf_s, keep=keep
             )
             self.ckpt = C.Checkpointer(
-                root=C.shard_root(self.ctx.checkpoint, self.place, self.R),
+                root=C.shard_root(_layout_root(self.ctx, self.pipe), self.place, self.R),
                 settings=settings,
                 reduce=self.ctx.reduce,
                 ledger=self.ledger.describe(),
                 emit=self._event,
             )
-        self.watch = EpochWatch(self.store, self.ctx.task)
-        self.M = self.ledger.num_microbatches
-        # staging buffers and first calls of the state transfer, paid now rather than in a
-        # transition (the group's wire: the device with NCCL, else the CPU)
-        nccl = os.environ.get(D.ENV_BACKEND, "gloo") == "nccl"
-        warm_up(self.device if nccl else torch.device("cpu"))
         # the state in stream order, so that a transfer sends and receives it in place: the
         # parameters now, the optimizer's state after the step that creates it (_apply)
         lay_out_parameters(self.model)
@@ -443,6 +491,7 @@ class _Runner:
         self.groups.append(g)
         ABANDONED.append(g)  # an old gloo group with a pending operation blocks its destructor
         g.rendezvous()
+        self._relayout(info.pp or self.ctx.pp, rank)
         self._replica_groups(g)
         if info.urgent and self.ckpt is not None:
             self.ckpt.note_failure()  # the observed failure rate sets the checkpoint interval
@@ -498,7 +547,7 @@ class _Runner:
         tensors = model_tensors(self.model)
         mine = torch.tensor(
             [self.step if self.has_state else -1, self.ctx.node, digest, *self.data.state(), *mask,
-             layout(tensors)],
+             layout(tensors), int(self._old is not None)],
             dtype=torch.int64,
         )  # fmt: skip
         have: list[Inventory] = []
@@ -507,6 +556,8 @@ class _Runner:
             have.append(inventory(tensors, self.optimizer, manifest=self.has_state))
 
         rows = [r.tolist() for r in g.allgather(mine, meanwhile=take)]
+        if any(row[replica.MOVED] for row in rows):
+            return self._reshard(g, rows)  # some member's state is in another layout
         size, place = self.R, self.place  # ranks per replica, this rank's place
         sp = replica.plan(rows, size, self.M)
         if sp.lost:
@@ -526,7 +577,8 @@ class _Runner:
             near = [h for h in holders if node_of[h] == node_of[needers[0]]]
             source = "peer_node" if near else "peer_remote"
             # needers whose model's layout is the holders' post its receives at once
-            agreed = all(rows[q * size + place][-1] == ref[-1] for q in needers)
+            at = replica.LAYOUT
+            agreed = all(rows[q * size + place][at] == ref[at] for q in needers)
             transfer(self._dp, self.model, self.optimizer, holders=near or holders,
                      needers=needers, device=self.device, have=have[0], agreed=agreed)  # fmt: skip
             if self._dp.rank in needers:
@@ -541,12 +593,66 @@ class _Runner:
         self._missing = L.missing(sp.done, self.M)
         return self.M - len(self._missing), source
 
+    def _relayout(self, pp: int, rank: int) -> None:
+        """Entering an epoch at ``pp`` pipeline stages as member ``rank``: train this rank's
+        shard of that layout (the script's ``rebuild`` makes it; the shard holding the state
+        is kept as the source until :meth:`_reshard` has moved it)."""
+        size = self.ctx.tp * pp
+        place = rank % size
+        stage = place // self.ctx.tp
+        if (pp, stage) == (self.pipe.stages, self.pipe.stage):
+            return
+        old = self._old
+        if old is not None and (old.pipe.stages, old.pipe.stage) == (pp, stage):
+            self._old = None  # back at the layout whose state is here
+            self._adopt(old)
+            return
+        if self.rebuild is None:
+            refuse(
+                f"the task runs at pp {pp} now (its layout changed with its worker count): "
+                "hand train() or Loop a rebuild(tp, pp) that builds the model and optimizer "
+                "of any layout (docs/runtime.md, Layout changes)"
+            )
+        if old is None and self.has_state and self.step > 0:
+            self._old = self.shard  # the committed state, until the new shard is filled
+        pipe = PipelineParallel(stage, pp, self.par)
+        model, optimizer = self.rebuild(self.par, pipe)
+        model.to(self.device)  # in place: the optimizer keeps its parameter objects
+        self._adopt(Shard(model, optimizer, pipe))
+
+    def _reshard(self, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]:
+        """The ledger exchange found state in another layout than the epoch's: every member
+        fills its new shard by name (:func:`unicron.runtime.reshard.reshard`). The
+        interrupted step's partial results are dropped (sums of another split)."""
+        target = max(row[replica.STEP] for row in rows)
+        source = None
+        if self.has_state and self.step == target:
+            source = self._old if self._old is not None else self.shard
+        try:
+            if target < 0:
+                raise RuntimeError("no member holds the state")
+            reshard(g, source=source, target=self.shard, tp_rank=self.par.rank)  # type: ignore[arg-type]
+            ref = next(row for row in rows if row[replica.STEP] == target)
+            self.step, self.has_state, self._old = target, True, None
+            self.data.load(ref[3:5])
+            source_name = "reshard"
+        except RuntimeError:
+            self._load_checkpoint()
+            self._old, source_name = None, "checkpoint"
+        self.mb.done.clear()
+        self.grads.clear()
+        self._missing = list(range(self.M))
+        self._held = [set() for _ in range(g.world // self.R)]
+        return 0, source_name
+
     def _load_checkpoint(self) -> None:
         """Every replica is gone: go on from the newest valid checkpoint (a checkpoint of
         another model, data layout or reduce mode stops the task: exit 2). Model parallel:
         each rank its place's shard, of the newest step every shard has."""
         root = self.ctx.checkpoint
-        found = C.load_newest_shard(root, self.place, self.R) if root is not None else None
+        found = None
+        if root is not None:
+            found = C.load_newest_shard(_layout_root(self.ctx, self.pipe), self.place, self.R)
         if found is None:
             raise RuntimeError("no member of the epoch holds the model state and no checkpoint")
         manifest, parts = found

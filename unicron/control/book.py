@@ -54,6 +54,11 @@ class CoordinatorSettings:
     replica_ranks: int = 1
     """ranks per replica (``tp * pp``, on one node): an epoch holds whole replicas only
     (:func:`unicron.control.replicas.whole`)"""
+    tp: int = 1
+    """tensor-parallel ranks per pipeline stage (with :attr:`depths`)"""
+    depths: tuple[int, ...] = ()
+    """the pipeline depths the task may run at, its own first (empty: only its own; else a
+    replica is ``tp * depth`` ranks in each epoch: :func:`unicron.control.membership.layout`)"""
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""
     checkpoint: Path | None = None
@@ -154,6 +159,7 @@ class TaskBook:
         self.state = TaskState.PENDING
         self.epoch = 0
         self.members: tuple[int, ...] = ()
+        self.pp = 0  # the pipeline depth of the epoch (0: the task's own)
         self.outcome: Outcome | None = None
         self.started_at: float | None = None
         self.waiting_since: float | None = None
@@ -186,10 +192,15 @@ class TaskBook:
         """The task is done or failed (waiting workers are leaving)."""
         return self.state in (TaskState.DONE, TaskState.FAILED)
 
+    @property
+    def size(self) -> int:
+        """Ranks per replica in the current epoch (``tp * pp`` at its pipeline depth)."""
+        return self.settings.tp * self.pp if self.pp else self.settings.replica_ranks
+
     def other_holders(self, slot: int) -> list[int]:
         """The live slots other than ``slot`` that hold the task's state (model parallel: its
         shard, at the same place of another replica)."""
-        size = self.settings.replica_ranks
+        size = self.size
         if size == 1:
             return [h for h in self.slots.holders() if h != slot]
         mine = replicas.place(self.slots, slot, size)
@@ -201,7 +212,7 @@ class TaskBook:
 
     def state_held(self) -> bool:
         """Some live slot holds the task's state (model parallel: every place's shard)."""
-        size = self.settings.replica_ranks
+        size = self.size
         held = self.slots.holders()
         if size == 1:
             return bool(held)

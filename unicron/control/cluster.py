@@ -451,6 +451,8 @@ class Cluster:
             settings=CoordinatorSettings(
                 min_workers=spec.workers.min,
                 replica_ranks=spec.replica_ranks,
+                tp=spec.tp,
+                depths=spec.depths if len(spec.depths) > 1 else (),
                 checkpoint=checkpoint,
                 committed_before=committed_before,
                 readmit_after_s=spec.readmit_after,

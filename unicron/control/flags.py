@@ -51,6 +51,7 @@ SHARED: tuple[Flag, ...] = (
     Flag("threads", "--threads", "N"),
     Flag("tp", "--tp", "N"),
     Flag("pp", "--pp", "N"),
+    Flag("pp_choices", "--pp-choices", "P,Q"),
     Flag("checkpoint.every", "--checkpoint-every", "K|auto"),
     Flag("checkpoint.mtbf", "--mtbf", "S"),
     Flag("checkpoint.keep", "--checkpoint-keep", "N"),
@@ -94,6 +95,8 @@ def _kind(info: FieldInfo) -> type:
 
 
 def _say(value: Any) -> str:
+    if value == []:
+        return "none"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)
@@ -104,8 +107,8 @@ def add_to(p: argparse.ArgumentParser) -> None:
     its field."""
     for f in SHARED:
         info = field_of(f.field)
-        default = None if f.default_note else info.default
-        said = f.default_note or _say(info.default)
+        default = None if f.default_note or info.default_factory else info.default
+        said = f.default_note or _say(info.get_default(call_default_factory=True))
         p.add_argument(
             f.flag,
             dest=f.dest,
@@ -141,8 +144,8 @@ def check(args: argparse.Namespace, fields: Mapping[str, Any] | None = None) -> 
     data = {"name": "run", "script": "run", **(fields or task_fields(args))}
     tp, pp = data.get("tp", 1), data.get("pp", 1)
     if isinstance(tp, int) and isinstance(pp, int) and tp >= 1 and pp >= 1:
-        # one replica: the runner checks --min-workers itself
-        data.setdefault("workers", {"min": tp * pp, "max": tp * pp})
+        # whole replicas, as many as any layout needs: the runner checks the counts itself
+        data.setdefault("workers", {"min": tp * pp, "max": tp * pp * 64})
     try:
         TaskSpec.model_validate(data)
     except ValidationError as exc:

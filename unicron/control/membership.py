@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from unicron.control import replicas
@@ -109,9 +110,9 @@ def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> N
         b.effects.append(WriteStoreKey(done_key(b.task), "done"))
     if report.get("rank") == 0 or not b.outcome:
         b.outcome = Outcome(TaskState.DONE, "finished", report)
-    if b.settings.replica_ranks > 1 and len(shas) == b.settings.replica_ranks:
+    if b.size > 1 and len(shas) == b.size:
         # the whole model's digest: its shards' digests in place order
-        per_shard = [next(iter(shas[k])) for k in range(b.settings.replica_ranks)]
+        per_shard = [next(iter(shas[k])) for k in range(b.size)]
         whole = hashlib.sha256(",".join(per_shard).encode()).hexdigest()
         result = {**b.outcome.result, "params_sha256": whole, "shards_sha256": per_shard}
         b.outcome = Outcome(TaskState.DONE, "finished", result)
@@ -164,12 +165,11 @@ def release_slots(b: TaskBook, slots: list[int], now: float, reason: str) -> Non
         else:
             s.to(SlotState.LEAVING)
             leaving.append(slot)
-    rest = replicas.whole(
-        b.slots, [m for m in b.members if m not in leaving], b.settings.replica_ranks
-    )
-    if rest != b.members and b.active():
+    pp = layout(b, [s for s in _usable(b) if s not in leaving])
+    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], _size(b, pp))
+    if (rest != b.members or pp != b.pp) and b.active():
         gone = ", ".join(map(str, leaving))
-        announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released")
+        announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released", pp=pp)
 
 
 def worker_left(b: TaskBook, slot: int) -> None:
@@ -208,20 +208,45 @@ def in_transition(b: TaskBook) -> bool:
 
 
 # -- epochs --------------------------------------------------------------------------------
+def layout(b: TaskBook, usable: Sequence[int]) -> int:
+    """The pipeline depth of the next epoch (0: the task's own): of the task's depths
+    (:attr:`~unicron.control.book.CoordinatorSettings.depths`), the one whose whole replicas
+    hold the most of the ``usable`` slots (not excluded: those that train now or will once
+    restarted), the task's own first on ties. A slot lost for good (excluded, its node lost,
+    given to another task) can change it; a restart cannot. Pure."""
+    depths = b.settings.depths
+    if not depths:
+        return 0
+    best = max(
+        depths,
+        key=lambda d: (len(replicas.whole(b.slots, usable, b.settings.tp * d)), -depths.index(d)),
+    )
+    return 0 if best == depths[0] else best
+
+
+def _size(b: TaskBook, pp: int) -> int:
+    """Ranks per replica at pipeline depth ``pp`` (0: the task's own)."""
+    return b.settings.tp * pp if pp else b.settings.replica_ranks
+
+
+def _usable(b: TaskBook) -> list[int]:
+    """The task's slots that are not excluded, in slot order."""
+    return [s for s, o in sorted(b.slots.items()) if not o.excluded]
+
+
 def maybe_start(b: TaskBook, now: float) -> None:
     """The first epoch: every usable slot ready, or enough of them once the start times out."""
     if b.started_at is None:
         b.started_at = now
-    usable = [s for s, o in sorted(b.slots.items()) if not o.excluded]
-    ready = replicas.whole(
-        b.slots, [s for s in usable if b.slots[s].ready], b.settings.replica_ranks
-    )
+    usable = _usable(b)
+    pp = layout(b, usable)
+    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], _size(b, pp))
     timed_out = now - b.started_at > b.settings.start_timeout_s
     if ready and (
         len(ready) == len(usable) or (timed_out and len(ready) >= b.settings.min_workers)
     ):
         b.state = TaskState.RUNNING
-        announce(b, ready, urgent=False, now=now, reason="start")
+        announce(b, ready, urgent=False, now=now, reason="start", pp=pp)
 
 
 def grow(b: TaskBook, now: float) -> None:
@@ -232,7 +257,8 @@ def grow(b: TaskBook, now: float) -> None:
         for s, o in sorted(b.slots.items())
         if o.ready and o.alive and not o.excluded and s not in b.members
     )
-    grown = replicas.whole(b.slots, b.members + joiners, b.settings.replica_ranks)
+    pp = layout(b, _usable(b))
+    grown = replicas.whole(b.slots, b.members + joiners, _size(b, pp))
     joiners = tuple(s for s in grown if s not in b.members)
     if not b.members and _shard_on_its_way(b, grown):
         return  # a replica being restarted brings a shard the others lack: it joins too
@@ -245,6 +271,7 @@ def grow(b: TaskBook, now: float) -> None:
             urgent=below,
             now=now,
             reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
+            pp=pp,
         )
 
 
@@ -253,7 +280,7 @@ def _shard_on_its_way(b: TaskBook, candidates: tuple[int, ...]) -> bool:
     living rank outside them holds while its replica's lost rank is being restarted. Both
     replicas lost a rank in the same step: each alone would roll back to the checkpoint,
     together they hold every shard (the wait is one restart)."""
-    size = b.settings.replica_ranks
+    size = b.size
     if size == 1 or not b.trained:
         return False
     have = {replicas.place(b.slots, s, size) for s in candidates if b.slots[s].has_state}
@@ -273,10 +300,9 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     the survivors, or (below the task's minimum, where it is worth nothing) wait for
     restarted or readmitted workers to bring it back. Returns False if the task failed."""
     # whole replicas only: the living ranks of a broken one wait outside the epoch
-    survivors = replicas.whole(
-        b.slots, [m for m in b.members if b.slots[m].alive], b.settings.replica_ranks
-    )
-    usable = [s for s, o in b.slots.items() if not o.excluded]
+    usable = _usable(b)
+    pp = layout(b, usable)
+    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], _size(b, pp))
     # slots that can come back: usable ones, and excluded ones a health probe may readmit
     # (not those of lost nodes: no agent to run a probe; none if probes are turned off)
     probing = math.isfinite(b.settings.readmit_after_s)
@@ -301,7 +327,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     if why:
         fail(b, f"{why}; last error: {b.last_error}", now)
         return False
-    if survivors == b.members and len(usable) >= minimum:
+    if survivors == b.members and pp == b.pp and len(usable) >= minimum:
         return True
     if len(survivors) < minimum:
         for slot in replicas.orphans(b.slots, b.members, survivors):
@@ -320,8 +346,8 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
             ),
         )
         return True
-    if survivors != b.members:
-        announce(b, survivors, urgent=True, now=now, reason=reason)
+    if survivors != b.members or pp != b.pp:
+        announce(b, survivors, urgent=True, now=now, reason=reason, pp=pp)
     return True
 
 
@@ -367,20 +393,33 @@ def check_give_up(b: TaskBook, now: float) -> None:
 
 
 def announce(
-    b: TaskBook, members: tuple[int, ...], *, urgent: bool, now: float, reason: str
+    b: TaskBook,
+    members: tuple[int, ...],
+    *,
+    urgent: bool,
+    now: float,
+    reason: str,
+    pp: int | None = None,
 ) -> None:
     """A new epoch of ``members`` (none: nobody to tell; the next epoch is made of the workers
-    that come back)."""
+    that come back), at pipeline depth ``pp`` (:func:`layout`; ``None``: the current one)."""
     for slot in replicas.orphans(b.slots, b.members, members):
         b.forget(slot)  # waits outside the epoch: its last step is no hang
     b.members = members
+    if pp is not None and members:
+        b.pp = pp
     if not members:
         return
     b.epoch += 1
     if b.monitor is not None:
         b.monitor.reset_expectation()  # membership changed: step times may too
     info = EpochInfo(
-        b.epoch, members, tuple(b.slots[m].node for m in members), urgent, published_ts=now
+        b.epoch,
+        members,
+        tuple(b.slots[m].node for m in members),
+        urgent,
+        published_ts=now,
+        pp=b.pp,
     )
     b.emit(
         "plan",
@@ -399,4 +438,5 @@ def announce(
         members=list(members),
         urgent=urgent,
         reason=reason,
+        **({"pp": b.size // b.settings.tp} if b.settings.depths else {}),
     )

@@ -178,6 +178,7 @@ def assignment(task: Task, nid: int, store: str, checkpoint: Path | None) -> dic
         resume=spec.checkpoint.resume,
         tp=spec.tp,
         pp=spec.pp,
+        pp_choices=",".join(map(str, spec.depths[1:])),
     )
     return {
         "uid": task.row.uid,

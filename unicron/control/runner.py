@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unicron.control import flags as F
+from unicron.control.taskspec import depths_of
 from unicron.errors import UsageError
 from unicron.runtime import checkpoint as C
 from unicron.runtime.inject import Fault, parse
@@ -207,6 +208,12 @@ def _check_replica(args: argparse.Namespace) -> None:
     if tp < 1 or pp < 1:
         return  # the task file's model says so, with the flag's name
     n = tp * pp
+    for depth in depths_of(args.pp_choices or ""):  # checked against the task model already
+        if tp * depth > args.nproc_per_node:
+            raise UsageError(
+                f"--pp-choices {depth}: a replica of {tp * depth} ranks must fit on a node of "
+                f"--nproc-per-node {args.nproc_per_node}"
+            )
     if n == 1:
         return
     said = " x ".join(f"--{k} {v}" for k, v in (("tp", tp), ("pp", pp)) if v > 1)

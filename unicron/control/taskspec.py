@@ -146,6 +146,14 @@ class TaskSpec(BaseModel):
         description="pipeline stages per replica, each tp ranks: a replica is tp x pp slots "
         "of one node (the script builds its stage: unicron.parallel)",
     )
+    pp_choices: list[int] = Field(
+        default_factory=list,
+        max_length=8,
+        description="pipeline depths the task may also run at, comma-separated: with fewer "
+        "workers for good (an excluded slot, a lost node) each epoch runs at the one whose "
+        "whole replicas train the most of them, pp first on ties; the state moves between "
+        "layouts in memory (the script hands train() a rebuild)",
+    )
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
     give_up_after: float = Field(
         600.0,
@@ -211,6 +219,31 @@ class TaskSpec(BaseModel):
                 f"multiples of tp x pp ({n}): a replica is that many workers"
             )
         return self
+
+    @field_validator("pp_choices", mode="before")
+    @classmethod
+    def _depths(cls, v: Any) -> Any:
+        """``--pp-choices 2,1`` (the flag's text) as the list."""
+        return depths_of(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _layouts(self) -> TaskSpec:
+        """Each pipeline depth the task may run at is in 1..64 and its replica fits in the
+        task's workers (ranks beyond whole replicas wait: the chosen depth trains most)."""
+        for pp in self.pp_choices:
+            if pp < 1 or pp > 64:
+                raise ValueError(f"pp_choices: {pp} is not a pipeline depth in 1..64")
+            if self.tp * pp > self.workers.max:
+                raise ValueError(
+                    f"pp_choices: at pp {pp} a replica is {self.tp * pp} workers, more than the "
+                    f"task's maximum ({self.workers.max})"
+                )
+        return self
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """The pipeline depths the task runs at: ``pp``, then the other choices."""
+        return (self.pp, *(d for d in self.pp_choices if d != self.pp))
 
     @property
     def replica_ranks(self) -> int:
@@ -282,6 +315,14 @@ class TaskSpec(BaseModel):
         file system with it in every setup this repository runs)."""
         if not Path(self.script).is_file():
             raise UsageError(f"task {self.name}: script not found: {self.script}")
+
+
+def depths_of(text: str) -> list[int]:
+    """``--pp-choices``' text (``"1,4"``) as pipeline depths; ``ValueError`` if it is not."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: pipeline depths separated by commas") from exc
 
 
 def _text(value: Any) -> Any:

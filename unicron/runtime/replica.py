@@ -21,10 +21,11 @@ from unicron.runtime.group import EpochGroup, EpochOver
 
 __all__ = ["SyncPlan", "bind", "plan"]
 
-STEP, NODE, DIGEST, MASK = 0, 1, 2, 5
+STEP, NODE, DIGEST, MASK, LAYOUT, MOVED = 0, 1, 2, 5, -2, -1
 """columns of a ledger exchange row: committed step (-1: no state), node, the parameters'
 digest (step 0), data position (3, 4), then one 0/1 per micro-batch held, the layout's digest
-last"""
+(of the tensors in stream order), and 1 where the member's state is in a shard of another
+layout than the epoch's (a layout change: :mod:`unicron.runtime.reshard`)"""
 
 
 def bind(
