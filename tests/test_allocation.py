@@ -207,6 +207,23 @@ def test_a_tensor_parallel_task_moves_in_whole_replicas_on_one_node() -> None:
     assert sorted(release) in ([0, 1], [2, 3]), release
 
 
+def test_a_task_that_may_run_shallower_is_planned_in_its_smallest_replicas() -> None:
+    """TP=2 x PP=2 on 8 slots that may also run at PP=1 (``pp_choices``): a heavier task
+    that wants 2 slots takes 2, not a whole replica of 4; the coordinator runs the 6 left
+    at PP=1 (``membership.layout``)."""
+    from unicron.control.taskspec import parse
+
+    spec = parse({"name": "a", "script": "t.py", "tp": 2, "pp": 2, "pp_choices": [1],
+                  "workers": {"min": 4, "max": 8}})  # fmt: skip
+    assert (spec.depths, spec.replica_ranks, spec.smallest_replica) == ((2, 1), 4, 2)
+    held = dict.fromkeys(range(8), 0)
+    for grain, after in ((spec.replica_ranks, 4), (spec.smallest_replica, 6)):
+        a = TaskView(name="a", weight=1, min_workers=4, max_workers=8, ranks=held,
+                     running=True, microbatches=12, replica_ranks=grain)  # fmt: skip
+        d = decide([a, view("b", 5, 2, 2, {}, running=False)], {0: 8}, DAY)
+        assert moves(d) == {"a": (8, after), "b": (0, 2)}, grain
+
+
 def test_the_partner_of_an_excluded_rank_waits_and_is_not_given_back() -> None:
     """Found by the model-parallel soak: an excluded rank left its partner a short replica,
     the plan rounded the task down to whole replicas and gave the partner away, and the

@@ -49,13 +49,12 @@ from unicron.protocol import (
     checkpoint_at_key,
     done_key,
     trained_key,
-    usage_key,
 )
 from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
-from unicron.runtime import replica
+from unicron.runtime import replica, transition
 from unicron.runtime.context import (
     WorkerContext,
     default_collate,
@@ -70,18 +69,14 @@ from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochW
 from unicron.runtime.inject import Fault, FaultPlan, stop_self
 from unicron.runtime.link import AgentLink, connect_agent
 from unicron.runtime.microbatches import MicroBatches, refuse
-from unicron.runtime.reshard import Shard, reshard
+from unicron.runtime.reshard import Shard
 from unicron.runtime.step import Step
 from unicron.runtime.transfer import (
-    Inventory,
-    inventory,
     lay_out_optimizer_state,
     lay_out_parameters,
-    layout,
-    model_tensors,
-    transfer,
     warm_up,
 )
+from unicron.runtime.transition import layout_root
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 Rebuild = Callable[
@@ -258,14 +253,6 @@ def _sev3(exc: Exception) -> bool:
     return classify_exception(exc).severity is Severity.SEV3
 
 
-def _layout_root(ctx: WorkerContext, pipe: PipelineParallel) -> Path:
-    """Where the checkpoints of a layout go: the task's directory, or for another pipeline
-    depth than the task's own (a layout change) its ``ppN`` folder (shards of another
-    split)."""
-    assert ctx.checkpoint is not None
-    return ctx.checkpoint if pipe.stages == ctx.pp else ctx.checkpoint / f"pp{pipe.stages}"
-
-
 @dataclass(kw_only=True)
 class _Runner:
     """The epoch and step machinery of one worker, driven by :class:`Loop`: epochs, the
@@ -287,17 +274,17 @@ class _Runner:
     has_state: bool = True
     groups: list[EpochGroup] = field(default_factory=list)
     result: TrainResult | None = None
-    _missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
+    missing: list[int] = field(default_factory=list)  # ids of `step` nobody living has done
     ckpt: C.Checkpointer | None = None  # rank 0's checkpoints (every member may become it)
-    _held: list[set[int]] = field(default_factory=list)  # ids of `step` each member has done
-    _laid_out: bool = False  # the optimizer's state is in stream order (lay_out_optimizer_state)
+    held: list[set[int]] = field(default_factory=list)  # ids of `step` each member has done
+    laid_out: bool = False  # the optimizer's state is in stream order (lay_out_optimizer_state)
     # -- the replica (tp x pp ranks; docs/runtime.md, Model-parallel replicas)
     par: TensorParallel = field(default_factory=tensor_parallel)
     pipe: PipelineParallel = field(default_factory=pipeline_parallel)
-    _dp: EpochGroup | None = None  # this epoch's members at this place, one per replica
+    dp: EpochGroup | None = None  # this epoch's members at this place, one per replica
     rebuild: Rebuild | None = None  # the script's builder of a shard for another layout
     shard: Shard | None = None  # what this worker trains (model, optimizer, stage)
-    _old: Shard | None = None  # a layout change: the shard that holds the state, until moved
+    old: Shard | None = None  # a layout change: the shard that holds the state, until moved
     grads: Reducer = field(init=False)  # the shard's gradients (_adopt)
     mb: MicroBatches = field(init=False)  # the shard's micro-batches of the step (_adopt)
 
@@ -343,7 +330,7 @@ class _Runner:
         )
         self.mb = MicroBatches(grads=self.grads, par=self.par, pipe=self.pipe,
                                faults=self.faults, tp=self.ctx.tp, pp=self.pipe.stages)  # fmt: skip
-        self._stepping, self._laid_out = False, False
+        self._stepping, self.laid_out = False, False
         self.optimizer.register_step_pre_hook(self._optimizer_step)
         self.R = self.ctx.tp * self.pipe.stages
         """ranks per replica (an epoch's members are whole replicas, in order)"""
@@ -355,7 +342,7 @@ class _Runner:
                 every_steps=every, mtbf_s=self.ctx.checkpoint_mtbf_s, keep=keep
             )
             self.ckpt = C.Checkpointer(
-                root=C.shard_root(_layout_root(self.ctx, self.pipe), self.place, self.R),
+                root=C.shard_root(layout_root(self.ctx, self.pipe), self.place, self.R),
                 settings=settings,
                 reduce=self.ctx.reduce,
                 ledger=self.ledger.describe(),
@@ -393,7 +380,7 @@ class _Runner:
                         break
                     shares = L.assign(range(self.M), g.world // self.R)
                     todo = shares[g.rank // self.R]
-                    self._held = [set(share) for share in shares]
+                    self.held = [set(share) for share in shares]
                 first = False
                 attempt = self._begin(g, todo)
                 yield attempt
@@ -495,11 +482,11 @@ class _Runner:
         self._replica_groups(g)
         if info.urgent and self.ckpt is not None:
             self.ckpt.note_failure()  # the observed failure rate sets the checkpoint interval
-        reused, source = self._sync(g)
+        reused, source = transition.sync(self, g)
         if reused and self.ctx.on_lost == "drop":
-            self._missing = []  # the control: the interrupted step's global batch shrinks
-        shares = L.assign(self._missing, g.world // self.R)
-        self._held = [held | set(share) for held, share in zip(self._held, shares, strict=True)]
+            self.missing = []  # the control: the interrupted step's global batch shrinks
+        shares = L.assign(self.missing, g.world // self.R)
+        self.held = [held | set(share) for held, share in zip(self.held, shares, strict=True)]
         if rank == 0:
             self._event(
                 "transition_end",
@@ -509,7 +496,7 @@ class _Runner:
                 duration_s=round(time.time() - (info.published_ts or t0), 6),
                 state_source=source,
                 microbatches_reused=reused,
-                microbatches_recomputed=len(self._missing) if reused else 0,
+                microbatches_recomputed=len(self.missing) if reused else 0,
                 members=list(info.members),
             )
         return g, shares[rank // self.R]
@@ -524,87 +511,23 @@ class _Runner:
                 P.Waiting(step=self.step, epoch=g.info.epoch, ts=time.time(), waiting=waiting)
             )
 
-        self._dp = replica.bind(
+        self.dp = replica.bind(
             g, place=self.place, par=self.par, pipe=self.pipe, device=self.device, said=said
         )
 
     # -- transition: ledger exchange and nearest-source state ---------------------------------
-    def _sync(self, g: EpochGroup) -> tuple[int, str]:
-        """Agree on the committed step, give state to members without it, find missing ids.
-
-        Returns (micro-batches reused, where this epoch's joiners got state from).
-        """
-        if self.step == 0 and self.has_state and self.store.check([trained_key(self.ctx.task)]):
-            self.has_state = False  # a fresh model, and a step has committed since it was built
-        mask = [1 if mb in self.mb.done else 0 for mb in range(self.M)]
-        # the parameters' digest tells replicas apart at step 0 (each member built its own
-        # model, perhaps with another seed); at a committed step they are identical by
-        # construction (one update applied to one state), and a pass over every parameter at
-        # each transition (0.2 s at 340 MB of them) would tell nothing
-        digest = 0
-        if self.step == 0 and self.has_state:
-            digest = int.from_bytes(bytes.fromhex(params_sha256(self.model))[:7], "big")
-        tensors = model_tensors(self.model)
-        mine = torch.tensor(
-            [self.step if self.has_state else -1, self.ctx.node, digest, *self.data.state(), *mask,
-             layout(tensors), int(self._old is not None)],
-            dtype=torch.int64,
-        )  # fmt: skip
-        have: list[Inventory] = []
-
-        def take() -> None:  # while the rows are on the wire: the transfer's walks, done
-            have.append(inventory(tensors, self.optimizer, manifest=self.has_state))
-
-        rows = [r.tolist() for r in g.allgather(mine, meanwhile=take)]
-        if any(row[replica.MOVED] for row in rows):
-            return self._reshard(g, rows)  # some member's state is in another layout
-        size, place = self.R, self.place  # ranks per replica, this rank's place
-        sp = replica.plan(rows, size, self.M)
-        if sp.lost:
-            # every replica is gone (or, model parallel, every copy of some place's shard at
-            # the newest step): the last resort, the persistent checkpoint
-            self._load_checkpoint()
-            self._missing = list(range(self.M))
-            self._held = [set() for _ in range(len(rows) // size)]
-            return 0, "checkpoint"
-        ref, holders = sp.refs[place], sp.holders[place]
-        assert ref is not None and self._dp is not None
-        needers = [q for q in range(len(rows) // size) if q not in holders]
-        source = "local"
-        if needers:
-            # the nearest holders (on the needers' node, else all) each stream a share
-            node_of = [row[replica.NODE] for row in rows[place::size]]
-            near = [h for h in holders if node_of[h] == node_of[needers[0]]]
-            source = "peer_node" if near else "peer_remote"
-            # needers whose model's layout is the holders' post its receives at once
-            at = replica.LAYOUT
-            agreed = all(rows[q * size + place][at] == ref[at] for q in needers)
-            transfer(self._dp, self.model, self.optimizer, holders=near or holders,
-                     needers=needers, device=self.device, have=have[0], agreed=agreed)  # fmt: skip
-            if self._dp.rank in needers:
-                self.step, self.has_state, self._laid_out = sp.target, True, False
-                self.data.load(ref[3:5])  # the data position is committed state too
-        # a replica's partial results count when every rank of it holds its place's state
-        # and all of them computed the same micro-batches (:func:`replica.plan`)
-        if not sp.kept[self._dp.rank]:
-            self.mb.done.clear()
-            self.grads.clear()
-        self._held = sp.done
-        self._missing = L.missing(sp.done, self.M)
-        return self.M - len(self._missing), source
-
     def _relayout(self, pp: int, rank: int) -> None:
         """Entering an epoch at ``pp`` pipeline stages as member ``rank``: train this rank's
         shard of that layout (the script's ``rebuild`` makes it; the shard holding the state
-        is kept as the source until :meth:`_reshard` has moved it)."""
+        is kept as the source until :func:`unicron.runtime.transition.sync` has moved it)."""
         size = self.ctx.tp * pp
         place = rank % size
         stage = place // self.ctx.tp
         if (pp, stage) == (self.pipe.stages, self.pipe.stage):
             return
-        old = self._old
+        old = self.old
         if old is not None and (old.pipe.stages, old.pipe.stage) == (pp, stage):
-            self._old = None  # back at the layout whose state is here
+            self.old = None  # back at the layout whose state is here
             self._adopt(old)
             return
         if self.rebuild is None:
@@ -614,65 +537,11 @@ class _Runner:
                 "of any layout (docs/runtime.md, Layout changes)"
             )
         if old is None and self.has_state and self.step > 0:
-            self._old = self.shard  # the committed state, until the new shard is filled
+            self.old = self.shard  # the committed state, until the new shard is filled
         pipe = PipelineParallel(stage, pp, self.par)
         model, optimizer = self.rebuild(self.par, pipe)
         model.to(self.device)  # in place: the optimizer keeps its parameter objects
         self._adopt(Shard(model, optimizer, pipe))
-
-    def _reshard(self, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]:
-        """The ledger exchange found state in another layout than the epoch's: every member
-        fills its new shard by name (:func:`unicron.runtime.reshard.reshard`). The
-        interrupted step's partial results are dropped (sums of another split)."""
-        target = max(row[replica.STEP] for row in rows)
-        source = None
-        if self.has_state and self.step == target:
-            source = self._old if self._old is not None else self.shard
-        try:
-            if target < 0:
-                raise RuntimeError("no member holds the state")
-            reshard(g, source=source, target=self.shard, tp_rank=self.par.rank)  # type: ignore[arg-type]
-            ref = next(row for row in rows if row[replica.STEP] == target)
-            self.step, self.has_state, self._old = target, True, None
-            self.data.load(ref[3:5])
-            source_name = "reshard"
-        except RuntimeError:
-            self._load_checkpoint()
-            self._old, source_name = None, "checkpoint"
-        self.mb.done.clear()
-        self.grads.clear()
-        self._missing = list(range(self.M))
-        self._held = [set() for _ in range(g.world // self.R)]
-        return 0, source_name
-
-    def _load_checkpoint(self) -> None:
-        """Every replica is gone: go on from the newest valid checkpoint (a checkpoint of
-        another model, data layout or reduce mode stops the task: exit 2). Model parallel:
-        each rank its place's shard, of the newest step every shard has."""
-        root = self.ctx.checkpoint
-        found = None
-        if root is not None:
-            found = C.load_newest_shard(_layout_root(self.ctx, self.pipe), self.place, self.R)
-        if found is None:
-            raise RuntimeError("no member of the epoch holds the model state and no checkpoint")
-        manifest, parts = found
-        why = C.mismatch(
-            manifest,
-            model=C.describe_model(self.model.state_dict()),
-            ledger=self.ledger.describe(),
-            reduce=self.ctx.reduce,
-        )
-        if why is not None:
-            flag = "--resume" if self.ctx.resume else "--checkpoint-dir"
-            self.store.set(usage_key(self.ctx.task), f"{flag} {root}: {why}")
-            raise SystemExit(2)
-        self.step, self.has_state = C.restore(parts, self.model, self.optimizer), True
-        self._laid_out = False
-        self.data.load(parts["train"].get("data", (-1, -1)))
-        if self.ckpt is not None:
-            self.ckpt.last_step = self.step  # no need to write what was just read
-        self.grads.clear()
-        self.mb.done.clear()
 
     def _maybe_checkpoint(self, rank: int) -> None:
         """Replica 0 checkpoints the committed state when the interval says so: the copy is
@@ -719,8 +588,8 @@ class _Runner:
                 self.link.send(P.Error(type_name=type(exc).__name__, message=str(exc),
                                        in_band=True, in_place=True, step=step))  # fmt: skip
         self.par.reset()
-        assert self._dp is not None
-        self.grads.start(self._dp, [R.cover(ids, self.M) for ids in self._held])
+        assert self.dp is not None
+        self.grads.start(self.dp, [R.cover(ids, self.M) for ids in self.held])
         self.mb.crash_at = self.faults.crash_point(step, len(todo))
         self.mb.attempt = Step(self, step, todo, g)
         return self.mb.attempt
@@ -821,8 +690,8 @@ class _Runner:
             self.optimizer.step()
         finally:
             self._stepping = False
-        if not self._laid_out:
-            self._laid_out = lay_out_optimizer_state(self.optimizer)
+        if not self.laid_out:
+            self.laid_out = lay_out_optimizer_state(self.optimizer)
         self.grads.clear_grads()
 
     # -- faults -----------------------------------------------------------------------------

@@ -116,15 +116,16 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         model=task.spec.planner_model(),
         global_batch=task.spec.global_batch or 0,
         transition_s=transition,
-        replica_ranks=task.spec.replica_ranks,
+        replica_ranks=task.spec.smallest_replica,
         parked=parked(task),
     )
 
 
 def parked(task: Task) -> frozenset[int]:
     """The ranks of ``task`` waiting for an excluded rank of their replica (a node's ranks in
-    order, ``tp * pp`` at a time: :mod:`unicron.control.replicas`)."""
-    size, excluded = task.spec.replica_ranks, set(task.excluded)  # (coordinators change it)
+    order, ``tp * pp`` at a time, at its shallowest pipeline depth:
+    :mod:`unicron.control.replicas`)."""
+    size, excluded = task.spec.smallest_replica, set(task.excluded)  # (coordinators change it)
     if size == 1 or not excluded:
         return frozenset()
     out: set[int] = set()

@@ -246,6 +246,12 @@ class TaskSpec(BaseModel):
         return (self.pp, *(d for d in self.pp_choices if d != self.pp))
 
     @property
+    def smallest_replica(self) -> int:
+        """Ranks per replica at its shallowest pipeline depth: the grain the planner gives
+        and takes slots in (the coordinator picks the depth for the count it gets)."""
+        return min(self.tp * d for d in self.depths)
+
+    @property
     def replica_ranks(self) -> int:
         """Ranks per replica: ``tp * pp``."""
         return self.tp * self.pp

@@ -42,7 +42,11 @@ import torch
 from unicron.parallel import PipelineParallel
 from unicron.runtime.group import EpochGroup
 
-__all__ = ["Move", "Shard", "digest", "plan", "reshard"]
+__all__ = ["Move", "Shard", "StateLost", "digest", "plan", "reshard"]
+
+
+class StateLost(RuntimeError):
+    """Some entry of the new layout's state is held by no member at the newest step."""
 
 
 def digest(name: str) -> int:
@@ -106,7 +110,7 @@ def reshard(
 ) -> None:
     """Fill ``target`` (this member's new shard) from ``source`` (the shard holding the
     committed state here; ``None``: this member holds none) and from the other members'
-    sources. Every member of ``g`` calls it in the same epoch. Raises ``RuntimeError`` when
+    sources. Every member of ``g`` calls it in the same epoch. Raises :class:`StateLost` when
     some entry is held by nobody (the caller falls back to the checkpoint) and ``EpochOver``
     when the epoch ends under it."""
     have = source.entries() if source is not None else {}
@@ -116,7 +120,7 @@ def reshard(
     needs = [set(r[2 + r[1] :]) for r in rows]
     moves, missing = plan(offers, needs, [r[0] for r in rows])
     if missing:
-        raise RuntimeError(f"{len(missing)} entries of the new layout's state are held by nobody")
+        raise StateLost(f"{len(missing)} entries of the new layout's state are held by nobody")
     if source is not None:
         _copy(source, target, [have[k] for k in sorted(want.keys() & have.keys())])
     for move in moves:

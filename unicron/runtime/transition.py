@@ -1,0 +1,167 @@
+"""A worker's transition into an epoch: the ledger exchange, and the state for members
+that lack it.
+
+Called by the worker (:meth:`unicron.worker._Runner._enter`) once it has rendezvoused in a new
+epoch and bound its replica's groups. One all-gather of a row per member (its committed step,
+node, data position, the micro-batches of the interrupted step it holds, its state's layout)
+tells every member the same thing: the newest committed step, who holds each place's state,
+which replicas' partial results count (:func:`unicron.runtime.replica.plan`). Then, in order
+of preference: the state streamed from the nearest holders of the same place
+(:func:`unicron.runtime.transfer.transfer`); after a layout change, moved by name from the
+shards of the old layout (:func:`unicron.runtime.reshard.reshard`); when no member holds
+some of it, the newest persistent checkpoint (:func:`load_checkpoint`). docs/runtime.md,
+A membership change and Model-parallel replicas.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from unicron.parallel import PipelineParallel
+from unicron.protocol import trained_key, usage_key
+from unicron.runtime import checkpoint as C
+from unicron.runtime import ledger as L
+from unicron.runtime import replica
+from unicron.runtime.context import WorkerContext
+from unicron.runtime.digest import params_sha256
+from unicron.runtime.group import EpochGroup
+from unicron.runtime.reshard import StateLost, reshard
+from unicron.runtime.transfer import Inventory, inventory, layout, model_tensors, transfer
+
+if TYPE_CHECKING:
+    from unicron.worker import _Runner
+
+__all__ = ["layout_root", "load_checkpoint", "sync"]
+
+
+def layout_root(ctx: WorkerContext, pipe: PipelineParallel) -> Path:
+    """Where the checkpoints of a layout go: the task's directory, or for another pipeline
+    depth than the task's own (a layout change) its ``ppN`` folder (shards of another
+    split)."""
+    assert ctx.checkpoint is not None
+    return ctx.checkpoint if pipe.stages == ctx.pp else ctx.checkpoint / f"pp{pipe.stages}"
+
+
+def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
+    """Agree on the committed step, give state to members without it, find missing ids.
+
+    Returns (micro-batches reused, where this epoch's joiners got state from).
+    """
+    if r.step == 0 and r.has_state and r.store.check([trained_key(r.ctx.task)]):
+        r.has_state = False  # a fresh model, and a step has committed since it was built
+    mask = [1 if mb in r.mb.done else 0 for mb in range(r.M)]
+    # the parameters' digest tells replicas apart at step 0 (each member built its own
+    # model, perhaps with another seed); at a committed step they are identical by
+    # construction (one update applied to one state), and a pass over every parameter at
+    # each transition (0.2 s at 340 MB of them) would tell nothing
+    digest = 0
+    if r.step == 0 and r.has_state:
+        digest = int.from_bytes(bytes.fromhex(params_sha256(r.model))[:7], "big")
+    tensors = model_tensors(r.model)
+    mine = torch.tensor(
+        [r.step if r.has_state else -1, r.ctx.node, digest, *r.data.state(), *mask,
+         layout(tensors), int(r.old is not None)],
+        dtype=torch.int64,
+    )  # fmt: skip
+    have: list[Inventory] = []
+
+    def take() -> None:  # while the rows are on the wire: the transfer's walks, done
+        have.append(inventory(tensors, r.optimizer, manifest=r.has_state))
+
+    rows = [t.tolist() for t in g.allgather(mine, meanwhile=take)]
+    if any(row[replica.MOVED] for row in rows):
+        return _reshard(r, g, rows)  # some member's state is in another layout
+    size, place = r.R, r.place  # ranks per replica, this rank's place
+    sp = replica.plan(rows, size, r.M)
+    if sp.lost:
+        # every replica is gone (or, model parallel, every copy of some place's shard at
+        # the newest step): the last resort, the persistent checkpoint
+        load_checkpoint(r)
+        r.missing = list(range(r.M))
+        r.held = [set() for _ in range(len(rows) // size)]
+        return 0, "checkpoint"
+    ref, holders = sp.refs[place], sp.holders[place]
+    assert ref is not None and r.dp is not None
+    needers = [q for q in range(len(rows) // size) if q not in holders]
+    source = "local"
+    if needers:
+        # the nearest holders (on the needers' node, else all) each stream a share
+        node_of = [row[replica.NODE] for row in rows[place::size]]
+        near = [h for h in holders if node_of[h] == node_of[needers[0]]]
+        source = "peer_node" if near else "peer_remote"
+        # needers whose model's layout is the holders' post its receives at once
+        at = replica.LAYOUT
+        agreed = all(rows[q * size + place][at] == ref[at] for q in needers)
+        transfer(r.dp, r.model, r.optimizer, holders=near or holders,
+                 needers=needers, device=r.device, have=have[0], agreed=agreed)  # fmt: skip
+        if r.dp.rank in needers:
+            r.step, r.has_state, r.laid_out = sp.target, True, False
+            r.data.load(ref[3:5])  # the data position is committed state too
+    # a replica's partial results count when every rank of it holds its place's state
+    # and all of them computed the same micro-batches (:func:`replica.plan`)
+    if not sp.kept[r.dp.rank]:
+        r.mb.done.clear()
+        r.grads.clear()
+    r.held = sp.done
+    r.missing = L.missing(sp.done, r.M)
+    return r.M - len(r.missing), source
+
+
+def _reshard(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]:
+    """The ledger exchange found state in another layout than the epoch's: every member
+    fills its new shard by name (:func:`unicron.runtime.reshard.reshard`). The
+    interrupted step's partial results are dropped (sums of another split)."""
+    target = max(row[replica.STEP] for row in rows)
+    source = None
+    if r.has_state and r.step == target:
+        source = r.old if r.old is not None else r.shard
+    assert r.shard is not None
+    try:
+        if target < 0:
+            raise StateLost("no member holds the state")
+        reshard(g, source=source, target=r.shard, tp_rank=r.par.rank)
+        ref = next(row for row in rows if row[replica.STEP] == target)
+        r.step, r.has_state, r.old = target, True, None
+        r.data.load(ref[3:5])
+        source_name = "reshard"
+    except StateLost:
+        load_checkpoint(r)
+        r.old, source_name = None, "checkpoint"
+    r.mb.done.clear()
+    r.grads.clear()
+    r.missing = list(range(r.M))
+    r.held = [set() for _ in range(g.world // r.R)]
+    return 0, source_name
+
+
+def load_checkpoint(r: _Runner) -> None:
+    """Every replica is gone: go on from the newest valid checkpoint (a checkpoint of
+    another model, data layout or reduce mode stops the task: exit 2). Model parallel:
+    each rank its place's shard, of the newest step every shard has."""
+    root = r.ctx.checkpoint
+    found = None
+    if root is not None:
+        found = C.load_newest_shard(layout_root(r.ctx, r.pipe), r.place, r.R)
+    if found is None:
+        raise RuntimeError("no member of the epoch holds the model state and no checkpoint")
+    manifest, parts = found
+    why = C.mismatch(
+        manifest,
+        model=C.describe_model(r.model.state_dict()),
+        ledger=r.ledger.describe(),
+        reduce=r.ctx.reduce,
+    )
+    if why is not None:
+        flag = "--resume" if r.ctx.resume else "--checkpoint-dir"
+        r.store.set(usage_key(r.ctx.task), f"{flag} {root}: {why}")
+        raise SystemExit(2)
+    r.step, r.has_state = C.restore(parts, r.model, r.optimizer), True
+    r.laid_out = False
+    r.data.load(parts["train"].get("data", (-1, -1)))
+    if r.ckpt is not None:
+        r.ckpt.last_step = r.step  # no need to write what was just read
+    r.grads.clear()
+    r.mb.done.clear()
