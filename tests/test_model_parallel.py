@@ -344,3 +344,45 @@ def test_both_replicas_broken_in_one_step_come_back_together(tmp_path: Path) -> 
     assert c.members == ()  # slot 2 holds place 0, its partner is restarting
     c.exchange(0, [M.Ready(slot=3, ts=2.5, microbatches=8)], 2.5)
     assert sorted(c.members) == [0, 1, 2, 3]
+
+
+def test_a_checkpoint_of_one_layout_loads_into_another_by_name(tmp_path: Path) -> None:
+    """After a layout change the newest checkpoint may be the old layout's (PP=2, a file per
+    stage): a PP=1 shard reads its entries by name from both stages' files, parameters and
+    the optimizer's state alike, bit for bit (the worker's fallback, ``transition._by_name``)."""
+    from unicron.runtime import checkpoint as C
+
+    cfg = llama_parallel.LlamaConfig(layers=2, dim=32, heads=4, kv_heads=2, hidden=64,
+                                     seq_len=16)  # fmt: skip
+    tp = TensorParallel(0, 1)
+
+    def build(stage: int, stages: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        with _BUILD:
+            model, opt, _ = llama_parallel.build(
+                tp, seed=3, cfg=cfg, pp=PipelineParallel(stage, stages, tp)
+            )
+        return model, opt
+
+    root = tmp_path / "ck"
+    stages = [build(s, 2) for s in range(2)]
+    for place, (model, opt) in enumerate(stages):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.5 + place)
+        opt.step()  # the moments exist
+        snap = C.snapshot(model, opt, step=7, ledger={"seed": 0})
+        C.write(C.shard_root(root, place, 2), snap.parts, step=7, world=1, reduce="exact",
+                model=snap.model, ledger={"seed": 0}, now=0.0)  # fmt: skip
+    assert C.newest_step(root, 2) == 7
+    whole, opt = build(0, 1)
+    assert C.restore_by_name(C.load_by_name(root, [0, 1], 2, 7), whole, opt) == 7
+    params = dict(whole.named_parameters())
+    for model, old_opt in stages:
+        for name, p in model.named_parameters():
+            assert torch.equal(params[name], p), name
+            mine, theirs = opt.state[params[name]], old_opt.state[p]
+            assert mine.keys() == theirs.keys() and all(
+                torch.equal(mine[k], theirs[k]) for k in mine
+            ), name
+    # an entry no file holds (a stage's files missing) is an error, not a silent zero
+    with pytest.raises(C.CheckpointError, match="missing"):
+        C.restore_by_name(C.load_by_name(root, [0], 2, 7), *build(0, 1))

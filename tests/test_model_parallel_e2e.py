@@ -169,6 +169,35 @@ def test_a_layout_change_8_6_8_keeps_the_fault_free_bits(run: Any) -> None:
 
 
 @pytest.mark.long
+def test_every_replica_of_a_new_layout_lost_falls_back_to_the_old_layouts_checkpoint(
+    run: Any,
+) -> None:
+    """Slot 5 excluded at step 2 (PP=2 -> PP=1 on six); at step 3, before the new layout
+    wrote a checkpoint, a rank of each of its three replicas crashes: tensor rank 0's state
+    is gone everywhere, and every rank reads the PP=2 checkpoint of step 2 by name. The end
+    is the fault-free PP=2 run's state, entry by entry (its shards merged by name)."""
+    layout = ("--nproc-per-node", "8", "--tp", "2", "--pp", "2")
+    clean = _tp(run, *layout, steps=10)
+    faulty = _tp(
+        run, *layout, "--pp-choices", "1", "--checkpoint-every", "2", "--readmit-after", "1000",
+        "--inject", "error:rank=5,step=2,kind=ecc", "--inject", "crash:rank=0,step=3,mb=1",
+        "--inject", "crash:rank=2,step=3,mb=1", "--inject", "crash:rank=6,step=3,mb=1",
+        steps=10,
+    )  # fmt: skip
+    for r in (clean, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+    (back,) = [e for e in faulty.of("transition_end") if e["state_source"] == "checkpoint"]
+    assert (back["step"], back["steps_redone"]) == (2, 1), back
+    shards = [torch.load(p) for p in sorted((clean.out.parent / "out").glob("final.shard*.pt"))]
+    ends = [torch.load(p) for p in sorted((faulty.out.parent / "out").glob("final.shard*.pt"))]
+    assert len(shards) == 4 and len(ends) == 2  # PP=2 x TP=2 against PP=1 x TP=2
+    for rank, end in enumerate(ends):
+        merged = {**shards[rank], **shards[2 + rank]}  # stage 0 and 1 at this tensor rank
+        assert sorted(merged) == sorted(end)
+        assert all(torch.equal(merged[k], end[k]) for k in end)
+
+
+@pytest.mark.long
 def test_four_tensor_ranks_heal_to_the_fault_free_bits(run: Any) -> None:
     """TP=4 x DP=2: the replica's sums are over four ranks (gloo's ring, not a pair), deterministic
     for the layout: tensor rank 2 of replica 1 lost mid-step, then rank 0 of replica 0."""

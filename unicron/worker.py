@@ -342,7 +342,7 @@ class _Runner:
                 every_steps=every, mtbf_s=self.ctx.checkpoint_mtbf_s, keep=keep
             )
             self.ckpt = C.Checkpointer(
-                root=C.shard_root(layout_root(self.ctx, self.pipe), self.place, self.R),
+                root=C.shard_root(layout_root(self.ctx, self.pipe.stages), self.place, self.R),
                 settings=settings,
                 reduce=self.ctx.reduce,
                 ledger=self.ledger.describe(),

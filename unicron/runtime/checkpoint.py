@@ -462,14 +462,70 @@ def snapshot(
     the ledger's own order) and RNG states."""
 
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    names = {id(p): name for name, p in model.named_parameters()}
     train = {
         "step": step,
         "ledger": dict(ledger),
         "data": [int(x) for x in data],
         "rng": _rng_states(),
+        # the optimizer state's parameters by name, in its order: another layout's shard
+        # finds its entries here (load_by_name)
+        "params": [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]],
     }
     parts = {"model": state, "optim": copy.deepcopy(optimizer.state_dict()), "train": train}
     return Snapshot(step=step, parts=parts, model=describe_model(state))
+
+
+def newest_step(root: Path, places: int) -> int:
+    """The newest step under ``root`` that every one of ``places`` shards has (-1: none);
+    verified when loaded (:func:`load_newest_shard`)."""
+    found = [
+        {int(p.name[len(PREFIX) :]) for p in steps(shard_root(root, c, places))}
+        for c in range(places)
+    ]
+    common = set.intersection(*found) if found else set()
+    return max(common, default=-1)
+
+
+def load_by_name(root: Path, places: list[int], size: int, step: int) -> dict[str, Any]:
+    """The checkpoint of ``step`` of another layout (replicas of ``size`` ranks under
+    ``root``) read for a shard of this one: the files of ``places`` (every stage at this
+    rank's tensor-parallel rank) merged by name, as ``{"model": name -> tensor, "optim":
+    name -> the parameter's optimizer state, "train": ...}`` (:func:`restore_by_name`).
+    Called by the worker's fallback when its own layout has no checkpoint as new."""
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    train: dict[str, Any] = {}
+    for c in places:
+        path = step_dir(shard_root(root, c, size), step)
+        _, parts = load(path)
+        model.update(parts["model"])
+        names = parts["train"].get("params", [])
+        for i, state in parts["optim"]["state"].items():
+            if i < len(names) and names[i]:
+                optim[names[i]] = state
+        train = parts["train"]
+    return {"model": model, "optim": optim, "train": train}
+
+
+def restore_by_name(
+    parts: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    """Load :func:`load_by_name`'s merged parts into this layout's ``model`` and
+    ``optimizer`` (every entry by its name; ``CheckpointError`` if one is missing or of
+    another shape) and the RNGs; the step."""
+    sd = model.state_dict()
+    lacking = [k for k in sd if k not in parts["model"] or parts["model"][k].shape != sd[k].shape]
+    if lacking:
+        raise CheckpointError(f"{len(lacking)} entries missing, e.g. {lacking[0]}")
+    model.load_state_dict({k: parts["model"][k] for k in sd})
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
+    own = optimizer.state_dict()
+    state = {i: parts["optim"][n] for i, n in enumerate(order) if n in parts["optim"]}
+    optimizer.load_state_dict({"state": state, "param_groups": own["param_groups"]})
+    _set_rng_states(parts["train"]["rng"])
+    return int(parts["train"]["step"])
 
 
 def restore(

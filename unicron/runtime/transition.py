@@ -15,12 +15,13 @@ A membership change and Model-parallel replicas.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from unicron.parallel import PipelineParallel
+from unicron.parallel import pipeline_depths
 from unicron.protocol import trained_key, usage_key
 from unicron.runtime import checkpoint as C
 from unicron.runtime import ledger as L
@@ -36,13 +37,15 @@ if TYPE_CHECKING:
 
 __all__ = ["layout_root", "load_checkpoint", "sync"]
 
+log = logging.getLogger(__name__)
 
-def layout_root(ctx: WorkerContext, pipe: PipelineParallel) -> Path:
-    """Where the checkpoints of a layout go: the task's directory, or for another pipeline
-    depth than the task's own (a layout change) its ``ppN`` folder (shards of another
-    split)."""
+
+def layout_root(ctx: WorkerContext, stages: int) -> Path:
+    """Where the checkpoints of the layout of ``stages`` pipeline stages go: the task's
+    directory, or for another depth than the task's own (a layout change) its ``ppN``
+    folder (shards of another split)."""
     assert ctx.checkpoint is not None
-    return ctx.checkpoint if pipe.stages == ctx.pp else ctx.checkpoint / f"pp{pipe.stages}"
+    return ctx.checkpoint if stages == ctx.pp else ctx.checkpoint / f"pp{stages}"
 
 
 def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
@@ -144,7 +147,9 @@ def load_checkpoint(r: _Runner) -> None:
     root = r.ctx.checkpoint
     found = None
     if root is not None:
-        found = C.load_newest_shard(layout_root(r.ctx, r.pipe), r.place, r.R)
+        found = C.load_newest_shard(layout_root(r.ctx, r.pipe.stages), r.place, r.R)
+        if _by_name(r, newer_than=-1 if found is None else found[0].step):
+            return
     if found is None:
         raise RuntimeError("no member of the epoch holds the model state and no checkpoint")
     manifest, parts = found
@@ -165,3 +170,32 @@ def load_checkpoint(r: _Runner) -> None:
         r.ckpt.last_step = r.step  # no need to write what was just read
     r.grads.clear()
     r.mb.done.clear()
+
+
+def _by_name(r: _Runner, newer_than: int) -> bool:
+    """After a layout change: load a newer checkpoint than this layout's own (``newer_than``)
+    written at another pipeline depth of the task, entry by entry from the shards of this
+    rank's tensor-parallel rank (:func:`unicron.runtime.checkpoint.load_by_name`). False if
+    there is none."""
+    assert r.ctx.checkpoint is not None
+    tp = r.ctx.tp
+    for depth in sorted(set(pipeline_depths()) - {r.pipe.stages}):
+        root, size = layout_root(r.ctx, depth), tp * depth
+        step = C.newest_step(root, size)
+        if step <= newer_than:
+            continue
+        places = [stage * tp + r.par.rank for stage in range(depth)]
+        try:
+            parts = C.load_by_name(root, places, size, step)
+            r.step = C.restore_by_name(parts, r.model, r.optimizer)
+        except C.CheckpointError as exc:
+            log.warning("skipping the pp %d checkpoint of step %d: %s", depth, step, exc)
+            continue
+        r.has_state, r.laid_out = True, False
+        r.data.load(parts["train"].get("data", (-1, -1)))
+        if r.ckpt is not None:
+            r.ckpt.last_step = r.step
+        r.grads.clear()
+        r.mb.done.clear()
+        return True
+    return False
