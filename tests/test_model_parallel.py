@@ -269,6 +269,33 @@ def test_a_slot_lost_for_good_changes_the_layout_and_its_return_changes_it_back(
     assert began[-3:] == [2, 1, 2]
 
 
+def test_the_planner_taking_a_pair_changes_the_layout_and_giving_it_back_restores_it(
+    tmp_path: Path,
+) -> None:
+    """The planner's moves, as the cluster makes them: two slots of a TP=2 x PP=2 task that
+    may run at PP=1 go to another task (at a step boundary: the six left run at PP=1), and
+    two new slots come back (PP=2 on eight once they are ready)."""
+    c = Coordinator(
+        task="t",
+        slots=dict.fromkeys(range(8), 0),
+        events=EventLog(tmp_path / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(replica_ranks=4, tp=2, depths=(2, 1), min_workers=4),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(8)], 0.0)
+    c.release_slots([6, 7], 1.0, "planner")
+    assert (c.members, c.book.pp) == ((0, 1, 2, 3, 4, 5), 1)
+    entered = [M.EpochEntered(slot=s, ts=1.5, epoch=2) for s in range(6)]
+    c.exchange(0, [*entered, M.WorkerLeft(slot=6, ts=1.6), M.WorkerLeft(slot=7, ts=1.6)], 1.6)
+    assert 6 not in c.book.slots and 7 not in c.book.slots  # stopped, the other task's
+    for slot in (8, 9):
+        c.add_slot(slot, 0, 2.0, "planner")
+    c.exchange(0, [M.Ready(slot=s, ts=3.0, microbatches=8) for s in (8, 9)], 3.0)
+    assert (c.members, c.book.pp) == ((0, 1, 2, 3, 4, 5, 8, 9), 0)
+    began = [e for e in c.events.events() if e["event"] == "epoch_begin"]
+    assert [(e["pp"], e["urgent"]) for e in began] == [(2, False), (1, False), (2, False)]
+
+
 def test_the_moves_of_a_layout_change_take_each_entry_from_the_same_tensor_rank() -> None:
     from unicron.runtime.reshard import Move, digest, plan
 

@@ -230,8 +230,9 @@ def _size(b: TaskBook, pp: int) -> int:
 
 
 def _usable(b: TaskBook) -> list[int]:
-    """The task's slots that are not excluded, in slot order."""
-    return [s for s, o in sorted(b.slots.items()) if not o.excluded]
+    """The task's slots that are neither excluded nor given to another task, in slot
+    order."""
+    return [s for s, o in sorted(b.slots.items()) if not o.excluded and not o.leaving]
 
 
 def maybe_start(b: TaskBook, now: float) -> None:

@@ -12,6 +12,7 @@
     threads: 1                      # torch threads per worker
     tp: 1                           # tensor-parallel ranks per pipeline stage
     pp: 1                           # pipeline stages per replica (tp * pp ranks, one node)
+    pp_choices: []                  # other depths it may run at with fewer workers: [1]
     checkpoint: {every: auto, keep: 3, mtbf: 10800}   # also dir, resume
     device: cpu                     # cpu | cuda
     give_up_after: 600              # seconds below min before the task fails
