@@ -413,3 +413,26 @@ def test_a_checkpoint_of_one_layout_loads_into_another_by_name(tmp_path: Path) -
     # an entry no file holds (a stage's files missing) is an error, not a silent zero
     with pytest.raises(C.CheckpointError, match="missing"):
         C.restore_by_name(C.load_by_name(root, [0], 2, 7), *build(0, 1))
+
+
+def test_a_reducer_closed_for_another_shard_leaves_its_parameters_alone() -> None:
+    """A layout change trains a new shard with a new reducer; should the old shard be
+    trained again (the move failed and the next epoch is back at its layout), its
+    parameters must not still call the old reducer's hooks (a stray backward refused)."""
+    from unicron.runtime.gradients import Reducer
+
+    model = torch.nn.Linear(3, 2)
+    strays: list[int] = []
+
+    def reducer() -> Reducer:
+        return Reducer(list(model.parameters()), 2, exact=True, bucket_cap_mb=1.0,
+                       device=torch.device("cpu"), stray=lambda: strays.append(1))  # fmt: skip
+
+    old = reducer()
+    model(torch.ones(1, 3)).sum().backward()
+    assert len(strays) == 2  # one per parameter: a backward outside a step
+    old.close()
+    reducer()  # the new reducer, hooked on the same parameters
+    strays.clear()
+    model(torch.ones(1, 3)).sum().backward()
+    assert len(strays) == 2  # the new reducer's hooks alone

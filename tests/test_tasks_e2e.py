@@ -68,7 +68,8 @@ def steps(cluster: LocalCluster, name: str) -> list[int]:
 def test_every_example_task_file_trains(cluster: LocalCluster, tmp_path: Path) -> None:
     files = {p.name for p in TASKS.glob("*.yaml")}
     assert files == {"gpt.yaml", "llama.yaml", "planner.yaml", "gpt-checkpoint.yaml",
-                     "gpt-resume.yaml", "llama-tp.yaml"}, files  # fmt: skip
+                     "gpt-resume.yaml", "llama-tp.yaml", "llama-3d.yaml"}, files  # fmt: skip
+    # llama-tp.yaml and llama-3d.yaml (replicas of 4 ranks: a node of 8) have tests below
     for name in ("gpt.yaml", "llama.yaml", "planner.yaml"):
         proc = cli(cluster, "submit", str(TASKS / name))
         assert proc.returncode == 0 and proc.stdout.startswith("submitted "), proc.stderr
@@ -138,3 +139,29 @@ def test_a_tensor_parallel_task_heals_in_the_cluster_to_run_s_bits(
         tuple(e["members"]) for e in cluster.events("llama-tp") if e["event"] == "epoch_begin"
     ]
     assert all(len(m) % 2 == 0 for m in epochs) and len(epochs) >= 3, epochs
+
+
+@pytest.mark.long
+def test_a_3d_task_changes_layout_in_the_cluster_to_run_s_bits(tmp_path: Path) -> None:
+    """``examples/tasks/llama-3d.yaml`` (TP=2 x PP=2 x DP=2, ``pp_choices: [1]``) submitted
+    to a node of 8 slots, slot 5 excluded by an ECC error and readmitted: PP=1 on six, PP=2
+    on eight again, and the bits of a fault-free ``unicron run --tp 2 --pp 2``."""
+    spec = load(TASKS / "llama-3d.yaml").model_dump()
+    spec["inject"] = ["error:rank=5,step=4,kind=ecc"]
+    spec["readmit_after"] = 1.0
+    script = ROOT / "examples" / "train_llama_parallel.py"
+    (tmp_path / "run").mkdir()
+    run = run_unicron(tmp_path / "run", "--nproc-per-node", "8", "--tp", "2", "--pp", "2",
+                      script=script, script_args=("--steps", "40"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    with LocalCluster(tmp_path / "cluster", hosts=1, slots=8, loopback=True) as c:
+        c.start_coordinator()
+        c.start_agent(0, wait=False)
+        c.wait_nodes(1)
+        c.submit(spec)
+        view = c.wait_task("llama-3d", timeout_s=240)
+        assert view["state"] == "done", view
+        assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
+        began = [e for e in c.events("llama-3d") if e["event"] == "epoch_begin"]
+    layouts = [(e["pp"], len(e["members"])) for e in began]
+    assert layouts[0] == (2, 8) and (1, 6) in layouts and layouts[-1] == (2, 8), layouts

@@ -315,7 +315,7 @@ class _Runner:
         of another layout built by the script's ``rebuild``): its reducer, micro-batches,
         place and checkpoints. What it computed of a step before is dropped."""
         if self.shard is not None:
-            self.grads.stop()
+            self.grads.close()
             if self.ckpt is not None:
                 self.ckpt.join()
         self.shard, self.model, self.optimizer = shard, shard.model, shard.optimizer

@@ -69,8 +69,10 @@ class Reducer:
         self._in_backward = self._last = False
         self._exchange: R.Exchange | None = None  # the reduction the last micro-batch starts
         self._broken: EpochOver | None = None  # a collective the hooks started failed
-        for i, p in enumerate(self.params):
+        self._hooks = [
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
+            for i, p in enumerate(self.params)
+        ]
 
     # -- an attempt at a step -------------------------------------------------------------------
     def start(self, g: EpochGroup, held: Sequence[Sequence[R.Node]]) -> None:
@@ -186,6 +188,13 @@ class Reducer:
         """The worker is done: stop exact mode's gather threads."""
         for gatherer in self._gatherers.values():
             gatherer.stop()
+
+    def close(self) -> None:
+        """Another shard is trained from now on (a layout change): stop, and take the hooks
+        off these parameters (the old shard may be trained again, by a new reducer)."""
+        self.stop()
+        for hook in self._hooks:
+            hook.remove()
 
     # -- an epoch's buffers and threads -----------------------------------------------------------
     def _space(self, g: EpochGroup) -> R.Workspace:
