@@ -4,7 +4,7 @@ One node, 4 workers, the example GPT. A seeded schedule (:func:`schedule`) injec
 hangs, every error kind of the classification table and slow workers, on every slot, a few
 steps apart, each on a slot the earlier faults have not taken out; the escalation's minute is
 scaled to :data:`TIME_SCALE` seconds, as the faults are ~100x denser than a cluster's. The
-same training runs once without faults; both must end with the same ``params_sha256``. From
+same training runs once without faults; both must end with the same parameters. From
 the faulty run's event log (:func:`measure_faults`), per fault: the time to its detection
 (the first ``error_detected`` about its slot at or after it) and to the next finished step;
 per kind the worst detection against the goal (a hang found within ``max(3 x median step,
@@ -14,6 +14,7 @@ per kind the worst detection against the goal (a hang found within ``max(3 x med
     python -m bench.chaos [--quick] [--faults N] [--seed S] [--gap G] [--keep DIR]  # make soak
     python -m bench.chaos --tp 2      # the same on model-parallel replicas (make soak-parallel)
     python -m bench.chaos --tp 2 --workers 8   # four such replicas
+    python -m bench.chaos --tp 2 --pp 2 --pp-choices 1 --workers 8   # and layout changes
 
 With ``--tp T`` and/or ``--pp P`` the run is ``examples/train_llama_parallel.py`` on replicas
 of ``T x P`` of the workers (``--workers``, default 4; data parallel over the rest): a fault
@@ -113,13 +114,14 @@ def _run(
     timeout_s: float,
     layout: tuple[int, int] = (1, 1),
     workers: int = WORKERS,
+    depths: str = "",
 ) -> tuple[list[Event], float]:
     workdir.mkdir(parents=True)
     events = workdir / "events.jsonl"
     tp, pp = layout
     script = "train_gpt.py" if layout == (1, 1) else "train_llama_parallel.py"
     cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(workers), "--quiet",
-           "--tp", str(tp), "--pp", str(pp),
+           "--tp", str(tp), "--pp", str(pp), *(["--pp-choices", depths] if depths else []),
            "--events", str(events), "--log-dir", str(workdir / "logs"),
            "--readmit-after", str(TIME_SCALE), "--restart-window", str(TIME_SCALE),
            "--checkpoint-every", "10",
@@ -172,16 +174,45 @@ def measure_faults(events: list[Event]) -> dict[str, Any]:
     }
 
 
-def scenario_name(gap: int, layout: tuple[int, int] = (1, 1), workers: int = WORKERS) -> str:
+def scenario_name(
+    gap: int, layout: tuple[int, int] = (1, 1), workers: int = WORKERS, depths: str = ""
+) -> str:
     """``chaos`` for the default spacing, workers and replicas of one rank; another
     spacing's, worker count's or layout's rows go to a file of their own (``chaos-gap3``,
-    ``chaos-w8-tp2``)."""
+    ``chaos-w8-tp2``, ``chaos-w8-tp2-pp2-ppc1`` with ``--pp-choices 1``)."""
     tp, pp = layout
     parts = [SCENARIO] + ([f"gap{gap}"] if gap != 5 else [])
     parts += [f"w{workers}"] if workers != WORKERS else []
     parts += [f"tp{tp}"] if tp > 1 else []
     parts += [f"pp{pp}"] if pp > 1 else []
+    parts += [f"ppc{depths.replace(',', '')}"] if depths else []
     return "-".join(parts)
+
+
+def state_by_name(out: Path, tp: int) -> list[dict[str, Any]]:
+    """A run's final parameters (``--out``: ``final.pt``, or a file per place of replica 0)
+    merged by name per tensor-parallel rank: the same for two runs that ended at different
+    pipeline depths (a layout change) with the same state."""
+    import torch
+
+    files = sorted(out.glob("final.shard*.pt"), key=lambda p: int(p.stem.split("shard")[1]))
+    if not files:
+        return [dict(torch.load(out / "final.pt"))]
+    merged: list[dict[str, Any]] = [{} for _ in range(tp)]
+    for place, path in enumerate(files):
+        merged[place % tp].update(torch.load(path))
+    return merged
+
+
+def same_state(a: Path, b: Path, tp: int) -> bool:
+    """Whether two runs' final parameters are equal bit for bit, entry by entry."""
+    import torch
+
+    x, y = state_by_name(a, tp), state_by_name(b, tp)
+    return all(
+        xs.keys() == ys.keys() and all(torch.equal(xs[k], ys[k]) for k in xs)
+        for xs, ys in zip(x, y, strict=True)
+    )
 
 
 def run(
@@ -192,6 +223,7 @@ def run(
     gap: int = 5,
     layout: tuple[int, int] = (1, 1),
     workers: int = WORKERS,
+    depths: str = "",
 ) -> list[Row]:
     """The rows of this scenario; ``keep``: leave both runs' event logs and worker logs there;
     ``gap``: steps between two faults; ``layout``: (tp, pp) of the replicas; ``workers``: on
@@ -201,18 +233,19 @@ def run(
     timeout_s = 120.0 + steps * 2.0
     with tempfile.TemporaryDirectory(prefix="unicron-bench-chaos-") as tmp:
         where = keep if keep is not None else Path(tmp)
-        clean, clean_wall = _run(where / "clean", steps, [], timeout_s, layout, workers)
+        _, clean_wall = _run(where / "clean", steps, [], timeout_s, layout, workers)
         specs = [p.spec for p in planned]
-        faulty, wall = _run(where / "faulty", steps, specs, timeout_s, layout, workers)
-    end_clean = next(e for e in clean if e["event"] == "task_end")
+        faulty, wall = _run(where / "faulty", steps, specs, timeout_s, layout, workers, depths)
+        # by name: a run that ended at another pipeline depth holds the same entries
+        exact = same_state(where / "clean" / "out", where / "faulty" / "out", layout[0])
     end = next(e for e in faulty if e["event"] == "task_end")
     m = measure_faults(faulty)
-    exact = end.get("params_sha256") == end_clean.get("params_sha256")
     healed = m["fired"] - m["undetected"] if end.get("status") == "ok" else 0
     median_step = m["median_step_s"] or 0.0
     goal = max(3 * median_step, 1.0) + 0.5
-    base = dict(system="unicron", scenario=scenario_name(gap, layout, workers))
+    base = dict(system="unicron", scenario=scenario_name(gap, layout, workers, depths))
     what = "" if layout == (1, 1) else f", replicas of tp {layout[0]} x pp {layout[1]}"
+    what += f" (also pp {depths})" if depths else ""
     setup = (
         f"{n} faults planned, one every {gap} steps, seed {seed}, {steps} steps, "
         f"{workers} workers on 1 node{what}"
@@ -224,7 +257,7 @@ def run(
         make_row(**base, metric="steps_lost", values=[m["steps_lost"]], unit="",
                  note="steps finished twice (redone after a checkpoint reload); goal 0"),
         make_row(**base, metric="bitwise_identical", values=[1.0 if exact else 0.0], unit="",
-                 note="params_sha256 of the faulty run == the fault-free run's"),
+                 note="the faulty run's final parameters == the fault-free run's, by name"),
         make_row(**base, metric="wall_s", values=[wall], unit="s",
                  note=f"the faulty run; load average {os.getloadavg()[0]:.1f} at its end, "
                  f"{os.cpu_count()} cores"),
@@ -257,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica stage")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages per replica")
     p.add_argument("--workers", type=int, default=WORKERS, help=f"default {WORKERS}")
+    p.add_argument("--pp-choices", default="", metavar="P,Q",
+                   help="other pipeline depths the task may run at (a layout change)")  # fmt: skip
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be >= 1")
@@ -269,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep is not None and args.keep.exists():
         p.error(f"--keep {args.keep}: already exists")
     layout = (args.tp, args.pp)
-    rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout, args.workers)
+    rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout, args.workers,
+               args.pp_choices)  # fmt: skip
     print_table(rows, title="Fault soak: mixed faults in one run")
-    name = scenario_name(args.gap, layout, args.workers)
+    name = scenario_name(args.gap, layout, args.workers, args.pp_choices)
     save_scenario(rows, name, ROOT / "bench" / "results", replace=True)
     return 0
 

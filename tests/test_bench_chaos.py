@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
+
+import torch
 
 from bench.chaos import (
     FAULT_KINDS,
@@ -11,6 +14,7 @@ from bench.chaos import (
     OUT_STEPS_DEFAULT,
     WORKERS,
     measure_faults,
+    same_state,
     scenario_name,
     schedule,
 )
@@ -37,6 +41,23 @@ def test_more_workers_spread_the_faults_and_keep_their_own_results_file() -> Non
     assert scenario_name(5, (2, 1)) == "chaos-tp2"
     assert scenario_name(5, (2, 1), workers=8) == "chaos-w8-tp2"
     assert scenario_name(5) == "chaos"
+    assert scenario_name(5, (2, 2), workers=8, depths="1") == "chaos-w8-tp2-pp2-ppc1"
+
+
+def test_two_runs_that_ended_at_other_depths_compare_by_name(tmp_path: Path) -> None:
+    """A soak with layout changes may end at PP=1 where the fault-free run ended at PP=2:
+    the final parameters are compared entry by entry, per tensor-parallel rank."""
+    w = {f"blocks.{i}.w": torch.full((2,), float(i)) for i in range(2)}
+    pp2, pp1 = tmp_path / "pp2", tmp_path / "pp1"
+    for d in (pp2, pp1):
+        d.mkdir()
+    for place, names in enumerate((["blocks.0.w"], ["blocks.0.w"], ["blocks.1.w"], ["blocks.1.w"])):
+        torch.save({n: w[n] + place % 2 for n in names}, pp2 / f"final.shard{place}.pt")
+    for place in range(2):  # tensor rank 0 and 1 of one stage holding both blocks
+        torch.save({n: t + place for n, t in w.items()}, pp1 / f"final.shard{place}.pt")
+    assert same_state(pp2, pp1, tp=2)
+    torch.save({n: t + 2 for n, t in w.items()}, pp1 / "final.shard1.pt")
+    assert not same_state(pp2, pp1, tp=2)
 
 
 def test_no_fault_is_planned_on_a_slot_an_earlier_one_took_out() -> None:
