@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -163,8 +163,12 @@ def load_checkpoint(r: _Runner) -> None:
         flag = "--resume" if r.ctx.resume else "--checkpoint-dir"
         r.store.set(usage_key(r.ctx.task), f"{flag} {root}: {why}")
         raise SystemExit(2)
-    r.step, r.has_state = C.restore(parts, r.model, r.optimizer), True
-    r.laid_out = False
+    _loaded(r, C.restore(parts, r.model, r.optimizer), parts)
+
+
+def _loaded(r: _Runner, step: int, parts: dict[str, Any]) -> None:
+    """A checkpoint of ``step`` is in the model and optimizer: the rest of the state."""
+    r.step, r.has_state, r.laid_out = step, True, False
     r.data.load(parts["train"].get("data", (-1, -1)))
     if r.ckpt is not None:
         r.ckpt.last_step = r.step  # no need to write what was just read
@@ -179,23 +183,19 @@ def _by_name(r: _Runner, newer_than: int) -> bool:
     there is none."""
     assert r.ctx.checkpoint is not None
     tp = r.ctx.tp
-    for depth in sorted(set(pipeline_depths()) - {r.pipe.stages}):
-        root, size = layout_root(r.ctx, depth), tp * depth
-        step = C.newest_step(root, size)
+    found = [
+        (C.newest_step(layout_root(r.ctx, depth), tp * depth), depth)
+        for depth in set(pipeline_depths()) - {r.pipe.stages}
+    ]
+    for step, depth in sorted(found, reverse=True):  # the newest first
         if step <= newer_than:
-            continue
+            break
         places = [stage * tp + r.par.rank for stage in range(depth)]
         try:
-            parts = C.load_by_name(root, places, size, step)
-            r.step = C.restore_by_name(parts, r.model, r.optimizer)
+            parts = C.load_by_name(layout_root(r.ctx, depth), places, tp * depth, step)
+            _loaded(r, C.restore_by_name(parts, r.model, r.optimizer), parts)
         except C.CheckpointError as exc:
             log.warning("skipping the pp %d checkpoint of step %d: %s", depth, step, exc)
             continue
-        r.has_state, r.laid_out = True, False
-        r.data.load(parts["train"].get("data", (-1, -1)))
-        if r.ckpt is not None:
-            r.ckpt.last_step = r.step
-        r.grads.clear()
-        r.mb.done.clear()
         return True
     return False
