@@ -436,3 +436,16 @@ def test_a_reducer_closed_for_another_shard_leaves_its_parameters_alone() -> Non
     strays.clear()
     model(torch.ones(1, 3)).sum().backward()
     assert len(strays) == 2  # the new reducer's hooks alone
+
+
+def test_a_moves_bytes_travel_in_packs_of_bounded_size() -> None:
+    from unicron.runtime.reshard import PACK_BYTES, _packs
+
+    small, big = (
+        torch.zeros(PACK_BYTES // 16, dtype=torch.uint8),
+        torch.zeros(2 * PACK_BYTES, dtype=torch.uint8),
+    )
+    packs = _packs([small] * 20 + [big, small])
+    assert [len(p) for p in packs] == [16, 4, 1, 1]  # a larger tensor is a pack of its own
+    assert all(sum(t.numel() for t in p) <= PACK_BYTES for p in packs if len(p) > 1)
+    assert _packs([]) == [[]]

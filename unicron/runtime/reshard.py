@@ -14,8 +14,8 @@ shard as the source, and every entry of the new shards' state is filled from the
    not change: an entry is the same slice at the same tensor-parallel rank;
 2. the *moves* (:func:`plan`, pure): each needed entry comes from the member itself if it
    holds it, else from the first holder at the same tensor-parallel rank; the moves from
-   one member to another are one message: a JSON manifest of the entries (shapes, dtypes,
-   the optimizer's state per parameter) and one byte buffer;
+   one member to another are a JSON manifest of the entries (shapes, dtypes, the optimizer's
+   state per parameter) and their bytes in packs of about :data:`PACK_BYTES`;
 3. the moves run in one global order (source, then destination), each over a
    :class:`~unicron.runtime.group.PeerLink` of the epoch's group (a subgroup of the pair on
    NCCL): the first move not done has both its members at it, so the order cannot deadlock.
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,11 @@ import torch
 from unicron.parallel import PipelineParallel
 from unicron.runtime.group import EpochGroup
 
-__all__ = ["Move", "Shard", "StateLost", "digest", "plan", "reshard"]
+__all__ = ["PACK_BYTES", "Move", "Shard", "StateLost", "digest", "plan", "reshard"]
+
+PACK_BYTES = 16 << 20
+"""about how many bytes of tensors one message of a move carries (the sender packs them, so
+a move costs that much memory beyond the two shards, not its whole size)"""
 
 
 class StateLost(RuntimeError):
@@ -171,7 +176,23 @@ def _pair(g: EpochGroup, other: int) -> tuple[Any, int, int]:
     return sub, int(g.rank > other), int(other > g.rank)
 
 
+def _packs(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into packs of about :data:`PACK_BYTES` (a larger tensor is a
+    pack of its own): what one message carries."""
+    packs: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if packs[-1] and size + t.numel() * t.element_size() > PACK_BYTES:
+            packs.append([])
+            size = 0
+        packs[-1].append(t)
+        size += t.numel() * t.element_size()
+    return packs
+
+
 def _send(g: EpochGroup, dst: int, source: Shard, names: list[str]) -> None:
+    """Member ``dst``'s entries ``names`` of ``source``: a manifest (names, the optimizer's
+    state per parameter: shapes and dtypes, or plain values), then the tensors in packs."""
     sd, states = source.model.state_dict(), _state_of(source)
     tensors: list[torch.Tensor] = []
     manifest: list[dict[str, Any]] = []
@@ -185,48 +206,55 @@ def _send(g: EpochGroup, dst: int, source: Shard, names: list[str]) -> None:
             else:
                 entry["state"][k] = {"value": v}
         manifest.append(entry)
-    payload = torch.cat(
-        [t.detach().reshape(-1).contiguous().cpu().view(torch.uint8) for t in tensors]
-        or [torch.empty(0, dtype=torch.uint8)]
-    )
-    text = torch.frombuffer(bytearray(json.dumps(manifest).encode()), dtype=torch.uint8)
+    packs = [
+        torch.cat([t.detach().reshape(-1).contiguous().cpu().view(torch.uint8) for t in pack])
+        for pack in _packs(tensors)
+        if pack
+    ]
+    head = {"entries": manifest, "packs": [p.numel() for p in packs]}
+    text = torch.frombuffer(bytearray(json.dumps(head).encode()), dtype=torch.uint8)
     link, me, _ = _pair(g, dst)
-    link.broadcast(torch.tensor([text.numel(), payload.numel()], dtype=torch.int64), me)
+    link.broadcast(torch.tensor([text.numel()], dtype=torch.int64), me)
     link.broadcast(text, me)
-    link.broadcast(payload, me)
+    for pack in packs:
+        link.broadcast(pack, me)
 
 
 def _receive(g: EpochGroup, src: int, target: Shard) -> None:
+    """What :func:`_send` sends, into ``target``'s tensors and optimizer state."""
     link, _, them = _pair(g, src)
-    sizes = torch.zeros(2, dtype=torch.int64)
-    link.broadcast(sizes, them)
-    text = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    size = torch.zeros(1, dtype=torch.int64)
+    link.broadcast(size, them)
+    text = torch.empty(int(size[0]), dtype=torch.uint8)
     link.broadcast(text, them)
-    payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
-    link.broadcast(payload, them)
-    manifest = json.loads(bytes(text.numpy()))
+    head = json.loads(bytes(text.numpy()))
+    sizes = list(head["packs"])
     td, params = target.model.state_dict(), dict(target.model.named_parameters())
-    at = 0
+    pack, at = torch.empty(0, dtype=torch.uint8), 0
 
-    def take(like: torch.Tensor) -> torch.Tensor:
-        nonlocal at
-        n = like.numel() * like.element_size()
-        out = payload[at : at + n].view(like.dtype).reshape(like.shape)
+    def take(shape: list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """The next tensor of the stream (the next pack received when this one is read)."""
+        nonlocal pack, at
+        if at == pack.numel():
+            pack, at = torch.empty(sizes.pop(0), dtype=torch.uint8), 0
+            link.broadcast(pack, them)
+        n = math.prod(shape) * dtype.itemsize
+        out = pack[at : at + n].view(dtype).reshape(shape)
         at += n
         return out
 
     with torch.no_grad():
-        for entry in manifest:
+        for entry in head["entries"]:
             t = td[entry["name"]]
-            t.copy_(take(t.cpu()).to(t.device))
+            t.copy_(take(t.shape, t.dtype))
             state: dict[str, Any] = {}
             for k, spec in entry["state"].items():
                 if isinstance(spec, dict):
                     state[k] = spec["value"]
                     continue
                 shape, dtype = spec
-                like = torch.empty(shape, dtype=getattr(torch, dtype))
-                state[k] = take(like).clone().to(t.device if like.dim() else like.device)
+                got = take(shape, getattr(torch, dtype)).clone()
+                state[k] = got.to(t.device) if got.dim() else got  # a scalar step stays here
             if state:
                 target.optimizer.state[params[entry["name"]]] = state
-    assert at == payload.numel(), (at, payload.numel())
+    assert at == pack.numel() and not sizes, (at, pack.numel(), sizes)
