@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.chaos import same_state
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -158,13 +159,21 @@ def test_a_layout_change_8_6_8_keeps_the_fault_free_bits(run: Any) -> None:
         "--inject", "error:rank=5,step=3,kind=ecc", "--inject", "crash:rank=6,step=6,mb=1",
         steps=steps,
     )  # fmt: skip
-    _same(clean, faulty, steps)
+    for r in (clean, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.task_end["status"] == "ok" and r.task_end["steps"] == steps
+    # the same state, entry by entry (a loaded machine may end the run at another depth)
+    assert same_state(clean.out.parent / "out", faulty.out.parent / "out", tp=2)
+    assert sorted(e["step"] for e in faulty.of("step_end")) == list(range(steps))
     epochs = [(e["pp"], tuple(e["members"])) for e in faulty.of("epoch_begin")]
     assert epochs[0] == (2, tuple(range(8))), epochs
     assert (1, (0, 1, 2, 3, 6, 7)) in epochs, epochs  # slot 4 waits: its pair is excluded
-    assert epochs[-1] == (2, tuple(range(8))), epochs
+    shrunk = epochs.index((1, (0, 1, 2, 3, 6, 7)))
+    assert (2, tuple(range(8))) in epochs[shrunk:], epochs  # slot 5 back: PP=2 again
     moved = [e for e in faulty.of("transition_end") if e["state_source"] == "reshard"]
-    assert len(moved) == 2, moved  # 8 -> 6 and 6 -> 8
+    # 8 -> 6 and 6 -> 8; more on a loaded machine, where the straggler rule may exclude a
+    # slow slot for a while (seen beside two CPU burners: every one ended bitwise)
+    assert len(moved) >= 2, moved
     assert not [e for e in faulty.of("transition_end") if e["state_source"] == "checkpoint"]
 
 
