@@ -262,11 +262,18 @@ def test_a_slot_lost_for_good_changes_the_layout_and_its_return_changes_it_back(
     assert c.book.slots[5].excluded
     assert (c.members, c.book.pp) == ((6, 7, 0, 1, 2, 3), 1)  # slot 4 waits for its pair
     assert c.book.size == 2
-    c.exchange(0, [M.ProbeDone(slot=5, ts=5.0, ok=True, detail="ok")], 5.0)
-    c.exchange(0, [M.Ready(slot=5, ts=6.0, microbatches=8)], 6.0)
-    assert (set(c.members), c.book.pp) == (set(range(8)), 0)  # the task's own depth again
+    # another slot excluded (past the escalation's window: not the node): PP=2 would train
+    # four as PP=1 does, so nothing moves but the lost pair
+    c.exchange(0, [M.WorkerFailed(slot=7, ts=99.0, verdict=verdict_for_kind("ecc"))], 99.0)
+    assert (c.members, c.book.pp) == ((0, 1, 2, 3), 1)
+    c.exchange(0, [M.ProbeDone(slot=5, ts=100.0, ok=True, detail="ok")], 100.0)
+    c.exchange(0, [M.Ready(slot=5, ts=100.5, microbatches=8)], 100.5)
+    assert (set(c.members), c.book.pp) == ({0, 1, 2, 3, 4, 5}, 1)  # pairs: PP=1 trains six
+    c.exchange(0, [M.ProbeDone(slot=7, ts=101.0, ok=True, detail="ok")], 101.0)
+    c.exchange(0, [M.Ready(slot=7, ts=101.5, microbatches=8)], 101.5)
+    assert (set(c.members), c.book.pp) == (set(range(8)), 0)  # whole again: its own depth
     began = [e.get("pp") for e in c.events.events() if e["event"] == "epoch_begin"]
-    assert began[-3:] == [2, 1, 2]
+    assert began[-5:] == [2, 1, 1, 1, 2]
 
 
 def test_the_planner_taking_a_pair_changes_the_layout_and_giving_it_back_restores_it(

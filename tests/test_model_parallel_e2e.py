@@ -195,8 +195,11 @@ def test_every_replica_of_a_new_layout_lost_falls_back_to_the_old_layouts_checkp
     )  # fmt: skip
     for r in (clean, faulty):
         assert r.returncode == 0, r.stderr[-3000:]
-    (back,) = [e for e in faulty.of("transition_end") if e["state_source"] == "checkpoint"]
-    assert (back["step"], back["steps_redone"]) == (2, 1), back
+    # from the PP=2 checkpoint of step 2 (twice when the restarted ranks of tensor rank 0
+    # came back before slot 7, whose newer tensor-rank-1 state then sends everyone to the
+    # checkpoint again: seen once in six runs; the same bits)
+    back = [e for e in faulty.of("transition_end") if e["state_source"] == "checkpoint"]
+    assert back and all(e["step"] == 2 for e in back), back
     shards = [torch.load(p) for p in sorted((clean.out.parent / "out").glob("final.shard*.pt"))]
     ends = [torch.load(p) for p in sorted((faulty.out.parent / "out").glob("final.shard*.pt"))]
     assert len(shards) == 4 and len(ends) == 2  # PP=2 x TP=2 against PP=1 x TP=2

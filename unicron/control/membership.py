@@ -210,18 +210,25 @@ def in_transition(b: TaskBook) -> bool:
 # -- epochs --------------------------------------------------------------------------------
 def layout(b: TaskBook, usable: Sequence[int]) -> int:
     """The pipeline depth of the next epoch (0: the task's own): of the task's depths
-    (:attr:`~unicron.control.book.CoordinatorSettings.depths`), the one whose whole replicas
-    hold the most of the ``usable`` slots (not excluded: those that train now or will once
-    restarted), the task's own first on ties. A slot lost for good (excluded, its node lost,
-    given to another task) can change it; a restart cannot. Pure."""
+    (:attr:`~unicron.control.book.CoordinatorSettings.depths`), one whose whole replicas hold
+    the most of the ``usable`` slots (not excluded: those that train now or will once
+    restarted). Among those: the task's own when it trains every usable slot (the task is
+    whole again), else the current one (a move that trains no more ranks is not made), else
+    the task's own, else the first. A slot lost for good (excluded, its node lost, given to
+    another task) can change it; a restart cannot. Pure."""
     depths = b.settings.depths
     if not depths:
         return 0
-    best = max(
-        depths,
-        key=lambda d: (len(replicas.whole(b.slots, usable, b.settings.tp * d)), -depths.index(d)),
-    )
-    return 0 if best == depths[0] else best
+    trained = {d: len(replicas.whole(b.slots, usable, b.settings.tp * d)) for d in depths}
+    best = max(trained.values())
+    own, current = depths[0], b.pp or depths[0]
+    if trained[own] == best and (best == len(usable) or current == own):
+        choice = own
+    elif trained.get(current) == best:
+        choice = current
+    else:
+        choice = next(d for d in depths if trained[d] == best)
+    return 0 if choice == own else choice
 
 
 def _size(b: TaskBook, pp: int) -> int:

@@ -152,8 +152,8 @@ class TaskSpec(BaseModel):
         max_length=8,
         description="pipeline depths the task may also run at, comma-separated: with fewer "
         "workers for good (an excluded slot, a lost node) each epoch runs at the one whose "
-        "whole replicas train the most of them, pp first on ties; the state moves between "
-        "layouts in memory (the script hands train() a rebuild)",
+        "whole replicas train the most of them (pp again once all are back); the state "
+        "moves between layouts in memory (the script hands train() a rebuild)",
     )
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
     give_up_after: float = Field(
