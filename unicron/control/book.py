@@ -195,7 +195,11 @@ class TaskBook:
     @property
     def size(self) -> int:
         """Ranks per replica in the current epoch (``tp * pp`` at its pipeline depth)."""
-        return self.settings.tp * self.pp if self.pp else self.settings.replica_ranks
+        return self.size_at(self.pp)
+
+    def size_at(self, pp: int) -> int:
+        """Ranks per replica at pipeline depth ``pp`` (0: the task's own)."""
+        return self.settings.tp * pp if pp else self.settings.replica_ranks
 
     def other_holders(self, slot: int) -> list[int]:
         """The live slots other than ``slot`` that hold the task's state (model parallel: its

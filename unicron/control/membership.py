@@ -166,7 +166,7 @@ def release_slots(b: TaskBook, slots: list[int], now: float, reason: str) -> Non
             s.to(SlotState.LEAVING)
             leaving.append(slot)
     pp = layout(b, [s for s in _usable(b) if s not in leaving])
-    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], _size(b, pp))
+    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], b.size_at(pp))
     if (rest != b.members or pp != b.pp) and b.active():
         gone = ", ".join(map(str, leaving))
         announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released", pp=pp)
@@ -231,11 +231,6 @@ def layout(b: TaskBook, usable: Sequence[int]) -> int:
     return 0 if choice == own else choice
 
 
-def _size(b: TaskBook, pp: int) -> int:
-    """Ranks per replica at pipeline depth ``pp`` (0: the task's own)."""
-    return b.settings.tp * pp if pp else b.settings.replica_ranks
-
-
 def _usable(b: TaskBook) -> list[int]:
     """The task's slots that are neither excluded nor given to another task, in slot
     order."""
@@ -248,7 +243,7 @@ def maybe_start(b: TaskBook, now: float) -> None:
         b.started_at = now
     usable = _usable(b)
     pp = layout(b, usable)
-    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], _size(b, pp))
+    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], b.size_at(pp))
     timed_out = now - b.started_at > b.settings.start_timeout_s
     if ready and (
         len(ready) == len(usable) or (timed_out and len(ready) >= b.settings.min_workers)
@@ -266,7 +261,7 @@ def grow(b: TaskBook, now: float) -> None:
         if o.ready and o.alive and not o.excluded and s not in b.members
     )
     pp = layout(b, _usable(b))
-    grown = replicas.whole(b.slots, b.members + joiners, _size(b, pp))
+    grown = replicas.whole(b.slots, b.members + joiners, b.size_at(pp))
     joiners = tuple(s for s in grown if s not in b.members)
     if not b.members and _shard_on_its_way(b, grown):
         return  # a replica being restarted brings a shard the others lack: it joins too
@@ -310,7 +305,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     # whole replicas only: the living ranks of a broken one wait outside the epoch
     usable = _usable(b)
     pp = layout(b, usable)
-    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], _size(b, pp))
+    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.size_at(pp))
     # slots that can come back: usable ones, and excluded ones a health probe may readmit
     # (not those of lost nodes: no agent to run a probe; none if probes are turned off)
     probing = math.isfinite(b.settings.readmit_after_s)

@@ -314,9 +314,7 @@ def load_newest_shard(root: Path, place: int, tp: int) -> tuple[Manifest, dict[s
     With ``tp`` 1, :func:`load_newest`."""
     if tp == 1:
         return load_newest(root)
-    shards = [
-        {int(p.name[len(PREFIX) :]): p for p in steps(shard_root(root, c, tp))} for c in range(tp)
-    ]
+    shards = _shard_steps(root, tp)
     for step in sorted(set.intersection(*(set(d) for d in shards)), reverse=True):
         try:
             for c in range(tp):
@@ -462,7 +460,6 @@ def snapshot(
     the ledger's own order) and RNG states."""
 
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    names = {id(p): name for name, p in model.named_parameters()}
     train = {
         "step": step,
         "ledger": dict(ledger),
@@ -470,21 +467,25 @@ def snapshot(
         "rng": _rng_states(),
         # the optimizer state's parameters by name, in its order: another layout's shard
         # finds its entries here (load_by_name)
-        "params": [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]],
+        "params": _param_names(model, optimizer),
     }
     parts = {"model": state, "optim": copy.deepcopy(optimizer.state_dict()), "train": train}
     return Snapshot(step=step, parts=parts, model=describe_model(state))
 
 
+def _shard_steps(root: Path, places: int) -> list[dict[int, Path]]:
+    """Per place of a replica of ``places`` ranks, its checkpoint directories by step."""
+    return [
+        {int(p.name[len(PREFIX) :]): p for p in steps(shard_root(root, c, places))}
+        for c in range(places)
+    ]
+
+
 def newest_step(root: Path, places: int) -> int:
     """The newest step under ``root`` that every one of ``places`` shards has (-1: none);
     verified when loaded (:func:`load_newest_shard`)."""
-    found = [
-        {int(p.name[len(PREFIX) :]) for p in steps(shard_root(root, c, places))}
-        for c in range(places)
-    ]
-    common = set.intersection(*found) if found else set()
-    return max(common, default=-1)
+    found = [set(d) for d in _shard_steps(root, places)]
+    return max(set.intersection(*found) if found else set(), default=-1)
 
 
 def load_by_name(root: Path, places: list[int], size: int, step: int) -> dict[str, Any]:
@@ -519,13 +520,19 @@ def restore_by_name(
     if lacking:
         raise CheckpointError(f"{len(lacking)} entries missing, e.g. {lacking[0]}")
     model.load_state_dict({k: parts["model"][k] for k in sd})
-    names = {id(p): name for name, p in model.named_parameters()}
-    order = [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
     own = optimizer.state_dict()
+    order = _param_names(model, optimizer)
     state = {i: parts["optim"][n] for i, n in enumerate(order) if n in parts["optim"]}
     optimizer.load_state_dict({"state": state, "param_groups": own["param_groups"]})
     _set_rng_states(parts["train"]["rng"])
     return int(parts["train"]["step"])
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The optimizer's parameters' names in the model, in the optimizer's order (its state
+    dict's indices; "" for one the model does not name)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
 
 
 def restore(
