@@ -204,6 +204,35 @@ def test_a_lost_rank_takes_its_replica_out_and_its_partner_waits_alive(tmp_path:
     assert c.epoch == 3 and c.members == (2, 3, 0, 1)
 
 
+def test_a_waiting_ranks_late_report_of_the_old_epoch_starts_no_hang_clock(
+    tmp_path: Path,
+) -> None:
+    """Seen beside CPU burners: slot 4, left out when its pair was excluded, reported the start
+    of its step in the old epoch after the new one began; the monitor timed that step and 5 s
+    later killed a rank that was only waiting (and held its shard)."""
+    from unicron.detect.monitor import MonitorSettings, StepMonitor
+
+    c = Coordinator(
+        task="t",
+        slots={0: 0, 1: 0, 2: 0, 3: 0},
+        events=EventLog(tmp_path / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(replica_ranks=2, min_workers=2),
+        monitor=StepMonitor(MonitorSettings(warmup_steps=2)),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
+    crash = M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))
+    c.exchange(0, [crash], 1.0)
+    assert c.members == (2, 3)
+    c.exchange(0, [M.StepBegan(slot=0, ts=1.05, step=4, epoch=1, cpu_s=0.0)], 1.1)
+    assert c.monitor is not None and c.monitor.hang_deadline(0) is None
+    assert c.book.slots[0].progress is None
+    c.exchange(0, [], 400.0)
+    assert c.book.slots[0].alive and not [
+        e for e in c.events.events() if e["event"] == "error_detected"
+    ]
+
+
 def test_a_task_of_one_replica_waits_for_its_lost_rank(tmp_path: Path) -> None:
     c = Coordinator(
         task="t",
@@ -303,6 +332,41 @@ def test_the_planner_taking_a_pair_changes_the_layout_and_giving_it_back_restore
     assert [(e["pp"], e["urgent"]) for e in began] == [(2, False), (1, False), (2, False)]
 
 
+def test_the_first_step_at_a_new_depth_is_cold_for_the_hang_detector(tmp_path: Path) -> None:
+    """A layout change rebuilds every rank's shard: the next step of each is judged as a
+    restarted worker's first (``rejoin_hang_s`` at least), a crash that keeps the layout is
+    not (seen beside CPU burners: one rank's first step at PP=1 took 3.6 s, its peers 0.13 s,
+    and their evidence killed it as hung, then the stall detector others)."""
+    from unicron.detect.monitor import MonitorSettings, StepMonitor
+
+    settings = MonitorSettings(warmup_steps=2)
+    c = Coordinator(
+        task="t",
+        slots=dict.fromkeys(range(8), 0),
+        events=EventLog(tmp_path / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(replica_ranks=4, tp=2, depths=(2, 1), min_workers=4),
+        monitor=StepMonitor(settings),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(8)], 0.0)
+    t = 1.0
+    for step in range(10):
+        c.exchange(0, [M.StepBegan(slot=s, ts=t, step=step, epoch=1) for s in range(8)], t)
+        t += 0.13
+        done = [M.StepComputed(slot=s, ts=t, step=step, compute_s=0.12) for s in range(8)]
+        c.exchange(0, done, t)
+    assert c.monitor is not None
+    c.release_slots([6, 7], t, "planner")
+    assert c.book.pp == 1
+    c.exchange(0, [M.StepBegan(slot=s, ts=t, step=10, epoch=2) for s in range(6)], t)
+    c.exchange(
+        0,
+        [M.StepComputed(slot=s, ts=t + 0.13, step=10, compute_s=0.12) for s in range(5)],
+        t + 0.13,
+    )
+    assert c.monitor.hang_deadline(5) == pytest.approx(t + settings.rejoin_hang_s)
+
+
 def test_the_moves_of_a_layout_change_take_each_entry_from_the_same_tensor_rank() -> None:
     from unicron.runtime.reshard import Move, digest, plan
 
@@ -327,8 +391,8 @@ def test_the_moves_of_a_layout_change_take_each_entry_from_the_same_tensor_rank(
 def test_the_ledger_exchange_is_read_place_by_place() -> None:
     from unicron.runtime.replica import plan
 
-    def row(step: int, mask: list[int]) -> list[int]:  # step, node, digest, data, mask, layout
-        return [step, 0, 0, 0, 0, *mask, 7]
+    def row(step: int, mask: list[int], checkpoint: int = -1) -> list[int]:
+        return [step, 0, 0, 0, 0, *mask, 7, checkpoint, 0]  # ... mask, layout, ckpt, moved
 
     a, b = [1, 1, 0, 0], [0, 0, 1, 1]
     sp = plan([row(5, a), row(5, a), row(5, b), row(5, b)], 2, 4)
@@ -340,8 +404,18 @@ def test_the_ledger_exchange_is_read_place_by_place() -> None:
     # the ranks of replica 1 left the step at different points: none of its sums count
     sp = plan([row(5, a), row(5, a), row(5, b), row(5, [0, 0, 1, 0])], 2, 4)
     assert sp.kept == [True, False] and not sp.lost
-    # no rank at place 1 holds the newest state: the checkpoint
+    # no rank at place 1 holds the newest state, nor does any step have both places: the
+    # checkpoint
     assert plan([row(5, a), row(-1, a), row(5, b), row(3, b)], 2, 4).lost
+    # replica 0 went back to the checkpoint of step 3 (every rank of place 1 at step 5 was
+    # lost); replica 1's place 0 waited outside with step 5: step 3 is whole, so that rank
+    # receives it, rather than everyone reading the checkpoint again
+    rows = [row(3, [0] * 4, 3), row(3, [0] * 4, 3), row(5, a, 3), row(-1, [0] * 4, 3)]
+    sp = plan(rows, 2, 4)
+    assert (sp.target, sp.holders, sp.kept, sp.lost) == (3, [[0], [0]], [True, False], False)
+    # ... unless a checkpoint is newer than the newest whole step: then it is the checkpoint
+    rows = [row(3, [0] * 4, 4), row(3, [0] * 4, 4), row(5, a, 4), row(-1, [0] * 4, 4)]
+    assert plan(rows, 2, 4).lost
 
 
 def test_a_task_whose_shard_is_gone_everywhere_fails_at_once_without_a_checkpoint(

@@ -360,6 +360,62 @@ def test_peers_that_finished_the_step_tighten_a_relearning_allowance() -> None:
     assert found.worker == 3 and "peers computed step" in found.reason
 
 
+def test_the_first_step_after_a_layout_change_is_cold_whatever_its_peers_took() -> None:
+    """A layout change (another pipeline depth): every worker built a new shard. On a loaded
+    machine one rank's first step took 3.6 s where its peers took 0.13 s, and their evidence
+    (3 x 0.13 s, floor 1 s) called it hung: that step is cold, as a restarted worker's is."""
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=0.13, sigma=0.0, spike_p=0.0)
+    m.reset_expectation(rebuilt=True)
+    for w in range(WORKERS):
+        m.step_started(w, run.step, run.t)
+    for w in range(3):
+        m.step_finished(w, run.step, 0.13, run.t + 0.13)
+    assert s.hang_factor * s.relearn_factor * 0.2 < s.rejoin_hang_s  # steps of ~0.15 s
+    assert m.hang_deadline(3) == pytest.approx(run.t + s.rejoin_hang_s)
+    assert m.check(run.t + 3.6) == []
+    m.step_finished(3, run.step, 3.6, run.t + 3.6)
+    run.t += 3.6
+    run.step += 1
+    # the next step is warm again: peers' durations of it judge a late worker, and the cold
+    # step taught nobody anything (the lenient re-learning allowance stands)
+    for w in range(WORKERS):
+        m.step_started(w, run.step, run.t)
+    relearning = m.hang_deadline(3)
+    assert relearning is not None and 1.5 < relearning - run.t < s.rejoin_hang_s
+    for w in range(3):
+        m.step_finished(w, run.step, 0.13, run.t + 0.13)
+    (found,) = m.check(run.t + s.hang_floor_s)
+    assert found.worker == 3 and "peers computed step" in found.reason
+
+
+def test_peers_durations_from_the_old_membership_are_no_evidence() -> None:
+    """A step interrupted by a failure is computed again in the new epoch, on another split
+    of the work: how long the peers took for it before says nothing of it now."""
+    s = MonitorSettings(warmup_steps=2)
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(20, base_s=0.5, sigma=0.0, spike_p=0.0)
+    for w in range(WORKERS):
+        m.step_started(w, run.step, run.t)
+    for w in range(3):  # three computed the step, then worker 3 failed
+        m.step_finished(w, run.step, 0.5, run.t + 0.5)
+    m.forget(3)
+    m.reset_expectation()
+    for w in range(3):  # the step again, on three workers: 4/3 of the work each
+        m.step_started(w, run.step, run.t + 1.0)
+    # nobody computed it in the new epoch yet: the re-learning allowance, not 3 x 0.5 s
+    relearning = m.hang_deadline(0)
+    assert relearning is not None and relearning - (run.t + 1.0) > s.hang_factor * 0.5 * 2
+    assert m.check(run.t + 1.0 + s.hang_factor * 0.5 + 0.1) == []
+    m.step_finished(1, run.step, 0.67, run.t + 1.67)
+    m.step_finished(2, run.step, 0.67, run.t + 1.67)
+    # then the new epoch's own evidence judges the late one: 3 x 0.67 s
+    assert m.hang_deadline(0) == pytest.approx(run.t + 1.0 + s.hang_factor * 0.67)
+
+
 def test_without_warm_peers_the_warmup_deadline_stands() -> None:
     s = MonitorSettings(warmup_steps=5)
     m = StepMonitor(s)

@@ -52,7 +52,12 @@ def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
 def step_started(
     b: TaskBook, slot: int, step: int, now: float, epoch: int | None, cpu_s: float | None
 ) -> None:
-    """The worker in ``slot`` began computing ``step``: the monitor's clock starts."""
+    """The worker in ``slot`` began computing ``step``: the monitor's clock starts. A late
+    report of an older epoch from a worker left out of the current one (it waits for its
+    replica: :func:`~unicron.control.membership.announce` forgot its step) starts nothing:
+    its step ended with that epoch, and timing it would find a waiting rank hung."""
+    if epoch is not None and epoch < b.epoch and slot not in b.members:
+        return
     o = b.slots[slot]
     known = o.progress
     ep = epoch if epoch is not None else (known.epoch if known else b.epoch)

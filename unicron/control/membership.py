@@ -409,13 +409,14 @@ def announce(
     for slot in replicas.orphans(b.slots, b.members, members):
         b.forget(slot)  # waits outside the epoch: its last step is no hang
     b.members = members
+    rebuilt = pp is not None and bool(members) and pp != b.pp
     if pp is not None and members:
         b.pp = pp
     if not members:
         return
     b.epoch += 1
-    if b.monitor is not None:
-        b.monitor.reset_expectation()  # membership changed: step times may too
+    if b.monitor is not None:  # membership changed: step times may too (a new layout: cold)
+        b.monitor.reset_expectation(rebuilt=rebuilt)
     info = EpochInfo(
         b.epoch,
         members,

@@ -27,7 +27,9 @@ Two detectors:
   consecutive steps (by more than ``shift_ratio`` either way) the window restarts from those
   steps: the workload changed legitimately. A membership change is announced with
   :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time, with a deadline
-  ``relearn_factor`` times as lenient meanwhile. Peers that already computed the same step
+  ``relearn_factor`` times as lenient meanwhile; when the new epoch also runs another layout
+  (``rebuilt``: every worker built a new shard of the model), each worker's next step is cold
+  as a restarted worker's first one is. Peers that already computed the same step
   are the best evidence of what it costs now: a lenient allowance (warming up, re-learning)
   never exceeds ``max(hang_factor x the slowest peer's duration of that step,
   hang_floor_s)``.
@@ -174,6 +176,7 @@ class _Worker:
     started_at: float | None = None
     hang_reported: bool = False
     previous: float | None = None  # expectation before reset_expectation, while re-learning
+    rebuilt: bool = False  # its next step is the first of a model rebuilt for a new layout
     early: list[float] = field(default_factory=list)  # warm-up step durations after the cold one
     shifted: list[float] = field(default_factory=list)
     shift_side: int = 0
@@ -221,6 +224,9 @@ class StepMonitor:
         w.step, w.started_at, w.hang_reported = None, None, False
         w.finished += 1
         w.last_step = max(w.last_step, step)
+        if w.rebuilt:  # the first step of a rebuilt model: cold, learned from nothing
+            w.rebuilt = False
+            return
         if duration is not None and duration >= 0.0 and w.finished > 1:  # not a cold step
             self._durations.setdefault(step, {})[worker] = duration
             while len(self._durations) > _EVIDENCE_STEPS:
@@ -248,15 +254,25 @@ class StepMonitor:
         for durations in self._durations.values():
             durations.pop(worker, None)
 
-    def reset_expectation(self) -> None:
+    def reset_expectation(self, *, rebuilt: bool = False) -> None:
         """Membership changed (new epoch): step times may change legitimately. Each worker
         keeps its last expectation as a lenient stand-in (``relearn_factor``) and re-learns
         from its next steps; straggler streaks restart (the work split changed), except the
         steps a worker not yet reported was ``straggler_strong_factor`` times slower than its
         peers: that is the worker, not the split (a slow worker caught by a membership change
-        would otherwise need two more slow steps after it)."""
+        would otherwise need two more slow steps after it). Peers' durations of a step in the
+        old membership say nothing of it in the new one: dropped.
+
+        ``rebuilt``: the epoch runs another layout (a change of pipeline depth), so every
+        worker's next step is the first of a model it has just built (new autograd graph,
+        allocations, a move's memory to give back): a cold step, judged like a restarted
+        worker's first one (``rejoin_hang_s`` at least; no peer's duration shortens it, as
+        the slowest rank of a loaded machine may take seconds where its peers took a tenth),
+        and learned from nothing."""
         strong = self.settings.straggler_strong_factor
+        self._durations.clear()
         for w in self._workers.values():
+            w.rebuilt = rebuilt
             if w.expected is not None:
                 w.previous = w.expected
             w.window.clear()
@@ -381,6 +397,8 @@ class StepMonitor:
         same step are the best evidence of what it costs in the current membership: they can
         only shorten a lenient allowance (warming up, re-learning), never a cold step's."""
         base = self._base_allowance(w, pace)
+        if w.rebuilt:
+            return base  # a cold step: peers' evidence never shortens it
         s = self.settings
         done = self._durations.get(w.step, {}) if w.step is not None and w.finished >= 1 else {}
         peers = [d for k, d in done.items() if k != worker]
@@ -400,11 +418,18 @@ class StepMonitor:
         s = self.settings
         floor = f"floor {s.hang_floor_s:g} s"
         expected = self._expected(w)
+        lenient = s.hang_factor * s.relearn_factor
+        if w.rebuilt:
+            known = next((x for x in (expected, w.previous, pace, self._early_pace()) if x), None)
+            if known is not None:
+                return max(lenient * known, s.rejoin_hang_s), (
+                    f"first step after a layout change: max({lenient:g} x the step time "
+                    f"{known:.3f} s, {s.rejoin_hang_s:g} s)"
+                )
         if expected is not None:
             return max(s.hang_factor * expected, s.hang_floor_s), (
                 f"max({s.hang_factor:g} x expected {expected:.3f} s, {floor})"
             )
-        lenient = s.hang_factor * s.relearn_factor
         if w.previous is not None:
             return max(lenient * w.previous, s.hang_floor_s), (
                 f"re-learning after a membership change: max({lenient:g} x previous "

@@ -21,11 +21,12 @@ from unicron.runtime.group import EpochGroup, EpochOver
 
 __all__ = ["SyncPlan", "bind", "plan"]
 
-STEP, NODE, DIGEST, MASK, LAYOUT, MOVED = 0, 1, 2, 5, -2, -1
+STEP, NODE, DIGEST, MASK, LAYOUT, CHECKPOINT, MOVED = 0, 1, 2, 5, -3, -2, -1
 """columns of a ledger exchange row: committed step (-1: no state), node, the parameters'
 digest (step 0), data position (3, 4), then one 0/1 per micro-batch held, the layout's digest
-(of the tensors in stream order), and 1 where the member's state is in a shard of another
-layout than the epoch's (a layout change: :mod:`unicron.runtime.reshard`)"""
+(of the tensors in stream order), the newest persistent checkpoint's step the member can read
+(-1: none), and 1 where the member's state is in a shard of another layout than the epoch's
+(a layout change: :mod:`unicron.runtime.reshard`)"""
 
 
 def bind(
@@ -75,7 +76,8 @@ class SyncPlan:
     """What the ledger exchange's rows say, for the member at ``place``."""
 
     target: int
-    """the newest committed step any member holds (-1: none)"""
+    """the newest committed step at which every place's state is held by some member (else
+    the newest any member holds; -1: none)"""
     holders: list[list[int]]
     """per place, the replicas whose rank there holds that place's state at ``target`` (the
     first such rank's parameters); empty for a place none holds"""
@@ -86,30 +88,37 @@ class SyncPlan:
     computed the same micro-batches (a rank that left mid-way dropped its sums)"""
     done: list[set[int]]
     """per replica, the micro-batches of the step its kept sums hold (else none)"""
+    checkpoint: int = -1
+    """the newest persistent checkpoint's step any member can read (-1: none)"""
 
     @property
     def lost(self) -> bool:
-        """No member holds some place's state: the last resort, the checkpoint."""
-        return self.target < 0 or not all(self.holders)
+        """No member holds some place's state at any one step, or a checkpoint is newer than
+        the newest step they do: the last resort, the checkpoint."""
+        return self.target < 0 or not all(self.holders) or self.checkpoint > self.target
 
 
 def plan(rows: Sequence[Sequence[int]], size: int, microbatches: int) -> SyncPlan:
     """Read the rows of one ledger exchange (members in place order, ``size`` ranks per
-    replica): per place, the replicas at the newest step with the first such one's
+    replica): per place, the replicas at the target step with the first such one's
     parameters hold that place's state, the others (joiners, replicas that differ, e.g.
-    models built with other seeds) receive it, as DDP's first broadcast would. Pure."""
+    models built with other seeds) receive it, as DDP's first broadcast would. The target is
+    the newest step at which every place has a holder: a member whose newer state is of one
+    place only (it waited outside the epochs in which the rest of that step's holders were
+    lost and the others went back to an older step) receives the older state too, rather than
+    everyone reading the checkpoint once more. Pure."""
     n = len(rows) // size
-    target = max(r[STEP] for r in rows)
-    refs: list[list[int] | None] = []
-    holders: list[list[int]] = []
-    for c in range(size):
-        col = rows[c::size]
-        ref = next((list(row) for row in col if row[STEP] == target), None)
-        refs.append(ref)
-        holders.append(
-            [] if ref is None else
-            [q for q, row in enumerate(col) if row[STEP] == target and row[DIGEST] == ref[DIGEST]]
-        )  # fmt: skip
+    newest = max(r[STEP] for r in rows)
+    target = newest
+    refs, holders = _held(rows, size, newest)
+    for step in sorted({r[STEP] for r in rows if 0 <= r[STEP] < newest}, reverse=True):
+        if all(holders):
+            break
+        target = step
+        refs, holders = _held(rows, size, step)
+    if not all(holders):
+        target = newest
+        refs, holders = _held(rows, size, newest)
     masks = [list(row[MASK : MASK + microbatches]) for row in rows]
     kept = [
         all(q in holders[c] for c in range(size))
@@ -120,4 +129,23 @@ def plan(rows: Sequence[Sequence[int]], size: int, microbatches: int) -> SyncPla
         {mb for mb in range(microbatches) if masks[q * size][mb]} if kept[q] else set()
         for q in range(n)
     ]
-    return SyncPlan(target, holders, refs, kept, done)
+    checkpoint = max(r[CHECKPOINT] for r in rows)
+    return SyncPlan(target, holders, refs, kept, done, checkpoint)
+
+
+def _held(
+    rows: Sequence[Sequence[int]], size: int, step: int
+) -> tuple[list[list[int] | None], list[list[int]]]:
+    """Per place: the first row at ``step`` (or ``None``), and the replicas whose rank there
+    holds the same state at ``step`` (the same parameters' digest as that first row)."""
+    refs: list[list[int] | None] = []
+    holders: list[list[int]] = []
+    for c in range(size):
+        col = rows[c::size]
+        ref = next((list(row) for row in col if row[STEP] == step), None)
+        refs.append(ref)
+        holders.append(
+            [] if ref is None else
+            [q for q, row in enumerate(col) if row[STEP] == step and row[DIGEST] == ref[DIGEST]]
+        )  # fmt: skip
+    return refs, holders

@@ -66,7 +66,7 @@ def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
     tensors = model_tensors(r.model)
     mine = torch.tensor(
         [r.step if r.has_state else -1, r.ctx.node, digest, *r.data.state(), *mask,
-         layout(tensors), int(r.old is not None)],
+         layout(tensors), _newest_checkpoint(r), int(r.old is not None)],
         dtype=torch.int64,
     )  # fmt: skip
     have: list[Inventory] = []
@@ -111,6 +111,19 @@ def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
     r.held = sp.done
     r.missing = L.missing(sp.done, r.M)
     return r.M - len(r.missing), source
+
+
+def _newest_checkpoint(r: _Runner) -> int:
+    """The newest step of the task's persistent checkpoints this member can read, at any of
+    its pipeline depths (-1: none): the ledger exchange weighs it against the newest step the
+    members hold whole (:func:`unicron.runtime.replica.plan`)."""
+    if r.ctx.checkpoint is None:
+        return -1
+    tp = r.ctx.tp
+    return max(
+        C.newest_step(layout_root(r.ctx, depth), tp * depth)
+        for depth in {r.pipe.stages, *pipeline_depths()}
+    )
 
 
 def _reshard(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]:
