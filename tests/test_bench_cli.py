@@ -276,6 +276,7 @@ BENCH_COMMANDS = (
     "llama",
     "tp",
     "relayout",
+    "zero",
     "transfer",
     "checkpoint",
     "simulator",

@@ -48,6 +48,7 @@ ENV_TP_RANK = "UNICRON_TP_RANK"  # the slot's tensor-parallel rank in its stage 
 ENV_PP = "UNICRON_PP"  # pipeline stages per replica (1: no pipeline)
 ENV_PP_STAGE = "UNICRON_PP_STAGE"  # the slot's pipeline stage in its replica (0 .. pp-1)
 ENV_PP_CHOICES = "UNICRON_PP_CHOICES"  # other pipeline depths the task may run at: "1,4"
+ENV_ZERO = "UNICRON_ZERO"  # "1": the optimizer's state is sharded across replicas (ZeRO-1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,9 @@ class WorkerSettings:
     pp_choices: str = ""
     """the other pipeline depths the task may run at, comma-separated (a layout change:
     :func:`unicron.parallel.pipeline_depths`)"""
+    zero: int = 0
+    """1: each parameter's optimizer state on two replicas, not on all
+    (:mod:`unicron.runtime.zero`)"""
 
     def env(self) -> dict[str, str]:
         """The variables a worker of these settings starts with."""
@@ -114,6 +118,7 @@ WORKER_ENV = {
     "tp": ENV_TP,
     "pp": ENV_PP,
     "pp_choices": ENV_PP_CHOICES,
+    "zero": ENV_ZERO,
 }
 """each :class:`WorkerSettings` field's environment variable"""
 

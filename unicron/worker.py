@@ -77,6 +77,7 @@ from unicron.runtime.transfer import (
     warm_up,
 )
 from unicron.runtime.transition import layout_root
+from unicron.runtime.zero import Zero
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 Rebuild = Callable[
@@ -285,6 +286,7 @@ class _Runner:
     rebuild: Rebuild | None = None  # the script's builder of a shard for another layout
     shard: Shard | None = None  # what this worker trains (model, optimizer, stage)
     old: Shard | None = None  # a layout change: the shard that holds the state, until moved
+    zero: Zero | None = None  # the optimizer's state sharded across replicas (zero 1)
     grads: Reducer = field(init=False)  # the shard's gradients (_adopt)
     mb: MicroBatches = field(init=False)  # the shard's micro-batches of the step (_adopt)
 
@@ -332,6 +334,7 @@ class _Runner:
                                faults=self.faults, tp=self.ctx.tp, pp=self.pipe.stages)  # fmt: skip
         self._stepping, self.laid_out = False, False
         self.optimizer.register_step_pre_hook(self._optimizer_step)
+        self.zero = Zero(self.model, self.optimizer) if self.ctx.zero else None
         self.R = self.ctx.tp * self.pipe.stages
         """ranks per replica (an epoch's members are whole replicas, in order)"""
         self.place = self.pipe.stage * self.ctx.tp + self.par.rank
@@ -543,10 +546,14 @@ class _Runner:
         model.to(self.device)  # in place: the optimizer keeps its parameter objects
         self._adopt(Shard(model, optimizer, pipe))
 
-    def _maybe_checkpoint(self, rank: int) -> None:
+    def _maybe_checkpoint(self, rank: int) -> EpochOver | None:
         """Replica 0 checkpoints the committed state when the interval says so: the copy is
         taken here, at the step boundary; the write runs in the background
-        (:func:`unicron.runtime.checkpoint.at_boundary_of`: every shard at the same steps)."""
+        (:func:`unicron.runtime.checkpoint.at_boundary_of`: every shard at the same steps).
+        A sharded optimizer's shares go to replica 0 first (every member takes part); an
+        epoch that ends meanwhile is returned (the step is committed; no checkpoint)."""
+        if self.ckpt is not None and self.zero is not None:
+            return self._checkpoint_shares(rank)
         if self.ckpt is not None:
             C.at_boundary_of(
                 self.ckpt,
@@ -561,6 +568,30 @@ class _Runner:
                 now=time.time(),
                 data=self.data.state(),
             )
+        return None
+
+    def _checkpoint_shares(self, rank: int) -> EpochOver | None:
+        """:meth:`_maybe_checkpoint` with a sharded optimizer: every member learns the
+        checkpoint's step from the store (:func:`unicron.runtime.checkpoint.agreed`), the
+        shares of the state gather at replica 0 (:meth:`unicron.runtime.zero.Zero.gather`),
+        which writes the unsharded files, then forgets what it does not keep."""
+        assert self.ckpt is not None and self.zero is not None and self.dp is not None
+        now, data = time.time(), self.data.state()
+        at = C.agreed(self.ckpt, self.store, checkpoint_at_key(self.ctx.task), rank=rank,
+                      model=self.model, optimizer=self.optimizer, step=self.step, now=now,
+                      data=data)  # fmt: skip
+        if not at:
+            return None
+        try:
+            self.zero.gather(self.dp, self.groups[-1], writer=rank < self.R)
+            if rank < self.R:
+                self.ckpt.save(self.model, self.optimizer, step=self.step,
+                               world=self.groups[-1].world, now=now, data=data)  # fmt: skip
+        except EpochOver as exc:
+            return exc
+        finally:
+            self.zero.drop()
+        return None
 
     # -- one attempt at a step ------------------------------------------------------------------
     def _begin(self, g: EpochGroup, todo: list[int]) -> Step:
@@ -650,7 +681,11 @@ class _Runner:
             s.broken = exc
             return False
         kept = [x for x in losses if x == x]  # NaN: a micro-batch nobody holds (drop)
-        self._apply(grads, whole, len(kept), before_optimizer)
+        cut: EpochOver | None = None
+        try:
+            self._apply(grads, whole, len(kept), before_optimizer)
+        except EpochOver as exc:  # a sharded optimizer's broadcast of the update was cut:
+            cut = exc  # committed all the same (every value has its holders), then we leave
         s.loss = sum(kept) / len(kept)
         # every member reports the commit (the agent logs one step_end per epoch and step), so
         # the record survives a rank 0 that dies right after committing
@@ -667,8 +702,10 @@ class _Runner:
         self.data.advance()
         self.grads.clear()
         self.mb.done.clear()
-        self._maybe_checkpoint(g.rank)
+        if cut is None:
+            cut = self._maybe_checkpoint(g.rank)
         s.committed = True
+        s.broken = cut
         return True
 
     def _apply(
@@ -687,12 +724,16 @@ class _Runner:
             before_optimizer()
         self._stepping = True
         try:
-            self.optimizer.step()
+            if self.zero is not None:
+                assert self.dp is not None
+                self.zero.step(self.dp)
+            else:
+                self.optimizer.step()
         finally:
             self._stepping = False
-        if not self.laid_out:
+            self.grads.clear_grads()
+        if not self.laid_out and self.zero is None:
             self.laid_out = lay_out_optimizer_state(self.optimizer)
-        self.grads.clear_grads()
 
     # -- faults -----------------------------------------------------------------------------
     def _act(self, fault: Fault) -> None:

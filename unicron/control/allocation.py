@@ -48,6 +48,7 @@ from unicron.control import replicas
 from unicron.planner import (
     GPUSpec,
     ModelSpec,
+    PerfOptions,
     TaskState,
     layout_table,
     solve,
@@ -98,6 +99,9 @@ class TaskView:
     """ranks (in :attr:`ranks`) whose replica has an excluded rank: they wait for it, idle,
     and a plan neither counts them nor gives them back (the replica is whole again once the
     excluded rank passes its health probe)"""
+    optimizer_copies: int = 1
+    """keepers of each share of a sharded optimizer state in the performance model: 2 for a
+    task with ``zero: 1`` (:attr:`unicron.planner.PerfOptions.optimizer_copies`)"""
 
 
 @dataclass(frozen=True)
@@ -150,9 +154,16 @@ def _priced(t: TaskView, units: int, hardware: Hardware | None) -> np.ndarray | 
     FLOP/s per slot (all 0 when no count fits), or None: no model or no hardware."""
     if t.model is None or hardware is None or units < 1 or t.global_batch < 1:
         return None
-    table = throughput_table(t.model, t.global_batch, units, hardware.gpu, hardware.gpus_per_node)
+    table = throughput_table(
+        t.model, t.global_batch, units, hardware.gpu, hardware.gpus_per_node, options=_options(t)
+    )
     per_slot = max(float(table[u]) / u for u in range(1, units + 1))
     return np.zeros(units + 1) if per_slot <= 0 else np.asarray(table) / per_slot
+
+
+def _options(t: TaskView) -> PerfOptions:
+    """The performance model's options for ``t`` (its sharded optimizer's copies)."""
+    return PerfOptions(optimizer_copies=t.optimizer_copies)
 
 
 def layout_of(t: TaskView, workers: int, within: int, units: int, hardware: Hardware | None) -> str:
@@ -163,7 +174,7 @@ def layout_of(t: TaskView, workers: int, within: int, units: int, hardware: Hard
     if t.model is None or hardware is None or t.global_batch < 1 or units < 1:
         return ""
     gpu, gpn = hardware.gpu, hardware.gpus_per_node
-    configs = layout_table(t.model, t.global_batch, units, gpu, gpn)
+    configs = layout_table(t.model, t.global_batch, units, gpu, gpn, options=_options(t))
     if workers < 1:
         most = min(t.max_workers, within)
         if most < 1 or any(c is not None for c in configs[1 : most + 1]):

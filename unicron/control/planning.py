@@ -118,6 +118,7 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         transition_s=transition,
         replica_ranks=task.spec.smallest_replica,
         parked=parked(task),
+        optimizer_copies=2 if task.spec.zero else 1,
     )
 
 
@@ -180,6 +181,7 @@ def assignment(task: Task, nid: int, store: str, checkpoint: Path | None) -> dic
         tp=spec.tp,
         pp=spec.pp,
         pp_choices=",".join(map(str, spec.depths[1:])),
+        zero=spec.zero,
     )
     return {
         "uid": task.row.uid,

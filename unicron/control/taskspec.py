@@ -155,6 +155,14 @@ class TaskSpec(BaseModel):
         "whole replicas train the most of them (pp again once all are back); the state "
         "moves between layouts in memory (the script hands train() a rebuild)",
     )
+    zero: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="1: shard the optimizer's state across replicas (ZeRO-1): each "
+        "parameter's state is kept by two of them, on two nodes where there are, and a lost "
+        "rank's share comes from the other; 0: every replica keeps all of it",
+    )
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
     give_up_after: float = Field(
         600.0,
@@ -239,6 +247,16 @@ class TaskSpec(BaseModel):
                     f"pp_choices: at pp {pp} a replica is {self.tp * pp} workers, more than the "
                     f"task's maximum ({self.workers.max})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _zero_layouts(self) -> TaskSpec:
+        """A sharded optimizer keeps one layout: its shares are by parameter of a place."""
+        if self.zero and self.pp_choices:
+            raise ValueError(
+                "zero 1 with pp_choices: a task with a sharded optimizer keeps its layout "
+                "(docs/runtime.md, Sharded optimizer state)"
+            )
         return self
 
     @property

@@ -65,6 +65,11 @@ class PerfOptions:
     allocator fragmentation)."""
     distributed_optimizer: bool = True
     """Allow sharding the optimizer state over the data-parallel group (ZeRO-1)."""
+    optimizer_copies: int = 1
+    """Keepers of each share of a sharded optimizer state (``dist-opt``): 1, Megatron's
+    distributed optimizer; 2, Unicron's ``zero: 1``, where a lost rank's share lives on its
+    buddy (docs/runtime.md, Sharded optimizer state): ``min(1, 2/dp)`` of the state kept and
+    stepped per GPU instead of ``1/dp``."""
     grad_sharding: bool = True
     """Allow sharding the gradients too (``optim-grads``: Megatron-FSDP's ``optim_grads``
     strategy, ZeRO-2; Meta's FSDP for Llama 3): reduce-scattered every micro-batch."""
@@ -133,6 +138,8 @@ class PerfOptions:
                 raise ValueError(f"{name}: must be in [0, 1) seconds")
         _require_positive_int("max_micro_batch", self.max_micro_batch)
         _require_positive_int("grad_bytes", self.grad_bytes)
+        if self.optimizer_copies not in (1, 2):
+            raise ValueError(f"optimizer_copies: must be 1 or 2, got {self.optimizer_copies!r}")
 
 
 DEFAULT_OPTIONS = PerfOptions()
@@ -333,6 +340,7 @@ def _evaluate(
     p_gpu = max(p_first, p_last, p_mid)
     shard = dp * cp
     sharded = dense_share / shard + (1 - dense_share) / np.maximum(shard / ep, 1)
+    kept = np.minimum(1.0, o.optimizer_copies * sharded)  # dist-opt's share of a GPU
 
     # -- data-parallel communication (per iteration, or per micro-batch with FSDP) --------------
     dp_inter = tp * shard > gpn
@@ -371,7 +379,8 @@ def _evaluate(
             t_ag = _exposed(t_ag, 1.0 / 3.0 * t_comp * vp, o)
         t_dp = t_rs + t_ag + 2 * buckets * lat * rs_rounds
     # optimizer step: read and write fp32 master weights, two moments and the gradient
-    t_opt = p_gpu * (1.0 if lay.sharding == "ddp" else sharded) * 32.0 / gpu.memory_bw
+    share: Any = 1.0 if lay.sharding == "ddp" else kept if lay.sharding == "dist-opt" else sharded
+    t_opt = p_gpu * share * 32.0 / gpu.memory_bw
 
     t_slot = t_comp + t_comm + t_fsdp
     t_iter = (m + (pp - 1) / vp) * t_slot + t_dp + t_opt
@@ -382,7 +391,7 @@ def _evaluate(
         if lay.sharding == "ddp":
             out = params * 18.0 + 0.0 * shard
         elif lay.sharding == "dist-opt":
-            out = params * (6.0 + 12.0 * sharded)
+            out = params * (6.0 + 12.0 * kept)
         elif lay.sharding == "optim-grads":  # bf16 weights whole; fp32 grads, master, Adam sharded
             out = params * (2.0 + 16.0 * sharded)
         else:  # fsdp: everything sharded, plus two layers' weights gathered at a time

@@ -738,11 +738,39 @@ def at_boundary_of(
     if size == 1 or ckpt.settings.every_steps is not None:
         ckpt.at_boundary(model, optimizer, step=step, world=world, now=now, data=data)
         return
+    agreed_on = agreed(
+        ckpt, store, key, rank=rank, model=model, optimizer=optimizer, step=step, now=now, data=data
+    )
+    if agreed_on:
+        ckpt.save(model, optimizer, step=step, world=world, now=now, data=data)
+
+
+def agreed(
+    ckpt: Checkpointer,
+    store: Any,
+    key: str,
+    *,
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    now: float,
+    data: Sequence[int] = (-1, -1),
+) -> bool:
+    """Whether the state committed at ``step`` is checkpointed, the same answer for every
+    member that asks: rank 0 decides (its interval, :meth:`Checkpointer.decide`) and names the
+    step two boundaries ahead on ``store`` under ``key``; every member reads it (one passes a
+    boundary only after rank 0 voted for the step between, so it reads in time). Called by
+    :func:`at_boundary_of` for replica 0's ranks, and by every member when a checkpoint needs
+    them all (a sharded optimizer's gather, :mod:`unicron.runtime.zero`). Every K steps
+    needs no agreement: each member answers ``step % K == 0`` alone."""
+    every = ckpt.settings.every_steps
+    if every is not None:
+        return every > 0 and step > 0 and step % every == 0
     at = store.add(key, 0)
     if rank == 0 and at < step and ckpt.decide(model, optimizer, step=step, now=now, data=data):
         at = store.add(key, step + 2 - at)
-    if at == step:
-        ckpt.save(model, optimizer, step=step, world=world, now=now, data=data)
+    return bool(at == step)
 
 
 def _differs(old: Interval | None, new: Interval) -> bool:

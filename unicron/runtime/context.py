@@ -69,6 +69,8 @@ class WorkerContext:
     """tensor-parallel ranks per stage; this slot's rank is :mod:`unicron.parallel`'s"""
     pp: int = 1
     """pipeline stages per replica; this slot's stage is :mod:`unicron.parallel`'s"""
+    zero: int = 0
+    """1: the optimizer's state is sharded across replicas (:mod:`unicron.runtime.zero`)"""
 
     @classmethod
     def from_env(cls, api: str = "unicron.worker.train()") -> WorkerContext:
@@ -97,6 +99,7 @@ class WorkerContext:
             bucket_cap_mb=settings.bucket_cap_mb,
             tp=settings.tp,
             pp=settings.pp,
+            zero=settings.zero,
         )
 
 

@@ -43,7 +43,20 @@ import torch
 from unicron.parallel import PipelineParallel
 from unicron.runtime.group import EpochGroup
 
-__all__ = ["PACK_BYTES", "Move", "Shard", "StateLost", "digest", "plan", "reshard"]
+__all__ = [
+    "PACK_BYTES",
+    "Item",
+    "Move",
+    "Shard",
+    "StateLost",
+    "digest",
+    "exchange",
+    "plan",
+    "receive",
+    "reshard",
+    "send",
+    "state_of",
+]
 
 PACK_BYTES = 16 << 20
 """about how many bytes of tensors one message of a move carries (the sender packs them, so
@@ -120,7 +133,7 @@ def reshard(
     when the epoch ends under it."""
     have = source.entries() if source is not None else {}
     want = target.entries()
-    rows = _exchange(g, [tp_rank, len(have), *sorted(have), *sorted(want)])
+    rows = exchange(g, [tp_rank, len(have), *sorted(have), *sorted(want)])
     offers = [set(r[2 : 2 + r[1]]) for r in rows]
     needs = [set(r[2 + r[1] :]) for r in rows]
     moves, missing = plan(offers, needs, [r[0] for r in rows])
@@ -131,12 +144,23 @@ def reshard(
     for move in moves:
         if g.rank == move.src:
             assert source is not None
-            _send(g, move.dst, source, [have[k] for k in move.keys])
+            items = [Item(have[k], value=True, state=True) for k in move.keys]
+            send(g, move.dst, source.model, source.optimizer, items)
         elif g.rank == move.dst:
-            _receive(g, move.src, target)
+            receive(g, move.src, target.model, target.optimizer)
 
 
-def _exchange(g: EpochGroup, row: list[int]) -> list[list[int]]:
+@dataclass(frozen=True)
+class Item:
+    """What a move carries of the state-dict entry :attr:`name`: its tensor (``value``), the
+    optimizer's state of that parameter (``state``, where there is one), or both."""
+
+    name: str
+    value: bool
+    state: bool
+
+
+def exchange(g: EpochGroup, row: list[int]) -> list[list[int]]:
     """Every member's ``row`` of int64s (any length), in rank order: two all-gathers."""
     n = g.allgather(torch.tensor([len(row)], dtype=torch.int64))
     width = max(int(t.item()) for t in n)
@@ -145,17 +169,17 @@ def _exchange(g: EpochGroup, row: list[int]) -> list[list[int]]:
     return [t.tolist()[: int(k.item())] for t, k in zip(g.allgather(padded), n, strict=True)]
 
 
-def _state_of(shard: Shard) -> dict[str, dict[str, Any]]:
-    """The optimizer's state per parameter name (entries of ``shard.model`` that are
-    parameters with state)."""
-    by_param = {id(p): name for name, p in shard.model.named_parameters()}
-    return {by_param[id(p)]: s for p, s in shard.optimizer.state.items() if id(p) in by_param and s}
+def state_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """The optimizer's state per parameter name (entries of ``model`` that are parameters
+    with state)."""
+    by_param = {id(p): name for name, p in model.named_parameters()}
+    return {by_param[id(p)]: s for p, s in optimizer.state.items() if id(p) in by_param and s}
 
 
 def _copy(source: Shard, target: Shard, names: list[str]) -> None:
     """The entries this member keeps across the change: copied from its old shard."""
     sd, td = source.model.state_dict(), target.model.state_dict()
-    states = _state_of(source)
+    states = state_of(source.model, source.optimizer)
     params = dict(target.model.named_parameters())
     with torch.no_grad():
         for name in names:
@@ -190,16 +214,24 @@ def _packs(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return packs
 
 
-def _send(g: EpochGroup, dst: int, source: Shard, names: list[str]) -> None:
-    """Member ``dst``'s entries ``names`` of ``source``: a manifest (names, the optimizer's
-    state per parameter: shapes and dtypes, or plain values), then the tensors in packs."""
-    sd, states = source.model.state_dict(), _state_of(source)
+def send(
+    g: EpochGroup,
+    dst: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    items: list[Item],
+) -> None:
+    """Member ``dst``'s ``items`` of this member's ``model`` and ``optimizer``: a manifest
+    (names, the optimizer's state per parameter: shapes and dtypes, or plain values), then
+    the tensors in packs. :func:`receive` on ``dst`` takes them."""
+    sd, states = model.state_dict(), state_of(model, optimizer)
     tensors: list[torch.Tensor] = []
     manifest: list[dict[str, Any]] = []
-    for name in names:
-        entry: dict[str, Any] = {"name": name, "state": {}}
-        tensors.append(sd[name])
-        for k, v in sorted(states.get(name, {}).items()):
+    for item in items:
+        entry: dict[str, Any] = {"name": item.name, "value": item.value, "state": {}}
+        if item.value:
+            tensors.append(sd[item.name])
+        for k, v in sorted(states.get(item.name, {}).items() if item.state else ()):
             if isinstance(v, torch.Tensor):
                 entry["state"][k] = [list(v.shape), str(v.dtype).removeprefix("torch.")]
                 tensors.append(v)
@@ -220,8 +252,11 @@ def _send(g: EpochGroup, dst: int, source: Shard, names: list[str]) -> None:
         link.broadcast(pack, me)
 
 
-def _receive(g: EpochGroup, src: int, target: Shard) -> None:
-    """What :func:`_send` sends, into ``target``'s tensors and optimizer state."""
+def receive(
+    g: EpochGroup, src: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """What :func:`send` on ``src`` sends, into ``model``'s tensors and ``optimizer``'s
+    state."""
     link, _, them = _pair(g, src)
     size = torch.zeros(1, dtype=torch.int64)
     link.broadcast(size, them)
@@ -229,7 +264,7 @@ def _receive(g: EpochGroup, src: int, target: Shard) -> None:
     link.broadcast(text, them)
     head = json.loads(bytes(text.numpy()))
     sizes = list(head["packs"])
-    td, params = target.model.state_dict(), dict(target.model.named_parameters())
+    td, params = model.state_dict(), dict(model.named_parameters())
     pack, at = torch.empty(0, dtype=torch.uint8), 0
 
     def take(shape: list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -246,7 +281,8 @@ def _receive(g: EpochGroup, src: int, target: Shard) -> None:
     with torch.no_grad():
         for entry in head["entries"]:
             t = td[entry["name"]]
-            t.copy_(take(t.shape, t.dtype))
+            if entry["value"]:
+                t.copy_(take(t.shape, t.dtype))
             state: dict[str, Any] = {}
             for k, spec in entry["state"].items():
                 if isinstance(spec, dict):
@@ -256,5 +292,5 @@ def _receive(g: EpochGroup, src: int, target: Shard) -> None:
                 got = take(shape, getattr(torch, dtype)).clone()
                 state[k] = got.to(t.device) if got.dim() else got  # a scalar step stays here
             if state:
-                target.optimizer.state[params[entry["name"]]] = state
+                optimizer.state[params[entry["name"]]] = state
     assert at == pack.numel() and not sizes, (at, pack.numel(), sizes)

@@ -31,6 +31,7 @@ from unicron.runtime.digest import params_sha256
 from unicron.runtime.group import EpochGroup
 from unicron.runtime.reshard import StateLost, reshard
 from unicron.runtime.transfer import Inventory, inventory, layout, model_tensors, transfer
+from unicron.runtime.zero import redistribute
 
 if TYPE_CHECKING:
     from unicron.worker import _Runner
@@ -74,9 +75,11 @@ def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
     def take() -> None:  # while the rows are on the wire: the transfer's walks, done
         have.append(inventory(tensors, r.optimizer, manifest=r.has_state))
 
-    rows = [t.tolist() for t in g.allgather(mine, meanwhile=take)]
+    rows = [t.tolist() for t in g.allgather(mine, meanwhile=None if r.zero else take)]
     if any(row[replica.MOVED] for row in rows):
         return _reshard(r, g, rows)  # some member's state is in another layout
+    if r.zero is not None:
+        return _shares(r, g, rows)  # the optimizer's state is sharded across replicas
     size, place = r.R, r.place  # ranks per replica, this rank's place
     sp = replica.plan(rows, size, r.M)
     if sp.lost:
@@ -110,6 +113,43 @@ def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
         r.grads.clear()
     r.held = sp.done
     r.missing = L.missing(sp.done, r.M)
+    return r.M - len(r.missing), source
+
+
+def _shares(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]:
+    """:func:`sync` for a sharded optimizer (:mod:`unicron.runtime.zero`): the committed step
+    and the interrupted step's partial results as :func:`replica.plan` reads them; then the
+    parameters a member lacks and this epoch's shares of the optimizer's state move by name
+    within each place (:func:`unicron.runtime.zero.redistribute`); when some share is held by
+    nobody, every member reads the checkpoint."""
+    assert r.zero is not None and r.dp is not None
+    size, place = r.R, r.place
+    sp = replica.plan(rows, size, r.M)
+    nodes = [row[replica.NODE] for row in rows[place::size]]
+    r.zero.begin(nodes, r.dp.rank)
+    holder = r.has_state and r.step == sp.target and r.dp.rank in sp.holders[place]
+    try:
+        if sp.target < 0 or sp.checkpoint > sp.target:
+            raise StateLost("no member holds the state, or a checkpoint is newer")
+        got = redistribute(r.zero, r.dp, g, holder=holder)
+    except StateLost:
+        load_checkpoint(r)
+        r.zero.drop()  # the whole state was read: keep this epoch's shares
+        r.missing = list(range(r.M))
+        r.held = [set() for _ in range(len(rows) // size)]
+        return 0, "checkpoint"
+    ref = sp.refs[place]
+    assert ref is not None
+    if not holder:
+        r.step, r.has_state, r.laid_out = sp.target, True, False
+        r.data.load(ref[3:5])
+    if not sp.kept[r.dp.rank]:
+        r.mb.done.clear()
+        r.grads.clear()
+    r.held = sp.done
+    r.missing = L.missing(sp.done, r.M)
+    near = any(nodes[src] == r.ctx.node for src in got)
+    source = "local" if not got else ("peer_node" if near else "peer_remote")
     return r.M - len(r.missing), source
 
 

@@ -18,6 +18,7 @@ so for every task ``ref_waf * T = useful + sum(losses)`` holds exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import re
@@ -131,12 +132,14 @@ def _monotone(flops: np.ndarray, cap: int) -> np.ndarray:
     return out
 
 
-def heals_from_peers(lay: planner.Layout, gpus_per_node: int) -> bool:
+def heals_from_peers(lay: planner.Layout, gpus_per_node: int, *, two_copies: bool = False) -> bool:
     """Whether the runtime rebuilds a lost rank of ``lay`` from a live replica: replicated
-    optimizer state (``ddp``), no context or expert parallelism, no interleaved stages, and a
-    replica (``tp * pp`` ranks) on one node (docs/runtime.md, Model-parallel replicas)."""
+    optimizer state (``ddp``), or sharded (``dist-opt``) where the layout also fits with two
+    keepers of each share (``two_copies``: the runtime's ``zero: 1``, docs/runtime.md, Sharded
+    optimizer state); no context or expert parallelism, no interleaved stages, and a replica
+    (``tp * pp`` ranks) on one node (docs/runtime.md, Model-parallel replicas)."""
     return (
-        lay.sharding == "ddp"
+        (lay.sharding == "ddp" or (lay.sharding == "dist-opt" and two_copies))
         and lay.cp == 1
         and lay.ep == 1
         and lay.vp == 1
@@ -148,9 +151,9 @@ def _peer_healable(
     p: TaskPerf, n: int, g: int, gpu: planner.GPUSpec, options: planner.PerfOptions
 ) -> np.ndarray:
     """Per node count, whether the layout the task really runs on there (the best count at
-    or below it, as :func:`_monotone` books) is one the runtime heals from peers: replicated
-    optimizer state (``ddp``), no context or expert parallelism, no interleaved stages, and a
-    replica (``tp * pp`` ranks) on one node (docs/runtime.md, Model-parallel replicas).
+    or below it, as :func:`_monotone` books) is one the runtime heals from peers
+    (:func:`heals_from_peers`; a sharded optimizer state when the layout still fits in memory
+    with two keepers of each share, its step time taken as the one-keeper layout's).
     Counts where nothing runs count as healable."""
     cap = n if p.spec.max_nodes is None else min(n, p.spec.max_nodes)
     configs = planner.layout_table(
@@ -163,9 +166,21 @@ def _peer_healable(
         c = configs[runs_on]
         if c is not None and c.layout is not None:
             lay = c.layout
-            out[k] = heals_from_peers(lay, g)
+            out[k] = heals_from_peers(lay, g, two_copies=_fits_two_copies(p, lay, gpu, g, options))
     out.setflags(write=False)
     return out
+
+
+def _fits_two_copies(
+    p: TaskPerf, lay: planner.Layout, gpu: planner.GPUSpec, g: int, options: planner.PerfOptions
+) -> bool:
+    """Whether ``lay`` (sharded optimizer state) fits in memory with two keepers of each
+    share, as the runtime's ``zero: 1`` keeps them."""
+    if lay.sharding != "dist-opt":
+        return False
+    two = dataclasses.replace(options, optimizer_copies=2)
+    c = planner.evaluate(p.model, p.spec.global_batch, lay, gpu, g, two)
+    return c.usable_bytes is not None and c.memory_bytes_per_gpu <= c.usable_bytes
 
 
 def prepare(workload: Workload) -> Prepared:
