@@ -232,3 +232,22 @@ def test_throughput_table_matches_best_config_and_is_memoised() -> None:
         assert gpu_units[k] == (cfg.achieved_flops if cfg else 0.0)
     big = throughput_table(MODEL_PRESETS["gpt-175b"], 1536, 128, A100, 8, unit=8)
     assert big[1] == 0.0 and big[-1] > 0
+
+
+def test_two_keepers_of_each_optimizer_share_cost_its_memory_and_step_not_its_traffic() -> None:
+    """``optimizer_copies=2`` (the runtime's ``zero: 1``): a GPU keeps ``min(1, 2/dp)`` of the
+    sharded optimizer state (12 bytes a parameter: fp32 master and two moments) and steps it;
+    the reduce-scatter and all-gather are the same. With dp=2 it keeps all of it, as ddp."""
+    m = MODEL_PRESETS["gpt-6.7b"]
+    one, two = PerfOptions(), PerfOptions(optimizer_copies=2)
+    lay = Layout(tp=1, pp=1, dp=8, sharding="dist-opt")
+    a, b = (evaluate(m, 256, lay, A100, 8, o) for o in (one, two))
+    assert b.memory_bytes_per_gpu - a.memory_bytes_per_gpu == pytest.approx(
+        12.0 * m.params * (2 / 8 - 1 / 8), rel=0.02
+    )
+    assert 0 < b.iter_time_s - a.iter_time_s < 0.01 * a.iter_time_s  # the second step
+    pair = Layout(tp=1, pp=1, dp=2, sharding="dist-opt")
+    whole = evaluate(m, 256, replace(pair, sharding="ddp"), A100, 8, one).memory_bytes_per_gpu
+    assert evaluate(m, 256, pair, A100, 8, two).memory_bytes_per_gpu == pytest.approx(whole)
+    with pytest.raises(ValueError, match="optimizer_copies"):
+        PerfOptions(optimizer_copies=3)

@@ -52,9 +52,9 @@ def test_no_failures_runs_at_steady_throughput(small, name):
         assert task.breakdown_s["idle"] == task.breakdown_s["lost_work"] == 0.0
         assert task.faults == 0
         expected += ref * DAY
-    # steady overheads: synchronous checkpoints, redundant computation, and unicron's copy to
-    # host memory before each background checkpoint (these layouts shard the optimizer state)
-    factor = {"megatron", "megatron-30m", "megatron-wait", "varuna", "bamboo", "unicron"}
+    # steady overheads: synchronous checkpoints, redundant computation (unicron's layouts here
+    # keep each share of the optimizer state twice and heal from peers: no checkpoint)
+    factor = {"megatron", "megatron-30m", "megatron-wait", "varuna", "bamboo"}
     if name in factor:
         assert r.accumulated_waf < expected
         assert r.breakdown_s["sub_healthy"] > 0
@@ -86,47 +86,95 @@ def test_hang_under_megatron_costs_the_timeout(small, name, timeout):
     _check_identity(r)
 
 
+@pytest.fixture(scope="module")
+def tight():
+    """gpt-6.7b on one node of A800s: its sharded optimizer state fits once (64 GiB of 72
+    usable) but not twice (74 GiB), so the runtime cannot keep a second copy of each share."""
+    wl = Workload(
+        nodes=2,
+        gpus_per_node=8,
+        gpu="A800-80GB",
+        tasks=(TaskSpec(name="b", model="gpt-6.7b", global_batch=512, weight=1.0, max_nodes=1),),
+    )
+    return prepare(wl)
+
+
 @pytest.mark.parametrize("name", ["unicron", "unicron-all"])
-def test_unicron_finds_a_hang_in_seconds(small, name):
-    """Healing from peers (``unicron-all``) loses no work; the runtime today heals these
-    sharded layouts from the background checkpoint: at most one interval of work lost."""
+def test_unicron_finds_a_hang_in_seconds(small, tight, name):
+    """Healing from peers loses no work: these layouts shard the optimizer state, twice over
+    where it fits (``zero: 1``); where it does not (``tight``), the runtime heals from the
+    background checkpoint, at most one interval of work lost (``unicron-all``: from peers)."""
     trace = [TraceEvent(time_s=5000.0, action="fault", node="node1", signal="hang")]
-    policy = make_policy(name)
-    r = simulate(small, trace, policy, duration_s=DAY)
+    r = simulate(small, trace, make_policy(name), duration_s=DAY)
     a = next(t for t in r.tasks if t.name == "a")
     assert 1.0 < a.down_s["detection"] < 60.0
+    assert a.down_s["lost_work"] == 0.0
+    trace = [TraceEvent(time_s=5000.0, action="fault", node="node0", signal="hang")]
+    b = next(t for t in simulate(tight, trace, make_policy(name), duration_s=DAY).tasks)
     if name == "unicron-all":
-        assert a.down_s["lost_work"] == 0.0
+        assert b.down_s["lost_work"] == 0.0
     else:
-        assert 0.0 < a.down_s["lost_work"] < 1000.0  # the interval: ~100 s here
+        assert 0.0 < b.down_s["lost_work"] < 1000.0  # the interval: ~100 s here
 
 
-def test_the_runtime_heals_from_peers_only_replicated_data_parallel_layouts(small):
-    """What the planner picks for these tasks shards the optimizer state (ZeRO-1), which the
-    runtime cannot rebuild from a peer today: :attr:`peer_healable` says so per node count,
-    and the ``unicron`` policy checkpoints those tasks (Young/Daly, raised to the write
-    time) and reloads the checkpoint on a failure, where ``unicron-all`` heals from peers."""
-    from unicron.planner import layout_table
+def test_the_runtime_heals_from_peers_where_the_sharded_state_fits_twice(small, tight):
+    """What the planner picks for these tasks shards the optimizer state (ZeRO-1); the runtime
+    rebuilds it from a peer when it keeps each share twice (``zero: 1``), which needs the
+    memory: :attr:`peer_healable` says so per node count. Where it does not fit (``tight``),
+    the ``unicron`` policy checkpoints the task (Young/Daly, raised to the write time) and
+    reloads the checkpoint on a failure, where ``unicron-all`` heals from peers."""
+    from unicron.planner import PerfOptions, evaluate, layout_table
 
+    a, b6 = small.perf
     for p in small.perf:
         assert p.peer_healable is not None and len(p.peer_healable) == 5
-        assert not p.peer_healable[1:3].any()  # dist-opt on its 1-2 nodes
-    cfg = layout_table(small.perf[0].model, 256, 16, small.workload.gpu_type(), 8, unit=8)[2]
-    assert cfg is not None and cfg.layout is not None and cfg.layout.sharding != "ddp"
+    assert a.peer_healable is not None and a.peer_healable[1:3].all()  # dist-opt, twice over
+    assert b6.peer_healable is not None and b6.peer_healable[2] and not b6.peer_healable[1]
+    (b,) = tight.perf
+    assert b.peer_healable is not None and not b.peer_healable[1]
+    gpu = tight.workload.gpu_type()
+    cfg = layout_table(b.model, 512, 8, gpu, 8, unit=8, options=PerfOptions(exact_batch=False))[1]
+    assert cfg is not None and cfg.layout is not None and cfg.layout.sharding == "dist-opt"
+    assert cfg.usable_bytes is not None and cfg.memory_bytes_per_gpu <= cfg.usable_bytes
+    twice = evaluate(b.model, 512, cfg.layout, gpu, 8, PerfOptions(exact_batch=False,
+                                                                   optimizer_copies=2))  # fmt: skip
+    assert twice.usable_bytes is not None and twice.memory_bytes_per_gpu > twice.usable_bytes
+    assert twice.iter_time_s == pytest.approx(cfg.iter_time_s, rel=0.01)  # the second step
     runtime, everyone = make_policy("unicron"), make_policy("unicron-all")
-    r = simulate(small, [], runtime, duration_s=DAY)
-    a = next(t for t in runtime._sim.tasks.values() if t.name == "a")  # type: ignore[union-attr]
-    assert not runtime.peer_heals(a) and everyone.heals == "all"
-    interval = runtime.checkpoint_interval_s(runtime._sim, a)  # type: ignore[arg-type]
-    assert 10.0 < interval == runtime.ckpt_interval(a) < 3600.0
+    r = simulate(tight, [], runtime, duration_s=DAY)
+    task = next(iter(runtime._sim.tasks.values()))  # type: ignore[union-attr]
+    assert not runtime.peer_heals(task) and everyone.heals == "all"
+    interval = runtime.checkpoint_interval_s(runtime._sim, task)  # type: ignore[arg-type]
+    assert 10.0 < interval == runtime.ckpt_interval(task) < 3600.0
     assert 0.99 < r.effective_fraction < 1.0  # the copies before the background writes
-    trace = [TraceEvent(time_s=5000.0, action="fault", node="node1", signal="exit")]
+    trace = [TraceEvent(time_s=5000.0, action="fault", node="node0", signal="exit")]
     lost = {}
     for name in ("unicron", "unicron-all"):
-        rr = simulate(small, trace, make_policy(name), duration_s=DAY)
-        lost[name] = next(t for t in rr.tasks if t.name == "a").down_s
+        rr = simulate(tight, trace, make_policy(name), duration_s=DAY)
+        lost[name] = rr.tasks[0].down_s
     assert lost["unicron-all"]["lost_work"] == 0.0 < lost["unicron"]["lost_work"]
     assert lost["unicron"]["transition"] > lost["unicron-all"]["transition"]
+
+
+def test_a_node_lost_while_healing_from_peers_loses_no_work_after_the_move() -> None:
+    """A task whose layout heals from peers on two nodes but not on one: a node lost there
+    costs nothing (its state lives on), and the checkpoints of the one-node layout start at
+    the loss; before, the work since the task's start was counted lost at the next failure."""
+    wl = Workload(
+        nodes=2,
+        gpus_per_node=8,
+        gpu="A800-80GB",
+        tasks=(TaskSpec(name="b", model="gpt-6.7b", global_batch=512, weight=1.0, max_nodes=2),),
+    )
+    prepared = prepare(wl)
+    (b,) = prepared.perf
+    assert b.peer_healable is not None and b.peer_healable[2] and not b.peer_healable[1]
+    trace = [
+        TraceEvent(time_s=30_000.0, action="remove", node="node1", signal="heartbeat_lost"),
+        TraceEvent(time_s=40_000.0, action="fault", node="node0", signal="exit"),
+    ]
+    task = simulate(prepared, trace, make_policy("unicron"), duration_s=DAY).tasks[0]
+    assert 0.0 < task.down_s["lost_work"] < 1000.0  # one interval at most, not 30,000 s
 
 
 def test_lost_node_megatron_waits_unicron_replans(small):

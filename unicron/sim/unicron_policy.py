@@ -189,8 +189,12 @@ class Unicron(Policy):
         self._warm = {(t, n) for t, n in self._warm if n != node}
         if task is None:
             return
-        if task.mode is Mode.RUNNING and not self.peer_heals(task):
-            sim.rollback(task)
+        if task.mode is Mode.RUNNING:
+            # judged by the layout it ran when the node went (the node is already off it)
+            if self._heals_on(task, len(task.nodes) + 1):
+                sim.checkpointed(task)  # whole in its peers: what follows checkpoints from here
+            else:
+                sim.rollback(task)
         d = self.detect_s(task, method_of(signal))
         sim.recover(task, [("detection", d)], lambda _t: self._replan(sim, task))
 
