@@ -46,6 +46,23 @@ def test_lost_ranks_heal_from_their_buddies_to_the_unsharded_bits(run: Any) -> N
     assert restarted == [1, 2, 3]
 
 
+@pytest.mark.long
+def test_a_lost_node_heals_from_the_buddies_on_the_other_node(run: Any) -> None:
+    """Two nodes of two: every share has a keeper on each node (the ownership plan puts the
+    buddy on another node), so losing a whole node loses no share."""
+    clean = _run(run, "--nproc-per-node", "4")
+    faulty = _run(
+        run, "--nnodes", "2", "--nproc-per-node", "2", "--zero", "1", "--checkpoint-every",
+        "0", "--inject", "node:node=1,step=5",
+    )  # fmt: skip
+    for r in (clean, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert faulty.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    assert [len(e["members"]) for e in faulty.of("epoch_begin")][:2] == [4, 2]
+    assert "checkpoint" not in _sources(faulty)
+
+
+@pytest.mark.long
 def test_a_tensor_parallel_task_with_sharded_optimizer_heals_to_the_unsharded_bits(
     run: Any,
 ) -> None:
