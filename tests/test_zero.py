@@ -39,7 +39,10 @@ def test_one_member_keeps_everything_and_two_keep_everything_each() -> None:
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(24, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8), torch.nn.Linear(8, 3)
+        torch.nn.Linear(24, 16),
+        torch.nn.LayerNorm(16),
+        torch.nn.Linear(16, 8),
+        torch.nn.Linear(8, 3),
     )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
