@@ -58,9 +58,7 @@ def _events(arm: str, dim: int, steps: int, fault: bool, workdir: Path) -> list[
 def steady(evs: list[dict[str, Any]]) -> float:
     """The median step of a fault-free run after its warm-up. Pure."""
     return statistics.median(
-        float(e["duration_s"])
-        for e in evs
-        if e["event"] == "step_end" and int(e["step"]) >= WARMUP
+        float(e["duration_s"]) for e in evs if e["event"] == "step_end" and int(e["step"]) >= WARMUP
     )
 
 
@@ -76,9 +74,10 @@ def faulted(evs: list[dict[str, Any]], clean: list[dict[str, Any]]) -> dict[str,
     out["crash"] = ends[int(short["epoch"])]
     out["rejoin"] = ends[int(back["epoch"])]
     killed = min(float(e["ts"]) for e in evs if e["event"] == "fault_injected")
-    out["recovery"] = min(
-        float(e["ts"]) for e in evs if e["event"] == "step_end" and float(e["ts"]) > killed
-    ) - killed
+    out["recovery"] = (
+        min(float(e["ts"]) for e in evs if e["event"] == "step_end" and float(e["ts"]) > killed)
+        - killed
+    )
     end, clean_end = (next(e for e in x if e["event"] == "task_end") for x in (evs, clean))
     out["same_bits"] = float(end.get("params_sha256") == clean_end.get("params_sha256"))
     return out
@@ -114,8 +113,10 @@ def run(quick: bool) -> list[Row]:
                 where = Path(tmp) / f"{rep}-{dim}"
                 base = _events("replicated", dim, steps, False, where / "replicated-clean")
                 for arm in ARMS:
-                    clean = base if arm == "replicated" else _events(
-                        arm, dim, steps, False, where / f"{arm}-clean"
+                    clean = (
+                        base
+                        if arm == "replicated"
+                        else _events(arm, dim, steps, False, where / f"{arm}-clean")
                     )
                     got.setdefault((arm, dim, "steady"), []).append(steady(clean))
                     evs = _events(arm, dim, steps, True, where / f"{arm}-fault")
