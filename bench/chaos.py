@@ -15,6 +15,7 @@ per kind the worst detection against the goal (a hang found within ``max(3 x med
     python -m bench.chaos --tp 2      # the same on model-parallel replicas (make soak-parallel)
     python -m bench.chaos --tp 2 --workers 8   # four such replicas
     python -m bench.chaos --tp 2 --pp 2 --pp-choices 1 --workers 8   # and layout changes
+    python -m bench.chaos --zero                 # the optimizer's state sharded (--zero 1)
 
 With ``--tp T`` and/or ``--pp P`` the run is ``examples/train_llama_parallel.py`` on replicas
 of ``T x P`` of the workers (``--workers``, default 4; data parallel over the rest): a fault
@@ -115,6 +116,7 @@ def _run(
     layout: tuple[int, int] = (1, 1),
     workers: int = WORKERS,
     depths: str = "",
+    zero: bool = False,
 ) -> tuple[list[Event], float]:
     workdir.mkdir(parents=True)
     events = workdir / "events.jsonl"
@@ -122,6 +124,7 @@ def _run(
     script = "train_gpt.py" if layout == (1, 1) else "train_llama_parallel.py"
     cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(workers), "--quiet",
            "--tp", str(tp), "--pp", str(pp), *(["--pp-choices", depths] if depths else []),
+           *(["--zero", "1"] if zero else []),
            "--events", str(events), "--log-dir", str(workdir / "logs"),
            "--readmit-after", str(TIME_SCALE), "--restart-window", str(TIME_SCALE),
            "--checkpoint-every", "10",
@@ -175,17 +178,23 @@ def measure_faults(events: list[Event]) -> dict[str, Any]:
 
 
 def scenario_name(
-    gap: int, layout: tuple[int, int] = (1, 1), workers: int = WORKERS, depths: str = ""
+    gap: int,
+    layout: tuple[int, int] = (1, 1),
+    workers: int = WORKERS,
+    depths: str = "",
+    zero: bool = False,
 ) -> str:
     """``chaos`` for the default spacing, workers and replicas of one rank; another
     spacing's, worker count's or layout's rows go to a file of their own (``chaos-gap3``,
-    ``chaos-w8-tp2``, ``chaos-w8-tp2-pp2-ppc1`` with ``--pp-choices 1``)."""
+    ``chaos-w8-tp2``, ``chaos-w8-tp2-pp2-ppc1`` with ``--pp-choices 1``, ``chaos-zero``
+    with the optimizer's state sharded)."""
     tp, pp = layout
     parts = [SCENARIO] + ([f"gap{gap}"] if gap != 5 else [])
     parts += [f"w{workers}"] if workers != WORKERS else []
     parts += [f"tp{tp}"] if tp > 1 else []
     parts += [f"pp{pp}"] if pp > 1 else []
     parts += [f"ppc{depths.replace(',', '')}"] if depths else []
+    parts += ["zero"] if zero else []
     return "-".join(parts)
 
 
@@ -224,10 +233,12 @@ def run(
     layout: tuple[int, int] = (1, 1),
     workers: int = WORKERS,
     depths: str = "",
+    zero: bool = False,
 ) -> list[Row]:
     """The rows of this scenario; ``keep``: leave both runs' event logs and worker logs there;
     ``gap``: steps between two faults; ``layout``: (tp, pp) of the replicas; ``workers``: on
-    the one node."""
+    the one node; ``zero``: the faulted run shards the optimizer's state (``--zero 1``; the
+    fault-free run it is compared with does not: the same bits)."""
     n = faults if faults is not None else (24 if quick else 100)
     planned, steps = schedule(n, seed, gap, workers)
     timeout_s = 120.0 + steps * 2.0
@@ -235,7 +246,9 @@ def run(
         where = keep if keep is not None else Path(tmp)
         _, clean_wall = _run(where / "clean", steps, [], timeout_s, layout, workers)
         specs = [p.spec for p in planned]
-        faulty, wall = _run(where / "faulty", steps, specs, timeout_s, layout, workers, depths)
+        faulty, wall = _run(
+            where / "faulty", steps, specs, timeout_s, layout, workers, depths, zero
+        )
         # by name: a run that ended at another pipeline depth holds the same entries
         exact = same_state(where / "clean" / "out", where / "faulty" / "out", layout[0])
     end = next(e for e in faulty if e["event"] == "task_end")
@@ -243,9 +256,10 @@ def run(
     healed = m["fired"] - m["undetected"] if end.get("status") == "ok" else 0
     median_step = m["median_step_s"] or 0.0
     goal = max(3 * median_step, 1.0) + 0.5
-    base = dict(system="unicron", scenario=scenario_name(gap, layout, workers, depths))
+    base = dict(system="unicron", scenario=scenario_name(gap, layout, workers, depths, zero))
     what = "" if layout == (1, 1) else f", replicas of tp {layout[0]} x pp {layout[1]}"
     what += f" (also pp {depths})" if depths else ""
+    what += ", optimizer state sharded (--zero 1; fault-free run unsharded)" if zero else ""
     setup = (
         f"{n} faults planned, one every {gap} steps, seed {seed}, {steps} steps, "
         f"{workers} workers on 1 node{what}"
@@ -292,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=WORKERS, help=f"default {WORKERS}")
     p.add_argument("--pp-choices", default="", metavar="P,Q",
                    help="other pipeline depths the task may run at (a layout change)")  # fmt: skip
+    p.add_argument("--zero", action="store_true",
+                   help="shard the optimizer's state in the faulted run (--zero 1)")  # fmt: skip
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be >= 1")
@@ -304,10 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep is not None and args.keep.exists():
         p.error(f"--keep {args.keep}: already exists")
     layout = (args.tp, args.pp)
+    if args.zero and args.pp_choices:
+        p.error("--zero with --pp-choices: a task with a sharded optimizer keeps its layout")
     rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout, args.workers,
-               args.pp_choices)  # fmt: skip
+               args.pp_choices, args.zero)  # fmt: skip
     print_table(rows, title="Fault soak: mixed faults in one run")
-    name = scenario_name(args.gap, layout, args.workers, args.pp_choices)
+    name = scenario_name(args.gap, layout, args.workers, args.pp_choices, args.zero)
     save_scenario(rows, name, ROOT / "bench" / "results", replace=True)
     return 0
 

@@ -78,6 +78,7 @@ def test_a_tensor_parallel_task_with_sharded_optimizer_heals_to_the_unsharded_bi
     assert "checkpoint" not in _sources(faulty)
 
 
+@pytest.mark.long
 def test_both_keepers_of_a_share_lost_fall_back_to_the_gathered_checkpoint(run: Any) -> None:
     """DP=3: two members lost in one step hold every share of some parameters together; the
     checkpoint, written by replica 0 from the gathered shares, brings the same bits."""

@@ -177,6 +177,7 @@ class _Worker:
     hang_reported: bool = False
     previous: float | None = None  # expectation before reset_expectation, while re-learning
     rebuilt: bool = False  # its next step is the first of a model rebuilt for a new layout
+    membership: int = 0  # the membership its current step began in (StepMonitor._membership)
     early: list[float] = field(default_factory=list)  # warm-up step durations after the cold one
     shifted: list[float] = field(default_factory=list)
     shift_side: int = 0
@@ -193,7 +194,9 @@ class StepMonitor:
         self.settings = settings
         self._workers: dict[int, _Worker] = {}
         self._compute: dict[int, dict[int, float]] = {}  # step -> worker -> compute rate
-        self._durations: dict[int, dict[int, float]] = {}  # step -> worker -> its duration
+        self._durations: dict[int, dict[int, tuple[int, float]]] = {}
+        """step -> worker -> (the membership it computed the step in, its duration)"""
+        self._membership = 0  # counts reset_expectation: durations of one membership compare
         self._found: list[Detection] = []
         self._paces: tuple[float | None, float | None] | None = None  # (pace, early pace)
         """cached: recomputed only after new data (a step learned, a reset, a worker
@@ -205,6 +208,7 @@ class StepMonitor:
         """Worker ``worker`` began ``step`` at ``now``; its hang deadline starts running."""
         w = self._worker(worker)
         w.step, w.started_at, w.hang_reported = step, now, False
+        w.membership = self._membership
 
     def step_finished(
         self,
@@ -228,7 +232,7 @@ class StepMonitor:
             w.rebuilt = False
             return
         if duration is not None and duration >= 0.0 and w.finished > 1:  # not a cold step
-            self._durations.setdefault(step, {})[worker] = duration
+            self._durations.setdefault(step, {})[worker] = (w.membership, duration)
             while len(self._durations) > _EVIDENCE_STEPS:
                 del self._durations[min(self._durations)]
         if w.finished <= w.warmup:
@@ -261,7 +265,9 @@ class StepMonitor:
         steps a worker not yet reported was ``straggler_strong_factor`` times slower than its
         peers: that is the worker, not the split (a slow worker caught by a membership change
         would otherwise need two more slow steps after it). Peers' durations of a step in the
-        old membership say nothing of it in the new one: dropped.
+        old membership say nothing of it computed again in the new one (another split of the
+        work): a step is judged by the durations of peers that computed it in the membership
+        it began in.
 
         ``rebuilt``: the epoch runs another layout (a change of pipeline depth), so every
         worker's next step is the first of a model it has just built (new autograd graph,
@@ -270,7 +276,7 @@ class StepMonitor:
         the slowest rank of a loaded machine may take seconds where its peers took a tenth),
         and learned from nothing."""
         strong = self.settings.straggler_strong_factor
-        self._durations.clear()
+        self._membership += 1
         for w in self._workers.values():
             w.rebuilt = rebuilt
             if w.expected is not None:
@@ -401,7 +407,7 @@ class StepMonitor:
             return base  # a cold step: peers' evidence never shortens it
         s = self.settings
         done = self._durations.get(w.step, {}) if w.step is not None and w.finished >= 1 else {}
-        peers = [d for k, d in done.items() if k != worker]
+        peers = [d for k, (m, d) in done.items() if k != worker and m == w.membership]
         if peers:
             took = max(peers)  # the slowest peer: a loaded machine slows several at once
             evidence = max(s.hang_factor * took, s.hang_floor_s)
