@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak soak-parallel soak-relayout test-long clean
+.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak soak-parallel soak-relayout soak-zero test-long clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -119,6 +119,9 @@ soak-parallel: $(STAMP)
 # TP=2 x PP=2 x DP=2 on 8 workers that may run at PP=1: exclusions change the layout
 soak-relayout: $(STAMP)
 	$(BIN)/python -m bench.chaos --tp 2 --pp 2 --pp-choices 1 --workers 8
+
+soak-zero: $(STAMP)
+	$(BIN)/python -m bench.chaos --zero
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
