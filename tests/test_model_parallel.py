@@ -29,6 +29,7 @@ from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
 from unicron.control.slots import SlotTable
 from unicron.detect.classify import verdict_for_kind
+from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.parallel import PipelineParallel, TensorParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -177,13 +178,14 @@ def test_replicas_are_groups_of_tp_slots_of_one_node_in_slot_order() -> None:
     assert replicas.whole(table, [0, 2, 4], 1) == (0, 2, 4)
 
 
-def _coordinator(tmp: Path) -> Coordinator:
+def _coordinator(tmp: Path, monitor: StepMonitor | None = None) -> Coordinator:
     c = Coordinator(
         task="t",
         slots={0: 0, 1: 0, 2: 0, 3: 0},
         events=EventLog(tmp / "events.jsonl"),
         escalation=Escalation(EscalationSettings()),
         settings=CoordinatorSettings(replica_ranks=2, min_workers=2),
+        monitor=monitor,
     )
     c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
     assert c.epoch == 1 and c.members == (0, 1, 2, 3)
@@ -210,17 +212,7 @@ def test_a_waiting_ranks_late_report_of_the_old_epoch_starts_no_hang_clock(
     """Seen beside CPU burners: slot 4, left out when its pair was excluded, reported the start
     of its step in the old epoch after the new one began; the monitor timed that step and 5 s
     later killed a rank that was only waiting (and held its shard)."""
-    from unicron.detect.monitor import MonitorSettings, StepMonitor
-
-    c = Coordinator(
-        task="t",
-        slots={0: 0, 1: 0, 2: 0, 3: 0},
-        events=EventLog(tmp_path / "events.jsonl"),
-        escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(replica_ranks=2, min_workers=2),
-        monitor=StepMonitor(MonitorSettings(warmup_steps=2)),
-    )
-    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
+    c = _coordinator(tmp_path, StepMonitor(MonitorSettings(warmup_steps=2)))
     crash = M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))
     c.exchange(0, [crash], 1.0)
     assert c.members == (2, 3)
@@ -337,8 +329,6 @@ def test_the_first_step_at_a_new_depth_is_cold_for_the_hang_detector(tmp_path: P
     restarted worker's first (``rejoin_hang_s`` at least), a crash that keeps the layout is
     not (seen beside CPU burners: one rank's first step at PP=1 took 3.6 s, its peers 0.13 s,
     and their evidence killed it as hung, then the stall detector others)."""
-    from unicron.detect.monitor import MonitorSettings, StepMonitor
-
     settings = MonitorSettings(warmup_steps=2)
     c = Coordinator(
         task="t",
