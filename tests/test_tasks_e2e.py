@@ -142,6 +142,27 @@ def test_a_tensor_parallel_task_heals_in_the_cluster_to_run_s_bits(
 
 
 @pytest.mark.long
+def test_a_sharded_optimizer_task_heals_in_the_cluster_to_the_unsharded_bits(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """``examples/tasks/llama-zero.yaml`` (``zero: 1``) on the cluster's two nodes, a rank
+    lost mid-run: its shares heal from their keepers on the other node, and the run ends with
+    the bits of a fault-free, unsharded ``unicron run``."""
+    spec = load(TASKS / "llama-zero.yaml").model_dump()
+    spec["inject"] = ["crash:rank=1,step=5"]
+    cluster.submit(spec)
+    script = ROOT / "examples" / "train_llama_parallel.py"
+    run = run_unicron(tmp_path, "--nproc-per-node", "4", script=script,
+                      script_args=("--steps", "12"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    view = cluster.wait_task("llama-zero", timeout_s=180)
+    assert view["state"] == "done", view
+    assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
+    ends = [e for e in cluster.events("llama-zero") if e["event"] == "transition_end"]
+    assert "checkpoint" not in {e["state_source"] for e in ends}
+
+
+@pytest.mark.long
 def test_a_3d_task_changes_layout_in_the_cluster_to_run_s_bits(tmp_path: Path) -> None:
     """``examples/tasks/llama-3d.yaml`` (TP=2 x PP=2 x DP=2, ``pp_choices: [1]``) submitted
     to a node of 8 slots, slot 5 excluded by an ECC error and readmitted: PP=1 on six, PP=2
