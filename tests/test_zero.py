@@ -36,6 +36,35 @@ def test_one_member_keeps_everything_and_two_keep_everything_each() -> None:
         assign([8], [])
 
 
+def test_shares_stay_with_their_keepers_and_a_returning_member_gets_its_part_back() -> None:
+    """A membership change moves only what it must: member 3 of four lost, every share it did
+    not keep stays where it was and each it kept gets one new keeper; member 3 back (holding
+    nothing), it takes about its part again, not the whole reshuffle of a fresh plan."""
+    sizes = [64, 48, 48, 32, 32, 32, 16, 16, 16, 16, 8, 8]
+    four = assign(sizes, [0, 0, 1, 1])
+
+    def keepers(o: Any, of: list[int]) -> list[set[int]]:
+        return [{of[k] for k in (o.owner[i], o.buddy[i])} for i in range(len(sizes))]
+
+    before = keepers(four, [0, 1, 2, 3])
+    three = assign(sizes, [0, 0, 1], [{k for k in ks if k != 3} for ks in before])
+    after = keepers(three, [0, 1, 2])
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        assert b - {3} <= a, i  # living keepers keep it
+        assert len(a) == 2
+    moved = sum(sizes[i] for i in range(len(sizes)) if before[i] - {3} != after[i])
+    assert moved == sum(sizes[i] for i in range(len(sizes)) if 3 in before[i])
+    back = assign(sizes, [0, 0, 1, 1], after)
+    part = [sum(sizes[i] for i in back.held(r)) for r in range(4)]
+    assert part[3] > 0 and max(part) <= 2 * sum(sizes) / 4 + max(sizes)
+    fresh = assign(sizes, [0, 0, 1, 1])
+    again = keepers(back, [0, 1, 2, 3])
+    stayed = sum(sizes[i] for i in range(len(sizes)) if after[i] <= again[i])
+    assert stayed > sum(
+        sizes[i] for i in range(len(sizes)) if after[i] <= keepers(fresh, [0, 1, 2, 3])[i]
+    )
+
+
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -92,8 +121,9 @@ def test_sharded_steps_a_lost_member_and_a_joiner_keep_the_unsharded_bits() -> N
 
     def first(g: EpochGroup) -> int:
         z = zeros[g.rank]
-        z.begin([0, 0, 1, 1], g.rank)
-        assert redistribute(z, g, g, holder=True) == []  # all at step 0: nothing moves
+        assert (
+            redistribute(z, g, g, nodes=[0, 0, 1, 1], holder=True) == []
+        )  # all at step 0: nothing moves
         _steps(z, g, 0, 3)
         return len(_state_by_name(z.model, z.optimizer))
 
@@ -109,8 +139,7 @@ def test_sharded_steps_a_lost_member_and_a_joiner_keep_the_unsharded_bits() -> N
 
     def second(g: EpochGroup) -> list[int]:
         z = left[g.rank]
-        z.begin([0, 1, 1], g.rank)
-        got = redistribute(z, g, g, holder=True)
+        got = redistribute(z, g, g, nodes=[0, 1, 1], holder=True)
         _steps(z, g, 3, 2)
         assert set(_state_by_name(z.model, z.optimizer)) == z.held()
         return got
@@ -127,8 +156,7 @@ def test_sharded_steps_a_lost_member_and_a_joiner_keep_the_unsharded_bits() -> N
 
     def third(g: EpochGroup) -> list[int]:
         z = group[g.rank]
-        z.begin([0, 1, 1, 0], g.rank)
-        got = redistribute(z, g, g, holder=g.rank < 3)
+        got = redistribute(z, g, g, nodes=[0, 1, 1, 0], holder=g.rank < 3)
         _steps(z, g, 5, 1)
         return got
 
@@ -145,8 +173,7 @@ def test_a_share_whose_two_keepers_are_lost_is_lost_for_every_member() -> None:
     zeros = [Zero(m, o) for m, o in built]
 
     def first(g: EpochGroup) -> None:
-        zeros[g.rank].begin([0, 0, 0, 0], g.rank)
-        redistribute(zeros[g.rank], g, g, holder=True)
+        redistribute(zeros[g.rank], g, g, nodes=[0, 0, 0, 0], holder=True)
         _steps(zeros[g.rank], g, 0, 2)
 
     assert _run_group(4, first) == [None] * 4
@@ -156,8 +183,7 @@ def test_a_share_whose_two_keepers_are_lost_is_lost_for_every_member() -> None:
     left = [z for r, z in enumerate(zeros) if r not in gone]
 
     def second(g: EpochGroup) -> None:
-        left[g.rank].begin([0] * len(left), g.rank)
-        redistribute(left[g.rank], g, g, holder=True)
+        redistribute(left[g.rank], g, g, nodes=[0] * len(left), holder=True)
 
     results = _run_group(len(left), second)
     assert all(isinstance(x, StateLost) for x in results), results
@@ -168,8 +194,7 @@ def test_a_gather_gives_the_writer_every_share_and_drop_takes_them_back() -> Non
 
     def body(g: EpochGroup) -> tuple[int, int]:
         z = zeros[g.rank]
-        z.begin([0, 1, 2], g.rank)
-        redistribute(z, g, g, holder=True)
+        redistribute(z, g, g, nodes=[0, 1, 2], holder=True)
         _steps(z, g, 0, 2)
         z.gather(g, g, writer=g.rank == 0)
         whole = len(_state_by_name(z.model, z.optimizer))
@@ -191,16 +216,14 @@ def test_an_update_whose_broadcast_is_cut_is_completed_from_the_keepers() -> Non
     zeros = [Zero(*_model()) for _ in range(3)]
 
     def first(g: EpochGroup) -> None:
-        zeros[g.rank].begin([0, 1, 2], g.rank)
-        redistribute(zeros[g.rank], g, g, holder=True)
+        redistribute(zeros[g.rank], g, g, nodes=[0, 1, 2], holder=True)
         _steps(zeros[g.rank], g, 0, 2)
 
     assert _run_group(3, first) == [None] * 3
 
     def cut(g: EpochGroup) -> Any:
         z = zeros[g.rank]
-        z.begin([0, 1, 2], g.rank)
-        redistribute(z, g, g, holder=True)
+        redistribute(z, g, g, nodes=[0, 1, 2], holder=True)
         if g.rank == 2:
             return None  # lost before its broadcast
         try:
@@ -220,8 +243,7 @@ def test_an_update_whose_broadcast_is_cut_is_completed_from_the_keepers() -> Non
     left = zeros[:2]
 
     def heal(g: EpochGroup) -> None:
-        left[g.rank].begin([0, 1], g.rank)
-        redistribute(left[g.rank], g, g, holder=True)
+        redistribute(left[g.rank], g, g, nodes=[0, 1], holder=True)
 
     assert _run_group(2, heal) == [None, None]
     ref = _reference(3)

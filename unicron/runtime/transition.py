@@ -131,7 +131,7 @@ def _shares(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]
     try:
         if sp.target < 0 or sp.checkpoint > sp.target:
             raise StateLost("no member holds the state, or a checkpoint is newer")
-        got = redistribute(r.zero, r.dp, g, holder=holder)
+        got = redistribute(r.zero, r.dp, g, nodes=nodes, holder=holder)
     except StateLost:
         load_checkpoint(r)
         r.zero.drop()  # the whole state was read: keep this epoch's shares

@@ -26,7 +26,7 @@ gets every share; the files are the unsharded format) and :meth:`Zero.drop` afte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,21 +54,37 @@ class Owners:
                 if rank in (o, b)]  # fmt: skip
 
 
-def assign(sizes: Sequence[int], nodes: Sequence[int]) -> Owners:
+def assign(
+    sizes: Sequence[int],
+    nodes: Sequence[int],
+    keepers: Sequence[Collection[int]] | None = None,
+) -> Owners:
     """The owners and buddies of parameters of ``sizes`` bytes among members on ``nodes``
-    (per member, its node). Largest first, each goes to the member that keeps the fewest
-    bytes so far (the lowest rank on ties), its buddy to the least loaded member on another
-    node, else to the least loaded other member. Pure."""
+    (per member, its node), preferring each parameter's current ``keepers`` (the members
+    that hold its state now) so that a membership change moves only what it must: a share
+    whose keepers live stays with them, unless one already keeps more than its part (twice
+    the state over the members, plus the largest parameter), so that a returning member
+    gets its part back. Largest first; a parameter without a current keeper goes to the
+    member that keeps the fewest bytes so far (the lowest rank on ties), its buddy to the
+    least loaded member on another node, else to the least loaded other member. Pure."""
     d = len(nodes)
     if d == 0:
         raise ValueError("a data-parallel group of no member")
     load = [0] * d
+    cap = (2 if d > 1 else 1) * sum(sizes) / d + max(sizes, default=0)
     owner, buddy = [0] * len(sizes), [0] * len(sizes)
+
+    def least(pool: Sequence[int]) -> int:
+        return min(pool, key=lambda r: (load[r], r))
+
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        o = min(range(d), key=lambda r: (load[r], r))
+        now = [r for r in (keepers[i] if keepers else ()) if load[r] + sizes[i] <= cap]
+        o = least(now) if now else least(range(d))
+        others = [r for r in range(d) if r != o]
+        pool = [r for r in others if nodes[r] != nodes[o]] or others
+        stay = [r for r in now if r in pool]
+        b = (least(stay) if stay else least(pool)) if pool else o
         load[o] += sizes[i]
-        others = [r for r in range(d) if nodes[r] != nodes[o]] or [r for r in range(d) if r != o]
-        b = min(others, key=lambda r: (load[r], r)) if others else o
         if b != o:
             load[b] += sizes[i]
         owner[i], buddy[i] = o, b
@@ -162,24 +178,24 @@ class Zero:
         """Before a checkpoint: every share of the state to the ``writer`` of this place (the
         member of replica 0), from their holders; :meth:`drop` after the write. Raises
         :class:`StateLost` if a share has no holder (cannot happen between two transitions)."""
-        _move(self, dp, everyone, values=set(), stale=set(), states=True, every_state=writer)
+        _move(self, dp, everyone, values=set(), states=True, writer=writer, nodes=None)
 
 
-def redistribute(zero: Zero, dp: EpochGroup, everyone: EpochGroup, *, holder: bool) -> list[int]:
-    """Give this epoch's owners (:meth:`Zero.begin`) their shares of
-    the optimizer's state, and every member the committed parameters it lacks (a restarted
-    member all of them; one whose update's broadcast was cut, :attr:`Zero.stale`), by name
-    from the members that hold them: ``holder`` says this member is at the committed step the
-    ledger exchange agreed on (else it offers nothing and takes everything). Every member of
-    the epoch calls it (``everyone``): when some place's state is held by nobody, every
-    member raises :class:`StateLost` (the checkpoint, for all places alike). Returns the
-    members this one received from."""
-    entries = set(zero.model.state_dict())
-    if holder:
-        values, stale = entries - zero.stale, set(zero.stale)
-    else:
-        values, stale = set(), entries
-    got = _move(zero, dp, everyone, values=values, stale=stale, states=holder, every_state=False)
+def redistribute(
+    zero: Zero, dp: EpochGroup, everyone: EpochGroup, *, nodes: Sequence[int], holder: bool
+) -> list[int]:
+    """A new epoch of the place's members on ``nodes``: its owners (:func:`assign`, from the
+    shares the members hold now) get their shares of the optimizer's state, and every member
+    the committed parameters it lacks (a restarted member all of them; one whose update's
+    broadcast was cut, :attr:`Zero.stale`), by name from the members that hold them:
+    ``holder`` says this member is at the committed step the ledger exchange agreed on (else
+    it offers nothing and takes everything). Every member of the epoch calls it
+    (``everyone``): when some place's state is held by nobody, every member raises
+    :class:`StateLost` (the checkpoint, for all places alike). Returns the members this one
+    received from."""
+    zero.rank = dp.rank
+    values = set(zero.model.state_dict()) - zero.stale if holder else set()
+    got = _move(zero, dp, everyone, values=values, states=holder, writer=False, nodes=nodes)
     zero.stale = set()
     zero.drop()
     return got
@@ -191,33 +207,37 @@ def _move(
     everyone: EpochGroup,
     *,
     values: set[str],
-    stale: set[str],
     states: bool,
-    every_state: bool,
+    writer: bool,
+    nodes: Sequence[int] | None,
 ) -> list[int]:
-    """The moves of :func:`redistribute` and :meth:`Zero.gather` over ``dp``. This member
-    offers the entries ``values`` (held at the committed step) and, if ``states``, the
-    optimizer states it has; it needs the entries ``stale`` and the states it keeps this epoch
-    that it lacks (a member that offers none needs every one), or, ``every_state``, every
-    state offered anywhere (a checkpoint's writer). A state is needed only where states
-    exist (a stateful optimizer past its first step: then every kept parameter has one). One
-    flag per member over ``everyone`` says whether anything needed is held by nobody (then
-    every member raises :class:`StateLost`). Returns the members this one received from."""
+    """The moves of :func:`redistribute` (``nodes``: the owners are assigned anew from the
+    offers) and :meth:`Zero.gather` (``nodes`` None; the ``writer`` needs every state) over
+    ``dp``. Each member offers the entries ``values`` (held at the committed step) and, if
+    ``states``, the optimizer states it has; from the offers every member knows what every
+    other needs: the entries it does not offer, and the states it keeps this epoch that it
+    does not offer. A state is needed only where states exist (a stateful optimizer past its
+    first step: then every kept parameter has one). One flag per member over ``everyone``
+    says whether anything needed is held by nobody (then every member raises
+    :class:`StateLost`). Returns the members this one received from."""
     has = set(_state_of(zero.model, zero.optimizer)) if states else set()
     offers = sorted({_value_key(n) for n in values} | {_state_key(n) for n in has})
-    wants = {_value_key(n) for n in stale} | {_state_key(n) for n in zero.held() - has}
-    rows = exchange(dp, [int(every_state), len(offers), *offers, *sorted(wants)])
+    rows = exchange(dp, [int(writer), len(offers), *offers])
     offered = [set(r[2 : 2 + r[1]]) for r in rows]
+    if nodes is not None:
+        keepers = [{m for m, o in enumerate(offered) if _state_key(n) in o} for n in zero.names]
+        zero.owners = assign(zero.sizes, nodes, keepers)
+    assert zero.owners is not None
     state_keys = {_state_key(n) for n in zero.names}
     anywhere = {k for o in offered for k in o if k in state_keys}
+    value_keys = {_value_key(n) for n in zero.model.state_dict()}
     needs = []
-    for r in rows:
-        need = set(r[2 + r[1] :])
-        if not anywhere:
-            need -= state_keys  # no state exists yet (the first step; a stateless optimizer)
-        if r[0]:
-            need |= anywhere
-        needs.append(need)
+    for m, (r, o) in enumerate(zip(rows, offered, strict=True)):
+        if nodes is None:  # a checkpoint's gather: the writer takes every share
+            needs.append(anywhere - o if r[0] else set())
+            continue
+        kept = {_state_key(zero.names[i]) for i in zero.owners.held(m)}
+        needs.append((value_keys - o) | ((kept if anywhere else set()) - o))
     moves, missing = plan(offered, needs, [0] * len(rows))
     lost = torch.tensor([1 if missing else 0], dtype=torch.int64)
     if any(int(t.item()) for t in everyone.allgather(lost)):
