@@ -126,7 +126,6 @@ def _shares(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]
     size, place = r.R, r.place
     sp = replica.plan(rows, size, r.M)
     nodes = [row[replica.NODE] for row in rows[place::size]]
-    r.zero.begin(nodes, r.dp.rank)
     holder = r.has_state and r.step == sp.target and r.dp.rank in sp.holders[place]
     try:
         if sp.target < 0 or sp.checkpoint > sp.target:
@@ -134,6 +133,7 @@ def _shares(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]
         got = redistribute(r.zero, r.dp, g, nodes=nodes, holder=holder)
     except StateLost:
         load_checkpoint(r)
+        r.zero.begin(nodes, r.dp.rank)
         r.zero.drop()  # the whole state was read: keep this epoch's shares
         r.missing = list(range(r.M))
         r.held = [set() for _ in range(len(rows) // size)]

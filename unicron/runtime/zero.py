@@ -4,7 +4,8 @@ With ``zero: 1`` (``unicron run --zero 1``) the optimizer's state of a place (th
 the model one rank of every replica holds) is not kept by every replica: each parameter's
 state is kept by two members of the place's data-parallel group, its *owner* and its
 *buddy*, on another node where the group spans more than one (:func:`assign`: balanced by
-bytes, a pure function of the parameters' sizes and the members' nodes). On a step both
+bytes, a pure function of the parameters' sizes, the members' nodes and who keeps each share
+now, so that a membership change moves only what it must). On a step both
 compute the parameter's update from the reduced gradient, the owner sends the new value to
 the others (one broadcast per member of the values it owns), and the others skip that
 parameter in their optimizer (its gradient is ``None`` there). A rank's optimizer memory is
@@ -118,8 +119,9 @@ class Zero:
         that an epoch's end cut (the next ledger exchange brings them)"""
 
     def begin(self, nodes: Sequence[int], rank: int) -> None:
-        """A new epoch: its owners among the place's members on ``nodes`` (:func:`assign`),
-        this member being ``rank`` of them."""
+        """A new epoch whose state comes from the checkpoint (every member holds all of it):
+        its owners among the place's members on ``nodes`` (:func:`assign`), this member being
+        ``rank`` of them. :func:`redistribute` assigns them otherwise."""
         self.owners, self.rank = assign(self.sizes, nodes), rank
 
     def held(self) -> set[str]:
