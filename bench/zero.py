@@ -5,17 +5,17 @@ In one run, per model width: ``examples/train_llama_parallel.py`` under ``unicro
 --nproc-per-node 4`` (one rank a replica), four ways: each arm fault-free and with rank 1
 killed mid-step at step ``F`` (restarted in place, back a step or two later). Metrics, each
 ``[arm/dimD]``: ``step_time_s[steady/...]`` (median step of the fault-free run after warm-up:
-the sharded arm adds one broadcast per member of the new values and skips three quarters of
-nothing, AdamW being cheap on a CPU), ``transition_s[crash/...]`` and
-``transition_s[rejoin/...]`` (the ``transition_end`` of the epoch without the rank, where the
-sharded arm moves the lost rank's shares from their buddies, and of its return, where the
-restarted rank takes the parameters and its shares), ``recovery_s[...]`` (the kill to the
-next committed step), ``optimizer_mb[...]`` (the optimizer state a rank keeps: the whole
-AdamW state, or the largest share of :func:`unicron.runtime.zero.assign` over the model's
-parameters: ``derived``), and ``same_bits`` (1 when the faulted run ends with the replicated
-fault-free run's parameters). On this machine's 2 cores the broadcast and the moves are
-memory copies and loopback TCP: what the sharding saves is memory, measured here as bytes kept;
-its time is what it costs.
+the sharded arm steps half the parameters and adds one broadcast per member of the new
+values), ``transition_s[crash/...]`` and ``transition_s[rejoin/...]`` (the ``transition_end``
+of the epoch without the rank, where the sharded arm gives the lost rank's shares a new
+keeper, and of its return, where the restarted rank takes the parameters and its shares; an
+epoch the return superseded before its transition ended has none, and its run gives no
+``crash`` figure), ``recovery_s[...]`` (the kill to the next committed step),
+``optimizer_mb[...]`` (the optimizer state a rank keeps: the whole AdamW state, or the largest
+share of :func:`unicron.runtime.zero.assign` over the model's parameters: ``derived``), and
+``same_bits`` (1 when the faulted run ends with the replicated fault-free run's parameters).
+On this machine's 2 cores the broadcast and the moves are memory copies and loopback TCP: what
+the sharding saves is memory, measured here as bytes kept; its time is what it costs.
 
 Run only when named: ``python -m bench.zero [--quick]`` or ``python -m bench --scenario zero``.
 """
@@ -66,12 +66,15 @@ def faulted(evs: list[dict[str, Any]], clean: list[dict[str, Any]]) -> dict[str,
     """One faulted run's figures: the transitions of the epoch without the killed rank and of
     its return, the kill to the next committed step, and whether it ended with ``clean``'s
     parameters. Pure."""
-    began = [e for e in evs if e["event"] == "epoch_begin"]
     ends = {int(e["epoch"]): float(e["duration_s"]) for e in evs if e["event"] == "transition_end"}
+    # epochs whose transition ended (one the restarted rank's return superseded did not)
+    done = [e for e in evs if e["event"] == "epoch_begin" and int(e["epoch"]) in ends]
     out: dict[str, float] = {}
-    short = next(e for e in began if len(e["members"]) < WORKERS)
-    back = next(e for e in began if int(e["epoch"]) > int(short["epoch"]))
-    out["crash"] = ends[int(short["epoch"])]
+    short = next((e for e in done if len(e["members"]) < WORKERS), None)
+    if short is not None:
+        out["crash"] = ends[int(short["epoch"])]
+    after = int(short["epoch"]) if short is not None else 1
+    back = next(e for e in done if int(e["epoch"]) > after and len(e["members"]) == WORKERS)
     out["rejoin"] = ends[int(back["epoch"])]
     killed = min(float(e["ts"]) for e in evs if e["event"] == "fault_injected")
     out["recovery"] = (
