@@ -132,6 +132,7 @@ def test_coordinator_killed_and_restarted(cluster: LocalCluster, reference: str)
     assert view["outcome"]["params_sha256"] == reference
 
 
+@pytest.mark.long  # a namespace cluster of its own: ~45 s (make test-long)
 def test_a_partition_is_fenced_and_no_stale_epoch_commits(
     cluster: LocalCluster, reference: str
 ) -> None:

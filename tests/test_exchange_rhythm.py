@@ -149,6 +149,11 @@ def test_step_reports_wait_for_the_rhythm_and_go_out_with_the_next_urgent_report
             round_(step_reports(step))
         # a step every round (~100 in 2 s): about every 250 ms, not once per round
         assert 4 <= len(sent) <= 20, [round(b - a, 3) for a, b in itertools.pairwise(sent)]
+        for _ in range(10):  # the last round may have been the rhythm's own exchange
+            if cluster.tasks["t"].row.committed_step < step:
+                break
+            step += 1
+            round_(step_reports(step))
         assert cluster.tasks["t"].row.committed_step < step  # the last ones are held
 
         before = len(sent)

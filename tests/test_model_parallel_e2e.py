@@ -42,6 +42,7 @@ def _shards(r: Any) -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.long  # the 3D test below loses ranks of TP groups too (the suite's time)
 def test_a_lost_rank_heals_its_replica_to_the_fault_free_bits(run: Any) -> None:
     layout = ("--nproc-per-node", "4", "--tp", "2")
     clean = _tp(run, *layout)

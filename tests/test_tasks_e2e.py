@@ -119,6 +119,7 @@ def test_report_of_a_cluster_task_is_run_s_timeline(cluster: LocalCluster, tmp_p
         assert None not in (inc["detection_s"], inc["transition_s"], inc["recovery_s"]), inc
 
 
+@pytest.mark.long
 def test_a_tensor_parallel_task_heals_in_the_cluster_to_run_s_bits(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
