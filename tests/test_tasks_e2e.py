@@ -68,8 +68,10 @@ def steps(cluster: LocalCluster, name: str) -> list[int]:
 def test_every_example_task_file_trains(cluster: LocalCluster, tmp_path: Path) -> None:
     files = {p.name for p in TASKS.glob("*.yaml")}
     assert files == {"gpt.yaml", "llama.yaml", "planner.yaml", "gpt-checkpoint.yaml",
-                     "gpt-resume.yaml", "llama-tp.yaml", "llama-3d.yaml"}, files  # fmt: skip
-    # llama-tp.yaml and llama-3d.yaml (replicas of 4 ranks: a node of 8) have tests below
+                     "gpt-resume.yaml", "llama-tp.yaml", "llama-3d.yaml",
+                     "llama-zero.yaml"}, files  # fmt: skip
+    # llama-tp.yaml, llama-zero.yaml and llama-3d.yaml (replicas of 4 ranks: a node of 8)
+    # have tests below
     for name in ("gpt.yaml", "llama.yaml", "planner.yaml"):
         proc = cli(cluster, "submit", str(TASKS / name))
         assert proc.returncode == 0 and proc.stdout.startswith("submitted "), proc.stderr
