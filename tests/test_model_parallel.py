@@ -297,20 +297,27 @@ def test_a_slot_lost_for_good_changes_the_layout_and_its_return_changes_it_back(
     assert began[-5:] == [2, 1, 1, 1, 2]
 
 
+def _coordinator_3d(tmp: Path, monitor: StepMonitor | None = None) -> Coordinator:
+    """TP=2 x PP=2 on the 8 slots of one node, which may also run at PP=1; every slot ready."""
+    c = Coordinator(
+        task="t",
+        slots=dict.fromkeys(range(8), 0),
+        events=EventLog(tmp / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(replica_ranks=4, tp=2, depths=(2, 1), min_workers=4),
+        monitor=monitor,
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(8)], 0.0)
+    return c
+
+
 def test_the_planner_taking_a_pair_changes_the_layout_and_giving_it_back_restores_it(
     tmp_path: Path,
 ) -> None:
     """The planner's moves, as the cluster makes them: two slots of a TP=2 x PP=2 task that
     may run at PP=1 go to another task (at a step boundary: the six left run at PP=1), and
     two new slots come back (PP=2 on eight once they are ready)."""
-    c = Coordinator(
-        task="t",
-        slots=dict.fromkeys(range(8), 0),
-        events=EventLog(tmp_path / "events.jsonl"),
-        escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(replica_ranks=4, tp=2, depths=(2, 1), min_workers=4),
-    )
-    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(8)], 0.0)
+    c = _coordinator_3d(tmp_path)
     c.release_slots([6, 7], 1.0, "planner")
     assert (c.members, c.book.pp) == ((0, 1, 2, 3, 4, 5), 1)
     entered = [M.EpochEntered(slot=s, ts=1.5, epoch=2) for s in range(6)]
@@ -330,15 +337,7 @@ def test_the_first_step_at_a_new_depth_is_cold_for_the_hang_detector(tmp_path: P
     not (seen beside CPU burners: one rank's first step at PP=1 took 3.6 s, its peers 0.13 s,
     and their evidence killed it as hung, then the stall detector others)."""
     settings = MonitorSettings(warmup_steps=2)
-    c = Coordinator(
-        task="t",
-        slots=dict.fromkeys(range(8), 0),
-        events=EventLog(tmp_path / "events.jsonl"),
-        escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(replica_ranks=4, tp=2, depths=(2, 1), min_workers=4),
-        monitor=StepMonitor(settings),
-    )
-    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(8)], 0.0)
+    c = _coordinator_3d(tmp_path, StepMonitor(settings))
     t = 1.0
     for step in range(10):
         c.exchange(0, [M.StepBegan(slot=s, ts=t, step=step, epoch=1) for s in range(8)], t)

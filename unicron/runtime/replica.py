@@ -108,17 +108,10 @@ def plan(rows: Sequence[Sequence[int]], size: int, microbatches: int) -> SyncPla
     lost and the others went back to an older step) receives the older state too, rather than
     everyone reading the checkpoint once more. Pure."""
     n = len(rows) // size
-    newest = max(r[STEP] for r in rows)
-    target = newest
-    refs, holders = _held(rows, size, newest)
-    for step in sorted({r[STEP] for r in rows if 0 <= r[STEP] < newest}, reverse=True):
-        if all(holders):
-            break
-        target = step
-        refs, holders = _held(rows, size, step)
-    if not all(holders):
-        target = newest
-        refs, holders = _held(rows, size, newest)
+    steps = sorted({r[STEP] for r in rows}, reverse=True)
+    whole = (s for s in steps if s >= 0 and all(_held(rows, size, s)[1]))
+    target = next(whole, steps[0])  # none whole: the newest (lost)
+    refs, holders = _held(rows, size, target)
     masks = [list(row[MASK : MASK + microbatches]) for row in rows]
     kept = [
         all(q in holders[c] for c in range(size))

@@ -86,9 +86,7 @@ def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
         # every replica is gone (or, model parallel, every copy of some place's shard at
         # the newest step): the last resort, the persistent checkpoint
         load_checkpoint(r)
-        r.missing = list(range(r.M))
-        r.held = [set() for _ in range(len(rows) // size)]
-        return 0, "checkpoint"
+        return _recomputed(r, len(rows) // size), "checkpoint"
     ref, holders = sp.refs[place], sp.holders[place]
     assert ref is not None and r.dp is not None
     needers = [q for q in range(len(rows) // size) if q not in holders]
@@ -106,14 +104,32 @@ def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
         if r.dp.rank in needers:
             r.step, r.has_state, r.laid_out = sp.target, True, False
             r.data.load(ref[3:5])  # the data position is committed state too
-    # a replica's partial results count when every rank of it holds its place's state
-    # and all of them computed the same micro-batches (:func:`replica.plan`)
+    return _reused(r, sp), source
+
+
+def _reused(r: _Runner, sp: replica.SyncPlan) -> int:
+    """The interrupted step's partial results after a transition that kept the layout: a
+    replica's count when every rank of it holds its place's state and all of them computed
+    the same micro-batches (:func:`replica.plan`); the micro-batches nobody holds are this
+    epoch's to compute. Returns how many are reused."""
+    assert r.dp is not None
     if not sp.kept[r.dp.rank]:
         r.mb.done.clear()
         r.grads.clear()
     r.held = sp.done
     r.missing = L.missing(sp.done, r.M)
-    return r.M - len(r.missing), source
+    return r.M - len(r.missing)
+
+
+def _recomputed(r: _Runner, replicas: int) -> int:
+    """No partial result of the interrupted step counts (the checkpoint was read, or the
+    layout changed): every micro-batch is computed again by the epoch's ``replicas``.
+    Returns 0, the micro-batches reused."""
+    r.mb.done.clear()
+    r.grads.clear()
+    r.missing = list(range(r.M))
+    r.held = [set() for _ in range(replicas)]
+    return 0
 
 
 def _shares(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]:
@@ -135,22 +151,15 @@ def _shares(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]
         load_checkpoint(r)
         r.zero.begin(nodes, r.dp.rank)
         r.zero.drop()  # the whole state was read: keep this epoch's shares
-        r.missing = list(range(r.M))
-        r.held = [set() for _ in range(len(rows) // size)]
-        return 0, "checkpoint"
+        return _recomputed(r, len(rows) // size), "checkpoint"
     ref = sp.refs[place]
     assert ref is not None
     if not holder:
         r.step, r.has_state, r.laid_out = sp.target, True, False
         r.data.load(ref[3:5])
-    if not sp.kept[r.dp.rank]:
-        r.mb.done.clear()
-        r.grads.clear()
-    r.held = sp.done
-    r.missing = L.missing(sp.done, r.M)
     near = any(nodes[src] == r.ctx.node for src in got)
     source = "local" if not got else ("peer_node" if near else "peer_remote")
-    return r.M - len(r.missing), source
+    return _reused(r, sp), source
 
 
 def _newest_checkpoint(r: _Runner) -> int:
@@ -186,11 +195,7 @@ def _reshard(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str
     except StateLost:
         load_checkpoint(r)
         r.old, source_name = None, "checkpoint"
-    r.mb.done.clear()
-    r.grads.clear()
-    r.missing = list(range(r.M))
-    r.held = [set() for _ in range(g.world // r.R)]
-    return 0, source_name
+    return _recomputed(r, g.world // r.R), source_name
 
 
 def load_checkpoint(r: _Runner) -> None:
