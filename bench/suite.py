@@ -52,6 +52,7 @@ MODULES = {
     "tp": "bench.tp",
     "relayout": "bench.relayout",
     "zero": "bench.zero",
+    "store": "bench.store",
     "transfer": "bench.transfer",
     "checkpoint": "bench.checkpoint",
     "planner": "bench.planner",
@@ -62,8 +63,8 @@ MODULES = {
 }
 CLUSTER = ("cluster-kill", "cluster-load", "cluster-node")
 ORDER = (
-    "floor", *TRAINING, "reduce", "scale", "llama", "tp", "relayout", "zero", "transfer",
-    "checkpoint", "planner", "simulator", *CLUSTER,
+    "floor", *TRAINING, "reduce", "scale", "llama", "tp", "relayout", "zero", "store",
+    "transfer", "checkpoint", "planner", "simulator", *CLUSTER,
 )  # fmt: skip
 ALONE = frozenset({"scale", "llama", "tp", "relayout", "zero", "transfer", "checkpoint", *CLUSTER})
 """scenarios run only when named (``--scenario``): they are long (a 100M-parameter model, a

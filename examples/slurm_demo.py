@@ -227,6 +227,7 @@ class Demo:
             "UNICRON_PYTHON": sys.executable,
             "UNICRON_TOKEN": self.token,
             "UNICRON_STATE_ROOT": str(workdir / "unicron"),
+            "UNICRON_AGENT_FLAGS": "--allow-root",  # the demo's jobs run as root
         }
 
     # -- bring-up ---------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> Non
     # that reads its sockets 1.2 s late on a loaded machine (the soak's 2.38 s hang detection)
     # must not start the hang clock 1.2 s late, nor shorten or stretch the learned durations
     config = AgentConfig(node=0, slots=[0], script="train.py", argv=[], faults=[], log_dir=tmp_path)
-    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
     try:
         sent = time.time() - 1.2
         agent._from_worker(0, P.StepBegin(step=7, epoch=2, ts=sent, cpu_s=1.0))
@@ -62,7 +62,7 @@ def test_one_step_end_per_committed_step_leaves_the_node(tmp_path: Path) -> None
     # it); the coordinator logs the first: the agent passes on one per (epoch, step)
     config = AgentConfig(node=0, slots=[0, 1], script="train.py", argv=[], faults=[],
                          log_dir=tmp_path)  # fmt: skip
-    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
     try:
         for epoch, step in ((1, 5), (1, 6), (2, 6)):  # step 6 again in epoch 2: a new record
             for slot in (0, 1):
@@ -81,7 +81,7 @@ def test_a_workers_lifecycle_is_one_state_along_its_diagram(tmp_path: Path) -> N
     stands leaves it there, and a move the diagram does not draw is refused. Its exit says
     what it was: a finished worker's is the normal end, a leaving one's heals nothing."""
     config = AgentConfig(node=0, slots=[0, 1], script="t.py", argv=[], faults=[], log_dir=tmp_path)
-    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
     try:
         w, v = agent.workers[0], agent.workers[1]
         assert w.state is WorkerState.NEW and not w.alive and agent.census().alive == ()
@@ -120,7 +120,7 @@ def test_a_workers_last_words_are_read_before_the_zygote_reports_its_exit(
     """A script that cannot import sends its error, then dies; the zygote reports the exit on
     another socket. Read first, that exit must still carry the error, not a bare exit code."""
     config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
-    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
     worker_side, from_worker = Pipe()
     zygote_side, from_zygote = Pipe()
     try:
@@ -177,7 +177,7 @@ def test_a_quiet_message_is_one_whose_reports_may_wait_for_the_rhythm(
     """The worker rings the agent's doorbell for exactly the messages whose reports the link
     sends at once: a quiet message waits up to a round, its reports then wait for the rhythm."""
     config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
-    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1")  # type: ignore[arg-type]
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
     try:
         agent.workers[0].spawned()
         agent.workers[0].readied()
@@ -195,7 +195,7 @@ def test_a_round_sleeps_through_step_reports_and_wakes_for_an_error(tmp_path: Pa
     round's wait."""
     config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
     link = _Link()
-    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
+    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1", store_key="")
     worker_end, agent_end = Pipe()
     worker = AgentLink(worker_end, P.host_port(agent.bell_address))
     try:
@@ -222,7 +222,7 @@ def test_a_round_waits_until_the_first_thing_due(tmp_path: Path, pid: int) -> No
     the idle round."""
     config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
     link = _Link(due_s=10.0)
-    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
+    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1", store_key="")
     _zygote_end, agent._zygote_conn = Pipe()
     try:
         now = time.time()
@@ -254,7 +254,7 @@ def test_one_round_reads_every_waiting_message_and_follows_new_sockets(tmp_path:
     its first round."""
     config = AgentConfig(node=0, slots=[0, 1], script="t.py", argv=[], faults=[], log_dir=tmp_path)
     link = _Link()
-    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
+    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1", store_key="")
     ends = {}
     try:
         for slot in (0, 1):
@@ -287,7 +287,7 @@ def test_a_dead_workers_socket_is_read_to_its_end_once_when_the_zygote_reports_f
     fell silent)."""
     config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
     link = _Link()
-    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1")
+    agent = Agent(config, link=link, task="t", store_address="127.0.0.1:1", store_key="")
     worker_side, from_worker = Pipe()
     zygote_side, from_zygote = Pipe()
     try:

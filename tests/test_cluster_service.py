@@ -239,7 +239,7 @@ def test_a_second_agent_under_a_live_name_exits_2(server: str, cluster: Cluster)
 
     threading.Thread(target=beat, daemon=True).start()
     try:
-        proc = unicron("agent", "--node-name", "busy", "--slots", "1", url=server)
+        proc = unicron("agent", "--node-name", "busy", "--slots", "1", "--allow-root", url=server)
     finally:
         stop.set()
     assert proc.returncode == 2, proc.stderr
@@ -250,9 +250,9 @@ def test_a_second_agent_under_a_live_name_exits_2(server: str, cluster: Cluster)
 
 def test_an_agent_that_cannot_reach_the_coordinator_says_so_and_gives_up(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    proc = unicron(
-        "agent", "--node-name", "lone", "--connect-timeout", "1.5", "--log-dir", str(tmp_path)
-    )  # fmt: skip (port 9: nobody answers)
+    # port 9: nobody answers
+    agent = ("agent", "--node-name", "lone", "--connect-timeout", "1.5", "--allow-root")
+    proc = unicron(*agent, "--log-dir", str(tmp_path))
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert (

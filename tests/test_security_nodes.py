@@ -7,8 +7,11 @@ files."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,8 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
+from unicron.control import store as S
 from unicron.control.client import Client, ServiceError
+from unicron.control.workerenv import Account
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "train_gpt.py"
@@ -103,6 +109,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Coordina
     log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
     agent = subprocess.Popen(
         [sys.executable, "-m", "unicron", "agent", "--node-name", "n1", "--slots", "2",
+         "--allow-root",
          "--log-dir", str(tmp_path / "logs"), "--coordinator", c.url],
         env={**ENV, marker: "1"}, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
     )  # fmt: skip
@@ -164,6 +171,21 @@ def test_workers_hold_no_token_and_the_state_is_the_owners(
     for pid, env in found.items():
         assert "UNICRON_TOKEN" not in env and TOKEN not in "".join(env.values()), pid
         assert env["HF_HOME"] == "/tmp/hf"  # the task's own env, allow-listed, arrives
+    # the training store: a worker's credential opens its own task's keys and no other's, and
+    # a client without one gets nothing, not even the list of keys
+    env = next(iter(found.values()))
+    uid, key, address = env["UNICRON_TASK"], env["UNICRON_STORE_KEY"], env["UNICRON_STORE"]
+    assert S.client(address, key).check([f"{uid}/epoch"])
+    host, port = address.rsplit(":", 1)
+    attacks = {
+        "another task's keys": lambda: S.client(address, key).check(["other.1234/epoch"]),
+        "no credential": lambda: _bare(host, port).check([f"{uid}/epoch"]),
+        "the list of keys": lambda: _bare(host, port).list_keys(),
+    }
+    for what, attack in attacks.items():
+        with pytest.raises((dist.DistError, RuntimeError)):
+            attack()
+            pytest.fail(what)
     # the state: the directory and every file in it, the owner's only
     state = c.state
     assert state.stat().st_mode & 0o777 == 0o700
@@ -271,6 +293,10 @@ def test_a_failed_start_stops_the_store(tmp_path: Path) -> None:
     wait_for("the store's exit", lambda: not stores_of(state), 30)
 
 
+def _bare(host: str, port: str) -> dist.TCPStore:
+    return dist.TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(seconds=5))
+
+
 def stores_of(state: Path) -> list[int]:
     """Store processes started for ``state`` (their ``--out`` names it)."""
     found = []
@@ -310,6 +336,7 @@ def test_a_rotated_agent_credential_stops_working_while_training_goes_on(
     log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
     agent = subprocess.Popen(
         [sys.executable, "-m", "unicron", "agent", "--node-name", "n1", "--slots", "2",
+         "--allow-root",
          "--log-dir", str(tmp_path / "logs"), "--coordinator", c.url, "--token-file", str(tok)],
         env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
     )  # fmt: skip
@@ -351,3 +378,95 @@ def test_a_rotated_agent_credential_stops_working_while_training_goes_on(
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=30)
         c.client.close()
+
+
+def _uid(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])  # the real uid
+    raise AssertionError(pid)
+
+
+@contextlib.contextmanager
+def _enterable_by_all(paths: list[Path]) -> Iterator[None]:
+    """Let every account enter (o+x, not list) the directories above ``paths`` that it may
+    not (this machine's Python lives under /root, 0700), as a site installs for the account
+    its workers run as; the modes are restored after."""
+    changed: dict[Path, int] = {}
+    for path in paths:
+        for d in [path.resolve(), *path.resolve().parents]:
+            mode = d.stat().st_mode
+            if d.is_dir() and not mode & 0o001 and d not in changed:
+                changed[d] = mode & 0o7777
+                d.chmod(changed[d] | 0o001)
+    try:
+        yield
+    finally:
+        for d, mode in changed.items():
+            d.chmod(mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching accounts needs root")
+def test_an_agent_run_as_root_runs_its_workers_as_the_unprivileged_account(
+    tmp_path: Path,
+) -> None:
+    """``--run-as nobody``: the zygote, every worker (a restarted one too) run as nobody and
+    the task ends; an agent started as root says how to choose, in one line, exit 2."""
+    python = [Path(sys.executable).resolve(), Path(sys.prefix), Path(sys.base_prefix), ROOT]
+    with _enterable_by_all(python):
+        _run_as_nobody(tmp_path)
+
+
+def _run_as_nobody(tmp_path: Path) -> None:
+    for flags, says in (
+        ([], "give --run-as USER"),
+        (["--run-as", "root"], "is root: add --allow-root"),
+        (["--run-as", "no-such-account-here"], "no such account"),
+    ):
+        refused = subprocess.run(
+            [sys.executable, "-m", "unicron", "agent", "--coordinator", "http://127.0.0.1:9",
+             *flags], env=ENV, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert refused.returncode == 2 and says in refused.stderr, (flags, refused.stderr)
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    c = start_coordinator(tmp_path / "state")
+    logs = Path(f"/tmp/unicron-test-run-as-{uuid.uuid4().hex}")  # a parent nobody may enter
+    marker = f"UNICRON_TEST_MARKER_{uuid.uuid4().hex}"
+    log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "unicron", "agent", "--node-name", "n1", "--slots", "2",
+         "--run-as", "nobody", "--log-dir", str(logs), "--coordinator", c.url],
+        env={**ENV, marker: "1"}, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    log.close()
+    try:
+        wait_for("node n1", lambda: c.client.request("GET", "/v1/nodes"), 60)
+        spec = {"name": "nobody", "script": str(TRAIN), "args": ["--steps", "30"],
+                "workers": {"min": 2, "max": 2}, "checkpoint": {"every": 0},
+                "inject": ["crash:rank=1,step=12"]}  # fmt: skip
+        c.client.request("POST", "/v1/tasks", json=spec)
+        seen: dict[int, int] = {}
+
+        def training() -> bool:
+            for pid, env in holding(marker).items():
+                if "UNICRON_TASK" in env:
+                    with contextlib.suppress(OSError):
+                        seen[pid] = _uid(pid)
+            v = c.client.request("GET", "/v1/tasks/nobody")
+            return v["state"] in ("done", "failed") and v
+
+        view = wait_for("the task's end", training, 180)
+        assert view["state"] == "done", view
+        assert len(seen) >= 3, seen  # the zygote and two workers at least
+        assert set(seen.values()) == {Account.named("nobody").uid}, seen
+        events = c.client.request("GET", "/v1/tasks/nobody/events")["events"]
+        assert any(e["event"] == "action" and e["action"] == "restart" for e in events)
+        assert all(p.stat().st_uid == Account.named("nobody").uid for p in logs.rglob("*.log")
+                   if p.name.startswith("worker"))  # fmt: skip
+    finally:
+        for p in (agent, c.proc):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=30)
+        c.client.close()
+        shutil.rmtree(logs, ignore_errors=True)

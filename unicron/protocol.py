@@ -21,6 +21,7 @@ ENV_SLOT = "UNICRON_SLOT"  # launch rank: the slot's index, stable across restar
 ENV_NODE = "UNICRON_NODE"
 ENV_INCARNATION = "UNICRON_INCARNATION"  # 0 for the first start of a slot, +1 per restart
 ENV_STORE = "UNICRON_STORE"  # host:port of the coordinator's TCPStore
+ENV_STORE_KEY = "UNICRON_STORE_KEY"  # the task's capability there: its keys' prefix
 ENV_AGENT = "UNICRON_AGENT"  # host:port of the agent's listener
 ENV_BELL = "UNICRON_AGENT_BELL"  # host:port of the agent's doorbell (UDP), see :func:`quiet`
 ENV_AUTHKEY = "UNICRON_AUTHKEY"  # hex

@@ -234,15 +234,16 @@ def train(
     return loop.result
 
 
-def _store_client(ctx: WorkerContext) -> dist.TCPStore:
+def _store_client(ctx: WorkerContext) -> dist.Store:
     """A new connection to the coordinator's store (the runner's own, and one for each
-    epoch's process group)."""
-    return dist.TCPStore(
+    epoch's process group), every key under the task's capability."""
+    tcp = dist.TCPStore(
         ctx.store_host,
         ctx.store_port,
         is_master=False,
         timeout=datetime.timedelta(seconds=ctx.timeout_s),
     )
+    return dist.PrefixStore(ctx.store_key, tcp) if ctx.store_key else tcp
 
 
 def _sev3(exc: Exception) -> bool:

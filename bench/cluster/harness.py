@@ -144,7 +144,7 @@ class LiveCluster:
     def start_agent(self, name: str, slots: int) -> Launched:
         logs = str(self.workdir / f"agent-{name}")
         cmd = [python(), "-m", "unicron", "agent", "--coordinator", self.url, "--slots",
-               str(slots), "--node-name", name, "--log-dir", logs]  # fmt: skip
+               str(slots), "--node-name", name, "--log-dir", logs, "--allow-root"]  # fmt: skip
         agent = Launched.start(cmd, self.workdir / f"agent-{name}.log", env=self.env)
         self.agents[name] = agent
         return agent

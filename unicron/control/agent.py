@@ -48,6 +48,7 @@ from unicron.control.messages import Kill, Probe, Reply, Spawn
 from unicron.control.probes import PROBE_TIMEOUT_S, Probes
 from unicron.control.workerenv import (
     SECRETS,
+    Account,
     AgentAddresses,
     base_env,
     device_env,
@@ -112,6 +113,9 @@ class AgentConfig:
     settings: P.WorkerSettings = field(default_factory=P.WorkerSettings)
     """what the task's workers read from their environment"""
     env: dict[str, str] = field(default_factory=dict)
+    account: Account | None = None
+    """the unprivileged account the task's processes run as (``unicron agent --run-as``);
+    ``None``: the agent's own"""
 
 
 class CoordinatorLink(Protocol):
@@ -137,13 +141,20 @@ class Agent:
     """Supervises the workers of one task on one node; see the module docstring."""
 
     def __init__(
-        self, config: AgentConfig, link: CoordinatorLink, *, task: str, store_address: str
+        self,
+        config: AgentConfig,
+        link: CoordinatorLink,
+        *,
+        task: str,
+        store_address: str,
+        store_key: str,
     ) -> None:
         self.config = config
         self.node = config.node
         self.link = link
         self.task = task
         self.store_address = store_address
+        self.store_key = store_key  # the task's capability on the store: its workers'
         self.reply = Reply()  # the coordinator's last answer
         self._reports: list[M.Report] = []  # this round's, in order
         self.workers = {s: Worker(s) for s in config.slots}
@@ -163,7 +174,7 @@ class Agent:
         self._zygote_conn: Connection | None = None
         self._pending_spawns: list[int] = []
         self._by_pid: dict[int, int] = {}
-        self._probes = Probes(config.log_dir)  # the excluded slots' health probes
+        self._probes = Probes(config.log_dir, config.account)  # the excluded slots' health probes
         self._dumping: dict[int, float] = {}  # pid of a hung worker -> when to SIGKILL it
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
@@ -175,6 +186,8 @@ class Agent:
         (:func:`unicron.runtime.launcher.prewarm`), adopted here: it gets the rest of the
         environment on its stdin; one that died meanwhile is replaced."""
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.account is not None:  # the zygote opens its workers' logs there
+            self.config.account.owns(self.config.log_dir)
         if zygote is not None and zygote.poll() is None and zygote.stdin is not None:
             try:
                 zygote.stdin.write(json.dumps(self._base_env()).encode() + b"\n")
@@ -186,7 +199,9 @@ class Agent:
             zygote = None
         if zygote is None:
             log_path = self.config.log_dir / f"zygote-node{self.node}.log"
-            self._zygote = start_plainly(["zygote"], self._base_env(), log_path)
+            self._zygote = start_plainly(
+                ["zygote"], self._base_env(), log_path, self.config.account
+            )
         for slot in self.config.slots:
             self.spawn(slot)
 
@@ -602,8 +617,8 @@ class Agent:
     def _base_env(self) -> dict[str, str]:
         """What every worker, the zygote and the probes start with
         (:func:`unicron.control.workerenv.base_env`)."""
-        at = AgentAddresses(self.task, self.store_address, self.address, self.bell_address,
-                            self._authkey)  # fmt: skip
+        at = AgentAddresses(self.task, self.store_address, self.store_key, self.address,
+                            self.bell_address, self._authkey)  # fmt: skip
         return base_env(self.config, at)
 
     def _slot_env(self, slot: int) -> dict[str, str]:
@@ -627,7 +642,9 @@ class Agent:
             except OSError:
                 self._zygote_conn = None
         env = {**self._base_env(), **self._slot_env(slot)}
-        w.popen = start_plainly(["worker", self.config.script, *self.config.argv], env, logfile)
+        w.popen = start_plainly(
+            ["worker", self.config.script, *self.config.argv], env, logfile, self.config.account
+        )
         w.pid = w.popen.pid
 
 

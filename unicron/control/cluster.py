@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import secrets
 import threading
 import time
@@ -53,6 +52,7 @@ from unicron.control.planning import (
 )
 from unicron.control.screen import Invalid, screen
 from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow, open_state
+from unicron.control.storeserver import capability
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.errors import UsageError
@@ -108,10 +108,11 @@ class Cluster:
         self._events_to: dict[str, Path] = {}
         self.embedded = embedded
         if embedded:  # ``unicron run``: the store lives and dies with this process
-            self._store_master = S.serve_here(host)
-            self.store, adopted = S.StoreInfo(host, self._store_master.port, os.getpid()), False
+            self.store, self._store_proc = S.start(self.state_dir, host, die_with_us=True)
+            adopted = False
         else:
             self.store, adopted = S.ensure(self.state_dir, host)
+        self._store_secret = S.secret_of(self.state_dir)
         self._lock = threading.RLock()
         self.started = time.time()
         self.metrics = Metrics(self.state)
@@ -162,7 +163,10 @@ class Cluster:
             if task.events is not None:
                 task.events.close()
         self.state.close()
-        if stop_store:
+        if self.embedded:
+            self._store_proc.terminate()
+            self._store_proc.wait(timeout=10.0)
+        elif stop_store:
             S.stop(self.state_dir)
 
     # -- nodes -----------------------------------------------------------------------------
@@ -202,7 +206,9 @@ class Cluster:
         with self._lock:
             node = self._nodes.speaking(name, instance, now, self._dropped)
             return [
-                assignment(t, node.row.id, self.store.address, self._checkpoint_dir(t))
+                assignment(
+                    t, node.row.id, self.store.address, self._store_key(t), self._checkpoint_dir(t)
+                )
                 for t in self.tasks.values()
                 if t.controller is not None and node.row.id in t.row.placement
             ]
@@ -429,6 +435,11 @@ class Cluster:
             except Exception:
                 log.exception("a planned move failed")
 
+    def _store_key(self, task: Task) -> str:
+        """The capability that opens ``task``'s keys on the store (its coordinator's and its
+        workers' credential there: :mod:`unicron.control.storeserver`)."""
+        return capability(self._store_secret, task.row.uid)
+
     def _start(self, task: Task, now: float, *, adopt: bool) -> None:
         spec, row = task.spec, task.row
         task_dir = self.state_dir / "tasks" / row.uid
@@ -459,7 +470,7 @@ class Cluster:
                 give_up_after_s=spec.give_up_after,
             ),
             monitor=StepMonitor(MonitorSettings()),
-            store=(S.connect(address), address),  # type: ignore[arg-type]
+            store=(S.client(address, self._store_key(task)), address),
         )
         if adopt:
             task.controller.adopt(now, committed_step=row.committed_step)

@@ -123,7 +123,7 @@ class LocalCluster:
             host,
             [sys.executable, "-m", "unicron", "agent", "--coordinator", self.url,
              "--slots", str(self.slots), "--node-name", name,
-             "--log-dir", str(self.root / f"workers-{name}")],
+             "--log-dir", str(self.root / f"workers-{name}"), "--allow-root"],
             env=self.env(), stdout=log, stderr=log,
         )  # fmt: skip
         log.close()

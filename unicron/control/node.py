@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from unicron.control.workerenv import Account
 from unicron.errors import UsageError
 
 if TYPE_CHECKING:
@@ -68,7 +69,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="give up (exit 1) if the coordinator does not answer the first registration "
         "within S seconds (default 60; later outages are waited out)",
     )
+    p.add_argument(
+        "--run-as",
+        metavar="USER",
+        help="the unprivileged account (a name or a uid) the tasks' workers, their zygote and "
+        "health probes run as; needed when the agent runs as root, unless --allow-root",
+    )
+    p.add_argument(
+        "--allow-root",
+        action="store_true",
+        help="let the workers run as root (an agent started as root without --run-as, or "
+        "--run-as root): the tasks' code then owns the node",
+    )
     add_connection_arguments(p)
+
+
+def account_of(run_as: str | None, allow_root: bool, euid: int) -> Account | None:
+    """The account the tasks' processes run as, from ``--run-as`` and ``--allow-root`` for an
+    agent running as ``euid``; ``None``: the agent's own. :class:`UsageError` for an unknown
+    account, a root one not allowed, or ``--run-as`` without the root that switching needs."""
+    if run_as is None:
+        if euid == 0 and not allow_root:
+            raise UsageError(
+                "unicron agent runs as root: give --run-as USER (an unprivileged account for "
+                "the tasks' workers) or --allow-root"
+            )
+        return None
+    try:
+        account = Account.named(run_as)
+    except (KeyError, OverflowError):
+        raise UsageError(f"--run-as {run_as!r}: no such account on this node") from None
+    if account.uid == 0 and not allow_root:
+        raise UsageError(f"--run-as {run_as!r} is root: add --allow-root to mean it")
+    if euid not in (0, account.uid):
+        raise UsageError(f"--run-as {run_as!r} needs an agent running as root (or as it)")
+    return account
 
 
 @dataclass
@@ -90,8 +125,11 @@ class NodeAgent:
         log_dir: Path,
         per_task: bool = True,
         zygote: subprocess.Popen[bytes] | None = None,
+        account: Account | None = None,
     ) -> None:
         self.client = client
+        self.account = account
+        """the account its tasks' processes run as (``--run-as``; None: the agent's)"""
         self.zygote = zygote
         """a zygote started ahead for the first task (``unicron run``), or None"""
         self.name = name
@@ -241,10 +279,11 @@ class NodeAgent:
             threads=int(a["threads"]),
             settings=WorkerSettings(**a["settings"]),
             env=env,
+            account=self.account,
         )
         holder: list[Agent] = []
         link = TaskLink(self.client, self.name, self.instance, uid, lambda: holder[0].census())
-        agent = Agent(config, link, task=uid, store_address=a["store"])
+        agent = Agent(config, link, task=uid, store_address=a["store"], store_key=a["store_key"])
         holder.append(agent)
         stop = threading.Event()
         zygote, self.zygote = self.zygote, None  # the first task adopts it
@@ -377,10 +416,15 @@ def main(args: argparse.Namespace) -> int:
         level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
     )
     log.setLevel(logging.INFO)
+    account = account_of(args.run_as, args.allow_root, os.geteuid())
+    if account is not None and (why := account.cannot_run()) is not None:
+        raise UsageError(f"--run-as {args.run_as}: that account cannot run unicron here ({why})")
     log_dir = Path(args.log_dir or f"/tmp/unicron-agent-{name}")
     log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # workers' output: the owner's only
+    if account is not None:  # ... the workers' account's (their zygote writes their logs)
+        account.owns(log_dir)
     client = connect(args)
-    agent = NodeAgent(client, name=name, slots=args.slots, log_dir=log_dir)
+    agent = NodeAgent(client, name=name, slots=args.slots, log_dir=log_dir, account=account)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     log.info(

@@ -164,9 +164,12 @@ def checkpoint_dir(task: Task, state_dir: Path) -> Path | None:
     return Path(ck.dir) if ck.dir else state_dir / "tasks" / task.row.uid / "checkpoints"
 
 
-def assignment(task: Task, nid: int, store: str, checkpoint: Path | None) -> dict[str, Any]:
+def assignment(
+    task: Task, nid: int, store: str, store_key: str, checkpoint: Path | None
+) -> dict[str, Any]:
     """What node ``nid``'s agent needs to run its part of ``task`` (its ranks there, the
-    script, the training ``store``'s address); ``settings``: what its workers read from their
+    script, the training ``store``'s address and the task's capability there,
+    ``store_key``); ``settings``: what its workers read from their
     environment (:class:`~unicron.protocol.WorkerSettings`)."""
     spec = task.spec
     settings = WorkerSettings(
@@ -192,6 +195,7 @@ def assignment(task: Task, nid: int, store: str, checkpoint: Path | None) -> dic
         "inject": spec.inject,
         "threads": spec.threads,
         "store": store,
+        "store_key": store_key,
         "device": spec.device,
         "settings": dataclasses.asdict(settings),
         "env": spec.env,

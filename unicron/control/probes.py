@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from unicron.control.workerenv import killpg
+from unicron.control.workerenv import Account, as_account, killpg
 
 __all__ = ["PROBE_TIMEOUT_S", "Probes"]
 
@@ -35,8 +35,9 @@ class _Probe:
 class Probes:
     """The running probes of a node's slots, by slot."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, account: Account | None = None) -> None:
         self.log_dir = log_dir
+        self.account = account  # the probes run as the workers do
         self._running: dict[int, _Probe] = {}
 
     def __bool__(self) -> bool:
@@ -52,6 +53,7 @@ class Probes:
             return
         n = sum(1 for _ in self.log_dir.glob(f"health{slot}.*.log"))
         log_path = self.log_dir / f"health{slot}.{n}.log"
+        user, group, extra_groups = as_account(self.account)
         with open(log_path, "wb") as out:  # the child keeps its own descriptor
             proc = subprocess.Popen(
                 [sys.executable, "-m", "unicron.runtime.health", "--slot", str(slot)],
@@ -60,6 +62,9 @@ class Probes:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                user=user,
+                group=group,
+                extra_groups=extra_groups,
             )
         self._running[slot] = _Probe(proc, time.time(), log_path)
 

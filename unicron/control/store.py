@@ -1,4 +1,4 @@
-"""The cluster's TCPStore, served by a process of its own so that it outlives the coordinator.
+"""The cluster's training store, served by a process of its own so that it outlives the coordinator.
 
 Every task's process groups rendezvous on this store and its workers read their epochs from
 it (:mod:`unicron.protocol`), so it must not die with the coordinator: a coordinator
@@ -6,30 +6,44 @@ killed with ``kill -9`` takes the HTTP API and the decisions away, not the train
 :func:`ensure` (called by the cluster service at start-up) adopts the store that
 ``STATE_DIR/store.json`` names if it still answers, else starts a new one
 (``python -m unicron.control.store``, in its own session) and records it there (atomically).
-The service stops it only on a clean shutdown (:func:`stop`).
+The service stops it only on a clean shutdown (:func:`stop`). ``unicron run`` starts one as
+its child (:func:`start` with ``die_with_us``), which dies with it.
+
+The server is :mod:`unicron.control.storeserver`: torch's TCPStore protocol behind a door
+that admits a key only under its task's capability, made from the store's secret
+(``STATE_DIR/store.secret``, 0600, written once; docs/security.md). :func:`client` is a
+connection that puts a task's capability in front of every key: the coordinator's of each
+task, and every worker's (:mod:`unicron.worker`). The store's process imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime as dt
 import json
+import logging
 import os
+import secrets
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unicron.control import storeserver
+from unicron.control.storeserver import capability
 from unicron.protocol import host_port
 
 RECORD = "store.json"
 """in the state directory: the store's host, port and process id"""
+SECRET = "store.secret"
+"""in the state directory: the secret the store's capabilities are made from (0600)"""
+PING_UID = "unicron"
+"""the key space :func:`ensure` asks a recorded store about before adopting it"""
 
 
 @dataclass(frozen=True)
@@ -43,53 +57,36 @@ class StoreInfo:
         return f"{self.host}:{self.port}"
 
 
-def connect(address: str, timeout_s: float = 60.0) -> object:
-    """A client connection to the store at ``host:port`` (one per user: a client serves one
-    request at a time)."""
+def client(address: str, key: str, timeout_s: float = 60.0) -> Any:
+    """A connection to the store at ``host:port`` that opens the keys of the task whose
+    capability is ``key`` (:func:`~unicron.control.storeserver.capability`; one connection
+    per user: a client serves one request at a time)."""
     import torch.distributed as dist
 
     host, port = host_port(address)
-    return dist.TCPStore(host, port, is_master=False, timeout=dt.timedelta(seconds=timeout_s))
+    tcp = dist.TCPStore(host, port, is_master=False, timeout=dt.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(key, tcp)
 
 
-def _answers(info: StoreInfo) -> bool:
+def secret_of(state_dir: Path) -> bytes:
+    """The store's secret for ``state_dir``: read, or made and written now (0600)."""
+    path = state_dir / SECRET
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w", encoding="ascii") as f:
+            f.write(secrets.token_hex(32))
+        os.replace(tmp, path)
+    return bytes.fromhex(path.read_text(encoding="ascii").strip())
+
+
+def _answers(info: StoreInfo, secret: bytes) -> bool:
     try:
-        store = connect(info.address, timeout_s=2.0)
-        store.check(["unicron/ping"])  # type: ignore[attr-defined]
+        store = client(info.address, capability(secret, PING_UID), 2.0)
+        store.check([f"{PING_UID}/ping"])
         return True
-    except Exception:  # refused, timed out: gone
+    except Exception:  # refused, timed out, another secret: not ours
         return False
-
-
-def serve_here(host: str) -> Any:
-    """A store served by this process (``unicron run``: nothing outlives it), listening on
-    ``host`` only (:func:`listen`)."""
-    import torch.distributed as dist
-
-    port, fd = listen(host)
-    return dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=dt.timedelta(seconds=60),
-        master_listen_fd=fd,
-    )
-
-
-def listen(host: str) -> tuple[int, int]:
-    """A socket listening on ``host`` and a free port, for the store's server: its port and
-    file descriptor (open for the rest of the process: the store never lets go of it). A
-    TCPStore given only a port listens on every interface of the machine (``*:PORT``),
-    whatever host it is told; handed this socket (``master_listen_fd``) it serves the
-    coordinator's address alone (docs/security.md)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(1024)
-    port = int(sock.getsockname()[1])
-    return port, sock.detach()
 
 
 def read_record(state_dir: Path) -> StoreInfo | None:
@@ -100,31 +97,52 @@ def read_record(state_dir: Path) -> StoreInfo | None:
         return None
 
 
-def ensure(state_dir: Path, host: str) -> tuple[StoreInfo, bool]:
-    """The store of this state directory: the recorded one if it answers (``True``: adopted),
-    else a new one started now (``False``)."""
-    found = read_record(state_dir)
-    if found is not None and _answers(found):
-        return found, True
+def start(state_dir: Path, host: str, *, die_with_us: bool = False
+          ) -> tuple[StoreInfo, subprocess.Popen[bytes]]:  # fmt: skip
+    """A new store serving ``state_dir``'s secret on ``host`` and a free port; its log is
+    ``state_dir/store.log``. ``die_with_us``: it is killed when this process dies (``unicron
+    run``); else it runs in a session of its own (a cluster's: ``kill -9`` of the
+    coordinator spares it)."""
+    secret_of(state_dir)
     ready = state_dir / "store.starting.json"
     ready.unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "unicron.control.store", "--host", host,
+            "--secret-file", str(state_dir / SECRET), "--out", str(ready)]  # fmt: skip
+    if die_with_us:
+        argv.append("--die-with-parent")
     fd = os.open(state_dir / "store.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with open(fd, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "unicron.control.store", "--host", host, "--out", str(ready)],
+            argv,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # not in the coordinator's process group: kill -9 spares it
+            start_new_session=not die_with_us,
         )
     deadline = time.time() + 60.0
     while not ready.exists():
         if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
             raise RuntimeError(f"the store did not start (see {state_dir / 'store.log'})")
-        time.sleep(0.02)
-    os.replace(ready, state_dir / RECORD)
-    info = read_record(state_dir)
-    assert info is not None
+        time.sleep(0.01)
+    d = json.loads(ready.read_text(encoding="utf-8"))
+    ready.unlink()
+    return StoreInfo(str(d["host"]), int(d["port"]), int(d["pid"])), proc
+
+
+def ensure(state_dir: Path, host: str) -> tuple[StoreInfo, bool]:
+    """The store of this state directory: the recorded one if it answers to this
+    directory's secret (``True``: adopted), else a new one started now (``False``) and
+    recorded (atomically)."""
+    found = read_record(state_dir)
+    if found is not None and _answers(found, secret_of(state_dir)):
+        return found, True
+    info, _ = start(state_dir, host)
+    tmp = state_dir / (RECORD + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
+        json.dump({"host": info.host, "port": info.port, "pid": info.pid}, f)
+    os.replace(tmp, state_dir / RECORD)
     return info, False
 
 
@@ -138,33 +156,38 @@ def stop(state_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m unicron.control.store --host H --out FILE``: serve a TCPStore on a free
-    port until SIGTERM; write host, port and pid to FILE (atomically) once it listens."""
-    import torch.distributed as dist
-
+    """``python -m unicron.control.store --host H --secret-file F --out FILE``: serve the
+    store on a free port of ``H`` until SIGTERM; write host, port and pid to FILE
+    (atomically) once it listens."""
     p = argparse.ArgumentParser(prog="python -m unicron.control.store")
     p.add_argument("--host", required=True)
+    p.add_argument("--secret-file", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--die-with-parent", action="store_true")
     args = p.parse_args(argv)
-    port, fd = listen(args.host)
-    store = dist.TCPStore(
-        args.host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=dt.timedelta(seconds=60),
-        master_listen_fd=fd,
-    )
-    tmp = Path(args.out + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "w", encoding="utf-8") as f:
-        json.dump({"host": args.host, "port": store.port, "pid": os.getpid()}, f)
-    os.replace(tmp, args.out)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    while not done.wait(3600):
-        pass
+    if args.die_with_parent:
+        from unicron.runtime.launcher import die_with_parent
+
+        die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    secret = bytes.fromhex(Path(args.secret_file).read_text(encoding="ascii").strip())
+    sock = storeserver.listen(args.host)
+
+    def ready() -> None:
+        tmp = Path(args.out + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w", encoding="utf-8") as f:
+            json.dump({"host": args.host, "port": sock.getsockname()[1], "pid": os.getpid()}, f)
+        os.replace(tmp, args.out)
+
+    async def run() -> None:
+        stop_ = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_.set)
+        await storeserver.serve(sock, secret, ready, stop_)
+
+    asyncio.run(run())
     return 0
 
 

@@ -31,6 +31,7 @@ from unicron.protocol import (
     ENV_PP_STAGE,
     ENV_SLOT,
     ENV_STORE,
+    ENV_STORE_KEY,
     ENV_TASK,
     ENV_THREADS,
     ENV_TP_RANK,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SECRETS",
+    "Account",
     "AgentAddresses",
     "base_env",
     "device_env",
@@ -53,6 +55,49 @@ __all__ = [
 
 SECRETS = frozenset(("UNICRON_TOKEN",))
 """environment variables of the agent's process its workers never inherit"""
+
+
+@dataclass(frozen=True)
+class Account:
+    """The unprivileged account a node's agent runs its tasks' processes as (``unicron agent
+    --run-as``): the zygote, the workers it forks, a fallback worker and the health probes."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+
+    @classmethod
+    def named(cls, who: str) -> Account:
+        """The account ``who`` (a name or a numeric uid); :class:`KeyError` if none."""
+        import pwd
+
+        pw = pwd.getpwuid(int(who)) if who.isdigit() else pwd.getpwnam(who)
+        return cls(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_dir)
+
+    def env(self) -> dict[str, str]:
+        """What a process of this account is told about itself."""
+        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
+
+    def cannot_run(self) -> str | None:
+        """Why this account cannot start this Python with unicron (a directory it may not
+        enter, say), or ``None`` when it can: ``unicron agent --run-as`` asks once at start."""
+        user, group, extra_groups = as_account(self)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", "import unicron.runtime.launcher"],
+                user=user, group=group, extra_groups=extra_groups, capture_output=True,
+                text=True, timeout=120, cwd="/", env={**os.environ, **self.env()},
+            )  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"{sys.executable}: {exc}"
+        if done.returncode != 0:
+            return (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return None
+
+    def owns(self, path: Path) -> None:
+        """Give ``path`` (a directory its processes write logs into) to this account."""
+        os.chown(path, self.uid, self.gid)
 
 
 def import_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -78,6 +123,8 @@ class AgentAddresses:
 
     task: str
     store: str
+    store_key: str
+    """the task's capability on the store (:mod:`unicron.control.storeserver`)"""
     agent: str
     bell: str
     authkey: bytes
@@ -89,6 +136,8 @@ def base_env(config: AgentConfig, at: AgentAddresses) -> dict[str, str]:
     imports never hold a token of the cluster), the task's settings, and the task file's
     ``env`` (allow-listed: :func:`~unicron.control.taskspec.refused_env`)."""
     env = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    if config.account is not None:
+        env.update(config.account.env())
     env.update(config.env)
     env.update(import_env(config.threads, env))
     env.update(
@@ -96,6 +145,7 @@ def base_env(config: AgentConfig, at: AgentAddresses) -> dict[str, str]:
             ENV_TASK: at.task,
             ENV_NODE: str(config.node),
             ENV_STORE: at.store,
+            ENV_STORE_KEY: at.store_key,
             ENV_AGENT: at.agent,
             ENV_BELL: at.bell,
             ENV_AUTHKEY: at.authkey.hex(),
@@ -144,10 +194,12 @@ def killpg(pid: int) -> None:
 
 
 def start_plainly(
-    module_args: list[str], env: dict[str, str], log: Path
+    module_args: list[str], env: dict[str, str], log: Path, account: Account | None = None
 ) -> subprocess.Popen[bytes]:
     """``python -m unicron.runtime.launcher MODULE_ARGS`` as a process of its own session,
-    its output appended to ``log``: a worker when the zygote is gone, or the zygote itself."""
+    its output appended to ``log``: a worker when the zygote is gone, or the zygote itself;
+    as ``account`` where given (:func:`as_account`)."""
+    user, group, extra_groups = as_account(account)
     with open(log, "ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             [sys.executable, "-m", "unicron.runtime.launcher", *module_args],
@@ -156,4 +208,16 @@ def start_plainly(
             stderr=out,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            user=user,
+            group=group,
+            extra_groups=extra_groups,
         )
+
+
+def as_account(account: Account | None) -> tuple[int | None, int | None, list[int] | None]:
+    """``subprocess.Popen``'s ``user``, ``group`` and ``extra_groups`` that start a process as
+    ``account`` (its uid, its group, none of the agent's supplementary groups); for ``None``,
+    the ones that change nothing."""
+    if account is None:
+        return None, None, None
+    return account.uid, account.gid, []

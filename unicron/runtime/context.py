@@ -21,6 +21,7 @@ from unicron.protocol import (
     ENV_NODE,
     ENV_SLOT,
     ENV_STORE,
+    ENV_STORE_KEY,
     ENV_TASK,
     EpochInfo,
     host_port,
@@ -45,6 +46,9 @@ class WorkerContext:
     store_host: str
     store_port: int
     faults: tuple[Fault, ...]
+    store_key: str = ""
+    """the task's capability on the cluster's store, put in front of every key ("": none,
+    a store of torch's own: the unit tests')"""
     reduce: str = "exact"
     on_lost: str = "recompute"
     bucket_cap_mb: float = P.BUCKET_CAP_MB
@@ -88,6 +92,7 @@ class WorkerContext:
             incarnation=int(os.environ.get(ENV_INCARNATION, "0")),
             store_host=host,
             store_port=port,
+            store_key=os.environ.get(ENV_STORE_KEY, ""),
             faults=tuple(parse(s) for s in specs.split(";") if s),
             reduce=settings.reduce,
             checkpoint=Path(settings.checkpoint) if settings.checkpoint else None,
