@@ -596,3 +596,25 @@ def test_the_escalations_memory_of_a_slot_lives_on_the_slot(tmp_path: Path) -> N
     assert c.slots[1].record is record and not c.slots[1].excluded
     c.worker_failed(1, verdict_for_kind("killed"), t + 7)
     assert "slot is excluded" in k.events("action")[-1]["reason"]
+
+
+def test_reports_the_coordinator_cannot_apply_fail_the_task_rather_than_hang_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug of the coordinator's own (here: applying a CPU-time report raises): each one is
+    in the task's event log, and the third fails the task with the reason (it used to wait
+    forever for what the lost reports would have decided)."""
+    cl = Cluster(tmp_path)
+
+    def broken(*_: Any) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(cl.c, "_apply", broken)
+    for i in range(3):
+        cl.c.exchange(0, [M.CpuTime(slot=1, ts=1.0 + i, cpu_s=1.0)], 1.0 + i)
+        assert (cl.c.state is TaskState.FAILED) == (i == 2)
+    said = [e for e in cl.events("control_plane") if "could not apply" in e["what"]]
+    assert [e["errors"] for e in said] == [1, 2, 3]
+    assert "ValueError: a bug" in said[-1]["what"]
+    assert cl.c.store.get(done_key("t")) == b"failed"
+    assert "failed to apply 3 reports" in cl.c.outcome.reason
