@@ -187,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop_.set)
         await storeserver.serve(sock, secret, ready, stop_)
 
-    asyncio.run(run())
+    try:  # libuv's event loop (a dependency off Windows): the store's requests cost less
+        import uvloop
+    except ImportError:
+        asyncio.run(run())
+    else:
+        uvloop.run(run())
     return 0
 
 
