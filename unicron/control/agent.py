@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from unicron import protocol as P
 from unicron.control import messages as M
-from unicron.control.heard import Doorbell, exit_reports, report_of
+from unicron.control.heard import Doorbell, exit_reports, news_of_node, report_of
 from unicron.control.messages import Kill, Probe, Reply, Spawn
 from unicron.control.probes import PROBE_TIMEOUT_S, Probes
 from unicron.control.workerenv import (
@@ -199,9 +199,8 @@ class Agent:
             zygote = None
         if zygote is None:
             log_path = self.config.log_dir / f"zygote-node{self.node}.log"
-            self._zygote = start_plainly(
-                ["zygote"], self._base_env(), log_path, self.config.account
-            )
+            env, account = self._base_env(), self.config.account
+            self._zygote = start_plainly(["zygote"], env, log_path, account)
         for slot in self.config.slots:
             self.spawn(slot)
 
@@ -512,17 +511,8 @@ class Agent:
         now = time.time()
         w = self.workers[slot]
         if isinstance(msg, P.Event):
-            fields = msg.fields
-            if msg.name == "fault_injected" and "spec" in fields:
-                if fields["spec"] in self.fired:
-                    return  # a node fault fires in every worker of the node: log it once
-                self.fired.add(fields["spec"])
-            if msg.name == "step_end":
-                key = (int(fields.get("epoch", -1)), int(fields.get("step", -1)))
-                if key in self._step_ends:
-                    return  # every member reports the commit; the coordinator logs the first
-                self._step_ends.append(key)
-            self._report(M.Event(ts=now, name=msg.name, fields=fields))
+            if news_of_node(msg, self.fired, self._step_ends):
+                self._report(M.Event(ts=now, name=msg.name, fields=msg.fields))
         elif isinstance(msg, P.Error) and msg.usage:  # bad input: the whole run ends, exit 2
             self._report(M.BadInput(ts=now, message=msg.message))
         elif isinstance(msg, P.Error):

@@ -161,6 +161,7 @@ class TaskBook:
         self.members: tuple[int, ...] = ()
         self.pp = 0  # the pipeline depth of the epoch (0: the task's own)
         self.outcome: Outcome | None = None
+        self.control_errors = 0  # reports the coordinator failed to apply (failures.py)
         self.started_at: float | None = None
         self.waiting_since: float | None = None
         self.waiting_reason = ""

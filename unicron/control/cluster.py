@@ -33,7 +33,7 @@ from typing import Any
 from unicron.control import allocation as A
 from unicron.control import messages as M
 from unicron.control import store as S
-from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
+from unicron.control.coordinator import Coordinator, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
 from unicron.control.metrics import Metrics
@@ -43,6 +43,7 @@ from unicron.control.planning import (
     ask,
     assignment,
     checkpoint_dir,
+    coordinator_settings,
     fold,
     name_node,
     plan_event,
@@ -207,7 +208,7 @@ class Cluster:
             node = self._nodes.speaking(name, instance, now, self._dropped)
             return [
                 assignment(
-                    t, node.row.id, self.store.address, self._store_key(t), self._checkpoint_dir(t)
+                    t, node.row.id, self.store.address, self._store_secret, self._checkpoint_dir(t)
                 )
                 for t in self.tasks.values()
                 if t.controller is not None and node.row.id in t.row.placement
@@ -435,11 +436,6 @@ class Cluster:
             except Exception:
                 log.exception("a planned move failed")
 
-    def _store_key(self, task: Task) -> str:
-        """The capability that opens ``task``'s keys on the store (its coordinator's and its
-        workers' credential there: :mod:`unicron.control.storeserver`)."""
-        return capability(self._store_secret, task.row.uid)
-
     def _start(self, task: Task, now: float, *, adopt: bool) -> None:
         spec, row = task.spec, task.row
         task_dir = self.state_dir / "tasks" / row.uid
@@ -459,18 +455,9 @@ class Cluster:
             slots=dict(enumerate(row.placement)),
             events=task.events,
             escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
-            settings=CoordinatorSettings(
-                min_workers=spec.workers.min,
-                replica_ranks=spec.replica_ranks,
-                tp=spec.tp,
-                depths=spec.depths if len(spec.depths) > 1 else (),
-                checkpoint=checkpoint,
-                committed_before=committed_before,
-                readmit_after_s=spec.readmit_after,
-                give_up_after_s=spec.give_up_after,
-            ),
+            settings=coordinator_settings(spec, checkpoint, committed_before),
             monitor=StepMonitor(MonitorSettings()),
-            store=(S.client(address, self._store_key(task)), address),
+            store=(S.client(address, capability(self._store_secret, row.uid)), address),
         )
         if adopt:
             task.controller.adopt(now, committed_step=row.committed_step)

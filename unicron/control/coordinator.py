@@ -92,9 +92,6 @@ __all__ = [
 
 log = logging.getLogger("unicron.control.coordinator")
 
-CONTROL_ERRORS_FAIL = 3
-"""reports the coordinator may fail to apply (its own bugs, logged with their tracebacks)
-before it fails the task instead of leaving it waiting for decisions that never come"""
 INPUT_CHECK_S = 1.0
 """how often :meth:`Coordinator.check_input` reads the store when no worker exited meanwhile
 (a store request per task per tick was most of the ticker's cost)"""
@@ -130,7 +127,6 @@ class Coordinator:
         self._outbox: dict[int, deque[AgentAction]] = {n: deque() for n in set(slots.values())}
         self._lock = threading.RLock()
         self._input_checked = -math.inf  # when check_input last read the store
-        self.control_errors = 0  # reports it failed to apply (:meth:`_control_error`)
         if store is None:  # a store of its own, served from this process
             self.store: dist.Store = dist.TCPStore(
                 host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
@@ -277,28 +273,12 @@ class Coordinator:
                     self._apply(node, report)
                 except Exception as exc:  # one bad report must not stop the task's control
                     log.exception("task %s: could not apply %r", self.task, report)
-                    self._control_error(report, exc, now)
+                    what = f"{type(report).__name__}: {type(exc).__name__}: {exc}"[:300]
+                    failures.control_error(self.book, what, now)
             self.heartbeat(node, now, read_until=read_until)
             if health.judge_now(self.book, node, now):
                 self.tick(now)
         return effects
-
-    def _control_error(self, report: M.Report, exc: Exception, now: float) -> None:
-        """A report the coordinator failed to apply (a bug of its own: reports are screened
-        before they get here): an event in the task's log, and after
-        :data:`CONTROL_ERRORS_FAIL` of them the task fails with the reason, rather than wait
-        forever for what the lost reports would have decided."""
-        self.control_errors += 1
-        what = f"{type(report).__name__}: {type(exc).__name__}: {exc}"[:300]
-        self.book.emit("control_plane", ts=now, what=f"could not apply a report ({what})",
-                       errors=self.control_errors)  # fmt: skip
-        if self.control_errors >= CONTROL_ERRORS_FAIL:
-            membership.fail(
-                self.book,
-                f"the coordinator failed to apply {self.control_errors} reports (the last: "
-                f"{what}); its log has the tracebacks",
-                now,
-            )
 
     def decide_tick(self, now: float) -> list[Effect]:
         """What the passing of time decides at ``now`` (:meth:`tick`), not yet done."""

@@ -29,10 +29,26 @@ from unicron.detect.classify import (
 )
 from unicron.detect.stall import Phase, Progress
 
+CONTROL_ERRORS_FAIL = 3
+"""reports the coordinator may fail to apply (its own bugs, logged with their tracebacks)
+before it fails the task instead of leaving it waiting for decisions that never come"""
+
 MIN_COPIES = 2
 """a straggler is dropped only if at least this many other workers hold the task's state: with
 one copy left, the next fault of any kind rolls the task back to its checkpoint (the fault soak
 lost 3 steps so: a slow worker dropped from two, then a crash of the last one)"""
+
+
+def control_error(b: TaskBook, what: str, now: float) -> None:
+    """The coordinator failed to apply a report (``what``: the report's kind and the error; a
+    bug of its own: reports are screened before they get here): an event in the task's log,
+    and after :data:`CONTROL_ERRORS_FAIL` of them the task fails with the reason."""
+    b.control_errors += 1
+    b.emit("control_plane", ts=now, what=f"could not apply a report ({what})",
+           errors=b.control_errors)  # fmt: skip
+    if b.control_errors >= CONTROL_ERRORS_FAIL:
+        membership.fail(b, f"the coordinator failed to apply {b.control_errors} reports (the "
+                        f"last: {what}); its log has the tracebacks", now)  # fmt: skip
 
 
 def worker_failed(b: TaskBook, slot: int, verdict: Verdict, now: float) -> None:

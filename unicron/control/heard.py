@@ -5,13 +5,16 @@ reads :mod:`unicron.control.messages` (what a slot did, stamped with the agent's
 :func:`report_of` is the translation for the messages that are only that; the agent
 (:meth:`unicron.control.agent.Agent._from_worker`) keeps the ones with effects on the node
 (an error that ends the process, a node fault, events it logs once for the node).
-:func:`exit_reports` is the same for a process that exited when nobody planned it; a
+:func:`news_of_node` keeps a node's log to one record of what its workers all say;
+:func:`exit_reports` is the same as :func:`report_of` for a process that exited when nobody
+planned it; a
 :class:`Doorbell` is how a worker's message that may not wait wakes the agent's round.
 """
 
 from __future__ import annotations
 
 import socket
+from collections import deque
 from contextlib import suppress
 
 from unicron import protocol as P
@@ -19,7 +22,7 @@ from unicron.control import messages as M
 from unicron.control.workerstate import Worker
 from unicron.detect.classify import classify_exit, classify_message
 
-__all__ = ["Doorbell", "exit_reports", "report_of"]
+__all__ = ["Doorbell", "exit_reports", "news_of_node", "report_of"]
 
 
 def report_of(slot: int, msg: P.LocalMessage, now: float) -> M.Report | None:
@@ -54,6 +57,24 @@ def report_of(slot: int, msg: P.LocalMessage, now: float) -> M.Report | None:
     if isinstance(msg, P.Done):
         return M.WorkerDone(slot=slot, ts=now, report=P.encode(msg))
     return None
+
+
+def news_of_node(msg: P.Event, fired: set[str], step_ends: deque[tuple[int, int]]) -> bool:
+    """Whether a worker's event ``msg`` is news for the node's log, remembering it in
+    ``fired`` (the faults injected) or ``step_ends`` (the commits, a bounded memory): a node
+    fault fires in every worker of the node and is logged once; every member reports a
+    commit and the coordinator logs the first."""
+    fields = msg.fields
+    if msg.name == "fault_injected" and "spec" in fields:
+        if fields["spec"] in fired:
+            return False
+        fired.add(fields["spec"])
+    if msg.name == "step_end":
+        key = (int(fields.get("epoch", -1)), int(fields.get("step", -1)))
+        if key in step_ends:
+            return False
+        step_ends.append(key)
+    return True
 
 
 def exit_reports(w: Worker, returncode: int | None, now: float) -> list[M.Report]:

@@ -21,9 +21,10 @@ from typing import Any
 
 from unicron.control import allocation as A
 from unicron.control import replicas
-from unicron.control.coordinator import Coordinator
+from unicron.control.coordinator import Coordinator, CoordinatorSettings
 from unicron.control.events import EventLog
 from unicron.control.state import ACTIVE, ENDED, NodeRow, TaskRow
+from unicron.control.storeserver import capability
 from unicron.control.taskspec import TaskSpec
 from unicron.planner.hardware import GPU_PRESETS
 from unicron.planner.solver import expected_time_to_failure_s
@@ -164,12 +165,29 @@ def checkpoint_dir(task: Task, state_dir: Path) -> Path | None:
     return Path(ck.dir) if ck.dir else state_dir / "tasks" / task.row.uid / "checkpoints"
 
 
+def coordinator_settings(
+    spec: TaskSpec, checkpoint: Path | None, committed_before: int | None
+) -> CoordinatorSettings:
+    """The settings of a task's coordinator (the cluster's :meth:`_start`): its task file's,
+    where its ``checkpoint`` directory is and the steps committed before it starts."""
+    return CoordinatorSettings(
+        min_workers=spec.workers.min,
+        replica_ranks=spec.replica_ranks,
+        tp=spec.tp,
+        depths=spec.depths if len(spec.depths) > 1 else (),
+        checkpoint=checkpoint,
+        committed_before=committed_before,
+        readmit_after_s=spec.readmit_after,
+        give_up_after_s=spec.give_up_after,
+    )
+
+
 def assignment(
-    task: Task, nid: int, store: str, store_key: str, checkpoint: Path | None
+    task: Task, nid: int, store: str, store_secret: bytes, checkpoint: Path | None
 ) -> dict[str, Any]:
     """What node ``nid``'s agent needs to run its part of ``task`` (its ranks there, the
-    script, the training ``store``'s address and the task's capability there,
-    ``store_key``); ``settings``: what its workers read from their
+    script, the training ``store``'s address and ``store_key``, the task's capability there
+    under ``store_secret``: its workers' credential); ``settings``: what its workers read from their
     environment (:class:`~unicron.protocol.WorkerSettings`)."""
     spec = task.spec
     settings = WorkerSettings(
@@ -195,7 +213,7 @@ def assignment(
         "inject": spec.inject,
         "threads": spec.threads,
         "store": store,
-        "store_key": store_key,
+        "store_key": capability(store_secret, task.row.uid),
         "device": spec.device,
         "settings": dataclasses.asdict(settings),
         "env": spec.env,

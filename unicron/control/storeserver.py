@@ -22,9 +22,11 @@ integers as little-endian 64-bit; the client opens with ``VALIDATE`` (a magic nu
 ``PING``. The capability travels in clear text like the keys themselves: the store's network
 must not be watched by untrusted hosts (docs/security.md).
 
-Served by :func:`serve` on an asyncio loop, in the store's own process
-(:mod:`unicron.control.store`: a cluster's, or ``unicron run``'s child). Nothing here
-imports torch.
+Served by :func:`serve` on an asyncio event loop (uvloop's, where installed: a dependency off
+Windows), in the store's own process (:mod:`unicron.control.store`: a cluster's, or ``unicron
+run``'s child); one thread runs every client, so the keys need no lock. A request is read
+whole before anything changes (a frame cut off is parsed again when the rest arrives), and
+a key is checked before the value behind it is read. Nothing here imports torch.
 """
 
 from __future__ import annotations
