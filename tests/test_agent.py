@@ -7,6 +7,8 @@ handed worker messages as its loop would hand them; the coordinator's side is in
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from unicron import protocol as P
 from unicron.control import messages as M
 from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig
 from unicron.control.client import can_wait
+from unicron.control.workerenv import Account, signal_worker
 from unicron.control.workerstate import IllegalTransition, WorkerState
 from unicron.runtime.link import AgentLink
 
@@ -340,3 +343,33 @@ def test_every_local_message_kind_round_trips() -> None:
 def test_a_malformed_local_message_is_refused(raw: object) -> None:
     with pytest.raises(ValueError, match="not a message"):
         P.decode(raw)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching accounts needs root")
+def test_a_pid_a_worker_names_is_signalled_only_if_it_runs_as_the_workers_account(
+    tmp_path: Path,
+) -> None:
+    """With workers run as an account (``--run-as``), a pid a worker names to its agent (in its
+    hello, or posing as the zygote) is killed only if it is that account's: a worker cannot
+    turn the agent's root against another process. A worker's own, it kills."""
+    nobody = Account.named("nobody")
+    agent = Agent(
+        AgentConfig(node=0, slots=[0], script="x.py", argv=[], faults=[], log_dir=tmp_path,
+                    account=nobody),
+        link=None,  # type: ignore[arg-type]
+        task="t", store_address="127.0.0.1:1", store_key="",
+    )  # fmt: skip
+    root_owned = subprocess.Popen(["sleep", "60"])
+    worker = subprocess.Popen(["sleep", "60"], user=nobody.uid, group=nobody.gid, extra_groups=[])
+    try:
+        assert not agent._kill(root_owned.pid)
+        assert agent._kill(worker.pid)
+        assert worker.wait(timeout=10) == -signal.SIGKILL
+        time.sleep(0.2)
+        assert root_owned.poll() is None  # alive
+        assert signal_worker(root_owned.pid, signal.SIGKILL, None)  # no account: the agent's
+        assert root_owned.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for p in (root_owned, worker):
+            p.kill()
+        agent.stop()

@@ -25,7 +25,7 @@ draw raises :class:`IllegalTransition`.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import logging
 import os
@@ -54,6 +54,7 @@ from unicron.control.workerenv import (
     device_env,
     import_env,
     killpg,
+    signal_worker,
     slot_env,
     start_plainly,
 )
@@ -176,6 +177,7 @@ class Agent:
         self._by_pid: dict[int, int] = {}
         self._probes = Probes(config.log_dir, config.account)  # the excluded slots' health probes
         self._dumping: dict[int, float] = {}  # pid of a hung worker -> when to SIGKILL it
+        self._kill = functools.partial(signal_worker, sig=signal.SIGKILL, account=config.account)
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
@@ -209,7 +211,7 @@ class Agent:
         self._stop.set()
         for w in self.workers.values():
             if w.pid is not None and w.alive:
-                _kill(w.pid)
+                self._kill(w.pid)
             if w.popen is not None:
                 w.popen.kill()
                 w.popen.wait()
@@ -261,7 +263,7 @@ class Agent:
             self.config.slots.append(slot)
         w = self.workers[slot]
         if w.pid is not None and w.alive:
-            _kill(w.pid)
+            self._kill(w.pid)
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
         w.computing_since = None
@@ -281,11 +283,10 @@ class Agent:
         if w.pid is None:
             w.kill_pending = True  # killed as soon as the zygote says which pid it got
         elif w.alive and verdict is not None and verdict.kind in _HUNG:
-            with contextlib.suppress(ProcessLookupError):  # where it hangs, into its log
-                os.kill(w.pid, P.STACKS_SIGNAL)
+            signal_worker(w.pid, P.STACKS_SIGNAL, self.config.account)  # its stacks, to its log
             self._dumping[w.pid] = time.time() + P.STACKS_GRACE_S
         elif w.alive:
-            _kill(w.pid)
+            self._kill(w.pid)
 
     def probe(self, slot: int) -> None:
         """Start the health probe of the excluded ``slot`` (``python -m unicron.runtime.health``,
@@ -351,7 +352,7 @@ class Agent:
         thread: it only sends signals; :meth:`stop` cleans up after."""
         for w in list(self.workers.values()):
             if w.pid is not None and w.alive:
-                _kill(w.pid)
+                self._kill(w.pid)
         if self._zygote is not None:
             killpg(self._zygote.pid)
 
@@ -362,7 +363,7 @@ class Agent:
         self._probes.kill_all()
         for w in self.workers.values():
             if w.pid is not None and w.alive:
-                _kill(w.pid)
+                self._kill(w.pid)
             w.exited()
         if self._zygote is not None:
             killpg(self._zygote.pid)
@@ -400,7 +401,7 @@ class Agent:
             if now >= at:  # its stacks are written: the kill of :meth:`kill`
                 del self._dumping[pid]
                 if pid in self._by_pid:  # not exited meanwhile
-                    _kill(pid)
+                    self._kill(pid)
         self._check_exits(now)
         self._sample_cpu(now)
         for slot, ok, detail in self._probes.check(now) if self._probes else ():
@@ -472,7 +473,7 @@ class Agent:
         elif isinstance(msg, P.Spawned):
             w = self.workers[msg.slot]
             if msg.incarnation != w.incarnation:
-                _kill(msg.pid)  # an earlier incarnation, replaced before it started
+                self._kill(msg.pid)  # an earlier incarnation, replaced before it started
                 return
             self._by_pid[msg.pid] = msg.slot
             self._set_pid(w, msg.pid)
@@ -490,7 +491,7 @@ class Agent:
             if msg.incarnation != w.incarnation or not w.alive:
                 conn.close()  # a late hello from an earlier incarnation of the slot: it ends
                 if msg.pid != w.pid:
-                    _kill(msg.pid)
+                    self._kill(msg.pid)
                 return
             w.conn = conn
             self._set_pid(w, msg.pid)
@@ -503,7 +504,7 @@ class Agent:
     def _set_pid(self, w: Worker, pid: int) -> None:
         w.pid = pid
         if w.kill_pending:
-            _kill(pid)
+            self._kill(pid)
 
     def _from_worker(self, slot: int, msg: P.LocalMessage) -> None:
         """One message of the worker in ``slot`` as this round's reports (the translation:
@@ -578,7 +579,7 @@ class Agent:
             elif w.eof_ts is not None and now - w.eof_ts > EXIT_GRACE_S:
                 # the socket closed but no exit status came: the process is cut off; end it
                 if w.pid is not None:
-                    _kill(w.pid)
+                    self._kill(w.pid)
                 self._exited(w.slot, None)
 
     def _exited(self, slot: int, returncode: int | None) -> None:
@@ -636,8 +637,3 @@ class Agent:
             ["worker", self.config.script, *self.config.argv], env, logfile, self.config.account
         )
         w.pid = w.popen.pid
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)

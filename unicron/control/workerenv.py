@@ -10,6 +10,7 @@ starts before its agents (:func:`unicron.runtime.launcher.prewarm`).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -49,9 +50,12 @@ __all__ = [
     "device_env",
     "import_env",
     "killpg",
+    "signal_worker",
     "slot_env",
     "start_plainly",
 ]
+
+log = logging.getLogger("unicron.control.agent")
 
 SECRETS = frozenset(("UNICRON_TOKEN",))
 """environment variables of the agent's process its workers never inherit"""
@@ -184,6 +188,28 @@ def device_env(config: AgentConfig, slot: int) -> dict[str, str]:
     kind = config.env.get(D.ENV_DEVICE_KIND, "cpu")
     gpus = D.gpu_count() if kind == "cuda" else 0
     return D.slot_env(kind, config.slots.index(slot), len(config.slots), gpus)
+
+
+def signal_worker(pid: int, sig: int, account: Account | None) -> bool:
+    """Send ``sig`` to a worker's ``pid``, where the process runs as ``account`` (when the
+    agent runs workers as one): a pid a worker names (its hello, a zygote's word) never turns
+    the agent's own power (root's) against a process that is not a worker's. Whether it was
+    sent."""
+    if account is not None:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            uid = next(int(line.split()[1]) for line in status if line.startswith("Uid:"))
+        except (OSError, StopIteration, ValueError):
+            return False  # gone
+        if uid != account.uid:
+            log.warning("not signalling pid %d: it runs as uid %d, not as %s", pid, uid,
+                        account.name)  # fmt: skip
+            return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def killpg(pid: int) -> None:
