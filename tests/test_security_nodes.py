@@ -293,6 +293,15 @@ def test_a_failed_start_stops_the_store(tmp_path: Path) -> None:
     wait_for("the store's exit", lambda: not stores_of(state), 30)
 
 
+def _stop(agent: subprocess.Popen[bytes], c: Coordinator) -> None:
+    """SIGTERM to the agent and the coordinator, each waited for."""
+    for p in (agent, c.proc):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=30)
+    c.client.close()
+
+
 def _bare(host: str, port: str) -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(seconds=5))
 
@@ -373,11 +382,7 @@ def test_a_rotated_agent_credential_stops_working_while_training_goes_on(
         assert view["state"] == "done", view
         assert agent.poll() is None  # the agent lived through it
     finally:
-        for p in (agent, c.proc):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=30)
-        c.client.close()
+        _stop(agent, c)
 
 
 def _uid(pid: int) -> int:
@@ -464,9 +469,5 @@ def _run_as_nobody(tmp_path: Path) -> None:
         assert all(p.stat().st_uid == Account.named("nobody").uid for p in logs.rglob("*.log")
                    if p.name.startswith("worker"))  # fmt: skip
     finally:
-        for p in (agent, c.proc):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(timeout=30)
-        c.client.close()
+        _stop(agent, c)
         shutil.rmtree(logs, ignore_errors=True)
