@@ -294,12 +294,15 @@ def test_a_failed_start_stops_the_store(tmp_path: Path) -> None:
 
 
 def _stop(agent: subprocess.Popen[bytes], c: Coordinator) -> None:
-    """SIGTERM to the agent and the coordinator, each waited for."""
+    """SIGTERM to the agent and the coordinator, each waited for, and to the store if a task
+    was still running (the coordinator leaves the store to it)."""
     for p in (agent, c.proc):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
             p.wait(timeout=30)
     c.client.close()
+    if (c.state / "store.json").exists():
+        os.kill(store_pid(c.state), signal.SIGTERM)
 
 
 def _bare(host: str, port: str) -> dist.TCPStore:
