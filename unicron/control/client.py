@@ -37,7 +37,7 @@ def resolve_token(token_file: str | None, state_dir: Path | None = None) -> str:
     state directory's ``token`` file, created with a fresh random token if missing. A token
     that cannot be a bearer token (blank, non-ASCII, spaces) is a one-line
     :class:`UsageError`."""
-    from unicron.control.credentials import check_token
+    from unicron.control.credentials import check_token, write_private
 
     path = token_path(token_file, state_dir)
     if path is None:
@@ -45,11 +45,7 @@ def resolve_token(token_file: str | None, state_dir: Path | None = None) -> str:
             raise UsageError(f"no token: pass --token-file FILE or set ${ENV_TOKEN}")
         return check_token(os.environ[ENV_TOKEN].strip(), f"${ENV_TOKEN}")
     if token_file is None and not path.exists():
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
-        os.replace(tmp, path)
+        write_private(path, secrets.token_urlsafe(32) + "\n")
     where = f"--token-file {token_file}" if token_file else str(path)
     try:
         token = path.read_text(encoding="utf-8").strip()

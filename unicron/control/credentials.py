@@ -155,10 +155,16 @@ def read_entries(path: Path) -> dict[str, dict[str, Any]]:
 
 def write_entries(path: Path, entries: dict[str, dict[str, Any]]) -> None:
     """Atomically, owner-only."""
+    write_private(path, json.dumps(entries, indent=1, sort_keys=True))
+
+
+def write_private(path: Path, text: str) -> None:
+    """``text`` to ``path`` atomically (a temporary name, renamed) and owner-only (0600): the
+    credentials, a generated token, the store's secret and record."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(entries, f, indent=1, sort_keys=True)
+        f.write(text)
     os.replace(tmp, path)
 
 

@@ -35,11 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from unicron.control import storeserver
+from unicron.control.credentials import write_private
 from unicron.control.storeserver import capability
 from unicron.protocol import host_port
 
 RECORD = "store.json"
 """in the state directory: the store's host, port and process id"""
+STARTING = "store.starting.json"
+"""... as a store just started wrote it (:func:`start`), before :func:`ensure` records it"""
 SECRET = "store.secret"
 """in the state directory: the secret the store's capabilities are made from (0600)"""
 PING_UID = "unicron"
@@ -72,11 +75,7 @@ def secret_of(state_dir: Path) -> bytes:
     """The store's secret for ``state_dir``: read, or made and written now (0600)."""
     path = state_dir / SECRET
     if not path.exists():
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with open(fd, "w", encoding="ascii") as f:
-            f.write(secrets.token_hex(32))
-        os.replace(tmp, path)
+        write_private(path, secrets.token_hex(32))
     return bytes.fromhex(path.read_text(encoding="ascii").strip())
 
 
@@ -89,9 +88,11 @@ def _answers(info: StoreInfo, secret: bytes) -> bool:
         return False
 
 
-def read_record(state_dir: Path) -> StoreInfo | None:
+def read_record(state_dir: Path, name: str = RECORD) -> StoreInfo | None:
+    """The store ``state_dir/name`` records (:data:`RECORD`, or :data:`STARTING`: what a store
+    just started wrote), or ``None``."""
     try:
-        d = json.loads((state_dir / RECORD).read_text(encoding="utf-8"))
+        d = json.loads((state_dir / name).read_text(encoding="utf-8"))
         return StoreInfo(str(d["host"]), int(d["port"]), int(d["pid"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -104,7 +105,7 @@ def start(state_dir: Path, host: str, *, die_with_us: bool = False
     run``); else it runs in a session of its own (a cluster's: ``kill -9`` of the
     coordinator spares it)."""
     secret_of(state_dir)
-    ready = state_dir / "store.starting.json"
+    ready = state_dir / STARTING
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "unicron.control.store", "--host", host,
             "--secret-file", str(state_dir / SECRET), "--out", str(ready)]  # fmt: skip
@@ -125,9 +126,9 @@ def start(state_dir: Path, host: str, *, die_with_us: bool = False
             proc.kill()
             raise RuntimeError(f"the store did not start (see {state_dir / 'store.log'})")
         time.sleep(0.01)
-    d = json.loads(ready.read_text(encoding="utf-8"))
-    ready.unlink()
-    return StoreInfo(str(d["host"]), int(d["port"]), int(d["pid"])), proc
+    info = read_record(state_dir, STARTING)
+    assert info is not None  # written whole (atomically) by the store
+    return info, proc
 
 
 def ensure(state_dir: Path, host: str) -> tuple[StoreInfo, bool]:
@@ -138,11 +139,7 @@ def ensure(state_dir: Path, host: str) -> tuple[StoreInfo, bool]:
     if found is not None and _answers(found, secret_of(state_dir)):
         return found, True
     info, _ = start(state_dir, host)
-    tmp = state_dir / (RECORD + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "w", encoding="utf-8") as f:
-        json.dump({"host": info.host, "port": info.port, "pid": info.pid}, f)
-    os.replace(tmp, state_dir / RECORD)
+    os.replace(state_dir / STARTING, state_dir / RECORD)
     return info, False
 
 
@@ -174,11 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     sock = storeserver.listen(args.host)
 
     def ready() -> None:
-        tmp = Path(args.out + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with open(fd, "w", encoding="utf-8") as f:
-            json.dump({"host": args.host, "port": sock.getsockname()[1], "pid": os.getpid()}, f)
-        os.replace(tmp, args.out)
+        record = {"host": args.host, "port": sock.getsockname()[1], "pid": os.getpid()}
+        write_private(Path(args.out), json.dumps(record))
 
     async def run() -> None:
         stop_ = asyncio.Event()
