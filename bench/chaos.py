@@ -16,11 +16,17 @@ per kind the worst detection against the goal (a hang found within ``max(3 x med
     python -m bench.chaos --tp 2 --workers 8   # four such replicas
     python -m bench.chaos --tp 2 --pp 2 --pp-choices 1 --workers 8   # and layout changes
     python -m bench.chaos --zero                 # the optimizer's state sharded (--zero 1)
+    python -m bench.chaos --store     # the store's process killed too (make soak-store)
 
 With ``--tp T`` and/or ``--pp P`` the run is ``examples/train_llama_parallel.py`` on replicas
 of ``T x P`` of the workers (``--workers``, default 4; data parallel over the rest): a fault
 takes a replica out of the step while its other ranks wait, and the result must still be the
 fault-free run's.
+
+With ``--store`` the rounds of kinds include ``store``: at its step this driver kills the
+training store's process (``kill -9``; the run starts a new one and every worker finds it,
+docs/cluster.md, When the store dies); its detection is the run's ``control_plane`` record
+of the loss, its recovery the next finished step.
 
 Writes ``bench/results/chaos.json`` (rows) and prints the table. Not part of ``python -m
 bench``: it is a long scenario of its own.
@@ -29,14 +35,17 @@ bench``: it is a long scenario of its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +72,8 @@ OUT_STEPS = {"slow": 50, "error:ecc": 40}
 until its health probe passes: a probe is a fresh Python process, seconds on a loaded
 machine); other kinds restart in a few steps, or reattempt in place"""
 OUT_STEPS_DEFAULT = 10
+STORE = "store"
+"""the kind of a fault this driver makes itself: the store's process killed (``--store``)"""
 
 
 @dataclass(frozen=True)
@@ -76,23 +87,27 @@ class Planned:
 
 
 def schedule(
-    faults: int, seed: int, gap: int = 5, workers: int = WORKERS
+    faults: int, seed: int, gap: int = 5, workers: int = WORKERS, store: bool = False
 ) -> tuple[list[Planned], int]:
     """``faults`` faults, one every ``gap`` steps from :data:`FIRST_STEP`, each kind in turn
     (shuffled rounds, so every kind occurs about equally often), on random slots among those
     the earlier faults have presumably not taken out (:data:`OUT_STEPS`): a fault planned on
     a slot that is restarting or excluded at its step never fires. Returns the faults and the
-    number of steps the run needs (a tail after the last fault)."""
+    number of steps the run needs (a tail after the last fault). ``store``: the kinds include
+    :data:`STORE` (rank -1: no slot is taken out)."""
     rng = random.Random(seed)
     kinds: list[str] = []
     while len(kinds) < faults:
-        round_ = list(FAULT_KINDS)
+        round_ = [*FAULT_KINDS, *([STORE] if store else [])]
         rng.shuffle(round_)
         kinds += round_
     planned = []
     back_at = dict.fromkeys(range(workers), 0)  # slot -> first step it is presumed back
     for i, kind in enumerate(kinds[:faults]):
         step = FIRST_STEP + i * gap
+        if kind == STORE:
+            planned.append(Planned(f"store:step={step}", kind, -1, step))
+            continue
         live = [r for r in range(workers) if back_at[r] <= step]
         rank = rng.choice(live) if live else min(back_at, key=lambda r: (back_at[r], r))
         back_at[rank] = step + OUT_STEPS.get(kind, OUT_STEPS_DEFAULT)
@@ -117,7 +132,10 @@ def _run(
     workers: int = WORKERS,
     depths: str = "",
     zero: bool = False,
-) -> tuple[list[Event], float]:
+    kills: list[int] | None = None,
+) -> tuple[list[Event], float, list[float]]:
+    """One ``unicron run``: its events, wall time, and when the store was killed (at the
+    first commit of each step of ``kills``)."""
     workdir.mkdir(parents=True)
     events = workdir / "events.jsonl"
     tp, pp = layout
@@ -132,24 +150,66 @@ def _run(
            str(ROOT / "examples" / script), "--steps", str(steps),
            "--out", str(workdir / "out")]  # fmt: skip
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    killed = _kill_store(proc, events, kills or [], t0 + timeout_s)
+    try:
+        _, stderr = proc.communicate(timeout=max(t0 + timeout_s - time.monotonic(), 1.0))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     wall = time.monotonic() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"unicron run exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return read_events(events), wall
+        raise RuntimeError(f"unicron run exited {proc.returncode}: {stderr[-2000:]}")
+    return read_events(events), wall, killed
+
+
+def _kill_store(
+    run: subprocess.Popen[str], events: Path, steps: list[int], deadline: float
+) -> list[float]:
+    """Kill ``run``'s store process (``kill -9``) once each of ``steps`` has committed; when
+    it was done, each time (a step the run never reaches is skipped)."""
+    killed: list[float] = []
+    for step in sorted(steps):
+        while run.poll() is None and time.monotonic() < deadline:
+            if any(e["event"] == "step_end" and e["step"] >= step for e in read_events(events)):
+                break
+            time.sleep(0.05)
+        found = subprocess.run(["pgrep", "-P", str(run.pid), "-f", "unicron.control.store"],
+                               capture_output=True, text=True)  # fmt: skip
+        for pid in found.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(time.time())
+    return killed
 
 
 def _kind(e: Event) -> str:
     return e["fault"] if e["fault"] != "error" else f"error:{e.get('kind')}"
 
 
-def measure_faults(events: list[Event]) -> dict[str, Any]:
-    """Per fault fired: detection and recovery times, grouped by kind; and the run's counts."""
+def measure_faults(events: list[Event], store_kills: Sequence[float] = ()) -> dict[str, Any]:
+    """Per fault fired: detection and recovery times, grouped by kind; and the run's counts.
+    ``store_kills``: when the driver killed the store (found by the run's ``control_plane``
+    record of the loss)."""
     fired = [e for e in events if e["event"] == "fault_injected"]
     detections = [e for e in events if e["event"] == "error_detected"]
     ends = [e for e in events if e["event"] == "step_end"]
     by_kind: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     undetected = 0
+    losses = [
+        e for e in events if e["event"] == "control_plane" and "store was lost" in e.get("what", "")
+    ]
+    for ts in store_kills:
+        seen = next((e for e in losses if e["ts"] >= ts), None)
+        if seen is None:
+            undetected += 1
+            continue
+        by_kind[STORE]["detection_s"].append(float(seen["ts"]) - ts)
+        nxt = next((e for e in ends if e["ts"] > seen["ts"]), None)
+        if nxt is not None:
+            by_kind[STORE]["recovery_s"].append(float(nxt["ts"]) - ts)
     for f in fired:
         ts, slot = float(f["ts"]), f.get("rank")
         found = next((d for d in detections if d.get("slot") == slot and d["ts"] >= ts), None)
@@ -164,7 +224,7 @@ def measure_faults(events: list[Event]) -> dict[str, Any]:
     acts = [e.get("action") for e in events if e["event"] == "action"]
     durations = [float(e["duration_s"]) for e in ends if "duration_s" in e]
     return {
-        "fired": len(fired),
+        "fired": len(fired) + len(store_kills),
         "undetected": undetected,
         "by_kind": by_kind,
         "exclusions": acts.count("exclude"),
@@ -183,11 +243,12 @@ def scenario_name(
     workers: int = WORKERS,
     depths: str = "",
     zero: bool = False,
+    store: bool = False,
 ) -> str:
     """``chaos`` for the default spacing, workers and replicas of one rank; another
     spacing's, worker count's or layout's rows go to a file of their own (``chaos-gap3``,
     ``chaos-w8-tp2``, ``chaos-w8-tp2-pp2-ppc1`` with ``--pp-choices 1``, ``chaos-zero``
-    with the optimizer's state sharded)."""
+    with the optimizer's state sharded, ``chaos-store`` with the store killed too)."""
     tp, pp = layout
     parts = [SCENARIO] + ([f"gap{gap}"] if gap != 5 else [])
     parts += [f"w{workers}"] if workers != WORKERS else []
@@ -195,6 +256,7 @@ def scenario_name(
     parts += [f"pp{pp}"] if pp > 1 else []
     parts += [f"ppc{depths.replace(',', '')}"] if depths else []
     parts += ["zero"] if zero else []
+    parts += [STORE] if store else []
     return "-".join(parts)
 
 
@@ -234,32 +296,36 @@ def run(
     workers: int = WORKERS,
     depths: str = "",
     zero: bool = False,
+    store: bool = False,
 ) -> list[Row]:
     """The rows of this scenario; ``keep``: leave both runs' event logs and worker logs there;
     ``gap``: steps between two faults; ``layout``: (tp, pp) of the replicas; ``workers``: on
     the one node; ``zero``: the faulted run shards the optimizer's state (``--zero 1``; the
-    fault-free run it is compared with does not: the same bits)."""
+    fault-free run it is compared with does not: the same bits); ``store``: the driver kills
+    the store too (:data:`STORE` among the kinds)."""
     n = faults if faults is not None else (24 if quick else 100)
-    planned, steps = schedule(n, seed, gap, workers)
+    planned, steps = schedule(n, seed, gap, workers, store)
     timeout_s = 120.0 + steps * 2.0
     with tempfile.TemporaryDirectory(prefix="unicron-bench-chaos-") as tmp:
         where = keep if keep is not None else Path(tmp)
-        _, clean_wall = _run(where / "clean", steps, [], timeout_s, layout, workers)
-        specs = [p.spec for p in planned]
-        faulty, wall = _run(
-            where / "faulty", steps, specs, timeout_s, layout, workers, depths, zero
+        _, clean_wall, _ = _run(where / "clean", steps, [], timeout_s, layout, workers)
+        specs = [p.spec for p in planned if p.kind != STORE]
+        kills = [p.step for p in planned if p.kind == STORE]
+        faulty, wall, killed = _run(
+            where / "faulty", steps, specs, timeout_s, layout, workers, depths, zero, kills
         )
         # by name: a run that ended at another pipeline depth holds the same entries
         exact = same_state(where / "clean" / "out", where / "faulty" / "out", layout[0])
     end = next(e for e in faulty if e["event"] == "task_end")
-    m = measure_faults(faulty)
+    m = measure_faults(faulty, killed)
     healed = m["fired"] - m["undetected"] if end.get("status") == "ok" else 0
     median_step = m["median_step_s"] or 0.0
     goal = max(3 * median_step, 1.0) + 0.5
-    base = dict(system="unicron", scenario=scenario_name(gap, layout, workers, depths, zero))
+    base = dict(system="unicron", scenario=scenario_name(gap, layout, workers, depths, zero, store))
     what = "" if layout == (1, 1) else f", replicas of tp {layout[0]} x pp {layout[1]}"
     what += f" (also pp {depths})" if depths else ""
     what += ", optimizer state sharded (--zero 1; fault-free run unsharded)" if zero else ""
+    what += f", the store killed {len(killed)} times" if store else ""
     setup = (
         f"{n} faults planned, one every {gap} steps, seed {seed}, {steps} steps, "
         f"{workers} workers on 1 node{what}"
@@ -308,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="other pipeline depths the task may run at (a layout change)")  # fmt: skip
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer's state in the faulted run (--zero 1)")  # fmt: skip
+    p.add_argument("--store", action="store_true",
+                   help="also kill the training store's process (a kind of fault)")  # fmt: skip
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be >= 1")
@@ -323,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.zero and args.pp_choices:
         p.error("--zero with --pp-choices: a task with a sharded optimizer keeps its layout")
     rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout, args.workers,
-               args.pp_choices, args.zero)  # fmt: skip
+               args.pp_choices, args.zero, args.store)  # fmt: skip
     print_table(rows, title="Fault soak: mixed faults in one run")
-    name = scenario_name(args.gap, layout, args.workers, args.pp_choices, args.zero)
+    name = scenario_name(args.gap, layout, args.workers, args.pp_choices, args.zero, args.store)
     save_scenario(rows, name, ROOT / "bench" / "results", replace=True)
     return 0
 

@@ -84,3 +84,14 @@ def run(tmp_path: Path) -> Any:
         return run_unicron(d, *run_args, **kw)
 
     return _run
+
+
+@pytest.fixture(scope="session")
+def fault_free_4x24(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """The fault-free reference of 4 workers and 24 steps of the example, computed once for
+    every module that checks a healed run of that shape bit for bit."""
+    r = run_unicron(tmp_path_factory.mktemp("clean"), "--nproc-per-node", "4", steps=24)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["status"] == "ok" and r.task_end["steps"] == 24
+    assert r.task_end["params_sha256"]
+    return r

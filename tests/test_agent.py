@@ -325,6 +325,8 @@ LOCAL = [
     P.Spawned(slot=1, pid=43, incarnation=1),
     P.Exited(pid=43, returncode=-9),
     P.SpawnWorker(slot=1, incarnation=1, env={"A": "1"}, script="t.py", argv=["-x"], log="l"),
+    P.WhereStore(),
+    P.StoreAt(address="10.0.0.1:29500"),
 ]
 
 

@@ -12,18 +12,20 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import RunResult
+
 pytestmark = pytest.mark.e2e
 
-STEPS = 36
+STEPS = 24  # the fault-free reference is tests.conftest.fault_free_4x24
 FAULTS = (
     "--inject",
-    "crash:rank=1,step=6",  # mid-step: after half of its micro-batches
+    "crash:rank=1,step=5",  # mid-step: after half of its micro-batches
     "--inject",
-    "crash:rank=0,step=14",  # the worker that was rank 0
+    "crash:rank=0,step=11",  # the worker that was rank 0
     "--inject",
-    "crash:rank=2,step=24",  # two at once
+    "crash:rank=2,step=17",  # two at once
     "--inject",
-    "crash:rank=3,step=24",
+    "crash:rank=3,step=17",
 )
 
 
@@ -32,8 +34,10 @@ def _params(path: Any) -> torch.Tensor:
     return torch.cat([t.reshape(-1).double() for t in state.values()])
 
 
-def test_crashes_leave_the_final_parameters_bitwise_identical(run: Any) -> None:
-    clean = run("--nproc-per-node", "4", steps=STEPS)
+def test_crashes_leave_the_final_parameters_bitwise_identical(
+    run: Any, fault_free_4x24: RunResult
+) -> None:
+    clean = fault_free_4x24
     faulty = run("--nproc-per-node", "4", *FAULTS, steps=STEPS)
     dropped = run("--nproc-per-node", "4", "--on-lost", "drop", *FAULTS, steps=STEPS)
     for r in (clean, faulty, dropped):

@@ -26,14 +26,10 @@ RESTART_LIMIT = 3  # EscalationSettings.restart_limit: restarts a slot gets befo
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    """The fault-free reference run, shared by every test that checks exactness."""
-    r = run_unicron(tmp_path_factory.mktemp("clean"), "--nproc-per-node", "4", steps=STEPS)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.task_end["status"] == "ok" and r.task_end["steps"] == STEPS
-    assert r.task_end["params_sha256"]
-    return r
+@pytest.fixture
+def clean(fault_free_4x24: RunResult) -> RunResult:
+    """The fault-free reference run (:func:`tests.conftest.fault_free_4x24`, STEPS steps)."""
+    return fault_free_4x24
 
 
 def _healed(r: RunResult, clean: RunResult) -> None:

@@ -235,18 +235,28 @@ def test_four_tensor_ranks_heal_to_the_fault_free_bits(run: Any) -> None:
     assert restarted == [0, 6]
 
 
+LONG = pytest.mark.long  # a case like one the default suite runs (each costs 3-4 s)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (("--nproc-per-node", "4", "--tp", "3"), "--tp 3 (3 ranks) must divide --nproc-per-node 4"),
         (("--nproc-per-node", "4", "--tp", "2", "--min-workers", "3"), "multiple of --tp 2"),
-        (("--nproc-per-node", "4", "--tp", "0"), "--tp"),
+        pytest.param(("--nproc-per-node", "4", "--tp", "0"), "--tp", marks=LONG),
         (("--nproc-per-node", "3", "--tp", "3"), "heads (4) is not divisible by tp (3)"),
-        (("--nproc-per-node", "4", "--tp", "2", "--pp", "3"), "(6 ranks) must divide"),
-        (("--nproc-per-node", "4", "--pp", "4"), "layers (2) is not divisible by pp (4)"),
-        (
+        pytest.param(
+            ("--nproc-per-node", "4", "--tp", "2", "--pp", "3"), "(6 ranks) must divide", marks=LONG
+        ),
+        pytest.param(
+            ("--nproc-per-node", "4", "--pp", "4"),
+            "layers (2) is not divisible by pp (4)",
+            marks=LONG,
+        ),
+        pytest.param(
             ("--nproc-per-node", "8", "--tp", "2", "--pp-choices", "5"),
             "a replica of 10 ranks must fit",
+            marks=LONG,
         ),
         (("--nproc-per-node", "8", "--tp", "2", "--pp-choices", "4"), "--tp 2 --pp 4: layers"),
     ],

@@ -11,7 +11,10 @@ What agents and coordinators say to each other is :mod:`unicron.control.messages
 from __future__ import annotations
 
 import json
+import secrets
 import signal
+import socket
+import struct
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -235,6 +238,21 @@ class Done:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WhereStore:
+    """Worker -> agent: the training store stopped answering; where does it serve now? The
+    agent answers at once with :class:`StoreAt` on the same connection (the one message a
+    worker reads from its agent)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreAt:
+    """Agent -> worker: the training store's ``host:port`` as the coordinator last assigned it
+    (:mod:`unicron.control.store`: a lost store is started again, perhaps elsewhere)."""
+
+    address: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class NodeFault:
     """The injected node fault fired: the agent takes its whole node down."""
 
@@ -286,6 +304,8 @@ LocalMessage = (
     | Waiting
     | Error
     | Done
+    | WhereStore
+    | StoreAt
     | NodeFault
     | ZygoteUp
     | Spawned
@@ -303,6 +323,8 @@ KINDS: dict[str, type[LocalMessage]] = {
     "waiting": Waiting,
     "error": Error,
     "done": Done,
+    "where_store": WhereStore,
+    "store_at": StoreAt,
     "node_fault": NodeFault,
     "zygote": ZygoteUp,
     "spawned": Spawned,
@@ -329,6 +351,34 @@ def decode(raw: Any) -> LocalMessage:
         return cls(**{k: v for k, v in raw.items() if k != "type"})
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a message on the agent's socket: {raw!r} ({exc})") from exc
+
+
+STORE_MAGIC = 0x3C85F7CE
+"""torch's TCPStore client opens a connection with its ``VALIDATE`` command (0) and this
+number; its ``PING`` (13) carries a 4-byte nonce that the store sends back
+(:mod:`unicron.control.storeserver` serves the protocol)"""
+
+
+def store_answers(address: str, timeout_s: float) -> bool:
+    """Whether a store answers at ``host:port`` within ``timeout_s`` (a validation and a
+    ping, as torch's client opens). Asked before a TCPStore client connects to a store that
+    moved (:func:`unicron.worker._find_store`): that client's validation waits without a bound
+    for a listener that accepts and never answers (the old port taken by another program,
+    a host half gone)."""
+    nonce = secrets.token_bytes(4)
+    try:
+        with socket.create_connection(host_port(address), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(struct.pack("<BI", 0, STORE_MAGIC) + bytes([13]) + nonce)
+            got = b""
+            while len(got) < 4:
+                part = sock.recv(4 - len(got))
+                if not part:
+                    return False
+                got += part
+            return got == nonce
+    except (OSError, ValueError):
+        return False
 
 
 def host_port(address: str) -> tuple[str, int]:

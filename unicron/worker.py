@@ -26,6 +26,7 @@ user's model code does not change.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import math
@@ -47,7 +48,8 @@ from unicron.parallel import PipelineParallel, TensorParallel, pipeline_parallel
 from unicron.protocol import (
     EpochInfo,
     checkpoint_at_key,
-    done_key,
+    host_port,
+    store_answers,
     trained_key,
 )
 from unicron.runtime import checkpoint as C
@@ -65,7 +67,14 @@ from unicron.runtime.context import (
 from unicron.runtime.data import Data, LedgerData, SamplerData
 from unicron.runtime.digest import params_sha256
 from unicron.runtime.gradients import Reducer
-from unicron.runtime.group import CollectiveError, EpochGroup, EpochOver, EpochWatch
+from unicron.runtime.group import (
+    CollectiveError,
+    EpochGroup,
+    EpochOver,
+    EpochWatch,
+    StoreLost,
+    store_calls,
+)
 from unicron.runtime.inject import Fault, FaultPlan, stop_self
 from unicron.runtime.link import AgentLink, connect_agent
 from unicron.runtime.microbatches import MicroBatches, refuse
@@ -234,16 +243,48 @@ def train(
     return loop.result
 
 
-def _store_client(ctx: WorkerContext) -> dist.Store:
+def _store_client(ctx: WorkerContext, connect_s: float | None = None) -> dist.Store:
     """A new connection to the coordinator's store (the runner's own, and one for each
-    epoch's process group), every key under the task's capability."""
+    epoch's process group), every key under the task's capability. ``connect_s``: give up
+    connecting after that long (else the requests' timeout, ``ctx.timeout_s``)."""
+    timeout = datetime.timedelta(seconds=ctx.timeout_s)
     tcp = dist.TCPStore(
         ctx.store_host,
         ctx.store_port,
         is_master=False,
-        timeout=datetime.timedelta(seconds=ctx.timeout_s),
+        timeout=timeout if connect_s is None else datetime.timedelta(seconds=connect_s),
     )
+    tcp.set_timeout(timeout)
     return dist.PrefixStore(ctx.store_key, tcp) if ctx.store_key else tcp
+
+
+STORE_RETRY_S = 0.1
+"""how often a worker whose store is gone asks its agent where it serves now"""
+
+
+def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, dist.Store]:
+    """The training store stopped answering (:class:`~unicron.runtime.group.StoreLost`):
+    ask the agent where it serves now until a connection there answers, and return the
+    context with that address and the connection. The cluster starts a lost store again
+    within a tick (on the same port where it can), and the agent hears of a new address with
+    its node's next heartbeat; until then the old address is tried. Called by
+    :meth:`_Runner._leave`; the worker then waits there for the next epoch."""
+    said = time.monotonic()
+    while True:
+        address = link.where_store() or f"{ctx.store_host}:{ctx.store_port}"
+        host, port = host_port(address)
+        moved = dataclasses.replace(ctx, store_host=host, store_port=port)
+        try:
+            if store_answers(address, 1.0):
+                store = _store_client(moved, connect_s=1.0)
+                store.check([trained_key(ctx.task)])
+                return moved, store
+        except (RuntimeError, ValueError):  # DistNetworkError: gone again
+            pass
+        if time.monotonic() - said > 10.0:
+            print(f"unicron: no training store answers at {address} yet", flush=True)
+            said = time.monotonic()
+        time.sleep(STORE_RETRY_S)
 
 
 def _sev3(exc: Exception) -> bool:
@@ -372,15 +413,16 @@ class _Runner:
                 return  # the task finished (or failed) without this worker
             epoch = info.epoch
             try:
-                g, todo = self._enter(info)
+                with store_calls():
+                    g, todo = self._enter(info)
             except EpochOver as exc:
                 self._leave(exc, epoch)
                 continue
             first = True
             while self.step < self.steps:
                 if not first:
-                    if self._newer_epoch(g):
-                        self._leave(EpochOver("new epoch at the step boundary"), epoch)
+                    if (over := self._newer_epoch(g)) is not None:
+                        self._leave(over, epoch)
                         break
                     shares = L.assign(range(self.M), g.world // self.R)
                     todo = shares[g.rank // self.R]
@@ -401,19 +443,28 @@ class _Runner:
                 last_loss = attempt.loss
         self._finish(epoch, last_loss)
 
-    def _newer_epoch(self, g: EpochGroup) -> bool:
-        """At a step boundary: whether an epoch newer than ``g``'s is announced (the members
-        leave for it here). The commit's vote read the newest epoch with its outcome
-        (:attr:`EpochGroup.latest_seen`), a few milliseconds ago: no round trip of its own."""
+    def _newer_epoch(self, g: EpochGroup) -> EpochOver | None:
+        """At a step boundary: why the members leave ``g``'s epoch here (a newer one is
+        announced, or the store is gone), or ``None``. The commit's vote read the newest epoch
+        with its outcome (:attr:`EpochGroup.latest_seen`), a few milliseconds ago: no round
+        trip of its own."""
         latest, g.latest_seen = g.latest_seen, None
-        if latest is None:
-            latest = self.watch.latest()
-        return latest > g.info.epoch
+        try:
+            latest = self.watch.latest() if latest is None else latest
+        except StoreLost as exc:
+            return exc
+        return EpochOver("new epoch at the step boundary") if latest > g.info.epoch else None
 
     def _leave(self, exc: EpochOver, epoch: int) -> None:
-        """Leave the current epoch's group; a failed collective is reported to the agent."""
+        """Leave the current epoch's group; a failed collective is reported to the agent,
+        unless the store is gone (gloo's connections are made through it): then, as for any
+        :class:`StoreLost`, find the store again (:func:`_find_store`)."""
         self.groups[-1].leave()
-        if isinstance(exc, CollectiveError):
+        if isinstance(exc, CollectiveError) and self._store_gone():
+            exc = StoreLost(str(exc))
+        if isinstance(exc, StoreLost):
+            self._reconnect()
+        elif isinstance(exc, CollectiveError):
             self.link.send(
                 P.Error(
                     type_name=type(exc.cause).__name__,
@@ -451,14 +502,30 @@ class _Runner:
     def _wait_for_epoch(self, after: int) -> EpochInfo | None:
         """Block until the newest epoch is newer than ``after`` and includes this slot."""
         while True:
-            latest = self.watch.latest()
-            if latest > after:
-                info = self.watch.info(latest)
-                if self.ctx.slot in info.members:
-                    return info
-            if self.store.check([done_key(self.ctx.task)]):
-                return None
+            try:
+                latest = self.watch.latest()
+                if latest > after:
+                    info = self.watch.info(latest)
+                    if self.ctx.slot in info.members:
+                        return info
+                if self.watch.task_over():
+                    return None
+            except StoreLost:
+                self._reconnect()
+                continue
             time.sleep(self.ctx.slice_s / 5)
+
+    def _store_gone(self) -> bool:
+        try:
+            self.watch.task_over()
+        except StoreLost:
+            return True
+        return False
+
+    def _reconnect(self) -> None:
+        """Read epochs from where the store serves now (:func:`_find_store`)."""
+        self.ctx, self.store = _find_store(self.ctx, self.link)
+        self.watch = EpochWatch(self.store, self.ctx.task)
 
     def _enter(self, info: EpochInfo) -> tuple[EpochGroup, list[int]]:
         """Join epoch ``info``: rendezvous, ledger exchange, state; this member's share of
@@ -704,7 +771,11 @@ class _Runner:
         self.grads.clear()
         self.mb.done.clear()
         if cut is None:
-            cut = self._maybe_checkpoint(g.rank)
+            try:
+                with store_calls():
+                    cut = self._maybe_checkpoint(g.rank)
+            except StoreLost as exc:
+                cut = exc
         s.committed = True
         s.broken = cut
         return True

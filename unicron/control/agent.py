@@ -154,7 +154,7 @@ class Agent:
         self.node = config.node
         self.link = link
         self.task = task
-        self.store_address = store_address
+        self.store_address = store_address  # as last assigned (the node's heartbeat sets it)
         self.store_key = store_key  # the task's capability on the store: its workers'
         self.reply = Reply()  # the coordinator's last answer
         self._reports: list[M.Report] = []  # this round's, in order
@@ -484,6 +484,8 @@ class Agent:
             self._by_pid.pop(msg.pid, None)
             if owner >= 0 and self.workers[owner].pid == msg.pid:
                 self._exited(owner, msg.returncode)
+        elif isinstance(msg, P.WhereStore):  # its store is gone: the one question it asks
+            conn.send(P.encode(P.StoreAt(address=self.store_address)))
         elif isinstance(msg, P.Hello):
             w = self.workers[msg.slot]
             if conn in self._anonymous:
@@ -612,8 +614,9 @@ class Agent:
                             self.bell_address, self._authkey)  # fmt: skip
         return base_env(self.config, at)
 
-    def _slot_env(self, slot: int) -> dict[str, str]:
-        return slot_env(self.config, slot, self.workers[slot].incarnation, self.fired)
+    def _slot_env(self, slot: int) -> dict[str, str]:  # the store as last assigned (it moves)
+        env = slot_env(self.config, slot, self.workers[slot].incarnation, self.fired)
+        return {**env, P.ENV_STORE: self.store_address}
 
     def _launch(self, slot: int) -> None:
         w = self.workers[slot]

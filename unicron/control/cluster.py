@@ -53,7 +53,6 @@ from unicron.control.planning import (
 )
 from unicron.control.screen import Invalid, screen
 from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow, open_state
-from unicron.control.storeserver import capability
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.errors import UsageError
@@ -108,12 +107,8 @@ class Cluster:
         self.state: State = open_state(self.state_dir)
         self._events_to: dict[str, Path] = {}
         self.embedded = embedded
-        if embedded:  # ``unicron run``: the store lives and dies with this process
-            self.store, self._store_proc = S.start(self.state_dir, host, die_with_us=True)
-            adopted = False
-        else:
-            self.store, adopted = S.ensure(self.state_dir, host)
-        self._store_secret = S.secret_of(self.state_dir)
+        # ``unicron run``'s store lives and dies with this process; a cluster's outlives it
+        self.store = S.Keeper(self.state_dir, host, embedded=embedded)
         self._lock = threading.RLock()
         self.started = time.time()
         self.metrics = Metrics(self.state)
@@ -132,7 +127,7 @@ class Cluster:
             task = Task(row, TaskSpec.model_validate(row.spec))
             self.tasks[row.name] = self._by_uid[row.uid] = task
             if row.state in ACTIVE:
-                if not adopted:  # the store and every worker's epochs went with it
+                if not self.store.adopted:  # the store and every worker's epochs went with it
                     self._end(task, "failed", "the cluster's store was lost", now)
                     continue
                 self._start(task, now, adopt=True)
@@ -164,11 +159,7 @@ class Cluster:
             if task.events is not None:
                 task.events.close()
         self.state.close()
-        if self.embedded:
-            self._store_proc.terminate()
-            self._store_proc.wait(timeout=10.0)
-        elif stop_store:
-            S.stop(self.state_dir)
+        self.store.close(stop_store=stop_store)
 
     # -- nodes -----------------------------------------------------------------------------
     def register(
@@ -208,7 +199,11 @@ class Cluster:
             node = self._nodes.speaking(name, instance, now, self._dropped)
             return [
                 assignment(
-                    t, node.row.id, self.store.address, self._store_secret, self._checkpoint_dir(t)
+                    t,
+                    node.row.id,
+                    self.store.info.address,
+                    self.store.secret,
+                    self._checkpoint_dir(t),
                 )
                 for t in self.tasks.values()
                 if t.controller is not None and node.row.id in t.row.placement
@@ -448,7 +443,6 @@ class Cluster:
             enrich=functools.partial(name_node, self.nodes),
         )
         task.events.subscribe(functools.partial(self._on_event, task))
-        address = self.store.address
         task.controller = Coordinator(
             task=row.uid,
             label=row.name,
@@ -457,7 +451,7 @@ class Cluster:
             escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
             settings=coordinator_settings(spec, checkpoint, committed_before),
             monitor=StepMonitor(MonitorSettings()),
-            store=(S.client(address, capability(self._store_secret, row.uid)), address),
+            store=self.store.client(row.uid),
         )
         if adopt:
             task.controller.adopt(now, committed_step=row.committed_step)
@@ -496,6 +490,7 @@ class Cluster:
             for node in self._nodes.mark_silent(now):
                 self._triggers.append(f"node {node.row.name} lost")
             active = [t for t in self.tasks.values() if t.controller is not None]
+        self._keep_store(active, now)
         for task in active:
             c = task.controller
             assert c is not None
@@ -524,6 +519,19 @@ class Cluster:
         if now - self._alive_written >= 1.0:
             self.state.set_meta("alive_ts", repr(now))
             self._alive_written = now
+
+    def _keep_store(self, active: list[Task], now: float) -> None:
+        """Start the store again if it was lost (its process gone, or a coordinator's request
+        failed on the connection), and hand the new one to every running task."""
+        failed = any(t.controller.executor.store_failed for t in active if t.controller)
+        if not (self.store.lost() or failed):
+            return
+        why = f"the store at {self.store.info.address} " + ("failed" if failed else "is gone")
+        log.warning("%s: starting a new one", why)
+        self.store.restart()
+        for task in active:
+            if task.controller is not None:
+                task.controller.store_moved(self.store.client(task.row.uid), now, why)
 
     def _finish(self, task: Task, now: float) -> None:
         c = task.controller

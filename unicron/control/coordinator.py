@@ -526,9 +526,23 @@ class Coordinator:
             if not b.exited and now - self._input_checked < INPUT_CHECK_S:
                 return
             self._input_checked, b.exited = now, False
-            if not self.store.check([usage_key(self.task)]):
+            try:
+                if not self.store.check([usage_key(self.task)]):
+                    return
+                reason = self.store.get(usage_key(self.task)).decode()
+            except dist.DistNetworkError:  # the store is gone: the cluster starts a new one
+                self.executor.store_failed = True
                 return
-            membership.fail(b, self.store.get(usage_key(self.task)).decode(), now, usage=True)
+            membership.fail(b, reason, now, usage=True)
+
+    def store_moved(self, store: tuple[dist.Store, str], now: float, why: str) -> None:
+        """The cluster's store was lost (``why``) and a new one serves at ``store``'s address:
+        write there again what the workers read (:func:`membership.store_moved`). Called by
+        the cluster's ticker (:meth:`unicron.control.cluster.Cluster.tick`)."""
+        with self._deciding():
+            self.store, self.store_address = store
+            self.executor.store, self.executor.store_failed = self.store, False
+            membership.store_moved(self.book, now, f"{why}; a new one serves at {store[1]}")
 
     def add_slot(self, slot: int, node: int, now: float, reason: str) -> None:
         """The cluster gives the task ``slot`` on ``node`` (a planner decision): a worker

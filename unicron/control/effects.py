@@ -12,6 +12,7 @@ carrying them out (what the unit tests read); every other entry point hands them
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ import torch.distributed as dist
 from unicron.control.events import EventLog
 from unicron.control.messages import AgentAction
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
+
+log = logging.getLogger("unicron.control.effects")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ class Executor:
         self.store: dist.Store | None = store
         self.events = events
         self.outbox = outbox
+        self.store_failed = False
+        """a store request failed on the connection (the store or its host is gone): the
+        cluster starts a new store and hands it over (:meth:`Coordinator.store_moved`), which
+        writes again what the task's workers read there; until then store effects are dropped"""
 
     def close(self) -> None:
         """Let go of the store (its owner stops serving it)."""
@@ -81,14 +88,23 @@ class Executor:
         for e in effects:
             if isinstance(e, LogEvent):
                 self.events.emit(e.name, **e.fields)
-            elif isinstance(e, WriteStoreKey):
-                assert self.store is not None, "the store is closed"
-                self.store.set(e.key, e.value)
-            elif isinstance(e, AnnounceEpoch):
-                assert self.store is not None, "the store is closed"
-                self.store.set(epoch_info_key(e.task, e.info.epoch), e.info.to_json())
-                self.store.set(epoch_key(e.task), str(e.info.epoch))
+            elif isinstance(e, WriteStoreKey | AnnounceEpoch):
+                self._write(e)
             elif isinstance(e, Tell):
                 self.outbox.setdefault(e.node, deque()).append(e.action)
             else:
                 raise TypeError(f"not an effect: {e!r}")
+
+    def _write(self, e: WriteStoreKey | AnnounceEpoch) -> None:
+        assert self.store is not None, "the store is closed"
+        if self.store_failed:
+            return
+        try:
+            if isinstance(e, WriteStoreKey):
+                self.store.set(e.key, e.value)
+            else:
+                self.store.set(epoch_info_key(e.task, e.info.epoch), e.info.to_json())
+                self.store.set(epoch_key(e.task), str(e.info.epoch))
+        except dist.DistNetworkError as exc:
+            log.warning("the training store stopped answering (%s); waiting for a new one", exc)
+            self.store_failed = True

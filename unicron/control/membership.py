@@ -395,6 +395,22 @@ def check_give_up(b: TaskBook, now: float) -> None:
         )
 
 
+def store_moved(b: TaskBook, now: float, why: str) -> None:
+    """The task's store was lost and a new one serves (``why``): write there what the workers
+    read (the task trained or over), and announce the members again, in a new epoch, urgent
+    (each member left its epoch when the store stopped answering; nothing of the old store
+    is known to the new one, and the ledger exchange settles a step whose commit vote the
+    store took with it: :func:`unicron.runtime.transition.sync`)."""
+    b.emit("control_plane", ts=now, task=b.label, what=f"the training store was lost: {why}",
+           epoch=b.epoch)  # fmt: skip
+    if b.trained:
+        b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
+    if b.over():
+        b.effects.append(WriteStoreKey(done_key(b.task), b.state.value))
+    elif b.members:
+        announce(b, b.members, urgent=True, now=now, reason="the training store moved")
+
+
 def announce(
     b: TaskBook,
     members: tuple[int, ...],

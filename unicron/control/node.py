@@ -231,8 +231,11 @@ class NodeAgent:
                     log.info("node %s: the coordinator answers again", self.name)
                     away = False
                 for assignment in got["tasks"]:
-                    if assignment["uid"] not in self.tasks:
+                    running = self.tasks.get(assignment["uid"])
+                    if running is None:
                         self._start(assignment)
+                    else:  # a lost store starts again, perhaps elsewhere: its workers ask
+                        running.agent.store_address = assignment["store"]
             except httpx.TransportError as exc:
                 backoff = min(backoff * 2, 0.5)  # the coordinator is away: its tasks go on
                 if not away:

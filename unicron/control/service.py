@@ -474,7 +474,7 @@ def main(args: argparse.Namespace) -> int:
         scheme = "https" if tls else "http"
         print(
             f"unicron coordinator on {scheme}://{advertise}:{args.port} (state {state_dir}, "
-            f"store {cluster.store.address})",
+            f"store {cluster.store.info.address})",
             file=sys.stderr,
             flush=True,
         )

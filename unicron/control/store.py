@@ -9,6 +9,16 @@ killed with ``kill -9`` takes the HTTP API and the decisions away, not the train
 The service stops it only on a clean shutdown (:func:`stop`). ``unicron run`` starts one as
 its child (:func:`start` with ``die_with_us``), which dies with it.
 
+A store that dies while the service runs (:func:`alive`, asked every tick, or a request of a
+coordinator that failed on the connection) is started again at once, on the same port where
+it is free, and every running task goes on through it: its coordinator writes there again
+what the workers read and announces a new epoch of the same members
+(:meth:`unicron.control.coordinator.Coordinator.store_moved`); each worker left its epoch
+when the store stopped answering and asks its agent where the store serves now
+(:class:`unicron.runtime.group.StoreLost`). Nothing of the old store's keys is needed: the
+coordinator holds the task's membership, and the workers' ledger exchange settles a step
+whose commit vote the store took with it.
+
 The server is :mod:`unicron.control.storeserver`: torch's TCPStore protocol behind a door
 that admits a key only under its task's capability, made from the store's secret
 (``STATE_DIR/store.secret``, 0600, written once; docs/security.md). :func:`client` is a
@@ -98,17 +108,18 @@ def read_record(state_dir: Path, name: str = RECORD) -> StoreInfo | None:
         return None
 
 
-def start(state_dir: Path, host: str, *, die_with_us: bool = False
+def start(state_dir: Path, host: str, *, die_with_us: bool = False, port: int = 0
           ) -> tuple[StoreInfo, subprocess.Popen[bytes]]:  # fmt: skip
-    """A new store serving ``state_dir``'s secret on ``host`` and a free port; its log is
-    ``state_dir/store.log``. ``die_with_us``: it is killed when this process dies (``unicron
-    run``); else it runs in a session of its own (a cluster's: ``kill -9`` of the
-    coordinator spares it)."""
+    """A new store serving ``state_dir``'s secret on ``host`` and ``port`` if free (0, or
+    taken: a free one); its log is ``state_dir/store.log``. ``die_with_us``: it is killed
+    when this process dies (``unicron run``); else it runs in a session of its own (a
+    cluster's: ``kill -9`` of the coordinator spares it)."""
     secret_of(state_dir)
     ready = state_dir / STARTING
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "unicron.control.store", "--host", host,
-            "--secret-file", str(state_dir / SECRET), "--out", str(ready)]  # fmt: skip
+            "--secret-file", str(state_dir / SECRET), "--out", str(ready),
+            "--port", str(port)]  # fmt: skip
     if die_with_us:
         argv.append("--die-with-parent")
     fd = os.open(state_dir / "store.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -143,6 +154,25 @@ def ensure(state_dir: Path, host: str) -> tuple[StoreInfo, bool]:
     return info, False
 
 
+def alive(info: StoreInfo) -> bool:
+    """Whether the store process of ``info`` (started on this host) still runs: the cluster's
+    ticker asks at every tick (:meth:`unicron.control.cluster.Cluster.tick`)."""
+    try:
+        os.kill(info.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not _zombie(info.pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def stop(state_dir: Path) -> None:
     """Stop the recorded store (a clean shutdown of the cluster)."""
     info = read_record(state_dir)
@@ -152,12 +182,71 @@ def stop(state_dir: Path) -> None:
         (state_dir / RECORD).unlink(missing_ok=True)
 
 
+class Keeper:
+    """The cluster service's store: adopted or started (:func:`ensure`; ``unicron run``'s, its
+    child: :func:`start` with ``die_with_us``), watched (:meth:`lost`) and started again
+    (:meth:`restart`). Held by :class:`unicron.control.cluster.Cluster`, whose ticker asks
+    :meth:`lost` every tick and, when it is, restarts the store and hands the new one to every
+    running task's coordinator."""
+
+    def __init__(self, state_dir: Path, host: str, *, embedded: bool) -> None:
+        self.state_dir, self.host, self.embedded = state_dir, host, embedded
+        self.proc: subprocess.Popen[bytes] | None = None  # ``unicron run``'s child
+        self.adopted = False
+        """the store recorded in the state directory answered (a restarted service): the
+        tasks' epochs are there"""
+        if embedded:
+            self.info, self.proc = start(state_dir, host, die_with_us=True)
+        else:
+            self.info, self.adopted = ensure(state_dir, host)
+        self.secret = secret_of(state_dir)
+
+    def lost(self) -> bool:
+        """Whether the store's process is gone (a system call, no request)."""
+        if self.proc is not None:
+            return self.proc.poll() is not None
+        return not alive(self.info)
+
+    def restart(self) -> StoreInfo:
+        """A new store on the lost one's port where it is free, recorded as :func:`ensure`
+        records one; the lost one reaped if it was this process's child."""
+        if self.proc is None:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(self.info.pid, os.WNOHANG)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.info.pid, signal.SIGKILL)  # alive but not answering: gone for good
+        elif self.proc.poll() is None:
+            self.proc.kill()
+        info, proc = start(self.state_dir, self.host, die_with_us=self.embedded,
+                           port=self.info.port)  # fmt: skip
+        if self.embedded:
+            self.proc = proc
+        else:
+            os.replace(self.state_dir / STARTING, self.state_dir / RECORD)
+        self.info = info
+        return info
+
+    def client(self, uid: str) -> tuple[Any, str]:
+        """A connection for task ``uid`` (its capability on every key) and the address."""
+        address = self.info.address
+        return client(address, capability(self.secret, uid)), address
+
+    def close(self, *, stop_store: bool) -> None:
+        """``unicron run``'s store ends with it; a cluster's only with ``stop_store``."""
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10.0)
+        elif stop_store:
+            stop(self.state_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m unicron.control.store --host H --secret-file F --out FILE``: serve the
     store on a free port of ``H`` until SIGTERM; write host, port and pid to FILE
     (atomically) once it listens."""
     p = argparse.ArgumentParser(prog="python -m unicron.control.store")
     p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, default=0, help="tried first (0: any free port)")
     p.add_argument("--secret-file", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--die-with-parent", action="store_true")
@@ -168,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     secret = bytes.fromhex(Path(args.secret_file).read_text(encoding="ascii").strip())
-    sock = storeserver.listen(args.host)
+    sock = storeserver.listen(args.host, args.port)
 
     def ready() -> None:
         record = {"host": args.host, "port": sock.getsockname()[1], "pid": os.getpid()}

@@ -40,6 +40,8 @@ import socket
 import struct
 from collections.abc import Callable
 
+from unicron.protocol import STORE_MAGIC
+
 log = logging.getLogger("unicron.store")
 
 CAPABILITY_HEX = 32
@@ -51,7 +53,7 @@ MAX_VALUE = 64 << 20
 MAX_KEYS = 4096
 """the most keys one ``check``, ``wait`` or ``multi`` request names"""
 
-VALIDATION_MAGIC = 0x3C85F7CE
+VALIDATION_MAGIC = STORE_MAGIC
 """what torch's TCPStore client sends first (its ``VALIDATE`` command)"""
 
 # the client's commands (torch/csrc/distributed/c10d/TCPStoreBackend.hpp, QueryType)
@@ -263,12 +265,17 @@ class _Client(asyncio.Protocol):
             raise Refused(f"command {cmd} is not served")
 
 
-def listen(host: str) -> socket.socket:
-    """A socket listening on ``host`` (that address alone) and a free port."""
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A socket listening on ``host`` (that address alone) and ``port``, or a free port when
+    ``port`` is 0 or taken (a store started again tries its predecessor's port first: the
+    workers find it there without asking)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.bind((host, 0))
     sock.listen(1024)
     return sock
 

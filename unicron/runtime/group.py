@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,23 @@ class EpochOver(Exception):
     """This epoch was superseded (or its collective failed): go to the next one."""
 
 
+class StoreLost(EpochOver):
+    """The training store stopped answering (its process or its host is gone): this epoch
+    is over for every member. The worker asks its agent where the store serves now
+    (:meth:`unicron.runtime.link.AgentLink.where_store`) and waits there for the next epoch,
+    which the coordinator announces on the new store (:mod:`unicron.control.store`)."""
+
+
+@contextlib.contextmanager
+def store_calls() -> Iterator[None]:
+    """Store requests in this block (or function, as a decorator) that fail on the
+    connection raise :class:`StoreLost`; a timeout (``DistStoreError``) passes through."""
+    try:
+        yield
+    except dist.DistNetworkError as exc:
+        raise StoreLost(f"the training store stopped answering ({exc})") from exc
+
+
 class CollectiveError(EpochOver):
     """A collective of this epoch raised (typically: a peer is gone)."""
 
@@ -68,6 +85,7 @@ class EpochWatch:
         self._infos: dict[int, EpochInfo] = {}
         self._announced = False
 
+    @store_calls()
     def latest(self) -> int:
         """The newest epoch announced (0 before the first); one store round trip once known."""
         key = epoch_key(self.task)
@@ -77,6 +95,7 @@ class EpochWatch:
             self._announced = True  # the key is never removed: from now on read it directly
         return int(self.store.get(key))
 
+    @store_calls()
     def info(self, epoch: int) -> EpochInfo:
         if epoch not in self._infos:
             self._infos[epoch] = EpochInfo.from_json(
@@ -84,6 +103,7 @@ class EpochWatch:
             )
         return self._infos[epoch]
 
+    @store_calls()
     def task_over(self) -> bool:
         """The coordinator declared the task done or failed."""
         return bool(self.store.check([done_key(self.task)]))
@@ -265,6 +285,7 @@ class EpochGroup:
         if self.watch.superseded(self.info.epoch, urgent_only=urgent_only):
             raise EpochOver(f"epoch {self.info.epoch} superseded")
 
+    @store_calls()
     def rendezvous(self) -> None:
         """Wait until every member arrived, then build the process group.
 
@@ -514,6 +535,7 @@ class EpochGroup:
             raise CollectiveError(exc) from exc
 
     # -- commit -----------------------------------------------------------------------------
+    @store_calls()
     def vote(self, step: int) -> bool:
         """After a successful reduce: True if every member reduced (apply the update).
 
@@ -548,5 +570,8 @@ class EpochGroup:
         return outcome == b"commit"
 
     def abort(self, step: int) -> None:
-        """This member cannot finish ``step`` in this epoch: make sure nobody commits it."""
-        self.store.compare_set(f"decide/{step}", "", "abort")
+        """This member cannot finish ``step`` in this epoch: make sure nobody commits it
+        (nobody commits through a store that is gone: the next epoch's ledger exchange
+        settles who applied the step, :func:`unicron.runtime.transition.sync`)."""
+        with contextlib.suppress(StoreLost), store_calls():
+            self.store.compare_set(f"decide/{step}", "", "abort")

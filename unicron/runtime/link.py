@@ -12,6 +12,9 @@ round_s`: when its next exchange or timed check is due) and is woken sooner by i
 after a message that is not :func:`~unicron.protocol.quiet` (an error, an epoch
 entered, the worker done) the link sends the doorbell a one-byte datagram. A step's reports,
 a dozen per step from a node's workers, so wake no one (docs/cluster.md, The rhythm).
+
+One question goes the other way: a worker whose training store stopped answering asks where
+it serves now (:meth:`AgentLink.where_store`), and the agent answers on the same connection.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from unicron.protocol import (
     ENV_SLOT,
     Hello,
     LocalMessage,
+    StoreAt,
+    WhereStore,
+    decode,
     encode,
     host_port,
     quiet,
@@ -63,6 +69,21 @@ class AgentLink:
                 ringer, doorbell = self._bell
                 with contextlib.suppress(OSError):
                     ringer.sendto(b"!", doorbell)
+
+    def where_store(self, timeout_s: float = 1.0) -> str | None:
+        """The training store's ``host:port`` as the agent last heard it from the
+        coordinator (:class:`~unicron.protocol.WhereStore`, asked when the store stopped
+        answering); ``None`` without an agent or an answer within ``timeout_s``."""
+        self.send(WhereStore())  # not quiet: the doorbell wakes the agent's round for it
+        with self._lock:
+            try:
+                while self._conn is not None and self._conn.poll(timeout_s):
+                    answer = decode(self._conn.recv())
+                    if isinstance(answer, StoreAt):
+                        return answer.address
+            except (OSError, EOFError, ValueError):
+                self._conn = None
+        return None
 
 
 _link: AgentLink | None = None

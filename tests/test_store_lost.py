@@ -1,0 +1,171 @@
+"""The training store lost while its task trains: started again, and the task goes on.
+
+The store (:mod:`unicron.control.store`) holds what workers coordinate through (epochs,
+rendezvous, commit votes); its death used to end every task. Now the cluster's ticker sees it
+gone and starts a new one (on the same port where it is free), the coordinator writes there
+again what the workers read and announces its members in a new epoch, and each worker, which
+left its epoch when the store stopped answering, asks its agent where the store serves now.
+Unit level: the coordinator's decision, its executor when the store fails, the probe a worker
+asks before it connects. End to end: ``unicron run`` whose store is killed twice (once found
+on its port again, once moved to another because its port was taken) ends with the
+fault-free run's parameters, bit for bit, reusing the interrupted steps' micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tests.conftest import ROOT, TRAIN, RunResult
+from tests.test_decide import names, running
+from unicron.control import messages as M
+from unicron.control import store as S
+from unicron.control.effects import AnnounceEpoch, WriteStoreKey
+from unicron.control.events import read_events
+from unicron.control.storeserver import capability
+from unicron.detect.classify import verdict_for_kind
+from unicron.protocol import EpochInfo, epoch_key, store_answers, trained_key
+
+STEPS = 24  # the shape of tests.conftest.fault_free_4x24
+
+
+def test_a_new_store_gets_the_tasks_keys_and_its_members_in_a_new_epoch(tmp_path: Path) -> None:
+    c = running(tmp_path)
+    c.exchange(0, [M.Event(ts=1.0, name="step_end", fields={"epoch": 1, "step": 0})], 1.0)
+    new = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{new.port}"
+    with c._collecting() as effects:
+        c.store_moved((new, address), 2.0, "the store at X is gone")
+    assert names(effects) == ["control_plane", "WriteStoreKey", "plan", "AnnounceEpoch",
+                              "epoch_begin"]  # fmt: skip
+    assert effects[1] == WriteStoreKey(trained_key("t"), "1")
+    assert effects[3] == AnnounceEpoch(
+        "t", EpochInfo(2, (0, 1, 2, 3), (0, 0, 1, 1), urgent=True, published_ts=2.0)
+    )
+    c.executor.run(effects)
+    assert new.get(epoch_key("t")) == b"2" and new.check([trained_key("t")])
+    assert c.store_address == address
+
+
+def test_a_store_that_stopped_answering_drops_writes_and_says_so(tmp_path: Path) -> None:
+    info, proc = S.start(tmp_path, "127.0.0.1", die_with_us=True)
+    c = running(tmp_path)
+    key = capability(S.secret_of(tmp_path), "t")
+    c.store_moved((S.client(info.address, key), info.address), 1.0, "a test")  # epoch 2
+    proc.kill()
+    proc.wait()
+    crash = M.WorkerFailed(slot=1, ts=2.0, verdict=verdict_for_kind("segfault"))
+    c.exchange(0, [crash], 2.0)  # epoch 3's announcement fails on the connection
+    assert c.executor.store_failed and c.epoch == 3
+    control = [e["what"] for e in c.events.events() if e["event"] == "control_plane"]
+    assert not any("could not apply" in what for what in control), control
+
+
+def test_the_probe_tells_a_store_from_a_silent_listener_and_a_closed_port(tmp_path: Path) -> None:
+    info, proc = S.start(tmp_path, "127.0.0.1", die_with_us=True)
+    torchs = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    silent = socket.create_server(("127.0.0.1", 0))
+    try:
+        assert store_answers(info.address, 1.0)
+        assert store_answers(f"127.0.0.1:{torchs.port}", 1.0)
+        began = time.monotonic()
+        assert not store_answers(f"127.0.0.1:{silent.getsockname()[1]}", 0.3)
+        assert time.monotonic() - began < 3.0  # bounded, where torch's client waits for ever
+        proc.kill()
+        proc.wait()
+        assert not store_answers(info.address, 1.0)
+    finally:
+        silent.close()
+        if proc.poll() is None:
+            proc.kill()
+
+
+# -- end to end ---------------------------------------------------------------------------------
+def _store_of(run: subprocess.Popen[str]) -> tuple[int, int]:
+    """The pid and port of ``unicron run``'s store (its child)."""
+    found = subprocess.run(["pgrep", "-P", str(run.pid), "-f", "unicron.control.store"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    pid = int(found.stdout.split()[0])
+    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    for line in listening.splitlines():
+        if f"pid={pid}," in line:
+            found = re.search(r":(\d+)\s", line)
+            assert found is not None, line
+            return pid, int(found.group(1))
+    raise AssertionError(f"store {pid} listens nowhere")
+
+
+def _wait_for_step(run: subprocess.Popen[str], events: Path, step: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and run.poll() is None:
+        if events.exists() and any(
+            e["event"] == "step_end" and e["step"] >= step for e in read_events(events)
+        ):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} never committed")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_a_run_whose_store_is_killed_twice_ends_bitwise_as_the_fault_free_run(
+    tmp_path: Path, fault_free_4x24: RunResult
+) -> None:
+    clean = fault_free_4x24
+    d = tmp_path / "killed"
+    d.mkdir()
+    events = d / "events.jsonl"
+    cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", "4", "--quiet",
+           "--events", str(events), "--log-dir", str(d / "logs"), str(TRAIN),
+           "--steps", str(STEPS), "--out", str(d / "out")]  # fmt: skip
+    run = subprocess.Popen(cmd, cwd=d, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    squat: socket.socket | None = None
+    try:
+        _wait_for_step(run, events, 6)
+        pid, port = _store_of(run)
+        os.kill(pid, signal.SIGKILL)  # found again on its port
+        _wait_for_step(run, events, 14)
+        pid, port = _store_of(run)
+        # the second time its port is taken (by a listener that never answers) before the
+        # run can start a new store there: the store moves, and the workers ask where to
+        os.kill(run.pid, signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+            squat = socket.create_server(("127.0.0.1", port))
+        finally:
+            os.kill(run.pid, signal.SIGCONT)
+        _, stderr = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+        if squat is not None:
+            squat.close()
+    r = RunResult(run.returncode, read_events(events), stderr, d / "out")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.task_end["steps"] == STEPS
+    assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    lost = [e["what"] for e in r.of("control_plane") if "store was lost" in e["what"]]
+    assert len(lost) == 2, lost
+    first, second = (re.findall(r"127\.0\.0\.1:(\d+)", what) for what in lost)
+    assert first[0] == first[1] and second[0] != second[1], lost  # same port, then another
+    moved = [e for e in r.of("epoch_begin") if e["reason"] == "the training store moved"]
+    assert len(moved) == 2 and all(e["urgent"] for e in moved)
+    ends = [e for e in r.of("transition_end") if e["epoch"] in {m["epoch"] for m in moved}]
+    # a vote the store took with it may have been learned by some members only: they hold
+    # the step, the others receive it from them (peer_node); never from a checkpoint
+    assert len(ends) == 2, ends
+    assert {e["state_source"] for e in ends} <= {"local", "peer_node"}, ends
+    # nothing was counted as a worker's failure: no restart, no exclusion
+    assert not r.of("error_detected") and not r.of("action"), r.of("error_detected")
