@@ -6,13 +6,15 @@ gone and starts a new one (on the same port where it is free), the coordinator w
 again what the workers read and announces its members in a new epoch, and each worker, which
 left its epoch when the store stopped answering, asks its agent where the store serves now.
 Unit level: the coordinator's decision, its executor when the store fails, the probe a worker
-asks before it connects. End to end: ``unicron run`` whose store is killed twice (once found
-on its port again, once moved to another because its port was taken) ends with the
-fault-free run's parameters, bit for bit, reusing the interrupted steps' micro-batches.
+asks before it connects, a request that gets no answer. End to end: ``unicron run`` whose
+store is lost three times (killed and found on its port again; killed with its port taken,
+so that it moves to another; stopped, alive but answering nothing) ends with the fault-free
+run's parameters, bit for bit.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 import signal
@@ -34,6 +36,7 @@ from unicron.control.events import read_events
 from unicron.control.storeserver import capability
 from unicron.detect.classify import verdict_for_kind
 from unicron.protocol import EpochInfo, epoch_key, store_answers, trained_key
+from unicron.runtime.bounded import BoundedStore, StoreTimeout
 
 STEPS = 24  # the shape of tests.conftest.fault_free_4x24
 
@@ -89,6 +92,29 @@ def test_the_probe_tells_a_store_from_a_silent_listener_and_a_closed_port(tmp_pa
             proc.kill()
 
 
+def test_a_request_the_store_never_answers_ends_in_its_bound(tmp_path: Path) -> None:
+    info, proc = S.start(tmp_path, "127.0.0.1", die_with_us=True)
+    key = capability(S.secret_of(tmp_path), "t")
+    try:
+        bounded = BoundedStore(S.client(info.address, key), limit_s=0.5)
+        epoch = bounded.prefixed("t/3")
+        epoch.set("vote/1", "1")  # as torch's PrefixStore names it
+        assert S.client(info.address, key).get("t/3/vote/1") == b"1"
+        with pytest.raises(dist.DistStoreError):  # a wait that times out is no loss
+            epoch.wait(["decide/1"], dt.timedelta(seconds=0.2))
+        assert epoch.add("vote/1", 1) == 2
+        proc.send_signal(signal.SIGSTOP)  # alive, answering nothing
+        began = time.monotonic()
+        with pytest.raises(StoreTimeout):
+            bounded.check(["t/epoch"])
+        assert 0.4 < time.monotonic() - began < 5.0
+        with pytest.raises(dist.DistNetworkError):  # given up: at once from now on
+            epoch.get("vote/1")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # -- end to end ---------------------------------------------------------------------------------
 def _store_of(run: subprocess.Popen[str]) -> tuple[int, int]:
     """The pid and port of ``unicron run``'s store (its child)."""
@@ -117,7 +143,7 @@ def _wait_for_step(run: subprocess.Popen[str], events: Path, step: int) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_a_run_whose_store_is_killed_twice_ends_bitwise_as_the_fault_free_run(
+def test_a_run_whose_store_is_lost_three_times_ends_bitwise_as_the_fault_free_run(
     tmp_path: Path, fault_free_4x24: RunResult
 ) -> None:
     clean = fault_free_4x24
@@ -145,6 +171,10 @@ def test_a_run_whose_store_is_killed_twice_ends_bitwise_as_the_fault_free_run(
             squat = socket.create_server(("127.0.0.1", port))
         finally:
             os.kill(run.pid, signal.SIGCONT)
+        # the third time it hangs (stopped): its process lives, it answers nothing
+        _wait_for_step(run, events, 20)
+        pid, _ = _store_of(run)
+        os.kill(pid, signal.SIGSTOP)
         _, stderr = run.communicate(timeout=240)
     finally:
         if run.poll() is None:
@@ -157,15 +187,16 @@ def test_a_run_whose_store_is_killed_twice_ends_bitwise_as_the_fault_free_run(
     assert r.task_end["steps"] == STEPS
     assert r.task_end["params_sha256"] == clean.task_end["params_sha256"]
     lost = [e["what"] for e in r.of("control_plane") if "store was lost" in e["what"]]
-    assert len(lost) == 2, lost
-    first, second = (re.findall(r"127\.0\.0\.1:(\d+)", what) for what in lost)
+    assert len(lost) == 3, lost
+    first, second, _ = (re.findall(r"127\.0\.0\.1:(\d+)", what) for what in lost)
     assert first[0] == first[1] and second[0] != second[1], lost  # same port, then another
+    assert "its process ended" in lost[0] and "did not answer a ping" in lost[2], lost
     moved = [e for e in r.of("epoch_begin") if e["reason"] == "the training store moved"]
-    assert len(moved) == 2 and all(e["urgent"] for e in moved)
+    assert len(moved) == 3 and all(e["urgent"] for e in moved)
     ends = [e for e in r.of("transition_end") if e["epoch"] in {m["epoch"] for m in moved}]
     # a vote the store took with it may have been learned by some members only: they hold
     # the step, the others receive it from them (peer_node); never from a checkpoint
-    assert len(ends) == 2, ends
+    assert len(ends) == 3, ends
     assert {e["state_source"] for e in ends} <= {"local", "peer_node"}, ends
     # nothing was counted as a worker's failure: no restart, no exclusion
     assert not r.of("error_detected") and not r.of("action"), r.of("error_detected")

@@ -57,6 +57,7 @@ from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
 from unicron.runtime import replica, transition
+from unicron.runtime.bounded import BoundedStore
 from unicron.runtime.context import (
     WorkerContext,
     default_collate,
@@ -262,7 +263,7 @@ STORE_RETRY_S = 0.1
 """how often a worker whose store is gone asks its agent where it serves now"""
 
 
-def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, dist.Store]:
+def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, BoundedStore]:
     """The training store stopped answering (:class:`~unicron.runtime.group.StoreLost`):
     ask the agent where it serves now until a connection there answers, and return the
     context with that address and the connection. The cluster starts a lost store again
@@ -276,7 +277,7 @@ def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, dis
         moved = dataclasses.replace(ctx, store_host=host, store_port=port)
         try:
             if store_answers(address, 1.0):
-                store = _store_client(moved, connect_s=1.0)
+                store = BoundedStore(_store_client(moved, connect_s=1.0))
                 store.check([trained_key(ctx.task)])
                 return moved, store
         except (RuntimeError, ValueError):  # DistNetworkError: gone again
@@ -336,7 +337,7 @@ class _Runner:
         self.faults = FaultPlan(
             list(self.ctx.faults), emit=self._event, rank=self.ctx.slot, act=self._act
         )
-        self.store = _store_client(self.ctx)
+        self.store = BoundedStore(_store_client(self.ctx))
         # a freshly built model is the task's state only until the first step commits (the
         # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self.store.check([trained_key(self.ctx.task)])

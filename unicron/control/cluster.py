@@ -524,9 +524,10 @@ class Cluster:
         """Start the store again if it was lost (its process gone, or a coordinator's request
         failed on the connection), and hand the new one to every running task."""
         failed = any(t.controller.executor.store_failed for t in active if t.controller)
-        if not (self.store.lost() or failed):
+        gone = "a request of a coordinator failed" if failed else self.store.lost()
+        if not gone:
             return
-        why = f"the store at {self.store.info.address} " + ("failed" if failed else "is gone")
+        why = f"the store at {self.store.info.address} is gone ({gone})"
         log.warning("%s: starting a new one", why)
         self.store.restart()
         for task in active:

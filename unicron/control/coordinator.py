@@ -71,6 +71,7 @@ from unicron.detect.classify import Verdict
 from unicron.detect.monitor import StepMonitor
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, trained_key, usage_key
 from unicron.runtime.checkpoint import has_checkpoint
+from unicron.runtime.group import ControlStore
 
 __all__ = [
     "FAST_EXCHANGE_S",
@@ -111,7 +112,7 @@ class Coordinator:
         settings: CoordinatorSettings,
         monitor: StepMonitor | None = None,
         host: str = "127.0.0.1",
-        store: tuple[dist.Store, str] | None = None,
+        store: tuple[ControlStore, str] | None = None,
         label: str | None = None,
     ) -> None:
         self.events = events
@@ -128,7 +129,7 @@ class Coordinator:
         self._lock = threading.RLock()
         self._input_checked = -math.inf  # when check_input last read the store
         if store is None:  # a store of its own, served from this process
-            self.store: dist.Store = dist.TCPStore(
+            self.store: ControlStore = dist.TCPStore(
                 host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
             )
             self.store_address = f"{host}:{self.store.port}"
@@ -535,7 +536,7 @@ class Coordinator:
                 return
             membership.fail(b, reason, now, usage=True)
 
-    def store_moved(self, store: tuple[dist.Store, str], now: float, why: str) -> None:
+    def store_moved(self, store: tuple[ControlStore, str], now: float, why: str) -> None:
         """The cluster's store was lost (``why``) and a new one serves at ``store``'s address:
         write there again what the workers read (:func:`membership.store_moved`). Called by
         the cluster's ticker (:meth:`unicron.control.cluster.Cluster.tick`)."""

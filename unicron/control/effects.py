@@ -23,6 +23,7 @@ import torch.distributed as dist
 from unicron.control.events import EventLog
 from unicron.control.messages import AgentAction
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
+from unicron.runtime.group import ControlStore
 
 log = logging.getLogger("unicron.control.effects")
 
@@ -69,9 +70,9 @@ class Executor:
     """Carries out effects on the task's store, its event log and its agents' queues."""
 
     def __init__(
-        self, *, store: dist.Store, events: EventLog, outbox: dict[int, deque[AgentAction]]
+        self, *, store: ControlStore, events: EventLog, outbox: dict[int, deque[AgentAction]]
     ) -> None:
-        self.store: dist.Store | None = store
+        self.store: ControlStore | None = store
         self.events = events
         self.outbox = outbox
         self.store_failed = False

@@ -47,7 +47,8 @@ from typing import Any
 from unicron.control import storeserver
 from unicron.control.credentials import write_private
 from unicron.control.storeserver import capability
-from unicron.protocol import host_port
+from unicron.protocol import host_port, store_answers
+from unicron.runtime.bounded import BoundedStore
 
 RECORD = "store.json"
 """in the state directory: the store's host, port and process id"""
@@ -55,6 +56,10 @@ STARTING = "store.starting.json"
 """... as a store just started wrote it (:func:`start`), before :func:`ensure` records it"""
 SECRET = "store.secret"
 """in the state directory: the secret the store's capabilities are made from (0600)"""
+PING_S = 1.0
+"""how often the cluster's ticker pings its store (:meth:`Keeper.lost`)"""
+PING_LIMIT_S = 2.0
+"""a ping unanswered for this long: the store is lost (an answer takes ~0.1 ms here)"""
 PING_UID = "unicron"
 """the key space :func:`ensure` asks a recorded store about before adopting it"""
 
@@ -200,23 +205,37 @@ class Keeper:
         else:
             self.info, self.adopted = ensure(state_dir, host)
         self.secret = secret_of(state_dir)
+        self._pinged = time.monotonic()
 
-    def lost(self) -> bool:
-        """Whether the store's process is gone (a system call, no request)."""
-        if self.proc is not None:
-            return self.proc.poll() is not None
-        return not alive(self.info)
+    def lost(self) -> str:
+        """Why the store is gone ("" while it is not): its process ended (asked every call, a
+        system call), or it did not answer a ping within :data:`PING_LIMIT_S` (asked every
+        :data:`PING_S`: a process alive but stopped or hung)."""
+        if (self.proc.poll() is not None) if self.proc is not None else not alive(self.info):
+            return "its process ended"
+        if time.monotonic() - self._pinged < PING_S:
+            return ""
+        self._pinged = time.monotonic()
+        if store_answers(self.info.address, PING_LIMIT_S):
+            return ""
+        return f"it did not answer a ping within {PING_LIMIT_S:g} s"
 
     def restart(self) -> StoreInfo:
         """A new store on the lost one's port where it is free, recorded as :func:`ensure`
         records one; the lost one reaped if it was this process's child."""
-        if self.proc is None:
+        if self.proc is None:  # alive but not answering: gone for good, its port freed
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.info.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 2.0
+            while alive(self.info) and time.monotonic() < deadline:
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(self.info.pid, os.WNOHANG)  # ours: reaped
+                time.sleep(0.01)
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(self.info.pid, os.WNOHANG)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.info.pid, signal.SIGKILL)  # alive but not answering: gone for good
-        elif self.proc.poll() is None:
+        else:
             self.proc.kill()
+            self.proc.wait(timeout=5.0)
         info, proc = start(self.state_dir, self.host, die_with_us=self.embedded,
                            port=self.info.port)  # fmt: skip
         if self.embedded:
@@ -226,10 +245,11 @@ class Keeper:
         self.info = info
         return info
 
-    def client(self, uid: str) -> tuple[Any, str]:
-        """A connection for task ``uid`` (its capability on every key) and the address."""
+    def client(self, uid: str) -> tuple[BoundedStore, str]:
+        """A connection for task ``uid``'s coordinator (its capability on every key; every
+        request bounded: :mod:`unicron.runtime.bounded`) and the address."""
         address = self.info.address
-        return client(address, capability(self.secret, uid)), address
+        return BoundedStore(client(address, capability(self.secret, uid))), address
 
     def close(self, *, stop_store: bool) -> None:
         """``unicron run``'s store ends with it; a cluster's only with ``stop_store``."""

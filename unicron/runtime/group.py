@@ -32,6 +32,11 @@ import torch
 import torch.distributed as dist
 
 from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, epoch_prefix
+from unicron.runtime.bounded import BoundedStore
+
+ControlStore = dist.Store | BoundedStore
+"""a worker's control connection to the store (:class:`BoundedStore`; a plain c10d store in
+tests and tools)"""
 
 
 def _threads() -> set[int]:
@@ -61,7 +66,9 @@ class StoreLost(EpochOver):
 @contextlib.contextmanager
 def store_calls() -> Iterator[None]:
     """Store requests in this block (or function, as a decorator) that fail on the
-    connection raise :class:`StoreLost`; a timeout (``DistStoreError``) passes through."""
+    connection, or get no answer in their bound (:class:`~unicron.runtime.bounded.
+    StoreTimeout`), raise :class:`StoreLost`; a ``wait`` that times out (``DistStoreError``)
+    passes through."""
     try:
         yield
     except dist.DistNetworkError as exc:
@@ -76,10 +83,17 @@ class CollectiveError(EpochOver):
         self.cause = cause
 
 
+def _c10d(store: ControlStore) -> Callable[[], dist.Store]:
+    """gloo's connection when the caller gives none: ``store`` itself, a c10d store (a
+    :class:`BoundedStore` is not one: the worker hands the group a factory of its own)."""
+    assert not isinstance(store, BoundedStore), "gloo needs a c10d store: pass pg_store"
+    return lambda: store
+
+
 class EpochWatch:
     """Reads the task's epoch announcements from the store, caching what it has seen."""
 
-    def __init__(self, store: dist.Store, task: str) -> None:
+    def __init__(self, store: ControlStore, task: str) -> None:
         self.store = store
         self.task = task
         self._infos: dict[int, EpochInfo] = {}
@@ -243,7 +257,7 @@ class EpochGroup:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: ControlStore,
         watch: EpochWatch,
         info: EpochInfo,
         rank: int,
@@ -264,12 +278,17 @@ class EpochGroup:
         self.watch = watch
         self.slice = dt.timedelta(seconds=slice_s)
         self.timeout_s = timeout_s
-        self.store = dist.PrefixStore(epoch_prefix(watch.task, info.epoch), store)
+        prefix = epoch_prefix(watch.task, info.epoch)
+        self.store: ControlStore = (
+            store.prefixed(prefix)
+            if isinstance(store, BoundedStore)
+            else dist.PrefixStore(prefix, store)
+        )
         self._base = store
         self.latest_seen: int | None = None
         """the newest epoch announced, as read with the last vote's outcome (its step's
         boundary check needs no round trip of its own); None before a vote"""
-        self._pg_store = pg_store or (lambda: store)
+        self._pg_store = pg_store or _c10d(store)
         self.pg: Any = None
         self._left = False
         self._threads: set[int] = set()  # gloo: the threads its construction started
