@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak soak-parallel soak-relayout soak-zero test-long clean
+.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak soak-parallel soak-relayout soak-zero soak-store test-long clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -122,6 +122,10 @@ soak-relayout: $(STAMP)
 
 soak-zero: $(STAMP)
 	$(BIN)/python -m bench.chaos --zero
+
+# the same with the training store's process killed among the faults (kill -9 by the driver)
+soak-store: $(STAMP)
+	$(BIN)/python -m bench.chaos --store
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -13,6 +13,9 @@ slots and the planner moves them.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -129,6 +132,33 @@ def test_coordinator_killed_and_restarted(cluster: LocalCluster, reference: str)
     assert back["epoch"] == before  # adopted as it ran: the same membership, nobody restarted
     check_steps(events)
     assert len(of(events, "task_end")) == 1
+    assert view["outcome"]["params_sha256"] == reference
+
+
+@pytest.mark.long
+def test_coordinator_and_store_killed_and_the_task_goes_on_through_a_new_store(
+    cluster: LocalCluster, reference: str
+) -> None:
+    """Both gone at once (a coordinator's container restarted, its host's processes killed):
+    the restarted coordinator starts a new store, announces the last logged membership again
+    there, and the workers, which lost the store, find the new one through their agents."""
+    cluster.submit(task("both"))
+    cluster.wait_task("both", lambda v: v["step"] >= 8)
+    record = json.loads((cluster.state_dir / "store.json").read_text())
+    cluster.kill_coordinator()
+    os.kill(record["pid"], signal.SIGKILL)
+    killed = time.time()
+    time.sleep(1.0)
+    cluster.start_coordinator()
+    view = cluster.wait_task("both")
+    assert view["state"] == "done", view
+    events = cluster.events("both")
+    what = [e["what"] for e in of(events, "control_plane") if e["ts"] > killed]
+    assert any("adopted" in w for w in what) and any("store was lost" in w for w in what), what
+    moved = [e for e in of(events, "epoch_begin") if e["reason"] == "the training store moved"]
+    assert len(moved) == 1 and moved[0]["ts"] > killed
+    assert not [e for e in of(events, "action") if e["ts"] > killed]  # nobody restarted
+    check_steps(events)
     assert view["outcome"]["params_sha256"] == reference
 
 

@@ -414,6 +414,7 @@ def _enterable_by_all(paths: list[Path]) -> Iterator[None]:
             d.chmod(mode)
 
 
+@pytest.mark.long  # ~12 s; the account switch's parts are tested in test_agent.py
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching accounts needs root")
 def test_an_agent_run_as_root_runs_its_workers_as_the_unprivileged_account(
     tmp_path: Path,

@@ -31,11 +31,15 @@ from tests.conftest import ROOT, TRAIN, RunResult
 from tests.test_decide import names, running
 from unicron.control import messages as M
 from unicron.control import store as S
+from unicron.control.coordinator import Coordinator, CoordinatorSettings
 from unicron.control.effects import AnnounceEpoch, WriteStoreKey
-from unicron.control.events import read_events
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.control.events import EventLog, read_events
+from unicron.control.planning import logged_epoch
+from unicron.control.state import TaskRow, open_state
 from unicron.control.storeserver import capability
 from unicron.detect.classify import verdict_for_kind
-from unicron.protocol import EpochInfo, epoch_key, store_answers, trained_key
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, store_answers, trained_key
 from unicron.runtime.bounded import BoundedStore, StoreTimeout
 
 STEPS = 24  # the shape of tests.conftest.fault_free_4x24
@@ -57,6 +61,32 @@ def test_a_new_store_gets_the_tasks_keys_and_its_members_in_a_new_epoch(tmp_path
     c.executor.run(effects)
     assert new.get(epoch_key("t")) == b"2" and new.check([trained_key("t")])
     assert c.store_address == address
+
+
+def test_a_coordinator_restarted_without_its_store_announces_the_logged_epoch_again(
+    tmp_path: Path,
+) -> None:
+    state = open_state(tmp_path / "state")
+    row = TaskRow(name="t", uid="t", spec={}, state="running", submitted_ts=0.0,
+                  placement=[0, 0, 1, 1])  # fmt: skip
+    for epoch, members in ((4, [0, 1, 2, 3]), (5, [0, 2, 3])):
+        state.add_event("t", {"ts": float(epoch), "event": "epoch_begin", "epoch": epoch,
+                              "members": members, "urgent": True, "reason": "x"})  # fmt: skip
+        state.add_event("t", {"ts": float(epoch), "event": "step_end", "step": epoch})
+    logged = logged_epoch(state, row)
+    assert logged == EpochInfo(5, (0, 2, 3), (0, 1, 1), urgent=True, published_ts=5.0)
+    c = Coordinator(
+        task="t",
+        slots={0: 0, 1: 0, 2: 1, 3: 1},
+        events=EventLog(),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(),
+    )  # a store of its own: nothing in it
+    c.adopt(9.0, committed_step=5, logged=logged)
+    assert (c.epoch, c.members) == (6, (0, 2, 3))
+    assert c.store.get(epoch_key("t")) == b"6" and c.store.check([trained_key("t")])
+    assert EpochInfo.from_json(c.store.get(epoch_info_key("t", 6))).urgent
+    state.close()
 
 
 def test_a_store_that_stopped_answering_drops_writes_and_says_so(tmp_path: Path) -> None:

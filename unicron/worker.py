@@ -459,22 +459,27 @@ class _Runner:
     def _leave(self, exc: EpochOver, epoch: int) -> None:
         """Leave the current epoch's group; a failed collective is reported to the agent,
         unless the store is gone (gloo's connections are made through it): then, as for any
-        :class:`StoreLost`, find the store again (:func:`_find_store`)."""
+        :class:`StoreLost`, find the store again (:func:`_find_store`). A store found again
+        that still holds this epoch was lost to this worker alone (a request past its bound
+        on a machine slowed to a crawl): reported like a failed collective, so that the
+        coordinator gives the members a new epoch (the others wait in this one)."""
         self.groups[-1].leave()
         if isinstance(exc, CollectiveError) and self._store_gone():
             exc = StoreLost(str(exc))
         if isinstance(exc, StoreLost):
             self._reconnect()
+            try:  # a new store holds the next epoch (or none yet), never this one
+                if self.watch.latest() != epoch:
+                    return
+            except StoreLost:
+                return
+            cause: BaseException = exc
         elif isinstance(exc, CollectiveError):
-            self.link.send(
-                P.Error(
-                    type_name=type(exc.cause).__name__,
-                    message=str(exc.cause),
-                    in_band=True,
-                    step=self.step,
-                    epoch=epoch,
-                )
-            )
+            cause = exc.cause
+        else:
+            return
+        self.link.send(P.Error(type_name=type(cause).__name__, message=str(cause),
+                               in_band=True, step=self.step, epoch=epoch))  # fmt: skip
 
     def _finish(self, epoch: int, last_loss: float) -> None:
         self.grads.stop()

@@ -45,6 +45,7 @@ from unicron.control.planning import (
     checkpoint_dir,
     coordinator_settings,
     fold,
+    logged_epoch,
     name_node,
     plan_event,
     task_end,
@@ -127,9 +128,6 @@ class Cluster:
             task = Task(row, TaskSpec.model_validate(row.spec))
             self.tasks[row.name] = self._by_uid[row.uid] = task
             if row.state in ACTIVE:
-                if not self.store.adopted:  # the store and every worker's epochs went with it
-                    self._end(task, "failed", "the cluster's store was lost", now)
-                    continue
                 self._start(task, now, adopt=True)
         self.state.set_meta("alive_ts", repr(now))
         self._alive_written = now
@@ -453,8 +451,9 @@ class Cluster:
             monitor=StepMonitor(MonitorSettings()),
             store=self.store.client(row.uid),
         )
-        if adopt:
-            task.controller.adopt(now, committed_step=row.committed_step)
+        if adopt:  # the store's epochs, or the log's last one announced again on a new store
+            logged = None if self.store.adopted else logged_epoch(self.state, row)
+            task.controller.adopt(now, committed_step=row.committed_step, logged=logged)
             task.events.emit(
                 "control_plane",
                 ts=now,

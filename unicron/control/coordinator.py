@@ -501,19 +501,24 @@ class Coordinator:
             if b.state is TaskState.WAITING:
                 membership.check_give_up(b, now)
 
-    def adopt(self, now: float, *, committed_step: int = -1) -> None:
+    def adopt(self, now: float, *, committed_step: int = -1, logged: EpochInfo | None = None
+              ) -> None:  # fmt: skip
         """Take over the task as its workers left it when the previous coordinator died: the
-        current epoch and members from the store (which outlived it), every slot presumed alive
-        until its agent's :class:`~unicron.control.messages.Census` says otherwise, every node
-        heard from now (its agent reconnects within its backoff). Called once, before the
-        first exchange, by the cluster service for each task it finds running in its state."""
+        current epoch and members from the store (which outlived it) or, from a new store,
+        the ``logged`` one (the event log's last), announced again there
+        (:func:`membership.store_moved`); every slot presumed alive until its agent's
+        :class:`~unicron.control.messages.Census` says otherwise, every node heard from now
+        (its agent reconnects within its backoff). Called once, before the first exchange, by
+        the cluster service for each task it finds running in its state."""
         with self._deciding():
-            info, trained = None, False
+            info, trained = logged, committed_step >= 0
             if self.store.check([epoch_key(self.task)]):
                 epoch = int(self.store.get(epoch_key(self.task)).decode())
                 info = EpochInfo.from_json(self.store.get(epoch_info_key(self.task, epoch)))
                 trained = self.store.check([trained_key(self.task)])
             membership.adopt(self.book, now, info, trained=trained, committed=committed_step)
+            if info is not None and info is logged:
+                membership.store_moved(self.book, now, f"a new one serves at {self.store_address}")
 
     def check_input(self, now: float) -> None:
         """Fail the task with exit 2 if a worker found its input unusable (a checkpoint of

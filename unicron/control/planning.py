@@ -23,12 +23,12 @@ from unicron.control import allocation as A
 from unicron.control import replicas
 from unicron.control.coordinator import Coordinator, CoordinatorSettings
 from unicron.control.events import EventLog
-from unicron.control.state import ACTIVE, ENDED, NodeRow, TaskRow
+from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow
 from unicron.control.storeserver import capability
 from unicron.control.taskspec import TaskSpec
 from unicron.planner.hardware import GPU_PRESETS
 from unicron.planner.solver import expected_time_to_failure_s
-from unicron.protocol import WorkerSettings
+from unicron.protocol import EpochInfo, WorkerSettings
 
 __all__ = [
     "TRANSITIONS_KEPT",
@@ -366,6 +366,18 @@ def writer_of(spec: TaskSpec, tasks: Iterable[Task], state_dir: Path) -> Task | 
         if live and theirs is not None and theirs.resolve() == mine:
             return t
     return None
+
+
+def logged_epoch(state: State, row: TaskRow) -> EpochInfo | None:
+    """The task's last epoch as its event log records it (``epoch_begin``; ``None``: none
+    logged): what a coordinator that restarted without its store announces again, on the
+    new one (:meth:`Coordinator.adopt`). Called by the cluster service at start-up."""
+    e = state.last_event(row.name, "epoch_begin")
+    if e is None:
+        return None
+    members = tuple(int(m) for m in e.get("members", ()))
+    nodes = tuple(row.placement[m] for m in members)
+    return EpochInfo(int(e["epoch"]), members, nodes, True, float(e["ts"]), int(e.get("pp", 0)))
 
 
 def task_end(task: Task, status: str, result: dict[str, Any], reason: str, now: float

@@ -210,6 +210,17 @@ class State:
             ).fetchall()
         return [(int(i), json.loads(b)) for i, b in rows]
 
+    def last_event(self, task: str, name: str) -> dict[str, Any] | None:
+        """``task``'s newest event called ``name`` (an ``epoch_begin``: the membership a
+        coordinator restarted without its store announces again), or ``None``."""
+        pattern = f'%"event": {json.dumps(name)}%'
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT body FROM events WHERE task = ? AND body LIKE ? ORDER BY id DESC LIMIT 1",
+                (task, pattern),
+            ).fetchone()
+        return None if row is None else dict(json.loads(row[0]))
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()

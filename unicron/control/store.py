@@ -95,6 +95,8 @@ def secret_of(state_dir: Path) -> bytes:
 
 
 def _answers(info: StoreInfo, secret: bytes) -> bool:
+    if not store_answers(info.address, 2.0):  # torch's client may wait for ever on a listener
+        return False
     try:
         store = client(info.address, capability(secret, PING_UID), 2.0)
         store.check([f"{PING_UID}/ping"])
@@ -154,7 +156,8 @@ def ensure(state_dir: Path, host: str) -> tuple[StoreInfo, bool]:
     found = read_record(state_dir)
     if found is not None and _answers(found, secret_of(state_dir)):
         return found, True
-    info, _ = start(state_dir, host)
+    port = found.port if found is not None and found.host == host else 0  # where workers look
+    info, _ = start(state_dir, host, port=port)
     os.replace(state_dir / STARTING, state_dir / RECORD)
     return info, False
 
