@@ -220,7 +220,9 @@ def test_a_run_whose_store_is_lost_three_times_ends_bitwise_as_the_fault_free_ru
     assert len(lost) == 3, lost
     first, second, _ = (re.findall(r"127\.0\.0\.1:(\d+)", what) for what in lost)
     assert first[0] == first[1] and second[0] != second[1], lost  # same port, then another
-    assert "its process ended" in lost[0] and "did not answer a ping" in lost[2], lost
+    assert "its process ended" in lost[0], lost
+    # a stopped store: the ping finds it, or a coordinator's request that got no answer
+    assert "did not answer a ping" in lost[2] or "a request of a coordinator failed" in lost[2]
     moved = [e for e in r.of("epoch_begin") if e["reason"] == "the training store moved"]
     assert len(moved) == 3 and all(e["urgent"] for e in moved)
     ends = [e for e in r.of("transition_end") if e["epoch"] in {m["epoch"] for m in moved}]

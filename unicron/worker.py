@@ -47,16 +47,15 @@ from unicron.errors import UsageError
 from unicron.parallel import PipelineParallel, TensorParallel, pipeline_parallel, tensor_parallel
 from unicron.protocol import (
     EpochInfo,
-    checkpoint_at_key,
     host_port,
     store_answers,
     trained_key,
 )
+from unicron.runtime import boundary, replica, transition
 from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
 from unicron.runtime import ledger as L
 from unicron.runtime import reduce as R
-from unicron.runtime import replica, transition
 from unicron.runtime.bounded import BoundedStore
 from unicron.runtime.context import (
     WorkerContext,
@@ -620,53 +619,6 @@ class _Runner:
         model.to(self.device)  # in place: the optimizer keeps its parameter objects
         self._adopt(Shard(model, optimizer, pipe))
 
-    def _maybe_checkpoint(self, rank: int) -> EpochOver | None:
-        """Replica 0 checkpoints the committed state when the interval says so: the copy is
-        taken here, at the step boundary; the write runs in the background
-        (:func:`unicron.runtime.checkpoint.at_boundary_of`: every shard at the same steps).
-        A sharded optimizer's shares go to replica 0 first (every member takes part); an
-        epoch that ends meanwhile is returned (the step is committed; no checkpoint)."""
-        if self.ckpt is not None and self.zero is not None:
-            return self._checkpoint_shares(rank)
-        if self.ckpt is not None:
-            C.at_boundary_of(
-                self.ckpt,
-                self.store,
-                checkpoint_at_key(self.ctx.task),
-                rank=rank,
-                size=self.R,
-                model=self.model,
-                optimizer=self.optimizer,
-                step=self.step,
-                world=self.groups[-1].world,
-                now=time.time(),
-                data=self.data.state(),
-            )
-        return None
-
-    def _checkpoint_shares(self, rank: int) -> EpochOver | None:
-        """:meth:`_maybe_checkpoint` with a sharded optimizer: every member learns the
-        checkpoint's step from the store (:func:`unicron.runtime.checkpoint.agreed`), the
-        shares of the state gather at replica 0 (:meth:`unicron.runtime.zero.Zero.gather`),
-        which writes the unsharded files, then forgets what it does not keep."""
-        assert self.ckpt is not None and self.zero is not None and self.dp is not None
-        now, data = time.time(), self.data.state()
-        at = C.agreed(self.ckpt, self.store, checkpoint_at_key(self.ctx.task), rank=rank,
-                      model=self.model, optimizer=self.optimizer, step=self.step, now=now,
-                      data=data)  # fmt: skip
-        if not at:
-            return None
-        try:
-            self.zero.gather(self.dp, self.groups[-1], writer=rank < self.R)
-            if rank < self.R:
-                self.ckpt.save(self.model, self.optimizer, step=self.step,
-                               world=self.groups[-1].world, now=now, data=data)  # fmt: skip
-        except EpochOver as exc:
-            return exc
-        finally:
-            self.zero.drop()
-        return None
-
     # -- one attempt at a step ------------------------------------------------------------------
     def _begin(self, g: EpochGroup, todo: list[int]) -> Step:
         """Hand out step ``self.step`` with this member's micro-batches ``todo``; ``_held``
@@ -777,11 +729,7 @@ class _Runner:
         self.grads.clear()
         self.mb.done.clear()
         if cut is None:
-            try:
-                with store_calls():
-                    cut = self._maybe_checkpoint(g.rank)
-            except StoreLost as exc:
-                cut = exc
+            cut = boundary.checkpoint(self, g.rank)
         s.committed = True
         s.broken = cut
         return True

@@ -150,12 +150,9 @@ class Agent:
         store_address: str,
         store_key: str,
     ) -> None:
-        self.config = config
-        self.node = config.node
-        self.link = link
-        self.task = task
-        self.store_address = store_address  # as last assigned (the node's heartbeat sets it)
-        self.store_key = store_key  # the task's capability on the store: its workers'
+        self.config, self.node, self.link, self.task = config, config.node, link, task
+        # the store as last assigned (the node's heartbeat sets it); the task's capability there
+        self.store_address, self.store_key = store_address, store_key
         self.reply = Reply()  # the coordinator's last answer
         self._reports: list[M.Report] = []  # this round's, in order
         self.workers = {s: Worker(s) for s in config.slots}

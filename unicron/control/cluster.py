@@ -32,10 +32,10 @@ from typing import Any
 
 from unicron.control import allocation as A
 from unicron.control import messages as M
-from unicron.control import store as S
 from unicron.control.coordinator import Coordinator, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
+from unicron.control.keeper import Keeper
 from unicron.control.metrics import Metrics
 from unicron.control.nodetable import Conflict, NodeTable, NotFound
 from unicron.control.planning import (
@@ -109,7 +109,7 @@ class Cluster:
         self._events_to: dict[str, Path] = {}
         self.embedded = embedded
         # ``unicron run``'s store lives and dies with this process; a cluster's outlives it
-        self.store = S.Keeper(self.state_dir, host, embedded=embedded)
+        self.store = Keeper(self.state_dir, host, embedded=embedded)
         self._lock = threading.RLock()
         self.started = time.time()
         self.metrics = Metrics(self.state)
@@ -489,7 +489,7 @@ class Cluster:
             for node in self._nodes.mark_silent(now):
                 self._triggers.append(f"node {node.row.name} lost")
             active = [t for t in self.tasks.values() if t.controller is not None]
-        self._keep_store(active, now)
+        keep_store(self.store, active, now)
         for task in active:
             c = task.controller
             assert c is not None
@@ -518,20 +518,6 @@ class Cluster:
         if now - self._alive_written >= 1.0:
             self.state.set_meta("alive_ts", repr(now))
             self._alive_written = now
-
-    def _keep_store(self, active: list[Task], now: float) -> None:
-        """Start the store again if it was lost (its process gone, or a coordinator's request
-        failed on the connection), and hand the new one to every running task."""
-        failed = any(t.controller.executor.store_failed for t in active if t.controller)
-        gone = "a request of a coordinator failed" if failed else self.store.lost()
-        if not gone:
-            return
-        why = f"the store at {self.store.info.address} is gone ({gone})"
-        log.warning("%s: starting a new one", why)
-        self.store.restart()
-        for task in active:
-            if task.controller is not None:
-                task.controller.store_moved(self.store.client(task.row.uid), now, why)
 
     def _finish(self, task: Task, now: float) -> None:
         c = task.controller
@@ -596,3 +582,18 @@ class Cluster:
             tasks = [(t.row.state, t.row.workers if t.row.state in ACTIVE else 0, t.row.name,
                       t.row.committed_step) for t in self.tasks.values()]  # fmt: skip
         return self.metrics.render(tasks)
+
+
+def keep_store(keeper: Keeper, active: list[Task], now: float) -> None:
+    """Start the store again if it was lost (its process gone or silent, or a coordinator's
+    request failed), and hand the new one to every running task (:meth:`Cluster.tick`)."""
+    failed = any(t.controller.executor.store_failed for t in active if t.controller)
+    gone = "a request of a coordinator failed" if failed else keeper.lost()
+    if not gone:
+        return
+    why = f"the store at {keeper.info.address} is gone ({gone})"
+    log.warning("%s: starting a new one", why)
+    keeper.restart()
+    for task in active:
+        if task.controller is not None:
+            task.controller.store_moved(keeper.client(task.row.uid), now, why)

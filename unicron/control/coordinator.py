@@ -128,13 +128,8 @@ class Coordinator:
         self._outbox: dict[int, deque[AgentAction]] = {n: deque() for n in set(slots.values())}
         self._lock = threading.RLock()
         self._input_checked = -math.inf  # when check_input last read the store
-        if store is None:  # a store of its own, served from this process
-            self.store: ControlStore = dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
-            )
-            self.store_address = f"{host}:{self.store.port}"
-        else:  # a client of the cluster's store (:mod:`unicron.control.store`), which outlives us
-            self.store, self.store_address = store
+        # a client of the cluster's store (:mod:`unicron.control.store`), which outlives us
+        self.store, self.store_address = store or _own_store(host)
         self._depth = 0  # decisions in progress (one calls another): the outermost executes
         self.executor = Executor(store=self.store, events=events, outbox=self._outbox)
 
@@ -316,15 +311,8 @@ class Coordinator:
         elif isinstance(r, M.StepBegan):
             self.step_started(r.slot, r.step, r.ts, epoch=r.epoch, cpu_s=r.cpu_s)
         elif isinstance(r, M.StepComputed):
-            self.step_computed(
-                r.slot,
-                r.step,
-                r.ts,
-                compute_s=r.compute_s,
-                microbatches=r.microbatches,
-                cpu_s=r.cpu_s,
-                queued_s=r.queued_s,
-            )
+            self.step_computed(r.slot, r.step, r.ts, compute_s=r.compute_s, cpu_s=r.cpu_s,
+                               microbatches=r.microbatches, queued_s=r.queued_s)  # fmt: skip
         elif isinstance(r, M.WaitingOnReplica):
             with self._lock:
                 health.waiting_on_replica(self.book, r.slot, r.step, r.epoch, r.waiting, r.ts)
@@ -511,11 +499,7 @@ class Coordinator:
         (its agent reconnects within its backoff). Called once, before the first exchange, by
         the cluster service for each task it finds running in its state."""
         with self._deciding():
-            info, trained = logged, committed_step >= 0
-            if self.store.check([epoch_key(self.task)]):
-                epoch = int(self.store.get(epoch_key(self.task)).decode())
-                info = EpochInfo.from_json(self.store.get(epoch_info_key(self.task, epoch)))
-                trained = self.store.check([trained_key(self.task)])
+            info, trained = _stored(self.store, self.task) or (logged, committed_step >= 0)
             membership.adopt(self.book, now, info, trained=trained, committed=committed_step)
             if info is not None and info is logged:
                 membership.store_moved(self.book, now, f"a new one serves at {self.store_address}")
@@ -526,25 +510,21 @@ class Coordinator:
         ticker; the store is read when a worker exited since the last read (such a worker
         exits right after setting the key), else at most every :data:`INPUT_CHECK_S`."""
         with self._deciding():
-            b = self.book
-            if b.state is TaskState.FAILED:
-                return
-            if not b.exited and now - self._input_checked < INPUT_CHECK_S:
+            b, key = self.book, usage_key(self.task)
+            if b.state is TaskState.FAILED or (
+                not b.exited and now - self._input_checked < INPUT_CHECK_S
+            ):
                 return
             self._input_checked, b.exited = now, False
             try:
-                if not self.store.check([usage_key(self.task)]):
-                    return
-                reason = self.store.get(usage_key(self.task)).decode()
+                if self.store.check([key]):
+                    membership.fail(b, self.store.get(key).decode(), now, usage=True)
             except dist.DistNetworkError:  # the store is gone: the cluster starts a new one
                 self.executor.store_failed = True
-                return
-            membership.fail(b, reason, now, usage=True)
 
     def store_moved(self, store: tuple[ControlStore, str], now: float, why: str) -> None:
-        """The cluster's store was lost (``why``) and a new one serves at ``store``'s address:
-        write there again what the workers read (:func:`membership.store_moved`). Called by
-        the cluster's ticker (:meth:`unicron.control.cluster.Cluster.tick`)."""
+        """The cluster's store was lost (``why``), a new one serves at ``store``'s address:
+        write there what the workers read (:func:`membership.store_moved`; the cluster's tick)."""
         with self._deciding():
             self.store, self.store_address = store
             self.executor.store, self.executor.store_failed = self.store, False
@@ -614,3 +594,22 @@ class Coordinator:
         """Stop serving the store (after every worker is gone)."""
         del self.store
         self.executor.close()
+
+
+def _own_store(host: str) -> tuple[ControlStore, str]:
+    """A store served from this process, and its address (a coordinator built without the
+    cluster's: the unit tests)."""
+    store = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=dt.timedelta(seconds=60)
+    )
+    return store, f"{host}:{store.port}"
+
+
+def _stored(store: ControlStore, task: str) -> tuple[EpochInfo, bool] | None:
+    """The current epoch of ``task`` on ``store`` and whether the task has trained (``None``:
+    no epoch there, a new store): what :meth:`Coordinator.adopt` takes over."""
+    if not store.check([epoch_key(task)]):
+        return None
+    epoch = int(store.get(epoch_key(task)).decode())
+    info = EpochInfo.from_json(store.get(epoch_info_key(task, epoch)))
+    return info, store.check([trained_key(task)])

@@ -9,8 +9,8 @@ killed with ``kill -9`` takes the HTTP API and the decisions away, not the train
 The service stops it only on a clean shutdown (:func:`stop`). ``unicron run`` starts one as
 its child (:func:`start` with ``die_with_us``), which dies with it.
 
-A store that dies while the service runs (:func:`alive`, asked every tick, or a request of a
-coordinator that failed on the connection) is started again at once, on the same port where
+A store that dies while the service runs is started again at once
+(:class:`unicron.control.keeper.Keeper`), on the same port where
 it is free, and every running task goes on through it: its coordinator writes there again
 what the workers read and announces a new epoch of the same members
 (:meth:`unicron.control.coordinator.Coordinator.store_moved`); each worker left its epoch
@@ -48,7 +48,6 @@ from unicron.control import storeserver
 from unicron.control.credentials import write_private
 from unicron.control.storeserver import capability
 from unicron.protocol import host_port, store_answers
-from unicron.runtime.bounded import BoundedStore
 
 RECORD = "store.json"
 """in the state directory: the store's host, port and process id"""
@@ -56,10 +55,6 @@ STARTING = "store.starting.json"
 """... as a store just started wrote it (:func:`start`), before :func:`ensure` records it"""
 SECRET = "store.secret"
 """in the state directory: the secret the store's capabilities are made from (0600)"""
-PING_S = 1.0
-"""how often the cluster's ticker pings its store (:meth:`Keeper.lost`)"""
-PING_LIMIT_S = 2.0
-"""a ping unanswered for this long: the store is lost (an answer takes ~0.1 ms here)"""
 PING_UID = "unicron"
 """the key space :func:`ensure` asks a recorded store about before adopting it"""
 
@@ -188,79 +183,6 @@ def stop(state_dir: Path) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(info.pid, signal.SIGTERM)
         (state_dir / RECORD).unlink(missing_ok=True)
-
-
-class Keeper:
-    """The cluster service's store: adopted or started (:func:`ensure`; ``unicron run``'s, its
-    child: :func:`start` with ``die_with_us``), watched (:meth:`lost`) and started again
-    (:meth:`restart`). Held by :class:`unicron.control.cluster.Cluster`, whose ticker asks
-    :meth:`lost` every tick and, when it is, restarts the store and hands the new one to every
-    running task's coordinator."""
-
-    def __init__(self, state_dir: Path, host: str, *, embedded: bool) -> None:
-        self.state_dir, self.host, self.embedded = state_dir, host, embedded
-        self.proc: subprocess.Popen[bytes] | None = None  # ``unicron run``'s child
-        self.adopted = False
-        """the store recorded in the state directory answered (a restarted service): the
-        tasks' epochs are there"""
-        if embedded:
-            self.info, self.proc = start(state_dir, host, die_with_us=True)
-        else:
-            self.info, self.adopted = ensure(state_dir, host)
-        self.secret = secret_of(state_dir)
-        self._pinged = time.monotonic()
-
-    def lost(self) -> str:
-        """Why the store is gone ("" while it is not): its process ended (asked every call, a
-        system call), or it did not answer a ping within :data:`PING_LIMIT_S` (asked every
-        :data:`PING_S`: a process alive but stopped or hung)."""
-        if (self.proc.poll() is not None) if self.proc is not None else not alive(self.info):
-            return "its process ended"
-        if time.monotonic() - self._pinged < PING_S:
-            return ""
-        self._pinged = time.monotonic()
-        if store_answers(self.info.address, PING_LIMIT_S):
-            return ""
-        return f"it did not answer a ping within {PING_LIMIT_S:g} s"
-
-    def restart(self) -> StoreInfo:
-        """A new store on the lost one's port where it is free, recorded as :func:`ensure`
-        records one; the lost one reaped if it was this process's child."""
-        if self.proc is None:  # alive but not answering: gone for good, its port freed
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.info.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 2.0
-            while alive(self.info) and time.monotonic() < deadline:
-                with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitpid(self.info.pid, os.WNOHANG)  # ours: reaped
-                time.sleep(0.01)
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(self.info.pid, os.WNOHANG)
-        else:
-            self.proc.kill()
-            self.proc.wait(timeout=5.0)
-        info, proc = start(self.state_dir, self.host, die_with_us=self.embedded,
-                           port=self.info.port)  # fmt: skip
-        if self.embedded:
-            self.proc = proc
-        else:
-            os.replace(self.state_dir / STARTING, self.state_dir / RECORD)
-        self.info = info
-        return info
-
-    def client(self, uid: str) -> tuple[BoundedStore, str]:
-        """A connection for task ``uid``'s coordinator (its capability on every key; every
-        request bounded: :mod:`unicron.runtime.bounded`) and the address."""
-        address = self.info.address
-        return BoundedStore(client(address, capability(self.secret, uid))), address
-
-    def close(self, *, stop_store: bool) -> None:
-        """``unicron run``'s store ends with it; a cluster's only with ``stop_store``."""
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10.0)
-        elif stop_store:
-            stop(self.state_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

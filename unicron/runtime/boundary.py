@@ -1,0 +1,66 @@
+"""What a worker does at a step boundary after a commit: the persistent checkpoint.
+
+Called by the worker's commit (:meth:`unicron.worker._Runner.commit`) once the step is
+applied, on every member: replica 0 checkpoints the committed state when the interval says
+so (:func:`unicron.runtime.checkpoint.at_boundary_of`: every shard at the same steps); with
+a sharded optimizer every member takes part, since the shares of the state gather at replica
+0 first (:meth:`unicron.runtime.zero.Zero.gather`). The copy is taken here, the write runs in
+the background. An epoch that ends meanwhile, or a store that stops answering, is returned:
+the step is committed all the same, without a checkpoint, and the worker leaves the epoch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from unicron.protocol import checkpoint_at_key
+from unicron.runtime import checkpoint as C
+from unicron.runtime.group import EpochOver, StoreLost, store_calls
+
+if TYPE_CHECKING:
+    from unicron.worker import _Runner
+
+__all__ = ["checkpoint"]
+
+
+def checkpoint(r: _Runner, rank: int) -> EpochOver | None:
+    """Checkpoint the committed state of member ``rank`` if the interval says so; why the
+    epoch ended meanwhile, or ``None``."""
+    if r.ckpt is None:
+        return None
+    try:
+        with store_calls():
+            if r.zero is not None:
+                return _shares(r, rank)
+            C.at_boundary_of(
+                r.ckpt, r.store, checkpoint_at_key(r.ctx.task), rank=rank, size=r.R,
+                model=r.model, optimizer=r.optimizer, step=r.step,
+                world=r.groups[-1].world, now=time.time(), data=r.data.state(),
+            )  # fmt: skip
+    except StoreLost as exc:
+        return exc
+    return None
+
+
+def _shares(r: _Runner, rank: int) -> EpochOver | None:
+    """:func:`checkpoint` with a sharded optimizer: every member learns the checkpoint's step
+    from the store (:func:`unicron.runtime.checkpoint.agreed`), the shares of the state
+    gather at replica 0, which writes the unsharded files, then forgets what it does not
+    keep."""
+    assert r.ckpt is not None and r.zero is not None and r.dp is not None
+    now, data = time.time(), r.data.state()
+    at = C.agreed(r.ckpt, r.store, checkpoint_at_key(r.ctx.task), rank=rank, model=r.model,
+                  optimizer=r.optimizer, step=r.step, now=now, data=data)  # fmt: skip
+    if not at:
+        return None
+    try:
+        r.zero.gather(r.dp, r.groups[-1], writer=rank < r.R)
+        if rank < r.R:
+            r.ckpt.save(r.model, r.optimizer, step=r.step, world=r.groups[-1].world, now=now,
+                        data=data)  # fmt: skip
+    except EpochOver as exc:
+        return exc
+    finally:
+        r.zero.drop()
+    return None
