@@ -12,6 +12,7 @@ from bench.chaos import (
     FIRST_STEP,
     OUT_STEPS,
     OUT_STEPS_DEFAULT,
+    STORE,
     WORKERS,
     measure_faults,
     same_state,
@@ -99,3 +100,20 @@ def test_each_fault_is_measured_to_its_slots_detection_and_the_next_step() -> No
     assert m["by_kind"]["error:ecc"]["detection_s"][0] == 3.01 - 3.0
     assert (m["exclusions"], m["readmissions"], m["restarts"]) == (1, 1, 1)
     assert m["steps_lost"] == 0 and m["median_step_s"] == 0.1
+
+
+def test_store_kills_are_planned_on_no_slot_and_measured_to_the_loss_record() -> None:
+    planned, _ = schedule(60, seed=3, store=True)
+    kills = [p for p in planned if p.kind == STORE]
+    assert len(kills) >= 2 and all(p.rank == -1 and p.spec.startswith("store:") for p in kills)
+    assert STORE not in {p.kind for p in schedule(60, seed=3)[0]}
+    assert scenario_name(5, store=True) == "chaos-store"
+    events = [
+        {"ts": 1.0, "event": "step_end", "rank": 0, "step": 4, "duration_s": 0.1},
+        {"ts": 2.05, "event": "control_plane", "what": "the training store was lost: ..."},
+        {"ts": 2.6, "event": "step_end", "rank": 0, "step": 5, "duration_s": 0.1},
+    ]
+    m = measure_faults(events, store_kills=[2.0, 9.0])  # the second never seen
+    assert (m["fired"], m["undetected"]) == (2, 1)
+    store = m["by_kind"][STORE]
+    assert store["detection_s"] == [2.05 - 2.0] and store["recovery_s"] == [2.6 - 2.0]
