@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-simreal soak soak-parallel soak-relayout soak-zero soak-store test-long clean
+.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-standby bench-simreal soak soak-parallel soak-relayout soak-zero soak-store test-long clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -102,6 +102,11 @@ bench: $(BENCH_STAMP)
 # (bench/cluster; SOAK_S=60 for a shorter soak)
 bench-cluster: $(BENCH_STAMP)
 	$(BIN)/python -m bench.cluster $(if $(SOAK_S),--soak-s $(SOAK_S))
+
+# a standby coordinator taking over from 10 lost leader hosts (etcd: apt-get install
+# etcd-server; root and iproute2 for the namespaces; ~6 min)
+bench-standby: $(BENCH_STAMP)
+	$(BIN)/python -m bench.standby
 
 # one scenario on a real cluster (planner, keep, equal placements; ~12 min) and in the
 # simulator with the constants measured there (bench/simreal.py, docs/simulator.md)

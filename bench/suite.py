@@ -60,8 +60,9 @@ MODULES = {
     "cluster-kill": "bench.cluster.kill",
     "cluster-load": "bench.cluster.load",
     "cluster-node": "bench.cluster.node",
+    "cluster-standby": "bench.standby",
 }
-CLUSTER = ("cluster-kill", "cluster-load", "cluster-node")
+CLUSTER = ("cluster-kill", "cluster-load", "cluster-node", "cluster-standby")
 ORDER = (
     "floor", *TRAINING, "reduce", "scale", "llama", "tp", "relayout", "zero", "store",
     "transfer", "checkpoint", "planner", "simulator", *CLUSTER,

@@ -66,6 +66,13 @@ def token_path(token_file: str | None, state_dir: Path | None = None) -> Path | 
     return state_dir / "token"
 
 
+FAILOVER_CONNECT_S = 1.0
+"""with several coordinator URLs: how long connecting to one may take before the next is
+tried (a leader's host lost does not refuse, it stays silent)"""
+FAILOVER_READ_S = 3.0
+"""... and how long an answer may take (a request in flight when the host was lost)"""
+
+
 class ServiceError(RuntimeError):
     """The service answered 4xx/5xx; ``status`` and its one-line ``detail``."""
 
@@ -81,7 +88,13 @@ class Client:
     ``token_file``: where the token came from; refused once (401), the client reads it again
     and, if it changed (the credential was rotated), retries with the new one: an agent
     goes on through a rotation without a restart. ``verify``: for an ``https`` URL, the CA
-    bundle to check the coordinator's certificate against (``None``: the system's)."""
+    bundle to check the coordinator's certificate against (``None``: the system's).
+
+    ``url`` may name several coordinators, comma-separated (a leader and its standbys,
+    docs/cluster.md, A standby coordinator): a request that cannot reach the one in use is
+    made once more to the next (a standby does not listen until it leads), and the client
+    stays with whichever answered; connecting to each then gives up after
+    :data:`FAILOVER_CONNECT_S`."""
 
     def __init__(
         self,
@@ -94,13 +107,18 @@ class Client:
     ) -> None:
         import httpx
 
-        self.url = url.rstrip("/")
+        self.urls = [u.strip().rstrip("/") for u in url.split(",") if u.strip()]
+        self.url = self.urls[0]
         self.token_file = token_file
         self._token = token
+        several = len(self.urls) > 1  # a lost leader's host answers nothing: give it up soon
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}"},
-            timeout=timeout_s,
+            timeout=httpx.Timeout(
+                min(timeout_s, FAILOVER_READ_S) if several else timeout_s,
+                connect=min(timeout_s, FAILOVER_CONNECT_S) if several else timeout_s,
+            ),
             trust_env=False,  # never through a proxy: the coordinator is on our network
             verify=_ssl_context(verify) if self.url.startswith("https://") else True,
         )
@@ -123,8 +141,11 @@ class Client:
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         """The decoded JSON answer; :class:`ServiceError` for 4xx/5xx; ``httpx.TransportError``
-        when the coordinator cannot be reached."""
-        r = self._http.request(method, path, **kwargs)
+        when the coordinator cannot be reached (the next one of :attr:`urls` too)."""
+
+        r = self._http.request(method, path, **kwargs) if len(self.urls) == 1 else None
+        if r is None:  # several coordinators: the one in use, else the others in turn
+            r = self._failover(method, path, **kwargs)
         if r.status_code == 401 and self._rotated():
             r = self._http.request(method, path, **kwargs)
         if r.status_code >= 400:
@@ -138,6 +159,33 @@ class Client:
         if r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
         return r.text
+
+    def _failover(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The answer of the first coordinator that answers, from the one in use on, which it
+        becomes. When none does, the client stays with one that refused the connection (a
+        standby's host, alive, leading soon) rather than one that let it time out (a lost
+        leader's)."""
+        import httpx
+
+        at = self.urls.index(self.url)
+        refused: str | None = None
+        last: httpx.TransportError | None = None
+        for url in self.urls[at:] + self.urls[:at]:
+            self._http.base_url = httpx.URL(url)
+            try:
+                r = self._http.request(method, path, **kwargs)
+            except httpx.ConnectError as exc:
+                refused, last = refused or url, exc
+                continue
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            self.url = url
+            return r
+        self.url = refused or self.url
+        self._http.base_url = httpx.URL(self.url)
+        assert last is not None
+        raise last
 
     def close(self) -> None:
         self._http.close()
@@ -282,7 +330,8 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
         "--coordinator",
         metavar="URL",
         default=os.environ.get(ENV_COORDINATOR, DEFAULT_URL),
-        help=f"the cluster service (default ${ENV_COORDINATOR} or {DEFAULT_URL})",
+        help=f"the cluster service (default ${ENV_COORDINATOR} or {DEFAULT_URL}); several, "
+        "comma-separated: a leader and its standbys",
     )
     p.add_argument("--token-file", metavar="FILE", help="the token (else $UNICRON_TOKEN)")
     p.add_argument(
@@ -295,8 +344,9 @@ def add_connection_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def connect(args: argparse.Namespace) -> Client:
-    if not str(args.coordinator).startswith(("http://", "https://")):
-        raise UsageError(f"--coordinator must be an http(s) URL, got {args.coordinator!r}")
+    for url in str(args.coordinator).split(","):
+        if not url.strip().startswith(("http://", "https://")):
+            raise UsageError(f"--coordinator must be http(s) URLs, got {args.coordinator!r}")
     token = resolve_token(args.token_file)
     return Client(
         args.coordinator,

@@ -138,6 +138,14 @@ class Cluster:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start_ticker(self) -> None:
+        """Start judging time. The nodes and the adopted tasks' agents count as heard from
+        now: the service answers from now on, and none could reach it while it started (a
+        standby that takes over starts in a second or two, about a node timeout)."""
+        now = time.time()
+        self._nodes.heard(now)
+        for c in (t.controller for t in self.tasks.values() if t.controller is not None):
+            for node in c.slots.nodes():
+                c.heartbeat(node, now)
         self._ticker = threading.Thread(target=self._tick_loop, name="cluster-tick", daemon=True)
         self._ticker.start()
 

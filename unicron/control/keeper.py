@@ -60,8 +60,10 @@ class Keeper:
         """Why the store is gone ("" while it is not): its process ended (asked every call, a
         system call), or it did not answer a ping within :data:`PING_LIMIT_S` (asked every
         :data:`PING_S`: a process alive but stopped or hung)."""
-        if (self.proc.poll() is not None) if self.proc is not None else not alive(self.info):
+        if self.proc is not None and self.proc.poll() is not None:
             return "its process ended"
+        if self.proc is None and self.info.host == self.host and not alive(self.info):
+            return "its process ended"  # (a store another host serves is asked by ping only)
         if time.monotonic() - self._pinged < PING_S:
             return ""
         self._pinged = time.monotonic()
@@ -72,7 +74,7 @@ class Keeper:
     def restart(self) -> StoreInfo:
         """A new store on the lost one's port where it is free, recorded as :func:`ensure`
         records one; the lost one reaped if it was this process's child."""
-        if self.proc is None:  # alive but not answering: gone for good, its port freed
+        if self.proc is None and self.info.host == self.host:  # silent: gone for good
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.info.pid, signal.SIGKILL)
             deadline = time.monotonic() + 2.0
@@ -82,7 +84,7 @@ class Keeper:
                 time.sleep(0.01)
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(self.info.pid, os.WNOHANG)
-        else:
+        elif self.proc is not None:
             self.proc.kill()
             self.proc.wait(timeout=5.0)
         info, proc = start(self.state_dir, self.host, die_with_us=self.embedded,

@@ -44,6 +44,7 @@ class LocalCluster:
         node_timeout_s: float = 2.0,
         loopback: bool = False,
         coordinator_args: tuple[str, ...] = (),
+        coordinator_hosts: tuple[int, ...] = (),
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -57,6 +58,14 @@ class LocalCluster:
         )
         self.port = _free_port(self.net.host_address)
         self.url = f"http://{self.net.host_address}:{self.port}"
+        # coordinators in hosts of their own (a leader and its standbys: one URL each, the
+        # agents and this client given all of them), else one on the host side
+        self.coordinator_hosts = coordinator_hosts
+        if coordinator_hosts:
+            self.url = ",".join(
+                f"http://{self.net.members[h].address}:{self.port}" for h in coordinator_hosts
+            )
+        self.coordinators: dict[int, subprocess.Popen[bytes]] = {}
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         self._starts = 0
@@ -78,21 +87,32 @@ class LocalCluster:
         }
 
     # -- the coordinator ---------------------------------------------------------------------
-    def start_coordinator(self, *, timeout_s: float = 60.0) -> None:
-        """Start ``unicron coordinator`` on the host side and wait until it answers."""
+    def start_coordinator(
+        self, *, timeout_s: float = 60.0, host: int | None = None, wait: bool = True
+    ) -> None:
+        """Start ``unicron coordinator`` on the host side (or in host ``host``, one of the
+        ``coordinator_hosts``) and, with ``wait``, wait until it answers."""
         self._starts += 1
         log = open(self.root / f"coordinator.{self._starts}.log", "wb")  # noqa: SIM115
-        self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "unicron", "coordinator", "--host", self.net.host_address,
-             "--port", str(self.port), "--state-dir", str(self.state_dir),
-             "--node-timeout", str(self.node_timeout_s),
-             "--insecure-http",  # a network namespace of the test's own: nobody else on it
-             *self.coordinator_args],
-            env=self.env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )  # fmt: skip
+        address = self.net.host_address if host is None else self.net.members[host].address
+        argv = [sys.executable, "-m", "unicron", "coordinator", "--host", address,
+                "--port", str(self.port), "--state-dir", str(self.state_dir),
+                "--node-timeout", str(self.node_timeout_s),
+                "--insecure-http",  # a network namespace of the test's own: nobody else on it
+                *self.coordinator_args]  # fmt: skip
+        if host is None:
+            self.coordinator = subprocess.Popen(
+                argv, env=self.env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+            proc = self.coordinator
+        else:
+            proc = self.coordinators[host] = self.net.popen(
+                host, argv, env=self.env(), stdout=log, stderr=log
+            )
         log.close()
-        proc = self.coordinator
+        if not wait:
+            return
         self._until(
             lambda: self._answers() or _exited(proc, "the coordinator"), timeout_s, "coordinator"
         )
@@ -112,6 +132,26 @@ class LocalCluster:
             return True
         except (httpx.TransportError, ServiceError):
             return False
+
+    def start_etcd(self) -> str:
+        """Start etcd (the distribution's ``etcd-server``) on the host side, for coordinators
+        that lead through its lease (``--etcd``); its client URL. It carries the lab's marker:
+        :meth:`close` ends it."""
+        at = self.net.host_address
+        client, peer = _free_port(at), _free_port(at)
+        log = open(self.root / "etcd.log", "wb")  # noqa: SIM115
+        subprocess.Popen(
+            ["etcd", "--data-dir", str(self.root / "etcd"), "--name", "lab",
+             "--listen-client-urls", f"http://{at}:{client}",
+             "--advertise-client-urls", f"http://{at}:{client}",
+             "--listen-peer-urls", f"http://{at}:{peer}",
+             "--initial-advertise-peer-urls", f"http://{at}:{peer}",
+             "--initial-cluster", f"lab=http://{at}:{peer}"],
+            env=self.env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        return f"http://{at}:{client}"
 
     # -- agents ------------------------------------------------------------------------------
     def start_agent(self, host: int, *, wait: bool = True, timeout_s: float = 60.0) -> None:
@@ -215,7 +255,8 @@ class LocalCluster:
             return
         self._closed = True
         self.client.close()
-        procs = [*self.agents.values(), *([self.coordinator] if self.coordinator else [])]
+        procs = [*self.agents.values(), *self.coordinators.values(),
+                 *([self.coordinator] if self.coordinator else [])]  # fmt: skip
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -120,6 +120,13 @@ class NodeTable:
             if not n.lost and now - n.last_seen < self.timeout_s
         }
 
+    def heard(self, now: float) -> None:
+        """Every node not lost counts as heard at ``now`` (the service answers from then on:
+        :meth:`unicron.control.cluster.Cluster.start_ticker`)."""
+        for node in self.by_id.values():
+            if not node.lost:
+                node.last_seen = max(node.last_seen, now)
+
     def mark_silent(self, now: float) -> list[Node]:
         """Mark lost every node silent past the timeout (a tick): those newly lost."""
         out = []

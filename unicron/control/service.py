@@ -55,6 +55,7 @@ from unicron.control.cluster import Cluster, Invalid
 from unicron.control.credentials import FILE as CREDENTIALS
 from unicron.control.credentials import Credentials, Principal
 from unicron.control.dashboard import PAGE, Dashboard, is_page, page
+from unicron.control.lease import TTL_S, Leadership
 from unicron.control.nodetable import Conflict, Fenced, NotFound
 from unicron.control.taskspec import NAME, TaskSpec
 from unicron.errors import UsageError
@@ -110,6 +111,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="A100-80GB",
         help="what a slot is to the performance model, for tasks that describe their model "
         "(default A100-80GB; a node's slots are its GPUs)",
+    )
+    p.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="lead through a lease in this etcd: coordinators of one --state-dir (a shared "
+        "file system) and --ha-name wait as standbys until they lead (docs/cluster.md, A "
+        "standby coordinator)",
+    )
+    p.add_argument("--ha-name", default="unicron", help="the lead they campaign for")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=TTL_S,
+        help=f"seconds a lost leader's lease lives (a standby leads then; default {TTL_S:g})",
     )
 
 
@@ -450,6 +465,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("--host 0.0.0.0 needs --advertise ADDR (where agents reach this host)")
     if not args.node_timeout > 0:
         raise UsageError(f"--node-timeout must be > 0 seconds, got {args.node_timeout}")
+    if not args.lease_ttl >= 1.0:
+        raise UsageError(f"--lease-ttl must be >= 1 second, got {args.lease_ttl}")
     tls = tls_files(args)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr
@@ -457,6 +474,14 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("unicron.control.cluster").setLevel(logging.INFO)
     os.umask(0o077)  # every file of the state directory: the owner's only
     state_dir = Path(args.state_dir)
+    lead = None
+    if args.etcd:  # a standby waits here until it leads (docs/cluster.md, A standby coordinator)
+        me = f"{'https' if tls else 'http'}://{advertise}:{args.port}"
+        lead = Leadership(args.etcd, args.ha_name, me, ttl_s=args.lease_ttl)
+        print(f"unicron coordinator {me}: standby until it leads {lead.key}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        lead.acquire()
+        lead.hold()
     cluster = Cluster(  # first: it refuses a directory that is not a state's
         state_dir,
         host=advertise,
@@ -483,6 +508,8 @@ def main(args: argparse.Namespace) -> int:
     finally:
         active = any(t.row.state in ACTIVE for t in cluster.tasks.values())
         cluster.close(stop_store=not active)  # with tasks running the store stays for them
+        if lead is not None:
+            lead.resign()  # a standby leads at once
     return 0
 
 

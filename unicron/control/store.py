@@ -89,8 +89,10 @@ def secret_of(state_dir: Path) -> bytes:
     return bytes.fromhex(path.read_text(encoding="ascii").strip())
 
 
-def _answers(info: StoreInfo, secret: bytes) -> bool:
-    if not store_answers(info.address, 2.0):  # torch's client may wait for ever on a listener
+def _answers(info: StoreInfo, secret: bytes, host: str) -> bool:
+    # torch's client may wait for ever on a listener: ping first (briefly when the store is on
+    # another host, a lost leader's, whose silence a standby taking over must not wait out)
+    if not store_answers(info.address, 1.0 if info.host == host else 0.5):
         return False
     try:
         store = client(info.address, capability(secret, PING_UID), 2.0)
@@ -149,7 +151,7 @@ def ensure(state_dir: Path, host: str) -> tuple[StoreInfo, bool]:
     directory's secret (``True``: adopted), else a new one started now (``False``) and
     recorded (atomically)."""
     found = read_record(state_dir)
-    if found is not None and _answers(found, secret_of(state_dir)):
+    if found is not None and _answers(found, secret_of(state_dir), host):
         return found, True
     port = found.port if found is not None and found.host == host else 0  # where workers look
     info, _ = start(state_dir, host, port=port)

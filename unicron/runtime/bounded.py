@@ -29,9 +29,12 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-REQUEST_LIMIT_S = 5.0
+REQUEST_LIMIT_S = 3.0
 """how long a store request may take beyond its own timeout before the store counts as gone
-(a request takes well under a millisecond on a healthy store; 5 s covers a loaded machine)"""
+(a request takes well under a millisecond on a healthy store; a worker that gives up on a
+store that is only slow reports it, and its task gets a new epoch: :meth:`unicron.worker.
+_Runner._leave`). It bounds a standby's takeover: the workers wait this long for the lost
+leader's store before they ask where the new one serves"""
 
 T = TypeVar("T")
 
