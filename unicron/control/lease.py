@@ -6,8 +6,8 @@ campaigns for the key ``/unicron/<name>/leader`` (:class:`Leadership`), which on
 a live etcd lease can create; the one that does is the coordinator, the others wait as
 standbys, serving nothing, until the key is gone (the leader's lease expired: its host lost,
 its process killed, its network cut) and one of them creates it again. The leader renews its
-lease every third of its time to live; one that has not renewed it for the time to live less
-a margin fences itself (it exits at once, before the lease can expire in etcd and a standby
+lease every quarter of its time to live; one that has not renewed it for the time to live
+less a margin fences itself (it exits at once, before the lease can expire in etcd and a standby
 take over): two coordinators never act on the state at once, whatever the network does.
 
 The client speaks etcd's v3 JSON gateway (``/v3/kv/txn``, ``/v3/lease/grant``, ...) with
@@ -31,8 +31,9 @@ TTL_S = 2.0
 """the leader lease's time to live: a lost leader is replaced this long after its last renewal
 (etcd's own minimum, with its default election timeout, is about 1.5 s)"""
 FENCE_MARGIN_S = 0.5
-"""a leader that has not renewed its lease for ``TTL_S - FENCE_MARGIN_S`` exits (etcd keeps
-the lease at least ``TTL_S`` after the renewal it acknowledged last)"""
+"""a leader exits when its lease has gone unrenewed for ``TTL_S`` less this margin and a
+request's timeout (etcd keeps the lease at least ``TTL_S`` after the last renewal it
+acknowledged, which this leader sent no earlier than it counts from)"""
 FENCED_EXIT = 75
 """the exit code of a leader that fenced itself"""
 
@@ -91,7 +92,8 @@ class Leadership:
     def __init__(self, url: str, name: str, me: str, *, ttl_s: float = TTL_S) -> None:
         self.key = f"/unicron/{name}/leader"
         self.me, self.ttl_s = me, ttl_s
-        self.etcd = Etcd(url, timeout_s=ttl_s / 4)
+        self.request_s = ttl_s / 8  # etcd answers in milliseconds on a healthy network
+        self.etcd = Etcd(url, timeout_s=self.request_s)
         self.lease = ""
         self.renewed = 0.0  # when the last acknowledged renewal was sent (monotonic)
         self._stop = threading.Event()
@@ -118,12 +120,24 @@ class Leadership:
         return False
 
     def hold(self, on_lost: Callable[[], None] | None = None) -> threading.Thread:
-        """Renew the lease every third of its time to live, in a thread; ``on_lost`` once a
-        renewal is overdue by the fence margin, or the lease is gone."""
+        """Renew the lease every quarter of its time to live, in a thread; ``on_lost``
+        (default: exit) once the lease is gone, or before it could lapse unrenewed: at the
+        time to live after the last acknowledged renewal was sent, less the fence margin
+        and a request's timeout (a renewal in flight then could not help)."""
         lost = on_lost or _fence
 
         def renew() -> None:
-            while not self._stop.wait(self.ttl_s / 3):
+            while True:
+                deadline = self.renewed + self.ttl_s - FENCE_MARGIN_S - self.request_s
+                now = time.monotonic()
+                if now >= deadline:
+                    log.error("the leader lease went unrenewed for %.1f s", now - self.renewed)
+                    lost()
+                    return
+                if self._stop.wait(min(self.ttl_s / 4, deadline - now)):
+                    return
+                if time.monotonic() >= deadline:
+                    continue
                 sent = time.monotonic()
                 try:
                     if not self.etcd.keepalive(self.lease):
@@ -133,11 +147,6 @@ class Leadership:
                     self.renewed = sent
                 except Exception as exc:
                     log.warning("renewing the leader lease: %s", exc)
-                if time.monotonic() - self.renewed > self.ttl_s - FENCE_MARGIN_S:
-                    log.error("the leader lease could not be renewed for %.1f s",
-                              time.monotonic() - self.renewed)  # fmt: skip
-                    lost()
-                    return
 
         thread = threading.Thread(target=renew, name="leader-lease", daemon=True)
         thread.start()
