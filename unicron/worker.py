@@ -260,6 +260,9 @@ def _store_client(ctx: WorkerContext, connect_s: float | None = None) -> dist.St
 
 STORE_RETRY_S = 0.1
 """how often a worker whose store is gone asks its agent where it serves now"""
+STORE_PROBE_S = 0.25
+"""how long a probe of that address may take (a store answers in a millisecond; a lost
+host's silence must not hold the worker while its agent learns the new address)"""
 
 
 def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, BoundedStore]:
@@ -275,7 +278,7 @@ def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, Bou
         host, port = host_port(address)
         moved = dataclasses.replace(ctx, store_host=host, store_port=port)
         try:
-            if store_answers(address, 1.0):
+            if store_answers(address, STORE_PROBE_S):
                 store = BoundedStore(_store_client(moved, connect_s=1.0))
                 store.check([trained_key(ctx.task)])
                 return moved, store

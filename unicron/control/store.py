@@ -92,7 +92,7 @@ def secret_of(state_dir: Path) -> bytes:
 def _answers(info: StoreInfo, secret: bytes, host: str) -> bool:
     # torch's client may wait for ever on a listener: ping first (briefly when the store is on
     # another host, a lost leader's, whose silence a standby taking over must not wait out)
-    if not store_answers(info.address, 1.0 if info.host == host else 0.5):
+    if not store_answers(info.address, 1.0 if info.host == host else 0.25):
         return False
     try:
         store = client(info.address, capability(secret, PING_UID), 2.0)
