@@ -291,25 +291,30 @@ def test_names_in_events_a_reused_name_and_counters_over_a_restart(tmp_path: Pat
         uid = task.row.uid
     finally:
         cluster.close(stop_store=True)
-    again = Cluster(tmp_path / "state", host="127.0.0.1")  # the store went: the task failed
+    # the store went with the service: a new one, and the task adopted (it never had an
+    # epoch: it waits for its workers as a new task does); cancelled, its name is free
+    again = Cluster(tmp_path / "state", host="127.0.0.1")
     try:
         metrics = again.prometheus().decode()
         assert 'unicron_failures_total{kind="heartbeat_lost",severity="1"} 1.0' in metrics
         assert 'unicron_failures_total{kind="killed",severity="2"} 1.0' in metrics
-        assert again.tasks["t"].row.state == "failed"
+        assert again.tasks["t"].row.state == "pending"
+        again.cancel("t", 1.5)
+        again.tick(1.6)  # no workers to stop: it ends at once
+        assert again.tasks["t"].row.state == "cancelled"
         view = again.submit(TaskSpec.model_validate(spec("t", workers={"min": 9, "max": 9})), 2.0)
         assert view["name"] == "t" and view["uid"] != uid and view["state"] == "queued"
         with pytest.raises(Conflict, match="a task named t exists \\(queued\\)"):
             again.submit(TaskSpec.model_validate(spec("t")), 3.0)
         old = again.task_view(uid)  # the ended one, archived under its uid, events and all
-        assert old["state"] == "failed" and old["last_fault"].startswith("heartbeat_lost")
+        assert old["state"] == "cancelled" and old["last_fault"].startswith("heartbeat_lost")
         assert [e["event"] for e in again.events(uid, 0)[0]][:2] == ["error_detected"] * 2
         assert again.events("t", 0)[0] == []
     finally:
         again.close(stop_store=True)
     state = open_state(tmp_path / "state")  # the archive is in the state a restart loads
     try:
-        assert {t.name: t.state for t in state.tasks()} == {uid: "failed", "t": "queued"}
+        assert {t.name: t.state for t in state.tasks()} == {uid: "cancelled", "t": "queued"}
         assert len(state.events(uid)) >= 2 and state.events("t") == []
     finally:
         state.close()
