@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.cluster.harness import EventTail
 from bench.common import Row, make_row, print_table, save_scenario
 from bench.events import Event, read_events, steps_redone
 from unicron.detect.classify import KINDS
@@ -169,11 +170,18 @@ def _kill_store(
     run: subprocess.Popen[str], events: Path, steps: list[int], deadline: float
 ) -> list[float]:
     """Kill ``run``'s store process (``kill -9``) once each of ``steps`` has committed; when
-    it was done, each time (a step the run never reaches is skipped)."""
+    it was done, each time (a step the run never reaches is skipped). The event log is
+    followed from where it was read last (:class:`bench.cluster.harness.EventTail`), not
+    parsed whole every poll: this driver shares the run's two cores."""
     killed: list[float] = []
+    tail, read, top = EventTail(events, poll_s=0.05).start(), 0, -1
     for step in sorted(steps):
         while run.poll() is None and time.monotonic() < deadline:
-            if any(e["event"] == "step_end" and e["step"] >= step for e in read_events(events)):
+            lines = tail.snapshot()[read:]
+            read += len(lines)
+            ends = [s.event["step"] for s in lines if s.event.get("event") == "step_end"]
+            top = max([top, *ends])
+            if top >= step:
                 break
             time.sleep(0.05)
         found = subprocess.run(["pgrep", "-P", str(run.pid), "-f", "unicron.control.store"],
@@ -182,6 +190,7 @@ def _kill_store(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
                 killed.append(time.time())
+    tail.stop()
     return killed
 
 
