@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from unicron.control.client import Client
+from unicron.control.lab import etcd_command
 from unicron.control.lease import Etcd, Leadership
 
 
@@ -37,11 +38,7 @@ def etcd(tmp_path: Path) -> Iterator[str]:
     client, peer = _port(), _port()
     url = f"http://127.0.0.1:{client}"
     proc = subprocess.Popen(
-        ["etcd", "--data-dir", str(tmp_path / "etcd"), "--name", "t",
-         "--listen-client-urls", url, "--advertise-client-urls", url,
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
+        etcd_command(tmp_path / "etcd", "127.0.0.1", client, peer),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

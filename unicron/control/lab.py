@@ -141,14 +141,8 @@ class LocalCluster:
         client, peer = _free_port(at), _free_port(at)
         log = open(self.root / "etcd.log", "wb")  # noqa: SIM115
         subprocess.Popen(
-            ["etcd", "--data-dir", str(self.root / "etcd"), "--name", "lab",
-             "--listen-client-urls", f"http://{at}:{client}",
-             "--advertise-client-urls", f"http://{at}:{client}",
-             "--listen-peer-urls", f"http://{at}:{peer}",
-             "--initial-advertise-peer-urls", f"http://{at}:{peer}",
-             "--initial-cluster", f"lab=http://{at}:{peer}"],
-            env=self.env(), stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            etcd_command(self.root / "etcd", at, client, peer), env=self.env(), stdout=log,
+            stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         log.close()
         return f"http://{at}:{client}"
@@ -270,6 +264,17 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def etcd_command(data_dir: Path, host: str, client: int, peer: int) -> list[str]:
+    """A one-member etcd serving clients at ``http://host:client`` (its data in ``data_dir``):
+    the lab's (:meth:`LocalCluster.start_etcd`) and the lease tests'."""
+    return ["etcd", "--data-dir", str(data_dir), "--name", "lab",
+            "--listen-client-urls", f"http://{host}:{client}",
+            "--advertise-client-urls", f"http://{host}:{client}",
+            "--listen-peer-urls", f"http://{host}:{peer}",
+            "--initial-advertise-peer-urls", f"http://{host}:{peer}",
+            "--initial-cluster", f"lab=http://{host}:{peer}"]  # fmt: skip
 
 
 def kill_marked(tag: str) -> list[int]:
