@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-standby bench-simreal soak soak-parallel soak-relayout soak-zero soak-store test-long clean
+.PHONY: certs demo cluster-demo dashboard-shot slurm-demo test test-fast test-loaded lint typecheck pytest bench bench-quick bench-cluster bench-standby bench-simreal soak soak-parallel soak-relayout soak-zero soak-store soak-cluster test-long clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -131,6 +131,11 @@ soak-zero: $(STAMP)
 # the same with the training store's process killed among the faults (kill -9 by the driver)
 soak-store: $(STAMP)
 	$(BIN)/python -m bench.chaos --store
+
+# a thousand faults on a namespace cluster: 3 tasks, 4 agents, a leader and a standby
+# coordinator (etcd); agents killed, links cut, the store and the leader killed (~45 min)
+soak-cluster: $(STAMP)
+	$(BIN)/python -m bench.soak_cluster
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -222,6 +222,29 @@ def test_an_unknown_placement_is_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "--placement: invalid choice: 'fifo'" in proc.stderr
 
 
+def test_a_node_only_a_task_dropped_is_fenced_and_comes_back(cluster: Cluster) -> None:
+    """A task judges nodes by its own heartbeats (a suspect confirmed by a failed
+    collective): it may drop a node the cluster's table still counts live. Its agent goes on
+    speaking: it is fenced all the same, and its new registration is accepted as the node's
+    return (found by the cluster soak: such a node was never fenced, never returned, and its
+    task waited 126 s for slots the planner saw as held)."""
+    from unicron.control.nodetable import Fenced
+
+    now = time.time()
+    nid = cluster.register("m0", 2, "127.0.0.1", "k0", now)
+    submit(cluster, "b", now, workers={"min": 1, "max": 2})
+    b = cluster.tasks["b"]
+    assert b.row.placement == [nid, nid] and b.controller is not None
+    b.controller.lost_nodes.add(nid)  # the task dropped the node; the table did not
+    assert not cluster.nodes[nid].lost
+    with pytest.raises(Fenced, match=r"node m0 was declared lost .* task\(s\) b went on"):
+        cluster.heartbeat("m0", "k0", now + 0.5)
+    assert cluster.nodes[nid].lost
+    assert cluster.register("m0", 2, "127.0.0.1", "k1", now + 0.6) == nid  # not a conflict
+    assert nid not in b.controller.lost_nodes and not cluster.nodes[nid].lost
+    assert cluster.heartbeat("m0", "k1", now + 0.7)
+
+
 def test_a_node_declared_lost_is_fenced_until_it_registers_again(cluster: Cluster) -> None:
     """A partition that heals: the agent that speaks again after its task went on without
     its node is refused (its workers hold an epoch that is over) until it registers as a new

@@ -381,3 +381,30 @@ def test_logs_readable_or_json_and_the_report_is_run_s_table(server: str, cluste
     cluster._end(task, "failed", reason, time.time())
     proc = unicron("status", url=server)
     assert proc.returncode == 0 and "the-last-word" in proc.stdout, proc.stdout
+
+
+def test_a_restarted_service_adopts_a_task_without_the_slots_it_gave_back(tmp_path: Path) -> None:
+    """A slot the task gave back (placement -1) is nobody's: the coordinator that adopts the
+    task after a restart must not count it (found by the cluster soak: node -1 was declared
+    silent, "no heartbeat from node -1", and its slots excluded)."""
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1")
+    try:
+        cluster.register("gpu-0", 2, "127.0.0.1", "i1", time.time())
+        cluster.submit(TaskSpec.model_validate(spec("t", workers={"min": 1, "max": 2})), 1.0)
+        task = cluster.tasks["t"]
+        assert task.row.placement == [0, 0]
+        task.row.placement[1] = -1  # released, as the cluster's tick records it
+        task.row.state = "running"
+        cluster.state.save_task(task.row)
+    finally:
+        cluster.close(stop_store=True)
+    again = Cluster(tmp_path / "state", host="127.0.0.1")
+    try:
+        c = again.tasks["t"].controller
+        assert c is not None
+        assert sorted(c.book.slots) == [0] and -1 not in c.book.heartbeats
+        again.tick(time.time() + 10.0)  # past every timeout: only node 0 can be silent
+        found, _ = again.events("t", 0)
+        assert not [e for e in found if e.get("node") == -1], found
+    finally:
+        again.close(stop_store=True)

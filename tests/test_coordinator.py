@@ -212,6 +212,27 @@ def test_without_a_way_back_the_task_fails_at_once(tmp_path: Path) -> None:
     assert "2 slot(s) left that can be used again" in c.outcome.reason
 
 
+def test_in_a_cluster_a_task_on_lost_nodes_waits_for_them(tmp_path: Path) -> None:
+    """Where nodes come back (a cluster: ``nodes_return``), a task left only with slots of
+    lost nodes waits for its give-up deadline instead of failing at once (found by the
+    cluster soak: a task whose every slot sat on one node failed when its link was cut for
+    6 s), and the node's return brings its slots back."""
+    k = Cluster(tmp_path, nodes=2, per_node=2, min_workers=3, nodes_return=True,
+                give_up_after_s=60.0)  # fmt: skip
+    c = k.c
+    t = k.steps(3, 0.0)
+    for n in (0, 1):
+        c.heartbeat(n, t)
+    for i in range(1, 26):  # node 1 falls silent, as in the test above
+        c.heartbeat(0, t + i / 10)
+        c.tick(t + i / 10)
+    assert c.state is TaskState.WAITING and c.lost_nodes == {1}
+    c.node_returned(1, t + 5.0)
+    assert c.lost_nodes == set()
+    readmitted = [e.get("slot") for e in k.events("action") if e["action"] == "readmit"]
+    assert sorted(readmitted) == [2, 3]
+
+
 def test_an_excluded_node_keeps_the_last_copies_of_the_state_running(tmp_path: Path) -> None:
     """One node, failures on three of its slots: the node is excluded, but its living workers
     hold the only copies of the state, so they go on instead of the task rolling back (one

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -232,3 +233,153 @@ def test_a_run_whose_store_is_lost_three_times_ends_bitwise_as_the_fault_free_ru
     assert {e["state_source"] for e in ends} <= {"local", "peer_node"}, ends
     # nothing was counted as a worker's failure: no restart, no exclusion
     assert not r.of("error_detected") and not r.of("action"), r.of("error_detected")
+
+
+def test_after_a_takeover_only_the_full_timeout_judges_a_node_not_yet_heard(
+    tmp_path: Path,
+) -> None:
+    """A coordinator that adopted a task presumes every node heard; while an agent is still
+    finding it, the takeover's failed collectives (its workers' in-band errors) must not
+    confirm that node as a suspect (found by the cluster soak: two healthy nodes excluded
+    0.7 s after a standby took over); the heartbeat timeout still applies."""
+    c = Coordinator(
+        task="t",
+        slots={0: 0, 1: 0, 2: 1, 3: 1},
+        events=EventLog(),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(),
+    )
+    c.adopt(9.0, committed_step=5, logged=EpochInfo(5, (0, 1, 2, 3), (0, 0, 1, 1), urgent=False))
+    error = M.WorkerError(slot=0, ts=9.2, verdict=verdict_for_kind("conn_reset"),
+                          in_place=False, epoch=c.epoch)  # fmt: skip
+    c.exchange(0, [error], 9.2)  # node 0 found it; node 1's agent has not yet
+    for t in (9.4, 9.6, 9.8, 10.0):
+        c.exchange(0, [], t)
+        c.tick(t)
+    assert c.lost_nodes == set()
+    for t in (10.4, 10.8, 11.2):
+        c.exchange(0, [], t)
+        c.tick(t)
+    assert c.lost_nodes == {1}  # silent past the 2 s timeout: lost after all
+
+
+def test_an_adopted_task_judges_stalls_by_its_logged_pace(tmp_path: Path) -> None:
+    """A coordinator that took over has no step times of its own: the pace in the event log
+    (``planning.logged_pace``) sets its stall deadline, not the cold start's two minutes
+    (found by the cluster soak: a worker stopped right after a takeover went unnoticed for
+    120 s)."""
+    from unicron.control.health import stall_deadline
+    from unicron.control.planning import logged_pace
+
+    state = open_state(tmp_path / "state")
+    row = TaskRow(name="t", uid="t", spec={}, state="running", submitted_ts=0.0,
+                  placement=[0, 0])  # fmt: skip
+    assert logged_pace(state, row) is None
+    for step, d in enumerate((0.2, 0.3, 0.25, 9.0, 0.3)):
+        state.add_event("t", {"ts": float(step), "event": "step_end", "step": step,
+                              "duration_s": d})  # fmt: skip
+    assert logged_pace(state, row) == 0.3
+    state.close()
+    c = Coordinator(task="t", slots={0: 0, 1: 0}, events=EventLog(),
+                    escalation=Escalation(EscalationSettings()),
+                    settings=CoordinatorSettings())  # fmt: skip
+    cold = stall_deadline(c.book)
+    c.adopt(9.0, committed_step=4, logged=EpochInfo(5, (0, 1), (0, 0), urgent=False),
+            pace_s=0.3)  # fmt: skip
+    assert cold >= 120.0 and stall_deadline(c.book) == pytest.approx(6.0)  # 20 x 0.3 s
+
+
+def test_a_worker_spawned_with_a_dead_store_address_asks_where_it_moved(tmp_path: Path) -> None:
+    """A worker restarted just after the store moved gets the old address from its agent
+    (which hears of the new one with its next heartbeat): its first connection asks where
+    the store serves now, in about the time that takes, where torch's connect would retry
+    the dead address for the whole request timeout (found by the cluster soak)."""
+    from unicron.runtime.context import WorkerContext
+    from unicron.worker import _first_store
+
+    torchs = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nobody listens there once closed
+
+    class Link:
+        asked = 0
+
+        def where_store(self) -> str:
+            Link.asked += 1
+            return "" if Link.asked < 3 else f"127.0.0.1:{torchs.port}"  # heard at last
+
+    ctx = WorkerContext(task="t", slot=0, node=0, incarnation=1, store_host="127.0.0.1",
+                        store_port=dead, faults=(), timeout_s=300.0)  # fmt: skip
+    began = time.monotonic()
+    moved, store = _first_store(ctx, Link())  # type: ignore[arg-type]
+    assert moved.store_port == torchs.port and Link.asked == 3
+    assert time.monotonic() - began < 30.0  # not the 300 s request timeout
+    store.set("k", "v")
+    assert torchs.get("k") == b"v"
+
+
+def test_an_adopted_epoch_a_member_waits_outside_of_is_announced_again(tmp_path: Path) -> None:
+    """The old coordinator died while its task waited for a restarted rank (its epoch broken,
+    no new one announced): the store still names the old epoch, which the restarted worker
+    never entered. Its agent's census says so (ready, in no epoch), and the adopting
+    coordinator announces a new epoch at once instead of waiting for the members to train in
+    a dead one (found by the cluster soak). A census of members that are in the epoch
+    changes nothing."""
+    log = tmp_path / "events.jsonl"
+    c = Coordinator(task="t", slots={0: 0, 1: 0, 2: 1, 3: 1}, events=EventLog(log),
+                    escalation=Escalation(EscalationSettings()),
+                    settings=CoordinatorSettings())  # fmt: skip
+    c.adopt(9.0, committed_step=5, logged=EpochInfo(5, (0, 1, 2, 3), (0, 0, 1, 1), urgent=False))
+    assert c.epoch == 6  # announced again on its own store (a store of its own here)
+    c.exchange(1, [M.Census(ts=9.1, alive=(2, 3), ready=())], 9.1)
+    assert c.epoch == 6
+    c.exchange(0, [M.Census(ts=9.2, alive=(0, 1), ready=(1,))], 9.2)
+    assert c.epoch == 7 and c.members == (0, 1, 2, 3)
+    begun = [e for e in read_events(log) if e["event"] == "epoch_begin"]
+    assert begun[-1]["reason"] == "slot(s) 1 wait outside the adopted epoch"
+
+
+def test_a_store_that_was_only_slow_is_kept_and_the_failed_writes_are_made_again() -> None:
+    """A coordinator's request that outlived its bound on a loaded host does not make the
+    cluster kill and replace a store that still answers (found by the cluster soak: every
+    such request restarted the store, which lost every task's keys, and the next request
+    failed again); the task whose request failed announces its members again there. A store
+    that answers no ping either is replaced."""
+    from types import SimpleNamespace
+
+    from unicron.control.cluster import keep_store
+
+    class Keeper:
+        info = SimpleNamespace(address="10.0.0.1:29500")
+        ping = True
+        restarted = 0
+
+        def lost(self) -> str:
+            return ""
+
+        def answers(self) -> bool:
+            return self.ping
+
+        def restart(self) -> None:
+            self.restarted += 1
+
+        def client(self, uid: str) -> tuple[str, str]:
+            return (f"client of {uid}", self.info.address)
+
+    def task(uid: str, failed: bool) -> Any:
+        moved: list[tuple[str, bool]] = []
+        controller = SimpleNamespace(
+            executor=SimpleNamespace(store_failed=failed), moved=moved,
+            store_moved=lambda store, now, why, same=False: moved.append((why, same)),
+        )  # fmt: skip
+        return SimpleNamespace(row=SimpleNamespace(uid=uid), controller=controller)
+
+    keeper, a, b = Keeper(), task("a", failed=True), task("b", failed=False)
+    keep_store(keeper, [a, b], 1.0)  # type: ignore[arg-type]
+    assert keeper.restarted == 0 and b.controller.moved == []
+    assert a.controller.moved == [("the store at 10.0.0.1:29500 answers a ping", True)]
+    keeper.ping = False
+    keep_store(keeper, [a, b], 2.0)  # type: ignore[arg-type]
+    assert keeper.restarted == 1 and len(b.controller.moved) == 1  # every task: a new store
+    assert not b.controller.moved[0][1] and "did not answer" not in b.controller.moved[0][0]

@@ -26,6 +26,7 @@ user's model code does not change.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -290,6 +291,18 @@ def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, Bou
         time.sleep(STORE_RETRY_S)
 
 
+def _first_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, BoundedStore]:
+    """The worker's first connection to the training store, at the address its agent spawned
+    it with; where nothing answers there (the store moved while the agent had not heard yet),
+    where it serves now (:func:`_find_store`), rather than torch's connect retrying a dead
+    address for the whole request timeout (found by the cluster soak: a worker restarted
+    beside a store killed a moment before waited five minutes to start)."""
+    if store_answers(f"{ctx.store_host}:{ctx.store_port}", STORE_PROBE_S):
+        with contextlib.suppress(RuntimeError):  # DistNetworkError: gone meanwhile
+            return ctx, BoundedStore(_store_client(ctx, connect_s=5.0))
+    return _find_store(ctx, link)
+
+
 def _sev3(exc: Exception) -> bool:
     """Whether ``exc`` is a SEV3 error (a reset connection, a transient timeout): retried in
     place, in the same epoch, a bounded number of times, the agent and coordinator told;
@@ -339,7 +352,7 @@ class _Runner:
         self.faults = FaultPlan(
             list(self.ctx.faults), emit=self._event, rank=self.ctx.slot, act=self._act
         )
-        self.store = BoundedStore(_store_client(self.ctx))
+        self.ctx, self.store = _first_store(self.ctx, self.link)
         # a freshly built model is the task's state only until the first step commits (the
         # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self.store.check([trained_key(self.ctx.task)])

@@ -85,6 +85,10 @@ class CoordinatorSettings:
     give_up_after_s: float = 600.0
     """a task below its minimum waits this long for capacity (restarts, readmitted slots and
     nodes), then fails; ``math.inf``: wait for ever"""
+    nodes_return: bool = False
+    """lost nodes may come back (a cluster: the agent registers again, or the planner gives
+    the task other slots): a task left only with slots of lost nodes waits for them
+    (``give_up_after_s``) instead of failing at once, as ``unicron run``'s does"""
     stall_factor: float = 20.0
     """a member waiting on its peers outside a step (joining an epoch, reducing) for longer
     than this many step times (see ``stall_floor_s``) is stalled"""
@@ -177,6 +181,8 @@ class TaskBook:
         # -- nodes
         self.nodes: set[int] = set()  # nodes whose agent is attached
         self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
+        self.suspects_from = 0.0  # no suspect confirmed before (adoption: agents reconnect)
+        self.logged_pace_s: float | None = None  # an adopted task's step time, from its log
         self.read_until: dict[int, float] = {}  # node -> its reports are all in up to then
         self.lost_nodes: set[int] = set()
         self.last_tick: float | None = None

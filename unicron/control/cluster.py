@@ -46,6 +46,7 @@ from unicron.control.planning import (
     coordinator_settings,
     fold,
     logged_epoch,
+    logged_pace,
     name_node,
     plan_event,
     task_end,
@@ -452,7 +453,7 @@ class Cluster:
         task.controller = Coordinator(
             task=row.uid,
             label=row.name,
-            slots=dict(enumerate(row.placement)),
+            slots={r: n for r, n in enumerate(row.placement) if n >= 0},  # -1: released
             events=task.events,
             escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
             settings=coordinator_settings(spec, checkpoint, committed_before),
@@ -460,8 +461,9 @@ class Cluster:
             store=self.store.client(row.uid),
         )
         if adopt:  # the store's epochs, or the log's last one announced again on a new store
-            logged = None if self.store.adopted else logged_epoch(self.state, row)
-            task.controller.adopt(now, committed_step=row.committed_step, logged=logged)
+            logged = logged_epoch(self.state, row)  # where the store has no epoch of it
+            task.controller.adopt(now, committed_step=row.committed_step, logged=logged,
+                                  pace_s=logged_pace(self.state, row))  # fmt: skip
             task.events.emit(
                 "control_plane",
                 ts=now,
@@ -594,9 +596,21 @@ class Cluster:
 
 def keep_store(keeper: Keeper, active: list[Task], now: float) -> None:
     """Start the store again if it was lost (its process gone or silent, or a coordinator's
-    request failed), and hand the new one to every running task (:meth:`Cluster.tick`)."""
-    failed = any(t.controller.executor.store_failed for t in active if t.controller)
-    gone = "a request of a coordinator failed" if failed else keeper.lost()
+    request failed and a ping is not answered either), and hand the new one to every running
+    task (:meth:`Cluster.tick`). A store that answers the ping was slow, not lost (a loaded
+    host): the tasks whose requests failed write again what they could not, on the same store
+    (found by the cluster soak: every request that outlived its bound restarted the store,
+    which lost every task's keys, and the next request failed again: a storm of stores)."""
+    failed = [t for t in active if t.controller and t.controller.executor.store_failed]
+    gone = keeper.lost()
+    if failed and not gone:
+        if keeper.answers():
+            why = f"the store at {keeper.info.address} answers a ping"
+            for task in failed:
+                assert task.controller is not None
+                task.controller.store_moved(keeper.client(task.row.uid), now, why, same=True)
+            return
+        gone = "a request of a coordinator failed, and a ping"
     if not gone:
         return
     why = f"the store at {keeper.info.address} is gone ({gone})"

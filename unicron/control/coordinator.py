@@ -489,18 +489,20 @@ class Coordinator:
             if b.state is TaskState.WAITING:
                 membership.check_give_up(b, now)
 
-    def adopt(self, now: float, *, committed_step: int = -1, logged: EpochInfo | None = None
-              ) -> None:  # fmt: skip
+    def adopt(self, now: float, *, committed_step: int = -1, logged: EpochInfo | None = None,
+              pace_s: float | None = None) -> None:  # fmt: skip
         """Take over the task as its workers left it when the previous coordinator died: the
         current epoch and members from the store (which outlived it) or, from a new store,
         the ``logged`` one (the event log's last), announced again there
         (:func:`membership.store_moved`); every slot presumed alive until its agent's
         :class:`~unicron.control.messages.Census` says otherwise, every node heard from now
-        (its agent reconnects within its backoff). Called once, before the first exchange, by
-        the cluster service for each task it finds running in its state."""
+        (its agent reconnects within its backoff); ``pace_s``, the logged step time, judges
+        stalls until the monitor has its own. Called once, before the first exchange, by the
+        cluster service for each task it finds running in its state."""
         with self._deciding():
             info, trained = _stored(self.store, self.task) or (logged, committed_step >= 0)
             membership.adopt(self.book, now, info, trained=trained, committed=committed_step)
+            self.book.logged_pace_s = pace_s
             if info is not None and info is logged:
                 membership.store_moved(self.book, now, f"a new one serves at {self.store_address}")
 
@@ -522,13 +524,15 @@ class Coordinator:
             except dist.DistNetworkError:  # the store is gone: the cluster starts a new one
                 self.executor.store_failed = True
 
-    def store_moved(self, store: tuple[ControlStore, str], now: float, why: str) -> None:
-        """The cluster's store was lost (``why``), a new one serves at ``store``'s address:
-        write there what the workers read (:func:`membership.store_moved`; the cluster's tick)."""
+    def store_moved(self, store: tuple[ControlStore, str], now: float, why: str, *,
+                    same: bool = False) -> None:  # fmt: skip
+        """The store was lost (``why``); ``store`` serves now (``same``: the old one, only
+        slow): :func:`membership.store_moved` (the cluster's tick)."""
         with self._deciding():
             self.store, self.store_address = store
             self.executor.store, self.executor.store_failed = self.store, False
-            membership.store_moved(self.book, now, f"{why}; a new one serves at {store[1]}")
+            where = "it serves on" if same else f"a new one serves at {store[1]}"
+            membership.store_moved(self.book, now, f"{why}; {where}", lost=not same)
 
     def add_slot(self, slot: int, node: int, now: float, reason: str) -> None:
         """The cluster gives the task ``slot`` on ``node`` (a planner decision): a worker

@@ -288,9 +288,15 @@ def census(b: TaskBook, node: int, r: Census) -> None:
     """An agent's account of its workers, sent when it (re)connects: a coordinator that
     adopted a running task learns from it which workers live, and heals a member gone while
     nobody listened (its exit report was lost with the old coordinator) as a process failure.
-    To one that never went away it says nothing new."""
+    To one that never went away it says nothing new. A member whose worker waits for an
+    epoch it has not entered (restarted, or never in the adopted one: the old coordinator was
+    waiting for it when it died, its epoch broken and none announced since) cannot train in
+    the epoch the store still names: a new one is announced (found by the cluster soak: a
+    tensor-parallel task whose coordinator died while it waited for a restarted rank waited
+    for the next store loss to go on)."""
     if not b.adopted:
         return
+    outside = []
     for slot, o in b.slots.items():
         if o.node != node:
             continue
@@ -298,3 +304,9 @@ def census(b: TaskBook, node: int, r: Census) -> None:
         o.seen(alive=alive, ready=slot in r.ready or (alive and slot in b.members))
         if not o.alive and slot in b.members and not o.excluded:
             worker_failed(b, slot, classify_exit(-9), r.ts)
+        elif alive and slot in r.ready and slot in b.members:
+            outside.append(slot)
+    if outside and b.state is TaskState.RUNNING and set(outside) <= set(b.members):
+        slots = ", ".join(map(str, outside))
+        membership.announce(b, b.members, urgent=True, now=r.ts,
+                            reason=f"slot(s) {slots} wait outside the adopted epoch")  # fmt: skip

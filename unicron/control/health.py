@@ -167,7 +167,10 @@ def check_heartbeats(b: TaskBook, now: float) -> None:
     """A node silent past the heartbeat timeout is lost, and so is a suspect one (silent past
     ``suspect_after_s``) once a living worker reported a failed collective since it was last
     heard: :func:`unicron.control.failures.node_lost` decides what follows. A coordinator that
-    did not run for a while itself judges nobody on that tick."""
+    did not run for a while itself judges nobody on that tick, and for a heartbeat timeout
+    after an adoption (agents still finding the new coordinator, a new store perhaps, while
+    their workers report the failed collectives of the takeover) the full timeout alone
+    judges."""
     stalled = b.last_tick is not None and now - b.last_tick > b.settings.suspect_after_s
     b.last_tick = now
     if stalled:  # this process itself did not run for a while: every agent looks silent
@@ -177,8 +180,10 @@ def check_heartbeats(b: TaskBook, now: float) -> None:
     symptoms = [e.ts for s in b.slots.values() if (e := s.pending_error) is not None]
     for node, last in b.heartbeats.items():
         silent = now - last
-        suspect_confirmed = silent > b.settings.suspect_after_s and any(
-            ts > last for ts in symptoms
+        suspect_confirmed = (
+            now >= b.suspects_from
+            and silent > b.settings.suspect_after_s
+            and any(ts > last for ts in symptoms)
         )
         if node in b.lost_nodes or not (
             silent > b.settings.heartbeat_timeout_s or suspect_confirmed
@@ -304,9 +309,11 @@ def vouchers(b: TaskBook, slot: int) -> list[int]:
 
 # -- stalls outside a step -----------------------------------------------------------------
 def stall_deadline(b: TaskBook) -> float:
-    """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`)."""
+    """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`):
+    an adopted task is warm at once (its logged pace), not cold for ``stall_cold_s``."""
     s = b.settings
     pace = b.monitor.pace_s() if b.monitor is not None else None
+    pace = b.logged_pace_s if pace is None else pace
     return stall_deadline_s(
         pace_s=pace,
         state_bytes=b.state_bytes,

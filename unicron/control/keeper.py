@@ -71,6 +71,11 @@ class Keeper:
             return ""
         return f"it did not answer a ping within {PING_LIMIT_S:g} s"
 
+    def answers(self) -> bool:
+        """Whether the store answers a ping within :data:`PING_LIMIT_S` (asked after a
+        coordinator's request to it failed: slow or gone)."""
+        return store_answers(self.info.address, PING_LIMIT_S)
+
     def restart(self) -> StoreInfo:
         """A new store on the lost one's port where it is free, recorded as :func:`ensure`
         records one; the lost one reaped if it was this process's child."""

@@ -55,6 +55,8 @@ def adopt(
         o.fresh = not b.trained
     for node in b.slots.nodes():
         b.heartbeats[node] = now
+    # their agents are still finding this coordinator: only the full timeout judges them
+    b.suspects_from = now + b.settings.heartbeat_timeout_s
     b.last_tick = now
 
 
@@ -306,11 +308,16 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     usable = _usable(b)
     pp = layout(b, usable)
     survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.size_at(pp))
-    # slots that can come back: usable ones, and excluded ones a health probe may readmit
-    # (not those of lost nodes: no agent to run a probe; none if probes are turned off)
+    # slots that can come back: usable ones, excluded ones a health probe may readmit (none
+    # if probes are turned off), and those of lost nodes only where nodes return (a cluster)
     probing = math.isfinite(b.settings.readmit_after_s)
+    returns = b.settings.nodes_return
     recoverable = [
-        s for s, o in b.slots.items() if not o.excluded or (probing and o.node not in b.lost_nodes)
+        s
+        for s, o in b.slots.items()
+        if not o.excluded
+        or (o.node in b.lost_nodes and returns)
+        or (probing and o.node not in b.lost_nodes)
     ]
     minimum = b.settings.min_workers
     why = ""
@@ -395,20 +402,22 @@ def check_give_up(b: TaskBook, now: float) -> None:
         )
 
 
-def store_moved(b: TaskBook, now: float, why: str) -> None:
+def store_moved(b: TaskBook, now: float, why: str, *, lost: bool = True) -> None:
     """The task's store was lost and a new one serves (``why``): write there what the workers
     read (the task trained or over), and announce the members again, in a new epoch, urgent
     (each member left its epoch when the store stopped answering; nothing of the old store
     is known to the new one, and the ledger exchange settles a step whose commit vote the
-    store took with it: :func:`unicron.runtime.transition.sync`)."""
-    b.emit("control_plane", ts=now, task=b.label, what=f"the training store was lost: {why}",
-           epoch=b.epoch)  # fmt: skip
+    store took with it: :func:`unicron.runtime.transition.sync`). ``lost=False``: the same
+    store serves, only a request of this coordinator failed (what it wrote may be missing)."""
+    what = "the training store was lost" if lost else "a request to the training store failed"
+    b.emit("control_plane", ts=now, task=b.label, what=f"{what}: {why}", epoch=b.epoch)
     if b.trained:
         b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
     if b.over():
         b.effects.append(WriteStoreKey(done_key(b.task), b.state.value))
     elif b.members:
-        announce(b, b.members, urgent=True, now=now, reason="the training store moved")
+        reason = "the training store moved" if lost else "a store request failed"
+        announce(b, b.members, urgent=True, now=now, reason=reason)
 
 
 def announce(

@@ -89,23 +89,26 @@ class NodeTable:
                  ) -> Node:  # fmt: skip
         """The node of a heartbeat or an exchange, seen at ``now``. A node a task dropped as
         lost (``dropped``: the names of the tasks that went on without a node id) does not
-        come back by speaking again (a partition healed): its workers there hold an epoch
-        the task left, so its agent is told to stop them and register anew
-        (:class:`Fenced`). A node only the ticker marked lost (a silence no task acted on:
-        an agent starved for a few seconds on a loaded host) is simply live again."""
+        come back by speaking again (a partition healed, or a silence only that task's own
+        judgement saw, its agent slow to find a new coordinator): its workers there hold an
+        epoch the task left, so its agent is told to stop them and register anew
+        (:class:`Fenced`), and the node counts as lost until it does. A node only the ticker
+        marked lost (a silence no task acted on: an agent starved for a few seconds on a
+        loaded host) is simply live again."""
         node = self._by_name.get(name)
         if node is None:
             raise NotFound(f"no node named {name}: register first")
         if node.row.instance != instance:
             raise Conflict(f"node {name} was taken over by another agent process")
+        gone = dropped(node.row.id)
+        if gone:  # a task judges by its own heartbeats: it may drop a node the table has not
+            node.lost = True  # ... and its agent's new registration brings it back
+            raise Fenced(
+                f"node {name} was declared lost ({now - node.last_seen:.1f} s silent) and "
+                f"task(s) {', '.join(gone)} went on without it: its workers there are "
+                "out of their epoch; stop them and register again"
+            )
         if node.lost:
-            gone = dropped(node.row.id)
-            if gone:
-                raise Fenced(
-                    f"node {name} was declared lost ({now - node.last_seen:.1f} s silent) and "
-                    f"task(s) {', '.join(gone)} went on without it: its workers there are "
-                    "out of their epoch; stop them and register again"
-                )
             log.info("node %s speaks again after %.1f s; no task dropped it", name,
                      now - node.last_seen)  # fmt: skip
             node.lost = False

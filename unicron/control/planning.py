@@ -179,6 +179,7 @@ def coordinator_settings(
         committed_before=committed_before,
         readmit_after_s=spec.readmit_after,
         give_up_after_s=spec.give_up_after,
+        nodes_return=True,  # an agent registers again; the planner gives other slots
     )
 
 
@@ -378,6 +379,16 @@ def logged_epoch(state: State, row: TaskRow) -> EpochInfo | None:
     members = tuple(int(m) for m in e.get("members", ()))
     nodes = tuple(row.placement[m] for m in members)
     return EpochInfo(int(e["epoch"]), members, nodes, True, float(e["ts"]), int(e.get("pp", 0)))
+
+
+def logged_pace(state: State, row: TaskRow, last: int = 20) -> float | None:
+    """The task's step time as its event log records it (the median ``duration_s`` of its
+    ``last`` committed steps; ``None``: none logged): the pace by which a coordinator that
+    adopted the task judges stalls until its own step monitor has learned one
+    (:meth:`Coordinator.adopt`). Called by the cluster service at start-up."""
+    durations = [float(e["duration_s"]) for e in state.last_events(row.name, "step_end", last)
+                 if isinstance(e.get("duration_s"), int | float)]  # fmt: skip
+    return statistics.median(durations) if durations else None
 
 
 def task_end(task: Task, status: str, result: dict[str, Any], reason: str, now: float

@@ -133,10 +133,12 @@ def node_returned(b: TaskBook, node: int, now: float) -> None:
     """The agent of the lost ``node`` is back: its slots return to the task (a ``readmit``
     action per slot); the new agent starts a worker in each. Slots excluded on their own
     account before the loss stay out."""
-    if node not in b.lost_nodes or not b.active():
+    if node not in b.lost_nodes:
         return
-    b.lost_nodes.discard(node)
+    b.lost_nodes.discard(node)  # even for a task not running: its agent must not be fenced
     b.heartbeats[node] = now
+    if not b.active():
+        return
     b.escalation.readmit(node=node)
     own = b.escalation.excluded_slots()
     for slot, o in sorted(b.slots.items()):

@@ -213,13 +213,18 @@ class State:
     def last_event(self, task: str, name: str) -> dict[str, Any] | None:
         """``task``'s newest event called ``name`` (an ``epoch_begin``: the membership a
         coordinator restarted without its store announces again), or ``None``."""
+        found = self.last_events(task, name, 1)
+        return found[0] if found else None
+
+    def last_events(self, task: str, name: str, count: int) -> list[dict[str, Any]]:
+        """``task``'s newest ``count`` events called ``name``, newest first."""
         pattern = f'%"event": {json.dumps(name)}%'
         with self._lock:
-            row = self._conn.execute(
-                "SELECT body FROM events WHERE task = ? AND body LIKE ? ORDER BY id DESC LIMIT 1",
-                (task, pattern),
-            ).fetchone()
-        return None if row is None else dict(json.loads(row[0]))
+            rows = self._conn.execute(
+                "SELECT body FROM events WHERE task = ? AND body LIKE ? ORDER BY id DESC LIMIT ?",
+                (task, pattern, count),
+            ).fetchall()
+        return [dict(json.loads(r[0])) for r in rows]
 
     def close(self) -> None:
         with self._lock:
