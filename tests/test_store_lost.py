@@ -383,3 +383,15 @@ def test_a_store_that_was_only_slow_is_kept_and_the_failed_writes_are_made_again
     keep_store(keeper, [a, b], 2.0)  # type: ignore[arg-type]
     assert keeper.restarted == 1 and len(b.controller.moved) == 1  # every task: a new store
     assert not b.controller.moved[0][1] and "did not answer" not in b.controller.moved[0][0]
+
+
+def test_an_adopted_epoch_naming_a_slot_given_back_goes_on_without_it() -> None:
+    """The log's (or the store's) last epoch may name a slot the task gave back since (its
+    placement -1, no longer the task's): the adopting coordinator starts, and announces the
+    members it still has (found by the cluster soak: ``KeyError`` at every start, no leader)."""
+    c = Coordinator(task="t", slots={0: 0, 1: 0}, events=EventLog(),
+                    escalation=Escalation(EscalationSettings()),
+                    settings=CoordinatorSettings())  # fmt: skip
+    c.adopt(9.0, committed_step=5, logged=EpochInfo(5, (0, 1, 2), (0, 0, 1), urgent=False))
+    assert c.members == (0, 1) and c.epoch >= 6
+    assert c.store.get(epoch_key("t")) == str(c.epoch).encode()

@@ -43,7 +43,11 @@ def adopt(
     b.epoch = info.epoch
     # members of this epoch or older report commits the old coordinator logged
     b.logged_before = (b.epoch, committed)
-    b.members = info.members
+    # a slot given back since that epoch is nobody's now (found by the cluster soak: a
+    # coordinator that announced it again failed to start, KeyError, again and again)
+    members = tuple(m for m in info.members if m in b.slots)
+    gone = [m for m in info.members if m not in b.slots]
+    b.members = replicas.whole(b.slots, members, b.size_at(info.pp)) if gone else members
     b.trained = trained
     b.state = TaskState.RUNNING if b.members else TaskState.WAITING
     if b.state is TaskState.WAITING:
@@ -53,6 +57,9 @@ def adopt(
             o.readied()
         o.has_state = b.trained or slot in b.members
         o.fresh = not b.trained
+    if gone and b.members:
+        slots = ", ".join(map(str, gone))
+        announce(b, b.members, urgent=True, now=now, reason=f"slot(s) {slots} given back")
     for node in b.slots.nodes():
         b.heartbeats[node] = now
     # their agents are still finding this coordinator: only the full timeout judges them
