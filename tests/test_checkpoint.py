@@ -315,3 +315,22 @@ def test_the_rng_states_come_back_through_a_written_checkpoint(tmp_path: Path) -
     assert torch.equal(torch.rand(4), expected[0])
     assert random.random() == expected[1]
     assert np.array_equal(np.random.rand(4), expected[2])
+
+
+def test_a_shard_that_ran_ahead_keeps_the_last_step_every_shard_has(tmp_path: Path) -> None:
+    """Each shard's writer prunes its own directory: one that ran ahead of a writer that died
+    must keep the newest step every shard has whole, or the task's state is in no checkpoint
+    (found by the cluster soak: shard 0 kept 297-298, shard 1 295-296)."""
+    s0, s1 = tmp_path / "shard0", tmp_path / "shard1"
+    for step in (1, 2, 3):
+        _write(s0, step, keep=2)
+        _write(s1, step, keep=2)
+    for step in (4, 5, 6):  # shard 1's writer died after step 3
+        _write(s0, step, keep=2)
+    assert [p.name for p in C.steps(s0)] == [f"step-{s:09d}" for s in (2, 3, 4, 5, 6)]
+    assert C.newest_step(tmp_path, 2) == 3
+    _write(s1, 4, keep=2)
+    _write(s1, 5, keep=2)  # caught up: steps 4 and 5 are whole, shard 0 drops 2 and 3 next
+    _write(s0, 7, keep=2)
+    assert [p.name for p in C.steps(s0)] == [f"step-{s:09d}" for s in (4, 5, 6, 7)]
+    assert [p.name for p in C.steps(s1)] == [f"step-{s:09d}" for s in (4, 5)]

@@ -203,13 +203,35 @@ def _alive(pid: int) -> bool:
 
 def prune(root: Path, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints (complete ones: with a manifest);
-    returns what was deleted. Called by :func:`write` after each new checkpoint."""
+    returns what was deleted. Called by :func:`write` after each new checkpoint. In a shard's
+    directory (``root/shardK``, :func:`shard_root`) the newest ``keep`` steps that every
+    shard has whole are kept, and whatever is newer: each shard's writer prunes its own, and
+    one that ran ahead of a writer that died must not delete the last step the others have
+    (found by the cluster soak: shard 0 kept steps 297-298, shard 1 295-296, and the task's
+    state, in no replica any more, was in no checkpoint either)."""
     assert keep > 0
     complete = [p for p in steps(root) if (p / MANIFEST).exists()]
     gone = complete[:-keep]
+    whole = _whole_steps(root)
+    if whole:
+        floor = whole[-keep] if len(whole) >= keep else whole[0]
+        gone = [p for p in complete if int(p.name[len(PREFIX) :]) < floor]
     for p in gone:
         _discard(p)
     return gone
+
+
+def _whole_steps(root: Path) -> list[int]:
+    """The steps every shard directory beside ``root`` (``shardK``) has complete, oldest
+    first; empty where ``root`` is no shard's or no step is whole yet."""
+    name = root.name
+    if not (name.startswith("shard") and name[5:].isdigit()) or not root.parent.is_dir():
+        return []
+    shards = [p for p in root.parent.iterdir()
+              if p.name.startswith("shard") and p.name[5:].isdigit() and p.is_dir()]  # fmt: skip
+    have = [{int(p.name[len(PREFIX) :]) for p in steps(s) if (p / MANIFEST).exists()}
+            for s in shards]  # fmt: skip
+    return sorted(set.intersection(*have)) if have else []
 
 
 def _discard(path: Path) -> None:
