@@ -648,7 +648,8 @@ def report(
         make_row(**base, metric="wall_s", values=[wall], unit="s",
                  note="first submission to the last task's end"),
         make_row(**base, metric="needed_a_human", values=[len(human) + undetected], unit="",
-                 note="; ".join(human)[:900] or "nothing; goal 0"),
+                 note=("; ".join(human)[:800] or "no trouble") + f"; {undetected} worker "
+                 "faults never detected; goal 0"),
     ]  # fmt: skip
     lines = [f"# Cluster soak ({setup})", "",
              "| fault | count | detection p50 (s) | p99 | recovery p50 (s) | p99 |",
