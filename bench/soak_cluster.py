@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.chaos import FAULT_KINDS, TIME_SCALE, same_state, schedule
+from bench.chaos import FAULT_KINDS, TIME_SCALE, measure_faults, same_state, schedule
 from bench.common import (
     RESULTS_DIR,
     Row,
@@ -472,10 +472,6 @@ def fault_free(workdir: Path, steps: dict[str, int]) -> float:
 
 
 # -- the measurements ---------------------------------------------------------------------------
-def _kind(e: Event) -> str:
-    return e["fault"] if e["fault"] != "error" else f"error:{e.get('kind')}"
-
-
 def driver_worker_faults(
     made: list[Made], events: dict[str, list[Event]]
 ) -> tuple[dict[str, dict[str, list[float]]], int]:
@@ -499,23 +495,9 @@ def driver_worker_faults(
 
 def worker_faults(events: list[Event]) -> tuple[dict[str, dict[str, list[float]]], int, int]:
     """Per kind of a task's injected faults: detection and recovery times; the faults fired
-    and those never detected."""
-    fired = [e for e in events if e["event"] == "fault_injected"]
-    detections = [e for e in events if e["event"] == "error_detected"]
-    ends = [e for e in events if e["event"] == "step_end"]
-    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    undetected = 0
-    for f in fired:
-        ts, slot = float(f["ts"]), f.get("rank")
-        found = next((d for d in detections if d.get("slot") == slot and d["ts"] >= ts), None)
-        if found is None:
-            undetected += 1
-            continue
-        out[_kind(f)]["detection_s"].append(float(found["ts"]) - ts)
-        nxt = next((e for e in ends if e["ts"] > found["ts"]), None)
-        if nxt is not None:
-            out[_kind(f)]["recovery_s"].append(float(nxt["ts"]) - ts)
-    return out, len(fired), undetected
+    and those never detected (:func:`bench.chaos.measure_faults`, as ``make soak`` counts)."""
+    m = measure_faults(events)
+    return m["by_kind"], int(m["fired"]), int(m["undetected"])
 
 
 def cluster_faults(
