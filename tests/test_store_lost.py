@@ -295,7 +295,7 @@ def test_a_worker_spawned_with_a_dead_store_address_asks_where_it_moved(tmp_path
     the store serves now, in about the time that takes, where torch's connect would retry
     the dead address for the whole request timeout (found by the cluster soak)."""
     from unicron.runtime.context import WorkerContext
-    from unicron.worker import _first_store
+    from unicron.worker import _find_store
 
     torchs = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with socket.socket() as s:
@@ -312,7 +312,7 @@ def test_a_worker_spawned_with_a_dead_store_address_asks_where_it_moved(tmp_path
     ctx = WorkerContext(task="t", slot=0, node=0, incarnation=1, store_host="127.0.0.1",
                         store_port=dead, faults=(), timeout_s=300.0)  # fmt: skip
     began = time.monotonic()
-    moved, store = _first_store(ctx, Link())  # type: ignore[arg-type]
+    moved, store = _find_store(ctx, Link(), ask=False)  # type: ignore[arg-type]
     assert moved.store_port == torchs.port and Link.asked == 3
     assert time.monotonic() - began < 30.0  # not the 300 s request timeout
     store.set("k", "v")

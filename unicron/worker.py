@@ -26,7 +26,6 @@ user's model code does not change.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -266,16 +265,22 @@ STORE_PROBE_S = 0.25
 host's silence must not hold the worker while its agent learns the new address)"""
 
 
-def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, BoundedStore]:
+def _find_store(
+    ctx: WorkerContext, link: AgentLink, *, ask: bool = True
+) -> tuple[WorkerContext, BoundedStore]:
     """The training store stopped answering (:class:`~unicron.runtime.group.StoreLost`):
     ask the agent where it serves now until a connection there answers, and return the
     context with that address and the connection. The cluster starts a lost store again
     within a tick (on the same port where it can), and the agent hears of a new address with
     its node's next heartbeat; until then the old address is tried. Called by
-    :meth:`_Runner._leave`; the worker then waits there for the next epoch."""
+    :meth:`_Runner._leave`; the worker then waits there for the next epoch. ``ask=False``:
+    the worker's first connection, at the address it was spawned with before asking the agent
+    (found by the cluster soak: a worker restarted just after the store moved, its agent not
+    yet told, sat in torch's connect to the dead address for the whole request timeout)."""
     said = time.monotonic()
     while True:
-        address = link.where_store() or f"{ctx.store_host}:{ctx.store_port}"
+        address = (link.where_store() if ask else "") or f"{ctx.store_host}:{ctx.store_port}"
+        ask = True
         host, port = host_port(address)
         moved = dataclasses.replace(ctx, store_host=host, store_port=port)
         try:
@@ -289,18 +294,6 @@ def _find_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, Bou
             print(f"unicron: no training store answers at {address} yet", flush=True)
             said = time.monotonic()
         time.sleep(STORE_RETRY_S)
-
-
-def _first_store(ctx: WorkerContext, link: AgentLink) -> tuple[WorkerContext, BoundedStore]:
-    """The worker's first connection to the training store, at the address its agent spawned
-    it with; where nothing answers there (the store moved while the agent had not heard yet),
-    where it serves now (:func:`_find_store`), rather than torch's connect retrying a dead
-    address for the whole request timeout (found by the cluster soak: a worker restarted
-    beside a store killed a moment before waited five minutes to start)."""
-    if store_answers(f"{ctx.store_host}:{ctx.store_port}", STORE_PROBE_S):
-        with contextlib.suppress(RuntimeError):  # DistNetworkError: gone meanwhile
-            return ctx, BoundedStore(_store_client(ctx, connect_s=5.0))
-    return _find_store(ctx, link)
 
 
 def _sev3(exc: Exception) -> bool:
@@ -352,7 +345,7 @@ class _Runner:
         self.faults = FaultPlan(
             list(self.ctx.faults), emit=self._event, rank=self.ctx.slot, act=self._act
         )
-        self.ctx, self.store = _first_store(self.ctx, self.link)
+        self.ctx, self.store = _find_store(self.ctx, self.link, ask=False)
         # a freshly built model is the task's state only until the first step commits (the
         # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self.store.check([trained_key(self.ctx.task)])

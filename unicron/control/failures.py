@@ -306,7 +306,7 @@ def census(b: TaskBook, node: int, r: Census) -> None:
             worker_failed(b, slot, classify_exit(-9), r.ts)
         elif alive and slot in r.ready and slot in b.members:
             outside.append(slot)
-    if outside and b.state is TaskState.RUNNING and set(outside) <= set(b.members):
+    if outside and b.state is TaskState.RUNNING:
         slots = ", ".join(map(str, outside))
         membership.announce(b, b.members, urgent=True, now=r.ts,
                             reason=f"slot(s) {slots} wait outside the adopted epoch")  # fmt: skip
