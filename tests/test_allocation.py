@@ -234,3 +234,26 @@ def test_the_partner_of_an_excluded_rank_waits_and_is_not_given_back() -> None:
     d = decide([a], {0: 3}, DAY)
     (m,) = d.moves
     assert m.release == () and (m.before, m.after) == (2, 2)
+
+
+def test_replicas_are_packed_but_never_all_on_one_node_where_another_has_room() -> None:
+    """Found by the cluster soak: a task packed onto one node lost every replica with that
+    node and went back to its checkpoint, redoing steps; a second node holds one replica."""
+    d = decide([view("a", 1, 2, 4, {}, running=False)], {0: 4, 1: 4}, DAY)
+    (m,) = d.moves
+    assert (m.after, m.add_on) == (4, (0, 0, 0, 1))
+    tp = TaskView(name="t", weight=1, min_workers=4, max_workers=4, ranks={}, running=False,
+                  microbatches=8, replica_ranks=2)  # fmt: skip
+    (m,) = decide([tp], {0: 4, 1: 4}, DAY).moves
+    assert m.add_on == (0, 0, 1, 1)
+    # one replica alone: nothing to spread
+    (m,) = decide([view("c", 1, 1, 1, {}, running=False)], {0: 4, 1: 4}, DAY).moves
+    assert m.add_on == (0,)
+    # shrinking to two replicas gives back from its biggest node rather than leave one node
+    a = view("a", 1, 1, 4, {0: 0, 1: 0, 2: 0, 3: 1}, running=True)
+    b = view("b", 5, 2, 2, {}, running=False)
+    d = decide([a, b], {0: 3, 1: 1}, DAY)
+    assert moves(d) == {"a": (4, 2), "b": (0, 2)}
+    release = next(m for m in d.moves if m.task == "a").release
+    kept = {n for r, n in a.ranks.items() if r not in release}
+    assert kept == {0, 1}, release

@@ -254,8 +254,8 @@ def test_a_node_declared_lost_is_fenced_until_it_registers_again(cluster: Cluste
 
     now = time.time()
     nid = cluster.register("n0", 2, "127.0.0.1", "i0", now)
-    cluster.register("n1", 2, "127.0.0.1", "j0", now)
     submit(cluster, "a", now, workers={"min": 1, "max": 2})
+    cluster.register("n1", 2, "127.0.0.1", "j0", now)
     a = cluster.tasks["a"]
     assert a.row.placement == [nid, nid] and a.controller is not None
     late = now + cluster.settings.node_timeout_s + 0.5

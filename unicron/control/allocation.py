@@ -6,8 +6,11 @@ Under the default placement (``planner``) it asks the planner's solver
 (:func:`unicron.planner.solve`) for the worker counts that maximise the cluster's weighted
 achieved throughput, counting each task's transition against the expected time to the next
 failure, then turns the counts into moves: which of a task's launch ranks to give back (on
-the nodes where it holds the most, so that it stays packed) and on which nodes a growing or
-starting task gets its slots. Pure: no clock, no I/O.
+the nodes where it holds the fewest, so that it stays packed) and on which nodes a growing or
+starting task gets its slots (the nodes it is on first). Packed, but never on one node where
+the task has two replicas or more and a second node has room: a node lost then leaves a
+replica whose state heals the others, where one node holding them all would send the task
+back to its checkpoint, redoing the steps since. Pure: no clock, no I/O.
 
 Throughput model, in one unit for every task (worker-equivalents: what ``u`` workers do,
 counted in what one worker does at its best):
@@ -315,6 +318,21 @@ def _planned(
     return target, reasons
 
 
+def _spared(
+    t: TaskView, groups: list[tuple[int, ...]], given: list[int], left: int, live: dict[int, int]
+) -> tuple[int, ...]:
+    """The next replica ``t`` gives back, ``groups`` in order of preference, ``left`` ranks
+    it keeps: the first whose loss leaves it on two nodes or more where it keeps two replicas
+    or more (a node lost then leaves a replica to heal from), else the first."""
+    if left < 2 * t.replica_ranks:
+        return groups[0]
+    for g in groups:
+        out = {*given, *g, *t.parked}
+        if len({n for r, n in t.ranks.items() if n in live and r not in out}) >= 2:
+            return g
+    return groups[0]
+
+
 def _moves(
     tasks: list[TaskView], capacity: dict[int, int], held: dict[str, int], target: dict[str, int]
 ) -> list[Move]:
@@ -334,9 +352,9 @@ def _moves(
                 key=lambda g: (len(g) == t.replica_ranks, count[t.ranks[g[0]]], -g[0]),
             )
             give_back: list[int] = []
-            for g in groups:
-                if held[t.name] - len(give_back) <= target[t.name]:
-                    break
+            while groups and held[t.name] - len(give_back) > target[t.name]:
+                g = _spared(t, groups, give_back, target[t.name], capacity)
+                groups.remove(g)
                 give_back += g
             for r in give_back:
                 free[t.ranks[r]] += 1
@@ -347,9 +365,13 @@ def _moves(
         if extra > 0:
             mine = {n: sum(1 for m in t.ranks.values() if m == n) for n in capacity}
             nodes: list[int] = []
-            # pack: nodes it is on, then the freest; a replica's tp ranks on one node
+            # pack: nodes it is on, then the freest; a replica's tp ranks on one node; a
+            # second replica on a second node where one has room (two failure domains)
             for _ in range(extra // t.replica_ranks):
                 open_ = [n for n in free if free[n] >= t.replica_ranks]
+                on = {n for n in mine if mine[n]}
+                if len(on) == 1 and any(n not in on for n in open_):
+                    open_ = [n for n in open_ if n not in on]
                 if not open_:
                     break
                 n = max(open_, key=lambda n: (mine[n], free[n], -n))
@@ -357,7 +379,7 @@ def _moves(
                 mine[n] += t.replica_ranks
                 nodes += [n] * t.replica_ranks
             after = held[t.name] + len(nodes)
-            moves.append(Move(t.name, held[t.name], after, add_on=tuple(nodes)))
+            moves.append(Move(t.name, held[t.name], after, add_on=tuple(sorted(nodes))))
         elif extra == 0:
             moves.append(Move(t.name, held[t.name], held[t.name]))
     return moves
