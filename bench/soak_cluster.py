@@ -138,6 +138,9 @@ class Driver:
         self.rng = random.Random(seed + 1)
         self.made: list[Made] = []
         self.leader = COORDINATOR_HOSTS[0]
+        self.restarted: list[tuple[float, int, int | None]] = []
+        """coordinators that exited on their own (a leader fenced: its lease went unrenewed,
+        etcd slow), started again as a supervisor would: (when, host, exit code)"""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._kinds: list[str] = []
@@ -157,7 +160,12 @@ class Driver:
         return self._kinds.pop()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        due = time.monotonic() + self.period_s
+        while not self._stop.wait(1.0):
+            self.supervise()
+            if time.monotonic() < due:
+                continue
+            due = time.monotonic() + self.period_s
             kind = self._next_kind()
             try:
                 made = getattr(self, kind)()
@@ -223,12 +231,14 @@ class Driver:
         return made
 
     # -- helpers -----------------------------------------------------------------------------
-    def _find_leader(self) -> int:
-        """The coordinator host that answers (a standby serves nothing)."""
+    def _find_leader(self, skip: int | None = None) -> int:
+        """The coordinator host that answers (a standby serves nothing); ``skip``: a host a
+        fault is being made on (see :meth:`supervise`)."""
         import httpx
 
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
+            self.supervise(skip)
             for h in COORDINATOR_HOSTS:
                 url = f"http://{self.c.net.members[h].address}:{self.c.port}/v1/nodes"
                 with contextlib.suppress(httpx.HTTPError):
@@ -244,7 +254,7 @@ class Driver:
         """Wait until the other coordinator leads, then start ``old`` again as the standby."""
         other = next(h for h in COORDINATOR_HOSTS if h != old)
         try:
-            now = self._find_leader()
+            now = self._find_leader(skip=old)
         except RuntimeError as e:
             return str(e)
         made.extra["leads_at"] = time.time()
@@ -263,11 +273,15 @@ class Driver:
             time.sleep(0.2)
         return "" if self._stop.is_set() else f"node n{host} not up 60 s after its return"
 
-    def restart_cut_leader(self) -> None:
-        """A leader cut off and fenced comes back as the standby (called between faults)."""
+    def supervise(self, skip: int | None = None) -> None:
+        """Start again every coordinator that exited on its own, as the standby (what a
+        supervisor such as systemd's ``Restart=always`` does for a fenced leader, exit code
+        75); ``skip``: the host a fault is being made on (its maker restarts it). Called
+        every second between faults, and while a fault waits for a leader."""
         for h in COORDINATOR_HOSTS:
             proc = self.c.coordinators.get(h)
-            if proc is not None and proc.poll() is not None:
+            if h != skip and proc is not None and (code := proc.poll()) is not None:
+                self.restarted.append((time.time(), h, code))
                 self.c.start_coordinator(host=h, wait=False)
 
 
@@ -394,9 +408,10 @@ def soak(
     worker_period_s: float,
     seed: int,
     timeout_s: float,
-) -> tuple[dict[str, list[Event]], dict[str, dict[str, Any]], list[Made], list[Made], float]:
+) -> tuple[dict[str, list[Event]], dict[str, dict[str, Any]], list[Made], list[Made], float, int]:
     """Run the soak in ``workdir``: each task's events and final view, the cluster faults
-    made, and the wall time from the first submission to the last task's end."""
+    made, the wall time from the first submission to the last task's end, and how many
+    times a coordinator exited on its own and was started again (:meth:`Driver.supervise`)."""
     specs, _ = task_specs(faults, seed)
     with LocalCluster(workdir / "cluster", hosts=len(COORDINATOR_HOSTS) + len(AGENT_HOSTS),
                       slots=SLOTS, coordinator_hosts=COORDINATOR_HOSTS) as c:  # fmt: skip
@@ -433,10 +448,10 @@ def soak(
         wall = time.time() - t0
         if len(views) < len(TASKS):
             raise RuntimeError(f"not every task ended within {timeout_s:.0f} s (logs: {workdir})")
-        driver.restart_cut_leader()
+        driver.supervise()
         c.wait_until(lambda: _answers(c), "a leader answers", 60)
         events = {t.name: _events(c, t.name) for t in TASKS}
-    return events, views, driver.made, hands.made, wall
+    return events, views, driver.made, hands.made, wall, len(driver.restarted)
 
 
 def _answers(c: LocalCluster) -> bool:
@@ -696,8 +711,9 @@ def run(
     faults: int, period_s: float, worker_period_s: float, seed: int, workdir: Path
 ) -> tuple[list[Row], str]:
     """The soak and the fault-free runs in ``workdir``: the rows and the table."""
-    events, views, made, hands, wall = soak(workdir, faults, period_s, worker_period_s, seed,
-                                            timeout_s=3 * 3600)  # fmt: skip
+    events, views, made, hands, wall, fenced = soak(
+        workdir, faults, period_s, worker_period_s, seed, timeout_s=3 * 3600
+    )
     _, steps = task_specs(faults, seed)
     ref_wall = fault_free(workdir, steps)
     exact = {
@@ -708,7 +724,9 @@ def run(
         f"{faults} worker faults planned (kinds {len(FAULT_KINDS)}), a driver's worker fault "
         f"every {worker_period_s:g} s, a cluster fault every {period_s:g} s, seed {seed}; "
         f"4 agents x {SLOTS} slots, a leader and a standby "
-        f"coordinator (etcd lease 2 s); fault-free runs {ref_wall:.0f} s; load "
+        f"coordinator (etcd lease 2 s; {fenced} exit(s) of a coordinator on its own, a "
+        f"leader fenced, started again as a supervisor would); fault-free runs "
+        f"{ref_wall:.0f} s; load "
         f"{os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} cores"
     )
     return report(events, views, made, hands, exact, steps, wall, setup, period_s)

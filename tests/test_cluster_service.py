@@ -408,3 +408,68 @@ def test_a_restarted_service_adopts_a_task_without_the_slots_it_gave_back(tmp_pa
         assert not [e for e in found if e.get("node") == -1], found
     finally:
         again.close(stop_store=True)
+
+
+def test_a_task_that_cannot_be_adopted_fails_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted service that cannot adopt one task (found by the cluster soak: a logged
+    epoch naming a slot given back raised in the adoption and killed every coordinator's
+    start, so nothing led the cluster) fails that task and adopts the others."""
+    from unicron.control import cluster as cluster_module
+
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1")
+    try:
+        cluster.register("gpu-0", 2, "127.0.0.1", "i1", time.time())
+        for name in ("good", "bad"):
+            cluster.submit(TaskSpec.model_validate(spec(name, workers={"min": 1, "max": 1})), 1.0)
+            row = cluster.tasks[name].row
+            row.state = "running"
+            cluster.state.save_task(row)
+    finally:
+        cluster.close(stop_store=True)
+    real = cluster_module.logged_epoch
+
+    def logged_epoch(state: Any, row: Any) -> Any:
+        if row.name == "bad":
+            raise KeyError(7)
+        return real(state, row)
+
+    monkeypatch.setattr(cluster_module, "logged_epoch", logged_epoch)
+    again = Cluster(tmp_path / "state", host="127.0.0.1")
+    try:
+        again.tick(time.time())
+        bad, good = again.tasks["bad"], again.tasks["good"]
+        assert bad.row.state == "failed" and "not adopted: KeyError: 7" in bad.row.outcome["reason"]
+        assert good.row.state in ("running", "waiting") and good.controller is not None
+        (end,) = [e for e in again.events("bad", 0)[0] if e["event"] == "task_end"]
+        assert end["status"] == "failed"
+    finally:
+        again.close(stop_store=True)
+
+
+def test_a_task_whose_coordinator_raises_fails_alone(tmp_path: Path) -> None:
+    """A bug in one task's decisions (an exception out of its coordinator's tick: the
+    cluster soak found one) fails that task; the cluster's ticker goes on for the others."""
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1")
+    try:
+        cluster.register("gpu-0", 2, "127.0.0.1", "i1", time.time())
+        for name in ("bad", "good"):
+            cluster.submit(TaskSpec.model_validate(spec(name, workers={"min": 1, "max": 1})), 1.0)
+        bad, good = (cluster.tasks[n].controller for n in ("bad", "good"))
+        assert bad is not None and good is not None
+        ticked: list[float] = []
+
+        def broken(now: float) -> None:
+            raise IndexError("list index out of range")
+
+        def counted(now: float, tick: Any = good.tick) -> None:
+            ticked.append(now)
+            tick(now)
+
+        bad.tick, good.tick = broken, counted  # type: ignore[method-assign]
+        cluster.tick(time.time())
+        assert bad.over() and "its coordinator failed: IndexError" in bad.outcome.reason
+        assert ticked and not good.over()
+    finally:
+        cluster.close(stop_store=True)

@@ -639,3 +639,25 @@ def test_reports_the_coordinator_cannot_apply_fail_the_task_rather_than_hang_it(
     assert "ValueError: a bug" in said[-1]["what"]
     assert cl.c.store.get(done_key("t")) == b"failed"
     assert "failed to apply 3 reports" in cl.c.outcome.reason
+
+
+def test_a_silent_node_where_the_task_holds_no_slot_any_more_is_forgotten(
+    tmp_path: Path,
+) -> None:
+    """Found by the cluster soak: a task gave its slots on a node back, the node's agent
+    exchanged once more, then fell silent (killed): judging it lost raised (no slot to
+    escalate on) and killed the whole cluster's ticker."""
+    k = Cluster(tmp_path, nodes=2, per_node=2, min_workers=2)
+    c = k.c
+    t = k.steps(2, 0.0)
+    c.release_slots([2, 3], t, "planner")
+    t = k.steps(1, t, slots=(0, 1))
+    for s in (2, 3):
+        c.worker_left(s)
+    assert c.released() == {2, 3} and c.slots.on_node(1) == []
+    c.heartbeat(1, t)  # the agent's last exchange
+    for i in range(1, 40):
+        c.heartbeat(0, t + i / 10)
+        c.tick(t + i / 10)
+    assert c.lost_nodes == set() and not k.events("error_detected")
+    assert c.state is TaskState.RUNNING and c.members == (0, 1)

@@ -210,7 +210,7 @@ class Cluster:
                     node.row.id,
                     self.store.info.address,
                     self.store.secret,
-                    self._checkpoint_dir(t),
+                    checkpoint_dir(t, self.state_dir),
                 )
                 for t in self.tasks.values()
                 if t.controller is not None and node.row.id in t.row.placement
@@ -441,7 +441,7 @@ class Cluster:
     def _start(self, task: Task, now: float, *, adopt: bool) -> None:
         spec, row = task.spec, task.row
         task_dir = self.state_dir / "tasks" / row.uid
-        checkpoint = self._checkpoint_dir(task)
+        checkpoint = checkpoint_dir(task, self.state_dir)
         committed_before: int | None = max(row.committed_step + 1, 0)
         if spec.checkpoint.resume and not adopt and checkpoint is not None:
             committed_before = C.take_progress(checkpoint)
@@ -461,9 +461,13 @@ class Cluster:
             store=self.store.client(row.uid),
         )
         if adopt:  # the store's epochs, or the log's last one announced again on a new store
-            logged = logged_epoch(self.state, row)  # where the store has no epoch of it
-            task.controller.adopt(now, committed_step=row.committed_step, logged=logged,
-                                  pace_s=logged_pace(self.state, row))  # fmt: skip
+            try:
+                logged = logged_epoch(self.state, row)  # where the store has no epoch of it
+                task.controller.adopt(now, committed_step=row.committed_step, logged=logged,
+                                      pace_s=logged_pace(self.state, row))  # fmt: skip
+            except Exception as exc:  # this task fails alone; the service and the others go on
+                log.exception("task %s: adoption failed", row.name)
+                task.controller.fail(f"not adopted: {type(exc).__name__}: {exc}", now)
             task.events.emit(
                 "control_plane",
                 ts=now,
@@ -475,9 +479,6 @@ class Cluster:
         elif row.state == "queued":
             row.state = "pending"
             self.state.save_task(row)
-
-    def _checkpoint_dir(self, task: Task) -> Path | None:
-        return checkpoint_dir(task, self.state_dir)
 
     def _on_event(self, task: Task, e: dict[str, Any]) -> None:
         """Every event of a task's log: into SQLite, the task's row (:func:`planning.fold`)
@@ -503,8 +504,12 @@ class Cluster:
         for task in active:
             c = task.controller
             assert c is not None
-            c.check_input(now)
-            c.tick(now)
+            try:
+                c.check_input(now)
+                c.tick(now)
+            except Exception as exc:  # a bug in one task's decisions fails that task alone
+                log.exception("task %s: its coordinator failed", task.row.name)
+                c.fail(f"its coordinator failed: {type(exc).__name__}: {exc}", now)
             state = c.state
             if state is TaskState.RUNNING and task.row.state == "waiting":
                 task.row.state = "running"
@@ -541,17 +546,11 @@ class Cluster:
         assert task.events is not None
         task.events.emit("task_end", ts=now, **task_end(task, status, r, outcome.reason, now))
         # how far it got, beside its checkpoints: a resume of it says how many steps it redoes
-        C.record_progress(self._checkpoint_dir(task), c.committed_steps())
+        C.record_progress(checkpoint_dir(task, self.state_dir), c.committed_steps())
         self._end(task, status, outcome.reason, now, result={**r, "usage": outcome.usage})
 
-    def _end(
-        self,
-        task: Task,
-        status: str,
-        reason: str,
-        now: float,
-        result: dict[str, Any] | None = None,
-    ) -> None:
+    def _end(self, task: Task, status: str, reason: str, now: float,
+             result: dict[str, Any] | None = None) -> None:  # fmt: skip
         self._triggers.append(f"task {task.row.name} {status}")
         task.row.state = status
         task.row.outcome = {"status": status, "reason": reason, "ts": now, **(result or {})}

@@ -230,10 +230,16 @@ def node_lost(
 ) -> None:
     """The agent of ``node`` has been silent for ``silent`` seconds (and, with
     ``suspect_confirmed``, a living peer's collective failed meanwhile): the node is lost,
-    its slots excluded with their workers, the survivors reform."""
+    its slots excluded with their workers, the survivors reform. A node where the task holds
+    no slot any more (it gave them back; the agent's last exchange came after) is forgotten:
+    nothing of the task was lost there."""
+    slots = b.slots.on_node(node)
+    if not slots:
+        del b.heartbeats[node]
+        b.read_until.pop(node, None)
+        return
     b.lost_nodes.add(node)
     verdict = classify_detector("heartbeat_lost")
-    slots = b.slots.on_node(node)
     b.emit(
         "error_detected",
         ts=now,

@@ -178,7 +178,7 @@ def check_heartbeats(b: TaskBook, now: float) -> None:
             b.heartbeats[node] = max(b.heartbeats[node], now)
         return
     symptoms = [e.ts for s in b.slots.values() if (e := s.pending_error) is not None]
-    for node, last in b.heartbeats.items():
+    for node, last in list(b.heartbeats.items()):  # node_lost may forget one
         silent = now - last
         suspect_confirmed = (
             now >= b.suspects_from
