@@ -257,3 +257,17 @@ def test_replicas_are_packed_but_never_all_on_one_node_where_another_has_room() 
     release = next(m for m in d.moves if m.task == "a").release
     kept = {n for r, n in a.ranks.items() if r not in release}
     assert kept == {0, 1}, release
+
+
+def test_a_shrinking_task_gives_back_ranks_that_hold_no_state_first() -> None:
+    """Found by the cluster soak: a node came back, its slots were readmitted (no state yet)
+    and the plan gave back the task's replicas that held the state, leaving one holder; its
+    next fault sent the task back to its checkpoint."""
+    ranks = {0: 0, 1: 0, 2: 0, 5: 1, 8: 2, 9: 3}
+    a = TaskView(name="a", weight=1, min_workers=2, max_workers=6, ranks=ranks, running=True,
+                 microbatches=8, members=frozenset({5, 8, 9}))  # fmt: skip
+    b = view("b", 5, 2, 2, {}, running=False)
+    d = decide([a, b], {0: 3, 1: 1, 2: 1, 3: 1}, DAY)
+    assert moves(d) == {"a": (6, 4), "b": (0, 2)}
+    release = next(m for m in d.moves if m.task == "a").release
+    assert set(release) <= {0, 1, 2}, release

@@ -102,6 +102,10 @@ class TaskView:
     """ranks (in :attr:`ranks`) whose replica has an excluded rank: they wait for it, idle,
     and a plan neither counts them nor gives them back (the replica is whole again once the
     excluded rank passes its health probe)"""
+    members: frozenset[int] = frozenset()
+    """ranks in the task's current epoch: they hold its state, or get it in the epoch's
+    transition (a rank readmitted or added since holds none yet); a shrinking task gives
+    back the others first"""
     optimizer_copies: int = 1
     """keepers of each share of a sharded optimizer state in the performance model: 2 for a
     task with ``zero: 1`` (:attr:`unicron.planner.PerfOptions.optimizer_copies`)"""
@@ -321,12 +325,16 @@ def _planned(
 def _spared(
     t: TaskView, groups: list[tuple[int, ...]], given: list[int], left: int, live: dict[int, int]
 ) -> tuple[int, ...]:
-    """The next replica ``t`` gives back, ``groups`` in order of preference, ``left`` ranks
-    it keeps: the first whose loss leaves it on two nodes or more where it keeps two replicas
-    or more (a node lost then leaves a replica to heal from), else the first."""
+    """The next replica ``t`` gives back, ``groups`` in order of preference (those holding
+    no state first), ``left`` ranks it keeps: of the first kind, the first whose loss leaves
+    it on two nodes or more where it keeps two replicas or more (a node lost then leaves a
+    replica to heal from), else the first."""
     if left < 2 * t.replica_ranks:
         return groups[0]
+    kind = t.members.isdisjoint(groups[0])
     for g in groups:
+        if t.members.isdisjoint(g) != kind:
+            break
         out = {*given, *g, *t.parked}
         if len({n for r, n in t.ranks.items() if n in live and r not in out}) >= 2:
             return g
@@ -345,11 +353,17 @@ def _moves(
     moves: list[Move] = []
     for t in tasks:  # shrinking first: their slots free up
         if target[t.name] < held[t.name]:
-            # whole replicas (short ones first), from the nodes where it holds the fewest
+            # whole replicas (short ones first, and those holding no state), from the nodes
+            # where it holds the fewest
             count = {n: sum(1 for m in t.ranks.values() if m == n) for n in capacity}
             groups = sorted(
                 _groups(t, capacity),
-                key=lambda g: (len(g) == t.replica_ranks, count[t.ranks[g[0]]], -g[0]),
+                key=lambda g: (
+                    not t.members.isdisjoint(g),
+                    len(g) == t.replica_ranks,
+                    count[t.ranks[g[0]]],
+                    -g[0],
+                ),
             )
             give_back: list[int] = []
             while groups and held[t.name] - len(give_back) > target[t.name]:

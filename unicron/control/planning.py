@@ -119,6 +119,7 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         transition_s=transition,
         replica_ranks=task.spec.smallest_replica,
         parked=parked(task),
+        members=frozenset() if c is None else frozenset(c.members),
         optimizer_copies=2 if task.spec.zero else 1,
     )
 
