@@ -46,6 +46,14 @@ from unicron.runtime.bounded import BoundedStore, StoreTimeout
 STEPS = 24  # the shape of tests.conftest.fault_free_4x24
 
 
+def _coordinator(slots: dict[int, int], events: EventLog | None = None) -> Coordinator:
+    """A task coordinator of ``slots`` (slot -> node) with a store of its own (nothing in
+    it): what a coordinator restarted without its store adopts from."""
+    return Coordinator(task="t", slots=slots, events=events or EventLog(),
+                       escalation=Escalation(EscalationSettings()),
+                       settings=CoordinatorSettings())  # fmt: skip
+
+
 def test_a_new_store_gets_the_tasks_keys_and_its_members_in_a_new_epoch(tmp_path: Path) -> None:
     c = running(tmp_path)
     c.exchange(0, [M.Event(ts=1.0, name="step_end", fields={"epoch": 1, "step": 0})], 1.0)
@@ -76,13 +84,7 @@ def test_a_coordinator_restarted_without_its_store_announces_the_logged_epoch_ag
         state.add_event("t", {"ts": float(epoch), "event": "step_end", "step": epoch})
     logged = logged_epoch(state, row)
     assert logged == EpochInfo(5, (0, 2, 3), (0, 1, 1), urgent=True, published_ts=5.0)
-    c = Coordinator(
-        task="t",
-        slots={0: 0, 1: 0, 2: 1, 3: 1},
-        events=EventLog(),
-        escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(),
-    )  # a store of its own: nothing in it
+    c = _coordinator({0: 0, 1: 0, 2: 1, 3: 1})  # a store of its own: nothing in it
     c.adopt(9.0, committed_step=5, logged=logged)
     assert (c.epoch, c.members) == (6, (0, 2, 3))
     assert c.store.get(epoch_key("t")) == b"6" and c.store.check([trained_key("t")])
@@ -242,13 +244,7 @@ def test_after_a_takeover_only_the_full_timeout_judges_a_node_not_yet_heard(
     finding it, the takeover's failed collectives (its workers' in-band errors) must not
     confirm that node as a suspect (found by the cluster soak: two healthy nodes excluded
     0.7 s after a standby took over); the heartbeat timeout still applies."""
-    c = Coordinator(
-        task="t",
-        slots={0: 0, 1: 0, 2: 1, 3: 1},
-        events=EventLog(),
-        escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(),
-    )
+    c = _coordinator({0: 0, 1: 0, 2: 1, 3: 1})
     c.adopt(9.0, committed_step=5, logged=EpochInfo(5, (0, 1, 2, 3), (0, 0, 1, 1), urgent=False))
     error = M.WorkerError(slot=0, ts=9.2, verdict=verdict_for_kind("conn_reset"),
                           in_place=False, epoch=c.epoch)  # fmt: skip
@@ -280,9 +276,7 @@ def test_an_adopted_task_judges_stalls_by_its_logged_pace(tmp_path: Path) -> Non
                               "duration_s": d})  # fmt: skip
     assert logged_pace(state, row) == 0.3
     state.close()
-    c = Coordinator(task="t", slots={0: 0, 1: 0}, events=EventLog(),
-                    escalation=Escalation(EscalationSettings()),
-                    settings=CoordinatorSettings())  # fmt: skip
+    c = _coordinator({0: 0, 1: 0})
     cold = stall_deadline(c.book)
     c.adopt(9.0, committed_step=4, logged=EpochInfo(5, (0, 1), (0, 0), urgent=False),
             pace_s=0.3)  # fmt: skip
@@ -327,9 +321,7 @@ def test_an_adopted_epoch_a_member_waits_outside_of_is_announced_again(tmp_path:
     a dead one (found by the cluster soak). A census of members that are in the epoch
     changes nothing."""
     log = tmp_path / "events.jsonl"
-    c = Coordinator(task="t", slots={0: 0, 1: 0, 2: 1, 3: 1}, events=EventLog(log),
-                    escalation=Escalation(EscalationSettings()),
-                    settings=CoordinatorSettings())  # fmt: skip
+    c = _coordinator({0: 0, 1: 0, 2: 1, 3: 1}, EventLog(log))
     c.adopt(9.0, committed_step=5, logged=EpochInfo(5, (0, 1, 2, 3), (0, 0, 1, 1), urgent=False))
     assert c.epoch == 6  # announced again on its own store (a store of its own here)
     c.exchange(1, [M.Census(ts=9.1, alive=(2, 3), ready=())], 9.1)
@@ -389,9 +381,7 @@ def test_an_adopted_epoch_naming_a_slot_given_back_goes_on_without_it() -> None:
     """The log's (or the store's) last epoch may name a slot the task gave back since (its
     placement -1, no longer the task's): the adopting coordinator starts, and announces the
     members it still has (found by the cluster soak: ``KeyError`` at every start, no leader)."""
-    c = Coordinator(task="t", slots={0: 0, 1: 0}, events=EventLog(),
-                    escalation=Escalation(EscalationSettings()),
-                    settings=CoordinatorSettings())  # fmt: skip
+    c = _coordinator({0: 0, 1: 0})
     c.adopt(9.0, committed_step=5, logged=EpochInfo(5, (0, 1, 2), (0, 0, 1), urgent=False))
     assert c.members == (0, 1) and c.epoch >= 6
     assert c.store.get(epoch_key("t")) == str(c.epoch).encode()
