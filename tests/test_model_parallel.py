@@ -519,3 +519,36 @@ def test_a_moves_bytes_travel_in_packs_of_bounded_size() -> None:
     assert [len(p) for p in packs] == [16, 4, 1, 1]  # a larger tensor is a pack of its own
     assert all(sum(t.numel() for t in p) <= PACK_BYTES for p in packs if len(p) > 1)
     assert _packs([]) == [[]]
+
+
+def test_the_last_live_copy_of_a_shard_is_killed_for_a_hang_only_on_strong_evidence(
+    tmp_path: Path,
+) -> None:
+    """Found by the cluster soak: place 1 of replica 0 hung and was restarted; place 1 of
+    replica 1, only slow (4x), passed its hang allowance with its partner done and was
+    killed too: the shard's last copy gone, the task went back to its checkpoint and redid a
+    step. The last live holder of a shard is killed as a lone worker would be: at twice its
+    allowance (or with its CPU time standing still)."""
+    c = _coordinator(tmp_path, StepMonitor(MonitorSettings(warmup_steps=2)))
+    t = 0.0
+    for step in range(6):  # the monitor learns a 0.1 s step (its allowance: the 1 s floor)
+        for m in c.members:
+            c.step_started(m, step, t, epoch=c.epoch)
+        for m in c.members:
+            c.step_computed(m, step, t + 0.1, compute_s=0.1, microbatches=4)
+        t += 0.1
+        c.step_committed(c.epoch, step, t)
+        c.tick(t)
+    c.exchange(0, [M.WorkerFailed(slot=1, ts=t, verdict=verdict_for_kind("hang"))], t)
+    assert c.members == (2, 3) and c.book.other_holders(3) == []
+    for m in (2, 3):
+        c.step_started(m, 6, t, epoch=c.epoch)
+    c.step_computed(2, 6, t + 0.1, compute_s=0.1, microbatches=4)
+    killed: list[int] = []
+    for i in range(1, 26):  # 0.1 s apart: 2.5 s, past twice the 1 s allowance
+        c.heartbeat(0, t + i / 10)
+        c.tick(t + i / 10)
+        killed += [a.slot for a in c.take_actions(0) if isinstance(a, M.Kill)]
+        if i == 15:  # 1.5 x the allowance, its partner done: once enough, not for this one
+            assert 3 not in killed
+    assert 3 in killed

@@ -249,6 +249,12 @@ def check_suspect(b: TaskBook, slot: int, now: float) -> None:
     lone = not peer and overrun and alone(b, slot)
     if not (peer or lone):
         return
+    if not (idle or overrun) and not b.other_holders(slot):
+        # the last live copy of its state (model parallel: of its shard): killed only on
+        # the evidence that would kill it alone (its CPU idle, or twice the allowance); a
+        # worker merely slow finishes, where killing it would send the task to its
+        # checkpoint (the cluster soak: a 4x-slow rank killed beside its hung peer)
+        return
     if cpu is not Cpu.UNKNOWN:
         reason += f"; {why}"
     o.suspect = None
