@@ -385,3 +385,39 @@ def test_an_adopted_epoch_naming_a_slot_given_back_goes_on_without_it() -> None:
     c.adopt(9.0, committed_step=5, logged=EpochInfo(5, (0, 1, 2), (0, 0, 1), urgent=False))
     assert c.members == (0, 1) and c.epoch >= 6
     assert c.store.get(epoch_key("t")) == str(c.epoch).encode()
+
+
+def test_an_adopted_epoch_with_no_commit_past_a_stall_deadline_is_announced_again(
+    tmp_path: Path,
+) -> None:
+    """Found by the cluster soak: a tensor-parallel rank stopped mid-step just before a
+    takeover; its partner had told the old coordinator it waits on it, the new one knew of
+    no step in flight, and nothing was judged for two minutes. With no commit in the
+    adopted epoch for a stall deadline past the agents' return, the same members get a new
+    epoch: the stopped one cannot join it, which the stall detector finds."""
+    log = tmp_path / "events.jsonl"
+    idle = _coordinator({0: 0, 1: 0}, EventLog(log))
+    idle.adopt(9.0, committed_step=4, logged=EpochInfo(5, (0, 1), (0, 0), urgent=False),
+               pace_s=0.3)  # fmt: skip
+    epoch = idle.epoch
+    for t in (10.0, 13.0, 16.0):  # the deadline: 6 s (20 x 0.3 s) + the 2 s node timeout
+        idle.exchange(0, [], t)
+        idle.tick(t)
+        assert idle.epoch == epoch
+    idle.exchange(0, [], 17.5)
+    idle.tick(17.5)
+    assert idle.epoch == epoch + 1 and idle.members == (0, 1)
+    begun = [e for e in read_events(log) if e["event"] == "epoch_begin"]
+    assert begun[-1]["reason"] == "no step committed since the takeover"
+    idle.exchange(0, [], 18.0)
+    idle.tick(18.0)
+    assert idle.epoch == epoch + 1  # once
+    # a task that commits after the takeover is left alone
+    busy = _coordinator({0: 0, 1: 0})
+    busy.adopt(9.0, committed_step=4, logged=EpochInfo(5, (0, 1), (0, 0), urgent=False),
+               pace_s=0.3)  # fmt: skip
+    epoch = busy.epoch
+    busy.step_committed(epoch, 5, 10.0)
+    busy.exchange(0, [], 17.5)
+    busy.tick(17.5)
+    assert busy.epoch == epoch

@@ -183,6 +183,7 @@ class TaskBook:
         self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
         self.suspects_from = 0.0  # no suspect confirmed before (adoption: agents reconnect)
         self.logged_pace_s: float | None = None  # an adopted task's step time, from its log
+        self.adopted_at: float | None = None  # adopted then; None once a step committed since
         self.read_until: dict[int, float] = {}  # node -> its reports are all in up to then
         self.lost_nodes: set[int] = set()
         self.last_tick: float | None = None

@@ -333,8 +333,19 @@ def stall_deadline(b: TaskBook) -> float:
 def check_stalls(b: TaskBook, now: float) -> None:
     """A transition or reduce that never ends: kill the members the others wait for (a hang
     outside a step), or, when the collective itself is stuck, let the escalation decide
-    (:func:`unicron.control.failures.collective_stuck`)."""
+    (:func:`unicron.control.failures.collective_stuck`). An adopted epoch in which nothing
+    committed for a stall deadline past the agents' return is announced again: a member that
+    stopped mid-step before the takeover has no clock here (its partners said they wait to
+    the old coordinator), and joining a new epoch is what it cannot do (found by the cluster
+    soak: a stopped tensor-parallel rank went unnoticed for two minutes)."""
     if b.state is not TaskState.RUNNING or not b.members:
+        return
+    if b.adopted_at is not None and (
+        now - b.adopted_at > stall_deadline(b) + b.settings.heartbeat_timeout_s
+    ):
+        b.adopted_at = None
+        reason = "no step committed since the takeover"
+        membership.announce(b, b.members, urgent=True, now=now, reason=reason)
         return
     known = b.known_until(now)
     stall = find_stall(

@@ -52,6 +52,8 @@ def adopt(
     b.state = TaskState.RUNNING if b.members else TaskState.WAITING
     if b.state is TaskState.WAITING:
         b.waiting_since, b.waiting_reason = now, "adopted with no members"
+    else:
+        b.adopted_at = now  # until a step commits (:func:`unicron.control.health.check_stalls`)
     for slot, o in b.slots.items():
         if slot in b.members:
             o.readied()
@@ -78,6 +80,7 @@ def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
     if epoch <= old_epoch and step <= old_step:
         return False  # logged by the coordinator this one took over from
     b.commits.add(key)
+    b.adopted_at = None
     if not b.trained:
         b.trained = True
         b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
