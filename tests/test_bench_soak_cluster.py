@@ -96,7 +96,7 @@ def test_live_workers_are_found_by_their_log_file(tmp_path: Path) -> None:
 
 def test_the_tasks_plan_their_share_of_the_worker_faults() -> None:
     specs, steps = task_specs(1000, seed=0)
-    assert [len(s["inject"]) for s in specs] == [400, 250, 350]
+    assert [len(s["inject"]) for s in specs] == [450, 350, 200]
     assert all(s["checkpoint"]["every"] == 1 for s in specs)
     # the tensor-parallel task keeps two replicas: a rank lost leaves one to heal from
     assert [s["workers"]["min"] // s["tp"] for s in specs] == [2, 2, 2]
