@@ -395,11 +395,20 @@ def test_an_adopted_epoch_with_no_commit_past_a_stall_deadline_is_announced_agai
     no step in flight, and nothing was judged for two minutes. With no commit in the
     adopted epoch for a stall deadline past the agents' return, the same members get a new
     epoch: the stopped one cannot join it, which the stall detector finds."""
+
+    def adopted(events: EventLog | None = None) -> Coordinator:
+        c = _coordinator({0: 0, 1: 0}, events)
+        info = EpochInfo(5, (0, 1), (0, 0), urgent=False)
+        c.store.set(epoch_key("t"), "5")  # the old coordinator's store, adopted as it is
+        c.store.set(epoch_info_key("t", 5), info.to_json())
+        c.store.set(trained_key("t"), "1")
+        c.adopt(9.0, committed_step=4, logged=info, pace_s=0.3)
+        return c
+
     log = tmp_path / "events.jsonl"
-    idle = _coordinator({0: 0, 1: 0}, EventLog(log))
-    idle.adopt(9.0, committed_step=4, logged=EpochInfo(5, (0, 1), (0, 0), urgent=False),
-               pace_s=0.3)  # fmt: skip
+    idle = adopted(EventLog(log))
     epoch = idle.epoch
+    assert epoch == 5  # nothing announced: the workers go on in the epoch they are in
     for t in (10.0, 13.0, 16.0):  # the deadline: 6 s (20 x 0.3 s) + the 2 s node timeout
         idle.exchange(0, [], t)
         idle.tick(t)
@@ -413,9 +422,16 @@ def test_an_adopted_epoch_with_no_commit_past_a_stall_deadline_is_announced_agai
     idle.tick(18.0)
     assert idle.epoch == epoch + 1  # once
     # a task that commits after the takeover is left alone
-    busy = _coordinator({0: 0, 1: 0})
-    busy.adopt(9.0, committed_step=4, logged=EpochInfo(5, (0, 1), (0, 0), urgent=False),
-               pace_s=0.3)  # fmt: skip
+    # nor one that had a new epoch since (its joins are timed: a stall is found there)
+    log2 = tmp_path / "events2.jsonl"
+    moved = adopted(EventLog(log2))
+    error = M.WorkerError(slot=1, ts=9.5, verdict=verdict_for_kind("conn_reset"),
+                          in_place=False, epoch=moved.epoch)  # fmt: skip
+    moved.exchange(0, [error], 9.5)
+    moved.tick(17.5)
+    reasons = [e["reason"] for e in read_events(log2) if e["event"] == "epoch_begin"]
+    assert reasons and "no step committed since the takeover" not in reasons
+    busy = adopted()
     epoch = busy.epoch
     busy.step_committed(epoch, 5, 10.0)
     busy.exchange(0, [], 17.5)

@@ -440,7 +440,9 @@ def announce(
     pp: int | None = None,
 ) -> None:
     """A new epoch of ``members`` (none: nobody to tell; the next epoch is made of the workers
-    that come back), at pipeline depth ``pp`` (:func:`layout`; ``None``: the current one)."""
+    that come back), at pipeline depth ``pp`` (:func:`layout`; ``None``: the current one).
+    Its joins are timed here, so an adopted epoch's watch ends (``adopted_at``)."""
+    b.adopted_at = None
     for slot in replicas.orphans(b.slots, b.members, members):
         b.forget(slot)  # waits outside the epoch: its last step is no hang
     b.members = members
