@@ -184,6 +184,7 @@ class TaskBook:
         self.suspects_from = 0.0  # no suspect confirmed before (adoption: agents reconnect)
         self.logged_pace_s: float | None = None  # an adopted task's step time, from its log
         self.adopted_at: float | None = None  # adopted then; None once a step committed since
+        self.moved_at: float | None = None  # the store moved or the task was adopted then
         self.read_until: dict[int, float] = {}  # node -> its reports are all in up to then
         self.lost_nodes: set[int] = set()
         self.last_tick: float | None = None

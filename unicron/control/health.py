@@ -29,6 +29,15 @@ FAST_EXCHANGE_S = 0.05
 """the rhythm asked of a node the coordinator waits on (:func:`next_exchange_s`); the slow
 rhythm is half of ``suspect_after_s``, so a healthy idle node is never suspect"""
 
+REJOIN_GRACE_S = 10.0
+"""how much longer the members of an epoch may take to join it in the moments after the
+training store moved or a coordinator took over the task: a member waits out its store
+request's bound (3 s, ``runtime/bounded.py``) and asks its agent where the store serves now,
+and the agent may first have to find the new coordinator (1 s to connect and 3 s to answer
+for each address that stays silent). Without it a joiner spawned with the new address
+waited 5 s for the members that held the state, and the stall detector killed them all
+(the cluster soak)"""
+
 LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
 with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
@@ -348,12 +357,15 @@ def check_stalls(b: TaskBook, now: float) -> None:
         membership.announce(b, b.members, urgent=True, now=now, reason=reason)
         return
     known = b.known_until(now)
+    deadline = stall_deadline(b)
+    if b.moved_at is not None and now - b.moved_at < deadline + REJOIN_GRACE_S:
+        deadline += REJOIN_GRACE_S
     stall = find_stall(
         epoch=b.epoch,
         members=b.members,
         progress=b.slots.progress(),
         now=min(known[m] for m in b.members),
-        deadline_s=stall_deadline(b),
+        deadline_s=deadline,
     )
     if stall is None:
         return
@@ -381,6 +393,7 @@ def check_stalls(b: TaskBook, now: float) -> None:
 __all__ = [
     "FAST_EXCHANGE_S",
     "LONE_HANG_OVERRUN",
+    "REJOIN_GRACE_S",
     "alone",
     "check_heartbeats",
     "check_monitor",

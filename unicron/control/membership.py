@@ -38,6 +38,7 @@ def adopt(
     committed, ``committed`` the last step the old coordinator logged. Every slot is presumed
     alive until its agent's census says otherwise, every node heard from now."""
     b.adopted = True
+    b.moved_at = now  # the agents find this coordinator, the workers perhaps a new store
     if info is None:
         return
     b.epoch = info.epoch
@@ -420,6 +421,8 @@ def store_moved(b: TaskBook, now: float, why: str, *, lost: bool = True) -> None
     store took with it: :func:`unicron.runtime.transition.sync`). ``lost=False``: the same
     store serves, only a request of this coordinator failed (what it wrote may be missing)."""
     what = "the training store was lost" if lost else "a request to the training store failed"
+    if lost:
+        b.moved_at = now  # the workers must find the new store (health.REJOIN_GRACE_S)
     b.emit("control_plane", ts=now, task=b.label, what=f"{what}: {why}", epoch=b.epoch)
     if b.trained:
         b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
