@@ -30,13 +30,13 @@ FAST_EXCHANGE_S = 0.05
 rhythm is half of ``suspect_after_s``, so a healthy idle node is never suspect"""
 
 REJOIN_GRACE_S = 10.0
-"""how much longer the members of an epoch may take to join it in the moments after the
-training store moved or a coordinator took over the task: a member waits out its store
-request's bound (3 s, ``runtime/bounded.py``) and asks its agent where the store serves now,
-and the agent may first have to find the new coordinator (1 s to connect and 3 s to answer
-for each address that stays silent). Without it a joiner spawned with the new address
-waited 5 s for the members that held the state, and the stall detector killed them all
-(the cluster soak)"""
+"""how much longer the members that hold a task's state may take to join an epoch whose
+other members hold none, in the moments after the training store moved or a coordinator
+took over the task: a member waits out its store request's bound (3 s,
+``runtime/bounded.py``) and asks its agent where the store serves now, and the agent may
+first have to find the new coordinator (1 s to connect and 3 s to answer for each address
+that stays silent). Without it a joiner spawned with the new address waited 5 s for the
+members that held the state, and the stall detector killed them all (the cluster soak)"""
 
 LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
@@ -339,6 +339,21 @@ def stall_deadline(b: TaskBook) -> float:
     )
 
 
+def _finding_the_store(
+    b: TaskBook, behind: tuple[int, ...], waited_s: float, deadline_s: float, now: float
+) -> bool:
+    """Whether the members ``behind`` (the task's only holders of its state, waited for by
+    members that hold none) may still be finding the store that moved, or the coordinator
+    that took over, a moment ago: :data:`REJOIN_GRACE_S` more before they count as stalled.
+    Killing them would send the task to its checkpoint."""
+    if b.moved_at is None or now - b.moved_at >= deadline_s + REJOIN_GRACE_S:
+        return False
+    if waited_s >= deadline_s + REJOIN_GRACE_S:
+        return False
+    held = {m for m in b.members if m in b.slots and b.slots[m].has_state}
+    return bool(held) and held <= set(behind)
+
+
 def check_stalls(b: TaskBook, now: float) -> None:
     """A transition or reduce that never ends: kill the members the others wait for (a hang
     outside a step), or, when the collective itself is stuck, let the escalation decide
@@ -358,8 +373,6 @@ def check_stalls(b: TaskBook, now: float) -> None:
         return
     known = b.known_until(now)
     deadline = stall_deadline(b)
-    if b.moved_at is not None and now - b.moved_at < deadline + REJOIN_GRACE_S:
-        deadline += REJOIN_GRACE_S
     stall = find_stall(
         epoch=b.epoch,
         members=b.members,
@@ -367,7 +380,7 @@ def check_stalls(b: TaskBook, now: float) -> None:
         now=min(known[m] for m in b.members),
         deadline_s=deadline,
     )
-    if stall is None:
+    if stall is None or _finding_the_store(b, stall.behind, stall.waited_s, deadline, now):
         return
     if stall.stuck:
         failures.collective_stuck(b, stall.reason, now)
