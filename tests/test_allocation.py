@@ -271,3 +271,23 @@ def test_a_shrinking_task_gives_back_ranks_that_hold_no_state_first() -> None:
     assert moves(d) == {"a": (6, 4), "b": (0, 2)}
     release = next(m for m in d.moves if m.task == "a").release
     assert set(release) <= {0, 1, 2}, release
+
+
+def test_a_shrinking_task_gives_back_its_planned_slots_first_and_the_cluster_cancels_them() -> None:
+    """Found by the cluster soak: a task held two real slots outside its epoch and one only
+    planned (queued until its node frees); the plan gave back the real ones, the release of
+    a planned rank had no effect, and with a node lost the task fell below its minimum."""
+    from unicron.control.planning import cancel_planned
+
+    ranks = {0: 0, 1: 0, -1: 1}  # -1: the task's first queued addition
+    a = TaskView(name="a", weight=1, min_workers=1, max_workers=6, ranks=ranks, running=True,
+                 microbatches=8, members=frozenset({0}))  # fmt: skip
+    b = view("b", 5, 1, 1, {}, running=False)
+    d = decide([a, b], {0: 2, 1: 1}, DAY)  # it gives one back: not real rank 1
+    assert moves(d) == {"a": (3, 2), "b": (0, 1)}
+    (release,) = (m.release for m in d.moves if m.task == "a")
+    assert release == (-1,)
+    pending = [("a", 2), ("b", 1), ("a", 0)]
+    assert cancel_planned(pending, "a", release) == [("b", 1), ("a", 0)]
+    assert cancel_planned(pending, "a", (-2, 3)) == [("a", 2), ("b", 1)]
+    assert cancel_planned(pending, "b", (0,)) == pending

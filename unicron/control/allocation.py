@@ -325,15 +325,18 @@ def _planned(
 def _spared(
     t: TaskView, groups: list[tuple[int, ...]], given: list[int], left: int, live: dict[int, int]
 ) -> tuple[int, ...]:
-    """The next replica ``t`` gives back, ``groups`` in order of preference (those holding
-    no state first), ``left`` ranks it keeps: of the first kind, the first whose loss leaves
-    it on two nodes or more where it keeps two replicas or more (a node lost then leaves a
-    replica to heal from), else the first."""
+    """The next replica ``t`` gives back, ``groups`` in order of preference (those only
+    planned first, then those holding no state), ``left`` ranks it keeps: of the first kind,
+    the first whose loss leaves it on two nodes or more where it keeps two replicas or more
+    (a node lost then leaves a replica to heal from), else the first."""
     if left < 2 * t.replica_ranks:
         return groups[0]
-    kind = t.members.isdisjoint(groups[0])
+
+    def kind(g: tuple[int, ...]) -> tuple[bool, bool]:
+        return g[0] < 0, t.members.isdisjoint(g)
+
     for g in groups:
-        if t.members.isdisjoint(g) != kind:
+        if kind(g) != kind(groups[0]):
             break
         out = {*given, *g, *t.parked}
         if len({n for r, n in t.ranks.items() if n in live and r not in out}) >= 2:
@@ -353,12 +356,13 @@ def _moves(
     moves: list[Move] = []
     for t in tasks:  # shrinking first: their slots free up
         if target[t.name] < held[t.name]:
-            # whole replicas (short ones first, and those holding no state), from the nodes
-            # where it holds the fewest
+            # whole replicas (those only planned first, then short ones, and those holding
+            # no state), from the nodes where it holds the fewest
             count = {n: sum(1 for m in t.ranks.values() if m == n) for n in capacity}
             groups = sorted(
                 _groups(t, capacity),
                 key=lambda g: (
+                    g[0] >= 0,
                     not t.members.isdisjoint(g),
                     len(g) == t.replica_ranks,
                     count[t.ranks[g[0]]],

@@ -42,6 +42,7 @@ from unicron.control.planning import (
     Task,
     ask,
     assignment,
+    cancel_planned,
     checkpoint_dir,
     coordinator_settings,
     fold,
@@ -370,11 +371,12 @@ class Cluster:
         for m in decision.moves:
             task = self.tasks[m.task]
             why = f"planner on {trigger}: {before} -> {after}"
-            if m.release:
-                task.leaving.update(m.release)
+            self._pending_adds = cancel_planned(self._pending_adds, m.task, m.release)
+            if real := [r for r in m.release if r >= 0]:
+                task.leaving.update(real)
                 c = task.controller
                 assert c is not None
-                calls.append(functools.partial(c.release_slots, list(m.release), now, why))
+                calls.append(functools.partial(c.release_slots, real, now, why))
             self._pending_adds += [(m.task, n) for n in m.add_on]
             if task.events is not None and m.before != m.after:
                 fields = plan_event(decision, m.task, trigger, self.settings.placement, decision_s)

@@ -91,6 +91,25 @@ def plan_capacity(free: Mapping[int, NodeRow], tasks: Iterable[Task]) -> dict[in
     return capacity
 
 
+def cancel_planned(
+    pending: list[tuple[str, int]], task: str, ranks: Iterable[int]
+) -> list[tuple[str, int]]:
+    """``pending`` (the cluster's queued additions, ``(task, node)``) without those of
+    ``task`` that a plan gives back before they were placed: its planned ranks ``-1 - k``,
+    the k-th queued addition of the task (:func:`plan_view`). Before, such a release was
+    lost (no coordinator holds a planned rank) and the slot came all the same, while a real
+    one had gone (the cluster soak: a task left below its minimum failed)."""
+    drop = {-1 - r for r in ranks if r < 0}
+    out, k = [], 0
+    for name, node in pending:
+        if name == task:
+            k += 1
+            if k - 1 in drop:
+                continue
+        out.append((name, node))
+    return out
+
+
 def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView | None:
     """``task`` as the allocation sees it (``None``: it is not to be planned): its ranks and
     their nodes (a rank leaving or excluded is not its own; ``planned``: the nodes of the
