@@ -233,23 +233,6 @@ def test_in_a_cluster_a_task_on_lost_nodes_waits_for_them(tmp_path: Path) -> Non
     assert sorted(readmitted) == [2, 3]
 
 
-def test_in_a_cluster_a_task_below_its_minimum_of_usable_slots_waits(tmp_path: Path) -> None:
-    """Found by the cluster soak: in a cluster the planner gives a running task other slots
-    to reach its minimum, but a task left with fewer slots that can be used again than its
-    minimum (an ECC exclusion with probes off here; there, slots given back a moment before
-    a node was lost) failed at once. It waits, up to its give-up deadline."""
-    k = Cluster(tmp_path, nodes=1, per_node=4, min_workers=4, nodes_return=True,
-                readmit_after_s=math.inf, give_up_after_s=60.0)  # fmt: skip
-    c = k.c
-    t = k.steps(3, 0.0)
-    c.worker_failed(3, verdict_for_kind("ecc"), t)
-    assert c.state is TaskState.WAITING and c.slots[3].excluded
-    c.add_slot(4, 0, t + 1.0, "planner")  # the planner's replacement
-    c.worker_ready(4, t + 2.0, microbatches=8)
-    c.tick(t + 2.0)
-    assert c.state is TaskState.RUNNING and 4 in c.members
-
-
 def test_an_excluded_node_keeps_the_last_copies_of_the_state_running(tmp_path: Path) -> None:
     """One node, failures on three of its slots: the node is excluded, but its living workers
     hold the only copies of the state, so they go on instead of the task rolling back (one

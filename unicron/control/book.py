@@ -86,8 +86,8 @@ class CoordinatorSettings:
     """a task below its minimum waits this long for capacity (restarts, readmitted slots and
     nodes), then fails; ``math.inf``: wait for ever"""
     nodes_return: bool = False
-    """lost nodes may come back and the planner gives the task other slots (a cluster): a
-    task left with fewer slots that can be used again than its minimum waits for them
+    """lost nodes may come back (a cluster: the agent registers again, or the planner gives
+    the task other slots): a task left only with slots of lost nodes waits for them
     (``give_up_after_s``) instead of failing at once, as ``unicron run``'s does"""
     stall_factor: float = 20.0
     """a member waiting on its peers outside a step (joining an epoch, reducing) for longer

@@ -338,7 +338,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
             f"{len(usable)} usable slot(s) left, fewer than the minimum of "
             f"{minimum}, before the task started"
         )
-    elif len(recoverable) < minimum and not returns:  # a cluster's planner gives other slots
+    elif len(recoverable) < minimum:
         why = (
             f"{len(recoverable)} slot(s) left that can be used again, fewer than the "
             f"minimum of {minimum}"
