@@ -149,18 +149,28 @@ def test_a_request_the_store_never_answers_ends_in_its_bound(tmp_path: Path) -> 
 
 
 # -- end to end ---------------------------------------------------------------------------------
-def _store_of(run: subprocess.Popen[str]) -> tuple[int, int]:
-    """The pid and port of ``unicron run``'s store (its child)."""
-    found = subprocess.run(["pgrep", "-P", str(run.pid), "-f", "unicron.control.store"],
-                           capture_output=True, text=True, check=True)  # fmt: skip
-    pid = int(found.stdout.split()[0])
-    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
-    for line in listening.splitlines():
-        if f"pid={pid}," in line:
-            found = re.search(r":(\d+)\s", line)
-            assert found is not None, line
-            return pid, int(found.group(1))
-    raise AssertionError(f"store {pid} listens nowhere")
+def _store_of(run: subprocess.Popen[str], events: Path) -> tuple[int, int]:
+    """The pid and port of the store ``unicron run`` uses now: the one listening where its
+    event log last said the store serves ("a new one serves at ..."), else its child store
+    (CI saw a stale child store first)."""
+    moved = [e["what"] for e in read_events(events) if "a new one serves at" in e.get("what", "")]
+    want = int(moved[-1].rsplit(":", 1)[1]) if moved else None
+    deadline = time.monotonic() + 10
+    while True:
+        found = subprocess.run(["pgrep", "-P", str(run.pid), "-f", "unicron.control.store"],
+                               capture_output=True, text=True)  # fmt: skip
+        children = set(map(int, found.stdout.split()))
+        for line in subprocess.run(
+            ["ss", "-ltnpH"], capture_output=True, text=True
+        ).stdout.splitlines():
+            port, pid = re.search(r":(\d+)\s", line), re.search(r"pid=(\d+),", line)
+            if port is None or pid is None:
+                continue
+            if int(port.group(1)) == want or (want is None and int(pid.group(1)) in children):
+                return int(pid.group(1)), int(port.group(1))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no store of {run.pid} listens (at {want})")
+        time.sleep(0.05)
 
 
 def _wait_for_step(run: subprocess.Popen[str], events: Path, step: int) -> None:
@@ -191,10 +201,10 @@ def test_a_run_whose_store_is_lost_three_times_ends_bitwise_as_the_fault_free_ru
     squat: socket.socket | None = None
     try:
         _wait_for_step(run, events, 6)
-        pid, port = _store_of(run)
+        pid, port = _store_of(run, events)
         os.kill(pid, signal.SIGKILL)  # found again on its port
         _wait_for_step(run, events, 14)
-        pid, port = _store_of(run)
+        pid, port = _store_of(run, events)
         # the second time its port is taken (by a listener that never answers) before the
         # run can start a new store there: the store moves, and the workers ask where to
         os.kill(run.pid, signal.SIGSTOP)
@@ -208,7 +218,7 @@ def test_a_run_whose_store_is_lost_three_times_ends_bitwise_as_the_fault_free_ru
         # enough that the run cannot have ended meanwhile on a loaded machine: seen in CI,
         # where the stop at step 20 came after the last vote)
         _wait_for_step(run, events, 17)
-        pid, _ = _store_of(run)
+        pid, _ = _store_of(run, events)
         os.kill(pid, signal.SIGSTOP)
         _, stderr = run.communicate(timeout=240)
     finally:
