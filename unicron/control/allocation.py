@@ -322,6 +322,12 @@ def _planned(
     return target, reasons
 
 
+def _worth(t: TaskView, g: tuple[int, ...]) -> tuple[bool, bool]:
+    """How much replica ``g`` of ``t`` is worth keeping, least first: whether it is placed
+    (not only planned), whether it holds the task's state (is in the current epoch)."""
+    return g[0] >= 0, not t.members.isdisjoint(g)
+
+
 def _spared(
     t: TaskView, groups: list[tuple[int, ...]], given: list[int], left: int, live: dict[int, int]
 ) -> tuple[int, ...]:
@@ -331,12 +337,8 @@ def _spared(
     (a node lost then leaves a replica to heal from), else the first."""
     if left < 2 * t.replica_ranks:
         return groups[0]
-
-    def kind(g: tuple[int, ...]) -> tuple[bool, bool]:
-        return g[0] < 0, t.members.isdisjoint(g)
-
     for g in groups:
-        if kind(g) != kind(groups[0]):
+        if _worth(t, g) != _worth(t, groups[0]):
             break
         out = {*given, *g, *t.parked}
         if len({n for r, n in t.ranks.items() if n in live and r not in out}) >= 2:
@@ -362,8 +364,7 @@ def _moves(
             groups = sorted(
                 _groups(t, capacity),
                 key=lambda g: (
-                    g[0] >= 0,
-                    not t.members.isdisjoint(g),
+                    *_worth(t, g),
                     len(g) == t.replica_ranks,
                     count[t.ranks[g[0]]],
                     -g[0],

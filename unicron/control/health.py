@@ -364,15 +364,13 @@ def check_stalls(b: TaskBook, now: float) -> None:
     soak: a stopped tensor-parallel rank went unnoticed for two minutes)."""
     if b.state is not TaskState.RUNNING or not b.members:
         return
-    if b.adopted_at is not None and (
-        now - b.adopted_at > stall_deadline(b) + b.settings.heartbeat_timeout_s
-    ):
+    deadline = stall_deadline(b)
+    if b.adopted_at is not None and now - b.adopted_at > deadline + b.settings.heartbeat_timeout_s:
         b.adopted_at = None
         reason = "no step committed since the takeover"
         membership.announce(b, b.members, urgent=True, now=now, reason=reason)
         return
     known = b.known_until(now)
-    deadline = stall_deadline(b)
     stall = find_stall(
         epoch=b.epoch,
         members=b.members,
