@@ -63,9 +63,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# every test but the long scenarios (CI: under 10 minutes on a 2-core machine)
+# every test but the long scenarios (CI: under 10 minutes on a 2-core machine). Each test
+# has pytest-timeout's bound; the whole run has one too, which also ends a run that nothing
+# inside it can end (a test once SIGSTOPped pytest itself: CI waited out its 90 minutes)
+SUITE_LIMIT_S ?= 1800
 pytest: $(STAMP)
-	$(BIN)/pytest -q -m "not long" $(PYTEST_ARGS)
+	timeout --kill-after=30 $(SUITE_LIMIT_S) $(BIN)/pytest -q -m "not long" $(PYTEST_ARGS) \
+	  || { rc=$$?; [ $$rc -ne 124 ] || echo "the suite ran past $(SUITE_LIMIT_S) s: stopped"; exit $$rc; }
 
 test: lint typecheck pytest
 
