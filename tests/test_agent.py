@@ -7,6 +7,7 @@ handed worker messages as its loop would hand them; the coordinator's side is in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from unicron import protocol as P
 from unicron.control import messages as M
 from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig
 from unicron.control.client import can_wait
+from unicron.control.heard import report_of
 from unicron.control.workerenv import Account, signal_worker
 from unicron.control.workerstate import IllegalTransition, WorkerState
 from unicron.runtime.link import AgentLink
@@ -47,14 +49,14 @@ def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> Non
     agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
     try:
         sent = time.time() - 1.2
-        agent._from_worker(0, P.StepBegin(step=7, epoch=2, ts=sent, cpu_s=1.0))
-        done = P.StepDone(step=7, microbatches=2, compute_s=0.1, ts=sent + 0.1, cpu_s=1.1)
+        agent._from_worker(0, P.StepBegan(step=7, epoch=2, ts=sent, cpu_s=1.0))
+        done = P.StepComputed(step=7, microbatches=2, compute_s=0.1, ts=sent + 0.1, cpu_s=1.1)
         agent._from_worker(0, done)
         began, computed = agent._reports
         assert isinstance(began, M.StepBegan) and began.ts == sent
         assert isinstance(computed, M.StepComputed) and computed.ts == sent + 0.1
         # a time in the future (never on one host's clock) is not believed
-        agent._from_worker(0, P.StepBegin(step=8, epoch=2, ts=time.time() + 60, cpu_s=1.2))
+        agent._from_worker(0, P.StepBegan(step=8, epoch=2, ts=time.time() + 60, cpu_s=1.2))
         assert agent._reports[-1].ts <= time.time()
     finally:
         agent.stop()
@@ -94,9 +96,11 @@ def test_a_workers_lifecycle_is_one_state_along_its_diagram(tmp_path: Path) -> N
             x.spawned()  # what Agent.spawn does, without launching a process here
         agent._from_worker(0, P.Ready(microbatches=8, state_bytes=1))
         assert w.state is WorkerState.READY and agent.census().ready == (0,)
-        agent._from_worker(0, P.Entered(epoch=1))
+        agent._from_worker(0, P.EpochEntered(epoch=1))
         assert w.state is WorkerState.MEMBER and agent.census().ready == ()
-        agent._from_worker(0, P.Done(steps=3, final_loss=1.0, params_sha256="ab", rank=0, epoch=1))
+        agent._from_worker(
+            0, P.WorkerDone(steps=3, final_loss=1.0, params_sha256="ab", rank=0, epoch=1)
+        )
         assert w.state is WorkerState.DONE and agent.census().alive == (0, 1)
         agent.reply = M.Reply(actions=(M.Kill(0, None, leave=True), M.Kill(1, None, leave=True)))
         agent._act(time.time())
@@ -164,14 +168,14 @@ class _Link:
 @pytest.mark.parametrize(
     "msg",
     [
-        P.StepBegin(step=4, epoch=3, ts=1.5, cpu_s=3.0),
-        P.StepDone(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
-        P.Waiting(step=4, epoch=3, ts=1.6, waiting=True),
+        P.StepBegan(step=4, epoch=3, ts=1.5, cpu_s=3.0),
+        P.StepComputed(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
+        P.WaitingOnReplica(step=4, epoch=3, ts=1.6, waiting=True),
         P.Event(name="step_end", fields={"epoch": 3, "step": 4, "loss": 2.5}),
         P.Event(name="step_end", fields={"epoch": 3, "step": 0, "loss": 2.5}),
         P.Event(name="fault_injected", fields={"spec": "crash@rank=1,step=3"}),
         P.Error(type_name="RuntimeError", message="boom", in_band=True, step=4, epoch=3),
-        P.Entered(epoch=3),
+        P.EpochEntered(epoch=3),
     ],
 )
 def test_a_quiet_message_is_one_whose_reports_may_wait_for_the_rhythm(
@@ -204,7 +208,7 @@ def test_a_round_sleeps_through_step_reports_and_wakes_for_an_error(tmp_path: Pa
     try:
         agent.workers[0].spawned()
         agent.workers[0].conn = agent_end
-        worker.send(P.StepBegin(step=1, epoch=1, ts=time.time(), cpu_s=0))
+        worker.send(P.StepBegan(step=1, epoch=1, ts=time.time(), cpu_s=0))
         t0 = time.monotonic()
         agent.poll(0.5)
         assert time.monotonic() - t0 >= 0.45  # not woken by the step's begin...
@@ -264,7 +268,7 @@ def test_one_round_reads_every_waiting_message_and_follows_new_sockets(tmp_path:
             ends[slot], agent.workers[slot].conn = Pipe()
             agent.workers[slot].spawned()
             for step in range(3):
-                ends[slot].send(P.encode(P.StepBegin(step=step, epoch=1, ts=time.time(), cpu_s=0)))
+                ends[slot].send(P.encode(P.StepBegan(step=step, epoch=1, ts=time.time(), cpu_s=0)))
         agent.poll(0.05)
         began = [(r.slot, r.step) for r in link.reports if isinstance(r, M.StepBegan)]
         assert sorted(began) == [(s, step) for s in (0, 1) for step in range(3)]
@@ -273,7 +277,7 @@ def test_one_round_reads_every_waiting_message_and_follows_new_sockets(tmp_path:
         agent.poll(0.01)
         assert agent.workers[1].conn is None
         ends[1], agent.workers[1].conn = Pipe()  # ...and its next incarnation connects
-        ends[1].send(P.encode(P.StepBegin(step=9, epoch=2, ts=time.time(), cpu_s=0)))
+        ends[1].send(P.encode(P.StepBegan(step=9, epoch=2, ts=time.time(), cpu_s=0)))
         agent.poll(0.05)
         assert [(r.slot, r.step) for r in link.reports if isinstance(r, M.StepBegan)][-1] == (1, 9)
     finally:
@@ -313,13 +317,13 @@ def test_a_dead_workers_socket_is_read_to_its_end_once_when_the_zygote_reports_f
 LOCAL = [
     P.Hello(slot=1, pid=42, incarnation=0),
     P.Ready(microbatches=8, state_bytes=1 << 20),
-    P.Entered(epoch=3),
+    P.EpochEntered(epoch=3),
     P.Event(name="step_end", fields={"step": 4, "loss": 2.5}),
-    P.StepBegin(step=4, epoch=3, ts=1.5, cpu_s=3.0),
-    P.StepDone(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
-    P.Waiting(step=4, epoch=3, ts=1.6, waiting=True),
+    P.StepBegan(step=4, epoch=3, ts=1.5, cpu_s=3.0),
+    P.StepComputed(step=4, microbatches=2, compute_s=0.25, ts=1.75, cpu_s=3.25),
+    P.WaitingOnReplica(step=4, epoch=3, ts=1.6, waiting=True),
     P.Error(type_name="RuntimeError", message="boom", in_band=True, step=4, epoch=3),
-    P.Done(steps=10, final_loss=1.0, params_sha256="ab", rank=0, epoch=3),
+    P.WorkerDone(steps=10, final_loss=1.0, params_sha256="ab", rank=0, epoch=3),
     P.NodeFault(),
     P.ZygoteUp(pid=7),
     P.Spawned(slot=1, pid=43, incarnation=1),
@@ -375,3 +379,23 @@ def test_a_pid_a_worker_names_is_signalled_only_if_it_runs_as_the_workers_accoun
         for p in (root_owned, worker):
             p.kill()
         agent.stop()
+
+
+def test_a_workers_fact_keeps_its_name_in_the_report_its_agent_makes() -> None:
+    """One name per fact: what a worker says on its agent's socket and what the agent reports
+    of it to the coordinator are the same message kind (the report adds the slot and the
+    agent's clock), and keep the fields they share with their values."""
+    translated = 0
+    for msg in LOCAL:
+        report = report_of(2, msg, 9.0)
+        if report is None:
+            continue
+        translated += 1
+        assert type(report).__name__ == type(msg).__name__, (type(msg), type(report))
+        assert report.slot == 2 and report.ts <= 9.0  # type: ignore[union-attr]
+        shared = {f.name for f in dataclasses.fields(msg)} & {
+            f.name
+            for f in dataclasses.fields(report)  # type: ignore[arg-type]
+        } - {"ts"}
+        assert all(getattr(report, k) == getattr(msg, k) for k in shared), msg
+    assert translated == 6  # Ready, EpochEntered, StepBegan, StepComputed, Waiting..., WorkerDone

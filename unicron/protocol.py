@@ -151,7 +151,7 @@ class Ready:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Entered:
+class EpochEntered:
     """The worker entered ``epoch`` (rendezvous, ledger exchange, state transfer follow)."""
 
     epoch: int
@@ -166,7 +166,7 @@ class Event:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepBegin:
+class StepBegan:
     """The worker began computing ``step`` at ``ts`` (its own clock): the monitor's clock
     starts. ``cpu_s``: the CPU time then of the thread that computes the step, ``tid`` (its
     kernel thread id), see :mod:`unicron.detect.busy`."""
@@ -179,7 +179,7 @@ class StepBegin:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Waiting:
+class WaitingOnReplica:
     """Inside ``step``, the worker waits (``waiting``) or no longer waits on the other ranks of
     its replica (a sum of a tensor-parallel replica that has taken more than
     :data:`unicron.runtime.group.WAIT_REPORT_S`): it computes nothing meanwhile, so the hang
@@ -192,7 +192,7 @@ class Waiting:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepDone:
+class StepComputed:
     """The worker computed ``step`` (``microbatches`` of it, in ``compute_s``) at ``ts``; the
     reduce and the commit vote follow. ``cpu_s``: the computing thread's CPU time then;
     ``queued_s``: how long of ``compute_s`` that thread waited for a CPU (``None``: unknown),
@@ -224,7 +224,7 @@ class Error:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Done:
+class WorkerDone:
     """The last step committed: the worker's result (``final_loss``: none when this worker
     computed no step, a resume of a run that had finished)."""
 
@@ -297,13 +297,13 @@ class SpawnWorker:
 LocalMessage = (
     Hello
     | Ready
-    | Entered
+    | EpochEntered
     | Event
-    | StepBegin
-    | StepDone
-    | Waiting
+    | StepBegan
+    | StepComputed
+    | WaitingOnReplica
     | Error
-    | Done
+    | WorkerDone
     | WhereStore
     | StoreAt
     | NodeFault
@@ -316,13 +316,13 @@ LocalMessage = (
 KINDS: dict[str, type[LocalMessage]] = {
     "hello": Hello,
     "ready": Ready,
-    "epoch": Entered,
+    "epoch_entered": EpochEntered,
     "event": Event,
-    "step_begin": StepBegin,
-    "step_done": StepDone,
-    "waiting": Waiting,
+    "step_began": StepBegan,
+    "step_computed": StepComputed,
+    "waiting_on_replica": WaitingOnReplica,
     "error": Error,
-    "done": Done,
+    "worker_done": WorkerDone,
     "where_store": WhereStore,
     "store_at": StoreAt,
     "node_fault": NodeFault,
@@ -400,7 +400,7 @@ def quiet(msg: LocalMessage) -> bool:
     :data:`ENV_BELL`) after any message that is not quiet, which wakes the agent's round at
     once: an error, an epoch entered, a finished worker. One socket per worker keeps the
     messages in order."""
-    if isinstance(msg, StepBegin | StepDone):
+    if isinstance(msg, StepBegan | StepComputed):
         return True
     return isinstance(msg, Event) and msg.name == "step_end" and int(msg.fields.get("step", 0)) > 0
 

@@ -499,7 +499,7 @@ class _Runner:
             name = "final.pt" if self.R == 1 else f"final.shard{self.place}.pt"
             save_atomic(self.model.state_dict(), self.out / name)
         self.link.send(
-            P.Done(
+            P.WorkerDone(
                 steps=self.step,
                 # none when no step was computed here (a resume of a run that had finished)
                 final_loss=None if math.isnan(last_loss) else last_loss,
@@ -545,7 +545,7 @@ class _Runner:
         """Join epoch ``info``: rendezvous, ledger exchange, state; this member's share of
         the interrupted step's missing micro-batches."""
         t0 = time.time()
-        self.link.send(P.Entered(epoch=info.epoch))
+        self.link.send(P.EpochEntered(epoch=info.epoch))
         rank = info.members.index(self.ctx.slot)
         store = (self.ctx.store_host, self.ctx.store_port)
         os.environ.update(epoch_env(info, self.ctx.slot, store))  # torchrun's variables
@@ -593,7 +593,9 @@ class _Runner:
             # a long wait on the replica is its other ranks' doing: say so, so that the hang
             # detector looks at them (a hung rank's partners wait; they do not hang)
             self.link.send(
-                P.Waiting(step=self.step, epoch=g.info.epoch, ts=time.time(), waiting=waiting)
+                P.WaitingOnReplica(
+                    step=self.step, epoch=g.info.epoch, ts=time.time(), waiting=waiting
+                )
             )
 
         self.dp = replica.bind(
@@ -635,7 +637,7 @@ class _Runner:
         step = self.step
         # ts: when it began here (the agent may read it late on a loaded machine)
         self.link.send(
-            P.StepBegin(
+            P.StepBegan(
                 step=step,
                 epoch=g.info.epoch,
                 ts=time.time(),
@@ -694,7 +696,7 @@ class _Runner:
             time.sleep(compute_s * (factor - 1.0))
         queued_now = read_queued_s()
         self.link.send(
-            P.StepDone(
+            P.StepComputed(
                 step=step,
                 microbatches=len(s.microbatches),
                 compute_s=time.perf_counter() - s.began,

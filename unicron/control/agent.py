@@ -544,13 +544,13 @@ class Agent:
                 raise ValueError(f"not a worker's message: {msg!r}")
             if isinstance(msg, P.Ready):
                 w.readied()
-            elif isinstance(msg, P.Entered):
+            elif isinstance(msg, P.EpochEntered):
                 w.entered()
-            elif isinstance(msg, P.StepBegin):  # the monitor times the worker's step
+            elif isinstance(msg, P.StepBegan):  # the monitor times the worker's step
                 w.step, w.tid, w.computing_since = msg.step, msg.tid, report.ts
-            elif isinstance(msg, P.StepDone):
+            elif isinstance(msg, P.StepComputed):
                 w.computing_since = None
-            elif isinstance(msg, P.Done):
+            elif isinstance(msg, P.WorkerDone):
                 w.done()
             self._report(report)
 

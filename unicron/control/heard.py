@@ -1,7 +1,9 @@
 """What the agent hears from its workers, and what it becomes for the coordinator.
 
-The worker speaks :mod:`unicron.protocol` (what it did, in its own terms); the coordinator
-reads :mod:`unicron.control.messages` (what a slot did, stamped with the agent's clock).
+The worker speaks :mod:`unicron.protocol` (what it did); the coordinator reads
+:mod:`unicron.control.messages` (what a slot did, stamped with the agent's clock). A fact
+keeps its name across the two (``StepComputed`` from the worker is ``StepComputed`` to the
+coordinator): the report adds the slot and the agent's time, and nothing else changes.
 :func:`report_of` is the translation for the messages that are only that; the agent
 (:meth:`unicron.control.agent.Agent._from_worker`) keeps the ones with effects on the node
 (an error that ends the process, a node fault, events it logs once for the node).
@@ -33,18 +35,18 @@ def report_of(slot: int, msg: P.LocalMessage, now: float) -> M.Report | None:
         return M.Ready(
             slot=slot, ts=now, microbatches=msg.microbatches, state_bytes=msg.state_bytes
         )
-    if isinstance(msg, P.Entered):
+    if isinstance(msg, P.EpochEntered):
         return M.EpochEntered(slot=slot, ts=now, epoch=msg.epoch)
-    if isinstance(msg, P.StepBegin):
+    if isinstance(msg, P.StepBegan):
         return M.StepBegan(
             slot=slot, ts=min(msg.ts, now), step=msg.step, epoch=msg.epoch, cpu_s=msg.cpu_s
         )
-    if isinstance(msg, P.Waiting):
+    if isinstance(msg, P.WaitingOnReplica):
         ts = min(msg.ts, now)
         return M.WaitingOnReplica(
             slot=slot, ts=ts, step=msg.step, epoch=msg.epoch, waiting=msg.waiting
         )
-    if isinstance(msg, P.StepDone):
+    if isinstance(msg, P.StepComputed):
         return M.StepComputed(
             slot=slot,
             ts=min(msg.ts, now),
@@ -54,7 +56,7 @@ def report_of(slot: int, msg: P.LocalMessage, now: float) -> M.Report | None:
             cpu_s=msg.cpu_s,
             queued_s=msg.queued_s,
         )
-    if isinstance(msg, P.Done):
+    if isinstance(msg, P.WorkerDone):
         return M.WorkerDone(slot=slot, ts=now, report=P.encode(msg))
     return None
 

@@ -296,7 +296,7 @@ class EpochGroup:
         self._path = ""  # a subgroup's store keys: its parents' names and ranks, nested
         self.on_wait: Callable[[bool], None] | None = None
         """told True when one of this group's waits passes :data:`WAIT_REPORT_S`, False when
-        that wait ends (the worker tells its agent: :class:`unicron.protocol.Waiting`)"""
+        that wait ends (the worker tells its agent: :class:`unicron.protocol.WaitingOnReplica`)"""
         self.peers: dict[int, PeerLink] = {}  # by epoch rank; closed with this group
 
     # -- membership -------------------------------------------------------------------------
