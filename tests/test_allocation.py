@@ -291,3 +291,29 @@ def test_a_shrinking_task_gives_back_its_planned_slots_first_and_the_cluster_can
     assert cancel_planned(pending, "a", release) == [("b", 1), ("a", 0)]
     assert cancel_planned(pending, "a", (-2, 3)) == [("a", 2), ("b", 1)]
     assert cancel_planned(pending, "b", (0,)) == pending
+
+
+def test_the_slots_a_cluster_could_give_a_task_are_free_or_held_above_a_minimum() -> None:
+    """What each running task could still get from the planner (the coordinator waits for
+    them below its minimum instead of failing): free slots of live nodes, and what other
+    running tasks hold above their minimums; not an excluded slot, a lost node's, or a rank
+    given back but not yet gone (it holds its slot until then)."""
+    from unicron.control.planning import Task, spare_slots
+    from unicron.control.state import NodeRow, TaskRow
+    from unicron.control.taskspec import TaskSpec
+
+    def task(name: str, placement: list[int], lo: int, *, running: bool = True) -> Task:
+        spec = TaskSpec(name=name, script="t.py", workers={"min": lo, "max": 8})
+        row = TaskRow(name, f"{name}.1", {}, "running" if running else "queued", 0.0, placement)
+        return Task(row, spec, controller=object() if running else None)  # type: ignore[arg-type]
+
+    live = {n: NodeRow(n, f"n{n}", 4, f"10.0.0.{n}", "", 0.0) for n in (0, 1)}  # node 2 lost
+    a = task("a", [0, 0, 0, 1, 2], 2)  # 4 on live nodes: 2 above its minimum
+    b = task("b", [1, 1, -1], 1)  # rank 2 given back long ago (-1)
+    b.excluded.add(1)  # its slot is nobody's: b holds 1, none above its minimum
+    c = task("c", [1], 1)
+    c.leaving.add(0)  # given back, not gone yet: its slot is used, c holds 0
+    q = task("q", [], 3, running=False)
+    # node 0: 4 - 3 (a) = 1 free; node 1: 4 - 1 (a) - 1 (b) - 1 (c) - 1 (b's excluded) = 0
+    assert spare_slots(live, [a, b, c, q]) == {"a": 1, "b": 1 + 2, "c": 1 + 2}
+    assert spare_slots(live, [task("run", [0, 0, 0, 0, 1, 1, 1, 1], 8)]) == {"run": 0}

@@ -198,6 +198,34 @@ def test_with_probes_turned_off_below_the_minimum_fails_at_once(tmp_path: Path) 
     assert "3 slot(s) left that can be used again" in k.c.outcome.reason
 
 
+@pytest.mark.parametrize("spare", [0, 1])
+def test_in_a_cluster_with_slots_to_give_a_task_below_its_minimum_waits_for_them(
+    tmp_path: Path, spare: int
+) -> None:
+    """Fewer slots that can come back than the minimum: ``unicron run``'s task fails at once
+    (nothing else can come), but a cluster whose planner could give it ``spare`` slots (free,
+    or others' above their minimums: the cluster's tick says how many) waits for them (found
+    by the cluster soak: a task that had given slots back lost a node and failed at once
+    while the planner had slots to give), and the slot given brings it back."""
+    k = Cluster(tmp_path, min_workers=4, readmit_after_s=math.inf, nodes_return=True)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.tick(t, spare)
+    c.worker_failed(3, verdict_for_kind("ecc"), t + 0.1)  # excluded, and never probed
+    if not spare:
+        assert c.state is TaskState.FAILED and c.outcome is not None
+        assert "3 slot(s) left that can be used again, fewer than" in c.outcome.reason
+        return
+    assert c.state is TaskState.WAITING
+    assert "waiting for the cluster to give more" in k.events("action")[-1]["reason"]
+    c.tick(t + 1.0, 0)  # the planner gave the spare slot to another task meanwhile
+    assert c.state is TaskState.WAITING  # waiting already: the give-up deadline decides
+    c.add_slot(4, 0, t + 2.0, "planner")
+    assert [a.slot for a in k.actions(Spawn)][-1] == 4
+    c.worker_ready(4, t + 3.0)
+    assert c.state is TaskState.RUNNING and sorted(c.members) == [0, 1, 2, 4]
+
+
 def test_without_a_way_back_the_task_fails_at_once(tmp_path: Path) -> None:
     """Slots of a lost node have no agent to probe them: below the minimum, nothing to wait for."""
     k = Cluster(tmp_path, nodes=2, per_node=2, min_workers=3)

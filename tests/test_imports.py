@@ -1,4 +1,4 @@
-"""No import circle inside the ``unicron`` package.
+"""No import circle inside the ``unicron`` package, and no class or module past the bounds.
 
 The graph has one edge per ``import`` of a package module, wherever the statement sits: at
 the top of a module, in a class, or inside a function (a function-local import is how a
@@ -155,3 +155,21 @@ def test_the_data_path_imports_nothing_of_the_control_plane() -> None:
     assert "unicron.runtime.group" in below
     up = {m: sorted(d for d in graph[m] if d.startswith("unicron.control")) for m in below}
     assert {m: d for m, d in up.items() if d} == {}
+
+
+CLASS_LINES, MODULE_LINES = 500, 900
+"""the house's bounds (issue #34): a class a newcomer reads whole, a module of one job"""
+
+
+def test_no_class_or_module_of_the_package_is_over_the_houses_bounds() -> None:
+    over = []
+    for name, path in _modules(PACKAGE).items():
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MODULE_LINES:
+            over.append(f"module {name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ClassDef) or node.end_lineno is None:
+                continue
+            if (span := node.end_lineno - node.lineno + 1) > CLASS_LINES:
+                over.append(f"class {name}.{node.name}: {span} lines")
+    assert over == []

@@ -187,6 +187,9 @@ class TaskBook:
         self.moved_at: float | None = None  # the store moved or the task was adopted then
         self.read_until: dict[int, float] = {}  # node -> its reports are all in up to then
         self.lost_nodes: set[int] = set()
+        # slots the cluster could give beyond the task's own (free, or other running tasks'
+        # above their minimums: planning.spare_slots), set by each tick of the cluster's
+        self.spare_slots = 0
         self.last_tick: float | None = None
         self.exited = False  # a worker exited since the store's ``usage`` key was last read
         # -- decided, not yet carried out

@@ -50,6 +50,7 @@ from unicron.control.planning import (
     logged_pace,
     name_node,
     plan_event,
+    spare_slots,
     task_end,
     task_view,
     writer_of,
@@ -299,8 +300,7 @@ class Cluster:
     def _archive(self, task: Task) -> None:
         """A task of the name being submitted again: refused while it lives (its workers
         too); once it has ended, it goes on under its uid (``gpt.3f9a1c``), its row, events
-        and outcome with it (``unicron status|logs|report UID``), and the name is free. The
-        caller holds the lock."""
+        and outcome with it (``unicron status|logs|report UID``), the name free. Under lock."""
         row = task.row
         if row.state not in ENDED or task.controller is not None or row.uid == row.name:
             what = row.state if task.controller is None else f"{row.state}, workers stopping"
@@ -502,13 +502,14 @@ class Cluster:
             for node in self._nodes.mark_silent(now):
                 self._triggers.append(f"node {node.row.name} lost")
             active = [t for t in self.tasks.values() if t.controller is not None]
+            spare = spare_slots(self._nodes.live(now), self.tasks.values())
         keep_store(self.store, active, now)
         for task in active:
             c = task.controller
             assert c is not None
             try:
                 c.check_input(now)
-                c.tick(now)
+                c.tick(now, spare.get(task.row.name, 0))
             except Exception as exc:  # a bug in one task's decisions fails that task alone
                 log.exception("task %s: its coordinator failed", task.row.name)
                 c.fail(f"its coordinator failed: {type(exc).__name__}: {exc}", now)

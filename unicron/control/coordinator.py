@@ -217,8 +217,7 @@ class Coordinator:
 
     @contextlib.contextmanager
     def _collecting(self) -> Iterator[list[Effect]]:
-        """Hold the lock while deciding, and hand the effects decided to the caller instead
-        of carrying them out."""
+        """Hold the lock while deciding; hand the effects decided to the caller, not run."""
         out: list[Effect] = []
         with self._lock:
             self._depth += 1
@@ -468,13 +467,14 @@ class Coordinator:
             readmission.probe_not_started(self.book, slot, error, now)
 
     # -- the cluster: its ticker, its planner, its nodes ------------------------------------------
-    def tick(self, now: float) -> None:
-        """Notice lost nodes, hangs, stragglers and stalls, start the first epoch, grow with
-        ready workers, heal in-band errors, probe excluded slots, give up a task that waited
-        too long. Called by the cluster's ticker once per period, and by an exchange that must
-        judge at once or a report that may start an epoch (a worker ready)."""
+    def tick(self, now: float, spare: int | None = None) -> None:
+        """Notice lost nodes, hangs, stragglers, stalls; start, grow, heal in-band errors, probe
+        excluded slots, give up a task that waited too long. Called by the cluster's ticker each
+        period (``spare``: :func:`~unicron.control.planning.spare_slots`), and by an exchange
+        that must judge at once or a report that may start an epoch (a worker ready)."""
         with self._deciding():
             b = self.book
+            b.spare_slots = b.spare_slots if spare is None else spare
             health.check_heartbeats(b, now)
             if b.state is TaskState.PENDING:
                 membership.maybe_start(b, now)

@@ -331,6 +331,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
         or (probing and o.node not in b.lost_nodes)
     ]
     minimum = b.settings.min_workers
+    spare = b.spare_slots if returns else 0  # a cluster's planner may give other slots
     why = ""
     if b.state is TaskState.PENDING and len(usable) < minimum:
         # never started (e.g. a script that cannot even import): nothing to wait for
@@ -338,10 +339,11 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
             f"{len(usable)} usable slot(s) left, fewer than the minimum of "
             f"{minimum}, before the task started"
         )
-    elif len(recoverable) < minimum:
+    elif len(recoverable) + spare < minimum:
         why = (
-            f"{len(recoverable)} slot(s) left that can be used again, fewer than the "
-            f"minimum of {minimum}"
+            f"{len(recoverable)} slot(s) left that can be used again"
+            + (f" and {spare} the cluster could give" if spare else "")
+            + f", fewer than the minimum of {minimum}"
         )
     elif b.active() and not b.state_held() and not b.has_checkpoint():
         why = "every replica holding the model state is gone (no checkpoint to fall back on)"
@@ -354,18 +356,17 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
         for slot in replicas.orphans(b.slots, b.members, survivors):
             b.forget(slot)
         b.members = survivors  # no epoch below the minimum: wait for capacity
-        restarting = len(usable) >= minimum
-        wait(
-            b,
-            now,
-            f"{len(survivors)} live worker(s), fewer than the minimum of {minimum}; "
-            + (
-                "waiting for restarted workers"
-                if restarting
-                else f"{len(usable)} usable slot(s): waiting for excluded slots or nodes to "
-                "pass their health probe"
-            ),
-        )
+        if len(usable) >= minimum:
+            then = "waiting for restarted workers"
+        elif len(recoverable) >= minimum:
+            then = (
+                f"{len(usable)} usable slot(s): waiting for excluded slots or nodes to pass "
+                "their probe or return"
+            )
+        else:
+            then = f"{len(recoverable)} slot(s) of its own: waiting for the cluster to give more"
+        live = len(survivors)
+        wait(b, now, f"{live} live worker(s), fewer than the minimum of {minimum}; {then}")
         return True
     if survivors != b.members or pp != b.pp:
         announce(b, survivors, urgent=True, now=now, reason=reason, pp=pp)

@@ -44,6 +44,7 @@ __all__ = [
     "plan_capacity",
     "plan_event",
     "plan_view",
+    "spare_slots",
     "task_end",
     "task_view",
     "transition_s",
@@ -89,6 +90,34 @@ def plan_capacity(free: Mapping[int, NodeRow], tasks: Iterable[Task]) -> dict[in
             if node in capacity:
                 capacity[node] -= 1
     return capacity
+
+
+def spare_slots(live: Mapping[int, NodeRow], tasks: Iterable[Task]) -> dict[str, int]:
+    """Per running task: the slots of live nodes the planner could give it beyond its own,
+    the free ones and those other running tasks hold above their minimums (a plan never
+    takes a running task below its minimum). A task with fewer slots than its minimum that
+    can come back waits for them instead of failing where these make up the difference
+    (the cluster's tick hands each coordinator its count; ``unicron run``'s task holds every
+    slot: 0). Excluded slots are nobody's (:func:`plan_capacity`)."""
+    tasks = [t for t in tasks if t.row.state in ACTIVE]
+    capacity = plan_capacity(live, tasks)
+    held: dict[str, int] = {}
+    for t in tasks:
+        excluded = set(t.excluded)  # a copy: coordinators change it
+        ranks = [(r, n) for r, n in enumerate(t.row.placement) if n in capacity]
+        for r, n in ranks:
+            capacity[n] -= r not in excluded  # the excluded are out of it already
+        held[t.row.name] = sum(r not in excluded and r not in t.leaving for r, _ in ranks)
+    free = sum(max(0, c) for c in capacity.values())
+    above = {
+        t.row.name: max(0, held[t.row.name] - t.spec.workers.min) if t.controller else 0
+        for t in tasks
+    }
+    return {
+        t.row.name: free + sum(above.values()) - above[t.row.name]
+        for t in tasks
+        if t.controller is not None
+    }
 
 
 def cancel_planned(
