@@ -361,7 +361,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
         elif len(recoverable) >= minimum:
             then = (
                 f"{len(usable)} usable slot(s): waiting for excluded slots or nodes to pass "
-                "their probe or return"
+                "their health probe or return"
             )
         else:
             then = f"{len(recoverable)} slot(s) of its own: waiting for the cluster to give more"
