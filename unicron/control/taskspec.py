@@ -185,7 +185,8 @@ class TaskSpec(BaseModel):
         "failing slots of a node, within it exclude it; an excluded slot that stayed back "
         "this long starts its probe backoff again",
     )
-    inject: list[str] = Field(default_factory=list, max_length=1024)
+    # a long chaos schedule: the cluster soak plans 1,080 faults for one task
+    inject: list[str] = Field(default_factory=list, max_length=4096)
     env: dict[str, str] = Field(default_factory=dict, max_length=256)
     model: dict[str, Any] | None = None
     global_batch: int | None = Field(None, ge=1, le=1 << 24)
