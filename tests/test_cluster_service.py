@@ -460,16 +460,35 @@ def test_a_task_whose_coordinator_raises_fails_alone(tmp_path: Path) -> None:
         assert bad is not None and good is not None
         ticked: list[float] = []
 
-        def broken(now: float) -> None:
+        def broken(now: float, spare: int | None = None) -> None:
             raise IndexError("list index out of range")
 
-        def counted(now: float, tick: Any = good.tick) -> None:
+        def counted(now: float, spare: int | None = None, tick: Any = good.tick) -> None:
             ticked.append(now)
-            tick(now)
+            tick(now, spare)
 
         bad.tick, good.tick = broken, counted  # type: ignore[method-assign]
         cluster.tick(time.time())
         assert bad.over() and "its coordinator failed: IndexError" in bad.outcome.reason
         assert ticked and not good.over()
+    finally:
+        cluster.close(stop_store=True)
+
+
+def test_the_ticker_tells_each_coordinator_the_slots_the_cluster_could_give_it(
+    tmp_path: Path,
+) -> None:
+    """A task below its minimum waits where the planner has slots to give it
+    (:func:`unicron.control.planning.spare_slots`): each tick hands the count over."""
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1")
+    try:
+        cluster.register("gpu-0", 4, "127.0.0.1", "i1", time.time())
+        cluster.submit(TaskSpec.model_validate(spec("a", workers={"min": 1, "max": 2})), 1.0)
+        cluster.submit(TaskSpec.model_validate(spec("b", workers={"min": 1, "max": 1})), 1.0)
+        a, b = (cluster.tasks[n].controller for n in ("a", "b"))
+        assert a is not None and b is not None
+        cluster.tick(time.time())
+        # 4 slots: a holds 2 (1 above its minimum), b 1, 1 free
+        assert (a.book.spare_slots, b.book.spare_slots) == (1, 2)
     finally:
         cluster.close(stop_store=True)
