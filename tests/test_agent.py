@@ -22,7 +22,7 @@ from unicron import protocol as P
 from unicron.control import messages as M
 from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig
 from unicron.control.client import can_wait
-from unicron.control.heard import report_of
+from unicron.control.heard import exit_reports, report_of
 from unicron.control.workerenv import Account, signal_worker
 from unicron.control.workerstate import IllegalTransition, WorkerState
 from unicron.runtime.link import AgentLink
@@ -399,3 +399,18 @@ def test_a_workers_fact_keeps_its_name_in_the_report_its_agent_makes() -> None:
         } - {"ts"}
         assert all(getattr(report, k) == getattr(msg, k) for k in shared), msg
     assert translated == 6  # Ready, EpochEntered, StepBegan, StepComputed, Waiting..., WorkerDone
+
+
+@pytest.mark.parametrize("returncode", [None, -9, 1])
+def test_the_reports_of_an_exit_pass_the_clusters_screen(returncode: int | None) -> None:
+    """An exit with no status (its socket closed, none came) said ``returncode: None`` in
+    its detection, which the cluster's screen refuses: the node's exchange of that task was
+    refused whole, every later report with it (found by the cluster soak)."""
+    from unicron.control.screen import _malformed
+    from unicron.control.workerstate import Worker
+
+    w = Worker(slot=3, step=7, eof_ts=1.0)
+    reports = exit_reports(w, returncode, 2.0)
+    assert [type(r).__name__ for r in reports] == ["Detected", "WorkerFailed"]
+    assert all(_malformed(r, epoch=5) == "" for r in reports), reports
+    assert reports[0].extra == ({} if returncode is None else {"returncode": returncode})  # type: ignore[union-attr]

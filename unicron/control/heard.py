@@ -96,7 +96,10 @@ def exit_reports(w: Worker, returncode: int | None, now: float) -> list[M.Report
             verdict = classify_exit(returncode if returncode is not None else -9)
             method = "process"
         if w.error is None or returncode is None or returncode < 0:
-            extra = {"returncode": returncode}
+            # no status (its socket closed, none came): nothing to say; ``None`` is not a
+            # return code, and the cluster refuses an exchange carrying one whole (found by
+            # the cluster soak: a node's every later report of the task refused with it)
+            extra = {} if returncode is None else {"returncode": returncode}
             out.append(
                 M.Detected(
                     slot=w.slot, ts=detected, step=w.step, verdict=verdict, method=method,
