@@ -492,3 +492,33 @@ def test_the_ticker_tells_each_coordinator_the_slots_the_cluster_could_give_it(
         assert (a.book.spare_slots, b.book.spare_slots) == (1, 2)
     finally:
         cluster.close(stop_store=True)
+
+
+def test_a_coordinator_that_takes_over_fences_the_old_ones_store_writes(tmp_path: Path) -> None:
+    """Each coordinator on a state counts one more generation and writes it to the training
+    store as its fencing token for every task it runs: a write of the one before it that
+    arrives after the takeover (queued in a cut host's kernel) is refused (found by the
+    cluster soak: the old leader's epoch landed after the new one had read the store)."""
+    cluster = Cluster(tmp_path / "state", host="127.0.0.1")
+    again = None
+    try:
+        cluster.register("gpu-0", 1, "127.0.0.1", "i1", time.time())
+        cluster.submit(TaskSpec.model_validate(spec("t", workers={"min": 1, "max": 1})), 1.0)
+        task = cluster.tasks["t"]
+        task.row.state = "running"
+        cluster.state.save_task(task.row)
+        assert task.controller is not None
+        old, uid = task.controller.store, task.row.uid
+        old.set(f"{uid}/before", "1")
+        again = Cluster(tmp_path / "state", host="127.0.0.1")  # the old one is fenced, alive
+        assert again.store.token == cluster.store.token + 1
+        new = again.tasks["t"].controller
+        assert new is not None and new.store.get(f"{uid}/before") == b"1"
+        old.set(f"{uid}/after", "1")  # refused: its connection is closed
+        assert not new.store.check([f"{uid}/after"])
+        new.store.set(f"{uid}/after", "2")
+        assert new.store.get(f"{uid}/after") == b"2"
+    finally:
+        if again is not None:
+            again.close(stop_store=True)
+        cluster.close(stop_store=True)

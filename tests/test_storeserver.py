@@ -147,3 +147,36 @@ def test_a_recorded_store_of_another_secret_is_not_adopted(tmp_path: Path) -> No
     finally:
         for pid in (info.pid,):
             subprocess.run(["kill", str(pid)], check=False)
+
+
+def test_a_coordinator_fenced_by_a_higher_token_writes_nothing_more(
+    served: tuple[str, bytes, Path],
+) -> None:
+    """A fenced leader's writes, queued in its host's kernel while its link was cut and
+    delivered after its successor took over, must not land (found by the cluster soak: the
+    old leader's epoch 52 set over the new leader's view, two different epochs 52). A
+    connection that wrote a lower token than the task's highest is refused every write of
+    the task's keys, and so is a lower token; readers, workers (no token) and other tasks
+    are untouched."""
+    address, secret, log = served
+    key = capability(secret, "t")
+    old, new, worker = (S.client(address, key) for _ in range(3))
+    old.set("t/coordinator-fence", "1")
+    old.set("t/epoch", "51")
+    new.set("t/coordinator-fence", "2")  # the adopter: its fence, then it reads the state
+    assert new.get("t/epoch") == b"51"  # (a set is not answered: the get orders them)
+    old.set("t/epoch", "52")  # a set is not answered: refused, its connection closed
+    assert new.get("t/epoch") == b"51"  # what the successor read stays
+    with pytest.raises(dist.DistError):
+        old.get("t/epoch")
+    late = S.client(address, key)
+    late.set("t/coordinator-fence", "1")
+    with pytest.raises(dist.DistError):
+        late.get("t/epoch")
+    new.set("t/epoch", "52")  # the leader's own
+    worker.set("t/epoch/vote", "1")  # wrote no token: not fenced
+    other = S.client(address, capability(secret, "u"))
+    other.set("u/coordinator-fence", "1")
+    other.set("u/epoch", "3")  # another task's fence is its own
+    assert (new.get("t/epoch"), new.get("t/epoch/vote")) == (b"52", b"1")
+    assert "by a fenced coordinator (token 1, the task's 2)" in log.read_text()

@@ -111,8 +111,9 @@ class Cluster:
         self.state: State = open_state(self.state_dir)
         self._events_to: dict[str, Path] = {}
         self.embedded = embedded
-        # ``unicron run``'s store lives and dies with this process; a cluster's outlives it
-        self.store = Keeper(self.state_dir, host, embedded=embedded)
+        # ``unicron run``'s store dies with it, a cluster's outlives it; earlier coordinators fenced
+        token = self.state.next_generation()
+        self.store = Keeper(self.state_dir, host, embedded=embedded, token=token)
         self._lock = threading.RLock()
         self.started = time.time()
         self.metrics = Metrics(self.state)
@@ -387,8 +388,7 @@ class Cluster:
     def _settle(self, now: float, calls: list[Callable[[], None]]) -> None:
         """Carry out the queued additions whose slot is free: a running task gets a new rank
         there (its coordinator's ``add_slot``, appended to ``calls``); a queued task starts
-        once all its planned slots are free. Called under the cluster lock (by every tick:
-        nothing to do costs nothing)."""
+        once all its planned slots are free. Called under the cluster lock by every tick."""
         if not self._pending_adds:
             return
         free = {nid: n.slots - self._used(nid) for nid, n in self._nodes.live(now).items()}

@@ -28,7 +28,7 @@ from unicron.control.store import (
     start,
     stop,
 )
-from unicron.control.storeserver import capability
+from unicron.control.storeserver import FENCE_KEY, capability
 from unicron.protocol import store_answers
 from unicron.runtime.bounded import BoundedStore
 
@@ -43,8 +43,10 @@ class Keeper:
     ``unicron run``'s, its child: :func:`~unicron.control.store.start` with ``die_with_us``),
     watched (:meth:`lost`) and started again (:meth:`restart`)."""
 
-    def __init__(self, state_dir: Path, host: str, *, embedded: bool) -> None:
+    def __init__(self, state_dir: Path, host: str, *, embedded: bool, token: int = 0) -> None:
         self.state_dir, self.host, self.embedded = state_dir, host, embedded
+        self.token = token
+        """this coordinator's fencing token (:meth:`client`; the state's generation)"""
         self.proc: subprocess.Popen[bytes] | None = None  # ``unicron run``'s child
         self.adopted = False
         """the store recorded in the state directory answered (a restarted service): the
@@ -105,9 +107,12 @@ class Keeper:
         """A connection for task ``uid``'s coordinator (its capability on every key; every
         request bounded by :data:`PING_LIMIT_S`, :mod:`unicron.runtime.bounded`: the
         coordinator's requests run in the cluster's ticker, which a silent store must not
-        hold long) and the address."""
+        hold long) and the address. It writes this coordinator's fencing token first: from
+        then on an earlier coordinator's writes of the task are refused, however late they
+        arrive (:mod:`unicron.control.storeserver`, Fencing)."""
         address = self.info.address
         bounded = BoundedStore(client(address, capability(self.secret, uid)), PING_LIMIT_S)
+        bounded.set(f"{uid}/{FENCE_KEY.decode()}", str(self.token))
         return bounded, address
 
     def close(self, *, stop_store: bool) -> None:

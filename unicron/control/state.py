@@ -111,6 +111,17 @@ class State:
         with self._tx() as c:
             c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
 
+    def next_generation(self) -> int:
+        """One more than the last coordinator's generation on this state, recorded: a
+        coordinator that starts, or takes over as the leader, fences every earlier one's
+        writes to the training store with it (:mod:`unicron.control.storeserver`, Fencing)."""
+        with self._tx() as c:
+            row = c.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()
+            generation = (0 if row is None else int(row[0])) + 1
+            c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('generation', ?)",
+                      (str(generation),))  # fmt: skip
+        return generation
+
     # -- nodes -------------------------------------------------------------------------------
     def nodes(self) -> list[NodeRow]:
         with self._lock:

@@ -22,6 +22,15 @@ integers as little-endian 64-bit; the client opens with ``VALIDATE`` (a magic nu
 ``PING``. The capability travels in clear text like the keys themselves: the store's network
 must not be watched by untrusted hosts (docs/security.md).
 
+**Fencing.** A coordinator that took over a task (a standby whose lease came, or one started
+again on the state) writes its *token* first, a number above every earlier coordinator's
+(:data:`FENCE_KEY` under the task's capability; the cluster's generation, counted in its
+state). From then on a connection that wrote a lower token for that task is refused any write
+of the task's keys: a fenced leader's requests, queued in its host's kernel while its link was
+cut and delivered once the link is back, long after it exited, cannot set an epoch over its
+successor's (found by the cluster soak: two epochs 52, the old leader's landing after the new
+leader had read 51). Clients that write no token (workers) are not fenced.
+
 Served by :func:`serve` on an asyncio event loop (uvloop's, where installed: a dependency off
 Windows), in the store's own process (:mod:`unicron.control.store`: a cluster's, or ``unicron
 run``'s child); one thread runs every client, so the keys need no lock. A request is read
@@ -52,6 +61,9 @@ MAX_VALUE = 64 << 20
 """the largest value admitted (bytes): the runtime's are epochs, votes and gloo's addresses"""
 MAX_KEYS = 4096
 """the most keys one ``check``, ``wait`` or ``multi`` request names"""
+
+FENCE_KEY = b"coordinator-fence"
+"""the key (under a task's capability) a coordinator writes its fencing token to"""
 
 VALIDATION_MAGIC = STORE_MAGIC
 """what torch's TCPStore client sends first (its ``VALIDATE`` command)"""
@@ -122,6 +134,7 @@ class Store:
         self.data: dict[bytes, bytes] = {}
         self.waiting: dict[bytes, list[_Client]] = {}  # key -> clients waiting for it
         self._opened: set[tuple[bytes, bytes]] = set()  # (capability, uid) checked once
+        self.fences: dict[bytes, int] = {}  # task uid -> the highest coordinator token written
 
     def admit(self, key: bytes) -> bytes:
         """``key`` if it lies under a valid capability, else :class:`Refused`."""
@@ -136,6 +149,31 @@ class Store:
             if not hmac.compare_digest(cap, want):
                 raise Refused(f"key {key[:80]!r}: not the capability of task {uid[:80]!r}")
             self._opened.add((cap, uid))
+        return key
+
+    def fence(self, c: _Client, key: bytes, value: bytes) -> bool:
+        """Whether ``key`` is a task's :data:`FENCE_KEY`; if so, ``c`` holds token ``value``
+        for it now (:class:`Refused` if a higher one was written: a fenced coordinator)."""
+        _, _, uid, rest = key.split(b"/", 3)
+        if rest != FENCE_KEY:
+            return False
+        try:
+            token = int(value)
+        except ValueError:
+            raise Refused(f"fence of task {uid[:80]!r}: {value[:40]!r} is not a number") from None
+        if token < self.fences.get(uid, token):
+            raise Refused(f"fence of task {uid[:80]!r}: token {token} after {self.fences[uid]}")
+        self.fences[uid] = c.tokens[uid] = token
+        return True
+
+    def writable(self, c: _Client, key: bytes) -> bytes:
+        """``key`` (admitted) if ``c`` may write it: not if ``c`` wrote a token for its task
+        lower than the task's highest (:class:`Refused`)."""
+        uid = key.split(b"/", 3)[2]
+        token = c.tokens.get(uid)
+        if token is not None and token < self.fences[uid]:
+            raise Refused(f"a write of task {uid[:80]!r} by a fenced coordinator (token "
+                          f"{token}, the task's {self.fences[uid]})")  # fmt: skip
         return key
 
     def put(self, key: bytes, value: bytes) -> None:
@@ -165,6 +203,7 @@ class _Client(asyncio.Protocol):
         self.buf = bytearray()
         self.valid = False  # the client opened with TCPStore's validation
         self.waited: list[bytes] = []  # the keys of its pending wait
+        self.tokens: dict[bytes, int] = {}  # task uid -> the fencing token it wrote
         self.missing = 0  # ... still unset
         self.transport: asyncio.Transport | None = None
         self.peer: object = None
@@ -213,15 +252,20 @@ class _Client(asyncio.Protocol):
             self.valid = True
             return
         store, key = self.store, self.store.admit
+
+        def writes(k: bytes) -> bytes:
+            return store.writable(self, key(k))
+
         if cmd == PING:
             self.send(f.take(4))  # the nonce, echoed
         elif cmd in (SET, APPEND):
-            k, v = key(f.blob(MAX_KEY)), f.blob(MAX_VALUE)
-            store.put(k, store.data.get(k, b"") + v if cmd == APPEND else v)
+            k, v = writes(f.blob(MAX_KEY)), f.blob(MAX_VALUE)
+            if cmd == APPEND or not store.fence(self, k, v):
+                store.put(k, store.data.get(k, b"") + v if cmd == APPEND else v)
         elif cmd == GET:
             self.send(_payload(store.data.get(key(f.blob(MAX_KEY)), b"")))
         elif cmd == ADD:
-            k, n = key(f.blob(MAX_KEY)), f.i64()
+            k, n = writes(f.blob(MAX_KEY)), f.i64()
             try:
                 total = int(store.data.get(k, b"0")) + n
             except ValueError:
@@ -229,7 +273,7 @@ class _Client(asyncio.Protocol):
             store.put(k, str(total).encode())
             self.send(struct.pack("<q", total))
         elif cmd == COMPARE_SET:
-            k = key(f.blob(MAX_KEY))
+            k = writes(f.blob(MAX_KEY))
             expected, new = f.blob(MAX_VALUE), f.blob(MAX_VALUE)
             now = store.data.get(k)
             if (now is None and not expected) or (now is not None and now == expected):
@@ -252,13 +296,13 @@ class _Client(asyncio.Protocol):
             store.forget(self)
             self.send(WAIT_CANCELED)
         elif cmd == DELETE_KEY:
-            gone = store.data.pop(key(f.blob(MAX_KEY)), None) is not None
+            gone = store.data.pop(writes(f.blob(MAX_KEY)), None) is not None
             self.send(struct.pack("<q", int(gone)))
         elif cmd == MULTI_GET:
             keys = [key(f.blob(MAX_KEY)) for _ in range(f.count())]
             self.send(b"".join(_payload(store.data.get(k, b"")) for k in keys))
         elif cmd == MULTI_SET:
-            pairs = [(key(f.blob(MAX_KEY)), f.blob(MAX_VALUE)) for _ in range(f.count())]
+            pairs = [(writes(f.blob(MAX_KEY)), f.blob(MAX_VALUE)) for _ in range(f.count())]
             for k, v in pairs:
                 store.put(k, v)
         else:  # list_keys, num_keys, the queues, barrier, validation again: never the runtime's
