@@ -180,9 +180,14 @@ class Driver:
                   file=sys.stderr, flush=True)  # fmt: skip
 
     # -- the kinds ---------------------------------------------------------------------------
+    def _hosting(self, host: int) -> dict[str, Any]:
+        """Whether a worker of some task runs on agent ``host`` now (its log folder's): a
+        node holding none is a loss only the cluster's node table sees, no task's log."""
+        return {"held": bool(workers(self.c.root / f"workers-n{host}"))}
+
     def agent_kill(self) -> Made:
         host = self.rng.choice(AGENT_HOSTS)
-        made = Made("agent_kill", f"n{host}", time.time())
+        made = Made("agent_kill", f"n{host}", time.time(), extra=self._hosting(host))
         self.c.kill_agent(host)
         self._stop.wait(DOWN_S)
         self.c.start_agent(host, wait=False)
@@ -192,7 +197,7 @@ class Driver:
     def link_cut(self) -> Made:
         host = self.rng.choice(AGENT_HOSTS)
         assert isinstance(self.c.net, netns.Lab)
-        made = Made("link_cut", f"n{host}", time.time())
+        made = Made("link_cut", f"n{host}", time.time(), extra=self._hosting(host))
         self.c.net.cut(host)
         self._stop.wait(DOWN_S)
         self.c.net.restore(host)
@@ -562,8 +567,10 @@ def _records(m: Made, e: Event) -> bool:
 
 
 def _held(m: Made, events: dict[str, list[Event]]) -> bool:
-    """Whether some task had workers on ``m``'s node when it was lost (a ``plan``'s
-    placement, or any event naming the node, before it)."""
+    """Whether some task had workers on ``m``'s node when it was lost: as the driver saw
+    them then (``extra["held"]``), else any event naming the node before it."""
+    if "held" in m.extra:
+        return bool(m.extra["held"])
     for log in events.values():
         before = [e for e in log if e["ts"] <= m.ts and e.get("node_name") == m.target]
         if before:

@@ -66,6 +66,10 @@ def test_a_cluster_fault_is_detected_by_the_record_that_names_it() -> None:
     assert figs["store_kill"]["detection_s"] == [pytest.approx(0.2)]
     assert figs["coordinator_kill"]["recovery_s"] == [3.0]
     assert unseen == ["link_cut n4 at " + unseen[0].split(" at ")[1]]  # held, never recorded
+    # a node whose task had given back every slot there before it was lost (the driver saw
+    # no worker on it): only the cluster's node table sees that loss, no task's log
+    spare = [Made("agent_kill", "n4", 100.0, extra={"held": False})]
+    assert cluster_faults(spare, {"a": a}, period_s=20.0)[1] == []
 
 
 def test_a_driver_fault_in_a_worker_is_detected_about_its_slot() -> None:
