@@ -175,6 +175,8 @@ def test_a_coordinator_fenced_by_a_higher_token_writes_nothing_more(
         late.get("t/epoch")
     new.set("t/epoch", "52")  # the leader's own
     worker.set("t/epoch/vote", "1")  # wrote no token: not fenced
+    worker.set("t", "root")  # a key at the task's root is no fence (and is served)
+    assert worker.get("t") == b"root"
     other = S.client(address, capability(secret, "u"))
     other.set("u/coordinator-fence", "1")
     other.set("u/epoch", "3")  # another task's fence is its own

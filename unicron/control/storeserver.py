@@ -154,9 +154,10 @@ class Store:
     def fence(self, c: _Client, key: bytes, value: bytes) -> bool:
         """Whether ``key`` is a task's :data:`FENCE_KEY`; if so, ``c`` holds token ``value``
         for it now (:class:`Refused` if a higher one was written: a fenced coordinator)."""
-        _, _, uid, rest = key.split(b"/", 3)
-        if rest != FENCE_KEY:
+        parts = key.split(b"/", 3)  # "", CAP, UID, rest (admitted: at least the first three)
+        if len(parts) < 4 or parts[3] != FENCE_KEY:
             return False
+        uid = parts[2]
         try:
             token = int(value)
         except ValueError:
