@@ -168,3 +168,34 @@ def test_step_reports_wait_for_the_rhythm_and_go_out_with_the_next_urgent_report
         assert link._last_ok == now and cluster.tasks["t"].row.committed_step == step
     finally:
         client.close()
+
+
+def test_a_refused_report_is_dropped_alone_and_the_others_reach_the_coordinator(
+    service: tuple[Cluster, str],
+) -> None:
+    """An exchange the cluster refuses for one report (422 naming its position) costs that
+    report only: the link drops it and sends the others in the next round, and the node's
+    later reports go through (before, the link kept the refused report and every later
+    exchange of the task from that node was refused with it, until the node was judged
+    silent: the soak's exit report with ``returncode: None``)."""
+    cluster, url = service
+    client = Client(url, TOKEN)
+    try:
+        nid, slot, link = _one_task(cluster, client)
+        forged = M.Event(ts=time.time(), name="forged", fields={"slot": slot})
+        ready = M.Ready(slot=slot, ts=time.time(), microbatches=8)
+        now = time.time()
+        link.exchange(nid, [forged, ready], now, read_until=now)  # refused: 422, refused=0
+        assert cluster.tasks["t"].row.epoch == 0  # nothing of it was heard
+        deadline = time.time() + 10
+        while cluster.tasks["t"].row.epoch < 1:  # the ready alone, in a next round
+            assert time.time() < deadline, "the report behind the refused one never went out"
+            now = time.time()
+            link.exchange(nid, [], now, read_until=now)
+            time.sleep(ROUND_S)
+        epoch = cluster.tasks["t"].row.epoch
+        now = time.time()
+        link.exchange(nid, [M.EpochEntered(slot=slot, ts=now, epoch=epoch)], now, read_until=now)
+        assert link._last_ok == now and not link._pending  # later reports go through
+    finally:
+        client.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import secrets
@@ -23,6 +24,8 @@ from typing import Any
 
 from unicron.control import messages as M
 from unicron.errors import UsageError
+
+log = logging.getLogger("unicron.control.agent")
 
 ENV_TOKEN = "UNICRON_TOKEN"
 """the cluster's token, for the service and for every client (else ``--token-file``)"""
@@ -74,12 +77,14 @@ FAILOVER_READ_S = 3.0
 
 
 class ServiceError(RuntimeError):
-    """The service answered 4xx/5xx; ``status`` and its one-line ``detail``."""
+    """The service answered 4xx/5xx; ``status``, its one-line ``detail`` and ``refused``: the
+    position of the report an exchange was refused for (a 422's ``refused``), else ``None``."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, refused: int | None = None) -> None:
         super().__init__(f"{status}: {detail}")
         self.status = status
         self.detail = detail
+        self.refused = refused
 
 
 class Client:
@@ -150,12 +155,17 @@ class Client:
             r = self._http.request(method, path, **kwargs)
         if r.status_code >= 400:
             try:
-                detail = r.json().get("detail", r.text)
+                answer = r.json()
             except ValueError:
-                detail = r.text
+                answer = None
+            if not isinstance(answer, dict):
+                answer = {"detail": r.text}
+            detail = answer.get("detail", r.text)
             if isinstance(detail, list):  # FastAPI's validation errors: all, on one line
                 detail = "; ".join(_problem(d) for d in detail if isinstance(d, dict))
-            raise ServiceError(r.status_code, str(detail))
+            refused = answer.get("refused")
+            refused = refused if type(refused) is int else None
+            raise ServiceError(r.status_code, str(detail), refused)
         if r.headers.get("content-type", "").startswith("application/json"):
             return r.json()
         return r.text
@@ -241,6 +251,7 @@ class TaskLink:
         census: Callable[[], M.Census],
     ) -> None:
         self.client = client
+        self.uid = uid
         self.path = f"/v1/agents/{node_name}/tasks/{uid}/exchange"
         self.instance = instance
         self.census = census
@@ -303,8 +314,10 @@ class TaskLink:
             reply = M.from_wire(self.client.request("POST", self.path, json=body))
         except (httpx.TransportError, ServiceError) as exc:
             held = (401, 404, 410)
+            if isinstance(exc, ServiceError) and exc.refused is not None:
+                return self._refused(exc, batch, idle)
             if isinstance(exc, ServiceError) and exc.status < 500 and exc.status not in held:
-                raise  # refused (superseded, bad report): the agent's business
+                raise  # refused (superseded, a bad request): the agent's business
             # 401: its credential was rotated and its file not yet rewritten; 410: the node
             # was declared lost (its agent's heartbeat learns it too, and stops this task's
             # workers): the reports wait, as for a coordinator that is away
@@ -322,6 +335,24 @@ class TaskLink:
         self._last, self._last_ok = reply, now
         assert isinstance(reply, M.Reply)
         return reply
+
+    def _refused(self, exc: ServiceError, batch: list[M.Report], idle: M.Reply) -> M.Reply:
+        """The cluster refused the exchange for one report (a 422 naming its position in
+        ``batch``: a report no agent of this release should send, docs/cluster.md): that report
+        is dropped, loudly, and the others go out again in the next round. Kept, it would be
+        refused in every later exchange and silence every report of this task from this
+        node until the node was judged lost."""
+        i = exc.refused
+        if i is None or not 0 <= i < len(batch):
+            raise exc
+        log.error("task %s: the cluster refused a report, dropped: %s (%s)",
+                  self.uid, batch[i], exc.detail)  # fmt: skip
+        if i < len(self._pending):
+            del self._pending[i]
+        else:  # the census, sent after the pending reports
+            self._reconnect = False
+        self._urgent = True
+        return idle
 
 
 # -- the user commands -----------------------------------------------------------------------

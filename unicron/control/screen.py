@@ -17,7 +17,14 @@ log = logging.getLogger("unicron.control.cluster")
 
 
 class Invalid(ValueError):
-    """The request is well-formed but unusable (HTTP 422)."""
+    """The request is well-formed but unusable (HTTP 422). ``index``: the position of the
+    report that made it so in the exchange's ``reports`` (the 422's ``refused``), so the
+    agent drops that one report and sends the others again; ``None`` when no one report is
+    to blame."""
+
+    def __init__(self, why: str, *, index: int | None = None) -> None:
+        super().__init__(why)
+        self.index = index
 
 
 WORKER_EVENTS = frozenset(
@@ -40,13 +47,14 @@ def screen(node: NodeRow, task: TaskRow, epoch: int, reports: list[M.Report]) ->
     release sends is refused whole (:class:`Invalid`, 422 with the reason, logged): an event
     name a worker does not write, an event whose ``epoch``/``step``/``slot``/``rank``/``node``
     is not an integer, a step's ``step_end`` without them, an epoch the coordinator has not
-    announced yet (a replay from the future), a detection with fields of its own."""
+    announced yet (a replay from the future), a detection with fields of its own; the first
+    such report's position is the error's ``index``."""
     kept: list[M.Report] = []
-    for r in reports:
+    for i, r in enumerate(reports):
         why = _malformed(r, epoch)
         if why:
             log.warning("task %s: refused the exchange of node %s: %s", task.uid, node.name, why)
-            raise Invalid(f"reports: {why}")
+            raise Invalid(f"reports[{i}]: {why}", index=i)
         slot = getattr(r, "slot", None)
         if isinstance(r, M.Event) and isinstance(r.fields.get("slot"), int):
             slot = r.fields["slot"]

@@ -24,7 +24,8 @@ with ``--tls-cert``/``--tls-key``; plain HTTP only on loopback unless ``--insecu
 
 Errors are 4xx with ``{"detail": "one line"}``: 401/403/413 from the door, 404 unknown task
 or node, 409 a conflict with the cluster's state, 422 a body that is not valid (FastAPI
-names the field) or an agent's report the cluster refuses (``screen.screen``).
+names the field) or an agent's report the cluster refuses (``screen.screen``; the body's
+``refused`` then gives the report's position, and the agent drops that one report).
 
 The dashboard's page and scripts under ``/ui/`` are the only paths served without the token:
 they are the same files for everyone and hold no data. The page asks for the token, keeps it
@@ -313,7 +314,10 @@ def make_app(
 
     @app.exception_handler(Invalid)
     def _422(_: Request, exc: Invalid) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+        body: dict[str, Any] = {"detail": str(exc)}
+        if exc.index is not None:  # one report to blame: the agent drops it, resends the rest
+            body["refused"] = exc.index
+        return JSONResponse(body, status_code=422)
 
     @app.exception_handler(Fenced)
     def _410(_: Request, exc: Fenced) -> JSONResponse:
@@ -388,12 +392,15 @@ def make_app(
 
     @app.post("/v1/agents/{node}/tasks/{uid}/exchange", summary="one round of a supervisor")
     async def exchange(node: str, uid: str, body: Exchange) -> JSONResponse:
-        try:
-            reports = [M.from_wire(r) for r in body.reports]
-        except ValueError as exc:
-            raise Invalid(f"reports: {exc}") from None
-        if any(isinstance(r, M.Spawn | M.Kill | M.Probe | M.Reply) for r in reports):
-            raise Invalid("reports: an action or reply is not a report")
+        reports = []
+        for i, raw in enumerate(body.reports):
+            try:
+                r = M.from_wire(raw)
+            except ValueError as exc:
+                raise Invalid(f"reports[{i}]: {exc}", index=i) from None
+            if isinstance(r, M.Spawn | M.Kill | M.Probe | M.Reply):
+                raise Invalid(f"reports[{i}]: an action or reply is not a report", index=i)
+            reports.append(r)
         reply = cluster.exchange(node, body.instance, uid, reports, time.time(), body.read_until)
         return JSONResponse(M.to_wire(reply))
 
