@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import random
 import shutil
@@ -54,7 +55,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -501,17 +502,18 @@ def fault_free(workdir: Path, steps: dict[str, int]) -> float:
 # -- the measurements ---------------------------------------------------------------------------
 def driver_worker_faults(
     made: list[Made], events: dict[str, list[Event]]
-) -> tuple[dict[str, dict[str, list[float]]], int]:
+) -> tuple[dict[str, dict[str, list[float]]], list[Made]]:
     """Per kind of the driver's faults in workers: detection (the first ``error_detected``
-    about its slot in its task's log) and recovery (the next commit); those never detected."""
+    about its slot in its task's log) and recovery (the next commit); those never detected
+    (named in the report, with the clock time, to look up in the kept logs)."""
     out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-    undetected = 0
+    undetected: list[Made] = []
     for m in made:
         log = events[m.extra["task"]]
         found = next((e for e in log if e["event"] == "error_detected" and e["ts"] >= m.ts
                       and e.get("slot") == m.extra["slot"]), None)  # fmt: skip
         if found is None:
-            undetected += 1
+            undetected.append(m)
             continue
         out[m.kind]["detection_s"].append(float(found["ts"]) - m.ts)
         nxt = next((e for e in log if e["event"] == "step_end" and e["ts"] > found["ts"]), None)
@@ -639,12 +641,13 @@ def report(
                 by_kind[kind][metric] += values
     cfigs, unseen = cluster_faults(made, events, period_s)
     hfigs, missed_hands = driver_worker_faults(hands, events)
-    undetected += missed_hands
+    undetected += len(missed_hands)
     for kind, f in [*cfigs.items(), *hfigs.items()]:
         for metric, values in f.items():
             by_kind[kind][metric] += values
     human = [f"{m.kind} {m.target}: {m.trouble}" for m in made if m.trouble]
     human += [f"never detected: {u}" for u in unseen]
+    human += [f"never detected: {m.kind} {m.target} at {_clock(m.ts)}" for m in missed_hands]
     human += [f"{n} ended {v['state']}" for n, v in views.items() if v["state"] != "done"]
     total = fired + len(hands) + len(made)
     rows = [
@@ -658,7 +661,8 @@ def report(
                                                                .items()))),
         make_row(**base, metric="wall_s", values=[wall], unit="s",
                  note="first submission to the last task's end"),
-        make_row(**base, metric="needed_a_human", values=[len(human) + undetected], unit="",
+        make_row(**base, metric="needed_a_human", unit="",
+                 values=[len(human) + undetected - len(missed_hands)],  # those named: in human
                  note=("; ".join(human)[:800] or "no trouble") + f"; {undetected} worker "
                  "faults never detected; goal 0"),
     ]  # fmt: skip
@@ -708,6 +712,10 @@ def report(
     return rows, "\n".join(lines)
 
 
+def _clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 100):02d} UTC"
+
+
 def missing() -> str | None:
     """What this machine lacks for the soak, or ``None``."""
     if shutil.which("etcd") is None:
@@ -724,6 +732,9 @@ def run(
     events, views, made, hands, wall, fenced = soak(
         workdir, faults, period_s, worker_period_s, seed, timeout_s=3 * 3600
     )
+    with open(workdir / "faults.json", "w") as f:  # to look a fault up in the kept logs
+        json.dump({"cluster": [asdict(m) for m in made],
+                   "workers": [asdict(m) for m in hands]}, f, indent=1)  # fmt: skip
     _, steps = task_specs(faults, seed)
     ref_wall = fault_free(workdir, steps)
     exact = {

@@ -80,7 +80,7 @@ def test_a_driver_fault_in_a_worker_is_detected_about_its_slot() -> None:
     figs, undetected = driver_worker_faults(made, {"a": a})
     assert figs["worker_kill"]["detection_s"] == [pytest.approx(0.3)]
     assert figs["worker_kill"]["recovery_s"] == [pytest.approx(1.0)]
-    assert undetected == 1  # the stopped worker of slot 1 was never found
+    assert undetected == [made[1]]  # the stopped worker of slot 1 was never found
 
 
 def test_live_workers_are_found_by_their_log_file(tmp_path: Path) -> None:
