@@ -9,11 +9,18 @@ are replicated. Pipeline parallel: each stage holds an equal share of the layers
 the embedding, the last the final norm and the head; a stage receives its input from the
 previous one and sends its output on. With ``tp`` and ``pp`` 1 it is an ordinary model.
 Trained on the byte corpus of ``gpt.py``.
+
+``dtensor=True`` splits the same model with PyTorch's own tensor parallelism instead: the
+blocks are built of whole ``nn.Linear`` layers and split by ``parallelize_module``'s
+``ColwiseParallel`` / ``RowwiseParallel`` plan (:func:`plan`, through
+:func:`unicron.dtensor.parallelize`). Both draw the same numbers and make the same sums, so
+both train to the same bits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,15 +86,25 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
+def linear(kind: str, n_in: int, n_out: int, tp: TensorParallel, dtensor: bool) -> nn.Module:
+    """A layer that splits ``kind`` ("column" or "row") over the replica's ranks: one of
+    :mod:`unicron.parallel`'s, or (``dtensor``) a whole ``nn.Linear`` that :func:`plan` splits
+    once its block is built (the same numbers drawn: ``nn.Linear`` without a bias)."""
+    if dtensor:
+        return nn.Linear(n_in, n_out, bias=False)
+    layer = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    return layer(n_in, n_out, tp)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, dtensor: bool = False) -> None:
         super().__init__()
         self.head_dim = cfg.dim // cfg.heads
         self.heads, self.kv_heads = cfg.heads // tp.size, cfg.kv_heads // tp.size
-        self.q = ColumnParallelLinear(cfg.dim, cfg.heads * self.head_dim, tp)
-        self.k = ColumnParallelLinear(cfg.dim, cfg.kv_heads * self.head_dim, tp)
-        self.v = ColumnParallelLinear(cfg.dim, cfg.kv_heads * self.head_dim, tp)
-        self.o = RowParallelLinear(cfg.heads * self.head_dim, cfg.dim, tp)
+        self.q = linear("column", cfg.dim, cfg.heads * self.head_dim, tp, dtensor)
+        self.k = linear("column", cfg.dim, cfg.kv_heads * self.head_dim, tp, dtensor)
+        self.v = linear("column", cfg.dim, cfg.kv_heads * self.head_dim, tp, dtensor)
+        self.o = linear("row", cfg.heads * self.head_dim, cfg.dim, tp, dtensor)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -102,25 +119,40 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, dtensor: bool = False) -> None:
         super().__init__()
-        self.gate = ColumnParallelLinear(cfg.dim, cfg.hidden, tp)
-        self.up = ColumnParallelLinear(cfg.dim, cfg.hidden, tp)
-        self.down = RowParallelLinear(cfg.hidden, cfg.dim, tp)
+        self.gate = linear("column", cfg.dim, cfg.hidden, tp, dtensor)
+        self.up = linear("column", cfg.dim, cfg.hidden, tp, dtensor)
+        self.down = linear("row", cfg.hidden, cfg.dim, tp, dtensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, dtensor: bool = False) -> None:
         super().__init__()
-        self.norm1, self.attn = RMSNorm(cfg.dim), Attention(cfg, tp)
-        self.norm2, self.mlp = RMSNorm(cfg.dim), MLP(cfg, tp)
+        self.norm1, self.attn = RMSNorm(cfg.dim), Attention(cfg, tp, dtensor)
+        self.norm2, self.mlp = RMSNorm(cfg.dim), MLP(cfg, tp, dtensor)
+        if dtensor and tp.size > 1:
+            import unicron.dtensor  # PyTorch's tensor parallel API: imported when used
+
+            unicron.dtensor.parallelize(self, plan())
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin)
         return x + self.mlp(self.norm2(x))
+
+
+def plan() -> dict[str, Any]:
+    """A block's tensor-parallel plan in PyTorch's terms, Megatron-LM's split: the query,
+    key, value, gate and up projections column-wise (this rank's heads and hidden units),
+    the attention output and the down projection row-wise (their partial outputs summed)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    column = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")
+    return {**{n: ColwiseParallel() for n in column},
+            "attn.o": RowwiseParallel(), "mlp.down": RowwiseParallel()}  # fmt: skip
 
 
 class Llama(nn.Module):
@@ -128,7 +160,11 @@ class Llama(nn.Module):
     stage's layers (``pp``), of each its slice (``tp``)."""
 
     def __init__(
-        self, cfg: LlamaConfig, tp: TensorParallel, pp: PipelineParallel | None = None
+        self,
+        cfg: LlamaConfig,
+        tp: TensorParallel,
+        pp: PipelineParallel | None = None,
+        dtensor: bool = False,
     ) -> None:
         super().__init__()
         stages = 1 if pp is None else pp.stages
@@ -138,7 +174,7 @@ class Llama(nn.Module):
         self.cfg, self.pp = cfg, pp
         # every rank draws the whole model (the same RNG stream), then keeps its stage's part
         tok = nn.Embedding(cfg.vocab, cfg.dim)
-        blocks = [Block(cfg, tp) for _ in range(cfg.layers)]
+        blocks = [Block(cfg, tp, dtensor) for _ in range(cfg.layers)]
         norm, head = RMSNorm(cfg.dim), nn.Linear(cfg.dim, cfg.vocab, bias=False)
         first = pp is None or pp.first
         last = pp is None or pp.last
@@ -188,11 +224,12 @@ def build(
     seed: int = 0,
     cfg: LlamaConfig | None = None,
     pp: PipelineParallel | None = None,
+    dtensor: bool = False,
 ) -> tuple[Llama, torch.optim.Optimizer, ByteDataset]:
     """This rank's shard of the model (seeded: every rank draws the same whole weights), its
-    AdamW optimizer and the dataset."""
+    AdamW optimizer and the dataset; ``dtensor``: split by PyTorch's tensor parallel API."""
     cfg = cfg or LlamaConfig()
     torch.manual_seed(seed)
-    model = Llama(cfg, tp, pp)
+    model = Llama(cfg, tp, pp, dtensor)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     return model, opt, ByteDataset(make_corpus(), cfg.seq_len)

@@ -8,7 +8,8 @@
 Each replica is ``--tp`` x ``--pp`` ranks of one node: ``--pp`` pipeline stages of an equal
 share of the layers, each stage ``--tp`` ranks holding their shard of its attention heads and
 MLP units; replicas are data parallel. The model code is plain PyTorch with
-``unicron.parallel``'s parts; the loop is ``unicron.worker.train``.
+``unicron.parallel``'s parts, or (``--tp-api dtensor``) with PyTorch's own tensor parallel
+API (``parallelize_module`` over DTensor); the loop is ``unicron.worker.train``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=llama_parallel.LlamaConfig.dim)
     p.add_argument("--hidden", type=int, default=llama_parallel.LlamaConfig.hidden)
     p.add_argument("--out", default=None, help="replica 0 writes OUT/final.pt (a file per shard)")
+    p.add_argument("--tp-api", choices=("unicron", "dtensor"), default="unicron",
+                   help="split the blocks with unicron.parallel's layers (default) or PyTorch's "
+                   "DTensor tensor parallelism (parallelize_module)")  # fmt: skip
     args = p.parse_args()
     tp, pp = unicron.parallel.tensor_parallel(), unicron.parallel.pipeline_parallel()
     cfg = llama_parallel.LlamaConfig(
@@ -45,14 +49,17 @@ def main() -> None:
         why = llama_parallel.check(cfg, tp.size, depth)
         if why is not None:
             raise UsageError(f"--tp {tp.size} --pp {depth}: {why}")
-    model, optimizer, dataset = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp)
+    dtensor = args.tp_api == "dtensor"
+    model, optimizer, dataset = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp,
+                                                     dtensor=dtensor)  # fmt: skip
     model.train()
 
     def rebuild(
         tp: unicron.parallel.TensorParallel, pp: unicron.parallel.PipelineParallel
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """This rank's shard at another pipeline depth (a layout change)."""
-        model, optimizer, _ = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp)
+        model, optimizer, _ = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp,
+                                                   dtensor=dtensor)  # fmt: skip
         return model.train(), optimizer
 
     result = unicron.worker.train(

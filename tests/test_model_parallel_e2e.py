@@ -277,3 +277,27 @@ def test_a_model_that_does_not_split_is_refused_with_one_line(run: Any) -> None:
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--tp 2: the model did not split over its replica" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_pytorchs_own_tensor_parallelism_heals_to_the_hand_written_layers_bits(run: Any) -> None:
+    """The example split by PyTorch's API (``--tp-api dtensor``: ``parallelize_module``'s
+    ColwiseParallel / RowwiseParallel over DTensor, :mod:`unicron.dtensor`), TP=2 x DP=2,
+    losing place 0 of replica 0 mid-step and then hanging place 1 of replica 1: it heals as
+    the hand-written layers do (the replica out of the step, the other's micro-batches kept,
+    the dead and the hung rank alone restarted) and ends with the bits of the fault-free run
+    of ``unicron.parallel``'s layers: the same numbers drawn, the same sums."""
+    layout = ("--nproc-per-node", "4", "--tp", "2", "--checkpoint-every", "0")
+    steps = 10
+    clean = _tp(run, *layout, steps=steps)
+    faulty = run(
+        *layout, "--inject", "crash:rank=0,step=3,mb=1", "--inject", "hang:rank=3,step=6",
+        script=SCRIPT, script_args=("--steps", str(steps), "--out", "out", "--tp-api", "dtensor"),
+    )  # fmt: skip
+    _same(clean, faulty, steps)
+    restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
+    assert restarted == [0, 3]  # not the partners, which waited alive
+    (hang,) = [e for e in faulty.of("error_detected") if e["kind"] == "hang"]
+    assert hang["slot"] == 3
+    partial = [e for e in faulty.of("transition_end") if e.get("microbatches_reused")]
+    assert partial  # the live replica's finished micro-batches were kept
+    assert {e["state_source"] for e in faulty.of("transition_end")} <= {"local", "peer_node"}

@@ -75,18 +75,45 @@ class TensorParallel:
         """sums asked for so far (the worker refuses a model that never sums at ``size`` > 1)"""
         self._sum: Callable[[torch.Tensor], None] | None = None
         self._catch: tuple[type[BaseException], ...] = ()
+        self.group: Any = None
+        """the epoch's group of the replica's ranks of this stage (``allreduce(t)``,
+        ``allgather(t) -> list``, ``broadcast(t, src)``, waited for in slices: a
+        :class:`~unicron.runtime.group.EpochGroup`), for the collectives of PyTorch's own
+        tensor parallelism (:mod:`unicron.dtensor`); ``None`` outside an epoch"""
 
     def bind(self, group: Any) -> None:
         """Sum over a torch process group (a script of its own, outside ``unicron run``)."""
         self._sum = lambda t: dist.all_reduce(t, group=group)
-        self._catch, self.broken = (), None
+        self._catch, self.broken, self.group = (), None, None
 
     def bind_epoch(
-        self, allreduce: Callable[[torch.Tensor], None], catch: type[BaseException]
+        self,
+        allreduce: Callable[[torch.Tensor], None],
+        catch: type[BaseException],
+        group: Any = None,
     ) -> None:
-        """Sum with ``allreduce`` (in place) from now on; an exception of type ``catch`` from
-        it breaks the attempt (:attr:`broken`). Called by the worker entering an epoch."""
-        self._sum, self._catch, self.broken = allreduce, (catch,), None
+        """Sum with ``allreduce`` (in place) from now on, and run each :meth:`collective` over
+        ``group``; an exception of type ``catch`` from either breaks the attempt
+        (:attr:`broken`). Called by the worker entering an epoch."""
+        self._sum, self._catch, self.broken, self.group = allreduce, (catch,), None, group
+
+    def collective(self, what: str, run: Callable[[Any], None]) -> None:
+        """Run ``run(group)``, one collective over the replica's ranks (:attr:`group`), as
+        :meth:`all_reduce` runs its sum: counted in :attr:`used`, skipped once the attempt is
+        broken, breaking it when it fails. Called by :class:`unicron.dtensor.ReplicaGroup`
+        for DTensor's collectives."""
+        self.used += 1
+        if self.broken is not None or self.size == 1:
+            return
+        if self.group is None:
+            raise RuntimeError(
+                f"{what} over {self.size} tensor-parallel ranks without an epoch's group: run "
+                "the script under `unicron run --tp N`"
+            )
+        try:
+            run(self.group)
+        except self._catch as exc:  # a rank of the replica is gone, or the epoch is over
+            self.broken = exc
 
     def reset(self) -> None:
         """A new attempt at a step begins: nothing is broken (the worker calls it)."""

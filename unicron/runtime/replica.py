@@ -58,7 +58,7 @@ def bind(
         start = first + pipe.stage * tp
         replica = g.subgroup(list(range(start, start + tp)), "tp")
         replica.on_wait = said
-        par.bind_epoch(replica.allreduce, EpochOver)
+        par.bind_epoch(replica.allreduce, EpochOver, replica)
     links: list[Callable[[torch.Tensor, int], None] | None] = []
     for other in (g.rank - tp, g.rank + tp):  # the same tp rank one stage up, one down
         if not first <= other < first + size:
