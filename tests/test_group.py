@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, epoch_prefix
+from unicron.protocol import EpochInfo, done_key, epoch_info_key, epoch_key, epoch_prefix
 from unicron.runtime.group import EpochGroup, EpochOver, EpochWatch
 
 pytestmark = pytest.mark.e2e
@@ -199,3 +199,43 @@ def test_every_member_gets_the_same_vote_outcome_and_the_newest_epoch_with_it() 
     assert vote_all(2, groups[:2]) == {0: False, 1: False}
     groups[0].abort(3)  # ... and one that aborts, then votes: the last voter loses too
     assert vote_all(3, groups) == {0: False, 1: False, 2: False}
+
+
+def test_a_voter_that_sees_the_task_over_after_its_step_committed_commits_it_too() -> None:
+    """The race seen under load (a PP=3 x DP=2 run ended ok without ``final.shard2.pt``): a
+    member waits for the last step's decision in slices; one slice runs out, and before the
+    member looks again the last voter commits the step, another member finishes and the
+    coordinator declares the task over. The step was committed: the member applies it (it
+    must write its final shard), it does not leave the epoch as if the task ended without
+    it."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    info = EpochInfo(1, (0, 1, 2), (0, 0, 0), urgent=False)
+    _announce(server, info)
+    groups = []
+    for rank in range(3):
+        client = _client(server.port)
+        groups.append(EpochGroup(client, EpochWatch(client, "t"), info, rank, slice_s=0.05,
+                                 timeout_s=TIMEOUT_S))  # fmt: skip
+    slow = groups[0]
+    outcomes: dict[int, bool] = {}
+
+    class LateWatch(EpochWatch):
+        """The slow member's first look after a slice: meanwhile the others voted (the last
+        one committed) and the coordinator wrote the task's done key."""
+
+        def superseded(self, epoch: int, *, urgent_only: bool) -> bool:
+            if not outcomes:
+                threads = [
+                    threading.Thread(target=lambda g=g: outcomes.__setitem__(g.rank, g.vote(9)))
+                    for g in groups[1:]
+                ]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(timeout=30)
+                server.set(done_key("t"), "done")
+            return super().superseded(epoch, urgent_only=urgent_only)
+
+    slow.watch = LateWatch(slow.watch.store, "t")
+    outcomes[slow.rank] = slow.vote(9)
+    assert outcomes == {0: True, 1: True, 2: True}

@@ -582,6 +582,12 @@ class EpochGroup:
                 if self.watch.superseded(self.info.epoch, urgent_only=True):
                     self.store.compare_set(decision, "", "abort")
                 elif self.watch.task_over():
+                    # the task ends with its last step committed: a member whose slice ran out
+                    # just before that step's decision (a loaded machine) finds it here and
+                    # applies it like the others (it may have a final shard to write);
+                    # undecided, the step was not the one that ended the task
+                    if self.store.check([decision]):
+                        break
                     raise EpochOver("the task is over") from None
         prefix = epoch_prefix(self.watch.task, self.info.epoch)
         outcome, latest = self._base.multi_get([f"{prefix}/{decision}", epoch_key(self.watch.task)])
