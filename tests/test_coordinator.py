@@ -451,6 +451,34 @@ def test_a_joiner_that_computed_nothing_does_not_hold_a_hang_back(
     assert [a.slot for a in k.actions(Kill)] == ([] if joiner_computes else [0])
 
 
+def test_a_step_finished_in_an_earlier_epoch_is_no_evidence_of_a_hang_in_its_retry(
+    tmp_path: Path,
+) -> None:
+    """Found under load (test_zero_e2e): the peers had finished step 20 when slot 3 crashed;
+    in the next epoch slot 0, retrying the step and waiting on the new epoch's first
+    collective, passed its allowance and was killed on the peers' reports of the *old*
+    epoch. Only what they finish in this epoch counts; once they have, it does."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch)
+    for m in (1, 2):
+        c.step_computed(m, 20, t + 0.1, compute_s=0.1, microbatches=2)
+    c.worker_failed(3, verdict_for_kind("killed"), t + 0.2)  # the step is retried without it
+    assert c.members == (0, 1, 2)
+    t += 0.3
+    for m in c.members:
+        c.step_started(m, 20, t, epoch=c.epoch)
+    late = 1.5  # past the allowance after a change, max(12 x the 0.1 s steps, 1 s floor)
+    c.tick(t + late)
+    assert k.actions(Kill) == []  # slots 1 and 2 have not finished the retry
+    for m in (1, 2):
+        c.step_computed(m, 20, t + late + 0.1, compute_s=0.1, microbatches=2)
+    c.tick(t + late + 0.2)
+    assert [a.slot for a in k.actions(Kill)] == [0]
+
+
 def test_stragglers_are_compared_across_nodes(tmp_path: Path) -> None:
     """One monitor per task: a whole slow node, with one worker on it, is found."""
     k = Cluster(tmp_path, nodes=2, per_node=1)

@@ -117,11 +117,11 @@ def step_computed(
     state; the monitor learns the step time, without ``queued_s`` (the part its thread waited
     for a CPU: an oversubscribed machine's run queue is not the worker's speed)."""
     s = b.slots[slot]
-    s.computed = step
-    b.cpu.computed(slot, step, cpu_s)
-    s.has_state, s.fresh = True, False
     known = s.progress
     ep = known.epoch if known else b.epoch
+    s.computed, s.computed_epoch = step, ep
+    b.cpu.computed(slot, step, cpu_s)
+    s.has_state, s.fresh = True, False
     s.progress = Progress(ep, Phase.REDUCE, step, now)
     own_s = own_compute_s(compute_s, queued_s)
     if microbatches:
@@ -288,16 +288,26 @@ def _overrun(b: TaskBook, slot: int, at: float) -> float:
 
 
 def peer_ahead(b: TaskBook, slot: int, step: int) -> bool:
-    """Whether another member of the current epoch finished computing ``step``: the
-    evidence that ``slot``, still in that step past its deadline, hangs alone."""
-    return any(m != slot and b.slots.computed_of(m) >= step for m in b.members)
+    """Whether another member of the current epoch finished computing ``step`` in the epoch
+    ``slot`` computes it in: the evidence that ``slot``, still in that step past its
+    deadline, hangs alone. (A step finished in an earlier epoch says nothing of its retry in
+    a later one: under load a member waiting on the new epoch's first collective was killed
+    on such stale evidence.)"""
+    epoch = _epoch_of(b, slot)
+    return any(m != slot and b.slots.computed_of(m, epoch) >= step for m in b.members)
 
 
 def peers_all_ahead(b: TaskBook, slot: int, step: int) -> bool:
     """Whether every other member of the current epoch that can vouch for ``slot``
-    (:func:`vouchers`) finished computing ``step``."""
-    others = vouchers(b, slot)
-    return bool(others) and all(b.slots.computed_of(m) >= step for m in others)
+    (:func:`vouchers`) finished computing ``step`` in the epoch ``slot`` computes it in."""
+    others, epoch = vouchers(b, slot), _epoch_of(b, slot)
+    return bool(others) and all(b.slots.computed_of(m, epoch) >= step for m in others)
+
+
+def _epoch_of(b: TaskBook, slot: int) -> int:
+    """The epoch ``slot`` last said it computes in (the task's, before it said anything)."""
+    p = b.slots.progress_of(slot)
+    return b.epoch if p is None else p.epoch
 
 
 def alone(b: TaskBook, slot: int) -> bool:

@@ -140,6 +140,7 @@ class Slot:
     fresh: bool = True  # started while no step had committed, and has computed none since
     # -- what its worker last said (the detectors' view; cleared by :meth:`forget`)
     computed: int | None = None  # the last step it finished computing
+    computed_epoch: int = -1  # ... in this epoch (a step retried in a new one is not done)
     progress: Progress | None = None  # where it last said it was
     mb_compute_s: float | None = None  # its latest compute time per micro-batch
     suspect: Suspect | None = None  # a suspected hang
@@ -299,10 +300,13 @@ class SlotTable(dict[int, Slot]):
         s = self.get(slot)
         return None if s is None else s.progress
 
-    def computed_of(self, slot: int) -> int:
-        """The last step the worker in ``slot`` finished computing; -1: none (or no slot)."""
+    def computed_of(self, slot: int, epoch: int | None = None) -> int:
+        """The last step the worker in ``slot`` finished computing (``epoch``: in that epoch);
+        -1: none (or no slot)."""
         s = self.get(slot)
-        return -1 if s is None or s.computed is None else s.computed
+        if s is None or s.computed is None or epoch not in (None, s.computed_epoch):
+            return -1
+        return s.computed
 
     def progress(self) -> dict[int, Progress]:
         """Where each worker last said it was (the slots that said anything)."""
