@@ -20,7 +20,9 @@ Needs a machine with CUDA (exits 2 without one). It runs, with ``unicron run --d
    checkpoint to fall back on: every step committed once, only the two dead ranks
    restarted, epochs of whole replicas, a restarted rank's shard streamed from the same
    place of the live replica, and the final loss close to the fault-free one (whether the
-   parameters are bitwise equal too is printed, not checked).
+   parameters are bitwise equal too is printed, not checked); then the same with the
+   tensor parallelism of PyTorch's DTensor (``--tp-api dtensor``, :mod:`unicron.dtensor`,
+   a mesh of device type ``cuda``).
 
 Workers: one per GPU (NCCL) when there are two or more GPUs, else two workers sharing the
 one GPU (gloo with CUDA tensors staged through the CPU: NCCL refuses two ranks on one device).
@@ -105,20 +107,22 @@ def _close(a: Any, b: Any) -> bool:
     return a is not None and b is not None and abs(a - b) <= 0.05 * abs(a)
 
 
-def _model_parallel(work: Path, gpus: int, check: Checks) -> None:
-    """Section 4 of the module's docstring: TP=2 x PP=2 x DP=2 on CUDA, two ranks lost."""
+def _model_parallel(work: Path, gpus: int, check: Checks, api: str = "unicron") -> str | None:
+    """Section 4 of the module's docstring: TP=2 x PP=2 x DP=2 on CUDA, two ranks lost;
+    ``api``: the example's ``--tp-api`` (``dtensor``: PyTorch's tensor parallelism, a DTensor
+    mesh of device type ``cuda``). Returns the fault-free run's parameters' digest."""
     nproc, steps = 8, 12
     layout = ("--tp", "2", "--pp", "2")
     script = ROOT / "examples" / "train_llama_parallel.py"
     faults = [f"crash:rank=2,step={steps // 3},mb=1", f"crash:rank=5,step={steps * 2 // 3}"]
     backend = "nccl" if gpus >= nproc else f"gloo ({nproc} slots share {gpus} GPU(s))"
-    print(f"model-parallel: TP=2 x PP=2 x DP=2 on {nproc} slots, backend {backend}")
-    args = ["--steps", str(steps)]
-    clean_p, clean = _unicron(work / "mp-clean", nproc, script, args, [], layout)
-    healed_p, healed = _unicron(work / "mp-healed", nproc, script, args, faults, layout)
-    check(clean_p.returncode == 0, "model-parallel fault-free CUDA run finished",
+    print(f"model-parallel ({api} TP): TP=2 x PP=2 x DP=2 on {nproc} slots, backend {backend}")
+    args = ["--steps", str(steps), "--tp-api", api]
+    clean_p, clean = _unicron(work / f"mp-{api}-clean", nproc, script, args, [], layout)
+    healed_p, healed = _unicron(work / f"mp-{api}-healed", nproc, script, args, faults, layout)
+    check(clean_p.returncode == 0, f"model-parallel ({api} TP) fault-free CUDA run finished",
           clean_p.stderr[-300:])  # fmt: skip
-    check(healed_p.returncode == 0, f"model-parallel faulty CUDA run finished "
+    check(healed_p.returncode == 0, f"model-parallel ({api} TP) faulty CUDA run finished "
           f"({', '.join(faults)})", healed_p.stderr[-300:])  # fmt: skip
     committed = sorted(e["step"] for e in healed if e["event"] == "step_end")
     check(committed == list(range(steps)), f"all {steps} steps committed once",
@@ -142,8 +146,9 @@ def _model_parallel(work: Path, gpus: int, check: Checks) -> None:
     check(_close(a, b), "model-parallel final loss within 5% of the fault-free one",
           f"{a} vs {b}")  # fmt: skip
     sha = [end[-1].get("params_sha256") if end else None for end in ends]
-    print(f"note: model-parallel parameters bitwise equal to the fault-free run: "
+    print(f"note: model-parallel ({api} TP) parameters bitwise equal to the fault-free run: "
           f"{sha[0] is not None and sha[0] == sha[1]}")  # fmt: skip
+    return sha[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     b = ends[-1].get("final_loss") if ends else None
     check(_close(a, b), "final loss of the faulty run within 5% of the fault-free one",
           f"{a} vs {b}")  # fmt: skip
-    _model_parallel(work, gpus, check)
+    hand = _model_parallel(work, gpus, check)
+    dtensor = _model_parallel(work, gpus, check, "dtensor")
+    print(f"note: the DTensor-split fault-free run has the hand-written layers' bits: "
+          f"{hand is not None and hand == dtensor}")  # fmt: skip
     print(f"logs: {work}")
     print(f"{'all checks passed' if not check.failed else f'{check.failed} check(s) FAILED'}")
     return 1 if check.failed else 0
