@@ -139,6 +139,23 @@ def test_user_errors_do_not_blame_the_node() -> None:
     assert e.excluded_nodes() == frozenset()
 
 
+def test_a_slot_where_the_script_fails_every_time_is_excluded_for_good() -> None:
+    """A script that raises its own error on every restart is excluded past the limit, as
+    any failing slot is, but marked: no health probe will readmit it (it cycled through
+    probes and restarts for ever: found with a model missing its forward under --tp 2).
+    One failure of another kind in the window, and it is an ordinary exclusion."""
+    user, killed = verdict_for_kind("user"), verdict_for_kind("killed")
+    for kinds in ([user] * 4, [user, killed, user, user]):
+        e = Escalation(EscalationSettings(restart_limit=3))
+        decisions = [e.decide(v, slot=0, node=0, now=float(i)) for i, v in enumerate(kinds)]
+        assert [d.action for d in decisions][-1] is Action.EXCLUDE
+        record = e._slots[0]
+        assert record.broken_script is (kinds == [user] * 4)
+        assert ("for good" in decisions[-1].reason) is record.broken_script
+        e.readmit(slot=0)  # a node's return or the operator: a fresh start
+        assert not record.broken_script and not record.script
+
+
 def test_killed_processes_do_not_blame_the_node() -> None:
     e = Escalation(EscalationSettings(node_failure_limit=2))
     killed = verdict_for_kind("killed")

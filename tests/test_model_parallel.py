@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from unicron.control import messages as M
 from unicron.control import replicas
-from unicron.control.coordinator import Coordinator, CoordinatorSettings
+from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
 from unicron.control.slots import SlotTable
@@ -190,6 +190,23 @@ def _coordinator(tmp: Path, monitor: StepMonitor | None = None) -> Coordinator:
     c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
     assert c.epoch == 1 and c.members == (0, 1, 2, 3)
     return c
+
+
+def test_a_script_that_fails_on_every_rank_every_time_fails_the_task(tmp_path: Path) -> None:
+    """Found with a model missing its forward under ``--tp 2``: every rank raised the
+    script's own error at its first step, every restart; each slot was excluded past its
+    restart limit, passed its health probe, was readmitted and failed again, for as long as
+    anyone watched. Now such slots are excluded for good (a probe cannot mend a script) and
+    the task fails with the script's error once none can come back."""
+    c = _coordinator(tmp_path)
+    user, t = verdict_for_kind("user"), 1.0
+    for _ in range(c.escalation.settings.restart_limit + 1):
+        for slot in range(4):
+            if c.state is not TaskState.FAILED:
+                c.exchange(0, [M.WorkerFailed(slot=slot, ts=t, verdict=user)], t)
+            t += 0.1
+    assert c.state is TaskState.FAILED and c.outcome is not None
+    assert "Python error in the training script" in c.outcome.reason, c.outcome.reason
 
 
 def test_a_lost_rank_takes_its_replica_out_and_its_partner_waits_alive(tmp_path: Path) -> None:

@@ -19,7 +19,11 @@ Rules, in order (``decide``):
 2. SEV3 (reattempt): up to ``max_reattempts`` per slot since its last healthy step (and
    within ``restart_window_s``); one more escalates to SEV2;
 3. SEV2 (restart): restart in the slot, unless the slot has failed more than
-   ``restart_limit`` times in ``restart_window_s``: then SEV1, the slot is excluded;
+   ``restart_limit`` times in ``restart_window_s``: then SEV1, the slot is excluded; when
+   every one of those failures was the training script's own Python error (kind ``user``),
+   for good (:attr:`SlotRecord.broken_script`: no health probe mends a script, so none
+   readmits it, and a task whose every slot is so excluded fails with the script's error
+   instead of cycling through probes and restarts);
 4. SEV1 from the table: EXCLUDE the slot or the node as the verdict's scope says, or
    RECONFIGURE (replan, nothing excluded);
 5. a node with ``node_failure_limit`` distinct slots excluded or failing (SEV2 or worse, not
@@ -95,7 +99,11 @@ class SlotRecord:
     reattempts: deque[float] = field(default_factory=deque)
     failures: deque[float] = field(default_factory=deque)  # SEV2 restarts asked for
     hardware: deque[float] = field(default_factory=deque)  # failures that may be the node's
+    script: deque[float] = field(default_factory=deque)  # the training script's own errors
     excluded: bool = False  # excluded on its own account until readmitted
+    broken_script: bool = False
+    """excluded because the training script failed there every time (rule 3): not probed,
+    not readmitted by a probe"""
 
 
 class Escalation:
@@ -175,9 +183,10 @@ class Escalation:
         if slot is not None:
             s = self._slots.get(slot)
             if s is not None:
-                s.excluded = False
+                s.excluded = s.broken_script = False
                 s.reattempts.clear()
                 s.failures.clear()
+                s.script.clear()
         if node is not None:
             self._excluded_nodes.discard(node)
             for k in [k for k, s in self._slots.items() if s.node == node and not s.excluded]:
@@ -189,7 +198,7 @@ class Escalation:
         s = self._slots.setdefault(slot, SlotRecord(node))
         s.node = node
         horizon = now - self.settings.restart_window_s
-        for times in (s.reattempts, s.failures, s.hardware):
+        for times in (s.reattempts, s.failures, s.hardware, s.script):
             while times and times[0] <= horizon:
                 times.popleft()
         return s
@@ -213,9 +222,15 @@ class Escalation:
         s.failures.append(now)
         if kind in NODE_SUSPECT:
             s.hardware.append(now)
+        if kind == "user":
+            s.script.append(now)
         limit, window = self.settings.restart_limit, self.settings.restart_window_s
         if len(s.failures) > limit:
             reason = f"{prefix}: failed {len(s.failures)} times in {window:g} s: slot excluded"
+            if len(s.script) == len(s.failures):
+                s.broken_script = True
+                reason += " for good (the training script's own error every time: no health "
+                reason += "probe mends that)"
             return self._exclude_slot(kind, reason, slot, node, now)
         if judge_node and self._node_failing(node, now):
             return self._exclude_node(kind, prefix, node, now, slot_excluded=False)

@@ -320,7 +320,8 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     pp = layout(b, usable)
     survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.size_at(pp))
     # slots that can come back: usable ones, excluded ones a health probe may readmit (none
-    # if probes are turned off), and those of lost nodes only where nodes return (a cluster)
+    # if probes are turned off, nor where the script itself failed every time), and those
+    # of lost nodes only where nodes return (a cluster)
     probing = math.isfinite(b.settings.readmit_after_s)
     returns = b.settings.nodes_return
     recoverable = [
@@ -328,7 +329,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
         for s, o in b.slots.items()
         if not o.excluded
         or (o.node in b.lost_nodes and returns)
-        or (probing and o.node not in b.lost_nodes)
+        or (probing and o.node not in b.lost_nodes and not (o.record and o.record.broken_script))
     ]
     minimum = b.settings.min_workers
     spare = b.spare_slots if returns else 0  # a cluster's planner may give other slots

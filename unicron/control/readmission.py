@@ -69,13 +69,17 @@ def probe_due(b: TaskBook, slot: int) -> float:
 
 def probe_excluded(b: TaskBook, now: float) -> None:
     """Ask the agents to probe the excluded slots whose cool-down is over (slots of a
-    lost node stay out: it has no agent to run a probe)."""
+    lost node stay out: it has no agent to run a probe; so do slots where the training
+    script itself failed every time, :attr:`~unicron.control.escalation.SlotRecord.
+    broken_script`)."""
     for slot, o in b.slots.items():
         if o.excluded_at is None:
             continue
         # o.alive: its worker runs (a kept last copy) or its exit is not handled yet
         if o.probing or not o.excluded or o.alive or o.node in b.lost_nodes:
             continue
+        if o.record is not None and o.record.broken_script:
+            continue  # the script fails there, not the hardware: a probe would readmit it
         if now >= probe_due(b, slot) and o.node in b.nodes:
             log.info("task %s: probing excluded slot %d", b.task, slot)
             b.send(o.node, Probe(slot))
