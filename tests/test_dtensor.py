@@ -95,3 +95,18 @@ def test_only_sums_are_reduced_and_a_replica_without_an_epoch_says_how_to_run() 
     alone = ReplicaGroup(TensorParallel(1, 2))
     with pytest.raises(RuntimeError, match="unicron run --tp"):
         alone.allreduce([torch.ones(1)])
+
+
+def test_a_replica_of_one_rank_copies() -> None:
+    """A mesh of one tensor-parallel rank (``--tp 1``): every collective is a copy or
+    nothing, without an epoch's group."""
+    pg = ReplicaGroup(TensorParallel(0, 1))
+    t = torch.arange(3.0)
+    pg.allreduce([t])
+    assert torch.equal(t, torch.arange(3.0))
+    out = torch.empty(1, 3)
+    pg._allgather_base(out, t.view(1, 3))
+    assert torch.equal(out[0], t)
+    part = torch.empty(3)
+    pg._reduce_scatter_base(part, t)
+    assert torch.equal(part, t)

@@ -133,7 +133,10 @@ class ReplicaGroup(dist.ProcessGroup):
         return self._name
 
     def _run(self, what: str, out: list[torch.Tensor], run: Any) -> _Done:
-        self.par.collective(what, run)
+        if self.par.size == 1:
+            run(_ALONE)  # a replica of one rank: each collective is a copy, or nothing
+        else:
+            self.par.collective(what, run)
         return _Done(out)
 
     # -- the collectives (arguments as torch's ProcessGroup passes them) -------------------
@@ -213,6 +216,20 @@ class ReplicaGroup(dist.ProcessGroup):
         return self._run("barrier", [], lambda g: g.allreduce(torch.zeros(1)))
 
 
+class _Alone:
+    """The collectives of a group of one rank (a mesh of one tensor-parallel rank)."""
+
+    def allreduce(self, t: torch.Tensor) -> None:
+        return None
+
+    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t.clone()]
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        return None
+
+
+_ALONE = _Alone()
 _MESH: DeviceMesh | None = None
 
 

@@ -103,7 +103,7 @@ class TensorParallel:
         broken, breaking it when it fails. Called by :class:`unicron.dtensor.ReplicaGroup`
         for DTensor's collectives."""
         self.used += 1
-        if self.broken is not None or self.size == 1:
+        if self.broken is not None:
             return
         if self.group is None:
             raise RuntimeError(
