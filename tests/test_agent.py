@@ -20,7 +20,7 @@ import pytest
 
 from unicron import protocol as P
 from unicron.control import messages as M
-from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig
+from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig, StackDumps
 from unicron.control.client import can_wait
 from unicron.control.heard import exit_reports, report_of
 from unicron.control.workerenv import Account, signal_worker
@@ -223,6 +223,23 @@ def test_a_round_sleeps_through_step_reports_and_wakes_for_an_error(tmp_path: Pa
         agent.stop()
 
 
+def test_a_hung_worker_is_killed_once_its_stacks_reached_its_log(tmp_path: Path) -> None:
+    """Asked for its stacks, a hung worker is killed no sooner than the grace, as soon after
+    as something reached its log, and at the longest grace if nothing does (a loaded machine
+    may not run it within 0.1 s: two kills of stuck workers there left no stack)."""
+    dumps, log, silent = StackDumps(), tmp_path / "worker0.0.log", tmp_path / "worker1.0.log"
+    log.write_text("step 3\n")
+    dumps.asked(11, log, 100.0)
+    dumps.asked(12, silent, 100.0)
+    assert dumps.due(100.0 + P.STACKS_GRACE_S / 2) == []
+    assert dumps.due(100.0 + P.STACKS_GRACE_S) == []  # nothing written yet: looked at again
+    with log.open("a") as f:
+        f.write("Thread 0x... (most recent call first):\n")
+    assert dumps.due(100.0 + P.STACKS_GRACE_S + 0.05) == [11]
+    assert dumps.due(100.0 + P.STACKS_MAX_GRACE_S - 0.01) == []
+    assert dumps.due(100.0 + P.STACKS_MAX_GRACE_S) == [12] and not dumps.look_at
+
+
 def test_a_round_waits_until_the_first_thing_due(tmp_path: Path, pid: int) -> None:
     """:meth:`Agent.round_s`: the link's next exchange, a hung worker's kill after its stacks,
     a computing worker's next CPU sample; a short round while something is polled; at most
@@ -236,9 +253,9 @@ def test_a_round_waits_until_the_first_thing_due(tmp_path: Path, pid: int) -> No
         assert agent.round_s(now) == IDLE_ROUND_S
         link.due_s = 0.1
         assert agent.round_s(now) == pytest.approx(0.1)
-        agent._dumping[pid] = now + 0.03
+        agent._dumps.look_at[pid] = now + 0.03
         assert agent.round_s(now) == pytest.approx(0.03)
-        agent._dumping.clear()
+        agent._dumps.look_at.clear()
         w = agent.workers[0]
         w.spawned()
         w.pid, w.tid, w.computing_since = pid, pid, now - 0.15  # first sample at 0.2 s

@@ -41,7 +41,10 @@ STACKS_SIGNAL = signal.SIGUSR1
 """a worker writes every thread's Python stack to its log on this signal (``faulthandler``): the
 agent sends it to a worker it kills as hung, :data:`STACKS_GRACE_S` before the SIGKILL"""
 STACKS_GRACE_S = 0.1
-"""how long the agent lets a hung worker write its stacks before it kills it"""
+"""how long the agent lets a hung worker write its stacks before it kills it, at least"""
+STACKS_MAX_GRACE_S = 1.0
+"""... and at most, while nothing has reached the worker's log yet (a loaded machine may not
+run the worker within the first 0.1 s: kills of stuck workers went unexplained there)"""
 ENV_CHECKPOINT = "UNICRON_CHECKPOINT"  # directory of the persistent checkpoints (last resort)
 ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 0: none; auto
 ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the auto interval

@@ -83,6 +83,54 @@ log = logging.getLogger("unicron.control.agent")
 EXIT_GRACE_S = 0.3
 _TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
+
+
+def worker_log(log_dir: Path, slot: int, incarnation: int) -> Path:
+    """Where the worker of ``slot``'s ``incarnation`` writes its output (and its stacks)."""
+    return log_dir / f"worker{slot}.{incarnation}.log"
+
+
+def _size(path: Path) -> int:
+    """``path``'s size in bytes, 0 where it is missing."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+class StackDumps:
+    """The hung workers asked for their stacks (:data:`~unicron.protocol.STACKS_SIGNAL`) and
+    not killed yet: each is killed once something reached its log, no sooner than
+    :data:`~unicron.protocol.STACKS_GRACE_S` after the ask and no later than
+    :data:`~unicron.protocol.STACKS_MAX_GRACE_S`. The agent asks (:meth:`asked`), looks at
+    each round (:meth:`due`), and sleeps no longer than :meth:`waits` says."""
+
+    def __init__(self) -> None:
+        self.look_at: dict[int, float] = {}  # pid -> when to look again
+        self._logs: dict[int, tuple[Path, int, float]] = {}  # its log, its size, the last moment
+
+    def asked(self, pid: int, log_file: Path, now: float) -> None:
+        self._logs[pid] = (log_file, _size(log_file), now + P.STACKS_MAX_GRACE_S)
+        self.look_at[pid] = now + P.STACKS_GRACE_S
+
+    def due(self, now: float) -> list[int]:
+        """The workers to kill now (their stacks written, or their time is up)."""
+        out = []
+        for pid, at in list(self.look_at.items()):
+            log_file, size, last = self._logs[pid]
+            if now < at and now < last:
+                continue
+            if _size(log_file) <= size and now < last:
+                self.look_at[pid] = now + ROUND_S  # nothing written yet: look again soon
+                continue
+            del self.look_at[pid], self._logs[pid]
+            out.append(pid)
+        return out
+
+    def waits(self, now: float) -> list[float]:
+        return [at - now for at in self.look_at.values()]
+
+
 _HUNG = frozenset({"hang", "stall", "collective_stall"})
 """verdict kinds of a worker killed while alive but stuck: it writes its stacks first"""
 ROUND_S = 0.02
@@ -173,7 +221,7 @@ class Agent:
         self._pending_spawns: list[int] = []
         self._by_pid: dict[int, int] = {}
         self._probes = Probes(config.log_dir, config.account)  # the excluded slots' health probes
-        self._dumping: dict[int, float] = {}  # pid of a hung worker -> when to SIGKILL it
+        self._dumps = StackDumps()  # hung workers writing their stacks before their kill
         self._kill = functools.partial(signal_worker, sig=signal.SIGKILL, account=config.account)
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
@@ -280,8 +328,9 @@ class Agent:
         if w.pid is None:
             w.kill_pending = True  # killed as soon as the zygote says which pid it got
         elif w.alive and verdict is not None and verdict.kind in _HUNG:
+            log_file = worker_log(self.config.log_dir, slot, w.incarnation)
+            self._dumps.asked(w.pid, log_file, time.time())
             signal_worker(w.pid, P.STACKS_SIGNAL, self.config.account)  # its stacks, to its log
-            self._dumping[w.pid] = time.time() + P.STACKS_GRACE_S
         elif w.alive:
             self._kill(w.pid)
 
@@ -320,7 +369,7 @@ class Agent:
         ):
             return ROUND_S
         due = [IDLE_ROUND_S, self.link.due_in(now)]
-        due += [at - now for at in self._dumping.values()]
+        due += self._dumps.waits(now)
         due += [at - now for w in self.workers.values() if (at := w.sample_at()) is not None]
         return max(min(due), 0.0)
 
@@ -394,11 +443,9 @@ class Agent:
             pending, self._pending_spawns = self._pending_spawns, []
             for slot in pending:
                 self._launch(slot)
-        for pid, at in list(self._dumping.items()):
-            if now >= at:  # its stacks are written: the kill of :meth:`kill`
-                del self._dumping[pid]
-                if pid in self._by_pid:  # not exited meanwhile
-                    self._kill(pid)
+        for pid in self._dumps.due(now):  # its stacks are written: the kill of :meth:`kill`
+            if pid in self._by_pid:  # not exited meanwhile
+                self._kill(pid)
         self._check_exits(now)
         self._sample_cpu(now)
         for slot, ok, detail in self._probes.check(now) if self._probes else ():
@@ -617,7 +664,7 @@ class Agent:
 
     def _launch(self, slot: int) -> None:
         w = self.workers[slot]
-        logfile = self.config.log_dir / f"worker{slot}.{w.incarnation}.log"
+        logfile = worker_log(self.config.log_dir, slot, w.incarnation)
         if self._zygote_conn is not None:
             try:
                 command = P.SpawnWorker(
