@@ -11,6 +11,7 @@ import dataclasses
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Pipe
@@ -238,6 +239,15 @@ def test_a_hung_worker_is_killed_once_its_stacks_reached_its_log(tmp_path: Path)
     assert dumps.due(100.0 + P.STACKS_GRACE_S + 0.05) == [11]
     assert dumps.due(100.0 + P.STACKS_MAX_GRACE_S - 0.01) == []
     assert dumps.due(100.0 + P.STACKS_MAX_GRACE_S) == [12] and not dumps.look_at
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(0.1)  # the kernel marks it stopped
+        dumps.asked(stopped.pid, silent, 200.0)
+        assert dumps.due(200.0 + P.STACKS_GRACE_S) == [stopped.pid]  # no stacks will come
+    finally:
+        stopped.kill()
+        stopped.wait()
 
 
 def test_a_round_waits_until_the_first_thing_due(tmp_path: Path, pid: int) -> None:

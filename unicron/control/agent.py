@@ -90,6 +90,14 @@ def worker_log(log_dir: Path, slot: int, incarnation: int) -> Path:
     return log_dir / f"worker{slot}.{incarnation}.log"
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: it writes no stacks until continued)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+    except (OSError, IndexError):
+        return False
+
+
 def _size(path: Path) -> int:
     """``path``'s size in bytes, 0 where it is missing."""
     try:
@@ -103,7 +111,8 @@ class StackDumps:
     not killed yet: each is killed once something reached its log, no sooner than
     :data:`~unicron.protocol.STACKS_GRACE_S` after the ask and no later than
     :data:`~unicron.protocol.STACKS_MAX_GRACE_S`. The agent asks (:meth:`asked`), looks at
-    each round (:meth:`due`), and sleeps no longer than :meth:`waits` says."""
+    each round (:meth:`due`), and sleeps no longer than :meth:`waits` says. A stopped process
+    writes nothing: it is killed at the grace."""
 
     def __init__(self) -> None:
         self.look_at: dict[int, float] = {}  # pid -> when to look again
@@ -120,7 +129,7 @@ class StackDumps:
             log_file, size, last = self._logs[pid]
             if now < at and now < last:
                 continue
-            if _size(log_file) <= size and now < last:
+            if _size(log_file) <= size and now < last and not _stopped(pid):
                 self.look_at[pid] = now + ROUND_S  # nothing written yet: look again soon
                 continue
             del self.look_at[pid], self._logs[pid]
