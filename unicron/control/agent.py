@@ -62,7 +62,7 @@ from unicron.control.workerstate import (
     Worker,
     WorkerState,
 )
-from unicron.detect.busy import read_thread_clocks
+from unicron.detect.busy import process_state, read_thread_clocks
 from unicron.detect.classify import Verdict, classify_message
 from unicron.runtime.inject import Fault
 
@@ -88,14 +88,6 @@ _TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 10
 def worker_log(log_dir: Path, slot: int, incarnation: int) -> Path:
     """Where the worker of ``slot``'s ``incarnation`` writes its output (and its stacks)."""
     return log_dir / f"worker{slot}.{incarnation}.log"
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP: it writes no stacks until continued)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
-    except (OSError, IndexError):
-        return False
 
 
 def _size(path: Path) -> int:
@@ -129,7 +121,8 @@ class StackDumps:
             log_file, size, last = self._logs[pid]
             if now < at and now < last:
                 continue
-            if _size(log_file) <= size and now < last and not _stopped(pid):
+            stopped = process_state(pid) in ("T", "t")  # it writes no stacks until continued
+            if _size(log_file) <= size and now < last and not stopped:
                 self.look_at[pid] = now + ROUND_S  # nothing written yet: look again soon
                 continue
             del self.look_at[pid], self._logs[pid]

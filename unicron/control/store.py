@@ -47,6 +47,7 @@ from typing import Any
 from unicron.control import storeserver
 from unicron.control.credentials import write_private
 from unicron.control.storeserver import capability
+from unicron.detect.busy import process_state
 from unicron.protocol import host_port, store_answers
 
 RECORD = "store.json"
@@ -168,14 +169,7 @@ def alive(info: StoreInfo) -> bool:
         return False
     except PermissionError:
         return True
-    return not _zombie(info.pid)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    return process_state(info.pid) != "Z"
 
 
 def stop(state_dir: Path) -> None:

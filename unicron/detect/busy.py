@@ -53,6 +53,7 @@ __all__ = [
     "Sample",
     "judge",
     "own_compute_s",
+    "process_state",
     "read_cpu_s",
     "read_queued_s",
     "read_thread_clocks",
@@ -241,6 +242,19 @@ def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> tuple[float, f
         return clocks
     cpu_s = read_cpu_s(pid, ticks_per_s, tid)
     return None if cpu_s is None else (cpu_s, None)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T``
+    stopped, ``Z`` zombie, ...), ``""`` when it cannot be read (gone, or not Linux). Asked by
+    the agent (is a hung worker stopped?) and by the store's keeper (is the store a zombie?)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    fields = raw[raw.rfind(b")") + 2 :].split()  # after "pid (comm) ": the state first
+    return fields[0].decode() if fields else ""
 
 
 def read_cpu_s(pid: int, ticks_per_s: float, tid: int | None = None) -> float | None:
