@@ -117,8 +117,7 @@ def step_computed(
     state; the monitor learns the step time, without ``queued_s`` (the part its thread waited
     for a CPU: an oversubscribed machine's run queue is not the worker's speed)."""
     s = b.slots[slot]
-    known = s.progress
-    ep = known.epoch if known else b.epoch
+    ep = _epoch_of(b, slot)
     s.computed, s.computed_epoch = step, ep
     b.cpu.computed(slot, step, cpu_s)
     s.has_state, s.fresh = True, False

@@ -329,7 +329,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
         for s, o in b.slots.items()
         if not o.excluded
         or (o.node in b.lost_nodes and returns)
-        or (probing and o.node not in b.lost_nodes and not (o.record and o.record.broken_script))
+        or (probing and o.node not in b.lost_nodes and not o.broken_script)
     ]
     minimum = b.settings.min_workers
     spare = b.spare_slots if returns else 0  # a cluster's planner may give other slots

@@ -78,7 +78,7 @@ def probe_excluded(b: TaskBook, now: float) -> None:
         # o.alive: its worker runs (a kept last copy) or its exit is not handled yet
         if o.probing or not o.excluded or o.alive or o.node in b.lost_nodes:
             continue
-        if o.record is not None and o.record.broken_script:
+        if o.broken_script:
             continue  # the script fails there, not the hardware: a probe would readmit it
         if now >= probe_due(b, slot) and o.node in b.nodes:
             log.info("task %s: probing excluded slot %d", b.task, slot)

@@ -180,6 +180,12 @@ class Slot:
         """Given to another task."""
         return self.state in _GIVEN
 
+    @property
+    def broken_script(self) -> bool:
+        """Excluded for good: the training script itself failed here every time
+        (:attr:`SlotRecord.broken_script`): no health probe readmits it."""
+        return self.record is not None and self.record.broken_script
+
     # -- the moves, by what happened ----------------------------------------------------------
     def start(self) -> None:
         """A worker is (being) started here (a restart, or a lost node's new agent)."""
