@@ -164,19 +164,25 @@ def test_the_gradient_all_gather_fills_every_slice_in_rank_order() -> None:
             assert torch.equal(results[r][in_place], want), (r, in_place, results[r][in_place])
 
 
+def _voters(n: int) -> tuple[dist.TCPStore, list[EpochGroup]]:
+    """A store with epoch 1 of ``n`` members announced, and each member's group in it."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    info = EpochInfo(1, tuple(range(n)), (0,) * n, urgent=False)
+    _announce(server, info)
+    groups = []
+    for rank in range(n):
+        client = _client(server.port)
+        groups.append(EpochGroup(client, EpochWatch(client, "t"), info, rank, slice_s=0.05,
+                                 timeout_s=TIMEOUT_S))  # fmt: skip
+    return server, groups
+
+
 def test_every_member_gets_the_same_vote_outcome_and_the_newest_epoch_with_it() -> None:
     """The commit vote: the last voter learns the outcome from its own ``compare_set``, the
     others from the store; each comes back with the newest epoch announced (the step
     boundary's check reads it there, without a round trip of its own). An abort proposed
     before the last vote wins for everyone."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    info = EpochInfo(1, (0, 1, 2), (0, 0, 0), urgent=False)
-    _announce(server, info)
-    groups = []
-    for rank in range(3):
-        client = _client(server.port)
-        groups.append(EpochGroup(client, EpochWatch(client, "t"), info, rank, slice_s=0.05,
-                                 timeout_s=TIMEOUT_S))  # fmt: skip
+    server, groups = _voters(3)
 
     def vote_all(step: int, voters: list[EpochGroup]) -> dict[int, bool]:
         outcomes: dict[int, bool] = {}
@@ -208,14 +214,7 @@ def test_a_voter_that_sees_the_task_over_after_its_step_committed_commits_it_too
     coordinator declares the task over. The step was committed: the member applies it (it
     must write its final shard), it does not leave the epoch as if the task ended without
     it."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    info = EpochInfo(1, (0, 1, 2), (0, 0, 0), urgent=False)
-    _announce(server, info)
-    groups = []
-    for rank in range(3):
-        client = _client(server.port)
-        groups.append(EpochGroup(client, EpochWatch(client, "t"), info, rank, slice_s=0.05,
-                                 timeout_s=TIMEOUT_S))  # fmt: skip
+    server, groups = _voters(3)
     slow = groups[0]
     outcomes: dict[int, bool] = {}
 
