@@ -1,19 +1,22 @@
 """A layout change: a TP=2 x PP=2 x DP=2 task losing a slot for a while, with and without
-``--pp-choices 1``.
+``--pp-choices 1`` (and ``--tp-choices 1``).
 
 In one run, per model width: ``examples/train_llama_parallel.py`` under ``unicron run
 --nproc-per-node 8 --tp 2 --pp 2``, three ways: fault-free (``clean``); slot 5 excluded by an
 ECC error at step ``E`` and readmitted by its health probe a few seconds later, the layout
 kept (``fixed``: its replica waits, 4 workers train at TP=2 x PP=2 x DP=1); the same with
 ``--pp-choices 1`` (``relayout``: 6 workers train at TP=2 x PP=1 x DP=3, the state moved by
-name in memory, and back to PP=2 on 8 when the slot returns). Metrics, each ``[arm/dimD]``:
+name in memory, and back to PP=2 on 8 when the slot returns); the same with ``--tp-choices 1``
+too (``retp``: 7 workers train at TP=1 x PP=1 x DP=7, each split entry's two slices joined in
+memory, and cut again back at TP=2 x PP=2: another degree sums in another order, so the
+bits may differ and the loss difference says by how much). Metrics, each ``[arm/dimD]``:
 ``transition_s[...->...]`` (the ``transition_end`` of the shrinking and of the growing
 epoch: rendezvous, groups, ledger exchange, state moved or streamed), ``step_time_s[short]``
 (median step while the slot is out), ``loss_diff_max`` (the largest difference of a step's
-loss from the clean run's; 0: the same bits) and ``same_bits`` (1 when the final parameters
-are the clean run's). On this machine's 2 cores the six workers of the new layout share the
-cores the four of the old one had: the step time says what the change costs here, not what
-a GPU per worker would gain.
+loss from the clean run's; 0: the same bits), ``loss_diff_last`` (the last step's), and
+``same_bits`` (1 when the final parameters are the clean run's). On this machine's 2 cores
+the six (seven) workers of the new layout share the cores the four of the old one had: the
+step time says what the change costs here, not what a GPU per worker would gain.
 
 Run only when named: ``python -m bench.relayout [--quick]`` or ``python -m bench --scenario
 relayout``.
@@ -46,7 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DIMS = {True: (128,), False: (128, 256, 384)}  # model width (hidden units: twice it)
 PLAN = {True: (60, 1), False: (80, 2)}  # quick: (steps, repetitions)
 FAULT_STEP, READMIT_S = 10, 2.0
-ARMS = {"clean": [], "fixed": [], "relayout": ["--pp-choices", "1"]}
+ARMS = {
+    "clean": [],
+    "fixed": [],
+    "relayout": ["--pp-choices", "1"],
+    "retp": ["--pp-choices", "1", "--tp-choices", "1"],
+}
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
@@ -83,6 +91,7 @@ def measure(evs: list[dict[str, Any]], clean: list[dict[str, Any]]) -> dict[str,
     loss = {int(e["step"]): float(e["loss"]) for e in clean if e["event"] == "step_end"}
     mine = {int(e["step"]): float(e["loss"]) for e in evs if e["event"] == "step_end"}
     out["loss_diff_max"] = max(abs(mine[s] - loss[s]) for s in loss)
+    out["loss_diff_last"] = abs(mine[max(loss)] - loss[max(loss)])
     end, clean_end = (next(e for e in x if e["event"] == "task_end") for x in (evs, clean))
     out["same_bits"] = float(end.get("params_sha256") == clean_end.get("params_sha256"))
     return out
@@ -98,17 +107,18 @@ def run(quick: bool) -> list[Row]:
             for dim in DIMS[quick]:
                 where = Path(tmp) / f"{rep}-{dim}"
                 clean = _events("clean", dim, steps, where / "clean")
-                for arm in ("fixed", "relayout"):
+                for arm in ("fixed", "relayout", "retp"):
                     for key, value in measure(_events(arm, dim, steps, where / arm), clean).items():
                         got.setdefault((arm, dim, key), []).append(value)
     rows: list[Row] = []
     for (arm, dim, key), values in sorted(got.items()):
         kind = {"short": "step_time_s[short/", "loss_diff_max": "loss_diff_max[",
+                "loss_diff_last": "loss_diff_last[",
                 "same_bits": "same_bits["}.get(key, f"transition_s[{key}/")  # fmt: skip
         note = (
             f"TP=2 x PP=2 x DP=2 on 8 CPU workers, dim {dim} (state {state_mb(dim):.1f} MB a "
             f"replica), {steps} steps; slot 5 excluded at step {FAULT_STEP}, probed after "
-            f"{READMIT_S:g} s; {'--pp-choices 1' if arm == 'relayout' else 'layout kept'}; "
+            f"{READMIT_S:g} s; {' '.join(ARMS[arm]) or 'layout kept'}; "
             f"load average {load:.1f} / {os.cpu_count()} CPUs at the start"
         )
         rows.append(make_row(system="unicron", scenario=SCENARIO,
@@ -121,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_parser("bench.relayout", __doc__, quick="the smallest model, one repetition")
     quick = p.parse_args(argv).quick
     rows = run(quick)
-    print_table(rows, title="A layout change: TP=2 x PP=2 losing a slot, with --pp-choices 1")
+    print_table(rows, title="A layout change: TP=2 x PP=2 losing a slot, with --pp-choices 1 "
+                "(and --tp-choices 1)")  # fmt: skip
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results", replace=not quick)
     write_summary(ROOT / "bench" / "results")
     return 0

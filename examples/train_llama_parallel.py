@@ -4,6 +4,8 @@
     unicron run --nproc-per-node 8 --tp 2 --pp 2 examples/train_llama_parallel.py --steps 60
     unicron run --nproc-per-node 8 --tp 2 --pp 2 --pp-choices 1 \
         examples/train_llama_parallel.py --steps 60   # PP=1 while a slot is excluded
+    unicron run --nproc-per-node 4 --tp 2 --tp-choices 1 \
+        examples/train_llama_parallel.py --steps 60   # TP=1 x DP=3 while a slot is excluded
 
 Each replica is ``--tp`` x ``--pp`` ranks of one node: ``--pp`` pipeline stages of an equal
 share of the layers, each stage ``--tp`` ranks holding their shard of its attention heads and
@@ -45,11 +47,17 @@ def main() -> None:
         heads=args.heads, kv_heads=args.kv_heads, layers=args.layers, dim=args.dim,
         hidden=args.hidden,
     )  # fmt: skip
-    for depth in unicron.parallel.pipeline_depths():  # --pp, and any of --pp-choices
-        why = llama_parallel.check(cfg, tp.size, depth)
+    layouts = unicron.parallel.layouts()  # --tp x --pp, and any of --tp-choices, --pp-choices
+    for degree, depth in layouts:
+        why = llama_parallel.check(cfg, degree, depth)
         if why is not None:
-            raise UsageError(f"--tp {tp.size} --pp {depth}: {why}")
+            raise UsageError(f"--tp {degree} --pp {depth}: {why}")
     dtensor = args.tp_api == "dtensor"
+    if dtensor and len({degree for degree, _ in layouts}) > 1:
+        raise UsageError(
+            "--tp-api dtensor with --tp-choices: the DeviceMesh keeps one tensor-parallel "
+            "degree for the process's life (use unicron.parallel's layers to change it)"
+        )
     model, optimizer, dataset = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp,
                                                      dtensor=dtensor)  # fmt: skip
     model.train()
@@ -57,7 +65,8 @@ def main() -> None:
     def rebuild(
         tp: unicron.parallel.TensorParallel, pp: unicron.parallel.PipelineParallel
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """This rank's shard at another pipeline depth (a layout change)."""
+        """This rank's shard at another layout (a layout change): another pipeline depth or
+        tensor-parallel degree, as the handles ``tp`` and ``pp`` say."""
         model, optimizer, _ = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp,
                                                    dtensor=dtensor)  # fmt: skip
         return model.train(), optimizer

@@ -287,31 +287,56 @@ def test_a_slot_lost_for_good_changes_the_layout_and_its_return_changes_it_back(
         events=EventLog(tmp_path / "events.jsonl"),
         escalation=Escalation(EscalationSettings()),
         settings=CoordinatorSettings(
-            replica_ranks=4, tp=2, depths=(2, 1), min_workers=2, readmit_after_s=1.0
+            replica_ranks=4, tp=2, layouts=((2, 2), (2, 1)), min_workers=2, readmit_after_s=1.0
         ),
     )
     c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(8)], 0.0)
-    assert (c.epoch, c.members, c.book.pp) == (1, tuple(range(8)), 0)
+    assert (c.epoch, c.members, c.book.layout[1]) == (1, tuple(range(8)), 0)
     c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))], 1.0)
-    assert (c.members, c.book.pp) == ((4, 5, 6, 7), 0)  # restarted in place: PP=2 kept
+    assert (c.members, c.book.layout[1]) == ((4, 5, 6, 7), 0)  # restarted in place: PP=2 kept
     c.exchange(0, [M.Ready(slot=1, ts=2.0, microbatches=8)], 2.0)
-    assert (c.members, c.book.pp) == ((4, 5, 6, 7, 0, 1, 2, 3), 0)
+    assert (c.members, c.book.layout[1]) == ((4, 5, 6, 7, 0, 1, 2, 3), 0)
     c.exchange(0, [M.WorkerFailed(slot=5, ts=3.0, verdict=verdict_for_kind("ecc"))], 3.0)
     assert c.book.slots[5].excluded
-    assert (c.members, c.book.pp) == ((6, 7, 0, 1, 2, 3), 1)  # slot 4 waits for its pair
+    assert (c.members, c.book.layout[1]) == ((6, 7, 0, 1, 2, 3), 1)  # slot 4 waits for its pair
     assert c.book.size == 2
     # another slot excluded (past the escalation's window: not the node): PP=2 would train
     # four as PP=1 does, so nothing moves but the lost pair
     c.exchange(0, [M.WorkerFailed(slot=7, ts=99.0, verdict=verdict_for_kind("ecc"))], 99.0)
-    assert (c.members, c.book.pp) == ((0, 1, 2, 3), 1)
+    assert (c.members, c.book.layout[1]) == ((0, 1, 2, 3), 1)
     c.exchange(0, [M.ProbeDone(slot=5, ts=100.0, ok=True, detail="ok")], 100.0)
     c.exchange(0, [M.Ready(slot=5, ts=100.5, microbatches=8)], 100.5)
-    assert (set(c.members), c.book.pp) == ({0, 1, 2, 3, 4, 5}, 1)  # pairs: PP=1 trains six
+    assert (set(c.members), c.book.layout[1]) == ({0, 1, 2, 3, 4, 5}, 1)  # pairs: PP=1 trains six
     c.exchange(0, [M.ProbeDone(slot=7, ts=101.0, ok=True, detail="ok")], 101.0)
     c.exchange(0, [M.Ready(slot=7, ts=101.5, microbatches=8)], 101.5)
-    assert (set(c.members), c.book.pp) == (set(range(8)), 0)  # whole again: its own depth
+    assert (set(c.members), c.book.layout[1]) == (set(range(8)), 0)  # whole again: its own depth
     began = [e.get("pp") for e in c.events.events() if e["event"] == "epoch_begin"]
     assert began[-5:] == [2, 1, 1, 1, 2]
+
+
+def test_a_slot_lost_for_good_can_change_the_tensor_parallel_degree(tmp_path: Path) -> None:
+    """TP=2 on 4 slots that may also run at TP=1 (``--tp-choices 1``): slot 1 excluded, its
+    pair cannot be whole; TP=1 trains three (0, 2, 3) where TP=2 trains two, so the epoch
+    runs at TP=1 x DP=3 and says so (``tp`` in ``epoch_begin`` and in the epoch the workers
+    read); slot 1 back, TP=2 again on four."""
+    c = Coordinator(
+        task="t",
+        slots=dict.fromkeys(range(4), 0),
+        events=EventLog(tmp_path / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(
+            replica_ranks=2, tp=2, layouts=((2, 1), (1, 1)), min_workers=2, readmit_after_s=1.0
+        ),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
+    assert (c.members, c.book.layout) == ((0, 1, 2, 3), (0, 0))
+    c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("ecc"))], 1.0)
+    assert (c.members, c.book.layout, c.book.size) == ((0, 2, 3), (1, 1), 1)
+    c.exchange(0, [M.ProbeDone(slot=1, ts=3.0, ok=True, detail="ok")], 3.0)
+    c.exchange(0, [M.Ready(slot=1, ts=3.5, microbatches=8)], 3.5)
+    assert (set(c.members), c.book.layout) == ({0, 1, 2, 3}, (0, 0))
+    began = [(e["tp"], e["pp"]) for e in c.events.events() if e["event"] == "epoch_begin"]
+    assert began == [(2, 1), (1, 1), (2, 1)]
 
 
 def _coordinator_3d(tmp: Path, monitor: StepMonitor | None = None) -> Coordinator:
@@ -321,7 +346,9 @@ def _coordinator_3d(tmp: Path, monitor: StepMonitor | None = None) -> Coordinato
         slots=dict.fromkeys(range(8), 0),
         events=EventLog(tmp / "events.jsonl"),
         escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(replica_ranks=4, tp=2, depths=(2, 1), min_workers=4),
+        settings=CoordinatorSettings(
+            replica_ranks=4, tp=2, layouts=((2, 2), (2, 1)), min_workers=4
+        ),
         monitor=monitor,
     )
     c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(8)], 0.0)
@@ -336,14 +363,14 @@ def test_the_planner_taking_a_pair_changes_the_layout_and_giving_it_back_restore
     two new slots come back (PP=2 on eight once they are ready)."""
     c = _coordinator_3d(tmp_path)
     c.release_slots([6, 7], 1.0, "planner")
-    assert (c.members, c.book.pp) == ((0, 1, 2, 3, 4, 5), 1)
+    assert (c.members, c.book.layout[1]) == ((0, 1, 2, 3, 4, 5), 1)
     entered = [M.EpochEntered(slot=s, ts=1.5, epoch=2) for s in range(6)]
     c.exchange(0, [*entered, M.WorkerLeft(slot=6, ts=1.6), M.WorkerLeft(slot=7, ts=1.6)], 1.6)
     assert 6 not in c.book.slots and 7 not in c.book.slots  # stopped, the other task's
     for slot in (8, 9):
         c.add_slot(slot, 0, 2.0, "planner")
     c.exchange(0, [M.Ready(slot=s, ts=3.0, microbatches=8) for s in (8, 9)], 3.0)
-    assert (c.members, c.book.pp) == ((0, 1, 2, 3, 4, 5, 8, 9), 0)
+    assert (c.members, c.book.layout[1]) == ((0, 1, 2, 3, 4, 5, 8, 9), 0)
     began = [e for e in c.events.events() if e["event"] == "epoch_begin"]
     assert [(e["pp"], e["urgent"]) for e in began] == [(2, False), (1, False), (2, False)]
 
@@ -363,7 +390,7 @@ def test_the_first_step_at_a_new_depth_is_cold_for_the_hang_detector(tmp_path: P
         c.exchange(0, done, t)
     assert c.monitor is not None
     c.release_slots([6, 7], t, "planner")
-    assert c.book.pp == 1
+    assert c.book.layout[1] == 1
     c.exchange(0, [M.StepBegan(slot=s, ts=t, step=10, epoch=2) for s in range(6)], t)
     c.exchange(
         0,
@@ -382,7 +409,7 @@ def test_the_moves_of_a_layout_change_take_each_entry_from_the_same_tensor_rank(
     # (tp rank 0) is new; each new shard is the whole model at its tensor-parallel rank
     offers = [{a, c}, {a, c}, {b, d}, {b, d}, set()]
     needs = [{a, b, c, d}] * 5
-    moves, missing = plan(offers, needs, [0, 1, 0, 1, 0])
+    moves, missing = plan(offers, needs, [(2, 0), (2, 1), (2, 0), (2, 1), (2, 0)])
     assert missing == []
     assert moves == [
         Move(0, 2, tuple(sorted([a, c]))), Move(0, 4, tuple(sorted([a, c]))),
@@ -390,7 +417,7 @@ def test_the_moves_of_a_layout_change_take_each_entry_from_the_same_tensor_rank(
         Move(2, 4, tuple(sorted([b, d]))), Move(3, 1, tuple(sorted([b, d]))),
     ]  # fmt: skip
     # only members at the newest step offer: an entry nobody at its tensor rank holds is lost
-    moves, missing = plan([{a}, {b}], [{a, b}, {a, b}], [0, 1])
+    moves, missing = plan([{a}, {b}], [{a, b}, {a, b}], [(2, 0), (2, 1)])
     assert missing == sorted([a, b]) and moves == []
 
 
@@ -569,3 +596,102 @@ def test_the_last_live_copy_of_a_shard_is_killed_for_a_hang_only_on_strong_evide
         if i == 15:  # 1.5 x the allowance, its partner done: once enough, not for this one
             assert 3 not in killed
     assert 3 in killed
+
+
+def test_a_change_of_the_tensor_parallel_degree_gathers_and_cuts_the_slices() -> None:
+    """TP=2 -> TP=1: a member at tensor rank 0 keeps its half of a split entry and takes the
+    other half from rank 1; a new member takes both halves; a replicated entry comes whole
+    from any degree's holder. TP=1 -> TP=2: each new rank takes its half of the whole."""
+    from fractions import Fraction as F
+
+    from unicron.runtime.reshard import Move, digest, local_spans, plan
+
+    w, n = digest("blocks.0.attn.q.weight"), digest("norm.weight")
+    half, other, whole = (F(0), F(1, 2)), (F(1, 2), F(1)), (F(0), F(1))
+
+    def both(w_span: Any) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+        """The two keys in a move's order, with their spans."""
+        keys = tuple(sorted([n, w]))
+        return keys, tuple(w_span if k == w else whole for k in keys)
+
+    offers = [{w, n}, {w, n}, set()]
+    needs = [{w, n}] * 3
+    moves, missing = plan(offers, needs, [(2, 0), (2, 1), (1, 0)], [(1, 0)] * 3, {w})
+    assert missing == []
+    assert moves == [
+        Move(0, 1, (w,), (half,)),  # rank 1's new whole: rank 0's half; its own half it keeps
+        Move(0, 2, *both(half)),
+        Move(1, 0, (w,), (other,)),
+        Move(1, 2, (w,), (other,)),
+    ]  # fmt: skip
+    assert local_spans((1, 0), (2, 1), split=True) == other
+    assert local_spans((2, 1), (2, 0), split=True) is None
+    # back up: the TP=1 holders' whole is cut for each new rank; a split entry that only
+    # rank 0's holders held (rank 1's all lost) is lost for rank 1's needers
+    moves, missing = plan([{w, n}, set()], [{w, n}] * 2, [(1, 0), (2, 1)], [(2, 0), (2, 1)], {w})
+    assert missing == [] and moves == [Move(0, 1, *both(other))]
+    moves, missing = plan([{w}, set()], [{w}] * 2, [(2, 0), (2, 1)], [(1, 0), (1, 0)], {w})
+    assert missing == [w]
+
+
+def test_a_change_of_the_degree_moves_the_state_between_real_members_exactly() -> None:
+    """Members of a real epoch group (gloo, one thread each): two TP=2 ranks that hold the
+    state after a step and a fresh member re-form as three TP=1 shards, and back to TP=2 on
+    three (ranks 0, 1, 0): every new shard holds the whole model's parameters and AdamW
+    moments, sliced, bit for bit (the update is elementwise: slices of one whole)."""
+    from tests.test_transfer import _run_group
+    from unicron.parallel import split_dims
+    from unicron.runtime.reshard import Shard, reshard
+
+    def shard(tp: int, rank: int, step: bool) -> Shard:
+        handle = TensorParallel(rank, tp)
+        pipe = PipelineParallel(0, 1, handle)
+        with _BUILD:
+            model, opt, _ = llama_parallel.build(handle, seed=3, cfg=CFG, pp=pipe)
+        if step:
+            for p in model.parameters():
+                p.grad = p.detach() * 0.5 + 0.25  # elementwise: slices of the whole's
+            opt.step()
+        return Shard(model, opt, pipe)
+
+    whole = shard(1, 0, step=True)
+    dims = split_dims(whole.model)
+    assert dims["blocks.0.attn.q.weight"] == 0 and dims["blocks.0.mlp.down.weight"] == 1
+
+    def expected(name: str, t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+        if name not in dims or tp == 1:
+            return t
+        return t.chunk(tp, dims[name])[rank]
+
+    def check(s: Shard) -> None:
+        tp, rank = s.part
+        ref, got = whole.model.state_dict(), s.model.state_dict()
+        ref_p, got_p = dict(whole.model.named_parameters()), dict(s.model.named_parameters())
+        for name in ref:
+            assert torch.equal(got[name], expected(name, ref[name], tp, rank)), name
+        for name, p in got_p.items():
+            mine, theirs = s.optimizer.state[p], whole.optimizer.state[ref_p[name]]
+            assert mine.keys() == theirs.keys(), name
+            for k in mine:
+                want = theirs[k] if theirs[k].dim() == 0 else expected(name, theirs[k], tp, rank)
+                assert torch.equal(mine[k], want), (name, k)
+
+    def down(g: Any) -> Shard:
+        source = shard(2, g.rank, step=True) if g.rank < 2 else None
+        target = shard(1, 0, step=False)
+        reshard(g, source=source, target=target)
+        return target
+
+    for got in _run_group(3, down):
+        assert isinstance(got, Shard), got
+        check(got)
+
+    def up(g: Any) -> Shard:
+        source = shard(1, 0, step=True) if g.rank < 2 else None
+        target = shard(2, g.rank % 2, step=False)
+        reshard(g, source=source, target=target)
+        return target
+
+    for got in _run_group(3, up):
+        assert isinstance(got, Shard), got
+        check(got)

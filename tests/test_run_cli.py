@@ -60,6 +60,9 @@ BAD_INPUT = {
     "give-up-after nan": (["--give-up-after", "nan", str(TRAIN)], "--give-up-after"),
     "restart-window zero": (["--restart-window", "0", str(TRAIN)], "--restart-window"),
     "bucket-cap-mb negative": (["--bucket-cap-mb", "-1", str(TRAIN)], "--bucket-cap-mb"),
+    "pp-choices not numbers": (["--pp-choices", "x", str(TRAIN)], "--pp-choices"),
+    "tp-choices not numbers": (["--tp-choices", "1,y", str(TRAIN)], "--tp-choices"),
+    "tp-choices zero": (["--tp-choices", "0", str(TRAIN)], "tp_choices"),
 }
 
 

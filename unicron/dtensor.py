@@ -55,10 +55,10 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from unicron.parallel import TensorParallel, tensor_parallel
+from unicron.parallel import TP_DIM, TensorParallel, tensor_parallel
 from unicron.runtime.device import ENV_DEVICE_KIND
 
 __all__ = ["ReplicaGroup", "device_mesh", "parallelize"]
@@ -289,6 +289,9 @@ def parallelize(
         for name, p in list(mod._parameters.items()):
             if isinstance(p, DTensor):
                 local = nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad)
+                split = [q.dim for q in p.placements if isinstance(q, Shard)]
+                if split:  # the slice a layout change or a checkpoint re-slices by
+                    setattr(local, TP_DIM, split[0])
                 mod._parameters[name] = local
                 views[name] = (p.device_mesh, tuple(p.placements), p.shape, p.stride())
         if views:

@@ -43,17 +43,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from unicron.protocol import ENV_PP, ENV_PP_CHOICES, ENV_PP_STAGE, ENV_TP, ENV_TP_RANK
+from unicron.protocol import (
+    ENV_PP,
+    ENV_PP_CHOICES,
+    ENV_PP_STAGE,
+    ENV_TP,
+    ENV_TP_CHOICES,
+    ENV_TP_RANK,
+)
 
 __all__ = [
+    "TP_DIM",
     "ColumnParallelLinear",
     "PipelineParallel",
     "RowParallelLinear",
     "TensorParallel",
     "copy_to_replica",
+    "layouts",
     "pipeline_depths",
     "pipeline_parallel",
     "reduce_from_replica",
+    "split_dims",
     "tensor_parallel",
 ]
 
@@ -302,9 +312,42 @@ def pipeline_depths() -> tuple[int, ...]:
     ``--pp-choices`` (task file: ``pp_choices``), at which the worker calls the script's
     ``rebuild`` (:func:`unicron.worker.train`). A script checks its model splits at each
     before it builds anything."""
-    own = int(os.environ.get(ENV_PP, "1"))
-    more = [int(x) for x in os.environ.get(ENV_PP_CHOICES, "").split(",") if x.strip()]
-    return (own, *(d for d in more if d != own))
+    return _choices(ENV_PP, ENV_PP_CHOICES)
+
+
+def _choices(own_var: str, more_var: str) -> tuple[int, ...]:
+    """The task's own value of ``own_var``, then the others listed in ``more_var``."""
+    own = int(os.environ.get(own_var, "1"))
+    more = [int(x) for x in os.environ.get(more_var, "").split(",") if x.strip()]
+    return (own, *dict.fromkeys(d for d in more if d != own))
+
+
+def layouts() -> tuple[tuple[int, int], ...]:
+    """The ``(tp, pp)`` layouts this task may run at: its own first, then every pair of its
+    tensor-parallel degrees (``--tp`` and ``--tp-choices``; task file: ``tp_choices``) and
+    pipeline depths (:func:`pipeline_depths`). The worker calls the script's ``rebuild`` at
+    any of them; a script checks its model splits at each before it builds anything."""
+    tps, pps = _choices(ENV_TP, ENV_TP_CHOICES), pipeline_depths()
+    return tuple((t, p) for t in tps for p in pps)
+
+
+TP_DIM = "tp_dim"
+"""the attribute a parameter split over the tensor-parallel ranks carries: the dimension it is
+split along (:func:`split_dims`; a layer of a script's own sets it on its sliced weights)"""
+
+
+def split_dims(model: nn.Module) -> dict[str, int]:
+    """The state-dict entries of ``model`` that each tensor-parallel rank holds a slice of
+    (an equal share, rank ``r`` the ``r``-th), with the dimension they are split along: the
+    parameters carrying :data:`TP_DIM` (set by :class:`ColumnParallelLinear`,
+    :class:`RowParallelLinear` and :func:`unicron.dtensor.parallelize`). Every other entry is
+    replicated over the ranks. Read by a layout change that changes the degree
+    (:mod:`unicron.runtime.reshard`) and by a checkpoint read at another degree."""
+    return {
+        name: int(getattr(p, TP_DIM))
+        for name, p in model.named_parameters()
+        if getattr(p, TP_DIM, None) is not None
+    }
 
 
 class _CopyToReplica(torch.autograd.Function):
@@ -359,6 +402,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         start, k = tp.shard(out_features, "ColumnParallelLinear out_features")
         self.weight = nn.Parameter(_drawn(out_features, in_features)[start : start + k].clone())
+        setattr(self.weight, TP_DIM, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_replica(x, self.tp), self.weight)
@@ -373,6 +417,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         start, k = tp.shard(in_features, "RowParallelLinear in_features")
         self.weight = nn.Parameter(_drawn(out_features, in_features)[:, start : start + k].clone())
+        setattr(self.weight, TP_DIM, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reduce_from_replica(F.linear(x, self.weight), self.tp)

@@ -55,6 +55,7 @@ ENV_TP_RANK = "UNICRON_TP_RANK"  # the slot's tensor-parallel rank in its stage 
 ENV_PP = "UNICRON_PP"  # pipeline stages per replica (1: no pipeline)
 ENV_PP_STAGE = "UNICRON_PP_STAGE"  # the slot's pipeline stage in its replica (0 .. pp-1)
 ENV_PP_CHOICES = "UNICRON_PP_CHOICES"  # other pipeline depths the task may run at: "1,4"
+ENV_TP_CHOICES = "UNICRON_TP_CHOICES"  # other tensor-parallel degrees it may run at: "1"
 ENV_ZERO = "UNICRON_ZERO"  # "1": the optimizer's state is sharded across replicas (ZeRO-1)
 
 
@@ -83,6 +84,9 @@ class WorkerSettings:
     pp_choices: str = ""
     """the other pipeline depths the task may run at, comma-separated (a layout change:
     :func:`unicron.parallel.pipeline_depths`)"""
+    tp_choices: str = ""
+    """the other tensor-parallel degrees the task may run at, comma-separated (a layout
+    change that re-slices the state: :func:`unicron.parallel.layouts`)"""
     zero: int = 0
     """1: each parameter's optimizer state on two replicas, not on all
     (:mod:`unicron.runtime.zero`)"""
@@ -125,6 +129,7 @@ WORKER_ENV = {
     "tp": ENV_TP,
     "pp": ENV_PP,
     "pp_choices": ENV_PP_CHOICES,
+    "tp_choices": ENV_TP_CHOICES,
     "zero": ENV_ZERO,
 }
 """each :class:`WorkerSettings` field's environment variable"""
@@ -460,6 +465,9 @@ class EpochInfo:
     pp: int = 0
     """the pipeline depth the epoch runs at (0: the task's own; another of its
     ``pp_choices`` after a layout change)"""
+    tp: int = 0
+    """the tensor-parallel degree the epoch runs at (0: the task's own; another of its
+    ``tp_choices`` after a layout change)"""
 
     def to_json(self) -> str:
         return json.dumps(
@@ -470,6 +478,7 @@ class EpochInfo:
                 "urgent": self.urgent,
                 "published_ts": self.published_ts,
                 "pp": self.pp,
+                "tp": self.tp,
             }
         )
 
@@ -483,4 +492,5 @@ class EpochInfo:
             bool(d["urgent"]),
             float(d.get("published_ts", 0.0)),
             int(d.get("pp", 0)),
+            int(d.get("tp", 0)),
         )

@@ -372,7 +372,7 @@ class _Runner:
             if self.ckpt is not None:
                 self.ckpt.join()
         self.shard, self.model, self.optimizer = shard, shard.model, shard.optimizer
-        self.pipe = shard.pipe
+        self.pipe, self.par = shard.pipe, shard.pipe.tp
         self.grads = Reducer(
             [p for p in self.model.parameters() if p.requires_grad],
             self.ledger.num_microbatches,
@@ -381,14 +381,14 @@ class _Runner:
             device=self.device,
             stray=lambda: self.mb.stray_backward(),
         )
-        self.mb = MicroBatches(grads=self.grads, par=self.par, pipe=self.pipe,
-                               faults=self.faults, tp=self.ctx.tp, pp=self.pipe.stages)  # fmt: skip
+        self.mb = MicroBatches(grads=self.grads, par=self.par, pipe=self.pipe, faults=self.faults,
+                               tp=self.par.size, pp=self.pipe.stages)  # fmt: skip
         self._stepping, self.laid_out = False, False
         self.optimizer.register_step_pre_hook(self._optimizer_step)
         self.zero = Zero(self.model, self.optimizer) if self.ctx.zero else None
-        self.R = self.ctx.tp * self.pipe.stages
+        self.R = self.par.size * self.pipe.stages
         """ranks per replica (an epoch's members are whole replicas, in order)"""
-        self.place = self.pipe.stage * self.ctx.tp + self.par.rank
+        self.place = self.pipe.stage * self.par.size + self.par.rank
         """this rank's place in its replica (its shard of the state)"""
         if self.ctx.checkpoint is not None:
             every, keep = self.ctx.checkpoint_every, self.ctx.checkpoint_keep
@@ -396,7 +396,9 @@ class _Runner:
                 every_steps=every, mtbf_s=self.ctx.checkpoint_mtbf_s, keep=keep
             )
             self.ckpt = C.Checkpointer(
-                root=C.shard_root(layout_root(self.ctx, self.pipe.stages), self.place, self.R),
+                root=C.shard_root(
+                    layout_root(self.ctx, self.par.size, self.pipe.stages), self.place, self.R
+                ),
                 settings=settings,
                 reduce=self.ctx.reduce,
                 ledger=self.ledger.describe(),
@@ -563,7 +565,7 @@ class _Runner:
         self.groups.append(g)
         ABANDONED.append(g)  # an old gloo group with a pending operation blocks its destructor
         g.rendezvous()
-        self._relayout(info.pp or self.ctx.pp, rank)
+        self._relayout(info.tp or self.ctx.tp, info.pp or self.ctx.pp, rank)
         self._replica_groups(g)
         if info.urgent and self.ckpt is not None:
             self.ckpt.note_failure()  # the observed failure rate sets the checkpoint interval
@@ -603,30 +605,33 @@ class _Runner:
         )
 
     # -- transition: ledger exchange and nearest-source state ---------------------------------
-    def _relayout(self, pp: int, rank: int) -> None:
-        """Entering an epoch at ``pp`` pipeline stages as member ``rank``: train this rank's
-        shard of that layout (the script's ``rebuild`` makes it; the shard holding the state
-        is kept as the source until :func:`unicron.runtime.transition.sync` has moved it)."""
-        size = self.ctx.tp * pp
-        place = rank % size
-        stage = place // self.ctx.tp
-        if (pp, stage) == (self.pipe.stages, self.pipe.stage):
+    def _relayout(self, tp: int, pp: int, rank: int) -> None:
+        """Entering an epoch at ``tp`` tensor-parallel ranks and ``pp`` pipeline stages as
+        member ``rank``: train this rank's shard of that layout (the script's ``rebuild``
+        makes it; the shard holding the state is kept as the source until
+        :func:`unicron.runtime.transition.sync` has moved it)."""
+        place = rank % (tp * pp)
+        where = (tp, place % tp, pp, place // tp)  # degree, tensor-parallel rank, depth, stage
+        here = (self.par.size, self.par.rank, self.pipe.stages, self.pipe.stage)
+        if where == here:
             return
         old = self.old
-        if old is not None and (old.pipe.stages, old.pipe.stage) == (pp, stage):
+        if old is not None and (*old.part, old.pipe.stages, old.pipe.stage) == where:
             self.old = None  # back at the layout whose state is here
             self._adopt(old)
             return
         if self.rebuild is None:
             refuse(
-                f"the task runs at pp {pp} now (its layout changed with its worker count): "
-                "hand train() or Loop a rebuild(tp, pp) that builds the model and optimizer "
-                "of any layout (docs/runtime.md, Layout changes)"
+                f"the task runs at tp {tp} x pp {pp} now (its layout changed with its worker "
+                "count): hand train() or Loop a rebuild(tp, pp) that builds the model and "
+                "optimizer of any layout (docs/runtime.md, Layout changes)"
             )
         if old is None and self.has_state and self.step > 0:
             self.old = self.shard  # the committed state, until the new shard is filled
-        pipe = PipelineParallel(stage, pp, self.par)
-        model, optimizer = self.rebuild(self.par, pipe)
+        assert self.shard is not None
+        par = self.par if (tp, where[1]) == self.shard.part else TensorParallel(where[1], tp)
+        pipe = PipelineParallel(where[3], pp, par)
+        model, optimizer = self.rebuild(par, pipe)
         model.to(self.device)  # in place: the optimizer keeps its parameter objects
         self._adopt(Shard(model, optimizer, pipe))
 

@@ -55,10 +55,10 @@ class CoordinatorSettings:
     """ranks per replica (``tp * pp``, on one node): an epoch holds whole replicas only
     (:func:`unicron.control.replicas.whole`)"""
     tp: int = 1
-    """tensor-parallel ranks per pipeline stage (with :attr:`depths`)"""
-    depths: tuple[int, ...] = ()
-    """the pipeline depths the task may run at, its own first (empty: only its own; else a
-    replica is ``tp * depth`` ranks in each epoch: :func:`unicron.control.membership.layout`)"""
+    """tensor-parallel ranks per pipeline stage of the task's own layout"""
+    layouts: tuple[tuple[int, int], ...] = ()
+    """the ``(tp, pp)`` layouts the task may run at, its own first (empty: only its own; else
+    a replica is ``tp * pp`` ranks of the epoch's: :func:`unicron.control.membership.layout`)"""
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""
     checkpoint: Path | None = None
@@ -163,7 +163,7 @@ class TaskBook:
         self.state = TaskState.PENDING
         self.epoch = 0
         self.members: tuple[int, ...] = ()
-        self.pp = 0  # the pipeline depth of the epoch (0: the task's own)
+        self.layout: tuple[int, int] = (0, 0)  # the epoch's (tp, pp); (0, 0): the task's own
         self.outcome: Outcome | None = None
         self.control_errors = 0  # reports the coordinator failed to apply (failures.py)
         self.started_at: float | None = None
@@ -206,12 +206,13 @@ class TaskBook:
 
     @property
     def size(self) -> int:
-        """Ranks per replica in the current epoch (``tp * pp`` at its pipeline depth)."""
-        return self.size_at(self.pp)
+        """Ranks per replica in the current epoch (``tp * pp`` of its layout)."""
+        return self.size_at(self.layout)
 
-    def size_at(self, pp: int) -> int:
-        """Ranks per replica at pipeline depth ``pp`` (0: the task's own)."""
-        return self.settings.tp * pp if pp else self.settings.replica_ranks
+    def size_at(self, layout: tuple[int, int]) -> int:
+        """Ranks per replica at ``layout`` (``(tp, pp)``; ``(0, 0)``: the task's own)."""
+        tp, pp = layout
+        return tp * pp if tp else self.settings.replica_ranks
 
     def other_holders(self, slot: int) -> list[int]:
         """The live slots other than ``slot`` that hold the task's state (model parallel: its

@@ -52,6 +52,7 @@ SHARED: tuple[Flag, ...] = (
     Flag("tp", "--tp", "N"),
     Flag("pp", "--pp", "N"),
     Flag("pp_choices", "--pp-choices", "P,Q"),
+    Flag("tp_choices", "--tp-choices", "T,U"),
     Flag("zero", "--zero", "0|1"),
     Flag("checkpoint.every", "--checkpoint-every", "K|auto"),
     Flag("checkpoint.mtbf", "--mtbf", "S"),

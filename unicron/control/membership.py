@@ -48,7 +48,10 @@ def adopt(
     # coordinator that announced it again failed to start, KeyError, again and again)
     members = tuple(m for m in info.members if m in b.slots)
     gone = [m for m in info.members if m not in b.slots]
-    b.members = replicas.whole(b.slots, members, b.size_at(info.pp)) if gone else members
+    own = (b.settings.tp, b.settings.replica_ranks // b.settings.tp)
+    lay = (info.tp or b.settings.tp, info.pp) if info.pp else (0, 0)
+    b.layout = (0, 0) if lay == own else lay
+    b.members = replicas.whole(b.slots, members, b.size) if gone else members
     b.trained = trained
     b.state = TaskState.RUNNING if b.members else TaskState.WAITING
     if b.state is TaskState.WAITING:
@@ -178,11 +181,11 @@ def release_slots(b: TaskBook, slots: list[int], now: float, reason: str) -> Non
         else:
             s.to(SlotState.LEAVING)
             leaving.append(slot)
-    pp = layout(b, [s for s in _usable(b) if s not in leaving])
-    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], b.size_at(pp))
-    if (rest != b.members or pp != b.pp) and b.active():
+    lay = layout(b, [s for s in _usable(b) if s not in leaving])
+    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], b.size_at(lay))
+    if (rest != b.members or lay != b.layout) and b.active():
         gone = ", ".join(map(str, leaving))
-        announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released", pp=pp)
+        announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released", lay=lay)
 
 
 def worker_left(b: TaskBook, slot: int) -> None:
@@ -221,27 +224,35 @@ def in_transition(b: TaskBook) -> bool:
 
 
 # -- epochs --------------------------------------------------------------------------------
-def layout(b: TaskBook, usable: Sequence[int]) -> int:
-    """The pipeline depth of the next epoch (0: the task's own): of the task's depths
-    (:attr:`~unicron.control.book.CoordinatorSettings.depths`), one whose whole replicas hold
-    the most of the ``usable`` slots (not excluded: those that train now or will once
-    restarted). Among those: the task's own when it trains every usable slot (the task is
-    whole again), else the current one (a move that trains no more ranks is not made), else
-    the task's own, else the first. A slot lost for good (excluded, its node lost, given to
-    another task) can change it; a restart cannot. Pure."""
-    depths = b.settings.depths
-    if not depths:
-        return 0
-    trained = {d: len(replicas.whole(b.slots, usable, b.settings.tp * d)) for d in depths}
+def layout(b: TaskBook, usable: Sequence[int]) -> tuple[int, int]:
+    """The ``(tp, pp)`` layout of the next epoch (``(0, 0)``: the task's own): of the task's
+    layouts (:attr:`~unicron.control.book.CoordinatorSettings.layouts`), one whose whole
+    replicas hold the most of the ``usable`` slots (not excluded: those that train now or
+    will once restarted). Among those: the task's own when it trains every usable slot (the
+    task is whole again), else the current one (a move that trains no more ranks is not
+    made), else the task's own, else the first. A slot lost for good (excluded, its node
+    lost, given to another task) can change it; a restart cannot. Pure."""
+    layouts = b.settings.layouts
+    if not layouts:
+        return 0, 0
+    trained = {lay: len(replicas.whole(b.slots, usable, lay[0] * lay[1])) for lay in layouts}
     best = max(trained.values())
-    own, current = depths[0], b.pp or depths[0]
+    own = layouts[0]
+    current = b.layout if b.layout[0] else own
     if trained[own] == best and (best == len(usable) or current == own):
         choice = own
     elif trained.get(current) == best:
         choice = current
     else:
-        choice = next(d for d in depths if trained[d] == best)
-    return 0 if choice == own else choice
+        choice = next(lay for lay in layouts if trained[lay] == best)
+    return (0, 0) if choice == own else choice
+
+
+def _actual(b: TaskBook) -> tuple[int, int]:
+    """The epoch's ``(tp, pp)``, the task's own spelled out."""
+    if b.layout[0]:
+        return b.layout
+    return b.settings.tp, b.settings.replica_ranks // b.settings.tp
 
 
 def _usable(b: TaskBook) -> list[int]:
@@ -255,14 +266,14 @@ def maybe_start(b: TaskBook, now: float) -> None:
     if b.started_at is None:
         b.started_at = now
     usable = _usable(b)
-    pp = layout(b, usable)
-    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], b.size_at(pp))
+    lay = layout(b, usable)
+    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], b.size_at(lay))
     timed_out = now - b.started_at > b.settings.start_timeout_s
     if ready and (
         len(ready) == len(usable) or (timed_out and len(ready) >= b.settings.min_workers)
     ):
         b.state = TaskState.RUNNING
-        announce(b, ready, urgent=False, now=now, reason="start", pp=pp)
+        announce(b, ready, urgent=False, now=now, reason="start", lay=lay)
 
 
 def grow(b: TaskBook, now: float) -> None:
@@ -273,8 +284,8 @@ def grow(b: TaskBook, now: float) -> None:
         for s, o in sorted(b.slots.items())
         if o.ready and o.alive and not o.excluded and s not in b.members
     )
-    pp = layout(b, _usable(b))
-    grown = replicas.whole(b.slots, b.members + joiners, b.size_at(pp))
+    lay = layout(b, _usable(b))
+    grown = replicas.whole(b.slots, b.members + joiners, b.size_at(lay))
     joiners = tuple(s for s in grown if s not in b.members)
     if not b.members and _shard_on_its_way(b, grown):
         return  # a replica being restarted brings a shard the others lack: it joins too
@@ -287,7 +298,7 @@ def grow(b: TaskBook, now: float) -> None:
             urgent=below,
             now=now,
             reason=f"slot(s) {', '.join(map(str, joiners))} ready to join",
-            pp=pp,
+            lay=lay,
         )
 
 
@@ -317,8 +328,8 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     restarted or readmitted workers to bring it back. Returns False if the task failed."""
     # whole replicas only: the living ranks of a broken one wait outside the epoch
     usable = _usable(b)
-    pp = layout(b, usable)
-    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.size_at(pp))
+    lay = layout(b, usable)
+    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.size_at(lay))
     # slots that can come back: usable ones, excluded ones a health probe may readmit (none
     # if probes are turned off, nor where the script itself failed every time), and those
     # of lost nodes only where nodes return (a cluster)
@@ -351,7 +362,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     if why:
         fail(b, f"{why}; last error: {b.last_error}", now)
         return False
-    if survivors == b.members and pp == b.pp and len(usable) >= minimum:
+    if survivors == b.members and lay == b.layout and len(usable) >= minimum:
         return True
     if len(survivors) < minimum:
         for slot in replicas.orphans(b.slots, b.members, survivors):
@@ -369,8 +380,8 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
         live = len(survivors)
         wait(b, now, f"{live} live worker(s), fewer than the minimum of {minimum}; {then}")
         return True
-    if survivors != b.members or pp != b.pp:
-        announce(b, survivors, urgent=True, now=now, reason=reason, pp=pp)
+    if survivors != b.members or lay != b.layout:
+        announce(b, survivors, urgent=True, now=now, reason=reason, lay=lay)
     return True
 
 
@@ -442,18 +453,18 @@ def announce(
     urgent: bool,
     now: float,
     reason: str,
-    pp: int | None = None,
+    lay: tuple[int, int] | None = None,
 ) -> None:
     """A new epoch of ``members`` (none: nobody to tell; the next epoch is made of the workers
-    that come back), at pipeline depth ``pp`` (:func:`layout`; ``None``: the current one).
+    that come back), at layout ``lay`` (:func:`layout`; ``None``: the current one).
     Its joins are timed here, so an adopted epoch's watch ends (``adopted_at``)."""
     b.adopted_at = None
     for slot in replicas.orphans(b.slots, b.members, members):
         b.forget(slot)  # waits outside the epoch: its last step is no hang
     b.members = members
-    rebuilt = pp is not None and bool(members) and pp != b.pp
-    if pp is not None and members:
-        b.pp = pp
+    rebuilt = lay is not None and bool(members) and lay != b.layout
+    if lay is not None and members:
+        b.layout = lay
     if not members:
         return
     b.epoch += 1
@@ -465,7 +476,8 @@ def announce(
         tuple(b.slots[m].node for m in members),
         urgent,
         published_ts=now,
-        pp=b.pp,
+        pp=b.layout[1],
+        tp=b.layout[0],
     )
     b.emit(
         "plan",
@@ -484,5 +496,5 @@ def announce(
         members=list(members),
         urgent=urgent,
         reason=reason,
-        **({"pp": b.size // b.settings.tp} if b.settings.depths else {}),
+        **(dict(zip(("tp", "pp"), _actual(b), strict=True)) if b.settings.layouts else {}),
     )

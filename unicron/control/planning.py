@@ -223,7 +223,7 @@ def coordinator_settings(
         min_workers=spec.workers.min,
         replica_ranks=spec.replica_ranks,
         tp=spec.tp,
-        depths=spec.depths if len(spec.depths) > 1 else (),
+        layouts=spec.layouts if len(spec.layouts) > 1 else (),
         checkpoint=checkpoint,
         committed_before=committed_before,
         readmit_after_s=spec.readmit_after,
@@ -252,6 +252,7 @@ def assignment(
         tp=spec.tp,
         pp=spec.pp,
         pp_choices=",".join(map(str, spec.depths[1:])),
+        tp_choices=",".join(map(str, spec.degrees[1:])),
         zero=spec.zero,
     )
     return {
@@ -427,7 +428,8 @@ def logged_epoch(state: State, row: TaskRow) -> EpochInfo | None:
         return None
     members = tuple(int(m) for m in e.get("members", ()))
     nodes = tuple(row.placement[m] for m in members)
-    return EpochInfo(int(e["epoch"]), members, nodes, True, float(e["ts"]), int(e.get("pp", 0)))
+    return EpochInfo(int(e["epoch"]), members, nodes, True, float(e["ts"]),
+                     int(e.get("pp", 0)), int(e.get("tp", 0)))  # fmt: skip
 
 
 def logged_pace(state: State, row: TaskRow, last: int = 20) -> float | None:

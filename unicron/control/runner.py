@@ -208,11 +208,25 @@ def _check_replica(args: argparse.Namespace) -> None:
     if tp < 1 or pp < 1:
         return  # the task file's model says so, with the flag's name
     n = tp * pp
-    for depth in depths_of(args.pp_choices or ""):  # checked against the task model already
+    choices = {}
+    for flag in ("pp_choices", "tp_choices"):
+        text = getattr(args, flag, None) or ""
+        try:
+            choices[flag] = depths_of(text)
+        except ValueError as exc:
+            raise UsageError(f"--{flag.replace('_', '-')} {exc}") from None
+    degrees = [tp, *choices["tp_choices"]]
+    for depth in choices["pp_choices"]:
         if tp * depth > args.nproc_per_node:
             raise UsageError(
                 f"--pp-choices {depth}: a replica of {tp * depth} ranks must fit on a node of "
                 f"--nproc-per-node {args.nproc_per_node}"
+            )
+    for degree in degrees[1:]:
+        if degree * pp > args.nproc_per_node:
+            raise UsageError(
+                f"--tp-choices {degree}: a replica of {degree * pp} ranks must fit on a node "
+                f"of --nproc-per-node {args.nproc_per_node}"
             )
     if n == 1:
         return

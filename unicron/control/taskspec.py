@@ -13,6 +13,7 @@
     tp: 1                           # tensor-parallel ranks per pipeline stage
     pp: 1                           # pipeline stages per replica (tp * pp ranks, one node)
     pp_choices: []                  # other depths it may run at with fewer workers: [1]
+    tp_choices: []                  # other tensor-parallel degrees it may run at: [1]
     checkpoint: {every: auto, keep: 3, mtbf: 10800}   # also dir, resume
     device: cpu                     # cpu | cuda
     give_up_after: 600              # seconds below min before the task fails
@@ -155,6 +156,14 @@ class TaskSpec(BaseModel):
         "whole replicas train the most of them (pp again once all are back); the state "
         "moves between layouts in memory (the script hands train() a rebuild)",
     )
+    tp_choices: list[int] = Field(
+        default_factory=list,
+        max_length=8,
+        description="tensor-parallel degrees the task may also run at, comma-separated: "
+        "with pp_choices, each epoch runs at the (tp, pp) layout whose whole replicas train "
+        "the most workers; the state is re-sliced between degrees in memory (the script "
+        "hands train() a rebuild; another degree sums in another order, so bits may differ)",
+    )
     zero: int = Field(
         0,
         ge=0,
@@ -230,7 +239,7 @@ class TaskSpec(BaseModel):
             )
         return self
 
-    @field_validator("pp_choices", mode="before")
+    @field_validator("pp_choices", "tp_choices", mode="before")
     @classmethod
     def _depths(cls, v: Any) -> Any:
         """``--pp-choices 2,1`` (the flag's text) as the list."""
@@ -248,14 +257,23 @@ class TaskSpec(BaseModel):
                     f"pp_choices: at pp {pp} a replica is {self.tp * pp} workers, more than the "
                     f"task's maximum ({self.workers.max})"
                 )
+        for tp in self.tp_choices:
+            if tp < 1 or tp > 64:
+                raise ValueError(f"tp_choices: {tp} is not a tensor-parallel degree in 1..64")
+            if tp * min(self.depths) > self.workers.max:
+                raise ValueError(
+                    f"tp_choices: at tp {tp} a replica is at least {tp * min(self.depths)} "
+                    f"workers, more than the task's maximum ({self.workers.max})"
+                )
         return self
 
     @model_validator(mode="after")
     def _zero_layouts(self) -> TaskSpec:
         """A sharded optimizer keeps one layout: its shares are by parameter of a place."""
-        if self.zero and self.pp_choices:
+        if self.zero and (self.pp_choices or self.tp_choices):
+            which = "pp_choices" if self.pp_choices else "tp_choices"
             raise ValueError(
-                "zero 1 with pp_choices: a task with a sharded optimizer keeps its layout "
+                f"zero 1 with {which}: a task with a sharded optimizer keeps its layout "
                 "(docs/runtime.md, Sharded optimizer state)"
             )
         return self
@@ -263,13 +281,24 @@ class TaskSpec(BaseModel):
     @property
     def depths(self) -> tuple[int, ...]:
         """The pipeline depths the task runs at: ``pp``, then the other choices."""
-        return (self.pp, *(d for d in self.pp_choices if d != self.pp))
+        return (self.pp, *dict.fromkeys(d for d in self.pp_choices if d != self.pp))
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees the task runs at: ``tp``, then the other choices."""
+        return (self.tp, *dict.fromkeys(t for t in self.tp_choices if t != self.tp))
+
+    @property
+    def layouts(self) -> tuple[tuple[int, int], ...]:
+        """The ``(tp, pp)`` layouts the task runs at, its own first (as
+        :func:`unicron.parallel.layouts` reads them in the worker)."""
+        return tuple((t, p) for t in self.degrees for p in self.depths)
 
     @property
     def smallest_replica(self) -> int:
-        """Ranks per replica at its shallowest pipeline depth: the grain the planner gives
-        and takes slots in (the coordinator picks the depth for the count it gets)."""
-        return min(self.tp * d for d in self.depths)
+        """Ranks per replica at its smallest layout: the grain the planner gives and takes
+        slots in (the coordinator picks the layout for the count it gets)."""
+        return min(t * d for t, d in self.layouts)
 
     @property
     def replica_ranks(self) -> int:
@@ -344,11 +373,12 @@ class TaskSpec(BaseModel):
 
 
 def depths_of(text: str) -> list[int]:
-    """``--pp-choices``' text (``"1,4"``) as pipeline depths; ``ValueError`` if it is not."""
+    """``--pp-choices``' or ``--tp-choices``' text (``"1,4"``) as numbers; ``ValueError`` if
+    it is not."""
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as exc:
-        raise ValueError(f"{text!r}: pipeline depths separated by commas") from exc
+        raise ValueError(f"{text!r}: whole numbers separated by commas") from exc
 
 
 def _text(value: Any) -> Any:

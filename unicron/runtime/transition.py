@@ -16,12 +16,13 @@ A membership change and Model-parallel replicas.
 from __future__ import annotations
 
 import logging
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unicron.parallel import pipeline_depths
+from unicron.parallel import layouts
 from unicron.protocol import trained_key, usage_key
 from unicron.runtime import checkpoint as C
 from unicron.runtime import ledger as L
@@ -41,12 +42,14 @@ __all__ = ["layout_root", "load_checkpoint", "sync"]
 log = logging.getLogger(__name__)
 
 
-def layout_root(ctx: WorkerContext, stages: int) -> Path:
-    """Where the checkpoints of the layout of ``stages`` pipeline stages go: the task's
-    directory, or for another depth than the task's own (a layout change) its ``ppN``
-    folder (shards of another split)."""
+def layout_root(ctx: WorkerContext, tp: int, stages: int) -> Path:
+    """Where the checkpoints of the layout of ``tp`` tensor-parallel ranks and ``stages``
+    pipeline stages go: the task's directory, or for another layout than the task's own (a
+    layout change) its ``ppP`` folder (another depth) or ``tpTppP`` (another degree)."""
     assert ctx.checkpoint is not None
-    return ctx.checkpoint if stages == ctx.pp else ctx.checkpoint / f"pp{stages}"
+    if (tp, stages) == (ctx.tp, ctx.pp):
+        return ctx.checkpoint
+    return ctx.checkpoint / (f"pp{stages}" if tp == ctx.tp else f"tp{tp}pp{stages}")
 
 
 def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
@@ -168,10 +171,9 @@ def _newest_checkpoint(r: _Runner) -> int:
     members hold whole (:func:`unicron.runtime.replica.plan`)."""
     if r.ctx.checkpoint is None:
         return -1
-    tp = r.ctx.tp
     return max(
-        C.newest_step(layout_root(r.ctx, depth), tp * depth)
-        for depth in {r.pipe.stages, *pipeline_depths()}
+        C.newest_step(layout_root(r.ctx, tp, depth), tp * depth)
+        for tp, depth in {(r.par.size, r.pipe.stages), *layouts()}
     )
 
 
@@ -187,7 +189,7 @@ def _reshard(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str
     try:
         if target < 0:
             raise StateLost("no member holds the state")
-        reshard(g, source=source, target=r.shard, tp_rank=r.par.rank)
+        reshard(g, source=source, target=r.shard)
         ref = next(row for row in rows if row[replica.STEP] == target)
         r.step, r.has_state, r.old = target, True, None
         r.data.load(ref[3:5])
@@ -205,7 +207,7 @@ def load_checkpoint(r: _Runner) -> None:
     root = r.ctx.checkpoint
     found = None
     if root is not None:
-        found = C.load_newest_shard(layout_root(r.ctx, r.pipe.stages), r.place, r.R)
+        found = C.load_newest_shard(layout_root(r.ctx, r.par.size, r.pipe.stages), r.place, r.R)
         if _by_name(r, newer_than=-1 if found is None else found[0].step):
             return
     if found is None:
@@ -236,24 +238,36 @@ def _loaded(r: _Runner, step: int, parts: dict[str, Any]) -> None:
 
 def _by_name(r: _Runner, newer_than: int) -> bool:
     """After a layout change: load a newer checkpoint than this layout's own (``newer_than``)
-    written at another pipeline depth of the task, entry by entry from the shards of this
-    rank's tensor-parallel rank (:func:`unicron.runtime.checkpoint.load_by_name`). False if
-    there is none."""
+    written at another layout of the task, entry by entry from the shards of every stage at
+    the tensor-parallel ranks holding this rank's slices (at another degree: the slices
+    joined and cut again; :func:`unicron.runtime.checkpoint.load_by_name`). False if there is
+    none."""
     assert r.ctx.checkpoint is not None
-    tp = r.ctx.tp
+    mine = (r.par.size, r.pipe.stages)
     found = [
-        (C.newest_step(layout_root(r.ctx, depth), tp * depth), depth)
-        for depth in set(pipeline_depths()) - {r.pipe.stages}
+        (C.newest_step(layout_root(r.ctx, tp, depth), tp * depth), tp, depth)
+        for tp, depth in set(layouts()) - {mine}
     ]
-    for step, depth in sorted(found, reverse=True):  # the newest first
+    for step, tp, depth in sorted(found, reverse=True):  # the newest first
         if step <= newer_than:
             break
-        places = [stage * tp + r.par.rank for stage in range(depth)]
+        ranks = _ranks_holding(tp, r.par.size, r.par.rank)
+        places = [stage * tp + rank for stage in range(depth) for rank in ranks]
         try:
-            parts = C.load_by_name(layout_root(r.ctx, depth), places, tp * depth, step)
-            _loaded(r, C.restore_by_name(parts, r.model, r.optimizer), parts)
+            parts = C.load_by_name(layout_root(r.ctx, tp, depth), places, tp * depth, step)
+            step_read = C.restore_by_name(
+                parts, r.model, r.optimizer, part=(r.par.size, r.par.rank), of=(tp, ranks)
+            )
+            _loaded(r, step_read, parts)
         except C.CheckpointError as exc:
-            log.warning("skipping the pp %d checkpoint of step %d: %s", depth, step, exc)
+            log.warning("skipping the tp %d pp %d checkpoint of step %d: %s", tp, depth, step, exc)
             continue
         return True
     return False
+
+
+def _ranks_holding(tp: int, mine_tp: int, mine_rank: int) -> list[int]:
+    """The ranks of degree ``tp`` whose slices overlap rank ``mine_rank`` of ``mine_tp``'s
+    (one at the same degree: the same rank)."""
+    lo, hi = Fraction(mine_rank, mine_tp), Fraction(mine_rank + 1, mine_tp)
+    return [k for k in range(tp) if Fraction(k, tp) < hi and Fraction(k + 1, tp) > lo]

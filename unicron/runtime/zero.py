@@ -240,7 +240,7 @@ def _move(
             continue
         kept = {_state_key(zero.names[i]) for i in zero.owners.held(m)}
         needs.append((value_keys - o) | ((kept if anywhere else set()) - o))
-    moves, missing = plan(offered, needs, [0] * len(rows))
+    moves, missing = plan(offered, needs, [(1, 0)] * len(rows))
     lost = torch.tensor([1 if missing else 0], dtype=torch.int64)
     if any(int(t.item()) for t in everyone.allgather(lost)):
         raise StateLost(f"{len(missing)} entries of a place's state are held by nobody")
