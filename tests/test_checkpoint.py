@@ -334,3 +334,31 @@ def test_a_shard_that_ran_ahead_keeps_the_last_step_every_shard_has(tmp_path: Pa
     _write(s0, 7, keep=2)
     assert [p.name for p in C.steps(s0)] == [f"step-{s:09d}" for s in (4, 5, 6, 7)]
     assert [p.name for p in C.steps(s1)] == [f"step-{s:09d}" for s in (4, 5)]
+
+
+def test_a_checkpoint_counts_only_when_every_shard_of_one_layout_has_the_step(
+    tmp_path: Path,
+) -> None:
+    """The coordinator's question (can the task outlive its last replica?): a TP=2 checkpoint
+    one of whose writers died before writing its shard cannot be loaded, so it does not count
+    (the task fails at once instead of restarting workers that find nothing); another
+    layout's complete one does (a layout change: ``tp1pp1``, ``pp2``)."""
+    from unicron.runtime.checkpoint import MANIFEST, PREFIX, has_checkpoint, layout_dir
+
+    def written(where: Path, step: int) -> None:
+        d = where / f"{PREFIX}{step:09d}"
+        d.mkdir(parents=True)
+        (d / MANIFEST).write_text("{}")
+
+    own = (2, 1)
+    assert layout_dir(tmp_path, own, own) == tmp_path
+    assert layout_dir(tmp_path, own, (2, 2)) == tmp_path / "pp2"
+    assert layout_dir(tmp_path, own, (1, 1)) == tmp_path / "tp1pp1"
+    written(tmp_path / "shard0", 2)
+    assert not has_checkpoint(tmp_path, own, [(1, 1)])
+    written(tmp_path / "tp1pp1", 4)
+    assert has_checkpoint(tmp_path, own, [(1, 1)])
+    assert not has_checkpoint(tmp_path, own)  # the other layout is not the task's
+    written(tmp_path / "shard1", 2)
+    assert has_checkpoint(tmp_path, own)
+    assert not has_checkpoint(None) and not has_checkpoint(tmp_path / "none")

@@ -30,7 +30,7 @@ from unicron.control.events import EventLog
 from unicron.control.slots import SlotTable
 from unicron.detect.classify import verdict_for_kind
 from unicron.detect.monitor import MonitorSettings, StepMonitor
-from unicron.parallel import PipelineParallel, TensorParallel
+from unicron.parallel import PipelineParallel, TensorParallel, split_dims
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama_parallel
@@ -529,6 +529,67 @@ def test_a_checkpoint_of_one_layout_loads_into_another_by_name(tmp_path: Path) -
         C.restore_by_name(C.load_by_name(root, [0], 2, 7), *build(0, 1))
 
 
+def test_a_checkpoint_of_another_tensor_parallel_degree_is_joined_and_cut(
+    tmp_path: Path,
+) -> None:
+    """After a change of degree the newest checkpoint may be the other degree's: a TP=1 shard
+    reads a TP=2 checkpoint's two files and joins each split entry's slices (parameters and
+    AdamW moments); a TP=2 rank reads a TP=1 checkpoint and cuts its slice; bit for bit the
+    whole model's (``transition._by_name`` with ``restore_by_name(part=, of=)``)."""
+    from unicron.runtime import checkpoint as C
+
+    def build(tp: int, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        handle = TensorParallel(rank, tp)
+        with _BUILD:
+            model, opt, _ = llama_parallel.build(handle, seed=3, cfg=CFG)
+        return model, opt
+
+    def stepped(tp: int, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model, opt = build(tp, rank)
+        for p in model.parameters():
+            p.grad = p.detach() * 0.5 + 0.25  # elementwise: the slices of the whole's
+        opt.step()
+        return model, opt
+
+    def write(root: Path, shards: list[Any]) -> None:
+        for place, (model, opt) in enumerate(shards):
+            snap = C.snapshot(model, opt, step=5, ledger={"seed": 0})
+            C.write(C.shard_root(root, place, len(shards)), snap.parts, step=5, world=1,
+                    reduce="exact", model=snap.model, ledger={"seed": 0}, now=0.0)  # fmt: skip
+
+    whole, whole_opt = stepped(1, 0)
+    dims = split_dims(whole)
+    write(tmp_path / "tp2", [stepped(2, 0), stepped(2, 1)])
+    write(tmp_path / "tp1", [(whole, whole_opt)])
+
+    def same(model: torch.nn.Module, opt: torch.optim.Optimizer, tp: int, rank: int) -> None:
+        ref = dict(whole.named_parameters())
+
+        def cut(name: str, t: torch.Tensor) -> torch.Tensor:
+            return t.chunk(tp, dims[name])[rank] if name in dims and t.dim() else t
+
+        for name, p in model.named_parameters():
+            assert torch.equal(p, cut(name, ref[name])), name
+            mine, theirs = opt.state[p], whole_opt.state[ref[name]]
+            for k in theirs:
+                assert torch.equal(mine[k], cut(name, theirs[k])), (name, k)
+
+    model, opt = build(1, 0)
+    parts = C.load_by_name(tmp_path / "tp2", [0, 1], 2, 5)
+    assert C.restore_by_name(parts, model, opt, part=(1, 0), of=(2, [0, 1])) == 5
+    same(model, opt, 1, 0)
+    for rank in (0, 1):
+        model, opt = build(2, rank)
+        parts = C.load_by_name(tmp_path / "tp1", [0], 1, 5)
+        assert C.restore_by_name(parts, model, opt, part=(2, rank), of=(1, [0])) == 5
+        same(model, opt, 2, rank)
+    # one of the two files missing from the join: an error, not half a weight
+    model, opt = build(1, 0)
+    with pytest.raises(C.CheckpointError):
+        C.restore_by_name(C.load_by_name(tmp_path / "tp2", [0], 2, 5), model, opt,
+                          part=(1, 0), of=(2, [0, 1]))  # fmt: skip
+
+
 def test_a_reducer_closed_for_another_shard_leaves_its_parameters_alone() -> None:
     """A layout change trains a new shard with a new reducer; should the old shard be
     trained again (the move failed and the next epoch is back at its layout), its
@@ -640,7 +701,6 @@ def test_a_change_of_the_degree_moves_the_state_between_real_members_exactly() -
     three (ranks 0, 1, 0): every new shard holds the whole model's parameters and AdamW
     moments, sliced, bit for bit (the update is elementwise: slices of one whole)."""
     from tests.test_transfer import _run_group
-    from unicron.parallel import split_dims
     from unicron.runtime.reshard import Shard, reshard
 
     def shard(tp: int, rank: int, step: bool) -> Shard:

@@ -247,6 +247,33 @@ def test_a_slot_lost_for_good_moves_the_task_to_another_tensor_parallel_degree(r
 
 
 @pytest.mark.long
+def test_every_replica_at_a_new_degree_lost_falls_back_to_the_old_degrees_checkpoint(
+    run: Any,
+) -> None:
+    """Slot 3 excluded at step 2 (TP=2 -> TP=1 on slots 0, 1, 2; replica 0 wrote the TP=2
+    checkpoint of step 2); at step 3, before the new layout wrote a checkpoint, all three
+    crash: the state is gone everywhere, and every rank reads the TP=2 checkpoint of step 2,
+    each split entry's two slices joined. The run ends within float32 rounding of the
+    fault-free TP=2 run (it trained some steps at TP=1)."""
+    layout = ("--nproc-per-node", "4", "--tp", "2")
+    clean = _tp(run, *layout, steps=12)
+    faulty = _tp(
+        run, *layout, "--tp-choices", "1", "--checkpoint-every", "2", "--readmit-after", "1000",
+        "--inject", "error:rank=3,step=2,kind=ecc", "--inject", "crash:rank=0,step=3,mb=1",
+        "--inject", "crash:rank=1,step=3,mb=1", "--inject", "crash:rank=2,step=3,mb=1",
+        steps=12,
+    )  # fmt: skip
+    for r in (clean, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+    back = [e for e in faulty.of("transition_end") if e["state_source"] == "checkpoint"]
+    assert back and all(e["step"] == 2 for e in back), back
+    assert [e["tp"] for e in faulty.of("epoch_begin")][-1] == 1
+    a, b = _whole(clean.out.parent / "out"), _whole(faulty.out.parent / "out")
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-5) for k in a)
+
+
+@pytest.mark.long
 def test_every_replica_of_a_new_layout_lost_falls_back_to_the_old_layouts_checkpoint(
     run: Any,
 ) -> None:

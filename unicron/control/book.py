@@ -17,7 +17,7 @@ needs it).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +149,9 @@ class TaskBook:
         settings: CoordinatorSettings,
         escalation: Escalation,
         monitor: StepMonitor | None,
-        checkpoint_exists: Callable[[Path | None], bool],
+        checkpoint_exists: Callable[
+            [Path | None, tuple[int, int], Sequence[tuple[int, int]]], bool
+        ],
     ) -> None:
         self.task = task  # scopes its store keys: unique on the store
         self.label = label  # its name in the event log
@@ -239,7 +241,9 @@ class TaskBook:
 
     def has_checkpoint(self) -> bool:
         """The task has a persistent checkpoint to fall back on (read from its directory)."""
-        return self._checkpoint_exists(self.settings.checkpoint)
+        tp = self.settings.tp
+        own = (tp, self.settings.replica_ranks // tp)
+        return self._checkpoint_exists(self.settings.checkpoint, own, self.settings.layouts)
 
     def state_survives(self, slot: int) -> bool:
         """Whether the task's state outlives the worker in ``slot``: another live replica

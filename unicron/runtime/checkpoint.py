@@ -313,13 +313,38 @@ def newest(
     return None
 
 
-def has_checkpoint(root: Path | None) -> bool:
-    """Whether ``root`` holds a complete checkpoint (manifest present; cheap: the coordinator
-    asks it when deciding whether a task can outlive its last replica); a tensor-parallel
-    task's (:func:`shard_root`) counts when its first shard has one."""
+def has_checkpoint(
+    root: Path | None,
+    own: tuple[int, int] = (1, 1),
+    layouts: Sequence[tuple[int, int]] = (),
+) -> bool:
+    """Whether ``root`` holds a complete checkpoint (manifests present; cheap: the coordinator
+    asks it when deciding whether a task can outlive its last replica): of a model-parallel
+    task (its own ``(tp, pp)`` layout ``own``, and the others it may run at) a step that every
+    shard of one layout has (:func:`layout_dir`, :func:`shard_root`): a checkpoint one of
+    whose writers died before writing its shard cannot be loaded."""
     if root is None:
         return False
-    return any((p / MANIFEST).exists() for p in steps(root) + steps(root / "shard0"))
+    for layout in dict.fromkeys((own, *layouts)):
+        size = layout[0] * layout[1]
+        where = layout_dir(root, own, layout)
+        written = [
+            {p.name for p in steps(shard_root(where, c, size)) if (p / MANIFEST).exists()}
+            for c in range(size)
+        ]
+        if set.intersection(*written):
+            return True
+    return False
+
+
+def layout_dir(root: Path, own: tuple[int, int], layout: tuple[int, int]) -> Path:
+    """Where a model-parallel task whose own layout is ``own`` (``(tp, pp)``) keeps the
+    checkpoints of ``layout``: ``root`` for its own, ``root/ppP`` for another pipeline depth,
+    ``root/tpTppP`` for another tensor-parallel degree (a layout change)."""
+    if layout == own:
+        return root
+    tp, pp = layout
+    return root / (f"pp{pp}" if tp == own[0] else f"tp{tp}pp{pp}")
 
 
 def shard_root(root: Path, place: int, tp: int) -> Path:

@@ -47,9 +47,7 @@ def layout_root(ctx: WorkerContext, tp: int, stages: int) -> Path:
     pipeline stages go: the task's directory, or for another layout than the task's own (a
     layout change) its ``ppP`` folder (another depth) or ``tpTppP`` (another degree)."""
     assert ctx.checkpoint is not None
-    if (tp, stages) == (ctx.tp, ctx.pp):
-        return ctx.checkpoint
-    return ctx.checkpoint / (f"pp{stages}" if tp == ctx.tp else f"tp{tp}pp{stages}")
+    return C.layout_dir(ctx.checkpoint, (ctx.tp, ctx.pp), (tp, stages))
 
 
 def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
