@@ -22,7 +22,14 @@ Needs a machine with CUDA (exits 2 without one). It runs, with ``unicron run --d
    place of the live replica, and the final loss close to the fault-free one (whether the
    parameters are bitwise equal too is printed, not checked); then the same with the
    tensor parallelism of PyTorch's DTensor (``--tp-api dtensor``, :mod:`unicron.dtensor`,
-   a mesh of device type ``cuda``).
+   a mesh of device type ``cuda``);
+5. a change of the tensor-parallel degree: TP=2 x DP=2 on four slots with ``--tp-choices 1``
+   losing slot 1 to an ECC error (excluded): the task goes on at TP=1 x DP=3 on the other
+   three, the split weights' slices and their AdamW moments joined on the GPU
+   (``transition_end`` with ``state_source`` ``reshard``, no checkpoint), every step once, the
+   final loss close to the fault-free TP=2 run's.
+
+``--only N,M`` runs only those sections (1 and 2 always run: they say whether the GPU works).
 
 Workers: one per GPU (NCCL) when there are two or more GPUs, else two workers sharing the
 one GPU (gloo with CUDA tensors staged through the CPU: NCCL refuses two ranks on one device).
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--workdir", default=None)
+    p.add_argument("--only", default="", metavar="N,M",
+                   help="run only these sections of 3, 4, 5 (1 and 2 always run)")  # fmt: skip
     args = p.parse_args(argv)
     import torch
 
@@ -198,7 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         "; ".join(lines) or proc.stderr[-500:],
     )
 
-    s = args.steps
+    only = {int(x) for x in args.only.split(",") if x.strip()} or {3, 4, 5}
+    if 3 in only:
+        _demo(work, gpus, nproc, nccl, args.steps, check)
+    if 4 in only:
+        hand = _model_parallel(work, gpus, check)
+        dtensor = _model_parallel(work, gpus, check, "dtensor")
+        print(f"note: the DTensor-split fault-free run has the hand-written layers' bits: "
+              f"{hand is not None and hand == dtensor}")  # fmt: skip
+    if 5 in only:
+        _tp_change(work, gpus, check)
+    print(f"logs: {work}")
+    print(f"{'all checks passed' if not check.failed else f'{check.failed} check(s) FAILED'}")
+    return 1 if check.failed else 0
+
+
+def _demo(work: Path, gpus: int, nproc: int, nccl: bool, s: int, check: Checks) -> None:
+    """Section 3 of the module's docstring: the demo's faults on CUDA."""
     faults = [f"crash:rank=1,step={s // 4}", f"crash:rank=0,step={s * 5 // 8}"]
     if nccl and nproc >= 3:
         faults.append(f"hang:rank=2,step={s // 2}")
@@ -237,13 +262,32 @@ def main(argv: list[str] | None = None) -> int:
     b = ends[-1].get("final_loss") if ends else None
     check(_close(a, b), "final loss of the faulty run within 5% of the fault-free one",
           f"{a} vs {b}")  # fmt: skip
-    hand = _model_parallel(work, gpus, check)
-    dtensor = _model_parallel(work, gpus, check, "dtensor")
-    print(f"note: the DTensor-split fault-free run has the hand-written layers' bits: "
-          f"{hand is not None and hand == dtensor}")  # fmt: skip
-    print(f"logs: {work}")
-    print(f"{'all checks passed' if not check.failed else f'{check.failed} check(s) FAILED'}")
-    return 1 if check.failed else 0
+
+
+def _tp_change(work: Path, gpus: int, check: Checks) -> None:
+    """Section 5 of the module's docstring: TP=2 -> TP=1 on CUDA, the state re-sliced."""
+    nproc, steps = 4, 16
+    script = ROOT / "examples" / "train_llama_parallel.py"
+    layout = ("--tp", "2")
+    print(f"tensor-parallel degree change: TP=2 x DP=2 on {nproc} slots sharing {gpus} GPU(s)")
+    args = ["--steps", str(steps)]
+    fault = ["error:rank=1,step=3,kind=ecc"]
+    clean_p, clean = _unicron(work / "tpc-clean", nproc, script, args, [], layout)
+    flags = (*layout, "--tp-choices", "1", "--readmit-after", "1000")
+    moved_p, moved = _unicron(work / "tpc-moved", nproc, script, args, fault, flags)
+    check(clean_p.returncode == 0, "TP=2 fault-free CUDA run finished", clean_p.stderr[-300:])
+    check(moved_p.returncode == 0, "TP=2 -> TP=1 CUDA run finished", moved_p.stderr[-300:])
+    committed = sorted(e["step"] for e in moved if e["event"] == "step_end")
+    check(committed == list(range(steps)), f"all {steps} steps committed once", f"{committed}")
+    epochs = [(e.get("tp"), e["members"]) for e in moved if e["event"] == "epoch_begin"]
+    check((1, [0, 2, 3]) in epochs, "the task went on at TP=1 x DP=3 on slots 0, 2, 3",
+          f"{epochs}")  # fmt: skip
+    sources = [e["state_source"] for e in moved if e["event"] == "transition_end"]
+    check("reshard" in sources and "checkpoint" not in sources,
+          "the state re-sliced in memory on CUDA (no checkpoint)", f"{sources}")  # fmt: skip
+    ends = [[e for e in run if e["event"] == "task_end"] for run in (clean, moved)]
+    a, b = (end[-1].get("final_loss") if end else None for end in ends)
+    check(_close(a, b), "final loss within 5% of the fault-free TP=2 run", f"{a} vs {b}")
 
 
 if __name__ == "__main__":
