@@ -339,6 +339,52 @@ def test_a_slot_lost_for_good_can_change_the_tensor_parallel_degree(tmp_path: Pa
     assert began == [(2, 1), (1, 1), (2, 1)]
 
 
+def test_the_performance_model_picks_among_the_layouts_that_can_run(tmp_path: Path) -> None:
+    """With a ``rate`` (the performance model's achieved FLOP/s of ``(tp, pp)`` on ``n``
+    slots: a cluster task that describes its ``model``) the fastest layout wins, not the one
+    training the most slots: here TP=2 is twice as fast a slot, so slot 1 excluded leaves
+    the pair (2, 3) at TP=2 (rate 4) rather than TP=1 on three (rate 3); where nothing fits
+    (every rate 0) the slots are counted."""
+    asked: list[tuple[int, int, int]] = []
+
+    def rate(tp: int, pp: int, n: int) -> float:
+        asked.append((tp, pp, n))
+        return n * (2.0 if tp == 2 else 1.0)
+
+    def coordinator(rate: Any) -> Coordinator:
+        c = Coordinator(
+            task="t",
+            slots=dict.fromkeys(range(4), 0),
+            events=EventLog(tmp_path / f"events-{len(asked)}-{rate is None}.jsonl"),
+            escalation=Escalation(EscalationSettings()),
+            settings=CoordinatorSettings(
+                replica_ranks=2, tp=2, layouts=((2, 1), (1, 1)), min_workers=1, rate=rate
+            ),
+        )
+        c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
+        c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("ecc"))], 1.0)
+        return c
+
+    c = coordinator(rate)
+    assert (c.members, c.book.layout) == ((2, 3), (0, 0))
+    assert (2, 1, 2) in asked and (1, 1, 3) in asked
+    c = coordinator(lambda tp, pp, n: 0.0)  # nothing fits: as without a model
+    assert (c.members, c.book.layout) == ((0, 2, 3), (1, 1))
+
+
+def test_the_performance_models_rate_of_a_layout_is_its_fastest_fitting_one() -> None:
+    """:func:`layout_rate` over the planner's search: GPT 1.3B at global batch 256 on A100s,
+    a positive FLOP/s at TP=1 and TP=2 on 8 GPUs, TP=1 the faster (no tensor-parallel sums);
+    0 where the layout cannot be (TP=8 on 4 GPUs, 0 GPUs)."""
+    from unicron.control.planning import layout_rate
+    from unicron.planner import GPU_PRESETS, MODEL_PRESETS, PerfOptions
+
+    args = (MODEL_PRESETS["gpt-1.3b"], 256, GPU_PRESETS["A100-80GB"], 8, PerfOptions())
+    one, two = layout_rate(*args, 1, 1, 8), layout_rate(*args, 2, 1, 8)
+    assert one > two > 0
+    assert layout_rate(*args, 8, 1, 4) == 0.0 and layout_rate(*args, 1, 1, 0) == 0.0
+
+
 def _coordinator_3d(tmp: Path, monitor: StepMonitor | None = None) -> Coordinator:
     """TP=2 x PP=2 on the 8 slots of one node, which may also run at PP=1; every slot ready."""
     c = Coordinator(
@@ -755,3 +801,20 @@ def test_a_change_of_the_degree_moves_the_state_between_real_members_exactly() -
     for got in _run_group(3, up):
         assert isinstance(got, Shard), got
         check(got)
+
+
+def test_a_cluster_task_with_a_model_and_layout_choices_is_priced_by_the_planner() -> None:
+    """The cluster's coordinator settings carry the performance model's rate for a task that
+    describes its ``model`` and may change its layout, and only then."""
+    from unicron.control.planning import coordinator_settings
+    from unicron.control.taskspec import TaskSpec
+
+    base = {"name": "t", "script": __file__, "workers": {"min": 2, "max": 8}, "tp": 2,
+            "model": {"preset": "gpt-1.3b"}, "global_batch": 256}  # fmt: skip
+    spec = TaskSpec.model_validate({**base, "tp_choices": [1]})
+    settings = coordinator_settings(spec, None, 0, gpu="A100-80GB", gpus_per_node=8)
+    assert settings.layouts == ((2, 1), (1, 1)) and settings.rate is not None
+    assert settings.rate(1, 1, 8) > settings.rate(2, 1, 8) > 0
+    assert coordinator_settings(spec, None, 0).rate is None  # no GPU named: slots counted
+    fixed = TaskSpec.model_validate(base)
+    assert coordinator_settings(fixed, None, 0, gpu="A100-80GB").rate is None

@@ -59,6 +59,10 @@ class CoordinatorSettings:
     layouts: tuple[tuple[int, int], ...] = ()
     """the ``(tp, pp)`` layouts the task may run at, its own first (empty: only its own; else
     a replica is ``tp * pp`` ranks of the epoch's: :func:`unicron.control.membership.layout`)"""
+    rate: Callable[[int, int, int], float] | None = None
+    """the performance model's achieved FLOP/s of the task at ``(tp, pp)`` on that many slots
+    (0: no such layout fits), which picks among :attr:`layouts` (:func:`layout_rate`);
+    ``None``: the layout training the most slots wins"""
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""
     checkpoint: Path | None = None

@@ -444,6 +444,8 @@ class Cluster:
         spec, row = task.spec, task.row
         task_dir = self.state_dir / "tasks" / row.uid
         checkpoint = checkpoint_dir(task, self.state_dir)
+        # a node's slots are its GPUs, for the performance model (as the allocation counts)
+        per_node = max((n.row.slots for n in list(self.nodes.values())), default=1)
         committed_before: int | None = max(row.committed_step + 1, 0)
         if spec.checkpoint.resume and not adopt and checkpoint is not None:
             committed_before = C.take_progress(checkpoint)
@@ -458,7 +460,9 @@ class Cluster:
             slots={r: n for r, n in enumerate(row.placement) if n >= 0},  # -1: released
             events=task.events,
             escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
-            settings=coordinator_settings(spec, checkpoint, committed_before),
+            settings=coordinator_settings(
+                spec, checkpoint, committed_before, gpu=self.settings.gpu, gpus_per_node=per_node
+            ),
             monitor=StepMonitor(MonitorSettings()),
             store=self.store.client(row.uid),
         )

@@ -226,25 +226,34 @@ def in_transition(b: TaskBook) -> bool:
 # -- epochs --------------------------------------------------------------------------------
 def layout(b: TaskBook, usable: Sequence[int]) -> tuple[int, int]:
     """The ``(tp, pp)`` layout of the next epoch (``(0, 0)``: the task's own): of the task's
-    layouts (:attr:`~unicron.control.book.CoordinatorSettings.layouts`), one whose whole
-    replicas hold the most of the ``usable`` slots (not excluded: those that train now or
-    will once restarted). Among those: the task's own when it trains every usable slot (the
-    task is whole again), else the current one (a move that trains no more ranks is not
-    made), else the task's own, else the first. A slot lost for good (excluded, its node
-    lost, given to another task) can change it; a restart cannot. Pure."""
+    layouts (:attr:`~unicron.control.book.CoordinatorSettings.layouts`), the one whose whole
+    replicas of the ``usable`` slots (not excluded: those that train now or will once
+    restarted) train fastest by the performance model
+    (:attr:`~unicron.control.book.CoordinatorSettings.rate`: a task that describes its
+    ``model`` in a cluster), else the one that trains the most of them. Among equals: the
+    task's own when it trains every usable slot (the task is whole again), else the current
+    one (a move that gains nothing is not made), else the task's own, else the first. A slot
+    lost for good (excluded, its node lost, given to another task) can change it; a restart
+    cannot. Pure."""
     layouts = b.settings.layouts
     if not layouts:
         return 0, 0
     trained = {lay: len(replicas.whole(b.slots, usable, lay[0] * lay[1])) for lay in layouts}
-    best = max(trained.values())
+    score: dict[tuple[int, int], float] = {lay: float(n) for lay, n in trained.items()}
+    rate = b.settings.rate
+    if rate is not None:
+        priced = {lay: rate(lay[0], lay[1], n) if n else 0.0 for lay, n in trained.items()}
+        if any(v > 0 for v in priced.values()):  # else nothing fits: count the slots
+            score = priced
+    best = max(score.values())
     own = layouts[0]
     current = b.layout if b.layout[0] else own
-    if trained[own] == best and (best == len(usable) or current == own):
+    if score[own] == best and (trained[own] == len(usable) or current == own):
         choice = own
-    elif trained.get(current) == best:
+    elif score.get(current) == best:
         choice = current
     else:
-        choice = next(lay for lay in layouts if trained[lay] == best)
+        choice = next(lay for lay in layouts if score[lay] == best)
     return (0, 0) if choice == own else choice
 
 

@@ -12,7 +12,9 @@ lock (its ``_replan`` asks :func:`unicron.control.allocation.decide` with them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
+import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +28,9 @@ from unicron.control.events import EventLog
 from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow
 from unicron.control.storeserver import capability
 from unicron.control.taskspec import TaskSpec
-from unicron.planner.hardware import GPU_PRESETS
+from unicron.planner.hardware import GPU_PRESETS, GPUSpec
+from unicron.planner.model import ModelSpec
+from unicron.planner.perf import PerfOptions, fitting_layouts
 from unicron.planner.solver import expected_time_to_failure_s
 from unicron.protocol import EpochInfo, WorkerSettings
 
@@ -215,11 +219,35 @@ def checkpoint_dir(task: Task, state_dir: Path) -> Path | None:
 
 
 def coordinator_settings(
-    spec: TaskSpec, checkpoint: Path | None, committed_before: int | None
+    spec: TaskSpec,
+    checkpoint: Path | None,
+    committed_before: int | None,
+    *,
+    gpu: str = "",
+    gpus_per_node: int = 1,
 ) -> CoordinatorSettings:
     """The settings of a task's coordinator (the cluster's :meth:`_start`): its task file's,
-    where its ``checkpoint`` directory is and the steps committed before it starts."""
+    where its ``checkpoint`` directory is and the steps committed before it starts; with the
+    cluster's ``gpu`` (a preset) and a task that describes its ``model`` and may change its
+    layout, the performance model picks each epoch's layout (:func:`layout_rate`)."""
+    model = spec.planner_model()
+    rate = None
+    if gpu and model is not None and spec.global_batch and len(spec.layouts) > 1:
+        rate = functools.partial(
+            layout_rate, model, spec.global_batch, GPU_PRESETS[gpu], max(gpus_per_node, 1),
+            PerfOptions(optimizer_copies=2 if spec.zero else 1),
+        )  # fmt: skip
+        asked = [
+            (tp, pp, n)
+            for tp, pp in spec.layouts
+            for n in range(tp * pp, spec.workers.max + 1, tp * pp)
+        ]
+        # priced ahead, off the coordinator's lock (each is a search of ~0.1 s; memoised)
+        threading.Thread(
+            target=lambda: [rate(*a) for a in asked], name="layout-rates", daemon=True
+        ).start()
     return CoordinatorSettings(
+        rate=rate,
         min_workers=spec.workers.min,
         replica_ranks=spec.replica_ranks,
         tp=spec.tp,
@@ -230,6 +258,30 @@ def coordinator_settings(
         give_up_after_s=spec.give_up_after,
         nodes_return=True,  # an agent registers again; the planner gives other slots
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def layout_rate(
+    model: ModelSpec,
+    global_batch: int,
+    gpu: GPUSpec,
+    gpus_per_node: int,
+    options: PerfOptions,
+    tp: int,
+    pp: int,
+    gpus: int,
+) -> float:
+    """The performance model's achieved FLOP/s of ``model`` at ``global_batch`` on ``gpus``
+    GPUs laid out ``tp`` x ``pp`` x data parallel (the fastest such layout that fits: its
+    micro-batch, recomputation and sharding searched, no context parallelism), 0 where none
+    fits. Memoised: the membership judge asks it for each of a task's layouts
+    (:func:`unicron.control.membership.layout`)."""
+    if gpus < 1:
+        return 0.0
+    for cfg in fitting_layouts(model, global_batch, gpus, gpu, gpus_per_node, options):
+        if (cfg.tp, cfg.pp, cfg.layout.cp if cfg.layout else 1) == (tp, pp, 1):
+            return cfg.achieved_flops  # fastest first
+    return 0.0
 
 
 def assignment(
