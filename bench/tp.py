@@ -1,17 +1,25 @@
-"""Model-parallel replicas: Unicron against plain PyTorch under torchrun, TP=2 and PP=2 (x DP=2).
+"""Model-parallel replicas: Unicron against plain PyTorch under torchrun and against torchft,
+TP=2 and PP=2 (x DP=2).
 
 In one run, interleaved: ``examples/train_llama_parallel.py`` under ``unicron run --tp 2`` (or
 ``--pp 2``) and the same model, micro-batches and seeds in plain PyTorch
 (``bench/baselines/tp_ckpt.py``: the replica's sums and pipeline links over torch process
 groups, DDP across replicas, a shard checkpoint every ``K`` steps), 4 CPU workers each, per
-layout. Fault-free, at the smallest model: the median ``duration_s`` of ``step_end`` after the
+layout; at TP=2 also torchft (``bench/baselines/tp_torchft.py``: a replica group of two ranks
+per torchrun, torchft's Manager and DDP across the groups, a lighthouse). Fault-free, at the
+smallest model: the median ``duration_s`` of ``step_end`` after the
 warm-up steps (``step_time_vs_plain`` divides Unicron's by the baseline's). Then, at each
 model size: rank 0 (place 0 of replica 0: tensor rank 0, or the first stage) SIGKILLed
 mid-step half-way (half a checkpoint interval after the baseline's checkpoint):
 ``detection_s`` (Unicron: the fault to its ``error_detected``), ``recovery_s`` (the fault to
 the first step at or after the interrupted one that finishes: Unicron re-forms the replica
 and recomputes its micro-batches; torchrun restarts every rank and redoes the steps since the
-checkpoint) and ``steps_redone``. Metrics carry ``[layout]`` or ``[layout/dimD]``; the plot
+checkpoint; torchft's other group goes on alone once its quorum drops the lost one) and
+``steps_redone``; ``whole_s`` (the fault to the first step at or after the interrupted one
+committed with the whole global batch: torchft's restarted group back in the quorum) and
+``steps_shrunk`` (steps committed without every replica: their lost micro-batches dropped,
+torchft's semantics; 0 for the others, which recompute them). Metrics carry ``[layout]`` or
+``[layout/dimD]``; the plot
 ``bench/results/tp.png`` draws recovery against the replica's state size, per layout.
 
 Run only when named: ``python -m bench.tp [--quick]`` or ``python -m bench --scenario tp``.
@@ -30,6 +38,7 @@ from typing import Any
 from bench.common import (
     Row,
     bench_parser,
+    free_port,
     make_row,
     print_table,
     save_figure,
@@ -44,7 +53,8 @@ NPROC, CKPT_EVERY = 4, 10
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (tp, pp): each x DP=2 on NPROC workers
 DIMS = {True: (128,), False: (128, 256, 384)}  # model width (hidden units: twice it)
 PLAN = {True: (30, 5, 1), False: (40, 10, 2)}  # quick: (steps, warm-up steps, repetitions)
-ARMS = ("unicron", "torchrun")
+ARMS = ("unicron", "torchrun", "torchft")
+TORCHFT_LAYOUTS = ("tp2",)  # torchft's replica group of TP ranks (its HSDP recipe, TP for FSDP)
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
 
@@ -74,9 +84,51 @@ def _command(arm: str, layout: str, dim: int, steps: int, workdir: Path, fault: 
 def _events(arm: str, layout: str, dim: int, steps: int, workdir: Path,
             fault: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
     workdir.mkdir(parents=True)
-    cmd = _command(arm, layout, dim, steps, workdir, fault)
-    subprocess.run(cmd, check=True, cwd=ROOT, env=ENV, timeout=900, capture_output=True)
+    if arm == "torchft":
+        _torchft(layout, dim, steps, workdir, fault)
+    else:
+        cmd = _command(arm, layout, dim, steps, workdir, fault)
+        subprocess.run(cmd, check=True, cwd=ROOT, env=ENV, timeout=900, capture_output=True)
     return [dict(e) for e in read_events(workdir / "events.jsonl")]
+
+
+def _torchft(layout: str, dim: int, steps: int, workdir: Path, fault: str | None) -> None:
+    """One torchft run: a lighthouse and a torchrun per replica group of ``tp`` ranks."""
+    from bench.systems.torchft import _lighthouse_binary, unavailable
+
+    why = unavailable()
+    if why is not None:
+        raise RuntimeError(why)
+    tp, _ = LAYOUTS[layout]
+    port = free_port()
+    logs = [open(workdir / name, "w") for name in ("lighthouse.log", "group0.log", "group1.log")]  # noqa: SIM115
+    lighthouse = subprocess.Popen(
+        [str(_lighthouse_binary()), "--min_replicas", "1", "--join_timeout_ms", "1000",
+         "--bind", f"127.0.0.1:{port}"], stdout=logs[0], stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    groups: list[subprocess.Popen[bytes]] = []
+    try:
+        for q in range(NPROC // tp):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(tp), "--max-restarts", "3",
+                   "-m", "bench.baselines.tp_torchft", "--replica-id", str(q),
+                   "--replicas", str(NPROC // tp), "--lighthouse", f"http://127.0.0.1:{port}",
+                   "--steps", str(steps), "--marker-dir", str(workdir),
+                   "--events", str(workdir / "events.jsonl"), *_model(dim),
+                   *(["--inject", fault] if fault else [])]  # fmt: skip
+            groups.append(subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=logs[q + 1],
+                                           stderr=subprocess.STDOUT))  # fmt: skip
+        for q, g in enumerate(groups):
+            if g.wait(timeout=900) != 0:
+                raise RuntimeError(f"torchft replica group {q} exited with {g.returncode}")
+    finally:
+        for g in groups:
+            if g.poll() is None:
+                g.kill()
+        lighthouse.terminate()
+        lighthouse.wait(timeout=30)
+        for f in logs:
+            f.close()
 
 
 def state_mb(dim: int) -> float:
@@ -105,17 +157,39 @@ def _fault_step(steps: int) -> int:
     return steps // 2 // CKPT_EVERY * CKPT_EVERY + CKPT_EVERY // 2
 
 
-def crash(arm: str, layout: str, dim: int, steps: int, workdir: Path
-          ) -> tuple[float | None, float, int]:  # fmt: skip
-    """Rank 0 SIGKILLed mid-step half-way: (detection_s or None, recovery_s, steps redone)."""
+def crash(arm: str, layout: str, dim: int, steps: int, workdir: Path) -> dict[str, float]:
+    """Rank 0 SIGKILLed mid-step half-way: ``detection_s`` (Unicron's), ``recovery_s``,
+    ``whole_s``, ``steps_redone`` and ``steps_shrunk`` (the module's docstring). Pure over the
+    run's events once it ran."""
     at = _fault_step(steps)
-    evs = _events(arm, layout, dim, steps, workdir, f"crash:rank=0,step={at},mb=1")
+    return figures(_events(arm, layout, dim, steps, workdir, f"crash:rank=0,step={at},mb=1"),
+                   at, arm)  # fmt: skip
+
+
+def figures(evs: list[dict[str, Any]], at: int, arm: str) -> dict[str, float]:
+    """:func:`crash`'s figures from a run's events, the fault at step ``at``. A step a
+    torchft replica group commits says how many groups took part (``replicas``); every step
+    of the others is whole. Steps are counted once each (torchft: each group writes its
+    own)."""
     ts = float(next(e for e in evs if e["event"] == "fault_injected")["ts"])
+    out: dict[str, float] = {}
     detected = next((float(e["ts"]) for e in evs if e["event"] == "error_detected"), None)
-    ends = [e for e in evs if e["event"] == "step_end"]
-    back = min(float(e["ts"]) for e in ends if int(e["step"]) >= at and float(e["ts"]) > ts)
-    redone = sum(1 for e in ends if float(e["ts"]) > ts and int(e["step"]) < at)
-    return (None if detected is None else detected - ts), back - ts, redone
+    if arm == "unicron" and detected is not None:
+        out["detection_s"] = detected - ts
+    ends = [e for e in evs if e["event"] == "step_end" and float(e["ts"]) > ts]
+    groups = max((int(e.get("replicas", 1)) for e in evs if e["event"] == "step_end"), default=1)
+    whole = [e for e in ends if int(e.get("replicas", groups)) == groups]
+    out["recovery_s"] = min(float(e["ts"]) for e in ends if int(e["step"]) >= at) - ts
+    out["whole_s"] = min(float(e["ts"]) for e in whole if int(e["step"]) >= at) - ts
+    out["steps_redone"] = len({int(e["step"]) for e in ends if int(e["step"]) < at})
+    out["steps_shrunk"] = len({int(e["step"]) for e in ends if int(e.get("replicas", groups))
+                               < groups})  # fmt: skip
+    return out
+
+
+def arms(layout: str) -> tuple[str, ...]:
+    """The systems run at ``layout``."""
+    return tuple(a for a in ARMS if a != "torchft" or layout in TORCHFT_LAYOUTS)
 
 
 def run(quick: bool) -> list[Row]:
@@ -124,23 +198,25 @@ def run(quick: bool) -> list[Row]:
     dims = DIMS[quick]
     load = os.getloadavg()[0]  # the figures' context: a shared machine's other work
     times: dict[tuple[str, str], list[float]] = {}
-    detect: dict[tuple[str, int], list[float]] = {}
-    recover: dict[tuple[str, str, int], list[float]] = {}
-    redone: dict[tuple[str, str, int], list[float]] = {}
+    got: dict[tuple[str, str, int, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="unicron-bench-tp-") as tmp:
         for rep in range(reps):
             for layout in LAYOUTS:
-                for arm in ARMS:
+                for arm in arms(layout):
                     where = Path(tmp) / f"{rep}-{layout}-{arm}"
                     t = step_time(arm, layout, dims[0], steps, warmup, where)
                     times.setdefault((arm, layout), []).append(t)
                     for dim in dims:
-                        d, r, n = crash(arm, layout, dim, steps, Path(f"{where}-crash{dim}"))
-                        if d is not None:
-                            detect.setdefault((layout, dim), []).append(d)
-                        recover.setdefault((arm, layout, dim), []).append(r)
-                        redone.setdefault((arm, layout, dim), []).append(n)
+                        found = crash(arm, layout, dim, steps, Path(f"{where}-crash{dim}"))
+                        for key, value in found.items():
+                            got.setdefault((arm, layout, dim, key), []).append(value)
     machine = f"load average {load:.1f} / {os.cpu_count()} CPUs at the start"
+    how = {
+        "unicron": "; the replica re-formed, its micro-batches recomputed by the live one",
+        "torchrun": f"; every rank restarted, shards reloaded (a checkpoint every {CKPT_EVERY})",
+        "torchft": "; the lost rank's replica group restarted by its torchrun, its shards "
+        "from the live group; the live group went on alone meanwhile (half the batch)",
+    }
     rows: list[Row] = []
     for layout, (tp, pp) in LAYOUTS.items():
         shape = f"TP={tp} x PP={pp} x DP=2 on {NPROC} CPU workers"
@@ -148,7 +224,7 @@ def run(quick: bool) -> list[Row]:
             f"examples/llama_parallel.py (2 layers, dim {dims[0]}), {shape}, {steps} steps, "
             f"median after step {warmup}; {machine}"
         )
-        for arm in ARMS:
+        for arm in arms(layout):
             rows.append(make_row(system=arm, scenario=SCENARIO, metric=f"step_time_s[{layout}]",
                                  values=times[(arm, layout)], note=note))  # fmt: skip
         ratio = statistics.median(times[("unicron", layout)]) / statistics.median(
@@ -164,25 +240,15 @@ def run(quick: bool) -> list[Row]:
                 f"{shape}, dim {dim} (state {state_mb(dim):.1f} MB a replica): rank 0 (place "
                 f"0 of replica 0) SIGKILLed mid-step at step {_fault_step(steps)}; {machine}"
             )
-            found = detect.get((layout, dim), [])
-            rows.append(make_row(system="unicron", scenario=SCENARIO,
-                                 metric=f"detection_s[{kind}]", values=found,
-                                 note=crash_note))  # fmt: skip
-            for arm in ARMS:
-                how = (
-                    "; the replica re-formed, its micro-batches recomputed by the live one"
-                    if arm == "unicron"
-                    else f"; every rank restarted, shards reloaded (a checkpoint every "
-                    f"{CKPT_EVERY})"
-                )
-                rows.append(make_row(system=arm, scenario=SCENARIO,
-                                     metric=f"recovery_s[{kind}]",
-                                     values=recover[(arm, layout, dim)],
-                                     note=crash_note + how))  # fmt: skip
-                rows.append(make_row(system=arm, scenario=SCENARIO,
-                                     metric=f"steps_redone[{kind}]",
-                                     values=redone[(arm, layout, dim)],
-                                     note=crash_note))  # fmt: skip
+            for arm in arms(layout):
+                for key in ("detection_s", "recovery_s", "whole_s", "steps_redone",
+                            "steps_shrunk"):  # fmt: skip
+                    values = got.get((arm, layout, dim, key))
+                    if values is None:
+                        continue
+                    text = crash_note + (how[arm] if key.endswith("_s") else "")
+                    rows.append(make_row(system=arm, scenario=SCENARIO, metric=f"{key}[{kind}]",
+                                         values=values, note=text))  # fmt: skip
     return rows
 
 
@@ -195,21 +261,26 @@ def plot(rows: list[Row], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for layout in LAYOUTS:
-        for arm, style in (("unicron", "-o"), ("torchrun", "--s")):
+        for arm, style in (("unicron", "-o"), ("torchrun", "--s"), ("torchft", ":^")):
             pts = sorted(
                 (state_mb(int(r["metric"].split("/dim")[1][:-1])), r["median"])
                 for r in rows
                 if r["system"] == arm
-                and r["metric"].startswith(f"recovery_s[{layout}/")
+                and r["metric"].startswith(f"whole_s[{layout}/")
                 and r["median"] is not None
             )
             if pts:
-                label = f"{arm} {layout}" + (
-                    " (replica re-formed)" if arm == "unicron" else " (job restarted)"
+                label = (
+                    f"{arm} {layout}"
+                    + {
+                        "unicron": " (replica re-formed)",
+                        "torchrun": " (job restarted)",
+                        "torchft": " (other group alone)",
+                    }[arm]
                 )
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
     ax.set_xlabel("state of one replica (MB: parameters + AdamW moments)")
-    ax.set_ylabel("fault -> interrupted step done (s)")
+    ax.set_ylabel("fault -> interrupted step done, whole batch (s)")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -222,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_parser("bench.tp", __doc__, quick="the smallest model, fewer steps, one repetition")
     quick = p.parse_args(argv).quick
     rows = run(quick)
-    print_table(rows, title="Model-parallel replicas: Unicron vs torchrun, TP=2 and PP=2 x DP=2")
+    print_table(rows, title="Model-parallel replicas: Unicron vs torchrun (and torchft at TP=2), "
+                "TP=2 and PP=2 x DP=2")  # fmt: skip
     # a full run measured every row of the scenario: it replaces them all
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results", replace=not quick)
     plot(rows, ROOT / "bench" / "results" / "tp.png")
