@@ -14,7 +14,8 @@ bits may differ and the loss difference says by how much). Metrics, each ``[arm/
 epoch: rendezvous, groups, ledger exchange, state moved or streamed), ``step_time_s[short]``
 (median step while the slot is out), ``loss_diff_max`` (the largest difference of a step's
 loss from the clean run's; 0: the same bits), ``loss_diff_last`` (the last step's), and
-``same_bits`` (1 when the final parameters are the clean run's). On this machine's 2 cores
+``same_bits`` (1 when the final parameters are the clean run's, entry by entry: a run that
+ended at another pipeline depth holds them in other files). On this machine's 2 cores
 the six (seven) workers of the new layout share the cores the four of the old one had: the
 step time says what the change costs here, not what a GPU per worker would gain.
 
@@ -33,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.chaos import same_state
 from bench.common import (
     Row,
     bench_parser,
@@ -67,7 +69,8 @@ def _events(arm: str, dim: int, steps: int, workdir: Path) -> list[dict[str, Any
            "--pp", "2", *ARMS[arm], *fault, "--checkpoint-every", "0", "--quiet",
            "--events", str(workdir / "events.jsonl"), "--log-dir", str(workdir / "logs"),
            str(ROOT / "examples" / "train_llama_parallel.py"), "--steps", str(steps),
-           "--dim", str(dim), "--hidden", str(2 * dim)]  # fmt: skip
+           "--dim", str(dim), "--hidden", str(2 * dim),
+           "--out", str(workdir / "out")]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, env=ENV, timeout=900, capture_output=True)
     return [dict(e) for e in read_events(workdir / "events.jsonl")]
 
@@ -92,9 +95,16 @@ def measure(evs: list[dict[str, Any]], clean: list[dict[str, Any]]) -> dict[str,
     mine = {int(e["step"]): float(e["loss"]) for e in evs if e["event"] == "step_end"}
     out["loss_diff_max"] = max(abs(mine[s] - loss[s]) for s in loss)
     out["loss_diff_last"] = abs(mine[max(loss)] - loss[max(loss)])
-    end, clean_end = (next(e for e in x if e["event"] == "task_end") for x in (evs, clean))
-    out["same_bits"] = float(end.get("params_sha256") == clean_end.get("params_sha256"))
     return out
+
+
+def same_bits(a: Path, b: Path) -> float:
+    """1.0 when two runs' final parameters (``--out``) are equal bit for bit entry by entry,
+    whatever depth each ended at (a run ending at another tensor-parallel degree: 0.0)."""
+    try:
+        return float(same_state(a / "out", b / "out", tp=2))
+    except ValueError:  # a file per place at TP=2 against one whole model at TP=1
+        return 0.0
 
 
 def run(quick: bool) -> list[Row]:
@@ -108,7 +118,9 @@ def run(quick: bool) -> list[Row]:
                 where = Path(tmp) / f"{rep}-{dim}"
                 clean = _events("clean", dim, steps, where / "clean")
                 for arm in ("fixed", "relayout", "retp"):
-                    for key, value in measure(_events(arm, dim, steps, where / arm), clean).items():
+                    found = measure(_events(arm, dim, steps, where / arm), clean)
+                    found["same_bits"] = same_bits(where / "clean", where / arm)
+                    for key, value in found.items():
                         got.setdefault((arm, dim, key), []).append(value)
     rows: list[Row] = []
     for (arm, dim, key), values in sorted(got.items()):
