@@ -818,3 +818,24 @@ def test_a_cluster_task_with_a_model_and_layout_choices_is_priced_by_the_planner
     assert coordinator_settings(spec, None, 0).rate is None  # no GPU named: slots counted
     fixed = TaskSpec.model_validate(base)
     assert coordinator_settings(fixed, None, 0, gpu="A100-80GB").rate is None
+
+
+def test_a_slice_that_cannot_be_cut_is_refused_with_its_name() -> None:
+    """A layout change asks each shard for a slice of a split entry: a slice of an entry the
+    model does not mark split, or one a degree cannot cut evenly, is refused naming the
+    entry (never a silent copy of the wrong elements)."""
+    from fractions import Fraction as F
+
+    from unicron.runtime.reshard import WHOLE, Slicing
+
+    t = torch.arange(12.0).reshape(6, 2)
+    half = Slicing((2, 1), {"w": 0})  # rank 1 of 2 holds rows 6..11 of the whole's 12
+    assert torch.equal(half.local("w", t, (F(3, 4), F(1))), t[3:])
+    assert torch.equal(half.local("w", t, (F(1, 2), F(1))), t)
+    assert Slicing((2, 0), {}).local("norm", t, WHOLE) is t
+    with pytest.raises(ValueError, match="does not mark it split"):
+        Slicing((2, 0), {}).local("norm", t, (F(0), F(1, 2)))
+    with pytest.raises(ValueError, match="do not split"):
+        half.local("w", t, (F(1, 2), F(5, 7)))
+    with pytest.raises(ValueError, match="outside the slice of rank 1"):
+        half.local("w", t, (F(0), F(1, 2)))  # rank 0's half, not this rank's

@@ -142,11 +142,15 @@ class Slicing:
         tp, rank = self.part
         whole = t.shape[dim] * tp
         start, size = (span[0] - Fraction(rank, tp)) * whole, (span[1] - span[0]) * whole
-        fits = start.denominator == size.denominator == 1 and 0 <= start <= whole - size
-        if not fits or start + size > t.shape[dim]:
+        if start.denominator != 1 or size.denominator != 1:
             raise ValueError(
                 f"{name}: {t.shape[dim]} x {tp} elements along dim {dim} do not split at "
                 f"{span[0]}..{span[1]} (a degree that does not divide the layer)"
+            )
+        if start < 0 or start + size > t.shape[dim]:
+            raise ValueError(
+                f"{name}: {span[0]}..{span[1]} of it lies outside the slice of rank {rank} of "
+                f"{tp} (a move planned from the wrong holder)"
             )
         return t.narrow(dim, int(start), int(size))
 
