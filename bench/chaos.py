@@ -15,13 +15,17 @@ per kind the worst detection against the goal (a hang found within ``max(3 x med
     python -m bench.chaos --tp 2      # the same on model-parallel replicas (make soak-parallel)
     python -m bench.chaos --tp 2 --workers 8   # four such replicas
     python -m bench.chaos --tp 2 --pp 2 --pp-choices 1 --workers 8   # and layout changes
+    python -m bench.chaos --tp 2 --pp 2 --pp-choices 1 --tp-choices 1 --workers 8  # degrees too
     python -m bench.chaos --zero                 # the optimizer's state sharded (--zero 1)
     python -m bench.chaos --store     # the store's process killed too (make soak-store)
 
 With ``--tp T`` and/or ``--pp P`` the run is ``examples/train_llama_parallel.py`` on replicas
 of ``T x P`` of the workers (``--workers``, default 4; data parallel over the rest): a fault
 takes a replica out of the step while its other ranks wait, and the result must still be the
-fault-free run's.
+fault-free run's. With ``--tp-choices`` the task also changes its tensor-parallel degree,
+which sums in another order: ``bitwise_identical`` is then expected 0, and
+``max_param_diff`` (the largest difference of a parameter from the fault-free run's, the
+two runs' shards joined whole) says how far the run went from the fault-free one.
 
 With ``--store`` the rounds of kinds include ``store``: at its step this driver kills the
 training store's process (``kill -9``; the run starts a new one and every worker finds it,
@@ -134,6 +138,7 @@ def _run(
     depths: str = "",
     zero: bool = False,
     kills: list[int] | None = None,
+    degrees: str = "",
 ) -> tuple[list[Event], float, list[float]]:
     """One ``unicron run``: its events, wall time, and when the store was killed (at the
     first commit of each step of ``kills``)."""
@@ -143,6 +148,7 @@ def _run(
     script = "train_gpt.py" if layout == (1, 1) else "train_llama_parallel.py"
     cmd = [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(workers), "--quiet",
            "--tp", str(tp), "--pp", str(pp), *(["--pp-choices", depths] if depths else []),
+           *(["--tp-choices", degrees] if degrees else []),
            *(["--zero", "1"] if zero else []),
            "--events", str(events), "--log-dir", str(workdir / "logs"),
            "--readmit-after", str(TIME_SCALE), "--restart-window", str(TIME_SCALE),
@@ -253,6 +259,7 @@ def scenario_name(
     depths: str = "",
     zero: bool = False,
     store: bool = False,
+    degrees: str = "",
 ) -> str:
     """``chaos`` for the default spacing, workers and replicas of one rank; another
     spacing's, worker count's or layout's rows go to a file of their own (``chaos-gap3``,
@@ -264,6 +271,7 @@ def scenario_name(
     parts += [f"tp{tp}"] if tp > 1 else []
     parts += [f"pp{pp}"] if pp > 1 else []
     parts += [f"ppc{depths.replace(',', '')}"] if depths else []
+    parts += [f"tpc{degrees.replace(',', '')}"] if degrees else []
     parts += ["zero"] if zero else []
     parts += [STORE] if store else []
     return "-".join(parts)
@@ -282,6 +290,39 @@ def state_by_name(out: Path, tp: int) -> list[dict[str, Any]]:
     for place, path in enumerate(files):
         merged[place % tp].update(torch.load(path))
     return merged
+
+
+def joined_state(out: Path, tp: int) -> dict[str, Any]:
+    """A run's final parameters (``--out``) as the whole model's entries, whatever layout it
+    ended at (``tp`` tensor-parallel ranks): the split entries' slices joined in rank order
+    (:func:`unicron.parallel.split_dims` of the example Llama), the others taken once."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import llama_parallel
+
+    from unicron.parallel import TensorParallel, split_dims
+
+    dims = split_dims(llama_parallel.build(TensorParallel(0, 1))[0])
+    files = sorted(out.glob("final.shard*.pt"), key=lambda p: int(p.stem.split("shard")[1]))
+    pieces: dict[str, dict[int, Any]] = {}
+    for place, path in enumerate(files or [out / "final.pt"]):
+        for name, t in torch.load(path).items():
+            pieces.setdefault(name, {})[place % tp] = t
+    return {
+        name: torch.cat([by[r] for r in sorted(by)], dims[name]) if name in dims and tp > 1
+        else by[0]
+        for name, by in pieces.items()
+    }  # fmt: skip
+
+
+def max_param_diff(a: Path, b: Path, tp_a: int, tp_b: int) -> float:
+    """The largest difference of an entry of two runs' final parameters, joined whole
+    (:func:`joined_state`); inf if they hold other entries."""
+    x, y = joined_state(a, tp_a), joined_state(b, tp_b)
+    if x.keys() != y.keys():
+        return float("inf")
+    return max(float((x[k] - y[k]).abs().max()) for k in x)
 
 
 def same_state(a: Path, b: Path, tp: int) -> bool:
@@ -306,6 +347,7 @@ def run(
     depths: str = "",
     zero: bool = False,
     store: bool = False,
+    degrees: str = "",
 ) -> list[Row]:
     """The rows of this scenario; ``keep``: leave both runs' event logs and worker logs there;
     ``gap``: steps between two faults; ``layout``: (tp, pp) of the replicas; ``workers``: on
@@ -321,18 +363,38 @@ def run(
         specs = [p.spec for p in planned if p.kind != STORE]
         kills = [p.step for p in planned if p.kind == STORE]
         faulty, wall, killed = _run(
-            where / "faulty", steps, specs, timeout_s, layout, workers, depths, zero, kills
+            where / "faulty",
+            steps,
+            specs,
+            timeout_s,
+            layout,
+            workers,
+            depths,
+            zero,
+            kills,
+            degrees,
         )
-        # by name: a run that ended at another pipeline depth holds the same entries
-        exact = same_state(where / "clean" / "out", where / "faulty" / "out", layout[0])
+        # by name: a run that ended at another pipeline depth holds the same entries; at
+        # another tensor-parallel degree, the slices joined whole
+        last = [e for e in faulty if e["event"] == "epoch_begin"][-1:]
+        tp_end = int(last[0].get("tp", layout[0])) if last else layout[0]
+        drift = 0.0
+        if degrees:
+            drift = max_param_diff(where / "clean" / "out", where / "faulty" / "out",
+                                   layout[0], tp_end)  # fmt: skip
+            exact = drift == 0.0
+        else:
+            exact = same_state(where / "clean" / "out", where / "faulty" / "out", layout[0])
     end = next(e for e in faulty if e["event"] == "task_end")
     m = measure_faults(faulty, killed)
     healed = m["fired"] - m["undetected"] if end.get("status") == "ok" else 0
     median_step = m["median_step_s"] or 0.0
     goal = max(3 * median_step, 1.0) + 0.5
-    base = dict(system="unicron", scenario=scenario_name(gap, layout, workers, depths, zero, store))
+    name = scenario_name(gap, layout, workers, depths, zero, store, degrees)
+    base = dict(system="unicron", scenario=name)
     what = "" if layout == (1, 1) else f", replicas of tp {layout[0]} x pp {layout[1]}"
     what += f" (also pp {depths})" if depths else ""
+    what += f" (also tp {degrees})" if degrees else ""
     what += ", optimizer state sharded (--zero 1; fault-free run unsharded)" if zero else ""
     what += f", the store killed {len(killed)} times" if store else ""
     setup = (
@@ -347,6 +409,10 @@ def run(
                  note="steps finished twice (redone after a checkpoint reload); goal 0"),
         make_row(**base, metric="bitwise_identical", values=[1.0 if exact else 0.0], unit="",
                  note="the faulty run's final parameters == the fault-free run's, by name"),
+        *([make_row(**base, metric="max_param_diff", values=[drift], unit="",
+                    note="the largest difference of a parameter from the fault-free run's "
+                    "(another tensor-parallel degree sums in another order)")]
+          if degrees else []),
         make_row(**base, metric="wall_s", values=[wall], unit="s",
                  note=f"the faulty run; load average {os.getloadavg()[0]:.1f} at its end, "
                  f"{os.cpu_count()} cores"),
@@ -381,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=WORKERS, help=f"default {WORKERS}")
     p.add_argument("--pp-choices", default="", metavar="P,Q",
                    help="other pipeline depths the task may run at (a layout change)")  # fmt: skip
+    p.add_argument("--tp-choices", default="", metavar="T,U",
+                   help="other tensor-parallel degrees the task may run at")  # fmt: skip
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer's state in the faulted run (--zero 1)")  # fmt: skip
     p.add_argument("--store", action="store_true",
@@ -397,12 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep is not None and args.keep.exists():
         p.error(f"--keep {args.keep}: already exists")
     layout = (args.tp, args.pp)
-    if args.zero and args.pp_choices:
-        p.error("--zero with --pp-choices: a task with a sharded optimizer keeps its layout")
+    if args.zero and (args.pp_choices or args.tp_choices):
+        p.error("--zero with --pp-choices or --tp-choices: a task with a sharded optimizer "
+                "keeps its layout")  # fmt: skip
     rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout, args.workers,
-               args.pp_choices, args.zero, args.store)  # fmt: skip
+               args.pp_choices, args.zero, args.store, args.tp_choices)  # fmt: skip
     print_table(rows, title="Fault soak: mixed faults in one run")
-    name = scenario_name(args.gap, layout, args.workers, args.pp_choices, args.zero, args.store)
+    name = scenario_name(args.gap, layout, args.workers, args.pp_choices, args.zero, args.store,
+                         args.tp_choices)  # fmt: skip
     save_scenario(rows, name, ROOT / "bench" / "results", replace=True)
     return 0
 

@@ -43,6 +43,29 @@ def test_more_workers_spread_the_faults_and_keep_their_own_results_file() -> Non
     assert scenario_name(5, (2, 1), workers=8) == "chaos-w8-tp2"
     assert scenario_name(5) == "chaos"
     assert scenario_name(5, (2, 2), workers=8, depths="1") == "chaos-w8-tp2-pp2-ppc1"
+    assert scenario_name(5, (2, 2), 8, "1", degrees="1") == "chaos-w8-tp2-pp2-ppc1-tpc1"
+
+
+def test_two_runs_that_ended_at_other_degrees_compare_joined_whole(tmp_path: Path) -> None:
+    """A soak with ``--tp-choices`` may end at TP=1 where the fault-free run ended at TP=2:
+    the split entries' two slices are joined, the replicated ones taken once, and the largest
+    difference of an entry is reported (0 for the same numbers)."""
+    import torch
+
+    from bench.chaos import joined_state, max_param_diff
+
+    q = torch.arange(8.0).reshape(4, 2)  # blocks.0.attn.q.weight: column split (dim 0)
+    norm = torch.ones(2)
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    for r in range(2):
+        torch.save({"blocks.0.attn.q.weight": q.chunk(2)[r], "norm.weight": norm},
+                   a / f"final.shard{r}.pt")  # fmt: skip
+    torch.save({"blocks.0.attn.q.weight": q + 0.5, "norm.weight": norm}, b / "final.pt")
+    assert torch.equal(joined_state(a, 2)["blocks.0.attn.q.weight"], q)
+    assert max_param_diff(a, b, 2, 1) == 0.5
+    assert max_param_diff(a, a, 2, 2) == 0.0
 
 
 def test_two_runs_that_ended_at_other_depths_compare_by_name(tmp_path: Path) -> None:
