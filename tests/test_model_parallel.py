@@ -537,6 +537,7 @@ def test_a_checkpoint_of_one_layout_loads_into_another_by_name(tmp_path: Path) -
     """After a layout change the newest checkpoint may be the old layout's (PP=2, a file per
     stage): a PP=1 shard reads its entries by name from both stages' files, parameters and
     the optimizer's state alike, bit for bit (the worker's fallback, ``transition._by_name``)."""
+    from unicron.runtime import byname as B
     from unicron.runtime import checkpoint as C
 
     cfg = llama_parallel.LlamaConfig(layers=2, dim=32, heads=4, kv_heads=2, hidden=64,
@@ -561,7 +562,7 @@ def test_a_checkpoint_of_one_layout_loads_into_another_by_name(tmp_path: Path) -
                 model=snap.model, ledger={"seed": 0}, now=0.0)  # fmt: skip
     assert C.newest_step(root, 2) == 7
     whole, opt = build(0, 1)
-    assert C.restore_by_name(C.load_by_name(root, [0, 1], 2, 7), whole, opt) == 7
+    assert B.restore_by_name(B.load_by_name(root, [0, 1], 2, 7), whole, opt) == 7
     params = dict(whole.named_parameters())
     for model, old_opt in stages:
         for name, p in model.named_parameters():
@@ -572,7 +573,7 @@ def test_a_checkpoint_of_one_layout_loads_into_another_by_name(tmp_path: Path) -
             ), name
     # an entry no file holds (a stage's files missing) is an error, not a silent zero
     with pytest.raises(C.CheckpointError, match="missing"):
-        C.restore_by_name(C.load_by_name(root, [0], 2, 7), *build(0, 1))
+        B.restore_by_name(B.load_by_name(root, [0], 2, 7), *build(0, 1))
 
 
 def test_a_checkpoint_of_another_tensor_parallel_degree_is_joined_and_cut(
@@ -582,6 +583,7 @@ def test_a_checkpoint_of_another_tensor_parallel_degree_is_joined_and_cut(
     reads a TP=2 checkpoint's two files and joins each split entry's slices (parameters and
     AdamW moments); a TP=2 rank reads a TP=1 checkpoint and cuts its slice; bit for bit the
     whole model's (``transition._by_name`` with ``restore_by_name(part=, of=)``)."""
+    from unicron.runtime import byname as B
     from unicron.runtime import checkpoint as C
 
     def build(tp: int, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -621,18 +623,18 @@ def test_a_checkpoint_of_another_tensor_parallel_degree_is_joined_and_cut(
                 assert torch.equal(mine[k], cut(name, theirs[k])), (name, k)
 
     model, opt = build(1, 0)
-    parts = C.load_by_name(tmp_path / "tp2", [0, 1], 2, 5)
-    assert C.restore_by_name(parts, model, opt, part=(1, 0), of=(2, [0, 1])) == 5
+    parts = B.load_by_name(tmp_path / "tp2", [0, 1], 2, 5)
+    assert B.restore_by_name(parts, model, opt, part=(1, 0), of=(2, [0, 1])) == 5
     same(model, opt, 1, 0)
     for rank in (0, 1):
         model, opt = build(2, rank)
-        parts = C.load_by_name(tmp_path / "tp1", [0], 1, 5)
-        assert C.restore_by_name(parts, model, opt, part=(2, rank), of=(1, [0])) == 5
+        parts = B.load_by_name(tmp_path / "tp1", [0], 1, 5)
+        assert B.restore_by_name(parts, model, opt, part=(2, rank), of=(1, [0])) == 5
         same(model, opt, 2, rank)
     # one of the two files missing from the join: an error, not half a weight
     model, opt = build(1, 0)
     with pytest.raises(C.CheckpointError):
-        C.restore_by_name(C.load_by_name(tmp_path / "tp2", [0], 2, 5), model, opt,
+        B.restore_by_name(B.load_by_name(tmp_path / "tp2", [0], 2, 5), model, opt,
                           part=(1, 0), of=(2, [0, 1]))  # fmt: skip
 
 

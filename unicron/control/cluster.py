@@ -442,15 +442,15 @@ class Cluster:
 
     def _start(self, task: Task, now: float, *, adopt: bool) -> None:
         spec, row = task.spec, task.row
-        task_dir = self.state_dir / "tasks" / row.uid
         checkpoint = checkpoint_dir(task, self.state_dir)
-        # a node's slots are its GPUs, for the performance model (as the allocation counts)
-        per_node = max((n.row.slots for n in list(self.nodes.values())), default=1)
         committed_before: int | None = max(row.committed_step + 1, 0)
         if spec.checkpoint.resume and not adopt and checkpoint is not None:
             committed_before = C.take_progress(checkpoint)
+        per_node = max((n.row.slots for n in list(self.nodes.values())), default=1)  # GPUs
+        settings = coordinator_settings(spec, checkpoint, committed_before, gpu=self.settings.gpu,
+                                        gpus_per_node=per_node)  # fmt: skip
         task.events = EventLog(
-            self._events_to.get(row.uid, task_dir / "events.jsonl"),
+            self._events_to.get(row.uid, self.state_dir / "tasks" / row.uid / "events.jsonl"),
             enrich=functools.partial(name_node, self.nodes),
         )
         task.events.subscribe(functools.partial(self._on_event, task))
@@ -460,9 +460,7 @@ class Cluster:
             slots={r: n for r, n in enumerate(row.placement) if n >= 0},  # -1: released
             events=task.events,
             escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
-            settings=coordinator_settings(
-                spec, checkpoint, committed_before, gpu=self.settings.gpu, gpus_per_node=per_node
-            ),
+            settings=settings,
             monitor=StepMonitor(MonitorSettings()),
             store=self.store.client(row.uid),
         )
@@ -474,14 +472,10 @@ class Cluster:
             except Exception as exc:  # this task fails alone; the service and the others go on
                 log.exception("task %s: adoption failed", row.name)
                 task.controller.fail(f"not adopted: {type(exc).__name__}: {exc}", now)
-            task.events.emit(
-                "control_plane",
-                ts=now,
-                task=row.name,
-                what="coordinator restarted: task adopted",
-                away_s=None if self.away_s is None else round(self.away_s, 3),
-                epoch=task.controller.epoch,
-            )
+            away = None if self.away_s is None else round(self.away_s, 3)
+            task.events.emit("control_plane", ts=now, task=row.name, away_s=away,
+                             what="coordinator restarted: task adopted",
+                             epoch=task.controller.epoch)  # fmt: skip
         elif row.state == "queued":
             row.state = "pending"
             self.state.save_task(row)

@@ -513,8 +513,8 @@ def snapshot(
         "data": [int(x) for x in data],
         "rng": _rng_states(),
         # the optimizer state's parameters by name, in its order: another layout's shard
-        # finds its entries here (load_by_name)
-        "params": _param_names(model, optimizer),
+        # finds its entries here (unicron.runtime.byname)
+        "params": param_names(model, optimizer),
     }
     parts = {"model": state, "optim": copy.deepcopy(optimizer.state_dict()), "train": train}
     return Snapshot(step=step, parts=parts, model=describe_model(state))
@@ -535,90 +535,7 @@ def newest_step(root: Path, places: int) -> int:
     return max(set.intersection(*found) if found else set(), default=-1)
 
 
-def load_by_name(root: Path, places: list[int], size: int, step: int) -> dict[str, Any]:
-    """The checkpoint of ``step`` of another layout (replicas of ``size`` ranks under
-    ``root``) read for a shard of this one: the files of ``places`` (every stage at the
-    tensor-parallel ranks holding this rank's slices, in rank order) merged by name, as
-    ``{"model": name -> its tensors, "optim": name -> the parameter's optimizer states,
-    "train": ...}``, a list per name with one item per file holding it (:func:`restore_by_name`
-    joins a split entry's slices). Called by the worker's fallback when its own layout has no
-    checkpoint as new."""
-    model: dict[str, list[Any]] = {}
-    optim: dict[str, list[Any]] = {}
-    train: dict[str, Any] = {}
-    for c in places:
-        path = step_dir(shard_root(root, c, size), step)
-        _, parts = load(path)
-        for name, t in parts["model"].items():
-            model.setdefault(name, []).append(t)
-        names = parts["train"].get("params", [])
-        for i, state in parts["optim"]["state"].items():
-            if i < len(names) and names[i]:
-                optim.setdefault(names[i], []).append(state)
-        train = parts["train"]
-    return {"model": model, "optim": optim, "train": train}
-
-
-def restore_by_name(
-    parts: Mapping[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    *,
-    part: tuple[int, int] = (1, 0),
-    of: tuple[int, list[int]] = (1, [0]),
-) -> int:
-    """Load :func:`load_by_name`'s merged parts into this layout's ``model`` and
-    ``optimizer`` (every entry by its name; ``CheckpointError`` if one is missing or of
-    another shape) and the RNGs; the step. ``of``: the checkpoint's tensor-parallel degree
-    and the ranks whose files were read; ``part``: this shard's degree and rank. An entry
-    split over tensor-parallel ranks (:func:`unicron.parallel.split_dims`) is joined from the
-    ranks' slices and cut to this rank's; any other is taken from the first file."""
-    from fractions import Fraction
-
-    import torch
-
-    from unicron.parallel import split_dims
-
-    dims = split_dims(model)
-    (tp, ranks), (mine_tp, mine) = of, part
-
-    def cut(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
-        dim = dims.get(name)
-        if dim is None or (tp, ranks) == (mine_tp, [mine]):
-            return pieces[0]
-        joined = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
-        whole = pieces[0].shape[dim] * tp
-        start = (Fraction(mine, mine_tp) - Fraction(ranks[0], tp)) * whole
-        size = Fraction(whole, mine_tp)
-        if start.denominator != 1 or size.denominator != 1 or start + size > joined.shape[dim]:
-            raise CheckpointError(f"{name}: {whole} elements do not split over tp {mine_tp}")
-        return joined.narrow(dim, int(start), int(size))
-
-    sd = model.state_dict()
-    got = {k: cut(k, parts["model"][k]) for k in sd if k in parts["model"]}
-    lacking = [k for k in sd if k not in got or got[k].shape != sd[k].shape]
-    if lacking:
-        raise CheckpointError(f"{len(lacking)} entries missing, e.g. {lacking[0]}")
-    model.load_state_dict(got)
-    own = optimizer.state_dict()
-    order = _param_names(model, optimizer)
-    state = {}
-    for i, n in enumerate(order):
-        if n not in parts["optim"]:
-            continue
-        states, piece = parts["optim"][n], parts["model"][n][0].shape
-        state[i] = {  # the moments of a split parameter are split alike; a step is not
-            k: cut(n, [s[k] for s in states])
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == piece
-            else v
-            for k, v in states[0].items()
-        }
-    optimizer.load_state_dict({"state": state, "param_groups": own["param_groups"]})
-    _set_rng_states(parts["train"]["rng"])
-    return int(parts["train"]["step"])
-
-
-def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The optimizer's parameters' names in the model, in the optimizer's order (its state
     dict's indices; "" for one the model does not name)."""
     names = {id(p): name for name, p in model.named_parameters()}
@@ -632,7 +549,7 @@ def restore(
 
     model.load_state_dict(parts["model"])
     optimizer.load_state_dict(parts["optim"])
-    _set_rng_states(parts["train"]["rng"])
+    set_rng_states(parts["train"]["rng"])
     return int(parts["train"]["step"])
 
 
@@ -654,7 +571,7 @@ def _rng_states() -> dict[str, Any]:
     return states
 
 
-def _set_rng_states(rng: Mapping[str, Any]) -> None:
+def set_rng_states(rng: Mapping[str, Any]) -> None:
     """Put back what :func:`_rng_states` read (a checkpoint without numpy's or the GPUs'
     states, or written with another GPU count, leaves those generators as they are)."""
     import numpy as np

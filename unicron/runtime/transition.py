@@ -24,9 +24,9 @@ import torch
 
 from unicron.parallel import layouts
 from unicron.protocol import trained_key, usage_key
+from unicron.runtime import byname, replica
 from unicron.runtime import checkpoint as C
 from unicron.runtime import ledger as L
-from unicron.runtime import replica
 from unicron.runtime.context import WorkerContext
 from unicron.runtime.digest import params_sha256
 from unicron.runtime.group import EpochGroup
@@ -238,7 +238,7 @@ def _by_name(r: _Runner, newer_than: int) -> bool:
     """After a layout change: load a newer checkpoint than this layout's own (``newer_than``)
     written at another layout of the task, entry by entry from the shards of every stage at
     the tensor-parallel ranks holding this rank's slices (at another degree: the slices
-    joined and cut again; :func:`unicron.runtime.checkpoint.load_by_name`). False if there is
+    joined and cut again; :func:`unicron.runtime.byname.load_by_name`). False if there is
     none."""
     assert r.ctx.checkpoint is not None
     mine = (r.par.size, r.pipe.stages)
@@ -252,8 +252,8 @@ def _by_name(r: _Runner, newer_than: int) -> bool:
         ranks = _ranks_holding(tp, r.par.size, r.par.rank)
         places = [stage * tp + rank for stage in range(depth) for rank in ranks]
         try:
-            parts = C.load_by_name(layout_root(r.ctx, tp, depth), places, tp * depth, step)
-            step_read = C.restore_by_name(
+            parts = byname.load_by_name(layout_root(r.ctx, tp, depth), places, tp * depth, step)
+            step_read = byname.restore_by_name(
                 parts, r.model, r.optimizer, part=(r.par.size, r.par.rank), of=(tp, ranks)
             )
             _loaded(r, step_read, parts)
