@@ -182,3 +182,25 @@ def test_a_coordinator_fenced_by_a_higher_token_writes_nothing_more(
     other.set("u/epoch", "3")  # another task's fence is its own
     assert (new.get("t/epoch"), new.get("t/epoch/vote")) == (b"52", b"1")
     assert "by a fenced coordinator (token 1, the task's 2)" in log.read_text()
+
+
+def test_a_stall_of_the_stores_event_loop_is_logged(caplog: Any) -> None:
+    """A request or a descheduled process that holds the loop past ``STALL_S`` leaves a
+    warning with its length (how a stalled store is told from stalled clients)."""
+    import asyncio
+    import logging
+    import time
+
+    from unicron.control.storeserver import watch_stalls
+
+    async def main() -> None:
+        watch = asyncio.create_task(watch_stalls(every_s=0.02, stall_s=0.3))
+        await asyncio.sleep(0.1)
+        time.sleep(0.5)  # the loop held, as by a stuck request
+        await asyncio.sleep(0.1)
+        watch.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="unicron.store"):
+        asyncio.run(main())
+    stalls = [float(r.args[0]) for r in caplog.records if "stalled" in r.getMessage()]
+    assert stalls and max(stalls) >= 0.4, stalls  # more on a loaded machine, never none
