@@ -10,6 +10,7 @@ usage (raised as UsageError), 130 interrupted (Ctrl-C or SIGTERM; every process 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -354,9 +355,13 @@ def _tidy(
     kept_why: str | None,
     console: Any = None,
 ) -> None:
-    """After a run: the service's own state directory goes; a temporary ``--log-dir`` (none
-    given) goes too unless ``kept_why`` (the task did not finish: its worker logs, events
-    and checkpoints are kept, and ``console`` says where). A ``--log-dir`` given is kept."""
+    """After a run: the service's own state directory goes, its logs (the store's) moved to
+    ``log_dir``; a temporary ``--log-dir`` (none given) goes too unless ``kept_why`` (the task
+    did not finish: its worker logs, events and checkpoints are kept, and ``console`` says
+    where). A ``--log-dir`` given is kept."""
+    for found in state_dir.glob("*.log"):
+        with contextlib.suppress(OSError):
+            shutil.move(found, log_dir / found.name)
     shutil.rmtree(state_dir, ignore_errors=True)
     if args.log_dir:
         if console is not None and not args.quiet:
