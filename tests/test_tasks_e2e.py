@@ -189,3 +189,26 @@ def test_a_3d_task_changes_layout_in_the_cluster_to_run_s_bits(tmp_path: Path) -
         began = [e for e in c.events("llama-3d") if e["event"] == "epoch_begin"]
     layouts = [(e["pp"], len(e["members"])) for e in began]
     assert layouts[0] == (2, 8) and (1, 6) in layouts and layouts[-1] == (2, 8), layouts
+
+
+def test_the_planner_picks_the_layout_a_cluster_task_runs(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A TP=2 task that may also run at TP=1 and describes its model (GPT 1.3B at global
+    batch 256): on the cluster's A100 slots the performance model rates TP=1 x DP=4 faster
+    than TP=2 x DP=2 (no tensor-parallel sums), so the task runs at TP=1 from its first epoch
+    (``epoch_begin`` says ``tp`` 1), each worker building that shard before its first step,
+    and ends with the bits of a fault-free ``unicron run`` of the same script at TP=1."""
+    spec = load(TASKS / "llama-tp.yaml").model_dump()
+    spec.update(name="llama-planned", tp_choices=[1], model={"preset": "gpt-1.3b"},
+                global_batch=256, workers={"min": 4, "max": 4})  # fmt: skip
+    cluster.submit(spec)
+    script = ROOT / "examples" / "train_llama_parallel.py"
+    run = run_unicron(tmp_path, "--nproc-per-node", "4", script=script,
+                      script_args=("--steps", "12"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    view = cluster.wait_task("llama-planned", timeout_s=180)
+    assert view["state"] == "done", view
+    began = [e for e in cluster.events("llama-planned") if e["event"] == "epoch_begin"]
+    assert began and all(e["tp"] == 1 for e in began), began
+    assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
