@@ -265,9 +265,9 @@ def reshard(
     have = source.entries() if source is not None else {}
     want = target.entries()
     hold = source.part if source is not None else target.part
-    mine = {digest(n) for n in target.slicing().dims}
-    if source is not None:
-        mine |= {digest(n) for n in source.slicing().dims}
+    cut_from = source.slicing() if source is not None else UNSPLIT
+    cut_into = target.slicing()
+    mine = {digest(n) for n in (*cut_into.dims, *cut_from.dims)}
     row = [*hold, *target.part, len(have), len(mine), *sorted(have), *sorted(mine), *sorted(want)]
     rows = exchange(g, row)
     offers = [set(r[6 : 6 + r[4]]) for r in rows]
@@ -283,14 +283,14 @@ def reshard(
             span = local_spans(target.part, source.part, k in split)
             if span is not None:
                 kept.append(Item(have[k], value=True, state=True, span=span))
-        _copy(source, target, kept)
+        _copy(source, cut_from, target, cut_into, kept)
     for move in moves:
         if g.rank == move.src:
             assert source is not None
             items = [Item(have[k], value=True, state=True, span=s) for k, s in move.pieces()]
-            send(g, move.dst, source.model, source.optimizer, items, source.slicing())
+            send(g, move.dst, source.model, source.optimizer, items, cut_from)
         elif g.rank == move.dst:
-            receive(g, move.src, target.model, target.optimizer, target.slicing())
+            receive(g, move.src, target.model, target.optimizer, cut_into)
 
 
 @dataclass(frozen=True)
@@ -351,31 +351,42 @@ def _outgoing(
     return manifest, tensors
 
 
-def _incoming(
-    entry: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    slicing: Slicing,
-    take: Any,
-) -> None:
-    """One manifest ``entry`` into ``model``'s tensor and ``optimizer``'s state, each tensor
+@dataclass
+class _Into:
+    """Where a stream of entries lands: a shard's state-dict tensors and parameters by name
+    (read once per stream), its optimizer and its :class:`Slicing`."""
+
+    tensors: dict[str, torch.Tensor]
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    slicing: Slicing
+
+    @classmethod
+    def of(
+        cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, slicing: Slicing
+    ) -> _Into:
+        return cls(model.state_dict(), dict(model.named_parameters()), optimizer, slicing)
+
+
+def _incoming(entry: dict[str, Any], into: _Into, take: Any) -> None:
+    """One manifest ``entry`` into the shard's tensor and its optimizer's state, each tensor
     read with ``take(shape, dtype)``."""
-    name = entry["name"]
-    t = model.state_dict()[name]
+    name, slicing, optimizer = entry["name"], into.slicing, into.optimizer
+    t = into.tensors[name]
     span = WHOLE
     if "span" in entry:
         a, b, c, d = entry["span"]
         span = (Fraction(a, b), Fraction(c, d))
     with torch.no_grad():
         if entry["value"]:
-            into = slicing.local(name, t, span)
-            if list(into.shape) != entry["shape"]:
+            dest = slicing.local(name, t, span)
+            if list(dest.shape) != entry["shape"]:
                 raise ValueError(
-                    f"{name}: {entry['shape']} sent for {list(into.shape)} here (a slice of a "
+                    f"{name}: {entry['shape']} sent for {list(dest.shape)} here (a slice of a "
                     "tensor-parallel split the model does not mark: unicron.parallel.TP_DIM)"
                 )
-            into.copy_(take(into.shape, t.dtype))
-        param = dict(model.named_parameters()).get(name)
+            dest.copy_(take(dest.shape, t.dtype))
+        param = into.params.get(name)
         if param is None or not entry["state"]:
             return
         state = optimizer.state[param] if span != WHOLE else {}
@@ -395,10 +406,12 @@ def _incoming(
         optimizer.state[param] = state
 
 
-def _copy(source: Shard, target: Shard, items: list[Item]) -> None:
+def _copy(
+    source: Shard, cut_from: Slicing, target: Shard, cut_into: Slicing, items: list[Item]
+) -> None:
     """The entries this member keeps across the change (its own slices of them): copied
-    from its old shard."""
-    manifest, tensors = _outgoing(source.model, source.optimizer, items, source.slicing())
+    from its old shard (``cut_from``, ``cut_into``: the two shards' :meth:`Shard.slicing`)."""
+    manifest, tensors = _outgoing(source.model, source.optimizer, items, cut_from)
     stream = iter(tensors)
 
     def take(shape: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -407,8 +420,9 @@ def _copy(source: Shard, target: Shard, items: list[Item]) -> None:
             raise ValueError(f"a kept entry has shape {tuple(t.shape)} here, {tuple(shape)} wanted")
         return t
 
+    into = _Into.of(target.model, target.optimizer, cut_into)
     for entry in manifest:
-        _incoming(entry, target.model, target.optimizer, target.slicing(), take)
+        _incoming(entry, into, take)
 
 
 def _pair(g: EpochGroup, other: int) -> tuple[Any, int, int]:
@@ -490,6 +504,7 @@ def receive(
         at += n
         return out
 
+    into = _Into.of(model, optimizer, slicing or UNSPLIT)
     for entry in head["entries"]:
-        _incoming(entry, model, optimizer, slicing or UNSPLIT, take)
+        _incoming(entry, into, take)
     assert at == pack.numel() and not sizes, (at, pack.numel(), sizes)
