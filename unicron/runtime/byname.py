@@ -10,7 +10,6 @@ own layout has no checkpoint as new; the files themselves are :mod:`unicron.runt
 from __future__ import annotations
 
 from collections.abc import Mapping
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 
 from unicron.parallel import split_dims
 from unicron.runtime import checkpoint as C
+from unicron.runtime.reshard import Slicing, local_spans
 
 __all__ = ["load_by_name", "restore_by_name"]
 
@@ -64,16 +64,21 @@ def restore_by_name(
     (tp, ranks), (mine_tp, mine) = of, part
 
     def cut(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's slice of entry ``name`` from the files' ``pieces`` (rank by rank)."""
         dim = dims.get(name)
         if dim is None or (tp, ranks) == (mine_tp, [mine]):
             return pieces[0]
-        joined = torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0]
-        whole = pieces[0].shape[dim] * tp
-        start = (Fraction(mine, mine_tp) - Fraction(ranks[0], tp)) * whole
-        size = Fraction(whole, mine_tp)
-        if start.denominator != 1 or size.denominator != 1 or start + size > joined.shape[dim]:
-            raise C.CheckpointError(f"{name}: {whole} elements do not split over tp {mine_tp}")
-        return joined.narrow(dim, int(start), int(size))
+        if len(pieces) != len(ranks):
+            raise C.CheckpointError(f"{name}: {len(pieces)} of its {len(ranks)} slices read")
+        out = []
+        for rank, piece in zip(ranks, pieces, strict=True):
+            span = local_spans((mine_tp, mine), (tp, rank), split=True)
+            if span is not None:  # the overlap, cut as a layout change cuts it
+                try:
+                    out.append(Slicing((tp, rank), {name: dim}).local(name, piece, span))
+                except ValueError as exc:
+                    raise C.CheckpointError(str(exc)) from None
+        return torch.cat(out, dim) if len(out) > 1 else out[0]
 
     sd = model.state_dict()
     got = {k: cut(k, parts["model"][k]) for k in sd if k in parts["model"]}

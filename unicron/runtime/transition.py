@@ -16,7 +16,6 @@ A membership change and Model-parallel replicas.
 from __future__ import annotations
 
 import logging
-from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +29,7 @@ from unicron.runtime import ledger as L
 from unicron.runtime.context import WorkerContext
 from unicron.runtime.digest import params_sha256
 from unicron.runtime.group import EpochGroup
-from unicron.runtime.reshard import StateLost, reshard
+from unicron.runtime.reshard import StateLost, local_spans, reshard
 from unicron.runtime.transfer import Inventory, inventory, layout, model_tensors, transfer
 from unicron.runtime.zero import redistribute
 
@@ -267,5 +266,5 @@ def _by_name(r: _Runner, newer_than: int) -> bool:
 def _ranks_holding(tp: int, mine_tp: int, mine_rank: int) -> list[int]:
     """The ranks of degree ``tp`` whose slices overlap rank ``mine_rank`` of ``mine_tp``'s
     (one at the same degree: the same rank)."""
-    lo, hi = Fraction(mine_rank, mine_tp), Fraction(mine_rank + 1, mine_tp)
-    return [k for k in range(tp) if Fraction(k, tp) < hi and Fraction(k + 1, tp) > lo]
+    mine = (mine_tp, mine_rank)
+    return [k for k in range(tp) if local_spans(mine, (tp, k), split=True) is not None]
