@@ -65,6 +65,12 @@ class CoordinatorSettings:
     ``None``: the layout training the most slots wins"""
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""
+
+    @property
+    def own(self) -> tuple[int, int]:
+        """The task's own ``(tp, pp)`` layout."""
+        return self.tp, self.replica_ranks // self.tp
+
     checkpoint: Path | None = None
     """the directory of the task's persistent checkpoints: when every replica is gone the task
     goes on from the newest one (if there is one) instead of failing"""
@@ -245,9 +251,8 @@ class TaskBook:
 
     def has_checkpoint(self) -> bool:
         """The task has a persistent checkpoint to fall back on (read from its directory)."""
-        tp = self.settings.tp
-        own = (tp, self.settings.replica_ranks // tp)
-        return self._checkpoint_exists(self.settings.checkpoint, own, self.settings.layouts)
+        settings = self.settings
+        return self._checkpoint_exists(settings.checkpoint, settings.own, settings.layouts)
 
     def state_survives(self, slot: int) -> bool:
         """Whether the task's state outlives the worker in ``slot``: another live replica

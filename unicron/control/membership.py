@@ -48,8 +48,8 @@ def adopt(
     # coordinator that announced it again failed to start, KeyError, again and again)
     members = tuple(m for m in info.members if m in b.slots)
     gone = [m for m in info.members if m not in b.slots]
-    own = (b.settings.tp, b.settings.replica_ranks // b.settings.tp)
-    lay = (info.tp or b.settings.tp, info.pp) if info.pp else (0, 0)
+    own = b.settings.own
+    lay = (info.tp or own[0], info.pp or own[1])  # the log's are spelled out, the store's not
     b.layout = (0, 0) if lay == own else lay
     b.members = replicas.whole(b.slots, members, b.size) if gone else members
     b.trained = trained
@@ -259,9 +259,7 @@ def layout(b: TaskBook, usable: Sequence[int]) -> tuple[int, int]:
 
 def _actual(b: TaskBook) -> tuple[int, int]:
     """The epoch's ``(tp, pp)``, the task's own spelled out."""
-    if b.layout[0]:
-        return b.layout
-    return b.settings.tp, b.settings.replica_ranks // b.settings.tp
+    return b.layout if b.layout[0] else b.settings.own
 
 
 def _usable(b: TaskBook) -> list[int]:

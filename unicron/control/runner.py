@@ -216,18 +216,13 @@ def _check_replica(args: argparse.Namespace) -> None:
             choices[flag] = depths_of(text)
         except ValueError as exc:
             raise UsageError(f"--{flag.replace('_', '-')} {exc}") from None
-    degrees = [tp, *choices["tp_choices"]]
-    for depth in choices["pp_choices"]:
-        if tp * depth > args.nproc_per_node:
+    other = [("--pp-choices", d, tp, d) for d in choices["pp_choices"]]
+    other += [("--tp-choices", t, t, pp) for t in choices["tp_choices"]]
+    for flag, value, t, p in other:
+        if t * p > args.nproc_per_node:
             raise UsageError(
-                f"--pp-choices {depth}: a replica of {tp * depth} ranks must fit on a node of "
+                f"{flag} {value}: a replica of {t * p} ranks must fit on a node of "
                 f"--nproc-per-node {args.nproc_per_node}"
-            )
-    for degree in degrees[1:]:
-        if degree * pp > args.nproc_per_node:
-            raise UsageError(
-                f"--tp-choices {degree}: a replica of {degree * pp} ranks must fit on a node "
-                f"of --nproc-per-node {args.nproc_per_node}"
             )
     if n == 1:
         return

@@ -326,12 +326,8 @@ def has_checkpoint(
     if root is None:
         return False
     for layout in dict.fromkeys((own, *layouts)):
-        size = layout[0] * layout[1]
-        where = layout_dir(root, own, layout)
-        written = [
-            {p.name for p in steps(shard_root(where, c, size)) if (p / MANIFEST).exists()}
-            for c in range(size)
-        ]
+        shards = _shard_steps(layout_dir(root, own, layout), layout[0] * layout[1])
+        written = [{s for s, p in found.items() if (p / MANIFEST).exists()} for found in shards]
         if set.intersection(*written):
             return True
     return False
