@@ -33,7 +33,6 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import llama_parallel
 
 from bench.baselines.loop import CPU, EventWriter, FaultPlan, setup_threads
-from bench.baselines.train_torchft import start_barrier
+from bench.baselines.train_torchft import make_manager, start_barrier
 from unicron.parallel import TensorParallel
 from unicron.runtime.device import seed
 from unicron.runtime.digest import params_sha256
@@ -82,25 +81,9 @@ def main() -> int:
     model, opt, dataset = llama_parallel.build(tp, seed=SEED, cfg=cfg)
     model.train()
 
-    def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "opt": opt.state_dict()}
-
-    def load_state_dict(sd: dict[str, Any]) -> None:
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["opt"])
-
-    manager = torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=timeout),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=1,
-        use_async_quorum=False,
-        timeout=timeout,
-        rank=rank,
-        world_size=tp_size,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{rid}",
-    )  # the group's store: torchrun's MASTER_ADDR and MASTER_PORT
+    # the group's store: torchrun's MASTER_ADDR and MASTER_PORT
+    manager = make_manager(model, opt, args.timeout_s, args.lighthouse, rid, rank=rank,
+                           world_size=tp_size)  # fmt: skip
     if attempt == 0:
         start_barrier(Path(args.marker_dir), launch_rank, args.replicas * tp_size)
     ddp = torchft.DistributedDataParallel(manager, model)

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torchft
 from torch.distributed import TCPStore
 
@@ -67,6 +68,41 @@ def start_barrier(folder: Path, rid: int, replicas: int, timeout_s: float = 300.
         time.sleep(0.02)
 
 
+def make_manager(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    timeout_s: float,
+    lighthouse: str,
+    replica: int,
+    **where: Any,
+) -> torchft.Manager:
+    """The Manager of replica group ``replica`` as every torchft arm of the benchmarks runs it:
+    the quorum's gloo group, a synchronous quorum of at least one group, each rank's
+    ``model`` and ``opt`` as the state a recovering group takes; ``where``: the group's rank,
+    world size and store where they are not torchrun's (``rank``, ``world_size``,
+    ``store_addr``, ``store_port``). Also used by ``bench/baselines/tp_torchft.py``."""
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "opt": opt.state_dict()}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["opt"])
+
+    timeout = timedelta(seconds=timeout_s)
+    return torchft.Manager(
+        pg=torchft.ProcessGroupGloo(timeout=timeout),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=1,
+        use_async_quorum=False,
+        timeout=timeout,
+        lighthouse_addr=lighthouse,
+        replica_id=f"replica_{replica}",
+        **({"rank": 0, "world_size": 1} | where),
+    )
+
+
 def main() -> None:
     """One replica of the torchft baseline."""
     args = parse_args()
@@ -84,29 +120,8 @@ def main() -> None:
     )
     trainer = Trainer.create()
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": trainer.model.state_dict(), "opt": trainer.opt.state_dict()}
-
-    def load_state_dict(sd: dict[str, Any]) -> None:
-        trainer.model.load_state_dict(sd["model"])
-        trainer.opt.load_state_dict(sd["opt"])
-
-    timeout = timedelta(seconds=args.timeout_s)
-    manager = torchft.Manager(
-        pg=torchft.ProcessGroupGloo(timeout=timeout),
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=1,
-        use_async_quorum=False,
-        timeout=timeout,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=args.lighthouse,
-        replica_id=f"replica_{rid}",
-    )
+    manager = make_manager(trainer.model, trainer.opt, args.timeout_s, args.lighthouse, rid,
+                           store_addr="127.0.0.1", store_port=store.port)  # fmt: skip
     start_barrier(Path(args.marker_dir), rid, args.replicas)
     model = torchft.DistributedDataParallel(manager, trainer.model)
     opt = torchft.Optimizer(manager, trainer.opt)
