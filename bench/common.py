@@ -65,6 +65,8 @@ UNITS = {
     "recovery_over_floor": "x",
     "step_time_vs_ddp": "x",
     "step_time_vs_plain": "x",
+    "gpipe_vs_sequential": "x",
+    "gpipe_vs_torch": "x",
 }
 
 Row = dict[str, Any]

@@ -50,6 +50,7 @@ MODULES = {
     "scale": "bench.scale",
     "llama": "bench.llama",
     "tp": "bench.tp",
+    "pipeline": "bench.pipeline",
     "relayout": "bench.relayout",
     "zero": "bench.zero",
     "store": "bench.store",
@@ -64,10 +65,12 @@ MODULES = {
 }
 CLUSTER = ("cluster-kill", "cluster-load", "cluster-node", "cluster-standby")
 ORDER = (
-    "floor", *TRAINING, "reduce", "scale", "llama", "tp", "relayout", "zero", "store",
+    "floor", *TRAINING, "reduce", "scale", "llama", "tp", "pipeline", "relayout", "zero", "store",
     "transfer", "checkpoint", "planner", "simulator", *CLUSTER,
 )  # fmt: skip
-ALONE = frozenset({"scale", "llama", "tp", "relayout", "zero", "transfer", "checkpoint", *CLUSTER})
+ALONE = frozenset(
+    {"scale", "llama", "tp", "pipeline", "relayout", "zero", "transfer", "checkpoint", *CLUSTER}
+)
 """scenarios run only when named (``--scenario``): they are long (a 100M-parameter model, a
 1 GB state, a Hugging Face model and torchrun, a 10-minute soak of the cluster service), and
 the whole suite keeps to its hour; the cluster's also run as ``python -m bench.cluster``"""

@@ -41,6 +41,9 @@ def main() -> None:
     p.add_argument("--tp-api", choices=("unicron", "dtensor"), default="unicron",
                    help="split the blocks with unicron.parallel's layers (default) or PyTorch's "
                    "DTensor tensor parallelism (parallelize_module)")  # fmt: skip
+    p.add_argument("--schedule", choices=unicron.worker.SCHEDULES, default="gpipe",
+                   help="a pipeline's order of the micro-batches: GPipe's (every forward, then "
+                   "every backward: the stages overlap) or one at a time")  # fmt: skip
     args = p.parse_args()
     tp, pp = unicron.parallel.tensor_parallel(), unicron.parallel.pipeline_parallel()
     cfg = llama_parallel.LlamaConfig(
@@ -82,6 +85,7 @@ def main() -> None:
         seed=args.seed,
         out=args.out,
         rebuild=rebuild,
+        schedule=args.schedule,
     )
     if result is not None and result.rank == 0:
         print(

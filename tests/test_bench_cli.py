@@ -275,6 +275,7 @@ BENCH_COMMANDS = (
     "reduce",
     "llama",
     "tp",
+    "pipeline",
     "relayout",
     "zero",
     "transfer",

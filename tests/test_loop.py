@@ -21,7 +21,7 @@ import torch
 from tests.conftest import ROOT, RunResult, run_unicron
 from unicron.errors import UsageError
 from unicron.runtime.data import SamplerData as _SamplerData
-from unicron.worker import Loop
+from unicron.worker import Loop, train
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -148,6 +148,7 @@ MISUSE = {
     "plain-backward": "a backward pass outside step.backward(loss)",
     "optimizer-step": "optimizer.step() called by the script",
     "wrong-microbatch": "is not this replica's to compute",
+    "gpipe-short": "commit() before micro-batch",
 }
 
 
@@ -155,9 +156,7 @@ MISUSE = {
 @pytest.mark.parametrize(
     "misuse",
     [  # the default run keeps one misuse caught by the step API, one by the hooks
-        pytest.param(
-            m, marks=[pytest.mark.long] if m in ("optimizer-step", "wrong-microbatch") else []
-        )
+        pytest.param(m, marks=[pytest.mark.long] if m not in ("partial", "plain-backward") else [])
         for m in sorted(MISUSE)
     ],
 )
@@ -221,3 +220,12 @@ def test_the_step_api_outside_unicron_run_is_refused(monkeypatch: pytest.MonkeyP
         Loop(model=model, optimizer=opt, dataset=[torch.zeros(2)] * 4, micro_batch_size=1,
              num_microbatches=2, steps=1)  # fmt: skip
     assert "UNICRON_STORE" not in os.environ
+
+
+def test_an_unknown_pipeline_schedule_is_refused_before_anything_starts() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UsageError, match=r"schedule must be one of gpipe, sequential, got '1f1b'"):
+        train(model=model, optimizer=opt, loss_fn=lambda m, b: m(b).sum(),
+              dataset=[torch.zeros(2)] * 4, micro_batch_size=1, num_microbatches=2, steps=1,
+              schedule="1f1b")  # fmt: skip

@@ -166,10 +166,11 @@ class PipelineParallel:
     One per process (:func:`pipeline_parallel`). A stage's module ends in :meth:`send`
     (every stage but the last: it passes its output on and returns the micro-batch's loss,
     filled in once the backward pass came back from the last stage) and begins with
-    :meth:`receive` (every stage but the first); the gradient goes back the same links. The
-    schedule is one micro-batch at a time through the stages and back (no overlap: a stage
-    waits while the others compute; the pipeline schedules that overlap, GPipe's and 1F1B's,
-    are not built yet). A failed link breaks the attempt as a failed sum does (it shares
+    :meth:`receive` (every stage but the first); the gradient goes back the same links. Each
+    link is one ordered channel: the stages post their forward passes in one order and their
+    backward passes in one order, the worker's GPipe order (every forward, then every
+    backward: :meth:`unicron.runtime.step.Step.batches`) or one micro-batch at a time. A
+    failed link breaks the attempt as a failed sum does (it shares
     :attr:`TensorParallel.broken`)."""
 
     def __init__(self, stage: int, stages: int, tp: TensorParallel) -> None:

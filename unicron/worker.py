@@ -203,6 +203,10 @@ class Loop:
         return self._runner.attempts()
 
 
+SCHEDULES = ("gpipe", "sequential")
+"""the orders :func:`train` computes a pipeline's micro-batches in"""
+
+
 def train(
     *,
     model: torch.nn.Module,
@@ -217,12 +221,19 @@ def train(
     collate: Callable[[Sequence[Any]], Any] = default_collate,
     sampler: Any = None,
     rebuild: Rebuild | None = None,
+    schedule: str = "gpipe",
 ) -> TrainResult | None:
     """Train for ``steps`` global steps of ``num_microbatches`` x ``micro_batch_size`` samples:
     the step API's loop (:class:`Loop`) with ``loss_fn(model, batch)``, the mean loss of one
     micro-batch. Returns ``None`` on a worker that was still waiting to join when the task
     finished. ``rebuild`` lets the task change its layout with its worker count
-    (:data:`Rebuild`; the task's ``pp_choices``)."""
+    (:data:`Rebuild`; the task's ``pp_choices``). ``schedule``: a pipeline's order of the
+    micro-batches, ``"gpipe"`` (every forward pass, then every backward pass: the stages
+    overlap; :meth:`Step.batches`) or ``"sequential"`` (each micro-batch through the stages
+    and back before the next: less memory, a stage idle while the others compute); the same
+    bits either way. Without a pipeline the micro-batches go one at a time."""
+    if schedule not in SCHEDULES:
+        raise UsageError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     loop = Loop(
         model=model,
         optimizer=optimizer,
@@ -237,8 +248,14 @@ def train(
         rebuild=rebuild,
     )
     for step in loop:
-        for batch in step:
-            step.backward(loss_fn(loop.model, batch))
+        if schedule == "gpipe" and step.stages > 1:
+            losses = [loss_fn(loop.model, batch) for batch in step.batches()]
+            for loss in losses:
+                step.backward(loss)
+            del losses  # the graphs' activations
+        else:
+            for batch in step:
+                step.backward(loss_fn(loop.model, batch))
         step.commit()
     return loop.result
 

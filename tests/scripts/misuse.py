@@ -44,6 +44,11 @@ def main() -> None:
         clipped.append(float(torch.nn.utils.clip_grad_norm_(params, 0.5)))
 
     for step in loop:
+        if args.misuse == "gpipe-short" and step.index == 2:
+            losses = [gpt.loss_fn(model, batch) for batch in step.batches()]
+            for loss in losses[:-1]:  # GPipe's order, one backward pass missing
+                step.backward(loss)
+            step.commit()
         if args.misuse == "wrong-microbatch" and step.index == 2:
             step.batch((step.microbatches[0] + 4) % 8)  # another replica's micro-batch
         for batch in step:

@@ -46,8 +46,10 @@ class MicroBatches:
     pp: int
     done: set[int] = field(default_factory=set)
     """micro-batches of the step in the local sums"""
-    current: int | None = None
-    """the micro-batch handed out and not yet computed"""
+    pending: list[int] = field(default_factory=list)
+    """micro-batches handed out and not yet computed, oldest first: one in a step iterated
+    micro-batch by micro-batch, the whole attempt in GPipe's order (:meth:`Step.batches`:
+    every forward pass, then the backward passes in the same order)"""
     attempt: Step | None = None
     """the step handed out and not yet committed"""
     crash_at: int = -1
@@ -57,14 +59,15 @@ class MicroBatches:
     def clear(self) -> None:
         """The local sums are abandoned (or reduced): nothing of the step is computed here."""
         self.done.clear()
-        self.current = None
+        self.pending.clear()
 
     def check_open(self, s: Step, what: str) -> None:
         if s is not self.attempt or s.closed:
             refuse(f"step {s.index}: {what} after its commit (use the loop's current step)")
 
-    def open(self, s: Step, mb: int) -> None:
-        """Micro-batch ``mb`` of step ``s`` is about to be computed (the checks of bad use)."""
+    def open(self, s: Step, mb: int, *, ahead: bool = False) -> None:
+        """Micro-batch ``mb`` of step ``s`` is about to be computed (the checks of bad use);
+        ``ahead``: before the backward passes of those handed out already (GPipe's order)."""
         self.check_open(s, f"micro-batch {mb} asked for")
         if mb not in s.microbatches:
             refuse(
@@ -73,29 +76,38 @@ class MicroBatches:
             )
         if mb in self.done:
             refuse(f"step {s.index}: micro-batch {mb} is computed already (once per step)")
-        if self.current is not None:
+        if mb in self.pending:
+            refuse(f"step {s.index}: micro-batch {mb} is handed out already (once per step)")
+        if self.pending and not ahead:
             refuse(
-                f"step {s.index}: micro-batch {mb} asked for before micro-batch {self.current} "
-                "was computed: call step.backward(loss) for each batch before the next"
+                f"step {s.index}: micro-batch {mb} asked for before micro-batch "
+                f"{self.pending[0]} was computed: call step.backward(loss) for each batch "
+                "before the next (or iterate step.batches() for GPipe's order)"
             )
         if s.microbatches.index(mb) == self.crash_at:
             self.faults.fire_due("crash", s.index)
-        self.current = mb
+        self.pending.append(mb)
 
     def _take(self, s: Step, api: str) -> tuple[int, bool]:
-        """The micro-batch whose gradient comes now, and whether it is the attempt's last."""
+        """The micro-batch whose gradient comes now (the oldest handed out), and whether it is
+        the attempt's last."""
         self.check_open(s, api)
-        mb = self.current
-        if mb is None:
+        if not self.pending:
             refuse(
                 f"step {s.index}: {api} without a micro-batch: iterate the step "
                 "(for batch in step) or call step.batch(j) first"
             )
+        mb = self.pending[0]
         left = [j for j in s.microbatches if j not in self.done and j != mb]
         return mb, not left
 
     def backward(self, s: Step, loss: torch.Tensor) -> None:
-        """Backward of the current micro-batch; the gradient hooks take each gradient."""
+        """Backward of the oldest micro-batch handed out; the gradient hooks take each
+        gradient. Once the attempt is broken (a sum or link of the replica failed) the losses
+        of the micro-batches still handed out mean nothing and are dropped."""
+        if self.par.broken is not None and not self.pending:
+            self.check_open(s, "step.backward(loss)")
+            return  # GPipe's order: the first backward after the break dropped the attempt
         mb, last = self._take(s, "step.backward(loss)")
         if self.pipe.last and self.pipe.stages > 1:
             self.pipe.loss = float(loss.detach())  # goes back to the other stages
@@ -149,13 +161,13 @@ class MicroBatches:
 
     def _computed(self, mb: int) -> None:
         self.done.add(mb)
-        self.current = None
+        self.pending.remove(mb)
 
     def check_whole(self, s: Step) -> None:
         """At the commit: every micro-batch of the attempt computed, none half done."""
-        if self.current is not None:
+        if self.pending:
             refuse(
-                f"step {s.index}: commit() before micro-batch {self.current} was computed: "
+                f"step {s.index}: commit() before micro-batch {self.pending[0]} was computed: "
                 "call step.backward(loss) for it first"
             )
         left = [mb for mb in s.microbatches if mb not in self.done]

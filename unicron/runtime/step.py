@@ -43,6 +43,8 @@ class Step:
         self.epoch = group.info.epoch
         self.rank = group.rank
         self.world = group.world
+        self.stages = runner.pipe.stages
+        """the pipeline stages of this attempt's layout (1: no pipeline)"""
         self.loss: float | None = None
         """the step's mean loss over all its micro-batches, once committed"""
         self.committed = False
@@ -63,11 +65,28 @@ class Step:
             if mb in self._r.mb.done:
                 continue
             yield self.batch(mb)
-            if self._r.mb.current == mb:
+            if mb in self._r.mb.pending:
                 refuse(
                     f"step {self.index}: micro-batch {mb} was handed out but not computed: call "
                     "step.backward(loss) for every batch the step yields"
                 )
+
+    def batches(self) -> Iterator[Any]:
+        """This replica's micro-batches in GPipe's order: each is handed out as it is
+        yielded, before the backward passes of the earlier ones. Compute every forward pass
+        (keeping each loss), then call :meth:`backward` with the losses in the order of the
+        batches. In a pipeline (:attr:`stages` > 1) a stage then computes the next
+        micro-batch's forward pass while the next stage computes this one's, and the backward
+        passes overlap alike; each micro-batch's gradient still goes to the reducer on its
+        own, so the step's bits are those of the one-at-a-time order. It keeps every
+        micro-batch's activations until its backward pass (GPipe's memory)."""
+        for mb in self.microbatches:
+            if self._r.par.broken is not None:
+                return  # the replica broke: the commit says False, the step comes again
+            if mb in self._r.mb.done:
+                continue
+            self._r.mb.open(self, mb, ahead=True)
+            yield self._r.make_batch(self.index, mb)
 
     def samples(self, mb: int) -> list[int]:
         """Dataset indices of micro-batch ``mb`` of this step."""
