@@ -55,7 +55,8 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(whole.blocks[str(i)]
                                     for i in range(stage * per, (stage + 1) * per))  # fmt: skip
         last = stage == stages - 1
-        self.norm, self.head = (whole.norm, whole.head) if last else (None, None)
+        self.norm: nn.Module | None = whole.norm if last else None
+        self.head: nn.Module | None = whole.head if last else None
         self.register_buffer("cos", whole.cos, persistent=False)
         self.register_buffer("sin", whole.sin, persistent=False)
 
@@ -118,14 +119,14 @@ def main() -> int:
         else:
             schedule.step()
         if replicas > 1:  # the replicas' mean gradient, one flat all-reduce
-            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            grads = [w.grad for w in params if w.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=dp_groups[stage])
             flat.div_(replicas)
             at = 0
-            for p in params:
-                if p.grad is not None:
-                    p.grad.copy_(flat[at : at + p.numel()].view_as(p))
-                    at += p.numel()
+            for g in grads:
+                g.copy_(flat[at : at + g.numel()].view_as(g))
+                at += g.numel()
         opt.step()
         if losses:
             loss = float(torch.stack(losses).detach().mean())
