@@ -65,8 +65,9 @@ UNITS = {
     "recovery_over_floor": "x",
     "step_time_vs_ddp": "x",
     "step_time_vs_plain": "x",
-    "gpipe_vs_sequential": "x",
-    "gpipe_vs_torch": "x",
+    "step_time_vs_sequential": "x",
+    "step_time_vs_torch": "x",
+    "peak_rss_mb": "MB",
 }
 
 Row = dict[str, Any]

@@ -1,21 +1,23 @@
-"""A pipeline's steady step time: Unicron's GPipe order against its one-at-a-time order and
-against PyTorch's own ``torch.distributed.pipelining`` (GPipe and 1F1B), at the same layouts.
+"""A pipeline's steady step time and memory: Unicron's GPipe order against its one-at-a-time
+order and against PyTorch's own ``torch.distributed.pipelining`` (GPipe and 1F1B).
 
 In one run, interleaved (every arm in turn, repetition after repetition):
 ``examples/train_llama_parallel.py`` under ``unicron run --pp P`` with ``--schedule gpipe``
-(every micro-batch's forward pass, then every backward pass: a stage computes the next
-micro-batch while the next stage computes this one) and ``--schedule sequential`` (each
+(the default: every micro-batch's forward pass, then every backward pass; a stage computes
+one micro-batch while its neighbours compute others) and ``--schedule sequential`` (each
 micro-batch through the stages and back before the next: the stages take turns), and the
 same model, micro-batches and optimizer in plain PyTorch under torchrun
-(``bench/baselines/pp_torch.py``: ``PipelineStage`` and ``ScheduleGPipe`` /
+(``bench/baselines/pp_torch.py``: ``PipelineStage`` with ``ScheduleGPipe`` /
 ``Schedule1F1B``, the replicas' gradients averaged in one all-reduce). Layouts: PP=2 on 2
-workers, PP=2 x DP=2 on 4, PP=4 on 4 (a block a stage). Figures: the median ``duration_s``
-of rank 0's ``step_end`` after the warm-up steps (``step_time_s[layout]``;
-``gpipe_vs_sequential[layout]`` and ``gpipe_vs_torch[layout]`` divide Unicron's GPipe median
-by its sequential one's and by PyTorch's GPipe one's). The two Unicron orders train to the
-same bits (``tests/test_model_parallel_e2e.py``); the figures say what the overlap buys on
-this machine: on few cores the stages' processes share them, and the overlap only uses what
-the turn-taking leaves idle.
+workers, PP=2 x DP=2 on 4, PP=4 on 4 (a block a stage); 16 micro-batches of 4 a step.
+Figures per layout and schedule: rank 0's median ``duration_s`` of ``step_end`` after the
+warm-up steps (``step_time_s[layout/schedule]``), the run's largest process's peak resident
+memory (``peak_rss_mb``: a stage's worker, holding its pending micro-batches' activations),
+and Unicron's GPipe median over its sequential order's, over PyTorch's GPipe and over
+PyTorch's 1F1B (``step_time_vs_sequential``, ``step_time_vs_torch[layout/gpipe]``,
+``step_time_vs_torch[layout/1f1b]``). Both Unicron orders train to the same bits
+(``tests/test_model_parallel_e2e.py``); on few cores the stages' processes share them, and the
+overlap gains what the turn-taking leaves idle.
 
 Run only when named: ``python -m bench.pipeline [--quick]`` or
 ``python -m bench --scenario pipeline``.
@@ -37,10 +39,17 @@ SCENARIO = "pipeline"
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"pp2": (2, 2, 2), "pp2dp2": (2, 4, 2), "pp4": (4, 4, 4)}  # (pp, workers, layers)
 ARMS = ("unicron-gpipe", "unicron-sequential", "torch-gpipe", "torch-1f1b")
-PLAN = {True: (20, 5, 1), False: (40, 10, 3)}  # quick: (steps, warm-up steps, repetitions)
-DIM = 256  # the model's width (hidden units: twice it)
+PLAN = {True: (16, 4, 1), False: (30, 8, 3)}  # quick: (steps, warm-up steps, repetitions)
+DIM, MICROBATCHES = 256, 16  # the model's width (hidden units: twice it); a step's
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
+PEAK = (
+    "import resource, subprocess, sys; rc = subprocess.run(sys.argv[2:]).returncode; "
+    "open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+    "sys.exit(rc)"
+)
+"""runs a command and writes the peak resident memory (KiB) of the largest process of its
+tree (each process reaps its own children, so the kernel carries the maxima up)"""
 
 
 def command(arm: str, layout: str, steps: int, workdir: Path) -> list[str]:
@@ -52,21 +61,23 @@ def command(arm: str, layout: str, steps: int, workdir: Path) -> list[str]:
     if system == "torch":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(workers), "-m", "bench.baselines.pp_torch",
-                "--pp", str(pp), *model, "--schedule", schedule, "--steps", str(steps),
-                "--events", events]  # fmt: skip
+                "--pp", str(pp), *model, "--microbatches", str(MICROBATCHES),
+                "--schedule", schedule, "--steps", str(steps), "--events", events]  # fmt: skip
     return [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(workers),
             "--pp", str(pp), "--quiet", "--events", events, "--log-dir", str(workdir / "logs"),
             str(ROOT / "examples" / "train_llama_parallel.py"), "--steps", str(steps),
-            *model, "--schedule", schedule]  # fmt: skip
+            *model, "--microbatches", str(MICROBATCHES), "--schedule", schedule]  # fmt: skip
 
 
-def step_time(arm: str, layout: str, steps: int, warmup: int, workdir: Path) -> float:
-    """One fault-free run: rank 0's median step time after ``warmup`` steps."""
+def measure(arm: str, layout: str, steps: int, warmup: int, workdir: Path) -> tuple[float, float]:
+    """One fault-free run: rank 0's median step time after ``warmup`` steps, and the peak
+    resident memory (MB) of the run's largest process."""
     workdir.mkdir(parents=True)
-    cmd = command(arm, layout, steps, workdir)
+    peak = workdir / "peak-rss-kib"
+    cmd = [sys.executable, "-c", PEAK, str(peak), *command(arm, layout, steps, workdir)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=ENV, timeout=900, capture_output=True)
     ends = [e for e in read_events(workdir / "events.jsonl") if e["event"] == "step_end"]
-    return median_after(ends, warmup)
+    return median_after(ends, warmup), int(peak.read_text()) / 1024
 
 
 def median_after(ends: list[dict[str, object]], warmup: int) -> float:
@@ -83,45 +94,49 @@ def run(quick: bool) -> list[Row]:
     steps, warmup, reps = PLAN[quick]
     load = os.getloadavg()[0]  # the figures' context: a shared machine's other work
     times: dict[tuple[str, str], list[float]] = {}
+    peaks: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="unicron-bench-pipeline-") as tmp:
         for rep in range(reps):
             for layout in LAYOUTS:
                 for arm in ARMS:
                     where = Path(tmp) / f"{rep}-{layout}-{arm}"
-                    times.setdefault((arm, layout), []).append(
-                        step_time(arm, layout, steps, warmup, where)
-                    )
+                    t, peak = measure(arm, layout, steps, warmup, where)
+                    times.setdefault((arm, layout), []).append(t)
+                    peaks.setdefault((arm, layout), []).append(peak)
     machine = f"load average {load:.1f} / {os.cpu_count()} CPUs at the start"
     rows: list[Row] = []
     for layout, (pp, workers, layers) in LAYOUTS.items():
         note = (
             f"examples/llama_parallel.py ({layers} layers, dim {DIM}), PP={pp} x "
-            f"DP={workers // pp} on {workers} CPU workers, 8 micro-batches of 4 a step, "
-            f"{steps} steps, rank 0's median after step {warmup}; {machine}"
+            f"DP={workers // pp} on {workers} CPU workers, {MICROBATCHES} micro-batches of 4 "
+            f"a step, {steps} steps, rank 0's median after step {warmup}; {machine}"
         )
         for arm in ARMS:
             system, schedule = arm.split("-")
-            rows.append(make_row(system=system, scenario=SCENARIO,
-                                 metric=f"step_time_s[{layout}/{schedule}]",
-                                 values=times[(arm, layout)], note=note))  # fmt: skip
+            for metric, values in (("step_time_s", times), ("peak_rss_mb", peaks)):
+                rows.append(make_row(system=system, scenario=SCENARIO,
+                                     metric=f"{metric}[{layout}/{schedule}]",
+                                     values=values[(arm, layout)], note=note))  # fmt: skip
         mid = {arm: statistics.median(times[(arm, layout)]) for arm in ARMS}
+        ours = mid["unicron-gpipe"]
         for metric, other, said in (
-            ("gpipe_vs_sequential", "unicron-sequential", "Unicron's one-at-a-time order's"),
-            ("gpipe_vs_torch", "torch-gpipe", "PyTorch's ScheduleGPipe's"),
+            ("step_time_vs_sequential[{}]", "unicron-sequential", "its one-at-a-time order's"),
+            ("step_time_vs_torch[{}/gpipe]", "torch-gpipe", "PyTorch's ScheduleGPipe's"),
+            ("step_time_vs_torch[{}/1f1b]", "torch-1f1b", "PyTorch's Schedule1F1B's"),
         ):
             rows.append(make_row(
-                system="unicron", scenario=SCENARIO, metric=f"{metric}[{layout}]",
-                values=[mid["unicron-gpipe"] / mid[other]], status="derived",
-                note=f"Unicron's GPipe median step time / {said} at the layout, same run",
+                system="unicron", scenario=SCENARIO, metric=metric.format(layout),
+                values=[ours / mid[other]], status="derived",
+                note=f"Unicron's median step time in GPipe's order / {said}, same run",
             ))  # fmt: skip
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = bench_parser("bench.pipeline", __doc__, quick="20 steps, one repetition")
+    p = bench_parser("bench.pipeline", __doc__, quick="16 steps, one repetition")
     quick = p.parse_args(argv).quick
     rows = run(quick)
-    print_table(rows, title="A pipeline's step time: GPipe vs one at a time vs PyTorch's own")
+    print_table(rows, title="A pipeline: GPipe's order vs one at a time vs PyTorch's own")
     # a full run measured every row of the scenario: it replaces them all
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results", replace=not quick)
     write_summary(ROOT / "bench" / "results")

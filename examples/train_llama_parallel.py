@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("--tp-api", choices=("unicron", "dtensor"), default="unicron",
                    help="split the blocks with unicron.parallel's layers (default) or PyTorch's "
                    "DTensor tensor parallelism (parallelize_module)")  # fmt: skip
-    p.add_argument("--schedule", choices=unicron.worker.SCHEDULES, default="gpipe",
+    p.add_argument("--schedule", choices=unicron.parallel.SCHEDULES, default="gpipe",
                    help="a pipeline's order of the micro-batches: GPipe's (every forward, then "
                    "every backward: the stages overlap) or one at a time")  # fmt: skip
     args = p.parse_args()

@@ -30,7 +30,13 @@ from unicron.control.events import EventLog
 from unicron.control.slots import SlotTable
 from unicron.detect.classify import verdict_for_kind
 from unicron.detect.monitor import MonitorSettings, StepMonitor
-from unicron.parallel import PipelineParallel, TensorParallel, split_dims
+from unicron.parallel import (
+    SCHEDULES,
+    PipelineParallel,
+    TensorParallel,
+    schedule,
+    split_dims,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama_parallel
@@ -841,3 +847,92 @@ def test_a_slice_that_cannot_be_cut_is_refused_with_its_name() -> None:
         half.local("w", t, (F(1, 2), F(5, 7)))
     with pytest.raises(ValueError, match="outside the slice of rank 1"):
         half.local("w", t, (F(0), F(1, 2)))  # rank 0's half, not this rank's
+
+
+# -- a pipeline's schedules (pure) ------------------------------------------------------------
+def _one_f_one_b(n: int, stage: int, stages: int) -> list[tuple[bool, int]]:
+    """Megatron-LM's 1F1B order (not offered: the test below says why)."""
+    warmup = min(stages - stage - 1, n)
+    order = [(True, k) for k in range(warmup)]
+    for k in range(n - warmup):
+        order += [(True, warmup + k), (False, k)]
+    return order + [(False, k) for k in range(n - warmup, n)]
+
+
+def _ops(order: list[tuple[bool, int]], stage: int, stages: int) -> list[tuple[str, str, int]]:
+    """The link operations of ``stage`` computing in ``order``: ("send"/"recv", way, k), way
+    "up" for activations to the next stage, "down" for gradients to the previous one."""
+    ops: list[tuple[str, str, int]] = []
+    for fwd, k in order:
+        if fwd:
+            ops += [("recv", "up", k)] if stage > 0 else []
+            ops += [("send", "up", k)] if stage < stages - 1 else []
+        else:
+            ops += [("recv", "down", k)] if stage < stages - 1 else []
+            ops += [("send", "down", k)] if stage > 0 else []
+    return ops
+
+
+def _runs(orders: list[list[tuple[bool, int]]]) -> bool:
+    """Whether every stage, computing in its order, gets through its link operations when
+    each link between two stages is one channel of blocking broadcasts that both post in
+    turn (:class:`~unicron.parallel.PipelineParallel`'s links): each broadcast needs the
+    neighbour's next operation on that link to be its other half."""
+    stages = len(orders)
+    todo = {s: _ops(order, s, stages) for s, order in enumerate(orders)}
+
+    def link(s: int, op: str, way: str) -> int:  # the link's lower stage
+        return s if (op, way) in (("send", "up"), ("recv", "down")) else s - 1
+
+    while any(todo.values()):
+        moved = False
+        for s, ops in todo.items():
+            if not ops:
+                continue
+            op, way, k = ops[0]
+            low = link(s, op, way)
+            peer = low + 1 if low == s else low
+            if not todo[peer] or link(peer, *todo[peer][0][:2]) != low:
+                continue  # the neighbour is at its other link
+            pop, pway, pk = todo[peer][0]
+            if (pway, pk) != (way, k) or pop == op:
+                return False  # the link's next broadcast differs on the two sides
+            todo[peer].pop(0)
+            ops.pop(0)
+            moved = True
+        if not moved:
+            return False  # every stage waits on another: a deadlock
+    return True
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_every_schedule_computes_each_microbatch_once_and_runs_over_the_links(
+    kind: str, stages: int, n: int
+) -> None:
+    orders = [schedule(kind, n, stage, stages) for stage in range(stages)]
+    for order in orders:
+        assert [k for f, k in order if f] == [k for f, k in order if not f] == list(range(n))
+        for k in range(n):
+            assert order.index((True, k)) < order.index((False, k))
+        held = max(
+            sum(f for f, _ in order[: i + 1]) - sum(not f for f, _ in order[: i + 1])
+            for i in range(len(order))
+        )
+        assert held == (n if kind == "gpipe" else 1)  # activations held at once
+    assert _runs(orders), (kind, n, stages)
+
+
+def test_1f1b_cannot_run_over_one_ordered_channel_per_link() -> None:
+    """In 1F1B's steady state the first stage sends micro-batch 1's activation before it
+    receives micro-batch 0's gradient, while the second sends that gradient first: over one
+    channel of broadcasts per link the two disagree (why it is not offered; it needs a
+    channel per direction and sends that do not wait)."""
+    assert not _runs([_one_f_one_b(4, s, 2) for s in range(2)])
+    assert _runs([_one_f_one_b(1, s, 2) for s in range(2)])  # one micro-batch: no overlap
+
+
+def test_an_unknown_schedule_is_refused() -> None:
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, sequential"):
+        schedule("1f1b", 4, 0, 2)

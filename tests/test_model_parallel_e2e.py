@@ -134,9 +134,10 @@ def test_a_lost_rank_of_a_3d_replica_heals_to_the_fault_free_bits(run: Any) -> N
 def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run: Any) -> None:
     """PP=3 x DP=2 (a layer a stage): the middle stage of replica 0 crashes mid-step, the
     middle stage of replica 1 hangs (its neighbours wait on it and say so: it alone is
-    restarted). The faulty run computes in GPipe's order (every forward pass, then every
-    backward pass: the stages overlap), the fault-free one a micro-batch at a time through
-    the stages and back: the same bits (each micro-batch's gradient is reduced on its own)."""
+    restarted). The faulty run computes in GPipe's order (the default: every forward pass,
+    then every backward pass; the stages overlap), the fault-free one a micro-batch at a time
+    through the stages and back: the same bits (each micro-batch's gradient is reduced on its
+    own)."""
     layout = ("--nproc-per-node", "6", "--pp", "3")
     script_args = ("--layers", "3")
     clean = run(

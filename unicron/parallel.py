@@ -53,6 +53,7 @@ from unicron.protocol import (
 )
 
 __all__ = [
+    "SCHEDULES",
     "TP_DIM",
     "ColumnParallelLinear",
     "PipelineParallel",
@@ -63,6 +64,7 @@ __all__ = [
     "pipeline_depths",
     "pipeline_parallel",
     "reduce_from_replica",
+    "schedule",
     "split_dims",
     "tensor_parallel",
 ]
@@ -167,10 +169,9 @@ class PipelineParallel:
     (every stage but the last: it passes its output on and returns the micro-batch's loss,
     filled in once the backward pass came back from the last stage) and begins with
     :meth:`receive` (every stage but the first); the gradient goes back the same links. Each
-    link is one ordered channel: the stages post their forward passes in one order and their
-    backward passes in one order, the worker's GPipe order (every forward, then every
-    backward: :meth:`unicron.runtime.step.Step.batches`) or one micro-batch at a time. A
-    failed link breaks the attempt as a failed sum does (it shares
+    link is one ordered channel of broadcasts: the stages compute their forward passes in one
+    order and their backward passes in the same order (:func:`schedule`: GPipe's, or one
+    micro-batch at a time). A failed link breaks the attempt as a failed sum does (it shares
     :attr:`TensorParallel.broken`)."""
 
     def __init__(self, stage: int, stages: int, tp: TensorParallel) -> None:
@@ -281,6 +282,30 @@ class _Receive(torch.autograd.Function):
         buf[-1] = pp.loss
         pp._move(pp._prev, buf, 1)
         return None, None, None, None
+
+
+SCHEDULES = ("gpipe", "sequential")
+"""the orders a pipeline's micro-batches are computed in (:func:`schedule`)"""
+
+
+def schedule(kind: str, n: int, stage: int, stages: int) -> list[tuple[bool, int]]:
+    """The order in which ``stage`` of ``stages`` computes its ``n`` micro-batches of an
+    attempt: ``(forward, k)`` pairs, a forward pass (``True``) or a backward pass of the
+    ``k``-th micro-batch. ``"gpipe"``: every forward pass, then every backward pass (a stage
+    computes one micro-batch while its neighbours compute others; every micro-batch's
+    activations held until its backward pass); ``"sequential"``: each micro-batch's forward
+    and backward pass before the next (the stages take turns). Every stage computes its
+    forward passes in order and its backward passes in the same order, which is what the
+    links' one ordered channel needs (:class:`PipelineParallel`); the bits are the same in
+    both orders (each micro-batch's gradient is taken on its own). Pure. (1F1B's order, a
+    backward pass as soon as a micro-batch's forward pass has been through the last stage,
+    has the two stages of a link post their sends and receives in different orders: it needs
+    a channel per direction and sends that do not wait; not built, docs/runtime.md.)"""
+    if kind not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {kind!r}")
+    if kind == "sequential":
+        return [(fwd, k) for k in range(n) for fwd in (True, False)]
+    return [(True, k) for k in range(n)] + [(False, k) for k in range(n)]
 
 
 _TP: TensorParallel | None = None

@@ -26,6 +26,7 @@ user's model code does not change.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import functools
@@ -44,7 +45,14 @@ import torch.distributed as dist
 from unicron import protocol as P
 from unicron.detect.busy import read_queued_s
 from unicron.errors import UsageError
-from unicron.parallel import PipelineParallel, TensorParallel, pipeline_parallel, tensor_parallel
+from unicron.parallel import (
+    SCHEDULES,
+    PipelineParallel,
+    TensorParallel,
+    pipeline_parallel,
+    schedule,
+    tensor_parallel,
+)
 from unicron.protocol import (
     EpochInfo,
     host_port,
@@ -203,10 +211,6 @@ class Loop:
         return self._runner.attempts()
 
 
-SCHEDULES = ("gpipe", "sequential")
-"""the orders :func:`train` computes a pipeline's micro-batches in"""
-
-
 def train(
     *,
     model: torch.nn.Module,
@@ -228,10 +232,11 @@ def train(
     micro-batch. Returns ``None`` on a worker that was still waiting to join when the task
     finished. ``rebuild`` lets the task change its layout with its worker count
     (:data:`Rebuild`; the task's ``pp_choices``). ``schedule``: a pipeline's order of the
-    micro-batches, ``"gpipe"`` (every forward pass, then every backward pass: the stages
-    overlap; :meth:`Step.batches`) or ``"sequential"`` (each micro-batch through the stages
-    and back before the next: less memory, a stage idle while the others compute); the same
-    bits either way. Without a pipeline the micro-batches go one at a time."""
+    micro-batches (:func:`unicron.parallel.schedule`): ``"gpipe"`` (every forward pass,
+    then every backward pass: the stages overlap; every micro-batch's activations held until
+    its backward pass) or ``"sequential"`` (each micro-batch through the stages and back
+    before the next: a stage idle while the others compute); the same bits in both orders.
+    Without a pipeline the micro-batches go one at a time."""
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     loop = Loop(
@@ -248,16 +253,32 @@ def train(
         rebuild=rebuild,
     )
     for step in loop:
-        if schedule == "gpipe" and step.stages > 1:
-            losses = [loss_fn(loop.model, batch) for batch in step.batches()]
-            for loss in losses:
-                step.backward(loss)
-            del losses  # the graphs' activations
+        if step.stages > 1 and schedule != "sequential":
+            _pipelined(step, schedule, lambda batch: loss_fn(loop.model, batch))
         else:
             for batch in step:
                 step.backward(loss_fn(loop.model, batch))
         step.commit()
     return loop.result
+
+
+def _pipelined(step: Step, kind: str, forward: Callable[[Any], torch.Tensor]) -> None:
+    """Compute ``step``'s micro-batches on this pipeline stage in ``kind``'s order
+    (:func:`unicron.parallel.schedule`): each forward pass's loss kept until its backward
+    pass. A broken attempt (a neighbour lost) yields no more batches: the passes left are
+    skipped, and the commit says so."""
+    batches = step.batches()
+    losses: collections.deque[torch.Tensor] = collections.deque()
+    for fwd, _ in schedule(kind, step.todo, step.stage, step.stages):
+        if fwd:
+            batch = next(batches, None)
+            if batch is None:
+                break  # the attempt broke
+            losses.append(forward(batch))
+        else:
+            step.backward(losses.popleft())
+    while losses:  # after a break: the first drops the attempt's work here, the rest nothing
+        step.backward(losses.popleft())
 
 
 def _store_client(ctx: WorkerContext, connect_s: float | None = None) -> dist.Store:
@@ -684,6 +705,18 @@ class _Runner:
         self.mb.attempt = Step(self, step, todo, g)
         return self.mb.attempt
 
+    def _own_compute_s(self, s: Step) -> float:
+        """What attempt ``s`` has cost this worker's own compute so far, for an injected
+        ``slow`` fault to multiply: on a CPU the computing thread's CPU time (gloo moves the
+        replica's sums and links on threads of its own, so a wait on a peer is not in it; the
+        step's wall time is, and a slow rank of a pipeline, waited for by its peers and
+        waiting for them, multiplied its own slowness step after step: the soak's 4x-slow
+        rank grew to a hang), on an accelerator the wall time (its kernels run off the
+        thread)."""
+        if self.device.type == "cpu":
+            return time.thread_time() - s.cpu_at_start
+        return time.perf_counter() - s.began
+
     def make_batch(self, step: int, mb: int) -> Any:
         """Seed the micro-batch's randomness, collate its samples, move them to the device."""
         D.seed(L.mb_seed(self.seed, step, mb), self.device)
@@ -712,10 +745,9 @@ class _Runner:
             self.faults.fire_due("crash", s.index)
         s.closed = True
         g, step = self.groups[-1], s.index
-        compute_s = time.perf_counter() - s.began
         factor = self.faults.slowdown(step)
         if factor > 1.0:
-            time.sleep(compute_s * (factor - 1.0))
+            time.sleep(self._own_compute_s(s) * (factor - 1.0))
         queued_now = read_queued_s()
         self.link.send(
             P.StepComputed(

@@ -9,11 +9,12 @@ The yardstick of ``bench/pipeline.py`` for a pipeline's steady step time: the mo
 ``q * P + stage`` holding stage ``stage`` of replica ``q`` (an equal share of the blocks;
 the first stage the embedding, the last the final norm and the head), each stage a
 ``PipelineStage`` over its replica's process group, driven by PyTorch's ``ScheduleGPipe``
-(or ``Schedule1F1B``) over the replica's micro-batches (8 of 4 sequences a step, spread over
-the replicas), the gradients averaged across replicas on each stage's group in one
-all-reduce after the schedule (DDP under the schedule fails here: torch 2.13's reducer
-asserts on its rebuilt buckets after the first step), AdamW. Fault-free only: rank 0 writes
-Unicron-format events (``epoch_begin``, ``step_end`` with ``duration_s``, ``task_end``).
+(or ``Schedule1F1B``) over the replica's micro-batches (``--microbatches`` of 4 sequences a
+step, 8 by default, spread over the replicas), the gradients averaged across replicas on
+each stage's group in one all-reduce after the schedule (DDP under the schedule fails here:
+torch 2.13's reducer asserts on its rebuilt buckets after the first step), AdamW. Fault-free
+only: rank 0 writes Unicron-format events (``epoch_begin``, ``step_end`` with
+``duration_s``, ``task_end``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=llama_parallel.LlamaConfig.dim)
     p.add_argument("--hidden", type=int, default=llama_parallel.LlamaConfig.hidden)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
+    p.add_argument("--microbatches", type=int, default=MICROBATCHES, help="a step's")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--events", default=None)
     args = p.parse_args()
@@ -99,11 +101,11 @@ def main() -> int:
     module = StageModule(whole, stage, P)
     params = list(module.parameters())
     opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
-    mine = assign(range(MICROBATCHES), replicas)[q]
+    mine = assign(range(args.microbatches), replicas)[q]
     pipe = PipelineStage(module, stage, P, torch.device("cpu"), group=pp_groups[q])
     schedule = SCHEDULES[args.schedule](pipe, n_microbatches=len(mine), loss_fn=_loss)
     ledger = Ledger(dataset_len=len(dataset), micro_batch_size=MICRO_BATCH_SIZE,
-                    num_microbatches=MICROBATCHES, seed=SEED)  # fmt: skip
+                    num_microbatches=args.microbatches, seed=SEED)  # fmt: skip
     events.emit("epoch_begin", epoch=0, step=0, members=list(range(world)))
     loss: float | None = None  # known on the last stage (rank 0 is the first: left out)
     for step in range(args.steps):

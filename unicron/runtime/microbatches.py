@@ -48,8 +48,8 @@ class MicroBatches:
     """micro-batches of the step in the local sums"""
     pending: list[int] = field(default_factory=list)
     """micro-batches handed out and not yet computed, oldest first: one in a step iterated
-    micro-batch by micro-batch, the whole attempt in GPipe's order (:meth:`Step.batches`:
-    every forward pass, then the backward passes in the same order)"""
+    micro-batch by micro-batch, several in a pipeline's order (:meth:`Step.batches`: forward
+    passes ahead, the backward passes in the same order)"""
     attempt: Step | None = None
     """the step handed out and not yet committed"""
     crash_at: int = -1
@@ -67,7 +67,7 @@ class MicroBatches:
 
     def open(self, s: Step, mb: int, *, ahead: bool = False) -> None:
         """Micro-batch ``mb`` of step ``s`` is about to be computed (the checks of bad use);
-        ``ahead``: before the backward passes of those handed out already (GPipe's order)."""
+        ``ahead``: before the backward passes of those handed out already (a pipeline's order)."""
         self.check_open(s, f"micro-batch {mb} asked for")
         if mb not in s.microbatches:
             refuse(
@@ -82,7 +82,7 @@ class MicroBatches:
             refuse(
                 f"step {s.index}: micro-batch {mb} asked for before micro-batch "
                 f"{self.pending[0]} was computed: call step.backward(loss) for each batch "
-                "before the next (or iterate step.batches() for GPipe's order)"
+                "before the next (or iterate step.batches() to compute forward passes ahead)"
             )
         if s.microbatches.index(mb) == self.crash_at:
             self.faults.fire_due("crash", s.index)
@@ -107,7 +107,7 @@ class MicroBatches:
         of the micro-batches still handed out mean nothing and are dropped."""
         if self.par.broken is not None and not self.pending:
             self.check_open(s, "step.backward(loss)")
-            return  # GPipe's order: the first backward after the break dropped the attempt
+            return  # the first backward pass after the break dropped the attempt's work
         mb, last = self._take(s, "step.backward(loss)")
         if self.pipe.last and self.pipe.stages > 1:
             self.pipe.loss = float(loss.detach())  # goes back to the other stages

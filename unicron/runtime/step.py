@@ -45,6 +45,8 @@ class Step:
         self.world = group.world
         self.stages = runner.pipe.stages
         """the pipeline stages of this attempt's layout (1: no pipeline)"""
+        self.stage = runner.pipe.stage
+        """this rank's stage of them"""
         self.loss: float | None = None
         """the step's mean loss over all its micro-batches, once committed"""
         self.committed = False
@@ -52,6 +54,8 @@ class Step:
         self.broken: EpochOver | None = None
         """why the commit failed (the epoch changed); the loop goes to the next epoch"""
         self.began = time.perf_counter()
+        self.cpu_at_start = time.thread_time()
+        """the computing thread's CPU time when the attempt began (an injected slow fault)"""
         self.queued_at_start = read_queued_s()
         """this thread's run-queue wait so far (:mod:`unicron.detect.busy`)"""
 
@@ -71,15 +75,22 @@ class Step:
                     "step.backward(loss) for every batch the step yields"
                 )
 
+    @property
+    def todo(self) -> int:
+        """How many of :attr:`microbatches` are left to compute in this attempt (those kept
+        from an interrupted attempt are not computed again)."""
+        return sum(mb not in self._r.mb.done for mb in self.microbatches)
+
     def batches(self) -> Iterator[Any]:
-        """This replica's micro-batches in GPipe's order: each is handed out as it is
-        yielded, before the backward passes of the earlier ones. Compute every forward pass
-        (keeping each loss), then call :meth:`backward` with the losses in the order of the
-        batches. In a pipeline (:attr:`stages` > 1) a stage then computes the next
-        micro-batch's forward pass while the next stage computes this one's, and the backward
-        passes overlap alike; each micro-batch's gradient still goes to the reducer on its
-        own, so the step's bits are those of the one-at-a-time order. It keeps every
-        micro-batch's activations until its backward pass (GPipe's memory)."""
+        """This replica's micro-batches, each handed out as it is yielded, before the
+        backward passes of the earlier ones: compute forward passes ahead (keeping each
+        loss), then call :meth:`backward` with the losses in the order of the batches (a
+        pipeline stage's order: :func:`unicron.parallel.schedule`; :func:`unicron.worker.train`
+        does it). In a pipeline (:attr:`stages` > 1) a stage then computes one micro-batch
+        while its neighbours compute others; each micro-batch's gradient still goes to the
+        reducer on its own, so the step's bits are those of the one-at-a-time order. Each
+        micro-batch's activations are kept until its backward pass. Yields nothing more once
+        the attempt is broken."""
         for mb in self.microbatches:
             if self._r.par.broken is not None:
                 return  # the replica broke: the commit says False, the step comes again
