@@ -21,6 +21,7 @@ import pytest
 
 from unicron import protocol as P
 from unicron.control import messages as M
+from unicron.control import workerenv
 from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig, StackDumps
 from unicron.control.client import can_wait
 from unicron.control.heard import exit_reports, report_of
@@ -441,3 +442,11 @@ def test_the_reports_of_an_exit_pass_the_clusters_screen(returncode: int | None)
     assert [type(r).__name__ for r in reports] == ["Detected", "WorkerFailed"]
     assert all(_malformed(r, epoch=5) == "" for r in reports), reports
     assert reports[0].extra == ({} if returncode is None else {"returncode": returncode})  # type: ignore[union-attr]
+
+
+def test_a_worker_resolves_with_a_short_retry_unless_the_task_says_otherwise() -> None:
+    """Every store connection makes a reverse DNS query (torch formats its address); a
+    dropped one held an epoch's join for glibc's 5 s retry (workerenv.import_env)."""
+    assert workerenv.import_env(1, {})["RES_OPTIONS"] == "timeout:1 attempts:2"
+    mine = workerenv.import_env(1, {"RES_OPTIONS": "timeout:3"})
+    assert mine["RES_OPTIONS"] == "timeout:3"

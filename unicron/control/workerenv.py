@@ -104,16 +104,31 @@ class Account:
         os.chown(path, self.uid, self.gid)
 
 
+RESOLVER = "timeout:1 attempts:2"
+"""glibc's resolver options in a worker (:func:`import_env`): a dropped query is asked
+again after 1 s, not 5"""
+
+
 def import_env(threads: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """What a zygote's imports read from its environment, for ``threads`` torch threads on
-    top of ``base`` (default: this process's): torch's thread pools, its C++ log level and
-    gloo's lazy connect (a setting the task gave stays). Part of every zygote's environment
-    (:func:`base_env`), and all of one started before its task is known
-    (:func:`unicron.runtime.launcher.prewarm`)."""
+    top of ``base`` (default: this process's): torch's thread pools, its C++ log level,
+    gloo's lazy connect and the resolver's patience (a setting the task gave stays). Part of
+    every zygote's environment (:func:`base_env`), and all of one started before its task is
+    known (:func:`unicron.runtime.launcher.prewarm`).
+
+    ``RES_OPTIONS``: every TCPStore connection a worker opens (one per process group of an
+    epoch) makes a reverse DNS query: torch formats the address it connects through,
+    ``::ffff:127.0.0.1`` for a store on 127.0.0.1, with ``getnameinfo``, which ``/etc/hosts``
+    does not answer for an IPv4-mapped address. Where the resolver drops one, glibc waits 5 s
+    before it asks again (measured here: 2 of 60 connections to a TCPStore on 127.0.0.1 took
+    5.008 s), and every member of the epoch being joined waited for that one (the stall
+    detector killed it as stuck). A second's wait, twice, bounds that; the answer itself is
+    never used."""
     base = os.environ if base is None else base
     return {
         "TORCH_CPP_LOG_LEVEL": base.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
         "TORCH_GLOO_LAZY_INIT": base.get("TORCH_GLOO_LAZY_INIT", "1"),  # inside a sliced wait
+        "RES_OPTIONS": base.get("RES_OPTIONS", RESOLVER),
         ENV_THREADS: str(threads),
         "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
