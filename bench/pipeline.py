@@ -1,23 +1,22 @@
-"""A pipeline's steady step time and memory: Unicron's GPipe order against its one-at-a-time
-order and against PyTorch's own ``torch.distributed.pipelining`` (GPipe and 1F1B).
+"""A pipeline's steady step time and memory: Unicron's GPipe and 1F1B orders against its
+one-at-a-time order and against PyTorch's own ``torch.distributed.pipelining``.
 
 In one run, interleaved (every arm in turn, repetition after repetition):
 ``examples/train_llama_parallel.py`` under ``unicron run --pp P`` with ``--schedule gpipe``
-(the default: every micro-batch's forward pass, then every backward pass; a stage computes
-one micro-batch while its neighbours compute others) and ``--schedule sequential`` (each
-micro-batch through the stages and back before the next: the stages take turns), and the
-same model, micro-batches and optimizer in plain PyTorch under torchrun
-(``bench/baselines/pp_torch.py``: ``PipelineStage`` with ``ScheduleGPipe`` /
-``Schedule1F1B``, the replicas' gradients averaged in one all-reduce). Layouts: PP=2 on 2
-workers, PP=2 x DP=2 on 4, PP=4 on 4 (a block a stage); 16 micro-batches of 4 a step.
-Figures per layout and schedule: rank 0's median ``duration_s`` of ``step_end`` after the
-warm-up steps (``step_time_s[layout/schedule]``), the run's largest process's peak resident
-memory (``peak_rss_mb``: a stage's worker, holding its pending micro-batches' activations),
-and Unicron's GPipe median over its sequential order's, over PyTorch's GPipe and over
-PyTorch's 1F1B (``step_time_vs_sequential``, ``step_time_vs_torch[layout/gpipe]``,
-``step_time_vs_torch[layout/1f1b]``). Both Unicron orders train to the same bits
-(``tests/test_model_parallel_e2e.py``); on few cores the stages' processes share them, and the
-overlap gains what the turn-taking leaves idle.
+(the default: every micro-batch's forward pass, then every backward pass), ``1f1b`` (a stage
+fills the pipeline with a forward pass per later stage, then alternates one forward and one
+backward pass) and ``sequential`` (each micro-batch through the stages and back before the
+next: the stages take turns), and the same model, micro-batches and optimizer in plain
+PyTorch under torchrun (``bench/baselines/pp_torch.py``: ``PipelineStage`` with
+``ScheduleGPipe`` / ``Schedule1F1B``, the replicas' gradients averaged in one all-reduce).
+Layouts: PP=2 on 2 workers, PP=2 x DP=2 on 4, PP=4 on 4 (a block a stage); 16 micro-batches
+of 4 a step. Figures per layout and schedule: rank 0's median ``duration_s`` of ``step_end``
+after the warm-up steps (``step_time_s[layout/schedule]``), the run's largest process's peak
+resident memory (``peak_rss_mb``: a stage's worker, holding its pending micro-batches'
+activations), and Unicron's median over its one-at-a-time order's and over PyTorch's same
+schedule's (``step_time_vs_sequential``, ``step_time_vs_torch``). Every Unicron order trains
+to the same bits (``tests/test_model_parallel_e2e.py``); on few cores the stages' processes
+share them, and the overlap gains what the turn-taking leaves idle.
 
 Run only when named: ``python -m bench.pipeline [--quick]`` or
 ``python -m bench --scenario pipeline``.
@@ -38,7 +37,7 @@ from bench.events import read_events
 SCENARIO = "pipeline"
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"pp2": (2, 2, 2), "pp2dp2": (2, 4, 2), "pp4": (4, 4, 4)}  # (pp, workers, layers)
-ARMS = ("unicron-gpipe", "unicron-sequential", "torch-gpipe", "torch-1f1b")
+ARMS = ("unicron-gpipe", "unicron-1f1b", "unicron-sequential", "torch-gpipe", "torch-1f1b")
 PLAN = {True: (16, 4, 1), False: (30, 8, 3)}  # quick: (steps, warm-up steps, repetitions)
 DIM, MICROBATCHES = 256, 16  # the model's width (hidden units: twice it); a step's
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
@@ -118,17 +117,18 @@ def run(quick: bool) -> list[Row]:
                                      metric=f"{metric}[{layout}/{schedule}]",
                                      values=values[(arm, layout)], note=note))  # fmt: skip
         mid = {arm: statistics.median(times[(arm, layout)]) for arm in ARMS}
-        ours = mid["unicron-gpipe"]
-        for metric, other, said in (
-            ("step_time_vs_sequential[{}]", "unicron-sequential", "its one-at-a-time order's"),
-            ("step_time_vs_torch[{}/gpipe]", "torch-gpipe", "PyTorch's ScheduleGPipe's"),
-            ("step_time_vs_torch[{}/1f1b]", "torch-1f1b", "PyTorch's Schedule1F1B's"),
-        ):
-            rows.append(make_row(
-                system="unicron", scenario=SCENARIO, metric=metric.format(layout),
-                values=[ours / mid[other]], status="derived",
-                note=f"Unicron's median step time in GPipe's order / {said}, same run",
-            ))  # fmt: skip
+        for schedule in ("gpipe", "1f1b"):
+            ours = mid[f"unicron-{schedule}"]
+            for metric, other, said in (
+                ("step_time_vs_sequential", "unicron-sequential", "its one-at-a-time order's"),
+                ("step_time_vs_torch", f"torch-{schedule}", "PyTorch's same schedule's"),
+            ):
+                rows.append(make_row(
+                    system="unicron", scenario=SCENARIO,
+                    metric=f"{metric}[{layout}/{schedule}]", values=[ours / mid[other]],
+                    status="derived",
+                    note=f"Unicron's median step time in {schedule} order / {said}, same run",
+                ))  # fmt: skip
     return rows
 
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_parser("bench.pipeline", __doc__, quick="16 steps, one repetition")
     quick = p.parse_args(argv).quick
     rows = run(quick)
-    print_table(rows, title="A pipeline: GPipe's order vs one at a time vs PyTorch's own")
+    print_table(rows, title="A pipeline: GPipe and 1F1B vs one at a time vs PyTorch's own")
     # a full run measured every row of the scenario: it replaces them all
     save_scenario(rows, SCENARIO, ROOT / "bench" / "results", replace=not quick)
     write_summary(ROOT / "bench" / "results")

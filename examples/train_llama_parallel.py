@@ -43,7 +43,8 @@ def main() -> None:
                    "DTensor tensor parallelism (parallelize_module)")  # fmt: skip
     p.add_argument("--schedule", choices=unicron.parallel.SCHEDULES, default="gpipe",
                    help="a pipeline's order of the micro-batches: GPipe's (every forward, then "
-                   "every backward: the stages overlap) or one at a time")  # fmt: skip
+                   "every backward: the stages overlap), 1F1B (the same overlap, fewer "
+                   "activations held) or one at a time")  # fmt: skip
     args = p.parse_args()
     tp, pp = unicron.parallel.tensor_parallel(), unicron.parallel.pipeline_parallel()
     cfg = llama_parallel.LlamaConfig(

@@ -225,7 +225,7 @@ def test_the_step_api_outside_unicron_run_is_refused(monkeypatch: pytest.MonkeyP
 def test_an_unknown_pipeline_schedule_is_refused_before_anything_starts() -> None:
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    refused = r"schedule must be one of gpipe, sequential, got 'x'"
+    refused = r"schedule must be one of gpipe, 1f1b, sequential, got 'x'"
     with pytest.raises(UsageError, match=refused):
         train(model=model, optimizer=opt, loss_fn=lambda m, b: m(b).sum(),
               dataset=[torch.zeros(2)] * 4, micro_batch_size=1, num_microbatches=2, steps=1,

@@ -32,6 +32,7 @@ from unicron.detect.classify import verdict_for_kind
 from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.parallel import (
     SCHEDULES,
+    PairLink,
     PipelineParallel,
     TensorParallel,
     schedule,
@@ -130,7 +131,8 @@ def test_two_pipeline_stages_compute_the_whole_model_bit_for_bit() -> None:
             pg.broadcast([t], opts).wait()
 
         pp = PipelineParallel(s, 2, TensorParallel(0, 1))
-        pp.bind_epoch(link if s == 1 else None, link if s == 0 else None, RuntimeError)
+        pair = PairLink(link, s)
+        pp.bind_epoch(pair if s == 1 else None, pair if s == 0 else None, RuntimeError)
         out[s] = _stage_step(pp)
 
     threads = [threading.Thread(target=stage, args=(s,)) for s in (0, 1)]
@@ -850,15 +852,6 @@ def test_a_slice_that_cannot_be_cut_is_refused_with_its_name() -> None:
 
 
 # -- a pipeline's schedules (pure) ------------------------------------------------------------
-def _one_f_one_b(n: int, stage: int, stages: int) -> list[tuple[bool, int]]:
-    """Megatron-LM's 1F1B order (not offered: the test below says why)."""
-    warmup = min(stages - stage - 1, n)
-    order = [(True, k) for k in range(warmup)]
-    for k in range(n - warmup):
-        order += [(True, warmup + k), (False, k)]
-    return order + [(False, k) for k in range(n - warmup, n)]
-
-
 def _ops(order: list[tuple[bool, int]], stage: int, stages: int) -> list[tuple[str, str, int]]:
     """The link operations of ``stage`` computing in ``order``: ("send"/"recv", way, k), way
     "up" for activations to the next stage, "down" for gradients to the previous one."""
@@ -873,31 +866,44 @@ def _ops(order: list[tuple[bool, int]], stage: int, stages: int) -> list[tuple[s
     return ops
 
 
-def _runs(orders: list[list[tuple[bool, int]]]) -> bool:
-    """Whether every stage, computing in its order, gets through its link operations when
-    each link between two stages is one channel of blocking broadcasts that both post in
-    turn (:class:`~unicron.parallel.PipelineParallel`'s links): each broadcast needs the
-    neighbour's next operation on that link to be its other half."""
+def _runs(orders: list[list[tuple[bool, int]]], link: str) -> bool:
+    """Whether every stage, computing in its order, gets through its link operations,
+    receives blocking, over ``link``: ``posted``, a channel per direction and pair of stages
+    whose sends are posted (the worker's :class:`~unicron.runtime.replica.StageLink`);
+    ``blocking``, the same channels with sends that wait for their receive (a rendezvous
+    transport); ``shared``, one channel of blocking broadcasts per pair, which the two stages
+    must post in the same order (:class:`~unicron.parallel.PairLink`)."""
     stages = len(orders)
     todo = {s: _ops(order, s, stages) for s, order in enumerate(orders)}
 
-    def link(s: int, op: str, way: str) -> int:  # the link's lower stage
-        return s if (op, way) in (("send", "up"), ("recv", "down")) else s - 1
+    def channel(s: int, op: str, way: str) -> tuple[int, str]:  # (the pair's lower stage, way)
+        low = s if (op, way) in (("send", "up"), ("recv", "down")) else s - 1
+        return low, "both" if link == "shared" else way
 
+    boxes: dict[tuple[int, str], list[int]] = {}
     while any(todo.values()):
         moved = False
         for s, ops in todo.items():
             if not ops:
                 continue
             op, way, k = ops[0]
-            low = link(s, op, way)
-            peer = low + 1 if low == s else low
-            if not todo[peer] or link(peer, *todo[peer][0][:2]) != low:
-                continue  # the neighbour is at its other link
-            pop, pway, pk = todo[peer][0]
-            if (pway, pk) != (way, k) or pop == op:
-                return False  # the link's next broadcast differs on the two sides
-            todo[peer].pop(0)
+            at = channel(s, op, way)
+            if link == "posted":
+                box = boxes.setdefault(at, [])
+                if op == "send":
+                    box.append(k)
+                elif box and box[0] == k:
+                    box.pop(0)
+                else:
+                    continue
+            else:  # a rendezvous: the neighbour's next operation must be its other half
+                peer = at[0] + 1 if at[0] == s else at[0]
+                if not todo[peer] or channel(peer, *todo[peer][0][:2]) != at:
+                    continue  # the neighbour is busy with another channel
+                pop, pway, pk = todo[peer][0]
+                if (pway, pk) != (way, k) or pop == op:
+                    return False  # the channel's next broadcast differs on the two sides
+                todo[peer].pop(0)
             ops.pop(0)
             moved = True
         if not moved:
@@ -908,31 +914,36 @@ def _runs(orders: list[list[tuple[bool, int]]]) -> bool:
 @pytest.mark.parametrize("kind", SCHEDULES)
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
-def test_every_schedule_computes_each_microbatch_once_and_runs_over_the_links(
+def test_every_schedule_computes_each_microbatch_once_and_runs_over_the_workers_links(
     kind: str, stages: int, n: int
 ) -> None:
     orders = [schedule(kind, n, stage, stages) for stage in range(stages)]
-    for order in orders:
+    for stage, order in enumerate(orders):
         assert [k for f, k in order if f] == [k for f, k in order if not f] == list(range(n))
         for k in range(n):
             assert order.index((True, k)) < order.index((False, k))
         held = max(
             sum(f for f, _ in order[: i + 1]) - sum(not f for f, _ in order[: i + 1])
             for i in range(len(order))
-        )
-        assert held == (n if kind == "gpipe" else 1)  # activations held at once
-    assert _runs(orders), (kind, n, stages)
+        )  # micro-batches whose activations are held at once
+        assert held == {"gpipe": n, "1f1b": min(stages - stage, n), "sequential": 1}[kind]
+    assert _runs(orders, "posted"), (kind, n, stages)
 
 
-def test_1f1b_cannot_run_over_one_ordered_channel_per_link() -> None:
+def test_1f1b_needs_a_channel_per_direction_and_posted_sends() -> None:
     """In 1F1B's steady state the first stage sends micro-batch 1's activation before it
     receives micro-batch 0's gradient, while the second sends that gradient first: over one
-    channel of broadcasts per link the two disagree (why it is not offered; it needs a
-    channel per direction and sends that do not wait)."""
-    assert not _runs([_one_f_one_b(4, s, 2) for s in range(2)])
-    assert _runs([_one_f_one_b(1, s, 2) for s in range(2)])  # one micro-batch: no overlap
+    ordered channel (PairLink) the two disagree, and with a channel per direction whose sends
+    wait for their receive both wait on their send. GPipe and one at a time run over any."""
+    orders = [schedule("1f1b", 4, s, 2) for s in range(2)]
+    assert _runs(orders, "posted")
+    assert not _runs(orders, "shared")
+    assert not _runs(orders, "blocking")
+    for kind in ("gpipe", "sequential"):
+        for link in ("shared", "blocking"):
+            assert _runs([schedule(kind, 4, s, 3) for s in range(3)], link), (kind, link)
 
 
 def test_an_unknown_schedule_is_refused() -> None:
-    with pytest.raises(ValueError, match="schedule must be one of gpipe, sequential"):
-        schedule("1f1b", 4, 0, 2)
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, sequential"):
+        schedule("interleaved", 4, 0, 2)

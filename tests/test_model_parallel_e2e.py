@@ -117,12 +117,13 @@ def _same(clean: Any, faulty: Any, steps: int) -> None:
 
 def test_a_lost_rank_of_a_3d_replica_heals_to_the_fault_free_bits(run: Any) -> None:
     """TP=2 x PP=2 x DP=2: rank 2 (stage 1, rank 0 of its tensor-parallel group, replica 0)
-    lost mid-micro-batch, then rank 5 (stage 0, replica 1)."""
+    lost mid-micro-batch, then rank 5 (stage 0, replica 1). The fault-free run computes in
+    GPipe's order, the faulty one in 1F1B's (its links post their sends): the same bits."""
     layout = ("--nproc-per-node", "8", "--tp", "2", "--pp", "2")
     clean = _tp(run, *layout, steps=10)
-    faulty = _tp(
-        run, *layout, "--inject", "crash:rank=2,step=4,mb=1", "--inject", "crash:rank=5,step=7",
-        steps=10,
+    faulty = run(
+        *layout, "--inject", "crash:rank=2,step=4,mb=1", "--inject", "crash:rank=5,step=7",
+        script=SCRIPT, script_args=("--steps", "10", "--out", "out", "--schedule", "1f1b"),
     )  # fmt: skip
     _same(clean, faulty, 10)
     epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,8 @@ __all__ = [
     "SCHEDULES",
     "TP_DIM",
     "ColumnParallelLinear",
+    "Link",
+    "PairLink",
     "PipelineParallel",
     "RowParallelLinear",
     "TensorParallel",
@@ -161,6 +163,44 @@ class TensorParallel:
         return self.rank * k, k
 
 
+class Link(Protocol):
+    """This stage's side of its link to a neighbouring stage of the replica (at the same
+    tensor-parallel rank): what it sends one way, what it receives the other."""
+
+    def send(self, t: torch.Tensor) -> None:
+        """Post ``t`` to the neighbour; may return before the neighbour has it (the caller
+        does not use ``t`` again)."""
+
+    def recv(self, t: torch.Tensor) -> None:
+        """Fill ``t`` with the neighbour's next tensor of this direction (blocks)."""
+
+    def flush(self) -> None:
+        """Return once every tensor posted by :meth:`send` has been delivered."""
+
+
+class PairLink:
+    """A :class:`Link` over one channel of blocking broadcasts of the two stages,
+    ``broadcast(t, src)`` (``src``: the pair's member that sends, 0 the lower stage), this
+    stage being member ``me``. Both directions share the channel's one order: enough for
+    GPipe's order and one at a time (each stage posts its forward passes, then its backward
+    passes, in its neighbour's order), not for 1F1B (:func:`schedule`). For a script of its
+    own over torch process groups (``bench/baselines/tp_ckpt.py``) and the tests; the
+    worker's links (:class:`unicron.runtime.replica.StageLink`) have a channel per direction
+    and post their sends."""
+
+    def __init__(self, broadcast: Callable[[torch.Tensor, int], None], me: int) -> None:
+        self._broadcast, self._me = broadcast, me
+
+    def send(self, t: torch.Tensor) -> None:
+        self._broadcast(t, self._me)
+
+    def recv(self, t: torch.Tensor) -> None:
+        self._broadcast(t, 1 - self._me)
+
+    def flush(self) -> None:
+        return None
+
+
 class PipelineParallel:
     """This rank's pipeline stage (:attr:`stage` of :attr:`stages`) and its links to the
     neighbouring stages of its replica (the same tensor-parallel rank in each).
@@ -168,11 +208,11 @@ class PipelineParallel:
     One per process (:func:`pipeline_parallel`). A stage's module ends in :meth:`send`
     (every stage but the last: it passes its output on and returns the micro-batch's loss,
     filled in once the backward pass came back from the last stage) and begins with
-    :meth:`receive` (every stage but the first); the gradient goes back the same links. Each
-    link is one ordered channel of broadcasts: the stages compute their forward passes in one
-    order and their backward passes in the same order (:func:`schedule`: GPipe's, or one
-    micro-batch at a time). A failed link breaks the attempt as a failed sum does (it shares
-    :attr:`TensorParallel.broken`)."""
+    :meth:`receive` (every stage but the first); the gradient goes back over the same
+    :class:`Link`. The worker computes the micro-batches in GPipe's, 1F1B's or one-at-a-time
+    order (:func:`schedule`): every stage computes its forward passes in one order and its
+    backward passes in the same order. A failed link breaks the attempt as a failed sum does
+    (it shares :attr:`TensorParallel.broken`)."""
 
     def __init__(self, stage: int, stages: int, tp: TensorParallel) -> None:
         if not 0 <= stage < stages:
@@ -181,8 +221,8 @@ class PipelineParallel:
         self.loss = 0.0
         """the current micro-batch's loss: the last stage's, set by the worker before the
         backward pass; the others', received with the gradient"""
-        self._prev: Callable[[torch.Tensor, int], None] | None = None
-        self._next: Callable[[torch.Tensor, int], None] | None = None
+        self._prev: Link | None = None
+        self._next: Link | None = None
         self._catch: tuple[type[BaseException], ...] = ()
         self.device = torch.device("cpu")
         """where received activations and gradients are put (the worker's device)"""
@@ -199,21 +239,21 @@ class PipelineParallel:
 
     def bind_epoch(
         self,
-        prev: Callable[[torch.Tensor, int], None] | None,
-        next_: Callable[[torch.Tensor, int], None] | None,
+        prev: Link | None,
+        next_: Link | None,
         catch: type[BaseException],
         device: torch.device | None = None,
     ) -> None:
-        """Broadcast over the links of this epoch: ``prev(tensor, src)`` with the previous
-        stage (this stage is member 1 of the pair), ``next_`` with the next (member 0); an
-        exception of type ``catch`` breaks the attempt; ``device``: the worker's. Called by
-        the worker."""
+        """Move tensors over the links of this epoch: ``prev`` to the previous stage,
+        ``next_`` to the next; an exception of type ``catch`` breaks the attempt;
+        ``device``: the worker's. Called by the worker."""
         self._prev, self._next, self._catch = prev, next_, (catch,)
         if device is not None:
             self.device = device
 
-    def _move(self, link: Callable[[torch.Tensor, int], None] | None, t: torch.Tensor,
-              src: int) -> None:  # fmt: skip
+    def _move(self, link: Link | None, t: torch.Tensor, out: bool) -> None:
+        """Send ``t`` over ``link`` (``out``) or receive into it, unless the attempt is
+        broken; a failure breaks it."""
         self.used += 1
         if self.tp.broken is not None:
             return
@@ -223,9 +263,20 @@ class PipelineParallel:
                 "script under `unicron run --pp N`"
             )
         try:
-            link(t, src)
+            link.send(t) if out else link.recv(t)
         except self._catch as exc:  # a stage of the replica is gone, or the epoch is over
             self.tp.broken = exc
+
+    def flush(self) -> None:
+        """Wait until every tensor this stage sent in the attempt is delivered (the worker
+        calls it before the attempt's commit); a failed delivery breaks the attempt."""
+        for link in (self._prev, self._next):
+            if link is None or self.tp.broken is not None:
+                continue
+            try:
+                link.flush()
+            except self._catch as exc:
+                self.tp.broken = exc
 
     def send(self, x: torch.Tensor) -> torch.Tensor:
         """Pass this stage's output ``x`` to the next stage; the micro-batch's loss comes
@@ -249,7 +300,7 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, pp: PipelineParallel) -> torch.Tensor:
         ctx.pp, ctx.shape, ctx.dtype = pp, x.shape, x.dtype
-        pp._move(pp._next, x.detach().contiguous(), 0)
+        pp._move(pp._next, x.detach().contiguous(), out=True)
         out = torch.zeros((), dtype=torch.float32)
         ctx.out = out  # the loss, written when the gradient brings it back
         return out
@@ -258,7 +309,7 @@ class _Send(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         pp: PipelineParallel = ctx.pp
         buf = torch.zeros(math.prod(ctx.shape) + 1, dtype=torch.float32, device=pp.device)
-        pp._move(pp._next, buf, 1)
+        pp._move(pp._next, buf, out=False)
         pp.loss = float(buf[-1])
         ctx.out.fill_(pp.loss)
         back = buf[:-1].view(ctx.shape).to(ctx.dtype)
@@ -271,7 +322,7 @@ class _Receive(torch.autograd.Function):
                 shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         ctx.pp = pp
         x = torch.zeros(shape, dtype=dtype, device=pp.device)
-        pp._move(pp._prev, x, 0)
+        pp._move(pp._prev, x, out=False)
         return x
 
     @staticmethod
@@ -280,32 +331,45 @@ class _Receive(torch.autograd.Function):
         buf = torch.empty(grad.numel() + 1, dtype=torch.float32, device=grad.device)
         buf[:-1].copy_(grad.reshape(-1))
         buf[-1] = pp.loss
-        pp._move(pp._prev, buf, 1)
+        pp._move(pp._prev, buf, out=True)
         return None, None, None, None
 
 
-SCHEDULES = ("gpipe", "sequential")
+SCHEDULES = ("gpipe", "1f1b", "sequential")
 """the orders a pipeline's micro-batches are computed in (:func:`schedule`)"""
 
 
 def schedule(kind: str, n: int, stage: int, stages: int) -> list[tuple[bool, int]]:
     """The order in which ``stage`` of ``stages`` computes its ``n`` micro-batches of an
     attempt: ``(forward, k)`` pairs, a forward pass (``True``) or a backward pass of the
-    ``k``-th micro-batch. ``"gpipe"``: every forward pass, then every backward pass (a stage
-    computes one micro-batch while its neighbours compute others; every micro-batch's
-    activations held until its backward pass); ``"sequential"``: each micro-batch's forward
-    and backward pass before the next (the stages take turns). Every stage computes its
-    forward passes in order and its backward passes in the same order, which is what the
-    links' one ordered channel needs (:class:`PipelineParallel`); the bits are the same in
-    both orders (each micro-batch's gradient is taken on its own). Pure. (1F1B's order, a
-    backward pass as soon as a micro-batch's forward pass has been through the last stage,
-    has the two stages of a link post their sends and receives in different orders: it needs
-    a channel per direction and sends that do not wait; not built, docs/runtime.md.)"""
+    ``k``-th micro-batch. Every stage computes its forward passes in order and its backward
+    passes in the same order, whatever ``kind``:
+
+    - ``"gpipe"``: every forward pass, then every backward pass (every micro-batch's
+      activations held until its backward pass);
+    - ``"1f1b"`` (Megatron-LM's): ``stages - stage - 1`` forward passes to fill the pipeline
+      (fewer if ``n`` is smaller), then one forward and one backward pass in turn, then the
+      backward passes left: a stage holds at most ``stages - stage`` micro-batches'
+      activations. Its two neighbours post their sends in different orders, so it needs a
+      channel per direction and sends that do not wait (the worker's
+      :class:`~unicron.runtime.replica.StageLink`; not :class:`PairLink`);
+    - ``"sequential"``: each micro-batch's forward and backward pass before the next (the
+      stages take turns).
+
+    In a pipeline (``stages`` > 1) the first two overlap the stages, with the same bubble;
+    the bits are the same in every order (each micro-batch's gradient is taken on its own).
+    Pure."""
     if kind not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {kind!r}")
     if kind == "sequential":
         return [(fwd, k) for k in range(n) for fwd in (True, False)]
-    return [(True, k) for k in range(n)] + [(False, k) for k in range(n)]
+    if kind == "gpipe":
+        return [(True, k) for k in range(n)] + [(False, k) for k in range(n)]
+    warmup = min(stages - stage - 1, n)
+    order = [(True, k) for k in range(warmup)]
+    for k in range(n - warmup):
+        order += [(True, warmup + k), (False, k)]
+    return order + [(False, k) for k in range(n - warmup, n)]
 
 
 _TP: TensorParallel | None = None

@@ -234,9 +234,11 @@ def train(
     (:data:`Rebuild`; the task's ``pp_choices``). ``schedule``: a pipeline's order of the
     micro-batches (:func:`unicron.parallel.schedule`): ``"gpipe"`` (every forward pass,
     then every backward pass: the stages overlap; every micro-batch's activations held until
-    its backward pass) or ``"sequential"`` (each micro-batch through the stages and back
-    before the next: a stage idle while the others compute); the same bits in both orders.
-    Without a pipeline the micro-batches go one at a time."""
+    its backward pass), ``"1f1b"`` (the same overlap, a stage holding at most as many
+    micro-batches' activations as there are stages from it to the last) or ``"sequential"``
+    (each micro-batch through the stages and back before the next: a stage idle while the
+    others compute); the same bits in every order. Without a pipeline the micro-batches go
+    one at a time."""
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     loop = Loop(
@@ -734,7 +736,10 @@ class _Runner:
     def commit(self, s: Step, before_optimizer: Callable[[], object] | None) -> bool:
         """Reduce, vote, apply (see :meth:`Step.commit`)."""
         self.mb.check_open(s, "step.commit()")
+        self.pipe.flush()  # what this stage sent is delivered, or the attempt is broken
         if self.par.broken is not None:  # the replica broke in this attempt: nobody commits
+            self.mb.clear()  # its sums here mean nothing (a send failed after they were made)
+            self.grads.clear()
             s.closed = True
             self.groups[-1].abort(s.index)
             why = self.par.broken

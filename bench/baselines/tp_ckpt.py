@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import llama_parallel
 
 from bench.baselines.loop import CPU, EventWriter, FaultPlan, setup_threads
-from unicron.parallel import PipelineParallel, TensorParallel
+from unicron.parallel import PairLink, PipelineParallel, TensorParallel
 from unicron.runtime.device import seed
 from unicron.runtime.digest import params_sha256
 from unicron.runtime.ledger import Ledger, assign, mb_seed
@@ -82,9 +82,10 @@ def main() -> int:
     tp.bind(tp_groups[(q, stage)])
     pp = PipelineParallel(stage, P, tp)
 
-    def link(key: tuple[int, int]) -> Any:
+    def link(key: tuple[int, int]) -> PairLink:
         pair, group = links[key]
-        return lambda x, src: dist.broadcast(x, src=pair[src], group=group)
+        me = pair.index(rank)
+        return PairLink(lambda x, src: dist.broadcast(x, src=pair[src], group=group), me)
 
     pp.bind_epoch(
         link((q, place - T)) if stage > 0 else None,

@@ -480,7 +480,7 @@ class EpochGroup:
         """Start broadcasting ``tensor`` (on :attr:`wire`) from member ``src``; see :meth:`wait`."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        return self.pg.broadcast([tensor], opts)
+        return self._start(lambda: self.pg.broadcast([tensor], opts))
 
     def allreduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` in place over the members (staged through :attr:`wire`)."""

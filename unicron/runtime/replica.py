@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from unicron.parallel import PipelineParallel, TensorParallel
 from unicron.runtime.group import EpochGroup, EpochOver
 
-__all__ = ["SyncPlan", "bind", "plan"]
+__all__ = ["StageLink", "SyncPlan", "bind", "plan"]
 
 STEP, NODE, DIGEST, MASK, LAYOUT, CHECKPOINT, MOVED = 0, 1, 2, 5, -3, -2, -1
 """columns of a ledger exchange row: committed step (-1: no state), node, the parameters'
@@ -59,16 +60,46 @@ def bind(
         replica = g.subgroup(list(range(start, start + tp)), "tp")
         replica.on_wait = said
         par.bind_epoch(replica.allreduce, EpochOver, replica)
-    links: list[Callable[[torch.Tensor, int], None] | None] = []
+    links: list[StageLink | None] = []
     for other in (g.rank - tp, g.rank + tp):  # the same tp rank one stage up, one down
         if not first <= other < first + size:
             links.append(None)
             continue
-        pair = g.subgroup(sorted([g.rank, other]), "pp")
-        pair.on_wait = said
-        links.append(pair.broadcast)
+        pair = sorted([g.rank, other])
+        up, down = g.subgroup(pair, "pp"), g.subgroup(pair, "pp-grad")
+        up.on_wait = down.on_wait = said
+        me = pair.index(g.rank)  # 0: the lower stage, which sends up and receives down
+        links.append(StageLink(up, down) if me == 0 else StageLink(down, up))
     pipe.bind_epoch(links[0], links[1], EpochOver, device)
     return dp
+
+
+class StageLink:
+    """This stage's side of the link to a neighbouring stage in an epoch
+    (:class:`unicron.parallel.Link`): a two-member group per direction, activations going
+    up one, gradients down the other, so that each is one ordered channel whatever order the
+    schedule posts the two in (1F1B). It sends over ``out`` and receives over ``into``, as
+    broadcasts from the sending member. A send is posted and not waited for (the tensor is
+    kept until :meth:`flush`): a stage whose neighbour sends it a gradient while it sends the
+    neighbour an activation must not wait for its own send first, or both wait (a
+    rendezvous transport: NCCL's, gloo's past its socket buffers). A receive is waited for in
+    slices like every collective, a long wait told to the agent (the group's ``on_wait``)."""
+
+    def __init__(self, out: EpochGroup, into: EpochGroup) -> None:
+        self.out, self.into = out, into
+        self._posted: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, t: torch.Tensor) -> None:
+        wired = t.to(self.out.wire, copy=True)  # the caller's tensor is free again at once
+        self._posted.append((self.out.ibroadcast(wired, self.out.rank), wired))
+
+    def recv(self, t: torch.Tensor) -> None:
+        self.into.broadcast(t, 1 - self.into.rank)
+
+    def flush(self) -> None:
+        posted, self._posted = self._posted, []
+        for work, _ in posted:
+            self.out.wait(work)
 
 
 @dataclass(frozen=True)
