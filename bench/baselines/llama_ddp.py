@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import llama
 
-from bench.baselines.loop import CPU, EventWriter
+from bench.baselines.loop import CPU, EventWriter, exit_now
 from unicron.runtime.device import seed
 from unicron.runtime.ledger import Ledger, assign, mb_seed
 
@@ -71,9 +70,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # no interpreter teardown: destroying the gloo group, or its threads at exit, may hang or
-    # abort once the peers are gone (bench/baselines/train_ckpt.py does the same)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,6 +154,17 @@ def vanish_node(marker_dir: Path, node: int, agent_pid: int | None) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_now(code: int = 0) -> None:
+    """End a baseline's process with ``code`` once its run is over, without the
+    interpreter's teardown: a gloo or store thread destructed at exit now and then aborts
+    the process ("terminate called without an active exception", SIGABRT) after the run has
+    finished, or hangs once the peers are gone, and torchrun restarts the whole group for
+    it. Every baseline's ``__main__`` ends here."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def setup_threads(pid_dir: str | None = None) -> None:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import llama_parallel
 
-from bench.baselines.loop import EventWriter, setup_threads
+from bench.baselines.loop import EventWriter, exit_now, setup_threads
 from unicron.parallel import TensorParallel
 from unicron.runtime.ledger import Ledger, assign
 
@@ -141,7 +141,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     main()
-    # no interpreter teardown (bench/baselines/train_ckpt.py says why)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

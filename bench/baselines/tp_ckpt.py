@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import llama_parallel
 
-from bench.baselines.loop import CPU, EventWriter, FaultPlan, setup_threads
+from bench.baselines.loop import CPU, EventWriter, FaultPlan, exit_now, setup_threads
 from unicron.parallel import PairLink, PipelineParallel, TensorParallel
 from unicron.runtime.device import seed
 from unicron.runtime.digest import params_sha256
@@ -143,7 +143,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     main()
-    # no interpreter teardown (bench/baselines/train_ckpt.py says why)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import llama_parallel
 
-from bench.baselines.loop import CPU, EventWriter, FaultPlan, setup_threads
+from bench.baselines.loop import CPU, EventWriter, FaultPlan, exit_now, setup_threads
 from bench.baselines.train_torchft import make_manager, start_barrier
 from unicron.parallel import TensorParallel
 from unicron.runtime.device import seed
@@ -133,7 +133,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     main()
-    # no interpreter teardown (bench/baselines/train_ckpt.py says why)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +29,7 @@ from bench.baselines.loop import (
     FaultPlan,
     Trainer,
     accumulate,
+    exit_now,
     local_microbatches,
     setup_threads,
 )
@@ -137,9 +137,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # No interpreter teardown: a gloo/store thread destructed at exit now and then aborts the
-    # process ("terminate called without an active exception", SIGABRT) after the run has
-    # finished, and torchrun restarts the whole group for it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()
