@@ -62,12 +62,17 @@ class Step:
     def __repr__(self) -> str:
         return f"Step({self.index}, microbatches={list(self.microbatches)}, epoch={self.epoch})"
 
-    def __iter__(self) -> Iterator[Any]:
+    def _left(self) -> Iterator[int]:
+        """The micro-batches of the attempt not computed yet, read as each is reached, until
+        the replica breaks (the commit then says False, the step comes again)."""
         for mb in self.microbatches:
             if self._r.par.broken is not None:
-                return  # the replica broke: the commit says False, the step comes again
-            if mb in self._r.mb.done:
-                continue
+                return
+            if mb not in self._r.mb.done:
+                yield mb
+
+    def __iter__(self) -> Iterator[Any]:
+        for mb in self._left():
             yield self.batch(mb)
             if mb in self._r.mb.pending:
                 refuse(
@@ -91,11 +96,7 @@ class Step:
         reducer on its own, so the step's bits are those of the one-at-a-time order. Each
         micro-batch's activations are kept until its backward pass. Yields nothing more once
         the attempt is broken."""
-        for mb in self.microbatches:
-            if self._r.par.broken is not None:
-                return  # the replica broke: the commit says False, the step comes again
-            if mb in self._r.mb.done:
-                continue
+        for mb in self._left():
             self._r.mb.open(self, mb, ahead=True)
             yield self._r.make_batch(self.index, mb)
 
