@@ -9,7 +9,7 @@ from unicron.control.allocation import TaskView, decide
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog, read_events
-from unicron.control.messages import Kill, Spawn
+from unicron.messages import Kill, Spawn
 
 DAY = 86400.0
 

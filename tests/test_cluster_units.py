@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control.state import DB, SCHEMA, NodeRow, TaskRow, open_state
 from unicron.control.taskspec import load, parse
 from unicron.detect.classify import Action, Scope, Severity, Verdict
 from unicron.errors import UsageError
+from unicron.protocol import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_gpt.py"
@@ -217,17 +218,41 @@ EXAMPLES: list[Any] = [
         slot=1, ts=5.0, verdict=Verdict("lost", Severity.SEV1, Action.EXCLUDE, "x", Scope.NODE)
     ),
     M.WorkerLeft(slot=0, ts=6.0),
-    M.WorkerDone(slot=0, ts=7.0, report={"params_sha256": "ab", "steps": 3}),
+    M.WorkerDone(slot=0, ts=7.0, steps=3, final_loss=None, params_sha256="ab", rank=0, epoch=2),
     M.BadInput(ts=8.0, message="checkpoint of another model"),
     M.ProbeDone(slot=1, ts=9.0, ok=False, detail="no"),
     M.ProbeNotStarted(slot=1, ts=9.5, error="fork failed"),
     M.Census(ts=10.0, alive=(0, 1), ready=(1,)),
     M.Reply(actions=(M.Spawn(slot=1), M.Kill(slot=0, verdict=VERDICT), M.Probe(slot=2)), over=True),
+    M.Assignment(
+        uid="u1",
+        name="t",
+        slots=(0, 2),
+        script="train.py",
+        args=("--steps", "4"),
+        inject=("crash:rank=0,step=3",),
+        threads=1,
+        store="10.0.0.1:29500",
+        store_key="k",
+        device="cpu",
+        settings=WorkerSettings(tp=2, resume=True),
+        env={"A": "1"},
+    ),
+    # what only the agent's local socket carries, through the same codec
+    M.Hello(slot=1, pid=42, incarnation=0),
+    M.Error(type_name="RuntimeError", message="boom", in_band=True, step=4, epoch=3),
+    M.WhereStore(),
+    M.StoreAt(address="10.0.0.1:29500"),
+    M.NodeFault(),
+    M.ZygoteUp(pid=7),
+    M.Spawned(slot=1, pid=43, incarnation=1),
+    M.Exited(pid=43, returncode=-9),
+    M.SpawnWorker(slot=1, incarnation=1, env={"A": "1"}, script="t.py", argv=("-x",), log="l"),
 ]
 
 
 def test_every_message_type_is_covered() -> None:
-    assert {type(m).__name__ for m in EXAMPLES} == set(M._TYPES)
+    assert {type(m).__name__ for m in EXAMPLES} == set(M.KINDS)
 
 
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
@@ -244,8 +269,20 @@ def test_codec_roundtrip(msg: Any) -> None:
     [{}, {"type": "Nope"}, {"type": "Spawn"}, {"type": "Spawn", "slot": "one"},
      {"type": "Spawn", "slot": True}, {"type": "Ready", "slot": 1, "ts": "now"},
      {"type": "StepBegan", "slot": 1, "ts": 1, "step": 1.5},
-     {"type": "Kill", "slot": 1, "verdict": {"kind": "x"}}, {"type": "Reply", "actions": [{}]}],
+     {"type": "Kill", "slot": 1, "verdict": {"kind": "x"}}, {"type": "Reply", "actions": [{}]},
+     {"type": "Probe", "slot": 1, "extra": 2}],
 )  # fmt: skip
 def test_codec_refuses_what_is_not_a_message(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="not a message"):
         M.from_wire(bad)
+
+
+def test_an_assignment_carries_its_workers_settings_typed_and_refuses_unknown_ones() -> None:
+    """The assignment an agent gets with its heartbeat is a typed message of the one codec:
+    its workers' settings arrive as :class:`~unicron.protocol.WorkerSettings`, and a setting
+    this release does not know is refused, not dropped."""
+    (assignment,) = [m for m in EXAMPLES if isinstance(m, M.Assignment)]
+    wire = M.to_wire(assignment)
+    assert M.from_wire(wire).settings == WorkerSettings(tp=2, resume=True)
+    with pytest.raises(ValueError, match="not a message"):
+        M.from_wire({**wire, "settings": {**wire["settings"], "nope": 1}})

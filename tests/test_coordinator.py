@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control.coordinator import (
     FAST_EXCHANGE_S,
     Coordinator,

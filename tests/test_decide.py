@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.effects import AnnounceEpoch, LogEvent, Tell, WriteStoreKey
 from unicron.control.escalation import Escalation, EscalationSettings

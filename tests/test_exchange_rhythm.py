@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control.client import Client, TaskLink
 from unicron.control.cluster import Cluster
 from unicron.control.service import serve
@@ -64,8 +64,8 @@ def _one_task(cluster: Cluster, client: Client) -> tuple[int, int, TaskLink]:
             "workers": {"min": 1, "max": 1}, "checkpoint": {"every": 0}}  # fmt: skip
     cluster.submit(TaskSpec.model_validate(spec), time.time())
     (assignment,) = cluster.heartbeat("n0", "inst", time.time())
-    (slot,) = assignment["slots"]
-    link = TaskLink(client, "n0", "inst", assignment["uid"],
+    (slot,) = assignment.slots
+    link = TaskLink(client, "n0", "inst", assignment.uid,
                     lambda: M.Census(ts=time.time(), alive=(slot,)))  # fmt: skip
     return nid, slot, link
 

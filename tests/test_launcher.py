@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from unicron.protocol import ENV_AGENT, ENV_AUTHKEY, ZygoteUp, decode
+from unicron.messages import ZygoteUp, from_wire
+from unicron.protocol import ENV_AGENT, ENV_AUTHKEY
 from unicron.runtime.launcher import prewarm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -32,7 +33,7 @@ def test_an_adopted_zygote_takes_its_tasks_environment_and_reports_to_its_agent(
             zygote.stdin.write(json.dumps(task_env).encode() + b"\n")
             zygote.stdin.close()
             conn = listener.accept()  # only with the address it was given on stdin
-            up = decode(conn.recv())
+            up = from_wire(conn.recv())
             assert isinstance(up, ZygoteUp) and up.pid == zygote.pid
             # the stdin a zygote the agent starts itself has: what its workers inherit
             assert os.readlink(f"/proc/{zygote.pid}/fd/0") == os.devnull

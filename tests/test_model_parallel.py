@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control import replicas
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from tests.conftest import ROOT, TRAIN, RunResult
 from tests.test_decide import names, running
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control import store as S
 from unicron.control.coordinator import Coordinator, CoordinatorSettings
 from unicron.control.effects import AnnounceEpoch, WriteStoreKey

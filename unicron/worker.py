@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron import protocol as P
+from unicron import messages as M
 from unicron.detect.busy import read_queued_s
 from unicron.errors import UsageError
 from unicron.parallel import (
@@ -457,7 +457,8 @@ class _Runner:
         epoch, last_loss = self.watch.latest(), float("nan")
         model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         # the state a joiner receives: the model and (AdamW-like) two moments per parameter
-        self.link.send(P.Ready(microbatches=self.M, state_bytes=3 * model_bytes))
+        self.link.send(M.Ready(slot=self.ctx.slot, ts=time.time(), microbatches=self.M,
+                            state_bytes=3 * model_bytes))  # fmt: skip
         while self.step < self.steps:
             info = self._wait_for_epoch(after=epoch)
             if info is None:
@@ -528,7 +529,7 @@ class _Runner:
             cause = exc.cause
         else:
             return
-        self.link.send(P.Error(type_name=type(cause).__name__, message=str(cause),
+        self.link.send(M.Error(type_name=type(cause).__name__, message=str(cause),
                                in_band=True, step=self.step, epoch=epoch))  # fmt: skip
 
     def _finish(self, epoch: int, last_loss: float) -> None:
@@ -540,17 +541,11 @@ class _Runner:
         if group.rank < self.R and self.out is not None:  # replica 0: a file per shard
             name = "final.pt" if self.R == 1 else f"final.shard{self.place}.pt"
             save_atomic(self.model.state_dict(), self.out / name)
-        self.link.send(
-            P.WorkerDone(
-                steps=self.step,
-                # none when no step was computed here (a resume of a run that had finished)
-                final_loss=None if math.isnan(last_loss) else last_loss,
-                params_sha256=sha,
-                rank=group.rank,
-                epoch=epoch,
-                shard=self.place,
-            )
-        )
+        # final_loss: none when no step was computed here (a resume of a run that had finished)
+        self.link.send(M.WorkerDone(slot=self.ctx.slot, ts=time.time(), steps=self.step,
+                                    final_loss=None if math.isnan(last_loss) else last_loss,
+                                    params_sha256=sha, rank=group.rank, epoch=epoch,
+                                    shard=self.place))  # fmt: skip
         self.result = TrainResult(
             steps=self.step, final_loss=last_loss, params_sha256=sha, rank=group.rank, epoch=epoch
         )
@@ -587,7 +582,7 @@ class _Runner:
         """Join epoch ``info``: rendezvous, ledger exchange, state; this member's share of
         the interrupted step's missing micro-batches."""
         t0 = time.time()
-        self.link.send(P.EpochEntered(epoch=info.epoch))
+        self.link.send(M.EpochEntered(slot=self.ctx.slot, ts=time.time(), epoch=info.epoch))
         rank = info.members.index(self.ctx.slot)
         store = (self.ctx.store_host, self.ctx.store_port)
         os.environ.update(epoch_env(info, self.ctx.slot, store))  # torchrun's variables
@@ -634,11 +629,8 @@ class _Runner:
         def said(waiting: bool) -> None:
             # a long wait on the replica is its other ranks' doing: say so, so that the hang
             # detector looks at them (a hung rank's partners wait; they do not hang)
-            self.link.send(
-                P.WaitingOnReplica(
-                    step=self.step, epoch=g.info.epoch, ts=time.time(), waiting=waiting
-                )
-            )
+            self.link.send(M.WaitingOnReplica(slot=self.ctx.slot, ts=time.time(), step=self.step,
+                                              epoch=g.info.epoch, waiting=waiting))  # fmt: skip
 
         self.dp = replica.bind(
             g, place=self.place, par=self.par, pipe=self.pipe, device=self.device, said=said
@@ -681,15 +673,9 @@ class _Runner:
         says what every member's local sums will hold once it computed its own."""
         step = self.step
         # ts: when it began here (the agent may read it late on a loaded machine)
-        self.link.send(
-            P.StepBegan(
-                step=step,
-                epoch=g.info.epoch,
-                ts=time.time(),
-                cpu_s=time.thread_time(),
-                tid=threading.get_native_id(),
-            )
-        )
+        self.link.send(M.StepBegan(slot=self.ctx.slot, ts=time.time(), step=step,
+                                   epoch=g.info.epoch, cpu_s=time.thread_time(),
+                                   tid=threading.get_native_id()))  # fmt: skip
         for attempt in range(self.ctx.max_reattempts + 1):
             try:
                 for kind in ("node", "hang", "error"):
@@ -698,7 +684,7 @@ class _Runner:
             except Exception as exc:  # nothing is computed yet: a SEV3 error is retried here
                 if not _sev3(exc) or attempt >= self.ctx.max_reattempts:
                     raise  # the process exits and is restarted
-                self.link.send(P.Error(type_name=type(exc).__name__, message=str(exc),
+                self.link.send(M.Error(type_name=type(exc).__name__, message=str(exc),
                                        in_band=True, in_place=True, step=step))  # fmt: skip
         self.par.reset()
         assert self.dp is not None
@@ -755,7 +741,8 @@ class _Runner:
             time.sleep(self._own_compute_s(s) * (factor - 1.0))
         queued_now = read_queued_s()
         self.link.send(
-            P.StepComputed(
+            M.StepComputed(
+                slot=self.ctx.slot,
                 step=step,
                 microbatches=len(s.microbatches),
                 compute_s=time.perf_counter() - s.began,
@@ -838,10 +825,11 @@ class _Runner:
         if fault.fault != "node":
             stop_self(fault)
             return
-        self.link.send(P.NodeFault())
+        self.link.send(M.NodeFault())
         time.sleep(3600)  # the agent takes the whole node down with this process
 
     def _event(self, event: str, **fields: Any) -> None:
         fields.setdefault("task", self.ctx.task)
         fields.setdefault("node", self.ctx.node)
-        self.link.send(P.Event(name=event, fields={"ts": time.time(), **fields}))
+        now = time.time()
+        self.link.send(M.Event(ts=now, name=event, fields={"ts": now, **fields}))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS_DIR, Row, machine, make_row, print_table, save_scenario
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control.cluster import Cluster
 from unicron.control.taskspec import TaskSpec
 
@@ -58,7 +58,7 @@ def measure(agents: int, tasks: int, rounds: int, workdir: Path) -> dict[str, li
         sups: list[tuple[str, str, list[int]]] = []  # (node name, task uid, its slots)
         for name in names:
             for a in c.heartbeat(name, name, now):
-                sups.append((name, a["uid"], list(a["slots"])))
+                sups.append((name, a.uid, list(a.slots)))
         for name, uid, slots in sups:
             ready = [M.Ready(slot=s, ts=now, microbatches=8, state_bytes=1 << 20) for s in slots]
             c.exchange(name, name, uid, [M.Census(ts=now, alive=tuple(slots)), *ready], now, now)

@@ -6,7 +6,7 @@ and heartbeat every ``heartbeat_s`` (``POST /v1/agents/{node}/heartbeat``), and 
 tasks are submitted (``POST /v1/tasks``, a real script path) with ``workers`` workers each,
 so the cluster places them on the synthetic nodes. A node that finds a task in its
 heartbeat's answer runs a synthetic supervisor for it, which speaks the supervisors'
-protocol (:mod:`unicron.control.messages`, the rhythm of
+protocol (:mod:`unicron.messages`, the rhythm of
 :class:`unicron.control.client.TaskLink`): a first exchange with its census and a ``Ready``
 per slot (all slots ready start the first epoch), then, once the task is running, per step
 of ``step_s``: ``StepBegan``, ``StepComputed`` and the ``step_end`` event of every slot, each
@@ -183,7 +183,7 @@ class _Generator:
 
     async def supervise(self, node: str, uid: str, task: str, slots: list[int]) -> None:
         """One synthetic supervisor (see the module docstring)."""
-        from unicron.control import messages as M
+        from unicron import messages as M
 
         path = f"/v1/agents/{node}/tasks/{uid}/exchange"
         now = time.time()
@@ -241,7 +241,7 @@ def _step(
 ) -> list[tuple[float, Any]]:
     """The reports of ``step`` of the slots ``slots`` with their due times: began, computed
     (at 80% of the step), committed (its ``step_end``, at the end)."""
-    from unicron.control import messages as M
+    from unicron import messages as M
 
     begin = t0 + step * s.step_s
     compute = 0.8 * s.step_s

@@ -1,12 +1,12 @@
 """The agent: one per node. Starts and supervises the node's workers.
 
 It listens on an authenticated local socket for its workers' reports (the typed messages of
-:mod:`unicron.protocol`, :data:`~unicron.protocol.KINDS`), starts workers through
+:mod:`unicron.messages`, :data:`~unicron.messages.LocalMessage`), starts workers through
 the warm zygote (:mod:`unicron.runtime.launcher`; a plain spawn when the zygote is gone), notices a
 worker that exits or is killed (its socket closes; the zygote reports the exit status), writes
 what it sees to the event log and reports it to the coordinator (step times, epochs entered,
 errors, exits: the coordinator runs the task's detectors over every node's workers), and
-carries out the coordinator's actions (:class:`unicron.control.messages.Spawn`, ``Kill`` and
+carries out the coordinator's actions (:class:`unicron.messages.Spawn`, ``Kill`` and
 ``Probe``, the health probe of an excluded slot), which each exchange's reply carries.
 
 Threads: everything the agent owns is touched by one thread, the one in :meth:`Agent.run`
@@ -16,7 +16,7 @@ never calls the agent; the agent calls the coordinator's ``exchange`` once per r
 
 A round (:meth:`Agent.poll`) sleeps until the first thing timed is due (:meth:`Agent.round_s`)
 or its doorbell rings: a worker's message that is not quiet (an error, an epoch entered; see
-:func:`unicron.protocol.quiet`), the zygote's, a new connection. It then reads every
+:func:`unicron.messages.quiet`), the zygote's, a new connection. It then reads every
 socket that has something; a step's reports, a dozen per step, wait in their sockets for it.
 
 Each slot's process is in one :class:`WorkerState` (its diagram is there); a move it does not
@@ -25,6 +25,7 @@ draw raises :class:`IllegalTransition`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -41,10 +42,9 @@ from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, Protocol
 
+from unicron import messages as M
 from unicron import protocol as P
-from unicron.control import messages as M
 from unicron.control.heard import Doorbell, exit_reports, news_of_node, report_of
-from unicron.control.messages import Kill, Probe, Reply, Spawn
 from unicron.control.probes import PROBE_TIMEOUT_S, Probes
 from unicron.control.workerenv import (
     SECRETS,
@@ -64,6 +64,7 @@ from unicron.control.workerstate import (
 )
 from unicron.detect.busy import process_state, read_thread_clocks
 from unicron.detect.classify import Verdict, classify_message
+from unicron.messages import Kill, Probe, Reply, Spawn
 from unicron.runtime.inject import Fault
 
 __all__ = [
@@ -149,7 +150,7 @@ class FatalError:
 
     slot: int
     ts: float
-    error: P.Error
+    error: M.Error
 
 
 @dataclass(kw_only=True)
@@ -213,7 +214,7 @@ class Agent:
         self._authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
-        # the workers' doorbell (:func:`unicron.protocol.quiet`): a datagram wakes a round
+        # the workers' doorbell (:func:`unicron.messages.quiet`): a datagram wakes a round
         self._bell = Doorbell()
         self.bell_address = self._bell.address
         self._accepted: queue.Queue[Connection] = queue.Queue()
@@ -420,7 +421,7 @@ class Agent:
         """One round: read reports, notice exits, run the monitor, let the coordinator act.
 
         The round waits up to ``timeout`` for its doorbell (a worker's message that is not
-        :func:`~unicron.protocol.quiet`), the zygote or a new connection's hello, then
+        :func:`~unicron.messages.quiet`), the zygote or a new connection's hello, then
         reads every socket that has something: a worker's step reports wait for the next round
         instead of waking one each (a dozen per step; docs/cluster.md, The rhythm)."""
         self._drain_accepted()
@@ -491,7 +492,7 @@ class Agent:
             while conn.poll():
                 raw = conn.recv()
                 try:
-                    self._handle(conn, P.decode(raw))
+                    self._handle(conn, M.from_wire(raw))
                 except Exception:  # one bad report must not stop the supervision loop
                     log.exception("node %d: could not handle %r", self.node, raw)
         except (EOFError, OSError):
@@ -509,30 +510,30 @@ class Agent:
                 w.conn = None
                 w.eof_ts = w.eof_ts or time.time()
 
-    def _handle(self, conn: Connection, msg: P.LocalMessage) -> None:
-        if isinstance(msg, P.ZygoteUp):
+    def _handle(self, conn: Connection, msg: M.LocalMessage) -> None:
+        if isinstance(msg, M.ZygoteUp):
             self._anonymous.remove(conn)
             self._zygote_conn = conn
             for slot in self._pending_spawns:
                 self._launch(slot)
             self._pending_spawns.clear()
-        elif isinstance(msg, P.Spawned):
+        elif isinstance(msg, M.Spawned):
             w = self.workers[msg.slot]
             if msg.incarnation != w.incarnation:
                 self._kill(msg.pid)  # an earlier incarnation, replaced before it started
                 return
             self._by_pid[msg.pid] = msg.slot
             self._set_pid(w, msg.pid)
-        elif isinstance(msg, P.Exited):
+        elif isinstance(msg, M.Exited):
             owner = self._by_pid.get(msg.pid, -1)
             if owner >= 0 and self.workers[owner].pid == msg.pid:
                 self._drain_worker(owner)  # what it said before it died (its error) first
             self._by_pid.pop(msg.pid, None)
             if owner >= 0 and self.workers[owner].pid == msg.pid:
                 self._exited(owner, msg.returncode)
-        elif isinstance(msg, P.WhereStore):  # its store is gone: the one question it asks
-            conn.send(P.encode(P.StoreAt(address=self.store_address)))
-        elif isinstance(msg, P.Hello):
+        elif isinstance(msg, M.WhereStore):  # its store is gone: the one question it asks
+            conn.send(M.to_wire(M.StoreAt(address=self.store_address)))
+        elif isinstance(msg, M.Hello):
             w = self.workers[msg.slot]
             if conn in self._anonymous:
                 self._anonymous.remove(conn)
@@ -554,17 +555,17 @@ class Agent:
         if w.kill_pending:
             self._kill(pid)
 
-    def _from_worker(self, slot: int, msg: P.LocalMessage) -> None:
+    def _from_worker(self, slot: int, msg: M.LocalMessage) -> None:
         """One message of the worker in ``slot`` as this round's reports (the translation:
         :func:`unicron.control.heard.report_of`) and what it changes on the node."""
         now = time.time()
         w = self.workers[slot]
-        if isinstance(msg, P.Event):
+        if isinstance(msg, M.Event):
             if news_of_node(msg, self.fired, self._step_ends):
-                self._report(M.Event(ts=now, name=msg.name, fields=msg.fields))
-        elif isinstance(msg, P.Error) and msg.usage:  # bad input: the whole run ends, exit 2
+                self._report(dataclasses.replace(msg, ts=min(msg.ts, now)))
+        elif isinstance(msg, M.Error) and msg.usage:  # bad input: the whole run ends, exit 2
             self._report(M.BadInput(ts=now, message=msg.message))
-        elif isinstance(msg, P.Error):
+        elif isinstance(msg, M.Error):
             if not msg.in_band:
                 w.error = msg  # the error that ends this process
                 self.errors.append(FatalError(slot, now, msg))  # the task's failure report
@@ -581,7 +582,7 @@ class Agent:
                 )
             else:  # the error ends the process: do not wait for its interpreter to wind down
                 self.kill(slot, verdict)
-        elif isinstance(msg, P.NodeFault):
+        elif isinstance(msg, M.NodeFault):
             # what the node's workers said before the fault (the injector's fault_injected
             # record among it) goes out first; from then on the node says nothing
             reports, self._reports = self._reports, []
@@ -591,15 +592,15 @@ class Agent:
             report = report_of(slot, msg, now)
             if report is None:
                 raise ValueError(f"not a worker's message: {msg!r}")
-            if isinstance(msg, P.Ready):
+            if isinstance(msg, M.Ready):
                 w.readied()
-            elif isinstance(msg, P.EpochEntered):
+            elif isinstance(msg, M.EpochEntered):
                 w.entered()
-            elif isinstance(msg, P.StepBegan):  # the monitor times the worker's step
+            elif isinstance(msg, M.StepBegan):  # the monitor times the worker's step
                 w.step, w.tid, w.computing_since = msg.step, msg.tid, report.ts
-            elif isinstance(msg, P.StepComputed):
+            elif isinstance(msg, M.StepComputed):
                 w.computing_since = None
-            elif isinstance(msg, P.WorkerDone):
+            elif isinstance(msg, M.WorkerDone):
                 w.done()
             self._report(report)
 
@@ -669,15 +670,15 @@ class Agent:
         logfile = worker_log(self.config.log_dir, slot, w.incarnation)
         if self._zygote_conn is not None:
             try:
-                command = P.SpawnWorker(
+                command = M.SpawnWorker(
                     slot=slot,
                     incarnation=w.incarnation,
                     env=self._slot_env(slot),
                     script=self.config.script,
-                    argv=self.config.argv,
+                    argv=tuple(self.config.argv),
                     log=str(logfile),
                 )
-                self._zygote_conn.send(P.encode(command))
+                self._zygote_conn.send(M.to_wire(command))
                 return
             except OSError:
                 self._zygote_conn = None

@@ -25,11 +25,11 @@ from typing import Any
 from unicron.control import replicas
 from unicron.control.effects import Effect, LogEvent, Tell
 from unicron.control.escalation import Escalation
-from unicron.control.messages import AgentAction, Kill, Spawn
 from unicron.control.slots import SlotTable
 from unicron.detect.busy import CpuTimes
 from unicron.detect.classify import Action, Verdict
 from unicron.detect.monitor import StepMonitor
+from unicron.messages import AgentAction, Kill, Spawn
 
 __all__ = ["CoordinatorSettings", "Outcome", "TaskBook", "TaskState"]
 

@@ -4,7 +4,7 @@
 is an agent's :class:`~unicron.control.agent.CoordinatorLink` on a cluster: it keeps the
 reports of rounds the coordinator did not answer (it is restarting, or the network is out),
 retries with backoff, and delivers them in order once it is back, the agent's
-:class:`~unicron.control.messages.Census` first. ``unicron submit|status|cancel|logs``
+:class:`~unicron.messages.Census` first. ``unicron submit|status|cancel|logs``
 (:func:`main`) use only the HTTP API.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.errors import UsageError
 
 log = logging.getLogger("unicron.control.agent")
@@ -266,7 +266,7 @@ class TaskLink:
 
     def interval(self) -> float:
         """With nothing to report, the next exchange is due this long after the last one: the
-        rhythm the coordinator's last reply asked for (:attr:`~unicron.control.messages.Reply.
+        rhythm the coordinator's last reply asked for (:attr:`~unicron.messages.Reply.
         next_s`), within [:attr:`MIN_INTERVAL_S`, :attr:`MAX_INTERVAL_S`]."""
         asked = self._last.next_s
         if math.isnan(asked):

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unicron import messages as M
 from unicron.control import allocation as A
-from unicron.control import messages as M
 from unicron.control.coordinator import Coordinator, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
@@ -202,7 +202,7 @@ class Cluster:
             task.controller.node_returned(node.row.id, now)
         return node.row.id
 
-    def heartbeat(self, name: str, instance: str, now: float) -> list[dict[str, Any]]:
+    def heartbeat(self, name: str, instance: str, now: float) -> list[M.Assignment]:
         """The agent of ``name`` is alive: the tasks it must run (one assignment each). An
         agent of a node declared lost meanwhile is fenced (:class:`Fenced`)."""
         with self._lock:

@@ -8,7 +8,7 @@ worker ready, failed, raised, began or finished a step, entered an epoch, finish
 decisions, runs the task's detectors and announces epochs.
 
 Who calls what: a supervisor (:mod:`unicron.control.agent`, on each node) calls only
-:meth:`Coordinator.exchange` with its round's typed reports (:mod:`unicron.control.messages`,
+:meth:`Coordinator.exchange` with its round's typed reports (:mod:`unicron.messages`,
 in-process or through ``POST /v1/agents/{node}/tasks/{uid}/exchange``); the reply carries
 the actions queued for its node (start, kill or probe a worker). The cluster calls
 :meth:`~Coordinator.tick` and :meth:`~Coordinator.check_input` from its ticker, the planner's
@@ -55,20 +55,20 @@ from typing import Any
 
 import torch.distributed as dist
 
+from unicron import messages as M
 from unicron.control import failures, health, membership, readmission
-from unicron.control import messages as M
 from unicron.control.book import CoordinatorSettings, Outcome, TaskBook, TaskState
 from unicron.control.effects import Effect, Executor
 from unicron.control.escalation import Escalation
 from unicron.control.events import EventLog
 from unicron.control.failures import MIN_COPIES
 from unicron.control.health import FAST_EXCHANGE_S, LONE_HANG_OVERRUN
-from unicron.control.messages import AgentAction, Kill, Probe, Reply, Spawn
 from unicron.control.readmission import PROBE_BACKOFF_MAX
 from unicron.control.slots import IllegalTransition, Slot, SlotState, SlotTable
 from unicron.detect.busy import Sample
 from unicron.detect.classify import Verdict
 from unicron.detect.monitor import StepMonitor
+from unicron.messages import AgentAction, Kill, Probe, Reply, Spawn
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, trained_key, usage_key
 from unicron.runtime.checkpoint import has_checkpoint
 from unicron.runtime.group import ControlStore
@@ -330,7 +330,7 @@ class Coordinator:
         elif isinstance(r, M.WorkerLeft):
             self.worker_left(r.slot)
         elif isinstance(r, M.WorkerDone):
-            self.worker_done(r.slot, r.report, r.ts)
+            self.worker_done(r.slot, r.result(), r.ts)
         elif isinstance(r, M.BadInput):
             self.fail(r.message, r.ts, usage=True)
         elif isinstance(r, M.ProbeDone):
@@ -495,7 +495,7 @@ class Coordinator:
         current epoch and members from the store (which outlived it) or, from a new store,
         the ``logged`` one (the event log's last), announced again there
         (:func:`membership.store_moved`); every slot presumed alive until its agent's
-        :class:`~unicron.control.messages.Census` says otherwise, every node heard from now
+        :class:`~unicron.messages.Census` says otherwise, every node heard from now
         (its agent reconnects within its backoff); ``pace_s``, the logged step time, judges
         stalls until the monitor has its own. Called once, before the first exchange, by the
         cluster service for each task it finds running in its state."""

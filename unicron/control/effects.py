@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from unicron.control.events import EventLog
-from unicron.control.messages import AgentAction
+from unicron.messages import AgentAction
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
 from unicron.runtime.group import ControlStore
 
@@ -56,7 +56,7 @@ class AnnounceEpoch:
 
 @dataclass(frozen=True)
 class Tell:
-    """Queue ``action`` (:class:`~unicron.control.messages.Spawn`, ``Kill`` or ``Probe``) for
+    """Queue ``action`` (:class:`~unicron.messages.Spawn`, ``Kill`` or ``Probe``) for
     the agent of ``node``: it takes it with its next exchange."""
 
     node: int

@@ -18,7 +18,6 @@ from __future__ import annotations
 from unicron.control import membership, readmission
 from unicron.control.book import TaskBook, TaskState
 from unicron.control.escalation import Decision
-from unicron.control.messages import Census
 from unicron.detect.classify import (
     Action,
     Scope,
@@ -28,6 +27,7 @@ from unicron.detect.classify import (
     classify_exit,
 )
 from unicron.detect.stall import Phase, Progress
+from unicron.messages import Census
 
 CONTROL_ERRORS_FAIL = 3
 """reports the coordinator may fail to apply (its own bugs, logged with their tracebacks)

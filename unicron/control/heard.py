@@ -1,67 +1,44 @@
 """What the agent hears from its workers, and what it becomes for the coordinator.
 
-The worker speaks :mod:`unicron.protocol` (what it did); the coordinator reads
-:mod:`unicron.control.messages` (what a slot did, stamped with the agent's clock). A fact
-keeps its name across the two (``StepComputed`` from the worker is ``StepComputed`` to the
-coordinator): the report adds the slot and the agent's time, and nothing else changes.
-:func:`report_of` is the translation for the messages that are only that; the agent
-(:meth:`unicron.control.agent.Agent._from_worker`) keeps the ones with effects on the node
-(an error that ends the process, a node fault, events it logs once for the node).
-:func:`news_of_node` keeps a node's log to one record of what its workers all say;
-:func:`exit_reports` is the same as :func:`report_of` for a process that exited when nobody
-planned it; a
+A worker's fact is one message on both links (:mod:`unicron.messages`): ``StepComputed``
+from the worker is ``StepComputed`` to the coordinator. :func:`report_of` passes such a
+fact on, stamped with the slot of the connection it came on and a time no later than the
+agent read it; the agent (:meth:`unicron.control.agent.Agent._from_worker`) keeps what has
+effects on the node (an error, which it classifies; a node fault; events it logs once for
+the node). :func:`news_of_node` keeps a node's log to one record of what its workers all say;
+:func:`exit_reports` is the reports of a process that exited when nobody planned it; a
 :class:`Doorbell` is how a worker's message that may not wait wakes the agent's round.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections import deque
 from contextlib import suppress
 
-from unicron import protocol as P
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control.workerstate import Worker
 from unicron.detect.classify import classify_exit, classify_message
 
 __all__ = ["Doorbell", "exit_reports", "news_of_node", "report_of"]
 
 
-def report_of(slot: int, msg: P.LocalMessage, now: float) -> M.Report | None:
-    """The report of ``msg`` from the worker in ``slot``, read at ``now`` (the worker's own
-    timestamp where it has one, never later than ``now``: not the agent's read latency), or
-    ``None`` for a message this function does not translate."""
-    if isinstance(msg, P.Ready):
-        return M.Ready(
-            slot=slot, ts=now, microbatches=msg.microbatches, state_bytes=msg.state_bytes
-        )
-    if isinstance(msg, P.EpochEntered):
-        return M.EpochEntered(slot=slot, ts=now, epoch=msg.epoch)
-    if isinstance(msg, P.StepBegan):
-        return M.StepBegan(
-            slot=slot, ts=min(msg.ts, now), step=msg.step, epoch=msg.epoch, cpu_s=msg.cpu_s
-        )
-    if isinstance(msg, P.WaitingOnReplica):
-        ts = min(msg.ts, now)
-        return M.WaitingOnReplica(
-            slot=slot, ts=ts, step=msg.step, epoch=msg.epoch, waiting=msg.waiting
-        )
-    if isinstance(msg, P.StepComputed):
-        return M.StepComputed(
-            slot=slot,
-            ts=min(msg.ts, now),
-            step=msg.step,
-            compute_s=msg.compute_s,
-            microbatches=msg.microbatches or None,
-            cpu_s=msg.cpu_s,
-            queued_s=msg.queued_s,
-        )
-    if isinstance(msg, P.WorkerDone):
-        return M.WorkerDone(slot=slot, ts=now, report=P.encode(msg))
+def report_of(slot: int, msg: M.LocalMessage, now: float) -> M.Report | None:
+    """The report of ``msg`` from the worker in ``slot``, read at ``now``: the same fact
+    (:data:`unicron.messages.WORKER_FACTS`), with the slot its connection is (not the one
+    it claims) and its time no later than ``now`` (the worker's own clock, not the agent's
+    read latency); ``None`` for a message that is not only a fact to pass on."""
+    if isinstance(msg, M.Event):
+        return dataclasses.replace(msg, ts=min(msg.ts, now))
+    if isinstance(msg, M.StepComputed):  # a worker that counts no micro-batches says 0
+        msg = dataclasses.replace(msg, microbatches=msg.microbatches or None)
+    if isinstance(msg, M.WORKER_FACTS):
+        return dataclasses.replace(msg, slot=slot, ts=min(msg.ts, now))
     return None
 
 
-def news_of_node(msg: P.Event, fired: set[str], step_ends: deque[tuple[int, int]]) -> bool:
+def news_of_node(msg: M.Event, fired: set[str], step_ends: deque[tuple[int, int]]) -> bool:
     """Whether a worker's event ``msg`` is news for the node's log, remembering it in
     ``fired`` (the faults injected) or ``step_ends`` (the commits, a bounded memory): a node
     fault fires in every worker of the node and is logged once; every member reports a
@@ -111,7 +88,7 @@ def exit_reports(w: Worker, returncode: int | None, now: float) -> list[M.Report
 
 
 class Doorbell:
-    """A worker's way to wake its agent's round at once (:func:`unicron.protocol.quiet`): a
+    """A worker's way to wake its agent's round at once (:func:`unicron.messages.quiet`): a
     datagram to a local socket; the agent's round waits on it (:meth:`fileno`) and empties
     it (:meth:`silence`): any number of rings since the last round wake one round."""
 

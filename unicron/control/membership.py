@@ -21,10 +21,10 @@ from typing import Any
 from unicron.control import replicas
 from unicron.control.book import Outcome, TaskBook, TaskState
 from unicron.control.effects import AnnounceEpoch, WriteStoreKey
-from unicron.control.messages import Kill, Spawn
 from unicron.control.slots import SlotState
 from unicron.detect.classify import Action
 from unicron.detect.stall import Phase, Progress
+from unicron.messages import Kill, Spawn
 from unicron.protocol import EpochInfo, done_key, trained_key
 
 log = logging.getLogger("unicron.control.coordinator")

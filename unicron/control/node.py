@@ -26,8 +26,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from unicron import messages as M
 from unicron.control.workerenv import Account
 from unicron.errors import UsageError
 
@@ -230,12 +231,15 @@ class NodeAgent:
                 if away:
                     log.info("node %s: the coordinator answers again", self.name)
                     away = False
-                for assignment in got["tasks"]:
-                    running = self.tasks.get(assignment["uid"])
+                for raw in got["tasks"]:
+                    assignment = M.from_wire(raw)
+                    if not isinstance(assignment, M.Assignment):
+                        raise ValueError(f"not an assignment: {raw!r}")
+                    running = self.tasks.get(assignment.uid)
                     if running is None:
                         self._start(assignment)
                     else:  # a lost store starts again, perhaps elsewhere: its workers ask
-                        running.agent.store_address = assignment["store"]
+                        running.agent.store_address = assignment.store
             except httpx.TransportError as exc:
                 backoff = min(backoff * 2, 0.5)  # the coordinator is away: its tasks go on
                 if not away:
@@ -257,36 +261,35 @@ class NodeAgent:
         self.stop()
         return 0
 
-    def _start(self, a: dict[str, Any]) -> None:
+    def _start(self, a: M.Assignment) -> None:
         from unicron.control.agent import Agent, AgentConfig
         from unicron.control.client import TaskLink
         from unicron.detect.classify import KINDS
-        from unicron.protocol import WorkerSettings
         from unicron.runtime import device as D
         from unicron.runtime.inject import parse
 
         assert self.node is not None
-        uid = a["uid"]
-        gpus = D.gpu_count() if a["device"] == "cuda" else 0
-        env = D.run_env(a["device"], len(a["slots"]), gpus)
+        uid = a.uid
+        gpus = D.gpu_count() if a.device == "cuda" else 0
+        env = D.run_env(a.device, len(a.slots), gpus)
         if self.ifname is not None and GLOO_IFNAME not in os.environ:
             env[GLOO_IFNAME] = self.ifname
-        env.update(a["env"])  # the task file's word is last
+        env.update(a.env)  # the task file's word is last
         config = AgentConfig(
             node=self.node,
-            slots=list(a["slots"]),
-            script=a["script"],
-            argv=list(a["args"]),
-            faults=[parse(s, KINDS) for s in a["inject"]],
+            slots=list(a.slots),
+            script=a.script,
+            argv=list(a.args),
+            faults=[parse(s, KINDS) for s in a.inject],
             log_dir=self.log_dir / uid if self.per_task else self.log_dir,
-            threads=int(a["threads"]),
-            settings=WorkerSettings(**a["settings"]),
+            threads=a.threads,
+            settings=a.settings,
             env=env,
             account=self.account,
         )
         holder: list[Agent] = []
         link = TaskLink(self.client, self.name, self.instance, uid, lambda: holder[0].census())
-        agent = Agent(config, link, task=uid, store_address=a["store"], store_key=a["store_key"])
+        agent = Agent(config, link, task=uid, store_address=a.store, store_key=a.store_key)
         holder.append(agent)
         stop = threading.Event()
         zygote, self.zygote = self.zygote, None  # the first task adopts it
@@ -294,7 +297,7 @@ class NodeAgent:
         thread = threading.Thread(target=agent.run, args=(stop,), name=f"task-{uid}", daemon=True)
         thread.start()
         self.tasks[uid] = _Running(agent, thread, stop)
-        log.info("node %s: running task %s in slot(s) %s", self.name, uid, a["slots"])
+        log.info("node %s: running task %s in slot(s) %s", self.name, uid, list(a.slots))
 
     def _reap(self) -> None:
         """Supervisors whose task is over and whose workers are gone end."""

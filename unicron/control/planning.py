@@ -11,7 +11,6 @@ lock (its ``_replan`` asks :func:`unicron.control.allocation.decide` with them).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 import threading
@@ -28,6 +27,7 @@ from unicron.control.events import EventLog
 from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow
 from unicron.control.storeserver import capability
 from unicron.control.taskspec import TaskSpec
+from unicron.messages import Assignment
 from unicron.planner.hardware import GPU_PRESETS, GPUSpec
 from unicron.planner.model import ModelSpec
 from unicron.planner.perf import PerfOptions, fitting_layouts
@@ -286,11 +286,9 @@ def layout_rate(
 
 def assignment(
     task: Task, nid: int, store: str, store_secret: bytes, checkpoint: Path | None
-) -> dict[str, Any]:
-    """What node ``nid``'s agent needs to run its part of ``task`` (its ranks there, the
-    script, the training ``store``'s address and ``store_key``, the task's capability there
-    under ``store_secret``: its workers' credential); ``settings``: what its workers read from their
-    environment (:class:`~unicron.protocol.WorkerSettings`)."""
+) -> Assignment:
+    """What node ``nid``'s agent needs to run its part of ``task``, the training ``store``'s
+    address and the task's capability there under ``store_secret`` among it."""
     spec = task.spec
     settings = WorkerSettings(
         reduce=spec.reduce,
@@ -307,20 +305,20 @@ def assignment(
         tp_choices=",".join(map(str, spec.degrees[1:])),
         zero=spec.zero,
     )
-    return {
-        "uid": task.row.uid,
-        "name": task.row.name,
-        "slots": [rank for rank, n in enumerate(task.row.placement) if n == nid],
-        "script": spec.script,
-        "args": spec.args,
-        "inject": spec.inject,
-        "threads": spec.threads,
-        "store": store,
-        "store_key": capability(store_secret, task.row.uid),
-        "device": spec.device,
-        "settings": dataclasses.asdict(settings),
-        "env": spec.env,
-    }
+    return Assignment(
+        uid=task.row.uid,
+        name=task.row.name,
+        slots=tuple(rank for rank, n in enumerate(task.row.placement) if n == nid),
+        script=spec.script,
+        args=tuple(spec.args),
+        inject=tuple(spec.inject),
+        threads=spec.threads,
+        store=store,
+        store_key=capability(store_secret, task.row.uid),
+        device=spec.device,
+        settings=settings,
+        env=dict(spec.env),
+    )
 
 
 def task_view(task: Task, nodes: Mapping[int, Node], owner: str, plan_error: str) -> dict[str, Any]:

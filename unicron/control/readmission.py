@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 
 from unicron.control.book import TaskBook
-from unicron.control.messages import Probe
 from unicron.detect.classify import Action, Verdict
+from unicron.messages import Probe
 
 log = logging.getLogger("unicron.control.coordinator")
 

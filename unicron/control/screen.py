@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import math
 
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control.state import NodeRow, TaskRow
 
 log = logging.getLogger("unicron.control.cluster")
@@ -34,7 +34,7 @@ WORKER_EVENTS = frozenset(
 name in an agent's report is a forgery (the coordinator writes the rest itself)"""
 _INT_FIELDS = ("epoch", "step", "slot", "rank", "node")
 _EXTRA = {"returncode": int}
-"""what a :class:`~unicron.control.messages.Detected` report may carry besides its fields"""
+"""what a :class:`~unicron.messages.Detected` report may carry besides its fields"""
 
 
 def screen(node: NodeRow, task: TaskRow, epoch: int, reports: list[M.Report]) -> list[M.Report]:
@@ -76,7 +76,8 @@ def _malformed(r: M.Report, epoch: int) -> str:
     name = type(r).__name__
     for f in dataclasses.fields(r):
         value = getattr(r, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
+        # a time or a duration that is not finite is forged; a diverged loss is the task's news
+        if isinstance(value, float) and not math.isfinite(value) and f.name != "final_loss":
             return f"{name}.{f.name} is not a finite number"
     if isinstance(r, M.Event):
         if r.name not in WORKER_EVENTS:

@@ -50,7 +50,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
-from unicron.control import messages as M
+from unicron import messages as M
 from unicron.control.client import ENV_TOKEN, resolve_token, token_path
 from unicron.control.cluster import Cluster, Invalid
 from unicron.control.credentials import FILE as CREDENTIALS
@@ -149,7 +149,7 @@ class Heartbeat(BaseModel):
 
 
 class Exchange(BaseModel):
-    """One round of a task supervisor: its reports (:mod:`unicron.control.messages`)."""
+    """One round of a task supervisor: its reports (:mod:`unicron.messages`)."""
 
     model_config = ConfigDict(extra="forbid")
     instance: str = Field(min_length=1, max_length=64)
@@ -388,7 +388,8 @@ def make_app(
 
     @app.post("/v1/agents/{node}/heartbeat", summary="an agent is alive")
     async def heartbeat(node: str, body: Heartbeat) -> JSONResponse:
-        return JSONResponse({"tasks": cluster.heartbeat(node, body.instance, time.time())})
+        tasks = cluster.heartbeat(node, body.instance, time.time())
+        return JSONResponse({"tasks": [M.to_wire(a) for a in tasks]})
 
     @app.post("/v1/agents/{node}/tasks/{uid}/exchange", summary="one round of a supervisor")
     async def exchange(node: str, uid: str, body: Exchange) -> JSONResponse:
@@ -398,8 +399,8 @@ def make_app(
                 r = M.from_wire(raw)
             except ValueError as exc:
                 raise Invalid(f"reports[{i}]: {exc}", index=i) from None
-            if isinstance(r, M.Spawn | M.Kill | M.Probe | M.Reply):
-                raise Invalid(f"reports[{i}]: an action or reply is not a report", index=i)
+            if not M.is_report(r):
+                raise Invalid(f"reports[{i}]: a {type(r).__name__} is not a report", index=i)
             reports.append(r)
         reply = cluster.exchange(node, body.instance, uid, reports, time.time(), body.read_until)
         return JSONResponse(M.to_wire(reply))

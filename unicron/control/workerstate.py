@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from unicron import protocol as P
+from unicron import messages as M
 from unicron.detect.classify import Verdict
 
 CPU_SAMPLE_AFTER_S = 0.2
@@ -87,7 +87,7 @@ class Worker:
     conn: Connection | None = None
     popen: subprocess.Popen[bytes] | None = None
     eof_ts: float | None = None
-    error: P.Error | None = None  # the last error it reported before exiting
+    error: M.Error | None = None  # the last error it reported before exiting
     verdict: Verdict | None = None  # set when it was killed for a logged reason (hang, ...)
     step: int | None = None
     kill_pending: bool = False  # asked to die before its pid was known

@@ -10,7 +10,7 @@ The worker sends the CPU time of the thread that computes the step (``time.threa
 and the thread's kernel id) with each step's begin and end; while a step lasts long, the agent
 samples the same clock from outside, with the time the thread waited runnable for a CPU
 (``/proc/<pid>/task/<tid>/schedstat``: a stopped process cannot answer for itself), and reports
-:class:`~unicron.control.messages.CpuTime`. Before it kills a hang suspect the coordinator
+:class:`~unicron.messages.CpuTime`. Before it kills a hang suspect the coordinator
 asks :func:`judge`. A worker whose CPU time still advances, and has not yet spent ``factor``
 times what the step cost its peers (or itself, lately), is WORKING: left to finish. One whose
 CPU time stood still is IDLE: hung, and that is evidence enough once a single peer finished

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from unicron import messages as M
 from unicron import protocol as P
 from unicron.errors import UsageError
 from unicron.protocol import (
@@ -164,7 +165,7 @@ def device_for(model: torch.nn.Module, ctx: WorkerContext, link: AgentLink) -> t
         sharing = -(-local_world // max(1, D.gpu_count())) if dev.type == "cuda" else 1
         D.check_fits(numel, ctx.reduce, D.slot_memory(dev, local_world, sharing), dev)
     except UsageError as exc:
-        link.send(P.Error(type_name="UsageError", message=str(exc), usage=True))
+        link.send(M.Error(type_name="UsageError", message=str(exc), usage=True))
         raise SystemExit(2) from exc
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

@@ -26,23 +26,12 @@ import signal
 import subprocess
 import sys
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Client, Connection, wait
 
 from unicron.errors import UsageError
-from unicron.protocol import (
-    ENV_AGENT,
-    ENV_AUTHKEY,
-    ENV_THREADS,
-    STACKS_SIGNAL,
-    Error,
-    Exited,
-    Spawned,
-    SpawnWorker,
-    ZygoteUp,
-    decode,
-    encode,
-    host_port,
-)
+from unicron.messages import Error, Exited, Spawned, SpawnWorker, ZygoteUp, from_wire, to_wire
+from unicron.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_THREADS, STACKS_SIGNAL, host_port
 
 _PR_SET_PDEATHSIG = 1
 ENV_PRELOAD = "UNICRON_PRELOAD"
@@ -57,7 +46,7 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def run_script(script: str, argv: list[str]) -> int:
+def run_script(script: str, argv: Sequence[str]) -> int:
     """Run the user's script as ``__main__`` in this process; return its exit code.
 
     Connects to the agent first, so that an error at import time is reported with its
@@ -109,7 +98,7 @@ def _zygote() -> int:
             sys.stderr.write(f"unicron: zygote: cannot preload {name}: {exc}\n")
 
     conn = Client(host_port(os.environ[ENV_AGENT]), authkey=bytes.fromhex(os.environ[ENV_AUTHKEY]))
-    conn.send(encode(ZygoteUp(pid=os.getpid())))
+    conn.send(to_wire(ZygoteUp(pid=os.getpid())))
     rfd, wfd = os.pipe()
     os.set_blocking(wfd, False)
     signal.set_wakeup_fd(wfd)
@@ -122,13 +111,13 @@ def _zygote() -> int:
         _reap(conn, children)
         if conn in ready:
             try:
-                cmd = decode(conn.recv())
+                cmd = from_wire(conn.recv())
             except EOFError:
                 return 0
             if isinstance(cmd, SpawnWorker):
                 pid = _fork_worker(conn, rfd, wfd, cmd)
                 children.add(pid)
-                conn.send(encode(Spawned(slot=cmd.slot, pid=pid, incarnation=cmd.incarnation)))
+                conn.send(to_wire(Spawned(slot=cmd.slot, pid=pid, incarnation=cmd.incarnation)))
 
 
 def _adopt_environment() -> None:
@@ -169,7 +158,7 @@ def _reap(conn: Connection, children: set[int]) -> None:
         if done:
             children.discard(pid)
             code = os.waitstatus_to_exitcode(status)
-            conn.send(encode(Exited(pid=pid, returncode=code)))
+            conn.send(to_wire(Exited(pid=pid, returncode=code)))
 
 
 def _fork_worker(conn: Connection, rfd: int, wfd: int, cmd: SpawnWorker) -> int:

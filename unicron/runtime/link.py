@@ -9,7 +9,7 @@ bytes and the local buffer holds megabytes), which is the agent's failure, not t
 
 The agent reads its workers' sockets once per round (:meth:`~unicron.control.agent.Agent.
 round_s`: when its next exchange or timed check is due) and is woken sooner by its doorbell:
-after a message that is not :func:`~unicron.protocol.quiet` (an error, an epoch
+after a message that is not :func:`~unicron.messages.quiet` (an error, an epoch
 entered, the worker done) the link sends the doorbell a one-byte datagram. A step's reports,
 a dozen per step from a node's workers, so wake no one (docs/cluster.md, The rhythm).
 
@@ -25,25 +25,12 @@ import socket
 import threading
 from multiprocessing.connection import Client, Connection
 
-from unicron.protocol import (
-    ENV_AGENT,
-    ENV_AUTHKEY,
-    ENV_BELL,
-    ENV_INCARNATION,
-    ENV_SLOT,
-    Hello,
-    LocalMessage,
-    StoreAt,
-    WhereStore,
-    decode,
-    encode,
-    host_port,
-    quiet,
-)
+from unicron.messages import Hello, LocalMessage, StoreAt, WhereStore, from_wire, quiet, to_wire
+from unicron.protocol import ENV_AGENT, ENV_AUTHKEY, ENV_BELL, ENV_INCARNATION, ENV_SLOT, host_port
 
 
 class AgentLink:
-    """Sends messages (:data:`unicron.protocol.KINDS`) to the agent."""
+    """Sends messages (:data:`unicron.messages.LocalMessage`) to the agent."""
 
     def __init__(self, conn: Connection | None, bell: tuple[str, int] | None = None) -> None:
         self._conn = conn
@@ -59,7 +46,7 @@ class AgentLink:
             return
         with self._lock:
             try:
-                self._conn.send(encode(message))
+                self._conn.send(to_wire(message))
             except OSError:
                 self._conn = None
                 return
@@ -72,13 +59,13 @@ class AgentLink:
 
     def where_store(self, timeout_s: float = 1.0) -> str | None:
         """The training store's ``host:port`` as the agent last heard it from the
-        coordinator (:class:`~unicron.protocol.WhereStore`, asked when the store stopped
+        coordinator (:class:`~unicron.messages.WhereStore`, asked when the store stopped
         answering); ``None`` without an agent or an answer within ``timeout_s``."""
         self.send(WhereStore())  # not quiet: the doorbell wakes the agent's round for it
         with self._lock:
             try:
                 while self._conn is not None and self._conn.poll(timeout_s):
-                    answer = decode(self._conn.recv())
+                    answer = from_wire(self._conn.recv())
                     if isinstance(answer, StoreAt):
                         return answer.address
             except (OSError, EOFError, ValueError):
@@ -102,7 +89,7 @@ def connect_agent() -> AgentLink:
                 pid=os.getpid(),
                 incarnation=int(os.environ.get(ENV_INCARNATION, "0")),
             )
-            conn.send(encode(hello))
+            conn.send(to_wire(hello))
         bell = os.environ.get(ENV_BELL)
         _link = AgentLink(conn, host_port(bell) if conn is not None and bell else None)
     return _link
