@@ -16,6 +16,7 @@ per kind the worst detection against the goal (a hang found within ``max(3 x med
     python -m bench.chaos --tp 2 --workers 8   # four such replicas
     python -m bench.chaos --tp 2 --pp 2 --pp-choices 1 --workers 8   # and layout changes
     python -m bench.chaos --tp 2 --pp 2 --pp-choices 1 --tp-choices 1 --workers 8  # degrees too
+    python -m bench.chaos --tp 2 --pp 2 --workers 8 --schedule 1f1b   # Megatron's pipeline order
     python -m bench.chaos --zero                 # the optimizer's state sharded (--zero 1)
     python -m bench.chaos --store     # the store's process killed too (make soak-store)
 
@@ -38,7 +39,6 @@ bench``: it is a long scenario of its own.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import random
@@ -55,9 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster.harness import EventTail
-from bench.common import Row, make_row, print_table, save_scenario
+from bench.common import Row, bench_parser, make_row, print_table, save_scenario
 from bench.events import Event, read_events, steps_redone
 from unicron.detect.classify import KINDS
+from unicron.parallel import SCHEDULES
 
 SCENARIO = "chaos"
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,9 +140,11 @@ def _run(
     zero: bool = False,
     kills: list[int] | None = None,
     degrees: str = "",
+    order: str = "gpipe",
 ) -> tuple[list[Event], float, list[float]]:
     """One ``unicron run``: its events, wall time, and when the store was killed (at the
-    first commit of each step of ``kills``)."""
+    first commit of each step of ``kills``); ``order``: the pipeline's order of micro-batches
+    (the example's ``--schedule``)."""
     workdir.mkdir(parents=True)
     events = workdir / "events.jsonl"
     tp, pp = layout
@@ -155,6 +158,7 @@ def _run(
            "--checkpoint-every", "10",
            *(a for s in specs for a in ("--inject", s)),
            str(ROOT / "examples" / script), "--steps", str(steps),
+           *(["--schedule", order] if order != "gpipe" else []),
            "--out", str(workdir / "out")]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -260,11 +264,13 @@ def scenario_name(
     zero: bool = False,
     store: bool = False,
     degrees: str = "",
+    order: str = "gpipe",
 ) -> str:
     """``chaos`` for the default spacing, workers and replicas of one rank; another
     spacing's, worker count's or layout's rows go to a file of their own (``chaos-gap3``,
     ``chaos-w8-tp2``, ``chaos-w8-tp2-pp2-ppc1`` with ``--pp-choices 1``, ``chaos-zero``
-    with the optimizer's state sharded, ``chaos-store`` with the store killed too)."""
+    with the optimizer's state sharded, ``chaos-store`` with the store killed too,
+    ``chaos-w8-tp2-pp2-1f1b`` with the pipeline in 1F1B's order)."""
     tp, pp = layout
     parts = [SCENARIO] + ([f"gap{gap}"] if gap != 5 else [])
     parts += [f"w{workers}"] if workers != WORKERS else []
@@ -274,6 +280,7 @@ def scenario_name(
     parts += [f"tpc{degrees.replace(',', '')}"] if degrees else []
     parts += ["zero"] if zero else []
     parts += [STORE] if store else []
+    parts += [order] if order != "gpipe" else []
     return "-".join(parts)
 
 
@@ -348,12 +355,14 @@ def run(
     zero: bool = False,
     store: bool = False,
     degrees: str = "",
+    order: str = "gpipe",
 ) -> list[Row]:
     """The rows of this scenario; ``keep``: leave both runs' event logs and worker logs there;
     ``gap``: steps between two faults; ``layout``: (tp, pp) of the replicas; ``workers``: on
     the one node; ``zero``: the faulted run shards the optimizer's state (``--zero 1``; the
     fault-free run it is compared with does not: the same bits); ``store``: the driver kills
-    the store too (:data:`STORE` among the kinds)."""
+    the store too (:data:`STORE` among the kinds); ``order``: the faulted run's pipeline
+    order (the fault-free run keeps GPipe's: every order trains to the same bits)."""
     n = faults if faults is not None else (24 if quick else 100)
     planned, steps = schedule(n, seed, gap, workers, store)
     timeout_s = 120.0 + steps * 2.0
@@ -373,6 +382,7 @@ def run(
             zero,
             kills,
             degrees,
+            order,
         )
         # by name: a run that ended at another pipeline depth holds the same entries; at
         # another tensor-parallel degree, the slices joined whole
@@ -390,13 +400,16 @@ def run(
     healed = m["fired"] - m["undetected"] if end.get("status") == "ok" else 0
     median_step = m["median_step_s"] or 0.0
     goal = max(3 * median_step, 1.0) + 0.5
-    name = scenario_name(gap, layout, workers, depths, zero, store, degrees)
+    name = scenario_name(gap, layout, workers, depths, zero, store, degrees, order)
     base = dict(system="unicron", scenario=name)
     what = "" if layout == (1, 1) else f", replicas of tp {layout[0]} x pp {layout[1]}"
     what += f" (also pp {depths})" if depths else ""
     what += f" (also tp {degrees})" if degrees else ""
     what += ", optimizer state sharded (--zero 1; fault-free run unsharded)" if zero else ""
     what += f", the store killed {len(killed)} times" if store else ""
+    what += (
+        f", the pipeline in {order}'s order (fault-free run: gpipe's)" if order != "gpipe" else ""
+    )
     setup = (
         f"{n} faults planned, one every {gap} steps, seed {seed}, {steps} steps, "
         f"{workers} workers on 1 node{what}"
@@ -436,8 +449,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="24 faults instead of 100")
+    p = bench_parser("bench.chaos", __doc__, quick="24 faults instead of 100")
     p.add_argument("--faults", type=int, default=None, help="faults to plan (default 100)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gap", type=int, default=5, help="steps between two faults (default 5)")
@@ -453,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="shard the optimizer's state in the faulted run (--zero 1)")  # fmt: skip
     p.add_argument("--store", action="store_true",
                    help="also kill the training store's process (a kind of fault)")  # fmt: skip
+    p.add_argument("--schedule", choices=SCHEDULES, default="gpipe",
+                   help="the faulted run's pipeline order (--pp > 1; default gpipe)")  # fmt: skip
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be >= 1")
@@ -462,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--faults must be >= 1")
     if args.gap < 1:
         p.error("--gap must be >= 1")
+    if args.schedule != "gpipe" and args.pp == 1:
+        p.error(f"--schedule {args.schedule}: a schedule orders a pipeline's stages (--pp > 1)")
     if args.keep is not None and args.keep.exists():
         p.error(f"--keep {args.keep}: already exists")
     layout = (args.tp, args.pp)
@@ -469,10 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--zero with --pp-choices or --tp-choices: a task with a sharded optimizer "
                 "keeps its layout")  # fmt: skip
     rows = run(args.quick, args.faults, args.seed, args.keep, args.gap, layout, args.workers,
-               args.pp_choices, args.zero, args.store, args.tp_choices)  # fmt: skip
+               args.pp_choices, args.zero, args.store, args.tp_choices, args.schedule)  # fmt: skip
     print_table(rows, title="Fault soak: mixed faults in one run")
     name = scenario_name(args.gap, layout, args.workers, args.pp_choices, args.zero, args.store,
-                         args.tp_choices)  # fmt: skip
+                         args.tp_choices, args.schedule)  # fmt: skip
     save_scenario(rows, name, ROOT / "bench" / "results", replace=True)
     return 0
 

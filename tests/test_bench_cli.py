@@ -271,6 +271,7 @@ def test_the_summary_is_written_even_when_the_suite_is_interrupted(
 
 
 BENCH_COMMANDS = (
+    "chaos",
     "scale",
     "reduce",
     "llama",
@@ -329,3 +330,17 @@ def test_bench_scale_keeps_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench.scale, "save_scenario", lambda *a, **k: None)
     assert bench.scale.main(["--quick", "--size=100m", "--size", "example", "--reps=2"]) == 0
     assert seen == [(True, ("100m", "example"), 2)]
+
+
+@pytest.mark.parametrize("argv", [["--schedule", "1f1b"], ["--pp", "2", "--schedule", "zigzag"]])
+def test_bench_chaos_refuses_a_schedule_without_a_pipeline(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An order of a pipeline's micro-batches without a pipeline (or an order that does not
+    exist) is one line and exit 2, before anything runs."""
+    import bench.chaos
+
+    monkeypatch.setattr(bench.chaos, "run", lambda *a: [])
+    with pytest.raises(SystemExit) as done:
+        bench.chaos.main(argv)
+    assert done.value.code == 2 and capsys.readouterr().err.count("\n") == 1
