@@ -238,6 +238,10 @@ def save_scenario(
     path = results_dir / f"{scenario}.json"
     kept = [] if replace else load_rows(path)
     write_json_atomic(path, merge_rows(kept, rows))
+    if results_dir == RESULTS_DIR:  # the docs' tables of these results follow them
+        from bench import docs  # (it builds on this module)
+
+        docs.refresh()
     return path
 
 

@@ -42,3 +42,40 @@ def test_the_settings_table_matches_the_code() -> None:
     text = DOC.read_text(encoding="utf-8")
     for row in expected:
         assert "| " + " | ".join(row) + " |" in text, row
+
+
+def test_the_docs_tables_of_results_are_the_results() -> None:
+    """Every generated table in the docs is what ``bench/results`` makes of it (a figure typed
+    into one, or results committed without ``python -m bench.docs``, fail here)."""
+    from bench import docs
+
+    assert docs.stale() == []
+    assert any(docs.BLOCK.search(p.read_text(encoding="utf-8")) for p in docs.DOCS)
+
+
+def test_a_results_block_is_made_again_and_a_typed_figure_is_stale(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from bench import docs
+    from bench.common import make_row
+
+    rows = [make_row(system="unicron", scenario="s", metric=m, values=v, unit="s", note="")
+            for m, v in (("step_time_s[pp2]", [0.25, 0.5, 0.75]), ("wall_s", [3.0]))]  # fmt: skip
+    (tmp_path / "s.json").write_text(json.dumps(rows))
+    doc = tmp_path / "d.md"
+    doc.write_text("a\n<!-- results s step_time_s -->\n| typed | 0.1 s |\n<!-- /results -->\nb\n")
+    assert docs.stale([doc], tmp_path) == [f"{doc}: results s step_time_s"]  # typed
+    assert docs.refresh([doc], tmp_path) == [doc]
+    text = doc.read_text()
+    assert "| unicron | `step_time_s[pp2]` | 0.5 s | 0.25 .. 0.75 | 3 |" in text
+    assert "wall_s" not in text and "typed" not in text and text.startswith("a\n")
+    assert docs.refresh([doc], tmp_path) == []  # made again: the same
+    assert docs.stale([doc], tmp_path) == []
+    doc.write_text(text.replace("0.5 s", "0.4 s"))  # a figure typed over
+    assert len(docs.stale([doc], tmp_path)) == 1
+    assert docs.rendered(doc.read_text(), tmp_path) == text
+    for spec, why in (("nope", "no nope.json"), ("s no_such_metric", "no row")):
+        with pytest.raises(docs.BlockError, match=why):
+            docs.table(spec, tmp_path)

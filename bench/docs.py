@@ -1,0 +1,132 @@
+"""Figures in the docs made from ``bench/results``, never typed: ``python -m bench.docs``.
+
+A block in a markdown file of ``docs/`` (or the README)::
+
+    <!-- results pipeline step_time_s peak_rss_mb -->
+    (the table, generated)
+    <!-- /results -->
+
+holds the rows of ``bench/results/pipeline.json`` whose metric is one of the names after the
+file's (a name alone also selects its bracketed variants: ``step_time_s`` selects
+``step_time_s[pp2/gpipe]``; no name: every row), in the file's order, as a table of system,
+metric, median, spread, repetitions and the date measured. Every benchmark that writes to
+``bench/results`` rewrites the blocks as it saves its rows (:func:`bench.common.save_scenario`
+calls :func:`refresh`); ``python -m bench.docs`` rewrites them all, ``--check`` changes nothing
+and exits 1 naming each block that differs from its results (``tests/test_bench_docs.py``
+runs it: a figure typed into a block, or results committed without their docs, fail). A block
+that names no results file, or whose names select no row, is an error (exit 2): a typo must
+not leave an empty table.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from bench.common import (
+    RESULTS_DIR,
+    Row,
+    bench_parser,
+    fmt,
+    load_rows,
+    split_metric,
+    write_text_atomic,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+"""the files whose blocks are generated"""
+
+BLOCK = re.compile(r"(<!-- results (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+HEADER = ("system", "metric", "median", "min .. max", "n", "measured")
+
+
+class BlockError(ValueError):
+    """A block that cannot be made: an unknown results file, names that select no row."""
+
+
+def _selected(rows: Iterable[Row], names: list[str]) -> list[Row]:
+    if not names:
+        return list(rows)
+    return [r for r in rows if r["metric"] in names or split_metric(r["metric"])[0] in names]
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
+    """The markdown table of one block's ``spec`` (``FILE [METRIC ...]``), ending in a newline."""
+    stem, *names = spec.split()
+    path = results_dir / f"{stem}.json"
+    if not path.exists():
+        raise BlockError(f"results {spec!r}: no {path.name} in {results_dir}")
+    rows = _selected(load_rows(path), names)
+    if not rows:
+        raise BlockError(f"results {spec!r}: no row of {path.name} has those metrics")
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
+    for r in rows:
+        reps = r.get("repetitions") or 0
+        spread = (
+            f"{fmt(r.get('min'))} .. {fmt(r.get('max'))}"
+            if r.get("min") is not None and isinstance(reps, int) and reps > 1
+            else ""
+        )
+        when = str(r.get("date") or "")[:16].replace("T", " ")
+        median = fmt(r.get("median"), str(r.get("unit") or ""))
+        cells = [str(r.get("system", "")), f"`{r['metric']}`", median, spread, str(reps), when]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def rendered(text: str, results_dir: Path = RESULTS_DIR) -> str:
+    """``text`` with every block's table made again from ``results_dir``."""
+    return BLOCK.sub(lambda m: m.group(1) + table(m.group("spec"), results_dir) + m.group(4), text)
+
+
+def stale(paths: Iterable[Path] = DOCS, results_dir: Path = RESULTS_DIR) -> list[str]:
+    """``file: spec`` of every block whose table is not what its results make."""
+    out = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        for m in BLOCK.finditer(text):
+            if m.group("body") != table(m.group("spec"), results_dir):
+                out.append(f"{_shown(path)}: results {m.group('spec')}")
+    return out
+
+
+def refresh(paths: Iterable[Path] = DOCS, results_dir: Path = RESULTS_DIR) -> list[Path]:
+    """Rewrite the blocks of ``paths`` from ``results_dir``; the files that changed. A block
+    that cannot be made raises :class:`BlockError` and leaves its file as it was."""
+    changed = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        new = rendered(text, results_dir)
+        if new != text:
+            write_text_atomic(path, new)
+            changed.append(path)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = bench_parser("bench.docs", __doc__)
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    args = p.parse_args(argv)
+    try:
+        if args.check:
+            found = stale()
+            for name in found:
+                print(f"stale: {name} (python -m bench.docs)", file=sys.stderr)
+            return 1 if found else 0
+        for path in refresh():
+            print(f"wrote {_shown(path)}")
+    except BlockError as exc:
+        print(f"python -m bench.docs: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
