@@ -189,8 +189,12 @@ class WorkerDone:
     """the worker's place in its replica (tensor parallel): replicas agree shard by shard"""
 
     def result(self) -> dict[str, Any]:
-        """The task's result as this worker has it (what ``unicron run`` reports)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ts"}
+        """The task's result as this worker has it (what ``unicron run`` reports): every
+        field but where and when it was said."""
+        skip = ("slot", "ts")
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
+        }
 
 
 WORKER_FACTS = (Ready, EpochEntered, StepBegan, WaitingOnReplica, StepComputed, Event, WorkerDone)
