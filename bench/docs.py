@@ -9,7 +9,8 @@ A block in a markdown file of ``docs/`` (or the README)::
 holds the rows of ``bench/results/pipeline.json`` whose metric is one of the names after the
 file's (a name alone also selects its bracketed variants: ``step_time_s`` selects
 ``step_time_s[pp2/gpipe]``; no name: every row), in the file's order, as a table of system,
-metric, median, spread, repetitions and the date measured. Every benchmark that writes to
+metric, median, spread, repetitions and the date measured (``+note`` among the names: and
+each row's note). Every benchmark that writes to
 ``bench/results`` rewrites the blocks as it saves its rows (:func:`bench.common.save_scenario`
 calls :func:`refresh`); ``python -m bench.docs`` rewrites them all, ``--check`` changes nothing
 and exits 1 naming each block that differs from its results (``tests/test_bench_docs.py``
@@ -60,13 +61,16 @@ def _shown(path: Path) -> str:
 def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
     """The markdown table of one block's ``spec`` (``FILE [METRIC ...]``), ending in a newline."""
     stem, *names = spec.split()
+    notes = "+note" in names
+    names = [n for n in names if n != "+note"]
     path = results_dir / f"{stem}.json"
     if not path.exists():
         raise BlockError(f"results {spec!r}: no {path.name} in {results_dir}")
     rows = _selected(load_rows(path), names)
     if not rows:
         raise BlockError(f"results {spec!r}: no row of {path.name} has those metrics")
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
+    header = (*HEADER, "note") if notes else HEADER
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for r in rows:
         reps = r.get("repetitions") or 0
         spread = (
@@ -77,6 +81,7 @@ def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
         when = str(r.get("date") or "")[:16].replace("T", " ")
         median = fmt(r.get("median"), str(r.get("unit") or ""))
         cells = [str(r.get("system", "")), f"`{r['metric']}`", median, spread, str(reps), when]
+        cells += [str(r.get("note") or "")] if notes else []
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -76,6 +76,7 @@ def test_a_results_block_is_made_again_and_a_typed_figure_is_stale(tmp_path: Pat
     doc.write_text(text.replace("0.5 s", "0.4 s"))  # a figure typed over
     assert len(docs.stale([doc], tmp_path)) == 1
     assert docs.rendered(doc.read_text(), tmp_path) == text
+    assert docs.table("s wall_s +note", tmp_path).splitlines()[0].endswith("| note |")
     for spec, why in (("nope", "no nope.json"), ("s no_such_metric", "no row")):
         with pytest.raises(docs.BlockError, match=why):
             docs.table(spec, tmp_path)
