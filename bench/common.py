@@ -238,9 +238,10 @@ def save_scenario(
     path = results_dir / f"{scenario}.json"
     kept = [] if replace else load_rows(path)
     write_json_atomic(path, merge_rows(kept, rows))
-    if results_dir == RESULTS_DIR:  # the docs' tables of these results follow them
+    if results_dir == RESULTS_DIR:  # the summary and the docs' tables follow the results
         from bench import docs  # (it builds on this module)
 
+        write_summary(results_dir)
         docs.refresh()
     return path
 
