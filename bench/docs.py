@@ -10,13 +10,15 @@ holds the rows of ``bench/results/pipeline.json`` whose metric is one of the nam
 file's (a name alone also selects its bracketed variants: ``step_time_s`` selects
 ``step_time_s[pp2/gpipe]``; no name: every row), in the file's order, as a table of system,
 metric, median, spread, repetitions and the date measured (``+note`` among the names: and
-each row's note). Every benchmark that writes to
-``bench/results`` rewrites the blocks as it saves its rows (:func:`bench.common.save_scenario`
-calls :func:`refresh`); ``python -m bench.docs`` rewrites them all, ``--check`` changes nothing
-and exits 1 naming each block that differs from its results (``tests/test_bench_docs.py``
-runs it: a figure typed into a block, or results committed without their docs, fail). A block
-that names no results file, or whose names select no row, is an error (exit 2): a typo must
-not leave an empty table.
+each row's note). A block naming several files, ``<!-- results chaos,chaos-tp2 faults_healed
+steps_lost -->``, is a line per file and a column per metric (:func:`across`).
+
+Every benchmark that writes to ``bench/results`` rewrites the blocks as it saves its rows
+(:func:`bench.common.save_scenario` calls :func:`refresh`); ``python -m bench.docs`` rewrites
+them all, ``--check`` changes nothing and exits 1 naming each block that differs from its
+results (``tests/test_bench_docs.py`` runs it: a figure typed into a block, or results
+committed without their docs, fail). A block that names no results file, or whose names
+select no row, is an error (exit 2): a typo must not leave an empty table.
 """
 
 from __future__ import annotations
@@ -58,19 +60,50 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
-def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
-    """The markdown table of one block's ``spec`` (``FILE [METRIC ...]``), ending in a newline."""
-    stem, *names = spec.split()
-    notes = "+note" in names
-    names = [n for n in names if n != "+note"]
+def _load(stem: str, spec: str, results_dir: Path) -> list[Row]:
     path = results_dir / f"{stem}.json"
     if not path.exists():
         raise BlockError(f"results {spec!r}: no {path.name} in {results_dir}")
-    rows = _selected(load_rows(path), names)
+    return load_rows(path)
+
+
+def _line(cells: Iterable[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def across(spec: str, results_dir: Path = RESULTS_DIR) -> str:
+    """The table of a block naming several files (``A,B,... METRIC ...``): a line per file,
+    a column per metric (its median, blank where the file has no such row), and when the
+    file's rows were measured."""
+    stems, *names = spec.split()
+    if not names:
+        raise BlockError(f"results {spec!r}: several files need the metrics to show")
+    lines = [_line(("results", *(f"`{n}`" for n in names), "measured")),
+             "|" + " --- |" * (len(names) + 2)]  # fmt: skip
+    for stem in stems.split(","):
+        rows = {r["metric"]: r for r in _load(stem, spec, results_dir)}
+        if not rows.keys() & set(names):
+            raise BlockError(f"results {spec!r}: no row of {stem}.json has those metrics")
+        cells = [fmt(rows[n].get("median"), str(rows[n].get("unit") or "")) if n in rows else ""
+                 for n in names]  # fmt: skip
+        dates = sorted(str(r.get("date") or "")[:16].replace("T", " ") for r in rows.values())
+        lines.append(_line((f"`{stem}`", *cells, dates[-1] if dates else "")))
+    return "\n".join(lines) + "\n"
+
+
+def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
+    """The markdown table of one block's ``spec`` (``FILE [METRIC ...]``, or several files:
+    :func:`across`), ending in a newline."""
+    stem, *names = spec.split()
+    if "," in stem:
+        return across(spec, results_dir)
+    notes = "+note" in names
+    names = [n for n in names if n != "+note"]
+    rows = _selected(_load(stem, spec, results_dir), names)
     if not rows:
-        raise BlockError(f"results {spec!r}: no row of {path.name} has those metrics")
+        raise BlockError(f"results {spec!r}: no row of {stem}.json has those metrics")
     header = (*HEADER, "note") if notes else HEADER
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines = [_line(header), "|" + " --- |" * len(header)]
     for r in rows:
         reps = r.get("repetitions") or 0
         spread = (
@@ -82,7 +115,7 @@ def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
         median = fmt(r.get("median"), str(r.get("unit") or ""))
         cells = [str(r.get("system", "")), f"`{r['metric']}`", median, spread, str(reps), when]
         cells += [str(r.get("note") or "")] if notes else []
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        lines.append(_line(cells))
     return "\n".join(lines) + "\n"
 
 

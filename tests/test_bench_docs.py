@@ -77,6 +77,10 @@ def test_a_results_block_is_made_again_and_a_typed_figure_is_stale(tmp_path: Pat
     assert len(docs.stale([doc], tmp_path)) == 1
     assert docs.rendered(doc.read_text(), tmp_path) == text
     assert docs.table("s wall_s +note", tmp_path).splitlines()[0].endswith("| note |")
+    (tmp_path / "t.json").write_text(json.dumps(rows[1:]))  # wall_s only
+    lines = docs.table("s,t wall_s step_time_s[pp2]", tmp_path).splitlines()
+    assert lines[0] == "| results | `wall_s` | `step_time_s[pp2]` | measured |"
+    assert lines[2].startswith("| `s` | 3 s | 0.5 s |") and lines[3].startswith("| `t` | 3 s |  |")
     for spec, why in (("nope", "no nope.json"), ("s no_such_metric", "no row")):
         with pytest.raises(docs.BlockError, match=why):
             docs.table(spec, tmp_path)
