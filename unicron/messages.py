@@ -1,6 +1,6 @@
 """Every message of the system, one typed class per fact, and the one codec that carries them.
 
-Two links carry them:
+Three links carry them:
 
 - an agent's local socket (an authenticated ``multiprocessing.connection``): what its
   workers say (:mod:`unicron.worker`, through :class:`unicron.runtime.link.AgentLink`), what

@@ -23,7 +23,7 @@ __all__ = ["Phase", "Progress", "Stall", "find_stall", "stall_deadline_s"]
 
 class Phase(enum.Enum):
     """Where a worker is. ``JOIN`` (entered an epoch: rendezvous, ledger exchange, state
-    transfer) -> ``COMPUTE`` (step_begin) -> ``REDUCE`` (step_done: all-reduce, vote) ->
+    transfer) -> ``COMPUTE`` (StepBegan) -> ``REDUCE`` (StepComputed: all-reduce, vote) ->
     ``COMPUTE`` of the next step ... -> ``DONE``; any phase -> ``LEFT`` (it left the epoch
     after a failed collective and waits for a newer one) or ``JOIN`` of a newer epoch."""
 
