@@ -38,7 +38,6 @@ It prints one line per verified fact and exits 1 if any check failed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -46,6 +45,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from bench.common import bench_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +160,7 @@ def _model_parallel(work: Path, gpus: int, check: Checks, api: str = "unicron") 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
+    p = bench_parser("bench.gpu_check", __doc__)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--workdir", default=None)
     p.add_argument("--only", default="", metavar="N,M",

@@ -16,7 +16,6 @@ of date against the results (``--check``, and the test suite's check).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, now_iso, write_json_atomic
+from bench.common import RESULTS_DIR, bench_parser, now_iso, write_json_atomic
 from unicron.sim.measured import DATA
 
 COMMAND = "python -m bench.measured"
@@ -171,7 +170,7 @@ def refresh(path: Path = DATA, results: Path = RESULTS_DIR) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """0: written (or fresh with ``--check``); 1: stale; 2: the results lack a row."""
-    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
+    p = bench_parser("bench.measured", __doc__)
     p.add_argument("--check", action="store_true", help="only say whether the file is stale")
     p.add_argument("--results", type=Path, default=RESULTS_DIR, metavar="DIR")
     p.add_argument("--out", type=Path, default=DATA, metavar="FILE")

@@ -20,7 +20,6 @@ Units: accumulated WAF is weight x committed steps (docs/simulator.md, "Sim-to-r
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -38,6 +37,7 @@ from typing import Any
 
 from bench.common import (
     RESULTS_DIR,
+    bench_parser,
     make_row,
     save_scenario,
     write_json_atomic,
@@ -566,7 +566,7 @@ def quick(sc: Scenario) -> Scenario:
 def main(argv: list[str] | None = None) -> int:
     from unicron.sim import scenario as S
 
-    p = argparse.ArgumentParser(prog="python -m bench.simreal", description=__doc__.split("\n")[0])
+    p = bench_parser("bench.simreal", __doc__)
     p.add_argument("--scenario", default=str(SCENARIO_FILE), help="scenario file (YAML)")
     p.add_argument(
         "--placements",

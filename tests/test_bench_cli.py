@@ -344,3 +344,26 @@ def test_bench_chaos_refuses_a_schedule_without_a_pipeline(
     with pytest.raises(SystemExit) as done:
         bench.chaos.main(argv)
     assert done.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "name", ["simreal", "gpu_check", "measured", "cluster", "cluster.exchange", "docs"]
+)
+def test_every_other_bench_command_refuses_an_unknown_flag_in_one_line(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The commands outside the suite parse like its own: ``--help`` exits 0, an unknown
+    flag is one line and exit 2 (both before anything runs)."""
+    import importlib
+
+    mod = importlib.import_module(f"bench.{name}")
+    main = (
+        mod.main if hasattr(mod, "main") else importlib.import_module(f"bench.{name}.__main__").main
+    )
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and f"python -m bench.{name}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["--no-such-flag"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and "--no-such-flag" in err

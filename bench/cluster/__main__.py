@@ -10,19 +10,27 @@ into ``bench/results/<scenario>.json`` and regenerates ``bench/results/SUMMARY.m
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, Row, machine, print_table, save_scenario, write_summary
+from bench.common import (
+    RESULTS_DIR,
+    BenchParser,
+    Row,
+    bench_parser,
+    machine,
+    print_table,
+    save_scenario,
+    write_summary,
+)
 
 PARTS = {"kill": "cluster-kill", "load": "cluster-load", "node": "cluster-node"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__.splitlines()[0])
+def build_parser() -> BenchParser:
+    p = bench_parser("bench.cluster", __doc__)
     p.add_argument("--quick", action="store_true", help="fewer steps, repetitions, a 60 s soak")
     p.add_argument("--part", action="append", choices=sorted(PARTS), default=[],
                    help="run only this part (repeatable; default: all)")  # fmt: skip

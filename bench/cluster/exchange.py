@@ -16,7 +16,6 @@ FastAPI, the JSON codec) is not in these figures: ``bench.cluster.load`` has the
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -24,7 +23,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, Row, machine, make_row, print_table, save_scenario
+from bench.common import (
+    RESULTS_DIR,
+    Row,
+    bench_parser,
+    machine,
+    make_row,
+    print_table,
+    save_scenario,
+)
 from unicron import messages as M
 from unicron.control.cluster import Cluster
 from unicron.control.taskspec import TaskSpec
@@ -129,8 +136,7 @@ def run(agents: int, tasks: int, rounds: int, host: str) -> list[Row]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.cluster.exchange",
-                                description=__doc__.splitlines()[0])  # fmt: skip
+    p = bench_parser("bench.cluster.exchange", __doc__)
     p.add_argument("--agents", type=int, default=200, metavar="N")
     p.add_argument("--tasks", type=int, default=20, metavar="N")
     p.add_argument("--rounds", type=int, default=20, metavar="N", help="steps played per task")
