@@ -67,6 +67,11 @@ def _load(stem: str, spec: str, results_dir: Path) -> list[Row]:
     return load_rows(path)
 
 
+def _unit(row: Row) -> str:
+    unit = str(row.get("unit") or "")
+    return "" if unit == "1" else unit  # a ratio's unit is one: nothing to print
+
+
 def _line(cells: Iterable[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
@@ -84,7 +89,7 @@ def across(spec: str, results_dir: Path = RESULTS_DIR) -> str:
         rows = {r["metric"]: r for r in _load(stem, spec, results_dir)}
         if not rows.keys() & set(names):
             raise BlockError(f"results {spec!r}: no row of {stem}.json has those metrics")
-        cells = [fmt(rows[n].get("median"), str(rows[n].get("unit") or "")) if n in rows else ""
+        cells = [fmt(rows[n].get("median"), _unit(rows[n])) if n in rows else ""
                  for n in names]  # fmt: skip
         dates = sorted(str(r.get("date") or "")[:16].replace("T", " ") for r in rows.values())
         lines.append(_line((f"`{stem}`", *cells, dates[-1] if dates else "")))
@@ -112,7 +117,7 @@ def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
             else ""
         )
         when = str(r.get("date") or "")[:16].replace("T", " ")
-        median = fmt(r.get("median"), str(r.get("unit") or ""))
+        median = fmt(r.get("median"), _unit(r))
         cells = [str(r.get("system", "")), f"`{r['metric']}`", median, spread, str(reps), when]
         cells += [str(r.get("note") or "")] if notes else []
         lines.append(_line(cells))
