@@ -451,6 +451,33 @@ def test_a_joiner_that_computed_nothing_does_not_hold_a_hang_back(
     assert [a.slot for a in k.actions(Kill)] == ([] if joiner_computes else [0])
 
 
+def test_the_first_step_after_a_join_is_cold_for_every_member(tmp_path: Path) -> None:
+    """Every member's first step of an epoch that admitted a restarted worker waits for the
+    newcomer inside its collectives: a member idle there past the warm allowance, while its
+    peers are done, is not hung until the cold step's (``rejoin_hang_s``)."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(20, 0.0)
+    c.worker_failed(3, verdict_for_kind("killed"), t)
+    t = k.steps(2, t + 0.1)
+    c.worker_ready(3, t)
+    c.epoch_entered(3, c.epoch, t + 0.1)
+    assert c.members == (0, 1, 2, 3)
+    t += 0.2
+    for m in c.members:
+        c.step_started(m, 22, t, epoch=c.epoch)
+    for m in (1, 2, 3):  # the newcomer too: slot 0 alone is late
+        c.step_computed(m, 22, t + 0.1, compute_s=0.1, microbatches=2)
+    assert c.monitor is not None
+    s = c.monitor.settings
+    deadline = c.monitor.hang_deadline(0)
+    assert deadline is not None and deadline - t >= s.rejoin_hang_s
+    c.tick(t + s.hang_floor_s * 2.5)
+    assert k.actions(Kill) == []
+    c.tick(deadline + 0.01)
+    assert 0 in [a.slot for a in k.actions(Kill)]
+
+
 def test_a_step_finished_in_an_earlier_epoch_is_no_evidence_of_a_hang_in_its_retry(
     tmp_path: Path,
 ) -> None:

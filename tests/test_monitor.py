@@ -391,6 +391,45 @@ def test_the_first_step_after_a_layout_change_is_cold_whatever_its_peers_took() 
     assert found.worker == 3 and "peers computed step" in found.reason
 
 
+def test_the_first_step_beside_a_newcomer_is_cold_for_every_member() -> None:
+    """A restarted worker joins at step 4, while the task still warms up: every member's first
+    step of that epoch waits inside its collectives for the newcomer's cold first step. Two
+    members idle there for 1 s were killed as hung by the warm-up allowance (max(3 x 0.084 s,
+    floor 1 s)), taking the last copies of a ZeRO shard with them (a loaded run of
+    test_zero_e2e; the 3D layout change's test before it). That step is cold for every member,
+    whatever its peers took; a step already running when the newcomer came, and the step
+    after, are judged as before."""
+    s = MonitorSettings()
+    m = StepMonitor(s)
+    run = Run(m)
+    run.steps(3, base_s=0.084, sigma=0.0, spike_p=0.0)
+    warm = s.hang_floor_s  # 3 x the early pace is under the floor
+
+    def deadline(worker: int) -> float:
+        at = m.hang_deadline(worker)
+        assert at is not None
+        return at - run.t
+
+    for w in range(WORKERS):
+        m.step_started(w, run.step, run.t)
+    m.reset_expectation(joined=True)  # while the step runs: not its newcomer
+    assert deadline(0) == pytest.approx(warm)
+    for w in range(WORKERS):
+        m.step_finished(w, run.step, 0.084, run.t + 0.084)
+    run.t, run.step = run.t + 0.084, run.step + 1
+    for w in range(WORKERS):  # the first step begun beside the newcomer
+        m.step_started(w, run.step, run.t)
+    m.step_finished(3, run.step, 0.084, run.t + 0.084)  # a peer done: no evidence for this one
+    assert deadline(0) == pytest.approx(s.rejoin_hang_s)
+    assert m.check(run.t + 1.0) == []
+    for w in range(3):
+        m.step_finished(w, run.step, 1.5, run.t + 1.5)
+    run.t, run.step = run.t + 1.5, run.step + 1
+    for w in range(WORKERS):  # warm again
+        m.step_started(w, run.step, run.t)
+    assert deadline(0) < s.rejoin_hang_s
+
+
 def test_peers_durations_from_the_old_membership_are_no_evidence() -> None:
     """A step interrupted by a failure is computed again in the new epoch, on another split
     of the work: how long the peers took for it before says nothing of it now."""

@@ -468,6 +468,7 @@ def announce(
     b.adopted_at = None
     for slot in replicas.orphans(b.slots, b.members, members):
         b.forget(slot)  # waits outside the epoch: its last step is no hang
+    joined = not set(members) <= set(b.members)  # a newcomer: every member's next step waits
     b.members = members
     rebuilt = lay is not None and bool(members) and lay != b.layout
     if lay is not None and members:
@@ -476,7 +477,7 @@ def announce(
         return
     b.epoch += 1
     if b.monitor is not None:  # membership changed: step times may too (a new layout: cold)
-        b.monitor.reset_expectation(rebuilt=rebuilt)
+        b.monitor.reset_expectation(rebuilt=rebuilt, joined=joined)
     info = EpochInfo(
         b.epoch,
         members,

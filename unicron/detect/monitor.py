@@ -29,10 +29,12 @@ Two detectors:
   :meth:`StepMonitor.reset_expectation`: the worker re-learns its step time, with a deadline
   ``relearn_factor`` times as lenient meanwhile; when the new epoch also runs another layout
   (``rebuilt``: every worker built a new shard of the model), each worker's next step is cold
-  as a restarted worker's first one is. Peers that already computed the same step
-  are the best evidence of what it costs now: a lenient allowance (warming up, re-learning)
-  never exceeds ``max(hang_factor x the slowest peer's duration of that step,
-  hang_floor_s)``.
+  as a restarted worker's first one is; so it is when the epoch admits a worker (``joined``:
+  every member's next step waits inside its collectives for the newcomer's cold first step,
+  over connections the group makes to it there), though each keeps what it learned. Peers
+  that already computed the same step are the best evidence of what it costs now: a lenient
+  allowance (warming up, re-learning) never exceeds ``max(hang_factor x the slowest peer's
+  duration of that step, hang_floor_s)``.
   A change larger than ``hang_factor`` that is *not* announced is indistinguishable from a
   hang, by design.
 - **straggler**: a worker whose own compute time (excluding the wait for its peers) stays
@@ -177,6 +179,7 @@ class _Worker:
     hang_reported: bool = False
     previous: float | None = None  # expectation before reset_expectation, while re-learning
     rebuilt: bool = False  # its next step is the first of a model rebuilt for a new layout
+    joined: int | None = None  # the membership whose first step beside a newcomer is cold
     membership: int = 0  # the membership its current step began in (StepMonitor._membership)
     early: list[float] = field(default_factory=list)  # warm-up step durations after the cold one
     shifted: list[float] = field(default_factory=list)
@@ -185,6 +188,12 @@ class _Worker:
     slow_since: int = 0
     calm_streak: int = 0
     straggling: bool = False
+
+
+def _beside_newcomer(w: _Worker) -> bool:
+    """Whether ``w``'s step is its first begun in a membership that admitted a worker (a step
+    already running when it came is judged as before)."""
+    return w.joined is not None and w.step is not None and w.membership == w.joined
 
 
 class StepMonitor:
@@ -228,6 +237,8 @@ class StepMonitor:
         w.step, w.started_at, w.hang_reported = None, None, False
         w.finished += 1
         w.last_step = max(w.last_step, step)
+        if w.joined == w.membership:  # its first step beside a newcomer is over
+            w.joined = None
         if w.rebuilt:  # the first step of a rebuilt model: cold, learned from nothing
             w.rebuilt = False
             return
@@ -258,7 +269,7 @@ class StepMonitor:
         for durations in self._durations.values():
             durations.pop(worker, None)
 
-    def reset_expectation(self, *, rebuilt: bool = False) -> None:
+    def reset_expectation(self, *, rebuilt: bool = False, joined: bool = False) -> None:
         """Membership changed (new epoch): step times may change legitimately. Each worker
         keeps its last expectation as a lenient stand-in (``relearn_factor``) and re-learns
         from its next steps; straggler streaks restart (the work split changed), except the
@@ -274,11 +285,21 @@ class StepMonitor:
         allocations, a move's memory to give back): a cold step, judged like a restarted
         worker's first one (``rejoin_hang_s`` at least; no peer's duration shortens it, as
         the slowest rank of a loaded machine may take seconds where its peers took a tenth),
-        and learned from nothing."""
+        and learned from nothing.
+
+        ``joined``: the epoch admits a worker that was not in the last one (restarted,
+        readmitted, given by the planner). Its first step is cold, and every member's next
+        step waits for it inside the step's collectives (the group's first with it, whose
+        connections are made there): on a loaded machine a member idle in that wait read
+        as hung and was killed, twice taking the last copy of a shard with it (the ZeRO
+        e2e test, the 3D layout change). So each member's next step is judged cold too
+        (``rejoin_hang_s`` at least, no peer's duration shortening it), but keeps what it
+        learned: the step time has not changed."""
         strong = self.settings.straggler_strong_factor
         self._membership += 1
         for w in self._workers.values():
             w.rebuilt = rebuilt
+            w.joined = self._membership if joined else None
             if w.expected is not None:
                 w.previous = w.expected
             w.window.clear()
@@ -403,7 +424,7 @@ class StepMonitor:
         same step are the best evidence of what it costs in the current membership: they can
         only shorten a lenient allowance (warming up, re-learning), never a cold step's."""
         base = self._base_allowance(w, pace)
-        if w.rebuilt:
+        if w.rebuilt or _beside_newcomer(w):
             return base  # a cold step: peers' evidence never shortens it
         s = self.settings
         done = self._durations.get(w.step, {}) if w.step is not None and w.finished >= 1 else {}
@@ -425,11 +446,12 @@ class StepMonitor:
         floor = f"floor {s.hang_floor_s:g} s"
         expected = self._expected(w)
         lenient = s.hang_factor * s.relearn_factor
-        if w.rebuilt:
+        if w.rebuilt or _beside_newcomer(w):
             known = next((x for x in (expected, w.previous, pace, self._early_pace()) if x), None)
+            what = "a layout change" if w.rebuilt else "a worker joined"
             if known is not None:
                 return max(lenient * known, s.rejoin_hang_s), (
-                    f"first step after a layout change: max({lenient:g} x the step time "
+                    f"first step after {what}: max({lenient:g} x the step time "
                     f"{known:.3f} s, {s.rejoin_hang_s:g} s)"
                 )
         if expected is not None:
