@@ -24,6 +24,7 @@ import os
 import platform
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -242,7 +243,10 @@ def save_scenario(
         from bench import docs  # (it builds on this module)
 
         write_summary(results_dir)
-        docs.refresh()
+        try:
+            docs.refresh()
+        except docs.BlockError as exc:  # the rows are saved; tests/test_bench_docs.py says so
+            print(f"bench: the docs' tables not rewritten: {exc}", file=sys.stderr)
     return path
 
 

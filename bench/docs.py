@@ -72,6 +72,10 @@ def _unit(row: Row) -> str:
     return "" if unit == "1" else unit  # a ratio's unit is one: nothing to print
 
 
+def _when(row: Row) -> str:
+    return str(row.get("date") or "")[:16].replace("T", " ")  # to the minute, UTC
+
+
 def _line(cells: Iterable[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
@@ -91,7 +95,7 @@ def across(spec: str, results_dir: Path = RESULTS_DIR) -> str:
             raise BlockError(f"results {spec!r}: no row of {stem}.json has those metrics")
         cells = [fmt(rows[n].get("median"), _unit(rows[n])) if n in rows else ""
                  for n in names]  # fmt: skip
-        dates = sorted(str(r.get("date") or "")[:16].replace("T", " ") for r in rows.values())
+        dates = sorted(_when(r) for r in rows.values())
         lines.append(_line((f"`{stem}`", *cells, dates[-1] if dates else "")))
     return "\n".join(lines) + "\n"
 
@@ -116,9 +120,8 @@ def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
             if r.get("min") is not None and isinstance(reps, int) and reps > 1
             else ""
         )
-        when = str(r.get("date") or "")[:16].replace("T", " ")
         median = fmt(r.get("median"), _unit(r))
-        cells = [str(r.get("system", "")), f"`{r['metric']}`", median, spread, str(reps), when]
+        cells = [str(r.get("system", "")), f"`{r['metric']}`", median, spread, str(reps), _when(r)]
         cells += [str(r.get("note") or "")] if notes else []
         lines.append(_line(cells))
     return "\n".join(lines) + "\n"
