@@ -173,10 +173,13 @@ def test_a_3d_task_changes_layout_in_the_cluster_to_run_s_bits(tmp_path: Path) -
     spec = load(TASKS / "llama-3d.yaml").model_dump()
     spec["inject"] = ["error:rank=5,step=4,kind=ecc"]
     spec["readmit_after"] = 1.0
+    spec["args"] = ["--steps", "120"]
     script = ROOT / "examples" / "train_llama_parallel.py"
     (tmp_path / "run").mkdir()
+    # steps enough for the excluded slot's probe to answer before the end: a fresh interpreter
+    # importing torch, 0.6 s idle but 5-19 s at load 10, when 40 steps left ~9 s (two misses)
     run = run_unicron(tmp_path / "run", "--nproc-per-node", "8", "--tp", "2", "--pp", "2",
-                      script=script, script_args=("--steps", "40"))  # fmt: skip
+                      script=script, script_args=("--steps", "120"))  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     with LocalCluster(tmp_path / "cluster", hosts=1, slots=8, loopback=True) as c:
         c.start_coordinator()
