@@ -16,10 +16,11 @@ Three links carry them:
 A worker's fact (:data:`WORKER_FACTS`: ready, an epoch entered, a step begun or computed, a
 wait on its replica, an event-log record, the end) is one class on both links: the worker
 sends it with its slot and its own clock, and the agent passes the same value on
-(:func:`unicron.control.heard.report_of`: the slot its connection says, the time no later
-than when the agent read it). The agent's own findings (:class:`Detected`,
-:class:`WorkerFailed`, :class:`CpuTime`, :class:`Census`, ...) and the worker's raw
-:class:`Error` (which the agent classifies into a :class:`Detected`) are facts of their own.
+(:func:`unicron.control.heard.report_of`: the slot its connection says; a step's reports
+keep the worker's time, the others carry when the agent heard them). The agent's own
+findings (:class:`Detected`, :class:`WorkerFailed`, :class:`CpuTime`, :class:`Census`, ...)
+and the worker's raw :class:`Error` (which the agent classifies into a :class:`Detected`)
+are facts of their own.
 
 Every class is a frozen dataclass of plain fields, so one codec (:func:`to_wire` /
 :func:`from_wire`) turns any of them into a JSON-ready dict and back, checking scalar types on

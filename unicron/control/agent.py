@@ -562,7 +562,7 @@ class Agent:
         w = self.workers[slot]
         if isinstance(msg, M.Event):
             if news_of_node(msg, self.fired, self._step_ends):
-                self._report(dataclasses.replace(msg, ts=min(msg.ts, now)))
+                self._report(dataclasses.replace(msg, ts=now))
         elif isinstance(msg, M.Error) and msg.usage:  # bad input: the whole run ends, exit 2
             self._report(M.BadInput(ts=now, message=msg.message))
         elif isinstance(msg, M.Error):

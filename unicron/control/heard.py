@@ -21,20 +21,30 @@ from unicron import messages as M
 from unicron.control.workerstate import Worker
 from unicron.detect.classify import classify_exit, classify_message
 
-__all__ = ["Doorbell", "exit_reports", "news_of_node", "report_of"]
+__all__ = ["STEP_FACTS", "Doorbell", "exit_reports", "news_of_node", "report_of"]
+
+
+STEP_FACTS = (M.StepBegan, M.StepComputed, M.WaitingOnReplica)
+"""the facts whose time is the worker's own (:func:`report_of`)"""
 
 
 def report_of(slot: int, msg: M.LocalMessage, now: float) -> M.Report | None:
     """The report of ``msg`` from the worker in ``slot``, read at ``now``: the same fact
     (:data:`unicron.messages.WORKER_FACTS`), with the slot its connection is (not the one
-    it claims) and its time no later than ``now`` (the worker's own clock, not the agent's
-    read latency); ``None`` for a message that is not only a fact to pass on."""
-    if isinstance(msg, M.Event):
-        return dataclasses.replace(msg, ts=min(msg.ts, now))
+    it claims), or ``None`` for a message that is not only a fact to pass on. Its time: a
+    step's reports keep the worker's own (no later than ``now``: the monitor times the
+    step, not the agent's read latency); the others are stamped ``now``, when the agent
+    heard them, for the coordinator acts on them at that time (a ready worker's epoch is
+    announced then: a worker's earlier clock would date it, and the join's stall clock,
+    back by the agent's read latency, seconds on a loaded machine)."""
     if isinstance(msg, M.StepComputed):  # a worker that counts no micro-batches says 0
         msg = dataclasses.replace(msg, microbatches=msg.microbatches or None)
-    if isinstance(msg, M.WORKER_FACTS):
+    if isinstance(msg, STEP_FACTS):
         return dataclasses.replace(msg, slot=slot, ts=min(msg.ts, now))
+    if isinstance(msg, M.Event):
+        return dataclasses.replace(msg, ts=now)
+    if isinstance(msg, M.WORKER_FACTS):
+        return dataclasses.replace(msg, slot=slot, ts=now)
     return None
 
 
