@@ -25,7 +25,6 @@ draw raises :class:`IllegalTransition`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -561,8 +560,9 @@ class Agent:
         now = time.time()
         w = self.workers[slot]
         if isinstance(msg, M.Event):
-            if news_of_node(msg, self.fired, self._step_ends):
-                self._report(dataclasses.replace(msg, ts=now))
+            event = report_of(slot, msg, now)
+            if event is not None and news_of_node(msg, self.fired, self._step_ends):
+                self._report(event)
         elif isinstance(msg, M.Error) and msg.usage:  # bad input: the whole run ends, exit 2
             self._report(M.BadInput(ts=now, message=msg.message))
         elif isinstance(msg, M.Error):

@@ -2,10 +2,11 @@
 
 A worker's fact is one message on both links (:mod:`unicron.messages`): ``StepComputed``
 from the worker is ``StepComputed`` to the coordinator. :func:`report_of` passes such a
-fact on, stamped with the slot of the connection it came on and a time no later than the
-agent read it; the agent (:meth:`unicron.control.agent.Agent._from_worker`) keeps what has
-effects on the node (an error, which it classifies; a node fault; events it logs once for
-the node). :func:`news_of_node` keeps a node's log to one record of what its workers all say;
+fact on, stamped with the slot of the connection it came on and (but for a step's reports,
+which keep the worker's clock) the time the agent heard it; the agent
+(:meth:`unicron.control.agent.Agent._from_worker`) keeps what has effects on the node (an
+error, which it classifies; a node fault; events it logs once for the node).
+:func:`news_of_node` keeps a node's log to one record of what its workers all say;
 :func:`exit_reports` is the reports of a process that exited when nobody planned it; a
 :class:`Doorbell` is how a worker's message that may not wait wakes the agent's round.
 """
