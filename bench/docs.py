@@ -11,7 +11,11 @@ file's (a name alone also selects its bracketed variants: ``step_time_s`` select
 ``step_time_s[pp2/gpipe]``; no name: every row), in the file's order, as a table of system,
 metric, median, spread, repetitions and the date measured (``+note`` among the names: and
 each row's note). A block naming several files, ``<!-- results chaos,chaos-tp2 faults_healed
-steps_lost -->``, is a line per file and a column per metric (:func:`across`).
+steps_lost -->``, is a line per file and a column per metric (:func:`across`). ``+grid`` among
+the names pivots the rows (:func:`pivot`): a line per system and metric less its variant's
+last part, a column per that part (``<!-- results relayout transition_s +grid -->``:
+``transition_s[8->6/relayout/dim128]`` is the ``dim128`` cell of the line
+``transition_s[8->6/relayout]``); ``+systems``, a line per metric and a column per system.
 
 Every benchmark that writes to ``bench/results`` rewrites the blocks as it saves its rows
 (:func:`bench.common.save_scenario` calls :func:`refresh`); ``python -m bench.docs`` rewrites
@@ -44,6 +48,8 @@ DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 
 BLOCK = re.compile(r"(<!-- results (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 HEADER = ("system", "metric", "median", "min .. max", "n", "measured")
+PIVOTS = {"+grid", "+systems"}
+"""the names that make a block a pivot (:func:`pivot`)"""
 
 
 class BlockError(ValueError):
@@ -69,7 +75,7 @@ def _load(stem: str, spec: str, results_dir: Path) -> list[Row]:
 
 def _unit(row: Row) -> str:
     unit = str(row.get("unit") or "")
-    return "" if unit == "1" else unit  # a ratio's unit is one: nothing to print
+    return "" if unit in ("1", "ratio") else unit  # a ratio's unit is one: nothing to print
 
 
 def _when(row: Row) -> str:
@@ -78,6 +84,30 @@ def _when(row: Row) -> str:
 
 def _line(cells: Iterable[str]) -> str:
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _spread(row: Row) -> str:
+    """``min .. max`` of a row of several repetitions, else blank."""
+    reps = row.get("repetitions") or 0
+    if row.get("min") is None or not isinstance(reps, int) or reps < 2:
+        return ""
+    return f"{fmt(row.get('min'))} .. {fmt(row.get('max'))}"
+
+
+def _cell(row: Row) -> str:
+    """A pivot's cell: the median, and in brackets its spread where the repetitions differ."""
+    spread = _spread(row) if row.get("min") != row.get("max") else ""
+    return fmt(row.get("median"), _unit(row)) + (f" ({spread})" if spread else "")
+
+
+def _last_part(metric: str) -> tuple[str, str]:
+    """``transition_s[8->6/relayout/dim128]`` -> ``("transition_s[8->6/relayout]", "dim128")``,
+    ``cpu_us[idle]`` -> ``("cpu_us", "idle")``; no variant: ``(metric, "")``."""
+    base, kind = split_metric(metric)
+    if kind is None:
+        return metric, ""
+    lead, _, last = kind.rpartition("/")
+    return (f"{base}[{lead}]" if lead else base), last
 
 
 def across(spec: str, results_dir: Path = RESULTS_DIR) -> str:
@@ -100,12 +130,49 @@ def across(spec: str, results_dir: Path = RESULTS_DIR) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pivot(spec: str, results_dir: Path = RESULTS_DIR) -> str:
+    """The table of a block with ``+grid`` or ``+systems`` among its names (``FILE METRIC ...
+    +grid``): with ``+grid`` a line per system and metric less its variant's last part and a
+    column per that part, with ``+systems`` a line per metric and a column per system, both
+    in the file's order; a cell is the median with min .. max (:func:`_cell`), blank where
+    no row is, and each line says when its rows were measured."""
+    stem, *names = spec.split()
+    by_system = "+systems" in names
+    names = [n for n in names if n not in PIVOTS]
+    if not names or "+note" in names or set(spec.split()) >= PIVOTS:
+        raise BlockError(f"results {spec!r}: a pivot takes metrics, one of +grid, +systems")
+    rows = _selected(_load(stem, spec, results_dir), names)
+    if not rows:
+        raise BlockError(f"results {spec!r}: no row of {stem}.json has those metrics")
+    lines: dict[tuple[str, ...], dict[str, Row]] = {}
+    for r in rows:
+        key: tuple[str, ...]
+        if by_system:
+            key, column = (f"`{r['metric']}`",), str(r.get("system", ""))
+        else:
+            lead, column = _last_part(r["metric"])
+            if not column:
+                raise BlockError(f"results {spec!r}: {r['metric']} has no [variant] for +grid")
+            key = (str(r.get("system", "")), f"`{lead}`")
+        lines.setdefault(key, {})[column] = r
+    columns = list(dict.fromkeys(c for cells in lines.values() for c in cells))
+    head: tuple[str, ...] = ("metric",) if by_system else ("system", "metric")
+    out = [_line((*head, *columns, "measured")),
+           "|" + " --- |" * (len(head) + len(columns) + 1)]  # fmt: skip
+    for key, cells in lines.items():
+        shown = [_cell(cells[c]) if c in cells else "" for c in columns]
+        out.append(_line((*key, *shown, max(_when(r) for r in cells.values()))))
+    return "\n".join(out) + "\n"
+
+
 def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
-    """The markdown table of one block's ``spec`` (``FILE [METRIC ...]``, or several files:
-    :func:`across`), ending in a newline."""
+    """The markdown table of one block's ``spec`` (``FILE [METRIC ...]``; several files:
+    :func:`across`; ``+grid`` or ``+systems``: :func:`pivot`), ending in a newline."""
     stem, *names = spec.split()
     if "," in stem:
         return across(spec, results_dir)
+    if PIVOTS & set(names):
+        return pivot(spec, results_dir)
     notes = "+note" in names
     names = [n for n in names if n != "+note"]
     rows = _selected(_load(stem, spec, results_dir), names)
@@ -114,14 +181,9 @@ def table(spec: str, results_dir: Path = RESULTS_DIR) -> str:
     header = (*HEADER, "note") if notes else HEADER
     lines = [_line(header), "|" + " --- |" * len(header)]
     for r in rows:
-        reps = r.get("repetitions") or 0
-        spread = (
-            f"{fmt(r.get('min'))} .. {fmt(r.get('max'))}"
-            if r.get("min") is not None and isinstance(reps, int) and reps > 1
-            else ""
-        )
         median = fmt(r.get("median"), _unit(r))
-        cells = [str(r.get("system", "")), f"`{r['metric']}`", median, spread, str(reps), _when(r)]
+        reps = str(r.get("repetitions") or 0)
+        cells = [str(r.get("system", "")), f"`{r['metric']}`", median, _spread(r), reps, _when(r)]
         cells += [str(r.get("note") or "")] if notes else []
         lines.append(_line(cells))
     return "\n".join(lines) + "\n"

@@ -84,3 +84,47 @@ def test_a_results_block_is_made_again_and_a_typed_figure_is_stale(tmp_path: Pat
     for spec, why in (("nope", "no nope.json"), ("s no_such_metric", "no row")):
         with pytest.raises(docs.BlockError, match=why):
             docs.table(spec, tmp_path)
+
+
+def test_a_pivot_block_puts_variants_or_systems_in_columns(tmp_path: Path) -> None:
+    import json
+
+    import pytest
+
+    from bench import docs
+    from bench.common import make_row
+
+    def row(system: str, metric: str, values: list[float], unit: str = "s") -> dict:
+        return make_row(system=system, scenario="p", metric=metric, values=values, unit=unit)
+
+    rows = [row("unicron", "transition_s[8->6/relayout/dim128]", [0.25, 0.5, 0.75]),
+            row("unicron", "transition_s[8->6/relayout/dim256]", [1.0]),
+            row("torch", "transition_s[8->6/relayout/dim256]", [2.0, 2.0]),
+            row("unicron", "wall_s", [3.0]),
+            row("model", "share", [0.9], unit="ratio")]  # fmt: skip
+    (tmp_path / "p.json").write_text(json.dumps(rows))
+    grid = docs.table("p transition_s +grid", tmp_path).splitlines()
+    assert grid[0] == "| system | metric | dim128 | dim256 | measured |"
+    assert grid[1] == "| --- | --- | --- | --- | --- |" and len(grid) == 4
+    # the spread where the repetitions differ, none for one or equal ones, blank for no row
+    line = "`transition_s[8->6/relayout]`"
+    assert grid[2].startswith(f"| unicron | {line} | 0.5 s (0.25 .. 0.75) | 1 s |")
+    assert grid[3].startswith(f"| torch | {line} |  | 2 s |")
+    by_system = docs.table("p transition_s wall_s +systems", tmp_path).splitlines()
+    assert by_system[0] == "| metric | unicron | torch | measured |"
+    line = "`transition_s[8->6/relayout/dim"
+    assert by_system[2].startswith(f"| {line}128]` | 0.5 s (0.25 .. 0.75) |  |")
+    assert by_system[3].startswith(f"| {line}256]` | 1 s | 2 s |")
+    assert by_system[4].startswith("| `wall_s` | 3 s |  |") and len(by_system) == 5
+    assert "| 0.9 |" in docs.table("p share", tmp_path)  # a ratio's unit is not printed
+    for spec, why in (("p wall_s +grid", r"no \[variant\]"), ("p +grid", "pivot"),
+                      ("p transition_s +grid +note", "pivot"),
+                      ("p transition_s +grid +systems", "pivot"), ("p nope +systems", "no row"),
+                      ("q transition_s +grid", "no q.json")):  # fmt: skip
+        with pytest.raises(docs.BlockError, match=why):
+            docs.table(spec, tmp_path)
+    doc = tmp_path / "d.md"
+    doc.write_text("<!-- results p transition_s +grid -->\n| typed |\n<!-- /results -->\n")
+    assert docs.stale([doc], tmp_path) == [f"{doc}: results p transition_s +grid"]
+    assert docs.refresh([doc], tmp_path) == [doc] and docs.stale([doc], tmp_path) == []
+    assert "\n".join(grid) in doc.read_text()
