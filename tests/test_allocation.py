@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from unicron.control import replicas
 from unicron.control.allocation import TaskView, decide
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.escalation import Escalation, EscalationSettings
@@ -100,7 +101,7 @@ def test_a_released_slot_leaves_at_a_step_boundary_then_is_stopped(tmp_path: Pat
 def test_an_added_slot_starts_fresh_and_joins_the_next_epoch(tmp_path: Path) -> None:
     c = _coordinator(tmp_path)
     c.step_committed(1, 0, 0.5)
-    c.add_slot(4, 0, 1.0, "planner")
+    c.add_slot(4, 0, 1.0, "planner", 0)
     (spawn,) = [a for a in c.take_actions(0) if isinstance(a, Spawn)]
     assert spawn == Spawn(4, fresh=True)
     assert not c.slots[4].has_state  # a step committed: it receives the state
@@ -205,6 +206,26 @@ def test_a_tensor_parallel_task_moves_in_whole_replicas_on_one_node() -> None:
     d = decide([running, b], {0: 3, 1: 3}, DAY)
     release = next(m for m in d.moves if m.task == "a").release
     assert sorted(release) in ([0, 1], [2, 3]), release
+
+
+def test_a_replica_no_node_holds_spreads_its_stages_over_nodes_a_block_of_tp_each() -> None:
+    """TP=2 x PP=2 on nodes of 3 slots: no node holds a replica of 4, so each stage goes to
+    a node of its own (2 slots of one node: a tensor-parallel pair never spans nodes);
+    the ranks group as the planner placed them (:func:`replicas.groups`)."""
+    a = TaskView(name="a", weight=1, min_workers=4, max_workers=8, ranks={}, running=False,
+                 microbatches=8, replica_ranks=4, tp=2)  # fmt: skip
+    d = decide([a], {0: 3, 1: 3, 2: 3}, DAY)
+    (m,) = d.moves
+    assert m.after == 4 and len(m.add_on) == 4
+    placed = dict(enumerate(m.add_on))  # the cluster numbers the ranks in this order
+    (replica,) = replicas.groups(placed, (2, 2))
+    assert [placed[r] for r in replica[:2]] == [placed[replica[0]]] * 2  # stage 0 on a node
+    assert placed[replica[2]] == placed[replica[3]] != placed[replica[0]]
+    # with room on one node the replica stays on it
+    d = decide([a], {0: 4, 1: 3}, DAY)
+    assert d.moves[0].add_on == (0, 0, 0, 0)
+    # nodes of one slot hold no tensor-parallel pair: nothing is placed
+    assert decide([a], {n: 1 for n in range(8)}, DAY).moves[0].after == 0
 
 
 def test_a_task_that_may_run_shallower_is_planned_in_its_smallest_replicas() -> None:

@@ -274,3 +274,31 @@ def test_a_node_declared_lost_is_fenced_until_it_registers_again(cluster: Cluste
     assert cluster.register("n0", 2, "127.0.0.1", "i1", late + 2) == nid
     assert not cluster.nodes[nid].lost
     assert cluster.heartbeat("n0", "i1", late + 2)  # its task's assignment again
+
+
+def test_a_replica_no_node_holds_is_placed_and_grown_a_stage_per_node(cluster: Cluster) -> None:
+    """TP=2 x PP=2 on nodes of two slots: each replica's stages on two nodes; each agent is
+    told its slots' places (the assignment, then the coordinator's spawns of slots added
+    later), as :mod:`unicron.control.replicas` groups the task's ranks."""
+    from unicron.control.planning import assignment
+
+    now = time.time()
+    for k in range(2):
+        cluster.register(f"n{k}", 2, "127.0.0.1", f"i{k}", now)
+    llama = str(ROOT / "examples" / "train_llama_parallel.py")
+    spec = TaskSpec.model_validate(
+        {"name": "a", "script": llama, "tp": 2, "pp": 2, "workers": {"min": 4, "max": 8}}
+    )
+    cluster.submit(spec, now)
+    a = cluster.tasks["a"]
+    assert a.row.placement == [0, 0, 1, 1]
+    told = [assignment(a, n, "127.0.0.1:1", b"k" * 32, None) for n in (0, 1)]
+    assert [(x.slots, x.places) for x in told] == [((0, 1), (0, 1)), ((2, 3), (2, 3))]
+    for k in range(2, 4):  # two more nodes: a second replica, a stage on each
+        cluster.register(f"n{k}", 2, "127.0.0.1", f"i{k}", now)
+    cluster.tick(now + 0.01)
+    assert a.row.placement == [0, 0, 1, 1, 2, 2, 3, 3]
+    c = a.controller
+    assert c is not None
+    spawned = {s.slot: s.place for n in (2, 3) for s in c.take_actions(n) if s.fresh}
+    assert spawned == {4: 0, 5: 1, 6: 2, 7: 3}

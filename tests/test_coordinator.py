@@ -220,7 +220,7 @@ def test_in_a_cluster_with_slots_to_give_a_task_below_its_minimum_waits_for_them
     assert "waiting for the cluster to give more" in k.events("action")[-1]["reason"]
     c.tick(t + 1.0, 0)  # the planner gave the spare slot to another task meanwhile
     assert c.state is TaskState.WAITING  # waiting already: the give-up deadline decides
-    c.add_slot(4, 0, t + 2.0, "planner")
+    c.add_slot(4, 0, t + 2.0, "planner", 0)
     assert [a.slot for a in k.actions(Spawn)][-1] == 4
     c.worker_ready(4, t + 3.0)
     assert c.state is TaskState.RUNNING and sorted(c.members) == [0, 1, 2, 4]
@@ -696,7 +696,7 @@ def test_the_escalations_memory_of_a_slot_lives_on_the_slot(tmp_path: Path) -> N
     c.release_slots([1], t + 5, "planner")
     assert 1 not in c.slots and c.released() == {1}
     assert c.escalation.excluded_slots() == {1}  # its history outlives its stay elsewhere
-    c.add_slot(1, 0, t + 6, "planner")
+    c.add_slot(1, 0, t + 6, "planner", 0)
     assert c.slots[1].record is record and not c.slots[1].excluded
     c.worker_failed(1, verdict_for_kind("killed"), t + 7)
     assert "slot is excluded" in k.events("action")[-1]["reason"]

@@ -177,13 +177,41 @@ def test_without_a_group_a_split_layer_says_how_to_run_it() -> None:
 # -- the grouping ------------------------------------------------------------------------------
 def test_replicas_are_groups_of_tp_slots_of_one_node_in_slot_order() -> None:
     table = SlotTable({0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1})
-    assert replicas.group_of(table, 1, 2) == (0, 1)
-    assert replicas.group_of(table, 3, 2) == (2, 3)
-    assert replicas.group_of(table, 6, 2) == (6,)  # node 1's third slot: never whole
-    assert [replicas.place(table, s, 2) for s in range(7)] == [0, 1, 0, 1, 0, 1, 0]
-    assert replicas.whole(table, [2, 3, 0, 4, 5, 6], 2) == (2, 3, 4, 5)
-    assert replicas.whole(table, [3, 1, 0, 2], 2) == (2, 3, 0, 1)  # each in place order
-    assert replicas.whole(table, [0, 2, 4], 1) == (0, 2, 4)
+    tp2 = (2, 1)
+    assert replicas.group_of(table, 1, tp2) == (0, 1)
+    assert replicas.group_of(table, 3, tp2) == (2, 3)
+    assert replicas.group_of(table, 6, tp2) == (6,)  # node 1's third slot: never whole
+    assert [replicas.place(table, s, tp2) for s in range(7)] == [0, 1, 0, 1, 0, 1, 0]
+    assert replicas.whole(table, [2, 3, 0, 4, 5, 6], tp2) == (2, 3, 4, 5)
+    assert replicas.whole(table, [3, 1, 0, 2], tp2) == (2, 3, 0, 1)  # each in place order
+    assert replicas.whole(table, [0, 2, 4], (1, 1)) == (0, 2, 4)
+    # a node holding whole replicas keeps them: tp 2 x pp 2 on 4 slots of one node
+    assert replicas.groups({s: 0 for s in range(8)}, (2, 2)) == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+def test_a_replicas_stages_span_nodes_where_no_node_holds_one() -> None:
+    """pp stages of tp slots of one node each: a tensor-parallel group never spans nodes."""
+    # four nodes of two slots, tp 2 x pp 2: each replica is two nodes, a stage on each
+    nodes = {s: s // 2 for s in range(8)}
+    assert replicas.groups(nodes, (2, 2)) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    # four nodes of one slot, pp 2: a stage per node
+    assert replicas.groups({s: s for s in range(4)}, (1, 2)) == ((0, 1), (2, 3))
+    # two nodes of three, tp 2 x pp 2: a block per node, and one slot of each never whole
+    table = SlotTable({0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1})
+    assert replicas.groups({k: s.node for k, s in table.items()}, (2, 2)) == (
+        (0, 1, 3, 4), (2,), (5,)
+    )  # fmt: skip
+    assert replicas.place(table, 3, (2, 2)) == 2  # stage 1, tensor-parallel rank 0
+    assert replicas.whole(table, [3, 4, 0, 1, 2], (2, 2)) == (0, 1, 3, 4)
+    # slots added later (higher numbers) never move an earlier replica's slots
+    grown = {**nodes, 8: 0, 9: 0, 10: 2, 11: 2}
+    assert replicas.groups(grown, (2, 2))[:2] == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert replicas.places(grown, (2, 2))[10] == 2
+    # a slot completing a node's short block: that block comes after every whole one
+    odd = {**nodes, 8: 4, 9: 5, 10: 5, 11: 4}
+    assert replicas.groups(odd, (2, 2))[:3] == ((0, 1, 2, 3), (4, 5, 6, 7), (9, 10, 8, 11))
+    # an odd block out: three nodes of two at pp 2 leave node 2's block short
+    assert replicas.groups({s: s // 2 for s in range(6)}, (2, 2)) == ((0, 1, 2, 3), (4, 5))
 
 
 def _coordinator(tmp: Path, monitor: StepMonitor | None = None) -> Coordinator:
@@ -421,8 +449,8 @@ def test_the_planner_taking_a_pair_changes_the_layout_and_giving_it_back_restore
     entered = [M.EpochEntered(slot=s, ts=1.5, epoch=2) for s in range(6)]
     c.exchange(0, [*entered, M.WorkerLeft(slot=6, ts=1.6), M.WorkerLeft(slot=7, ts=1.6)], 1.6)
     assert 6 not in c.book.slots and 7 not in c.book.slots  # stopped, the other task's
-    for slot in (8, 9):
-        c.add_slot(slot, 0, 2.0, "planner")
+    for slot, place in ((8, 2), (9, 3)):  # replica (4, 5, 8, 9): stage 1
+        c.add_slot(slot, 0, 2.0, "planner", place)
     c.exchange(0, [M.Ready(slot=s, ts=3.0, microbatches=8) for s in (8, 9)], 3.0)
     assert (c.members, c.book.layout[1]) == ((0, 1, 2, 3, 4, 5, 8, 9), 0)
     began = [e for e in c.events.events() if e["event"] == "epoch_begin"]

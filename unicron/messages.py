@@ -43,7 +43,8 @@ from unicron.protocol import WorkerSettings
 @dataclass(frozen=True, kw_only=True)
 class Assignment:
     """Run your part of task ``uid`` (``name``): its ranks on your node (``slots``), the
-    ``script`` with ``args``, the faults to inject, torch's ``threads`` per worker, the
+    ``script`` with ``args``, the faults to inject, torch's ``threads`` per worker, each
+    slot's ``places`` in its model-parallel replica (in the order of ``slots``), the
     training ``store``'s address and the task's capability there (``store_key``: its
     workers' credential), the ``device`` kind, the ``settings`` its workers read from their
     environment and the task file's own ``env``. Made by
@@ -63,16 +64,19 @@ class Assignment:
     device: str
     settings: WorkerSettings
     env: dict[str, str]
+    places: tuple[int, ...] = ()
 
 
 # -- actions: coordinator -> agent -------------------------------------------------------------
 @dataclass(frozen=True)
 class Spawn:
     """Start a new incarnation of the worker in ``slot``; ``fresh``: a slot the task was just
-    given (started unless a worker already runs there)."""
+    given (started unless a worker already runs there); ``place``: the slot's place in its
+    model-parallel replica (:mod:`unicron.control.replicas`: the shard its worker builds)."""
 
     slot: int
     fresh: bool = False
+    place: int = 0
 
 
 @dataclass(frozen=True)

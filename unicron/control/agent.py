@@ -167,6 +167,10 @@ class AgentConfig:
     account: Account | None = None
     """the unprivileged account the task's processes run as (``unicron agent --run-as``);
     ``None``: the agent's own"""
+    places: dict[int, int] = field(default_factory=dict)
+    """each slot's place in its model-parallel replica, as the coordinator says (the
+    assignment, then each :class:`~unicron.messages.Spawn`); a slot not in it: its place
+    among this node's slots alone (:mod:`unicron.control.replicas`)"""
 
 
 class CoordinatorLink(Protocol):
@@ -290,6 +294,7 @@ class Agent:
                 w = self.workers.get(action.slot)
                 if action.fresh and w is not None and w.alive and w.incarnation >= 0:
                     continue  # a slot given to the task, already started with its supervisor
+                self.config.places[action.slot] = action.place
                 self.spawn(action.slot)
             elif isinstance(action, Kill):
                 if action.leave and action.slot in self.workers:

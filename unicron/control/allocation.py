@@ -97,7 +97,10 @@ class TaskView:
     """what a change of its worker count costs it, seconds (measured by the cluster)"""
     replica_ranks: int = 1
     """ranks per replica (``tp * pp``): its counts are multiples of it, and whole replicas
-    (that many slots of one node, :mod:`unicron.control.replicas`) move together"""
+    move together (blocks of :attr:`tp` slots of one node, :mod:`unicron.control.replicas`)"""
+    tp: int = 1
+    """tensor-parallel ranks per pipeline stage of its replica: a block of that many slots
+    of one node"""
     parked: frozenset[int] = frozenset()
     """ranks (in :attr:`ranks`) whose replica has an excluded rank: they wait for it, idle,
     and a plan neither counts them nor gives them back (the replica is whole again once the
@@ -252,12 +255,25 @@ def decide(
 
 
 def _groups(t: TaskView, capacity: dict[int, int]) -> list[tuple[int, ...]]:
-    """``t``'s ranks on live nodes as its replicas would group them (each node's ranks in
-    order, ``tp`` at a time; a node's last group may be short: a replica never whole)."""
-    out: list[tuple[int, ...]] = []
-    for node in sorted({n for n in t.ranks.values() if n in capacity}):
-        on = sorted(r for r, n in t.ranks.items() if n == node and r not in t.parked)
-        out += replicas.grouped(on, t.replica_ranks)
+    """``t``'s ranks on live nodes as its replicas would group them
+    (:func:`unicron.control.replicas.groups`; a short group is a replica never whole)."""
+    on = {r: n for r, n in t.ranks.items() if n in capacity and r not in t.parked}
+    return list(replicas.groups(on, (t.tp, t.replica_ranks // t.tp)))
+
+
+def _spread(free: dict[int, int], mine: dict[int, int], t: TaskView) -> list[int] | None:
+    """The nodes of one replica of ``t`` whose stages no single node holds: a block of
+    ``t.tp`` slots at a time, packed like whole replicas (nodes it is on, then the freest);
+    ``None`` where the free slots hold no replica."""
+    left, had, out = dict(free), dict(mine), list[int]()
+    for _ in range(t.replica_ranks // t.tp):
+        open_ = [n for n in left if left[n] >= t.tp]
+        if not open_:
+            return None
+        n = max(open_, key=lambda n: (had[n], left[n], -n))
+        left[n] -= t.tp
+        had[n] += t.tp
+        out.append(n)
     return out
 
 
@@ -384,19 +400,25 @@ def _moves(
         if extra > 0:
             mine = {n: sum(1 for m in t.ranks.values() if m == n) for n in capacity}
             nodes: list[int] = []
-            # pack: nodes it is on, then the freest; a replica's tp ranks on one node; a
-            # second replica on a second node where one has room (two failure domains)
+            # pack: nodes it is on, then the freest; a replica on one node where one has
+            # room, a second one on a second node (two failure domains); else its stages
+            # on several nodes, each a block of tp slots of one node
             for _ in range(extra // t.replica_ranks):
                 open_ = [n for n in free if free[n] >= t.replica_ranks]
                 on = {n for n in mine if mine[n]}
                 if len(on) == 1 and any(n not in on for n in open_):
                     open_ = [n for n in open_ if n not in on]
-                if not open_:
+                if open_:
+                    n = max(open_, key=lambda n: (mine[n], free[n], -n))
+                    spread = [n] * (t.replica_ranks // t.tp)
+                elif (found := _spread(free, mine, t)) is not None:
+                    spread = found
+                else:
                     break
-                n = max(open_, key=lambda n: (mine[n], free[n], -n))
-                free[n] -= t.replica_ranks
-                mine[n] += t.replica_ranks
-                nodes += [n] * t.replica_ranks
+                for n in spread:
+                    free[n] -= t.tp
+                    mine[n] += t.tp
+                    nodes += [n] * t.tp
             after = held[t.name] + len(nodes)
             moves.append(Move(t.name, held[t.name], after, add_on=tuple(sorted(nodes))))
         elif extra == 0:

@@ -52,8 +52,8 @@ class CoordinatorSettings:
     min_workers: int = 1
     """the task is worth nothing below this many workers: it waits (or fails) instead"""
     replica_ranks: int = 1
-    """ranks per replica (``tp * pp``, on one node): an epoch holds whole replicas only
-    (:func:`unicron.control.replicas.whole`)"""
+    """ranks per replica (``tp * pp``: ``pp`` blocks of ``tp`` slots of one node): an epoch
+    holds whole replicas only (:func:`unicron.control.replicas.whole`)"""
     tp: int = 1
     """tensor-parallel ranks per pipeline stage of the task's own layout"""
     layouts: tuple[tuple[int, int], ...] = ()
@@ -223,20 +223,37 @@ class TaskBook:
 
     def size_at(self, layout: tuple[int, int]) -> int:
         """Ranks per replica at ``layout`` (``(tp, pp)``; ``(0, 0)``: the task's own)."""
-        tp, pp = layout
-        return tp * pp if tp else self.settings.replica_ranks
+        tp, pp = self.lay_at(layout)
+        return tp * pp
+
+    @property
+    def lay(self) -> tuple[int, int]:
+        """The current epoch's ``(tp, pp)``, the task's own spelled out."""
+        return self.lay_at(self.layout)
+
+    def lay_at(self, layout: tuple[int, int]) -> tuple[int, int]:
+        """``layout`` spelled out (``(0, 0)``: the task's own)."""
+        return layout if layout[0] else self.settings.own
+
+    def place(self, slot: int) -> int:
+        """``slot``'s place in its replica at the task's own layout: the shard its worker
+        builds when it starts (:class:`~unicron.messages.Spawn`)."""
+        own = self.settings.own
+        if own[0] * own[1] == 1:
+            return 0
+        return replicas.place(self.slots, slot, own)
 
     def other_holders(self, slot: int) -> list[int]:
         """The live slots other than ``slot`` that hold the task's state (model parallel: its
         shard, at the same place of another replica)."""
-        size = self.size
-        if size == 1:
+        if self.size == 1:
             return [h for h in self.slots.holders() if h != slot]
-        mine = replicas.place(self.slots, slot, size)
+        lay = self.lay
+        mine = replicas.place(self.slots, slot, lay)
         return [
             h
             for h in self.slots.holders()
-            if h != slot and replicas.place(self.slots, h, size) == mine
+            if h != slot and replicas.place(self.slots, h, lay) == mine
         ]
 
     def state_held(self) -> bool:
@@ -247,7 +264,7 @@ class TaskBook:
             return bool(held)
         if not self.trained:
             return True  # no step committed: any worker builds the state again
-        return len({replicas.place(self.slots, h, size) for h in held}) == size
+        return len({replicas.place(self.slots, h, self.lay) for h in held}) == size
 
     def has_checkpoint(self) -> bool:
         """The task has a persistent checkpoint to fall back on (read from its directory)."""
@@ -282,7 +299,7 @@ class TaskBook:
         s.start()
         s.has_state = s.fresh = not self.trained
         self.forget(slot)
-        self.send(s.node, Spawn(slot))
+        self.send(s.node, Spawn(slot, place=self.place(slot)))
 
     def kill(self, slot: int, verdict: Verdict | None) -> None:
         """Stop the worker in ``slot``; its exit comes back as a failure."""

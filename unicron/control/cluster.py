@@ -50,6 +50,7 @@ from unicron.control.planning import (
     logged_pace,
     name_node,
     plan_event,
+    replica_places,
     spare_slots,
     task_end,
     task_view,
@@ -394,6 +395,7 @@ class Cluster:
         free = {nid: n.slots - self._used(nid) for nid, n in self._nodes.live(now).items()}
         waiting: dict[str, list[int]] = {}
         kept: list[tuple[str, int]] = []
+        added: list[tuple[Coordinator, Task, int, int]] = []
         for name, node in self._pending_adds:
             task = self.tasks.get(name)
             if task is None or task.row.state in ENDED or task.row.state == "cancelled":
@@ -408,19 +410,18 @@ class Cluster:
                 log.warning("task %s: refused a slot on node %s: no CUDA device", name,
                             self.nodes[node].row.name)  # fmt: skip
                 continue
-            if task.controller is None:
-                waiting.setdefault(name, []).append(node)
-                kept.append((name, node))
-                continue
-            if free[node] <= 0:
-                kept.append((name, node))
+            if task.controller is None or free[node] <= 0:
+                kept.append((name, node))  # waiting: a queued task starts once all are free
+                if task.controller is None:
+                    waiting.setdefault(name, []).append(node)
                 continue
             free[node] -= 1
-            rank = len(task.row.placement)
+            added.append((task.controller, task, len(task.row.placement), node))
             task.row.placement.append(node)
             self.state.save_task(task.row)
-            c = task.controller
-            calls.append(functools.partial(c.add_slot, rank, node, now, "planner"))
+        for c, t, rank, node in added:  # each rank's place once every rank added now is known
+            place = replica_places(t)[rank]
+            calls.append(functools.partial(c.add_slot, rank, node, now, "planner", place))
         self._pending_adds = kept
         for name, nodes in waiting.items():
             need = {n: nodes.count(n) for n in nodes}

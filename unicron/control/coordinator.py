@@ -534,12 +534,11 @@ class Coordinator:
             where = "it serves on" if same else f"a new one serves at {store[1]}"
             membership.store_moved(self.book, now, f"{why}; {where}", lost=not same)
 
-    def add_slot(self, slot: int, node: int, now: float, reason: str) -> None:
-        """The cluster gives the task ``slot`` on ``node`` (a planner decision): a worker
-        starts there and joins the next epoch, at a step boundary, with the state from the
-        nearest replica. A ``reconfigure`` action says why."""
+    def add_slot(self, slot: int, node: int, now: float, reason: str, place: int) -> None:
+        """The cluster gives the task ``slot`` on ``node`` at ``place`` in its replica (a
+        planner decision): see :func:`unicron.control.membership.add_slot`."""
         with self._deciding():
-            membership.add_slot(self.book, slot, node, now, reason)
+            membership.add_slot(self.book, slot, node, now, reason, place)
 
     def release_slots(self, slots: list[int], now: float, reason: str) -> None:
         """The cluster takes ``slots`` back for another task: one epoch (at a step boundary,

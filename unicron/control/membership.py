@@ -51,7 +51,7 @@ def adopt(
     own = b.settings.own
     lay = (info.tp or own[0], info.pp or own[1])  # the log's are spelled out, the store's not
     b.layout = (0, 0) if lay == own else lay
-    b.members = replicas.whole(b.slots, members, b.size) if gone else members
+    b.members = replicas.whole(b.slots, members, b.lay) if gone else members
     b.trained = trained
     b.state = TaskState.RUNNING if b.members else TaskState.WAITING
     if b.state is TaskState.WAITING:
@@ -155,15 +155,17 @@ def fail(b: TaskBook, reason: str, now: float, *, usage: bool = False) -> None:
 
 
 # -- the planner's moves -------------------------------------------------------------------
-def add_slot(b: TaskBook, slot: int, node: int, now: float, reason: str) -> None:
-    """The cluster gives the task ``slot`` on ``node``: a worker starts there and joins the
-    next epoch with the state from the nearest replica."""
+def add_slot(b: TaskBook, slot: int, node: int, now: float, reason: str, place: int) -> None:
+    """The cluster gives the task ``slot`` on ``node``: a worker starts there, at ``place``
+    in its replica (the cluster adds a replica's slots one by one: those known so far may
+    group otherwise), and joins the next epoch, at a step boundary, with the state from the
+    nearest replica. A ``reconfigure`` action says why."""
     if slot in b.slots or b.over():
         return
     s = b.slots.add(slot, node)
     s.has_state = s.fresh = not b.trained
     b.action(Action.RECONFIGURE, slot, f"slot {slot} added: {reason}", 1, now)
-    b.send(node, Spawn(slot, fresh=True))
+    b.send(node, Spawn(slot, fresh=True, place=place))
 
 
 def release_slots(b: TaskBook, slots: list[int], now: float, reason: str) -> None:
@@ -182,7 +184,7 @@ def release_slots(b: TaskBook, slots: list[int], now: float, reason: str) -> Non
             s.to(SlotState.LEAVING)
             leaving.append(slot)
     lay = layout(b, [s for s in _usable(b) if s not in leaving])
-    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], b.size_at(lay))
+    rest = replicas.whole(b.slots, [m for m in b.members if m not in leaving], b.lay_at(lay))
     if (rest != b.members or lay != b.layout) and b.active():
         gone = ", ".join(map(str, leaving))
         announce(b, rest, urgent=False, now=now, reason=f"slot(s) {gone} released", lay=lay)
@@ -238,7 +240,7 @@ def layout(b: TaskBook, usable: Sequence[int]) -> tuple[int, int]:
     layouts = b.settings.layouts
     if not layouts:
         return 0, 0
-    trained = {lay: len(replicas.whole(b.slots, usable, lay[0] * lay[1])) for lay in layouts}
+    trained = {lay: len(replicas.whole(b.slots, usable, lay)) for lay in layouts}
     score: dict[tuple[int, int], float] = {lay: float(n) for lay, n in trained.items()}
     rate = b.settings.rate
     if rate is not None:
@@ -257,11 +259,6 @@ def layout(b: TaskBook, usable: Sequence[int]) -> tuple[int, int]:
     return (0, 0) if choice == own else choice
 
 
-def _actual(b: TaskBook) -> tuple[int, int]:
-    """The epoch's ``(tp, pp)``, the task's own spelled out."""
-    return b.layout if b.layout[0] else b.settings.own
-
-
 def _usable(b: TaskBook) -> list[int]:
     """The task's slots that are neither excluded nor given to another task, in slot
     order."""
@@ -274,7 +271,7 @@ def maybe_start(b: TaskBook, now: float) -> None:
         b.started_at = now
     usable = _usable(b)
     lay = layout(b, usable)
-    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], b.size_at(lay))
+    ready = replicas.whole(b.slots, [s for s in usable if b.slots[s].ready], b.lay_at(lay))
     timed_out = now - b.started_at > b.settings.start_timeout_s
     if ready and (
         len(ready) == len(usable) or (timed_out and len(ready) >= b.settings.min_workers)
@@ -292,7 +289,7 @@ def grow(b: TaskBook, now: float) -> None:
         if o.ready and o.alive and not o.excluded and s not in b.members
     )
     lay = layout(b, _usable(b))
-    grown = replicas.whole(b.slots, b.members + joiners, b.size_at(lay))
+    grown = replicas.whole(b.slots, b.members + joiners, b.lay_at(lay))
     joiners = tuple(s for s in grown if s not in b.members)
     if not b.members and _shard_on_its_way(b, grown):
         return  # a replica being restarted brings a shard the others lack: it joins too
@@ -314,16 +311,16 @@ def _shard_on_its_way(b: TaskBook, candidates: tuple[int, ...]) -> bool:
     living rank outside them holds while its replica's lost rank is being restarted. Both
     replicas lost a rank in the same step: each alone would roll back to the checkpoint,
     together they hold every shard (the wait is one restart)."""
-    size = b.size
-    if size == 1 or not b.trained:
+    lay = b.lay
+    if b.size == 1 or not b.trained:
         return False
-    have = {replicas.place(b.slots, s, size) for s in candidates if b.slots[s].has_state}
+    have = {replicas.place(b.slots, s, lay) for s in candidates if b.slots[s].has_state}
     for s, o in b.slots.items():
         if s in candidates or not o.alive or not o.has_state:
             continue
-        if replicas.place(b.slots, s, size) in have:
+        if replicas.place(b.slots, s, lay) in have:
             continue
-        group = replicas.group_of(b.slots, s, size)
+        group = replicas.group_of(b.slots, s, lay)
         if any(b.slots[m].state is SlotState.STARTING for m in group):
             return True
     return False
@@ -336,7 +333,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     # whole replicas only: the living ranks of a broken one wait outside the epoch
     usable = _usable(b)
     lay = layout(b, usable)
-    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.size_at(lay))
+    survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.lay_at(lay))
     # slots that can come back: usable ones, excluded ones a health probe may readmit (none
     # if probes are turned off, nor where the script itself failed every time), and those
     # of lost nodes only where nodes return (a cluster)
@@ -504,5 +501,5 @@ def announce(
         members=list(members),
         urgent=urgent,
         reason=reason,
-        **(dict(zip(("tp", "pp"), _actual(b), strict=True)) if b.settings.layouts else {}),
+        **(dict(zip(("tp", "pp"), b.lay, strict=True)) if b.settings.layouts else {}),
     )

@@ -286,6 +286,7 @@ class NodeAgent:
             settings=a.settings,
             env=env,
             account=self.account,
+            places=dict(zip(a.slots, a.places, strict=True)) if a.places else {},
         )
         holder: list[Agent] = []
         link = TaskLink(self.client, self.name, self.instance, uid, lambda: holder[0].census())

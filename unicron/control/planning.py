@@ -170,26 +170,35 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         global_batch=task.spec.global_batch or 0,
         transition_s=transition,
         replica_ranks=task.spec.smallest_replica,
+        tp=min(task.spec.layouts, key=lambda lay: lay[0] * lay[1])[0],
         parked=parked(task),
         members=frozenset() if c is None else frozenset(c.members),
         optimizer_copies=2 if task.spec.zero else 1,
     )
 
 
+def placed(task: Task) -> dict[int, int]:
+    """``task``'s ranks and their nodes (a rank given back is on none)."""
+    return {r: n for r, n in enumerate(task.row.placement) if n >= 0}
+
+
+def replica_places(task: Task) -> dict[int, int]:
+    """Each rank's place in its replica at the task's own layout
+    (:mod:`unicron.control.replicas`)."""
+    return replicas.places(placed(task), (task.spec.tp, task.spec.pp))
+
+
 def parked(task: Task) -> frozenset[int]:
-    """The ranks of ``task`` waiting for an excluded rank of their replica (a node's ranks in
-    order, ``tp * pp`` at a time, at its shallowest pipeline depth:
-    :mod:`unicron.control.replicas`)."""
-    size, excluded = task.spec.smallest_replica, set(task.excluded)  # (coordinators change it)
-    if size == 1 or not excluded:
+    """The ranks of ``task`` waiting for an excluded rank of their replica (grouped at its
+    smallest layout: :mod:`unicron.control.replicas`)."""
+    spec, excluded = task.spec, set(task.excluded)  # (coordinators change it)
+    lay = min(spec.layouts, key=lambda lay: lay[0] * lay[1])
+    if lay[0] * lay[1] == 1 or not excluded:
         return frozenset()
     out: set[int] = set()
-    placement = task.row.placement
-    for node in {placement[r] for r in excluded if 0 <= r < len(placement)}:
-        on = [r for r, n in enumerate(placement) if n == node]
-        for group in replicas.grouped(on, size):
-            if any(r in excluded for r in group):
-                out.update(r for r in group if r not in excluded)
+    for group in replicas.groups(placed(task), lay):
+        if any(r in excluded for r in group):
+            out.update(r for r in group if r not in excluded)
     return frozenset(out)
 
 
@@ -305,10 +314,13 @@ def assignment(
         tp_choices=",".join(map(str, spec.degrees[1:])),
         zero=spec.zero,
     )
+    mine = [rank for rank, n in enumerate(task.row.placement) if n == nid]
+    places = replica_places(task)
     return Assignment(
         uid=task.row.uid,
         name=task.row.name,
-        slots=tuple(rank for rank, n in enumerate(task.row.placement) if n == nid),
+        slots=tuple(mine),
+        places=tuple(places[r] for r in mine),
         script=spec.script,
         args=tuple(spec.args),
         inject=tuple(spec.inject),

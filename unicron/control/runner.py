@@ -203,12 +203,13 @@ def _nnodes(raw: str) -> int:
 
 
 def _check_replica(args: argparse.Namespace) -> None:
-    """``--tp`` and ``--pp``: a replica's ``tp x pp`` ranks are on one node, and the task is
-    worth whole replicas; ``--min-workers`` left at its default becomes one replica."""
+    """``--tp`` and ``--pp``: a replica's ``tp`` ranks of a stage are on one node (its
+    stages may be on several), and the task's slots are whole replicas; ``--min-workers``
+    left at its default becomes one replica."""
     tp, pp = args.tp or 1, args.pp or 1
     if tp < 1 or pp < 1:
         return  # the task file's model says so, with the flag's name
-    n = tp * pp
+    n, slots = tp * pp, args.nnodes * args.nproc_per_node
     choices = {}
     for flag in ("pp_choices", "tp_choices"):
         text = getattr(args, flag, None) or ""
@@ -218,19 +219,26 @@ def _check_replica(args: argparse.Namespace) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} {exc}") from None
     other = [("--pp-choices", d, tp, d) for d in choices["pp_choices"]]
     other += [("--tp-choices", t, t, pp) for t in choices["tp_choices"]]
-    for flag, value, t, p in other:
-        if t * p > args.nproc_per_node:
+    for flag, value, t, p in [("--tp", tp, tp, pp), *other]:
+        if t < 1 or p < 1:
+            continue  # the task file's model says so, with the flag's name
+        if args.nproc_per_node % t:
             raise UsageError(
-                f"{flag} {value}: a replica of {t * p} ranks must fit on a node of "
-                f"--nproc-per-node {args.nproc_per_node}"
+                f"{flag} {value}: {t} tensor-parallel ranks must divide --nproc-per-node "
+                f"{args.nproc_per_node}: a stage's ranks are on one node"
+            )
+        if t * p > slots and flag != "--tp":  # the task's own: must divide them (below)
+            raise UsageError(
+                f"{flag} {value}: a replica of {t * p} ranks must fit in the run's {slots} "
+                "slots (--nnodes x --nproc-per-node)"
             )
     if n == 1:
         return
     said = " x ".join(f"--{k} {v}" for k, v in (("tp", tp), ("pp", pp)) if v > 1)
-    if args.nproc_per_node % n:
+    if slots % n:
         raise UsageError(
-            f"{said} ({n} ranks) must divide --nproc-per-node {args.nproc_per_node}: a "
-            "replica's ranks are on one node"
+            f"{said} ({n} ranks) must divide the run's {slots} slots (--nnodes x "
+            "--nproc-per-node): the task trains on whole replicas"
         )
     if args.min_workers == 1:
         args.min_workers = n

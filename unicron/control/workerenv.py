@@ -179,15 +179,17 @@ def slot_env(
 ) -> dict[str, str]:
     """What the worker in ``slot`` adds to :func:`base_env`: its slot and incarnation, the
     faults still to fire in it (``fired``: those the node saw already), its place in its
-    replica (the task's slots on this node in groups of ``tp x pp``, stage by stage:
-    :mod:`unicron.control.replicas`, which the coordinator uses alike) and its device."""
+    replica (as the coordinator said, else among this node's slots alone:
+    :mod:`unicron.control.replicas`) and its device."""
     faults = [
         f.spec
         for f in config.faults
         if (f.rank == slot or f.node == config.node) and f.spec not in fired
     ]
     tp, pp = config.settings.tp, config.settings.pp
-    place = replicas.place_in(config.slots, slot, tp * pp)
+    place = config.places.get(slot)
+    if place is None:
+        place = replicas.places({s: config.node for s in config.slots}, (tp, pp))[slot]
     return {
         ENV_SLOT: str(slot),
         ENV_INCARNATION: str(incarnation),
