@@ -201,7 +201,7 @@ def test_the_coordinator_refuses_a_foreign_state_dir_with_one_line(tmp_path: Pat
 VERDICT = Verdict("conn_reset", Severity.SEV3, Action.REATTEMPT, "peer reset", Scope.SLOT)
 
 EXAMPLES: list[Any] = [
-    M.Spawn(slot=1),
+    M.Spawn(slot=1, place=3),
     M.Kill(slot=2, verdict=VERDICT),
     M.Kill(slot=2),
     M.Probe(slot=3),
@@ -237,6 +237,7 @@ EXAMPLES: list[Any] = [
         device="cpu",
         settings=WorkerSettings(tp=2, resume=True),
         env={"A": "1"},
+        places=(0, 1),
     ),
     # what only the agent's local socket carries, through the same codec
     M.Hello(slot=1, pid=42, incarnation=0),

@@ -145,6 +145,34 @@ def test_a_tensor_parallel_task_heals_in_the_cluster_to_run_s_bits(
 
 
 @pytest.mark.long
+def test_a_replica_across_the_clusters_two_hosts_trains_to_run_s_bits(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """``examples/tasks/llama-3d.yaml``'s TP=2 x PP=2 on the cluster's two hosts of two
+    slots: no host holds a replica, so its two stages go to the two hosts (the agents told
+    each slot's place); its first stage's rank 0 lost mid-run, the task falls back to its
+    checkpoint (no other replica) and ends with the bits of ``unicron run --tp 2 --pp 2``
+    on one node."""
+    spec = load(TASKS / "llama-3d.yaml").model_dump()
+    ck = tmp_path / "checkpoints"
+    spec.update(name="llama-2hosts", pp_choices=[], workers={"min": 4, "max": 4},
+                args=["--steps", "12"], inject=["crash:rank=0,step=6"],
+                checkpoint={"every": 2, "dir": str(ck)})  # fmt: skip
+    cluster.submit(spec)
+    script = ROOT / "examples" / "train_llama_parallel.py"
+    run = run_unicron(tmp_path, "--nproc-per-node", "4", "--tp", "2", "--pp", "2",
+                      script=script, script_args=("--steps", "12"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    view = cluster.wait_task("llama-2hosts", timeout_s=180)
+    assert view["state"] == "done", view
+    assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
+    first, second = view["placement"][:2], view["placement"][2:]
+    assert len(set(first)) == len(set(second)) == 1 and first != second, view["placement"]
+    ends = [e for e in cluster.events("llama-2hosts") if e["event"] == "transition_end"]
+    assert "checkpoint" in {e["state_source"] for e in ends}, ends
+
+
+@pytest.mark.long
 def test_a_sharded_optimizer_task_heals_in_the_cluster_to_the_unsharded_bits(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
