@@ -158,7 +158,7 @@ def _run(
            "--checkpoint-every", "10",
            *(a for s in specs for a in ("--inject", s)),
            str(ROOT / "examples" / script), "--steps", str(steps),
-           *(["--schedule", order] if order != "gpipe" else []),
+           *(["--schedule", order] if layout != (1, 1) else []),
            "--out", str(workdir / "out")]  # fmt: skip
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -41,10 +41,12 @@ def main() -> None:
     p.add_argument("--tp-api", choices=("unicron", "dtensor"), default="unicron",
                    help="split the blocks with unicron.parallel's layers (default) or PyTorch's "
                    "DTensor tensor parallelism (parallelize_module)")  # fmt: skip
-    p.add_argument("--schedule", choices=unicron.parallel.SCHEDULES, default="gpipe",
-                   help="a pipeline's order of the micro-batches: GPipe's (every forward, then "
-                   "every backward: the stages overlap), 1F1B (the same overlap, fewer "
-                   "activations held) or one at a time")  # fmt: skip
+    p.add_argument("--schedule", choices=unicron.parallel.SCHEDULES, default="1f1b",
+                   help="a pipeline's order of the micro-batches: 1F1B (default: the stages "
+                   "overlap, a stage holds at most the activations of as many micro-batches "
+                   "as stages from it to the last), GPipe's (every forward, then every "
+                   "backward: the same overlap, every activation held) or one at a "
+                   "time")  # fmt: skip
     args = p.parse_args()
     tp, pp = unicron.parallel.tensor_parallel(), unicron.parallel.pipeline_parallel()
     cfg = llama_parallel.LlamaConfig(

@@ -118,12 +118,14 @@ def _same(clean: Any, faulty: Any, steps: int) -> None:
 def test_a_lost_rank_of_a_3d_replica_heals_to_the_fault_free_bits(run: Any) -> None:
     """TP=2 x PP=2 x DP=2: rank 2 (stage 1, rank 0 of its tensor-parallel group, replica 0)
     lost mid-micro-batch, then rank 5 (stage 0, replica 1). The fault-free run computes in
-    GPipe's order, the faulty one in 1F1B's (its links post their sends): the same bits."""
+    GPipe's order, the faulty one in 1F1B's (the default; its links post their sends): the
+    same bits."""
     layout = ("--nproc-per-node", "8", "--tp", "2", "--pp", "2")
-    clean = _tp(run, *layout, steps=10)
+    clean = run(*layout, script=SCRIPT,
+                script_args=("--steps", "10", "--out", "out", "--schedule", "gpipe"))  # fmt: skip
     faulty = run(
         *layout, "--inject", "crash:rank=2,step=4,mb=1", "--inject", "crash:rank=5,step=7",
-        script=SCRIPT, script_args=("--steps", "10", "--out", "out", "--schedule", "1f1b"),
+        script=SCRIPT, script_args=("--steps", "10", "--out", "out"),
     )  # fmt: skip
     _same(clean, faulty, 10)
     epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
@@ -169,7 +171,7 @@ def test_a_3d_replica_across_nodes_heals_to_the_one_node_bits(run: Any) -> None:
 def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run: Any) -> None:
     """PP=3 x DP=2 (a layer a stage): the middle stage of replica 0 crashes mid-step, the
     middle stage of replica 1 hangs (its neighbours wait on it and say so: it alone is
-    restarted). The faulty run computes in GPipe's order (the default: every forward pass,
+    restarted). The faulty run computes in GPipe's order (asked for: every forward pass,
     then every backward pass; the stages overlap), the fault-free one a micro-batch at a time
     through the stages and back: the same bits (each micro-batch's gradient is reduced on its
     own)."""
@@ -184,7 +186,8 @@ def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run:
     # with three steps between them: the join came at the hang's step)
     faulty = run(
         *layout, "--inject", "crash:rank=1,step=3,mb=1", "--inject", "hang:rank=4,step=8",
-        script=SCRIPT, script_args=("--steps", "10", "--out", "out", *script_args),
+        script=SCRIPT,
+        script_args=("--steps", "10", "--out", "out", *script_args, "--schedule", "gpipe"),
     )  # fmt: skip
     _same(clean, faulty, 10)
     restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")

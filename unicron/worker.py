@@ -225,17 +225,17 @@ def train(
     collate: Callable[[Sequence[Any]], Any] = default_collate,
     sampler: Any = None,
     rebuild: Rebuild | None = None,
-    schedule: str = "gpipe",
+    schedule: str = "1f1b",
 ) -> TrainResult | None:
     """Train for ``steps`` global steps of ``num_microbatches`` x ``micro_batch_size`` samples:
     the step API's loop (:class:`Loop`) with ``loss_fn(model, batch)``, the mean loss of one
     micro-batch. Returns ``None`` on a worker that was still waiting to join when the task
     finished. ``rebuild`` lets the task change its layout with its worker count
     (:data:`Rebuild`; the task's ``pp_choices``). ``schedule``: a pipeline's order of the
-    micro-batches (:func:`unicron.parallel.schedule`): ``"gpipe"`` (every forward pass,
-    then every backward pass: the stages overlap; every micro-batch's activations held until
-    its backward pass), ``"1f1b"`` (the same overlap, a stage holding at most as many
-    micro-batches' activations as there are stages from it to the last) or ``"sequential"``
+    micro-batches (:func:`unicron.parallel.schedule`): ``"1f1b"`` (the default: the stages
+    overlap, a stage holding at most as many micro-batches' activations as there are stages
+    from it to the last), ``"gpipe"`` (every forward pass, then every backward pass: the same
+    overlap, every micro-batch's activations held until its backward pass) or ``"sequential"``
     (each micro-batch through the stages and back before the next: a stage idle while the
     others compute); the same bits in every order. Without a pipeline the micro-batches go
     one at a time."""
