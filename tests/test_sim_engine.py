@@ -216,15 +216,18 @@ def test_harsh_trace_orders_policies():
 
 
 def test_peer_healing_covers_the_model_parallel_replicas_the_runtime_heals() -> None:
-    """Replicated state in replicas of ``tp x pp`` ranks on one node heal from a peer (the
-    runtime's model-parallel replicas, tests/test_model_parallel_e2e.py); sharded state,
-    context or expert parallelism, interleaved stages or a replica wider than a node do not."""
+    """Replicated state in replicas of ``tp x pp`` ranks heal from a peer, their stages on one
+    node or several (the runtime's model-parallel replicas, tests/test_model_parallel_e2e.py);
+    sharded state, context or expert parallelism, interleaved stages, a tensor-parallel group
+    wider than a node or a single replica do not."""
     from unicron.planner import Layout
     from unicron.sim.engine import heals_from_peers
 
     assert heals_from_peers(Layout(dp=8, sharding="ddp"), 8)
     assert heals_from_peers(Layout(tp=2, pp=2, dp=4, sharding="ddp"), 8)
-    assert not heals_from_peers(Layout(tp=4, pp=4, dp=1, sharding="ddp"), 8)  # two nodes
+    assert heals_from_peers(Layout(tp=8, pp=4, dp=2, sharding="ddp"), 8)  # a stage a node
+    assert not heals_from_peers(Layout(tp=4, pp=4, dp=1, sharding="ddp"), 8)  # no other replica
+    assert not heals_from_peers(Layout(tp=16, dp=2, sharding="ddp"), 8)  # TP across nodes
     assert not heals_from_peers(Layout(tp=2, dp=4, sharding="dist-opt"), 8)
     assert not heals_from_peers(Layout(cp=2, dp=4, sharding="ddp"), 8)
     assert not heals_from_peers(Layout(pp=2, vp=2, dp=4, sharding="ddp"), 8)

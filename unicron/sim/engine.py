@@ -136,14 +136,16 @@ def heals_from_peers(lay: planner.Layout, gpus_per_node: int, *, two_copies: boo
     """Whether the runtime rebuilds a lost rank of ``lay`` from a live replica: replicated
     optimizer state (``ddp``), or sharded (``dist-opt``) where the layout also fits with two
     keepers of each share (``two_copies``: the runtime's ``zero: 1``, docs/runtime.md, Sharded
-    optimizer state); no context or expert parallelism, no interleaved stages, and a replica
-    (``tp * pp`` ranks) on one node (docs/runtime.md, Model-parallel replicas)."""
+    optimizer state); another replica to take it from (``dp`` 2 or more); no context or expert
+    parallelism, no interleaved stages; a stage's ``tp`` ranks on one node, its stages on one
+    node or several (docs/runtime.md, Model-parallel replicas: the grouping)."""
     return (
         (lay.sharding == "ddp" or (lay.sharding == "dist-opt" and two_copies))
+        and lay.dp >= 2
         and lay.cp == 1
         and lay.ep == 1
         and lay.vp == 1
-        and lay.tp * lay.pp <= gpus_per_node
+        and gpus_per_node % lay.tp == 0
     )
 
 
