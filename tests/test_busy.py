@@ -59,16 +59,42 @@ def test_a_worker_runnable_but_never_scheduled_is_starved_not_hung() -> None:
     assert cpu is Cpu.IDLE
 
 
-def test_read_thread_clocks_reads_the_threads_own_clock() -> None:
+def test_a_worker_waiting_on_its_own_starved_thread_is_left_to_the_wall_clock() -> None:
+    """Its computing thread stood still and is not in the run queue, but another thread of
+    its process waited for a CPU meanwhile: it may wait on that thread (seen beside CPU
+    burners: the main thread in ``Thread.start`` for a second, the new thread not yet run),
+    so its stillness is no evidence of a hang: UNKNOWN (the wall clock's larger overrun
+    decides). Other threads that waited for nothing leave it IDLE."""
+    others = [Sample(s.ts, 1.0, 5.0, 2.0 + 0.5 * (s.ts - T0)) for s in _samples(0.0)]
+    cpu, why = judge(
+        began=Sample(T0, 1.0), samples=others, typical_cpu_s=0.3, factor=3.0, now=T0 + 1.6
+    )
+    assert cpu is Cpu.UNKNOWN and "other threads waited for a CPU" in why
+    quiet = [Sample(s.ts, 1.0, 5.0, 2.0) for s in _samples(0.0)]
+    cpu, _ = judge(
+        began=Sample(T0, 1.0), samples=quiet, typical_cpu_s=0.3, factor=3.0, now=T0 + 1.6
+    )
+    assert cpu is Cpu.IDLE
+
+
+def test_read_thread_clocks_reads_the_threads_own_clock_and_the_others_wait() -> None:
     import threading
 
-    end = time.thread_time() + 0.1
-    while time.thread_time() < end:
-        pass
-    clocks = read_thread_clocks(os.getpid(), threading.get_native_id(), 100.0)
+    stop = threading.Event()
+    other = threading.Thread(target=lambda: stop.wait(0.3))
+    other.start()
+    try:
+        end = time.thread_time() + 0.1
+        while time.thread_time() < end:
+            pass
+        clocks = read_thread_clocks(os.getpid(), threading.get_native_id(), 100.0)
+    finally:
+        stop.set()
+        other.join()
     assert clocks is not None
-    cpu_s, queued_s = clocks
-    assert abs(cpu_s - time.thread_time()) < 0.05 and queued_s is not None and queued_s >= 0.0
+    assert abs(clocks.cpu_s - time.thread_time()) < 0.05
+    assert clocks.queued_s is not None and clocks.queued_s >= 0.0
+    assert clocks.others_queued_s is not None and clocks.others_queued_s >= 0.0
 
 
 def test_a_stopped_worker_is_hung() -> None:

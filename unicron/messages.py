@@ -339,6 +339,9 @@ class CpuTime:
     ts: float
     cpu_s: float
     queued_s: float | None = None
+    others_queued_s: float | None = None
+    """the run-queue wait of the worker's other threads (summed): the computing thread may wait
+    on one of them"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -619,10 +619,9 @@ class Agent:
                 continue
             assert w.pid is not None and w.tid is not None  # (sample_at)
             w.cpu_read_at = now
-            clocks = read_thread_clocks(w.pid, w.tid, _TICKS_PER_S)
-            if clocks is not None:
-                cpu_s, queued_s = clocks
-                self._report(M.CpuTime(slot=w.slot, ts=time.time(), cpu_s=cpu_s, queued_s=queued_s))
+            if (r := read_thread_clocks(w.pid, w.tid, _TICKS_PER_S)) is not None:
+                self._report(M.CpuTime(slot=w.slot, ts=r.ts, cpu_s=r.cpu_s, queued_s=r.queued_s,
+                                       others_queued_s=r.others_queued_s))  # fmt: skip
 
     def _check_exits(self, now: float) -> None:
         for w in self.workers.values():

@@ -316,7 +316,7 @@ class Coordinator:
             with self._lock:
                 health.waiting_on_replica(self.book, r.slot, r.step, r.epoch, r.waiting, r.ts)
         elif isinstance(r, M.CpuTime):
-            self.book.cpu.sampled(r.slot, Sample(r.ts, r.cpu_s, r.queued_s))
+            self.book.cpu.sampled(r.slot, Sample(r.ts, r.cpu_s, r.queued_s, r.others_queued_s))
         elif isinstance(r, M.Event):
             self._event(r)
         elif isinstance(r, M.Detected):

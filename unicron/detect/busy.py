@@ -26,7 +26,11 @@ SPINNING (seen: a gloo loop thread of a left epoch at a whole core, found beside
 :func:`judge` is pure (no clock, no I/O); :func:`read_thread_clocks` is the agent's one read. A
 worker whose CPU time stood still but that waited in the run queue meanwhile is starved too
 (WORKING), not IDLE: at a load of 7 processes per core one can get under 2 % of a core for half
-a second.
+a second. One whose CPU time stood still while *another* of its threads waited for a CPU may
+be waiting on that thread (a thread it starts, which must run before ``Thread.start``
+returns; the GIL one holds): its stillness is no evidence, and it is UNKNOWN, the wall
+clock's larger overrun deciding (seen beside CPU burners: a ZeRO worker killed at 1 s in
+``Thread.start`` of its gatherer, the new thread not yet run, the task's state lost with it).
 
 The same question, starved or slow, decides stragglers. A worker that computes its share in
 twice its peers' time is slow (a throttled device, a sick host) or merely last in the run queue
@@ -43,6 +47,8 @@ from __future__ import annotations
 
 import enum
 import math
+import os
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,6 +83,9 @@ class Sample:
     ts: float
     cpu_s: float
     queued_s: float | None = None
+    others_queued_s: float | None = None
+    """how long the process's other threads had waited runnable for a CPU by then (summed;
+    ``None``: unknown)"""
 
 
 class Cpu(enum.Enum):
@@ -120,6 +129,14 @@ def judge(
                 return Cpu.WORKING, (
                     f"runnable but waiting for a CPU {waiting:.0%} of the last {span:.2f} s "
                     f"(ran {busy:.0%}): starved, not hung"
+                )
+        if last.others_queued_s is not None and prev.others_queued_s is not None:
+            others = (last.others_queued_s - prev.others_queued_s) / span
+            if others >= MIN_BUSY:  # it may wait on one of them: a thread start, the GIL
+                return Cpu.UNKNOWN, (
+                    f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
+                    f"its other threads waited for a CPU {others:.0%} of it: it may wait on "
+                    "them"
                 )
         return Cpu.IDLE, f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s)"
     if began is None or typical_cpu_s is None:
@@ -233,15 +250,22 @@ def read_queued_s() -> float | None:
     return None if clocks is None else clocks[1]
 
 
-def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> tuple[float, float | None] | None:
-    """CPU time and run-queue wait (seconds) of thread ``tid`` of process ``pid``: from
-    ``/proc/<pid>/task/<tid>/schedstat``, else its CPU time alone from ``stat``; ``None`` when
-    it cannot be read (gone, or not Linux). The agent's one read of a worker."""
+def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
+    """CPU time and run-queue wait (seconds) of thread ``tid`` of process ``pid``, and the
+    run-queue wait of the process's other threads (summed, those alive now): from
+    ``/proc/<pid>/task/*/schedstat``, else its CPU time alone from ``stat``; ``None`` when it
+    cannot be read (gone, or not Linux). The agent's one read of a worker, stamped now."""
+    now = time.time()
     clocks = _schedstat(f"/proc/{pid}/task/{tid}/schedstat")
-    if clocks is not None:
-        return clocks
-    cpu_s = read_cpu_s(pid, ticks_per_s, tid)
-    return None if cpu_s is None else (cpu_s, None)
+    if clocks is None:
+        cpu_s = read_cpu_s(pid, ticks_per_s, tid)
+        return None if cpu_s is None else Sample(now, cpu_s)
+    try:
+        threads = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(tid)]
+    except OSError:
+        return Sample(now, *clocks)
+    others = [_schedstat(f"/proc/{pid}/task/{t}/schedstat") for t in threads]
+    return Sample(now, *clocks, sum(c[1] for c in others if c is not None))
 
 
 def process_state(pid: int) -> str:
