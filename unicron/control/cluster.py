@@ -419,8 +419,9 @@ class Cluster:
             added.append((task.controller, task, len(task.row.placement), node))
             task.row.placement.append(node)
             self.state.save_task(task.row)
-        for c, t, rank, node in added:  # each rank's place once every rank added now is known
-            place = replica_places(t)[rank]
+        places = {t.row.name: replica_places(t) for _, t, _, _ in added}  # once all are known
+        for c, t, rank, node in added:
+            place = places[t.row.name][rank]
             calls.append(functools.partial(c.add_slot, rank, node, now, "planner", place))
         self._pending_adds = kept
         for name, nodes in waiting.items():

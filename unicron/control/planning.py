@@ -170,7 +170,7 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         global_batch=task.spec.global_batch or 0,
         transition_s=transition,
         replica_ranks=task.spec.smallest_replica,
-        tp=min(task.spec.layouts, key=lambda lay: lay[0] * lay[1])[0],
+        tp=task.spec.smallest_layout[0],
         parked=parked(task),
         members=frozenset() if c is None else frozenset(c.members),
         optimizer_copies=2 if task.spec.zero else 1,
@@ -191,8 +191,7 @@ def replica_places(task: Task) -> dict[int, int]:
 def parked(task: Task) -> frozenset[int]:
     """The ranks of ``task`` waiting for an excluded rank of their replica (grouped at its
     smallest layout: :mod:`unicron.control.replicas`)."""
-    spec, excluded = task.spec, set(task.excluded)  # (coordinators change it)
-    lay = min(spec.layouts, key=lambda lay: lay[0] * lay[1])
+    lay, excluded = task.spec.smallest_layout, set(task.excluded)  # (coordinators change it)
     if lay[0] * lay[1] == 1 or not excluded:
         return frozenset()
     out: set[int] = set()

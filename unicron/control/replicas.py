@@ -47,8 +47,8 @@ Group = tuple[int, ...]
 
 def groups(nodes: Mapping[int, int], lay: Layout) -> tuple[Group, ...]:
     """The replicas of the slots ``nodes`` (slot -> node) at layout ``lay``, each in place
-    order, whole ones first in the order of their first slot, then the short ones (never
-    whole); see the module docstring."""
+    order, whole ones first in the order of their blocks' last slots, then the short ones
+    (never whole); see the module docstring."""
     return _groups(tuple(sorted(nodes.items())), *lay)
 
 

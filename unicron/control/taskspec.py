@@ -295,10 +295,17 @@ class TaskSpec(BaseModel):
         return tuple((t, p) for t in self.degrees for p in self.depths)
 
     @property
+    def smallest_layout(self) -> tuple[int, int]:
+        """The ``(tp, pp)`` of its fewest ranks per replica (the first such in
+        :attr:`layouts`): the grain the planner gives and takes slots in, and groups them by
+        (the coordinator picks the layout for the count it gets)."""
+        return min(self.layouts, key=lambda lay: lay[0] * lay[1])
+
+    @property
     def smallest_replica(self) -> int:
-        """Ranks per replica at its smallest layout: the grain the planner gives and takes
-        slots in (the coordinator picks the layout for the count it gets)."""
-        return min(t * d for t, d in self.layouts)
+        """Ranks per replica at :attr:`smallest_layout`."""
+        tp, pp = self.smallest_layout
+        return tp * pp
 
     @property
     def replica_ranks(self) -> int:
