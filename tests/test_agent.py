@@ -481,3 +481,28 @@ def test_a_workers_end_with_a_diverged_loss_passes_the_clusters_screen() -> None
                         rank=0, epoch=2)  # fmt: skip
     assert _malformed(done, epoch=2) == ""
     assert "not a finite number" in _malformed(dataclasses.replace(done, ts=float("nan")), 2)
+
+
+def test_a_workers_place_is_the_one_the_coordinator_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=2 x PP=2, a replica a stage per node: this node's slots 2 and 3 are stage 1 of
+    theirs (the assignment's places), which this node's slots alone cannot tell; a slot
+    added later gets the place its spawn names."""
+    config = AgentConfig(node=1, slots=[2, 3], script="t.py", argv=[], faults=[],
+                         log_dir=tmp_path, settings=P.WorkerSettings(tp=2, pp=2),
+                         places={2: 2, 3: 3})  # fmt: skip
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
+    try:
+        env = workerenv.slot_env(config, 3, 0, set())
+        assert (env[P.ENV_PP_STAGE], env[P.ENV_TP_RANK]) == ("1", "1")
+        started: list[int] = []
+        monkeypatch.setattr(agent, "spawn", started.append)  # no process here
+        agent.reply = M.Reply(actions=(M.Spawn(slot=6, fresh=True, place=2),))
+        agent._act(time.time())
+        assert started == [6] and config.places[6] == 2
+        config.slots.append(6)
+        env = workerenv.slot_env(config, 6, 0, set())
+        assert (env[P.ENV_PP_STAGE], env[P.ENV_TP_RANK]) == ("1", "0")
+    finally:
+        agent.stop()
