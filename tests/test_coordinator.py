@@ -451,6 +451,28 @@ def test_a_joiner_that_computed_nothing_does_not_hold_a_hang_back(
     assert [a.slot for a in k.actions(Kill)] == ([] if joiner_computes else [0])
 
 
+@pytest.mark.parametrize("zero", [False, True])
+def test_a_worker_being_killed_holds_no_copy_to_count_on(tmp_path: Path, zero: bool) -> None:
+    """Found beside CPU burners (the ZeRO e2e test): two of three members were killed as hung
+    in one step, the second while the first's kill was under way, each counted as the other's
+    copy of the state: a share of the sharded optimizer lost, the task failed. A worker being
+    killed holds nothing; under ``zero`` (each share on two members) a member keeps a share's
+    last copy while another member of the epoch is being killed, and before the epoch's first
+    commit (whose ledger exchange doubles the shares of members lost before)."""
+    k = Cluster(tmp_path, zero=zero)
+    c = k.c
+    t = k.steps(5, 0.0)
+    assert c.book.other_holders(0) == [1, 2, 3]
+    c.book.kill(3, verdict_for_kind("hang"))
+    assert c.book.other_holders(0) == ([] if zero else [1, 2])
+    c.worker_failed(3, verdict_for_kind("hang"), t)  # its exit: epoch 2 of 0, 1, 2
+    assert c.members == (0, 1, 2) and [a.slot for a in k.actions(Spawn)] == [3]
+    # the restart is alive (starting) and has no state yet: not a copy either way
+    assert c.book.other_holders(0) == ([] if zero else [1, 2])
+    k.steps(1, t + 0.1)  # the epoch's first commit
+    assert c.book.other_holders(0) == [1, 2]
+
+
 def test_the_first_step_after_a_join_is_cold_for_every_member(tmp_path: Path) -> None:
     """Every member's first step of an epoch that admitted a restarted worker waits for the
     newcomer inside its collectives: a member idle there past the warm allowance, while its

@@ -65,6 +65,10 @@ class CoordinatorSettings:
     ``None``: the layout training the most slots wins"""
     start_timeout_s: float = 120.0
     """the first epoch starts with the ready workers after this long, if they are enough"""
+    zero: bool = False
+    """the optimizer state is sharded across replicas, each share kept by two members of a
+    place's data-parallel group (``zero: 1``, :mod:`unicron.runtime.zero`): no member holds
+    all of it (:meth:`TaskBook.other_holders`)"""
 
     @property
     def own(self) -> tuple[int, int]:
@@ -183,6 +187,7 @@ class TaskBook:
         self.waiting_reason = ""
         self.trained = False  # a step committed: a fresh worker's model is no longer the state
         self.commits: set[tuple[int, int]] = set()  # (epoch, step) reported committed
+        self.commit_epoch = -1  # the newest epoch a step committed in
         self.logged_before = (-1, -1)  # (epoch, step): commits already in the event log
         self.adopted = False  # took over a running task after a restart (Coordinator.adopt)
         self.last_error = ""
@@ -245,7 +250,10 @@ class TaskBook:
 
     def other_holders(self, slot: int) -> list[int]:
         """The live slots other than ``slot`` that hold the task's state (model parallel: its
-        shard, at the same place of another replica)."""
+        shard, at the same place of another replica). With :attr:`CoordinatorSettings.zero`
+        none unless :meth:`_shares_doubled`: ``slot`` may keep a share's last copy."""
+        if self.settings.zero and not self._shares_doubled(slot):
+            return []
         if self.size == 1:
             return [h for h in self.slots.holders() if h != slot]
         lay = self.lay
@@ -255,6 +263,23 @@ class TaskBook:
             for h in self.slots.holders()
             if h != slot and replicas.place(self.slots, h, lay) == mine
         ]
+
+    def _shares_doubled(self, slot: int) -> bool:
+        """ZeRO with a buddy: each share of the optimizer state is on two members of the
+        place's data-parallel group once a step committed in the epoch (its ledger exchange
+        redistributed the shares of members lost before); losing ``slot`` then loses nothing
+        while every other member of the group is alive and not being killed. (Found beside
+        CPU burners: two members of a three-member epoch killed as hung in one step, each
+        counting on the other's copy: a share lost, the task failed.)"""
+        if self.commit_epoch != self.epoch:
+            return False
+        held, lay = set(self.slots.holders()), self.lay
+        mine = replicas.place(self.slots, slot, lay) if self.size > 1 else 0
+        group = [
+            m for m in self.members
+            if (replicas.place(self.slots, m, lay) if self.size > 1 else 0) == mine
+        ]  # fmt: skip
+        return slot in group and all(m in held for m in group if m != slot)
 
     def state_held(self) -> bool:
         """Some live slot holds the task's state (model parallel: every place's shard)."""
@@ -302,7 +327,9 @@ class TaskBook:
         self.send(s.node, Spawn(slot, place=self.place(slot)))
 
     def kill(self, slot: int, verdict: Verdict | None) -> None:
-        """Stop the worker in ``slot``; its exit comes back as a failure."""
+        """Stop the worker in ``slot``; its exit comes back as a failure. Until then it
+        counts as holding no state (:meth:`SlotTable.holders`)."""
+        self.slots[slot].killed = True
         self.send(self.slots[slot].node, Kill(slot, verdict))
 
     def forget(self, slot: int) -> None:

@@ -84,6 +84,7 @@ def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
     if epoch <= old_epoch and step <= old_step:
         return False  # logged by the coordinator this one took over from
     b.commits.add(key)
+    b.commit_epoch = max(b.commit_epoch, epoch)
     b.adopted_at = None
     if not b.trained:
         b.trained = True

@@ -265,6 +265,7 @@ def coordinator_settings(
         readmit_after_s=spec.readmit_after,
         give_up_after_s=spec.give_up_after,
         nodes_return=True,  # an agent registers again; the planner gives other slots
+        zero=bool(spec.zero),
     )
 
 

@@ -152,6 +152,7 @@ class Slot:
     readmitted_at: float | None = None  # when it last came back
     probing: bool = False  # a health probe of it runs
     kept: bool = False  # on an excluded node, running the task's last copies of the state
+    killed: bool = False  # a kill was sent to its worker, whose exit is not in yet
     record: SlotRecord | None = None  # the escalation's memory of its failures
 
     def to(self, new: SlotState) -> None:
@@ -190,6 +191,7 @@ class Slot:
     def start(self) -> None:
         """A worker is (being) started here (a restart, or a lost node's new agent)."""
         self.to(_S.STARTING)
+        self.killed = False
 
     def readied(self) -> None:
         """Its worker reported ready."""
@@ -280,8 +282,10 @@ class SlotTable(dict[int, Slot]):
         return out
 
     def holders(self) -> list[int]:
-        """The live slots that hold the task's committed state (or will after a sync)."""
-        return [k for k, s in self.items() if s.alive and s.has_state]
+        """The live slots that hold the task's committed state (or will after a sync); a
+        worker being killed holds nothing to count on (two peers killed in one breath must
+        not each count on the other's copy)."""
+        return [k for k, s in self.items() if s.alive and s.has_state and not s.killed]
 
     def on_node(self, node: int) -> list[int]:
         """The slots of ``node``, in slot order."""
