@@ -59,6 +59,11 @@ MESSAGES = [
     ("DistStoreError", "wait timeout after 300000ms, keys: /epoch/3: Socket Timeout", "timeout",
      S3, Action.REATTEMPT),
     ("TimeoutError", "", "timeout", S3, Action.REATTEMPT),
+    # the worker's bounded store connection (unicron.runtime.bounded) and what it becomes
+    ("unicron.runtime.bounded.StoreTimeout", "no answer within 3.0 s", "timeout", S3,
+     Action.REATTEMPT),
+    ("StoreLost", "the training store stopped answering (no answer within 3.0 s)", "timeout",
+     S3, Action.REATTEMPT),
     (
         "torch.distributed.DistBackendError",
         "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error, NCCL version 2.21.5",

@@ -340,6 +340,44 @@ def test_a_worker_spawned_with_a_dead_store_address_asks_where_it_moved(tmp_path
     assert torchs.get("k") == b"v"
 
 
+def test_a_worker_starting_beside_a_store_that_answers_late_reads_it_again(
+    tmp_path: Path,
+) -> None:
+    """Found beside CPU burners: a worker starting up got no answer to its first store
+    request within the bound (the store starved, not gone), died of the
+    :class:`StoreTimeout` and was restarted as an unknown error. Before it is in an epoch
+    the worker finds the store again and asks again (:meth:`unicron.worker._Runner._steady`)."""
+    import threading
+    import types
+
+    from unicron.runtime.context import WorkerContext
+    from unicron.runtime.group import EpochWatch
+    from unicron.worker import _Runner
+
+    info, proc = S.start(tmp_path, "127.0.0.1", die_with_us=True)
+    key = capability(S.secret_of(tmp_path), "t")
+    host, port = info.address.rsplit(":", 1)
+    try:
+        S.client(info.address, key).set(trained_key("t"), "1")
+        ctx = WorkerContext(task="t", slot=0, node=0, incarnation=1, store_host=host,
+                            store_port=int(port), store_key=key, faults=(),
+                            timeout_s=30.0)  # fmt: skip
+        store = BoundedStore(S.client(info.address, key), limit_s=0.3)
+        link = types.SimpleNamespace(where_store=lambda: info.address)
+        w = types.SimpleNamespace(ctx=ctx, store=store, link=link,
+                                  watch=EpochWatch(store, "t"))  # fmt: skip
+        w._reconnect = types.MethodType(_Runner._reconnect, w)
+        proc.send_signal(signal.SIGSTOP)  # alive, answering nothing for a while
+        threading.Timer(1.0, proc.send_signal, (signal.SIGCONT,)).start()
+        assert _Runner._steady(w, lambda: w.store.check([trained_key("t")]))  # type: ignore[arg-type]
+        assert w.store is not store and w.watch.store is w.store  # a new connection
+        assert _Runner._steady(w, lambda: w.watch.latest()) == 0  # type: ignore[arg-type]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
 def test_an_adopted_epoch_a_member_waits_outside_of_is_announced_again(tmp_path: Path) -> None:
     """The old coordinator died while its task waited for a restarted rank (its epoch broken,
     no new one announced): the store still names the old epoch, which the restarted worker

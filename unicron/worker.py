@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,7 @@ from unicron.runtime.transfer import (
 from unicron.runtime.transition import layout_root
 from unicron.runtime.zero import Zero
 
+T = TypeVar("T")
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 Rebuild = Callable[
     [TensorParallel, PipelineParallel], tuple[torch.nn.Module, torch.optim.Optimizer]
@@ -386,9 +387,10 @@ class _Runner:
             list(self.ctx.faults), emit=self._event, rank=self.ctx.slot, act=self._act
         )
         self.ctx, self.store = _find_store(self.ctx, self.link, ask=False)
+        self.watch = EpochWatch(self.store, self.ctx.task)
         # a freshly built model is the task's state only until the first step commits (the
         # coordinator says when, through the store; read again at every ledger exchange)
-        self.has_state = not self.store.check([trained_key(self.ctx.task)])
+        self.has_state = not self._steady(lambda: self.store.check([trained_key(self.ctx.task)]))
         self.has_state = self.has_state and not self.ctx.resume
         if (self.par.size, self.pipe.stages) != (self.ctx.tp, self.ctx.pp):
             raise RuntimeError(
@@ -396,7 +398,6 @@ class _Runner:
                 f"tp {self.ctx.tp} x pp {self.ctx.pp}"
             )
         self._adopt(Shard(self.model, self.optimizer, self.pipe))
-        self.watch = EpochWatch(self.store, self.ctx.task)
         self.M = self.ledger.num_microbatches
         # staging buffers and first calls of the state transfer, paid now rather than in a
         # transition (the group's wire: the device with NCCL, else the CPU)
@@ -454,7 +455,7 @@ class _Runner:
         (:class:`Loop` hands this generator to the user's ``for`` loop)."""
         # an epoch announced before this process was ready names its previous incarnation (a
         # restart): never join it, even if it is still the newest (a lone worker's restart)
-        epoch, last_loss = self.watch.latest(), float("nan")
+        epoch, last_loss = self._steady(lambda: self.watch.latest()), float("nan")
         model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         # the state a joiner receives: the model and (AdamW-like) two moments per parameter
         self.link.send(M.Ready(slot=self.ctx.slot, ts=time.time(), microbatches=self.M,
@@ -572,6 +573,18 @@ class _Runner:
         except StoreLost:
             return True
         return False
+
+    def _steady(self, read: Callable[[], T]) -> T:
+        """``read`` from the store, found again (:meth:`_reconnect`) each time it is lost or
+        gives no answer within its bound: before the worker is in an epoch a slow store is
+        nothing to die of (found beside CPU burners: a worker starting up got no answer to
+        its first ``check`` in 3 s, died, and was restarted as an unknown error)."""
+        while True:
+            try:
+                with store_calls():
+                    return read()
+            except StoreLost:
+                self._reconnect()
 
     def _reconnect(self) -> None:
         """Read epochs from where the store serves now (:func:`_find_store`)."""

@@ -155,7 +155,7 @@ RULES: tuple[Rule, ...] = (
                  r"|cudaErrorMemoryAllocation"),
     Rule(kind="timeout", severity=SEV3, action=REATTEMPT,
          about="collective or store timed out (transient)",
-         types=frozenset({"TimeoutError"}),
+         types=frozenset({"TimeoutError", "StoreTimeout", "StoreLost"}),
          pattern=r"timed out|collective operation timeout|Timeout\(ms\)|Socket Timeout"
                  r"|deadline exceeded"),
     Rule(kind="nccl", severity=SEV2, action=RESTART, about="NCCL error: communicator is broken",
