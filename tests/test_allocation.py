@@ -257,6 +257,21 @@ def test_the_partner_of_an_excluded_rank_waits_and_is_not_given_back() -> None:
     assert m.release == () and (m.before, m.after) == (2, 2)
 
 
+def test_a_replica_with_a_stage_on_a_lost_node_is_parked_not_regrouped() -> None:
+    """TP=2 x PP=2 on nodes of 2 slots: replicas (0 1 | 2 3) and (4 5 | 6 7), each stage on
+    a node of its own. Node 1 is lost and the plan comes before the coordinator excluded its
+    slots: grouped without ranks 2 and 3, ranks 0 1 paired with 4 5, and a heavier task took
+    6 7, half of the one whole replica. Now the broken replica's live ranks wait (parked),
+    and nothing of the whole one is given away for less than a replica."""
+    held = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}
+    assert replicas.groups(held, (2, 2)) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    a = TaskView(name="a", weight=1, min_workers=4, max_workers=8, ranks=held, running=True,
+                 microbatches=8, replica_ranks=4, tp=2)  # fmt: skip
+    d = decide([a, view("b", 5, 2, 2, {}, running=False)], {0: 2, 2: 2, 3: 2}, DAY)
+    assert moves(d) == {"a": (4, 4), "b": (0, 0)}
+    assert all(m.release == () for m in d.moves)
+
+
 def test_replicas_are_packed_but_never_all_on_one_node_where_another_has_room() -> None:
     """Found by the cluster soak: a task packed onto one node lost every replica with that
     node and went back to its checkpoint, redoing steps; a second node holds one replica."""

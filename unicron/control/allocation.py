@@ -42,7 +42,7 @@ weights.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -213,6 +213,7 @@ def decide(
     submitted or ended (the ``keep`` placement plans only then). ``hardware``: what a slot
     is, for tasks that describe their model (None: every task by its micro-batches)."""
     units = sum(capacity.values())
+    tasks = [_park_broken(t, capacity) for t in tasks]
     held = {
         t.name: min(
             sum(1 for r, n in t.ranks.items() if n in capacity and r not in t.parked), units
@@ -252,6 +253,22 @@ def decide(
     )
     moves = _moves(tasks, capacity, held, target)
     return Decision(tuple(moves), float(waf_before), float(waf_after), reasons)
+
+
+def _park_broken(t: TaskView, capacity: dict[int, int]) -> TaskView:
+    """``t`` with the ranks of each replica that has a rank on a lost node (not in
+    ``capacity``) parked too. Its coordinator excludes a lost node's slots, and the cluster
+    parks their partners (:func:`unicron.control.planning.parked`), but a plan may come
+    first: grouped without the lost ranks, a replica's live stages paired with another
+    replica's, and a give-back took half of each (a replica whose stages span nodes)."""
+    lost = {r for r, n in t.ranks.items() if n not in capacity}
+    if t.replica_ranks == 1 or not lost:
+        return t
+    # the parked ranks leave whole replicas out: the others group as the coordinator's do
+    rest = {r: n for r, n in t.ranks.items() if r not in t.parked}
+    lay = (t.tp, t.replica_ranks // t.tp)
+    broken = {r for g in replicas.groups(rest, lay) if not lost.isdisjoint(g) for r in g}
+    return replace(t, parked=t.parked | (broken - lost))
 
 
 def _groups(t: TaskView, capacity: dict[int, int]) -> list[tuple[int, ...]]:
