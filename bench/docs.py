@@ -17,17 +17,31 @@ last part, a column per that part (``<!-- results relayout transition_s +grid --
 ``transition_s[8->6/relayout/dim128]`` is the ``dim128`` cell of the line
 ``transition_s[8->6/relayout]``); ``+systems``, a line per metric and a column per system.
 
-Every benchmark that writes to ``bench/results`` rewrites the blocks as it saves its rows
+A block made by a command of the project, not by a results file::
+
+    <!-- output python -m unicron.planner.calibration -->
+    (the command's output, verbatim)
+    <!-- /output -->
+
+holds what ``python -m MODULE ARGS`` prints, run from the checkout with this interpreter (a
+pure command: the same output on every machine; no shell). ``<!-- output long python -m ...
+-->`` marks one that takes long (the default suite checks the others: ``--quick``); a
+command that fails is an error (exit 2).
+
+Every benchmark that writes to ``bench/results`` rewrites the results blocks as it saves its rows
 (:func:`bench.common.save_scenario` calls :func:`refresh`); ``python -m bench.docs`` rewrites
-them all, ``--check`` changes nothing and exits 1 naming each block that differs from its
-results (``tests/test_bench_docs.py`` runs it: a figure typed into a block, or results
-committed without their docs, fail). A block that names no results file, or whose names
-select no row, is an error (exit 2): a typo must not leave an empty table.
+them all and the output blocks, ``--check`` changes nothing and exits 1 naming each block
+that differs from its results or its command's output (``tests/test_bench_docs.py`` runs it:
+a figure typed into a block, or results committed without their docs, fail). A block that
+names no results file, or whose names select no row, is an error (exit 2): a typo must not
+leave an empty table.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -47,6 +61,12 @@ DOCS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 """the files whose blocks are generated"""
 
 BLOCK = re.compile(r"(<!-- results (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+OUTPUT = re.compile(
+    r"(<!-- output (?P<long>long )?python -m (?P<cmd>[^>]*?) -->\n)(?P<body>.*?)(<!-- /output -->)",
+    re.S,
+)
+"""a block made by a command (:func:`output`)"""
+OUTPUT_TIMEOUT_S = 600.0
 HEADER = ("system", "metric", "median", "min .. max", "n", "measured")
 PIVOTS = {"+grid", "+systems"}
 """the names that make a block a pivot (:func:`pivot`)"""
@@ -205,6 +225,48 @@ def stale(paths: Iterable[Path] = DOCS, results_dir: Path = RESULTS_DIR) -> list
     return out
 
 
+def output(cmd: str) -> str:
+    """What ``python -m CMD`` prints (``cmd``: a module and its arguments, split as a shell
+    would, run by no shell), from the checkout, as an output block's body."""
+    argv = [sys.executable, "-m", *shlex.split(cmd)]
+    try:
+        r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                           timeout=OUTPUT_TIMEOUT_S, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise BlockError(f"output {cmd!r}: no end within {OUTPUT_TIMEOUT_S:g} s") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise BlockError(f"output {cmd!r}: exit {r.returncode}: {last}")
+    return r.stdout if r.stdout.endswith("\n") else r.stdout + "\n"
+
+
+def _outputs(text: str, quick: bool) -> Iterable[re.Match[str]]:
+    return (m for m in OUTPUT.finditer(text) if not (quick and m.group("long")))
+
+
+def stale_outputs(paths: Iterable[Path] = DOCS, *, quick: bool = False) -> list[str]:
+    """``file: command`` of every output block whose body is not what its command prints
+    (``quick``: leave out the ``long`` ones)."""
+    out = []
+    for path in paths:
+        for m in _outputs(path.read_text(encoding="utf-8"), quick):
+            if m.group("body") != output(m.group("cmd")):
+                out.append(f"{_shown(path)}: output python -m {m.group('cmd')}")
+    return out
+
+
+def refresh_outputs(paths: Iterable[Path] = DOCS) -> list[Path]:
+    """Run every output block's command again and write its output; the files that changed."""
+    changed = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        new = OUTPUT.sub(lambda m: m.group(1) + output(m.group("cmd")) + m.group(5), text)
+        if new != text:
+            write_text_atomic(path, new)
+            changed.append(path)
+    return changed
+
+
 def refresh(paths: Iterable[Path] = DOCS, results_dir: Path = RESULTS_DIR) -> list[Path]:
     """Rewrite the blocks of ``paths`` from ``results_dir``; the files that changed. A block
     that cannot be made raises :class:`BlockError` and leaves its file as it was."""
@@ -221,14 +283,16 @@ def refresh(paths: Iterable[Path] = DOCS, results_dir: Path = RESULTS_DIR) -> li
 def main(argv: list[str] | None = None) -> int:
     p = bench_parser("bench.docs", __doc__)
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    p.add_argument("--quick", action="store_true",
+                   help="leave out the output blocks marked long")  # fmt: skip
     args = p.parse_args(argv)
     try:
         if args.check:
-            found = stale()
+            found = stale() + stale_outputs(quick=args.quick)
             for name in found:
                 print(f"stale: {name} (python -m bench.docs)", file=sys.stderr)
             return 1 if found else 0
-        for path in refresh():
+        for path in sorted({*refresh(), *refresh_outputs()}):
             print(f"wrote {_shown(path)}")
     except BlockError as exc:
         print(f"python -m bench.docs: {exc}", file=sys.stderr)

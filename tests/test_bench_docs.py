@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.systems.base import Settings, error_kinds
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -51,6 +53,36 @@ def test_the_docs_tables_of_results_are_the_results() -> None:
 
     assert docs.stale() == []
     assert any(docs.BLOCK.search(p.read_text(encoding="utf-8")) for p in docs.DOCS)
+    assert docs.stale_outputs(quick=True) == []  # the commands' tables (the long: below)
+
+
+@pytest.mark.long
+def test_the_docs_tables_of_long_commands_are_their_output() -> None:
+    """The output blocks marked long (the planner's own picks: a search per published run)."""
+    from bench import docs
+
+    assert docs.stale_outputs() == []
+
+
+def test_an_output_block_is_what_its_command_prints(tmp_path: Path) -> None:
+    from bench import docs
+
+    doc = tmp_path / "d.md"
+    doc.write_text("a\n<!-- output python -m platform -->\n| typed |\n<!-- /output -->\nb\n")
+    assert docs.stale_outputs([doc]) == [f"{doc}: output python -m platform"]
+    assert docs.refresh_outputs([doc]) == [doc]
+    import platform
+
+    assert doc.read_text() == (
+        f"a\n<!-- output python -m platform -->\n{platform.platform()}\n<!-- /output -->\nb\n"
+    )
+    assert docs.stale_outputs([doc]) == [] and docs.refresh_outputs([doc]) == []
+    # a long block is left out of the quick check; a failing command is an error
+    doc.write_text("<!-- output long python -m platform -->\nx\n<!-- /output -->\n")
+    assert docs.stale_outputs([doc], quick=True) == [] and len(docs.stale_outputs([doc])) == 1
+    doc.write_text("<!-- output python -m json.tool /nonexistent -->\n<!-- /output -->\n")
+    with pytest.raises(docs.BlockError, match=r"exit 2: .*can't open"):
+        docs.stale_outputs([doc])
 
 
 def test_a_results_block_is_made_again_and_a_typed_figure_is_stale(tmp_path: Path) -> None:

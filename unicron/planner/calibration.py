@@ -539,7 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--choice",
         action="store_true",
-        help="also plan every run from scratch and compare the pick with the best published run",
+        help="plan every run from scratch and compare the pick with the best published run "
+        "(instead of the accuracy table)",
     )
     args = parser.parse_args(argv)
     if args.digest:
@@ -549,10 +550,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = fit()
         print(json.dumps(params, indent=2))
         return 0
+    if args.choice and not args.json:
+        print(choice_markdown(choices()))
+        return 0
     preds = report()
     print(json.dumps(as_json(preds), indent=2) if args.json else markdown(preds))
-    if args.choice and not args.json:
-        print("\n" + choice_markdown(choices()))
     return 0
 
 
