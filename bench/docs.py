@@ -15,7 +15,9 @@ steps_lost -->``, is a line per file and a column per metric (:func:`across`). `
 the names pivots the rows (:func:`pivot`): a line per system and metric less its variant's
 last part, a column per that part (``<!-- results relayout transition_s +grid -->``:
 ``transition_s[8->6/relayout/dim128]`` is the ``dim128`` cell of the line
-``transition_s[8->6/relayout]``); ``+systems``, a line per metric and a column per system.
+``transition_s[8->6/relayout]``); ``+systems``, a line per metric and a column per system;
+``+metrics``, a line per system and a column per metric. ``@TEXT`` among the names keeps
+the rows whose system holds ``TEXT`` (``@state``: the systems ``unicron state 40 MB``, ...).
 
 A block made by a command of the project, not by a results file::
 
@@ -68,7 +70,7 @@ OUTPUT = re.compile(
 """a block made by a command (:func:`output`)"""
 OUTPUT_TIMEOUT_S = 600.0
 HEADER = ("system", "metric", "median", "min .. max", "n", "measured")
-PIVOTS = {"+grid", "+systems"}
+PIVOTS = {"+grid", "+systems", "+metrics"}
 """the names that make a block a pivot (:func:`pivot`)"""
 
 
@@ -77,8 +79,13 @@ class BlockError(ValueError):
 
 
 def _selected(rows: Iterable[Row], names: list[str]) -> list[Row]:
+    """The rows of the metrics ``names`` select (none: every row) whose system holds each
+    ``@TEXT`` among them."""
+    within = [n[1:] for n in names if n.startswith("@")]
+    names = [n for n in names if not n.startswith("@")]
+    rows = [r for r in rows if all(w in str(r.get("system", "")) for w in within)]
     if not names:
-        return list(rows)
+        return rows
     return [r for r in rows if r["metric"] in names or split_metric(r["metric"])[0] in names]
 
 
@@ -151,16 +158,19 @@ def across(spec: str, results_dir: Path = RESULTS_DIR) -> str:
 
 
 def pivot(spec: str, results_dir: Path = RESULTS_DIR) -> str:
-    """The table of a block with ``+grid`` or ``+systems`` among its names (``FILE METRIC ...
-    +grid``): with ``+grid`` a line per system and metric less its variant's last part and a
-    column per that part, with ``+systems`` a line per metric and a column per system, both
-    in the file's order; a cell is the median with min .. max (:func:`_cell`), blank where
+    """The table of a block with ``+grid``, ``+systems`` or ``+metrics`` among its names
+    (``FILE METRIC ... +grid``): with ``+grid`` a line per system and metric less its
+    variant's last part and a column per that part, with ``+systems`` a line per metric and a
+    column per system, with ``+metrics`` a line per system and a column per metric, all in
+    the file's order; a cell is the median with min .. max (:func:`_cell`), blank where
     no row is, and each line says when its rows were measured."""
     stem, *names = spec.split()
-    by_system = "+systems" in names
+    by_system, by_metric = "+systems" in names, "+metrics" in names
     names = [n for n in names if n not in PIVOTS]
-    if not names or "+note" in names or set(spec.split()) >= PIVOTS:
-        raise BlockError(f"results {spec!r}: a pivot takes metrics, one of +grid, +systems")
+    if not names or "+note" in names or len(PIVOTS & set(spec.split())) != 1:
+        raise BlockError(
+            f"results {spec!r}: a pivot takes metrics, one of +grid, +systems, +metrics"
+        )
     rows = _selected(_load(stem, spec, results_dir), names)
     if not rows:
         raise BlockError(f"results {spec!r}: no row of {stem}.json has those metrics")
@@ -169,6 +179,8 @@ def pivot(spec: str, results_dir: Path = RESULTS_DIR) -> str:
         key: tuple[str, ...]
         if by_system:
             key, column = (f"`{r['metric']}`",), str(r.get("system", ""))
+        elif by_metric:
+            key, column = (str(r.get("system", "")),), f"`{r['metric']}`"
         else:
             lead, column = _last_part(r["metric"])
             if not column:
@@ -176,7 +188,9 @@ def pivot(spec: str, results_dir: Path = RESULTS_DIR) -> str:
             key = (str(r.get("system", "")), f"`{lead}`")
         lines.setdefault(key, {})[column] = r
     columns = list(dict.fromkeys(c for cells in lines.values() for c in cells))
-    head: tuple[str, ...] = ("metric",) if by_system else ("system", "metric")
+    head: tuple[str, ...] = (
+        ("metric",) if by_system else ("system",) if by_metric else ("system", "metric")
+    )
     out = [_line((*head, *columns, "measured")),
            "|" + " --- |" * (len(head) + len(columns) + 1)]  # fmt: skip
     for key, cells in lines.items():

@@ -149,9 +149,20 @@ def test_a_pivot_block_puts_variants_or_systems_in_columns(tmp_path: Path) -> No
     assert by_system[3].startswith(f"| {line}256]` | 1 s | 2 s |")
     assert by_system[4].startswith("| `wall_s` | 3 s |  |") and len(by_system) == 5
     assert "| 0.9 |" in docs.table("p share", tmp_path)  # a ratio's unit is not printed
+    by_metric = docs.table("p transition_s wall_s +metrics", tmp_path).splitlines()
+    assert by_metric[0] == (
+        "| system | `transition_s[8->6/relayout/dim128]` | `transition_s[8->6/relayout/dim256]` "
+        "| `wall_s` | measured |"
+    )
+    assert by_metric[2].startswith("| unicron | 0.5 s (0.25 .. 0.75) | 1 s | 3 s |")
+    assert by_metric[3].startswith("| torch |  | 2 s |  |") and len(by_metric) == 4
+    # @TEXT keeps the systems that hold TEXT
+    assert docs.table("p @torch transition_s +metrics", tmp_path).count("\n") == 3
+    assert "unicron" not in docs.table("p @orc wall_s transition_s", tmp_path)
     for spec, why in (("p wall_s +grid", r"no \[variant\]"), ("p +grid", "pivot"),
                       ("p transition_s +grid +note", "pivot"),
                       ("p transition_s +grid +systems", "pivot"), ("p nope +systems", "no row"),
+                      ("p @nobody wall_s", "no row"),
                       ("q transition_s +grid", "no q.json")):  # fmt: skip
         with pytest.raises(docs.BlockError, match=why):
             docs.table(spec, tmp_path)
