@@ -16,7 +16,8 @@ the names pivots the rows (:func:`pivot`): a line per system and metric less its
 last part, a column per that part (``<!-- results relayout transition_s +grid -->``:
 ``transition_s[8->6/relayout/dim128]`` is the ``dim128`` cell of the line
 ``transition_s[8->6/relayout]``); ``+systems``, a line per metric and a column per system;
-``+metrics``, a line per system and a column per metric. ``@TEXT`` among the names keeps
+``+metrics``, a line per system and a column per metric; ``+scenarios``, a line per system
+and metric and a column per scenario (the rows' ``scenario`` field). ``@TEXT`` among the names keeps
 the rows whose system holds ``TEXT`` (``@state``: the systems ``unicron state 40 MB``, ...).
 
 A block made by a command of the project, not by a results file::
@@ -70,7 +71,7 @@ OUTPUT = re.compile(
 """a block made by a command (:func:`output`)"""
 OUTPUT_TIMEOUT_S = 600.0
 HEADER = ("system", "metric", "median", "min .. max", "n", "measured")
-PIVOTS = {"+grid", "+systems", "+metrics"}
+PIVOTS = {"+grid", "+systems", "+metrics", "+scenarios"}
 """the names that make a block a pivot (:func:`pivot`)"""
 
 
@@ -161,15 +162,17 @@ def pivot(spec: str, results_dir: Path = RESULTS_DIR) -> str:
     """The table of a block with ``+grid``, ``+systems`` or ``+metrics`` among its names
     (``FILE METRIC ... +grid``): with ``+grid`` a line per system and metric less its
     variant's last part and a column per that part, with ``+systems`` a line per metric and a
-    column per system, with ``+metrics`` a line per system and a column per metric, all in
-    the file's order; a cell is the median with min .. max (:func:`_cell`), blank where
+    column per system, with ``+metrics`` a line per system and a column per metric, with
+    ``+scenarios`` a line per system and metric and a column per scenario, all in the file's
+    order; a cell is the median with min .. max (:func:`_cell`), blank where
     no row is, and each line says when its rows were measured."""
     stem, *names = spec.split()
-    by_system, by_metric = "+systems" in names, "+metrics" in names
+    by_system, by_metric, by_scenario = ("+systems" in names, "+metrics" in names,
+                                         "+scenarios" in names)  # fmt: skip
     names = [n for n in names if n not in PIVOTS]
     if not names or "+note" in names or len(PIVOTS & set(spec.split())) != 1:
         raise BlockError(
-            f"results {spec!r}: a pivot takes metrics, one of +grid, +systems, +metrics"
+            f"results {spec!r}: a pivot takes metrics and one of {', '.join(sorted(PIVOTS))}"
         )
     rows = _selected(_load(stem, spec, results_dir), names)
     if not rows:
@@ -181,6 +184,8 @@ def pivot(spec: str, results_dir: Path = RESULTS_DIR) -> str:
             key, column = (f"`{r['metric']}`",), str(r.get("system", ""))
         elif by_metric:
             key, column = (str(r.get("system", "")),), f"`{r['metric']}`"
+        elif by_scenario:
+            key, column = (str(r.get("system", "")), f"`{r['metric']}`"), str(r["scenario"])
         else:
             lead, column = _last_part(r["metric"])
             if not column:

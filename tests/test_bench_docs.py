@@ -156,6 +156,9 @@ def test_a_pivot_block_puts_variants_or_systems_in_columns(tmp_path: Path) -> No
     )
     assert by_metric[2].startswith("| unicron | 0.5 s (0.25 .. 0.75) | 1 s | 3 s |")
     assert by_metric[3].startswith("| torch |  | 2 s |  |") and len(by_metric) == 4
+    by_scenario = docs.table("p wall_s +scenarios", tmp_path).splitlines()
+    assert by_scenario[0] == "| system | metric | p | measured |"
+    assert by_scenario[2].startswith("| unicron | `wall_s` | 3 s |")
     # @TEXT keeps the systems that hold TEXT
     assert docs.table("p @torch transition_s +metrics", tmp_path).count("\n") == 3
     assert "unicron" not in docs.table("p @orc wall_s transition_s", tmp_path)
