@@ -85,9 +85,10 @@ test-fast: $(STAMP)
 
 # the end-to-end tests beside BURNERS (default 2) processes spinning on the CPU, RUNS times
 # (default 1): a slower machine than CI's, to find the races a test would lose there (a
-# stop's CI run is one try). ~6.5 min a run on 2 cores; each run's tail goes to
-# $(LOADED_LOG) (one line per run: when, exit code, pytest's summary), and the target fails
-# if any run did.
+# stop's CI run is one try). ~6.5-12 min a run on 2 cores; each run's tail goes to
+# $(LOADED_LOG) (one line per run: when, exit code, pytest's summary), a failed run's test
+# directories (event logs, worker logs and stack dumps) are kept under $(LOADED_LOG).tmpN,
+# and the target fails if any run did.
 BURNERS ?= 2
 RUNS ?= 1
 LOADED_LOG ?= runs/loaded.txt
@@ -95,10 +96,12 @@ LOADED_ARGS ?= -m "e2e and not long"
 test-loaded: $(STAMP)
 	@mkdir -p $(dir $(LOADED_LOG)); pids=""; for i in $$(seq $(BURNERS)); do \
 		$(BIN)/python -c 'while True: pass' & pids="$$pids $$!"; done; \
-	trap 'kill $$pids' EXIT; failed=0; for run in $$(seq $(RUNS)); do \
+	trap '[ -z "$$pids" ] || kill $$pids' EXIT; failed=0; for run in $$(seq $(RUNS)); do \
 		start=$$(date -u +%FT%TZ); \
-		$(BIN)/pytest -q -p no:cacheprovider $(LOADED_ARGS) $(PYTEST_ARGS) > $(LOADED_LOG).run$$run 2>&1; \
-		rc=$$?; [ $$rc -eq 0 ] || failed=$$((failed + 1)); \
+		rm -rf $(LOADED_LOG).tmp$$run; \
+		$(BIN)/pytest -q -p no:cacheprovider --basetemp=$(LOADED_LOG).tmp$$run $(LOADED_ARGS) \
+		  $(PYTEST_ARGS) > $(LOADED_LOG).run$$run 2>&1; \
+		rc=$$?; [ $$rc -eq 0 ] && rm -rf $(LOADED_LOG).tmp$$run || failed=$$((failed + 1)); \
 		echo "run $$run $$start rc=$$rc $$(git rev-parse --short HEAD) $$(tail -n 1 $(LOADED_LOG).run$$run)" \
 		  | tee -a $(LOADED_LOG); \
 		grep '^FAILED' $(LOADED_LOG).run$$run | tee -a $(LOADED_LOG); \
