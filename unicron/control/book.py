@@ -251,8 +251,8 @@ class TaskBook:
     def other_holders(self, slot: int) -> list[int]:
         """The live slots other than ``slot`` that hold the task's state (model parallel: its
         shard, at the same place of another replica). With :attr:`CoordinatorSettings.zero`
-        none unless :meth:`_shares_doubled`: ``slot`` may keep a share's last copy."""
-        if self.settings.zero and not self._shares_doubled(slot):
+        a member has none unless :meth:`_shares_doubled`: it may keep a share's last copy."""
+        if self.settings.zero and slot in self.members and not self._shares_doubled(slot):
             return []
         if self.size == 1:
             return [h for h in self.slots.holders() if h != slot]
@@ -279,7 +279,7 @@ class TaskBook:
             m for m in self.members
             if (replicas.place(self.slots, m, lay) if self.size > 1 else 0) == mine
         ]  # fmt: skip
-        return slot in group and all(m in held for m in group if m != slot)
+        return all(m in held for m in group if m != slot)
 
     def state_held(self) -> bool:
         """Some live slot holds the task's state (model parallel: every place's shard)."""
