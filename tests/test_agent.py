@@ -260,6 +260,30 @@ def test_a_hung_worker_is_killed_once_its_stacks_reached_its_log(tmp_path: Path)
         stopped.wait()
 
 
+def test_a_hung_workers_native_stacks_reach_its_log_before_the_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``UNICRON_NATIVE_STACKS=1``: the agent also runs ``py-spy dump --native`` (a dev
+    dependency) into the log of a worker it kills as hung, and holds the kill until the dump
+    ended: what a thread blocked inside a C++ call waits for, which ``faulthandler`` cannot
+    show (a loaded run's rank sat in gloo's ``alltoall_base`` until killed)."""
+    monkeypatch.setenv(P.ENV_NATIVE_STACKS, "1")
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    log, dumps = tmp_path / "worker0.0.log", StackDumps()
+    try:
+        time.sleep(0.3)  # in its sleep
+        dumps.asked(hung.pid, log, time.time())
+        deadline = time.time() + 30.0
+        while not (due := dumps.due(time.time())) and time.time() < deadline:
+            time.sleep(0.05)
+        assert due == [hung.pid]
+        text = log.read_text()
+        assert f"py-spy dump --native --pid {hung.pid}" in text and "time_sleep" in text, text
+    finally:
+        hung.kill()
+        hung.wait()
+
+
 def test_a_round_waits_until_the_first_thing_due(tmp_path: Path, pid: int) -> None:
     """:meth:`Agent.round_s`: the link's next exchange, a hung worker's kill after its stacks,
     a computing worker's next CPU sample; a short round while something is polled; at most

@@ -44,6 +44,11 @@ STACKS_GRACE_S = 0.1
 STACKS_MAX_GRACE_S = 1.0
 """... and at most, while nothing has reached the worker's log yet (a loaded machine may not
 run the worker within the first 0.1 s: kills of stuck workers went unexplained there)"""
+ENV_NATIVE_STACKS = "UNICRON_NATIVE_STACKS"
+"""set to ``1`` in an agent's environment (a diagnosis, off by default): before it kills a
+worker as hung it also writes the worker's native stacks, every thread's C and Python frames,
+to the worker's log with ``py-spy dump --native`` where ``py-spy`` is installed (what a
+thread blocked inside a C++ call waits for; ``faulthandler`` shows its last Python line)"""
 ENV_CHECKPOINT = "UNICRON_CHECKPOINT"  # directory of the persistent checkpoints (last resort)
 ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 0: none; auto
 ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the auto interval

@@ -31,8 +31,10 @@ import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -109,9 +111,13 @@ class StackDumps:
     def __init__(self) -> None:
         self.look_at: dict[int, float] = {}  # pid -> when to look again
         self._logs: dict[int, tuple[Path, int, float]] = {}  # its log, its size, the last moment
+        self._spies: dict[int, subprocess.Popen[bytes]] = {}  # pid -> its native dump, running
 
     def asked(self, pid: int, log_file: Path, now: float) -> None:
-        self._logs[pid] = (log_file, _size(log_file), now + P.STACKS_MAX_GRACE_S)
+        last = now + P.STACKS_MAX_GRACE_S
+        if os.environ.get(P.ENV_NATIVE_STACKS) == "1" and (spy := native_stacks(pid, log_file)):
+            self._spies[pid], last = spy, now + NATIVE_STACKS_MAX_S
+        self._logs[pid] = (log_file, _size(log_file), last)
         self.look_at[pid] = now + P.STACKS_GRACE_S
 
     def due(self, now: float) -> list[int]:
@@ -122,9 +128,16 @@ class StackDumps:
             if now < at and now < last:
                 continue
             stopped = process_state(pid) in ("T", "t")  # it writes no stacks until continued
-            if _size(log_file) <= size and now < last and not stopped:
+            spy = self._spies.get(pid)
+            dumping = spy is not None and spy.poll() is None
+            if (_size(log_file) <= size or dumping) and now < last and not stopped:
                 self.look_at[pid] = now + ROUND_S  # nothing written yet: look again soon
                 continue
+            if spy is not None:
+                del self._spies[pid]
+                if dumping:
+                    spy.kill()
+                    spy.wait()
             del self.look_at[pid], self._logs[pid]
             out.append(pid)
         return out
@@ -133,6 +146,23 @@ class StackDumps:
         return [at - now for at in self.look_at.values()]
 
 
+def native_stacks(pid: int, log_file: Path) -> subprocess.Popen[bytes] | None:
+    """Start ``py-spy dump --native`` of ``pid`` appending to ``log_file`` (``None``: no
+    ``py-spy`` beside the interpreter or on the ``PATH``); :class:`StackDumps` holds the kill
+    until it ends (:data:`~unicron.protocol.ENV_NATIVE_STACKS`)."""
+    beside = os.pathsep.join((os.path.dirname(sys.executable), os.environ.get("PATH", "")))
+    spy = shutil.which("py-spy", path=beside)  # the interpreter's environment's, else PATH's
+    if spy is None:
+        return None
+    with open(log_file, "ab") as out:
+        out.write(f"\nunicron: py-spy dump --native --pid {pid}\n".encode())
+        out.flush()
+        return subprocess.Popen([spy, "dump", "--native", "--pid", str(pid)], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+NATIVE_STACKS_MAX_S = 5.0
+"""how long a native dump (:func:`native_stacks`) may hold a hung worker's kill back"""
 _HUNG = frozenset({"hang", "stall", "collective_stall"})
 """verdict kinds of a worker killed while alive but stuck: it writes its stacks first"""
 ROUND_S = 0.02
