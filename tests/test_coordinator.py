@@ -473,6 +473,62 @@ def test_a_worker_being_killed_holds_no_copy_to_count_on(tmp_path: Path, zero: b
     assert c.book.other_holders(0) == [1, 2]
 
 
+@pytest.mark.parametrize("case", ["replicated", "zero, then idle", "zero, then 6x"])
+def test_the_last_copy_of_a_share_is_not_killed_while_it_may_wait_on_others(
+    tmp_path: Path, case: str
+) -> None:
+    """The loaded run behind the rule above: in the first full step after a crash, two of
+    three members passed twice their allowance, their CPU time still while their processes'
+    other threads queued for a CPU (no verdict: they may wait on those). The first is
+    killed (another member holds the state); under ``zero`` the second then keeps a share's
+    last copy, and with no checkpoint it is held, not killed (its buddy's death ends its
+    collective), until its CPU time stands still with nothing else queued, or the step has
+    lasted six times its allowance. Without ``zero`` the third member holds everything:
+    both are killed at twice the allowance."""
+    zero = case != "replicated"
+    k = Cluster(tmp_path, zero=zero)
+    c = k.c
+    t = k.steps(20, 0.0)
+    c.worker_failed(2, verdict_for_kind("killed"), t)  # epoch 2 of 0, 1, 3
+    assert c.members == (0, 1, 3)
+    t = k.steps(3, t + 0.1)
+    for m in c.members:
+        c.step_started(m, 23, t, epoch=c.epoch, cpu_s=10.0)
+    c.step_computed(1, 23, t + 0.1, compute_s=0.1, microbatches=2, cpu_s=10.1)
+    assert c.monitor is not None
+    allowance = max(c.monitor.hang_deadline(s) or 0.0 for s in (0, 3)) - t
+    killed: list[int] = []
+
+    def tick(ts: float, others: float | None = None) -> None:
+        cpu = [M.CpuTime(slot=s, ts=ts, cpu_s=10.0, queued_s=0.0,
+                         others_queued_s=(ts - t) / 2 if others is None else others)
+               for s in (0, 3) if s not in killed]  # fmt: skip
+        reply = c.exchange(0, cpu, ts, read_until=ts)
+        killed.extend(a.slot for a in reply.actions if isinstance(a, Kill))
+
+    ts = t
+    while ts < t + 3 * allowance:  # past twice the allowance: the evidence of a hang
+        ts += 0.1
+        tick(ts)
+    assert len(killed) == (1 if zero else 2), killed
+    if not zero:
+        return
+    while ts < t + 4.5 * allowance:  # held
+        ts += 0.1
+        tick(ts)
+    assert len(killed) == 1
+    frozen = (ts - t) / 2
+    for _ in range(10):  # its CPU time stands still, with nothing else queued (a hang); or
+        ts += 0.1  # with its threads queued still, until six times its allowance
+        tick(ts, others=frozen if case == "zero, then idle" else None)
+    if case == "zero, then 6x":
+        assert len(killed) == 1
+        while ts < t + 6.2 * allowance:
+            ts += 0.1
+            tick(ts)
+    assert sorted(killed) == [0, 3]
+
+
 def test_the_first_step_after_a_join_is_cold_for_every_member(tmp_path: Path) -> None:
     """Every member's first step of an epoch that admitted a restarted worker waits for the
     newcomer inside its collectives: a member idle there past the warm allowance, while its

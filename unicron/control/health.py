@@ -42,6 +42,9 @@ LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
 with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
 checkpoint reload), once it has lasted this many times its allowance"""
+LAST_COPY_HANG_OVERRUN = 6.0
+"""... and the last live copy of the task's state, with no checkpoint, whose CPU time gives
+no verdict (:func:`check_suspect`): killing it fails the task"""
 
 
 # -- reports -------------------------------------------------------------------------------
@@ -256,6 +259,19 @@ def check_suspect(b: TaskBook, slot: int, now: float) -> None:
     peer = peers_all_ahead(b, slot, step) or ((overrun or idle) and peer_ahead(b, slot, step))
     lone = not peer and overrun and alone(b, slot)
     if not (peer or lone):
+        return
+    last = _overrun(b, slot, at) >= LAST_COPY_HANG_OVERRUN
+    if not (idle or lone or last) and b.cpu.sampling and not b.state_survives(slot):
+        # the last live copy of the state, and no checkpoint: killing it fails the task, so
+        # where the agents read CPU time only its standing still condemns it, or a far
+        # larger overrun (its other threads may queue for ever: a left epoch's gloo loop);
+        # held, and judged again every tick (found beside CPU burners: a ZeRO rank's main
+        # thread stood > 2x its allowance while the process's other threads queued for a
+        # CPU, its buddy already being killed: killed, a share lost, the task failed)
+        if o.held != step:
+            o.held = step
+            log.warning("task %s: slot %d past its hang allowance, not killed: the last "
+                        "copy of the state, and %s", b.label, slot, why)  # fmt: skip
         return
     if not (idle or overrun) and not b.other_holders(slot):
         # the last live copy of its state (model parallel: of its shard): killed only on
