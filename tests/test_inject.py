@@ -19,6 +19,7 @@ from unicron.runtime.inject import FaultPlan, parse, slowdown, stop_self
         "error:rank=1,step=2,kind=cuda",
         "slow:rank=0,step=9,factor=2.5",
         "node:node=1,step=4",
+        "crash:rank=5,step=7,members=8",
     ],
 )
 def test_round_trip(spec: str) -> None:
@@ -87,6 +88,23 @@ def test_a_fault_plan_fires_each_fault_once_at_its_step_with_its_event() -> None
     assert plan.crash_point(3, 4) == 1 and plan.crash_point(4, 4) == -1
     plan.fire_due("crash", 3)
     assert plan.crash_point(3, 4) == -1  # fired: no longer due
+
+
+def test_a_fault_with_members_waits_for_an_epoch_that_large() -> None:
+    """``members=M``: at its step or the first one after it in an epoch of at least M
+    members (the second fault of a test that must come once the task healed from the
+    first, however slow the machine); a process that does not know its epoch's size (a
+    baseline's fixed world) fires it at its step."""
+    plan, _, acted = _plan("crash:rank=1,step=7,members=8")
+    plan.members = 4  # the task has not healed yet: no crash at its step, nor after
+    assert plan.crash_point(6, 4) == -1 and plan.crash_point(7, 4) == -1
+    assert plan.crash_point(9, 4) == -1
+    plan.members = 8  # healed: the first step from 7 on
+    assert plan.crash_point(10, 4) == 2
+    plan.fire_due("crash", 10)
+    assert acted == [plan.faults[0].spec] and plan.crash_point(11, 4) == -1
+    baseline, _, _ = _plan("crash:rank=1,step=7,members=8")  # members unknown: at step 7
+    assert baseline.crash_point(7, 4) == 2 and baseline.crash_point(8, 4) == -1
 
 
 def test_a_crash_without_mb_falls_mid_step_and_due_after_counts_micro_batches() -> None:

@@ -119,18 +119,19 @@ def test_a_lost_rank_of_a_3d_replica_heals_to_the_fault_free_bits(run: Any) -> N
     """TP=2 x PP=2 x DP=2: rank 2 (stage 1, rank 0 of its tensor-parallel group, replica 0)
     lost mid-micro-batch, then rank 5 (stage 0, replica 1). The fault-free run computes in
     GPipe's order, the faulty one in 1F1B's (the default; its links post their sends): the
-    same bits. Rank 5 is lost only once replica 0 is back (six steps later: beside CPU
-    burners, three steps after the first crash replica 0 was still rejoining, the only copy
-    of place 1's newest state was rank 5's, and the task failed without a checkpoint, as it
-    must)."""
+    same bits. Rank 5 is lost at step 7 or the first step after it once replica 0 is back
+    (``members=8``: beside CPU burners, three steps after the first crash replica 0 was
+    still rejoining, the only copy of place 1's newest state was rank 5's, and the task
+    failed without a checkpoint, as it must)."""
     layout = ("--nproc-per-node", "8", "--tp", "2", "--pp", "2")
     clean = run(*layout, script=SCRIPT,
-                script_args=("--steps", "13", "--out", "out", "--schedule", "gpipe"))  # fmt: skip
+                script_args=("--steps", "12", "--out", "out", "--schedule", "gpipe"))  # fmt: skip
     faulty = run(
-        *layout, "--inject", "crash:rank=2,step=4,mb=1", "--inject", "crash:rank=5,step=10",
-        script=SCRIPT, script_args=("--steps", "13", "--out", "out"),
+        *layout, "--inject", "crash:rank=2,step=4,mb=1",
+        "--inject", "crash:rank=5,step=7,members=8",
+        script=SCRIPT, script_args=("--steps", "12", "--out", "out"),
     )  # fmt: skip
-    _same(clean, faulty, 13)
+    _same(clean, faulty, 12)
     epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
     assert (4, 5, 6, 7) in epochs and all(len(m) % 4 == 0 for m in epochs), epochs
     restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")

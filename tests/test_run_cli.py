@@ -54,6 +54,10 @@ BAD_INPUT = {
     "missing step": (["--inject", "hang:rank=1", str(TRAIN)], "step"),
     "zero workers": (["--nproc-per-node", "0", str(TRAIN)], "--nproc-per-node"),
     "rank out of range": (["--inject", "crash:rank=4,step=1", str(TRAIN)], "out of range"),
+    "members above the world": (
+        ["--inject", "crash:rank=1,step=1,members=5", str(TRAIN)],
+        "members 5 out of range",
+    ),
     "min-workers too high": (["--min-workers", "5", str(TRAIN)], "--min-workers"),
     "nproc not a number": (["--nproc-per-node", "x", str(TRAIN)], "--nproc-per-node"),
     "readmit-after zero": (["--readmit-after", "0", str(TRAIN)], "--readmit-after"),

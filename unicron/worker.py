@@ -596,7 +596,7 @@ class _Runner:
         the interrupted step's missing micro-batches."""
         t0 = time.time()
         self.link.send(M.EpochEntered(slot=self.ctx.slot, ts=time.time(), epoch=info.epoch))
-        rank = info.members.index(self.ctx.slot)
+        rank, self.faults.members = info.members.index(self.ctx.slot), len(info.members)
         store = (self.ctx.store_host, self.ctx.store_port)
         os.environ.update(epoch_env(info, self.ctx.slot, store))  # torchrun's variables
         g = EpochGroup(

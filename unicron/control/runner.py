@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="inject a fault: crash:rank=R,step=S[,mb=K] | hang:rank=R,step=S | "
         "error:rank=R,step=S,kind=K | slow:rank=R,step=S,factor=F | node:node=N,step=S "
-        "(repeatable; R is the launch rank)",
+        "(repeatable; R is the launch rank; any may add ,members=M: at step S or the first "
+        "step after it in an epoch of at least M members)",
     )
     p.add_argument("--events", metavar="FILE", help="write the event log (JSON Lines) here")
     p.add_argument(
@@ -148,6 +149,8 @@ def validate(args: argparse.Namespace) -> list[Fault]:
             )
         if f.rank is not None and f.rank >= world:
             raise UsageError(f"--inject {f.spec!r}: rank {f.rank} out of range 0..{world - 1}")
+        if f.members is not None and not 1 <= f.members <= world:
+            raise UsageError(f"--inject {f.spec!r}: members {f.members} out of range 1..{world}")
     return faults
 
 

@@ -8,6 +8,10 @@
                                  (until that process ends: a restarted worker is not slow)
 ``node:node=N,step=S``           node N's agent and workers vanish at step S
 
+Any of them may add ``members=M``: the fault fires at step S, or at the first step after it,
+in an epoch of at least M members (a second fault that must wait until the task healed from
+the first, whatever the machine's pace: ``crash:rank=5,step=7,members=8``).
+
 ``rank`` is the worker's launch rank (its slot on the node, like torchrun's ``RANK``): it stays
 with the slot when the worker is restarted, while epoch ranks change. Each fault fires once.
 The runner, the worker, the tests and the benchmark baselines all parse specs here, and the
@@ -27,11 +31,11 @@ from unicron.errors import UsageError
 
 FAULTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     # fault -> (required keys, optional keys)
-    "crash": (frozenset({"rank", "step"}), frozenset({"mb"})),
-    "hang": (frozenset({"rank", "step"}), frozenset()),
-    "error": (frozenset({"rank", "step", "kind"}), frozenset()),
-    "slow": (frozenset({"rank", "step", "factor"}), frozenset()),
-    "node": (frozenset({"node", "step"}), frozenset()),
+    "crash": (frozenset({"rank", "step"}), frozenset({"mb", "members"})),
+    "hang": (frozenset({"rank", "step"}), frozenset({"members"})),
+    "error": (frozenset({"rank", "step", "kind"}), frozenset({"members"})),
+    "slow": (frozenset({"rank", "step", "factor"}), frozenset({"members"})),
+    "node": (frozenset({"node", "step"}), frozenset({"members"})),
 }
 
 
@@ -46,6 +50,9 @@ class Fault:
     mb: int | None = None
     kind: str | None = None
     factor: float | None = None
+    members: int | None = None
+    """fire only in an epoch of at least this many members, at the first step from
+    :attr:`step` on that is in one (``None``: at :attr:`step`)"""
 
     @property
     def spec(self) -> str:
@@ -158,6 +165,9 @@ class FaultPlan:
     act: Callable[[Fault], None] = stop_self
     claim: Callable[[Fault], bool] | None = None
     fired: set[str] = field(default_factory=set)
+    members: int | None = None
+    """how many members the process's current epoch has (the worker sets it as it enters
+    one); ``None``: unknown (a baseline's fixed world), a fault's ``members`` is ignored"""
 
     def _claim(self, fault: Fault) -> bool:
         ok = self.claim(fault) if self.claim is not None else fault.spec not in self.fired
@@ -170,8 +180,14 @@ class FaultPlan:
         return [f for f in self.due_at(step) if f.fault == kind]
 
     def due_at(self, step: int) -> list[Fault]:
-        """The unfired faults of ``step``, of any type."""
-        return [f for f in self.faults if f.step == step and f.spec not in self.fired]
+        """The unfired faults of ``step``, of any type (one with ``members``: of any step
+        from its own on, in an epoch of that many members or more)."""
+        return [f for f in self.faults if f.spec not in self.fired and self._now(f, step)]
+
+    def _now(self, f: Fault, step: int) -> bool:
+        if f.members is None or self.members is None:
+            return f.step == step
+        return f.step <= step and self.members >= f.members
 
     def crash_point(self, step: int, n: int) -> int:
         """After how many of its ``n`` micro-batches of ``step`` the process crashes: the
