@@ -185,11 +185,11 @@ def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run:
         *layout, script=SCRIPT,
         script_args=("--steps", "10", "--out", "out", *script_args, "--schedule", "sequential"),
     )  # fmt: skip
-    # five steps apart: the hung rank holds the only other copy of the crashed rank's shard,
-    # and a hang before the restarted rank took it loses the shard (seen beside CPU burners
-    # with three steps between them: the join came at the hang's step)
+    # the hang once the restarted rank is back (members=6): the hung rank holds the only
+    # other copy of the crashed rank's shard, and a hang before the restarted rank took it
+    # loses the shard (seen beside CPU burners with three steps between them)
     faulty = run(
-        *layout, "--inject", "crash:rank=1,step=3,mb=1", "--inject", "hang:rank=4,step=8",
+        *layout, "--inject", "crash:rank=1,step=3,mb=1", "--inject", "hang:rank=4,step=6,members=6",
         script=SCRIPT,
         script_args=("--steps", "10", "--out", "out", *script_args, "--schedule", "gpipe"),
     )  # fmt: skip

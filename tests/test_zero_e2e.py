@@ -33,8 +33,9 @@ def test_lost_ranks_heal_from_their_buddies_to_the_unsharded_bits(run: Any) -> N
     faulty = _run(
         run, "--nproc-per-node", "4", "--zero", "1", "--checkpoint-every", "0",
         "--inject", "crash:rank=1,step=3,mb=1",  # mid-step: its shares live on its buddies
-        "--inject", "crash:rank=2,step=6",
-        "--inject", "hang:rank=3,step=9",
+        # each once the rank lost before is back (four members): not while a share is single
+        "--inject", "crash:rank=2,step=6,members=4",
+        "--inject", "hang:rank=3,step=9,members=4",
     )  # fmt: skip
     for r in (clean, faulty):
         assert r.returncode == 0, r.stderr[-3000:]
