@@ -146,7 +146,8 @@ def test_a_replica_whose_stages_span_nodes_heals_to_the_one_node_bits(run: Any) 
     clean = _tp(run, "--nproc-per-node", "4", "--pp", "2", steps=10)
     faulty = _tp(
         run, "--nnodes", "4", "--nproc-per-node", "1", "--pp", "2", "--checkpoint-every", "0",
-        "--inject", "crash:rank=1,step=3,mb=1", "--inject", "node:node=2,step=6", steps=10,
+        "--inject", "crash:rank=1,step=3,mb=1", "--inject", "node:node=2,step=6,members=4",
+        steps=10,
     )  # fmt: skip
     _same(clean, faulty, 10)
     epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
@@ -165,7 +166,7 @@ def test_a_3d_replica_across_nodes_heals_to_the_one_node_bits(run: Any) -> None:
     faulty = _tp(
         run, "--nnodes", "4", "--nproc-per-node", "2", "--tp", "2", "--pp", "2",
         "--checkpoint-every", "0", "--inject", "crash:rank=2,step=3,mb=1",
-        "--inject", "node:node=2,step=6", steps=10,
+        "--inject", "node:node=2,step=6,members=8", steps=10,
     )  # fmt: skip
     _same(clean, faulty, 10)
     epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
@@ -368,7 +369,8 @@ def test_four_tensor_ranks_heal_to_the_fault_free_bits(run: Any) -> None:
     script_args = ("--steps", "10", "--out", "out", "--kv-heads", "4")
     clean = run(*layout, script=SCRIPT, script_args=script_args)
     faulty = run(
-        *layout, "--inject", "crash:rank=6,step=3,mb=1", "--inject", "crash:rank=0,step=7",
+        *layout, "--inject", "crash:rank=6,step=3,mb=1",
+        "--inject", "crash:rank=0,step=7,members=8",
         script=SCRIPT, script_args=script_args,
     )  # fmt: skip
     _same(clean, faulty, 10)
@@ -443,7 +445,8 @@ def test_pytorchs_own_tensor_parallelism_heals_to_the_hand_written_layers_bits(r
     steps = 10
     clean = _tp(run, *layout, steps=steps)
     faulty = run(
-        *layout, "--inject", "crash:rank=0,step=3,mb=1", "--inject", "hang:rank=3,step=6",
+        *layout, "--inject", "crash:rank=0,step=3,mb=1",
+        "--inject", "hang:rank=3,step=6,members=4",
         script=SCRIPT, script_args=("--steps", str(steps), "--out", "out", "--tp-api", "dtensor"),
     )  # fmt: skip
     _same(clean, faulty, steps)
