@@ -48,7 +48,8 @@ ENV_NATIVE_STACKS = "UNICRON_NATIVE_STACKS"
 """set to ``1`` in an agent's environment (a diagnosis, off by default): before it kills a
 worker as hung it also writes the worker's native stacks, every thread's C and Python frames,
 to the worker's log with ``py-spy dump --native`` where ``py-spy`` is installed (what a
-thread blocked inside a C++ call waits for; ``faulthandler`` shows its last Python line)"""
+thread blocked inside a C++ call waits for; ``faulthandler`` shows its last Python line).
+Dear: seconds of a core per dump (docs/detection.md)"""
 ENV_CHECKPOINT = "UNICRON_CHECKPOINT"  # directory of the persistent checkpoints (last resort)
 ENV_CHECKPOINT_EVERY = "UNICRON_CHECKPOINT_EVERY"  # steps between checkpoints; 0: none; auto
 ENV_CHECKPOINT_MTBF = "UNICRON_CHECKPOINT_MTBF"  # configured MTBF (s) for the auto interval

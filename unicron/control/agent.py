@@ -161,8 +161,10 @@ def native_stacks(pid: int, log_file: Path) -> subprocess.Popen[bytes] | None:
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
 
 
-NATIVE_STACKS_MAX_S = 5.0
-"""how long a native dump (:func:`native_stacks`) may hold a hung worker's kill back"""
+NATIVE_STACKS_MAX_S = 30.0
+"""how long a native dump (:func:`native_stacks`) may hold a hung worker's kill back: py-spy
+reads the native symbols of torch's libraries first (seconds of a core; beside two CPU
+burners 5 s gave it time for its first line only)"""
 _HUNG = frozenset({"hang", "stall", "collective_stall"})
 """verdict kinds of a worker killed while alive but stuck: it writes its stacks first"""
 ROUND_S = 0.02
