@@ -97,6 +97,50 @@ def test_read_thread_clocks_reads_the_threads_own_clock_and_the_others_wait() ->
     assert clocks.others_queued_s is not None and clocks.others_queued_s >= 0.0
 
 
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_thread_at_sched_idle_is_not_among_the_waiting_others(idle: bool) -> None:
+    """An abandoned epoch's gloo threads are demoted to ``SCHED_IDLE`` and may spin for the
+    process's life, always waiting for a CPU: counted, they would make every hung worker's
+    stillness "no verdict" (the wall clock's larger overrun) rather than a hang. Another
+    thread spins on the computing thread's CPU (outside the GIL): at the normal policy its
+    run-queue wait counts, at ``SCHED_IDLE`` it does not."""
+    import hashlib
+    import threading
+
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    before, stop, ready, tids = os.sched_getaffinity(0), threading.Event(), threading.Event(), []
+
+    def spin() -> None:
+        os.sched_setaffinity(0, {cpu})
+        if idle:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        tids.append(threading.get_native_id())
+        ready.set()
+        block = b"x" * (1 << 22)
+        while not stop.is_set():
+            hashlib.sha256(block).digest()  # without the GIL
+
+    other = threading.Thread(target=spin, daemon=True)
+    other.start()
+    ready.wait(5)
+    os.sched_setaffinity(0, {cpu})  # this thread computes on the same CPU
+    try:
+        me = threading.get_native_id()
+        first = read_thread_clocks(os.getpid(), me, 100.0)
+        block, end = b"y" * (1 << 22), time.monotonic() + 0.6
+        while time.monotonic() < end:
+            hashlib.sha256(block).digest()
+        last = read_thread_clocks(os.getpid(), me, 100.0)
+    finally:
+        stop.set()
+        other.join()
+        os.sched_setaffinity(0, before)
+    assert first is not None and last is not None
+    assert first.others_queued_s is not None and last.others_queued_s is not None
+    waited = last.others_queued_s - first.others_queued_s
+    assert (waited < 0.05) if idle else (waited > 0.1), waited
+
+
 def test_a_stopped_worker_is_hung() -> None:
     for began, typical in ((Sample(T0, 1.0), 0.3), (None, None)):  # no yardstick needed
         cpu, why = judge(

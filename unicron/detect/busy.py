@@ -252,9 +252,12 @@ def read_queued_s() -> float | None:
 
 def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
     """CPU time and run-queue wait (seconds) of thread ``tid`` of process ``pid``, and the
-    run-queue wait of the process's other threads (summed, those alive now): from
-    ``/proc/<pid>/task/*/schedstat``, else its CPU time alone from ``stat``; ``None`` when it
-    cannot be read (gone, or not Linux). The agent's one read of a worker, stamped now."""
+    run-queue wait of the process's other threads (summed, those alive now, less those at
+    ``SCHED_IDLE``: an abandoned epoch's gloo threads, which the worker demotes and which may
+    spin for the process's life, waiting for a CPU for ever; the computing thread never waits
+    on them): from ``/proc/<pid>/task/*/schedstat``, else its CPU time alone from ``stat``;
+    ``None`` when it cannot be read (gone, or not Linux). The agent's one read of a worker,
+    stamped now."""
     now = time.time()
     clocks = _schedstat(f"/proc/{pid}/task/{tid}/schedstat")
     if clocks is None:
@@ -264,8 +267,27 @@ def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
         threads = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(tid)]
     except OSError:
         return Sample(now, *clocks)
-    others = [_schedstat(f"/proc/{pid}/task/{t}/schedstat") for t in threads]
+    others = [
+        _schedstat(f"/proc/{pid}/task/{t}/schedstat")
+        for t in threads
+        if _policy(f"/proc/{pid}/task/{t}/stat") != SCHED_IDLE
+    ]
     return Sample(now, *clocks, sum(c[1] for c in others if c is not None))
+
+
+SCHED_IDLE = 5
+"""the scheduling policy of ``os.SCHED_IDLE`` (Linux), as ``/proc/.../stat`` writes it"""
+
+
+def _policy(path: str) -> int | None:
+    """A thread's scheduling policy (field 41 of its ``stat``); ``None`` where it cannot be
+    read (gone, or not Linux)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rfind(b")") + 2 :].split()[38])  # fields from the state (3) on
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def process_state(pid: int) -> str:
