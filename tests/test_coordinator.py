@@ -482,9 +482,10 @@ def test_the_last_copy_of_a_share_is_not_killed_while_it_may_wait_on_others(
     other threads queued for a CPU (no verdict: they may wait on those). The first is
     killed (another member holds the state); under ``zero`` the second then keeps a share's
     last copy, and with no checkpoint it is held, not killed (its buddy's death ends its
-    collective), until its CPU time stands still with nothing else queued, or the step has
-    lasted six times its allowance. Without ``zero`` the third member holds everything:
-    both are killed at twice the allowance."""
+    collective): while the first one's kill is under way whatever its CPU time says (one kill
+    at a time among the last copies), then until its CPU time stands still with nothing else
+    queued, or the step has lasted six times its allowance. Without ``zero`` the third
+    member holds everything: both are killed at twice the allowance."""
     zero = case != "replicated"
     k = Cluster(tmp_path, zero=zero)
     c = k.c
@@ -513,10 +514,16 @@ def test_the_last_copy_of_a_share_is_not_killed_while_it_may_wait_on_others(
     assert len(killed) == (1 if zero else 2), killed
     if not zero:
         return
-    while ts < t + 4.5 * allowance:  # held
+    while ts < t + 3.5 * allowance:  # held
         ts += 0.1
         tick(ts)
     assert len(killed) == 1
+    frozen = (ts - t) / 2
+    for _ in range(10):  # still held, even standing still: one kill at a time among them
+        ts += 0.1
+        tick(ts, others=frozen)
+    assert len(killed) == 1
+    c.worker_failed(killed[0], verdict_for_kind("hang"), ts)  # its exit: a new epoch
     frozen = (ts - t) / 2
     for _ in range(10):  # its CPU time stands still, with nothing else queued (a hang); or
         ts += 0.1  # with its threads queued still, until six times its allowance

@@ -261,7 +261,11 @@ def check_suspect(b: TaskBook, slot: int, now: float) -> None:
     if not (peer or lone):
         return
     last = _overrun(b, slot, at) >= LAST_COPY_HANG_OVERRUN
-    if not (idle or lone or last) and b.cpu.sampling and not b.state_survives(slot):
+    killing = any(k != slot and s.killed and s.alive for k, s in b.slots.items())
+    if (killing or not (idle or lone or last)) and b.cpu.sampling and not b.state_survives(slot):
+        # one kill at a time among the last copies: the first one's exit ends the
+        # collectives the others may wait in (found beside CPU burners: two ZeRO ranks
+        # stuck six allowances in one step, both killed in one tick, the task failed)
         # the last live copy of the state, and no checkpoint: killing it fails the task, so
         # where the agents read CPU time only its standing still condemns it, or a far
         # larger overrun (its other threads may queue for ever: a left epoch's gloo loop);
