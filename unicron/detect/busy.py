@@ -279,14 +279,25 @@ SCHED_IDLE = 5
 """the scheduling policy of ``os.SCHED_IDLE`` (Linux), as ``/proc/.../stat`` writes it"""
 
 
-def _policy(path: str) -> int | None:
-    """A thread's scheduling policy (field 41 of its ``stat``); ``None`` where it cannot be
+def _stat_fields(path: str) -> list[bytes] | None:
+    """The fields of a ``/proc/.../stat`` file from the state (field 3) on, after ``pid
+    (comm)`` (a command name may hold spaces and parentheses); ``None`` where it cannot be
     read (gone, or not Linux)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
-        return int(raw[raw.rfind(b")") + 2 :].split()[38])  # fields from the state (3) on
-    except (OSError, ValueError, IndexError):
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2 :].split()
+
+
+def _policy(path: str) -> int | None:
+    """A thread's scheduling policy (field 41 of its ``stat``); ``None`` where it cannot be
+    read (gone, or not Linux)."""
+    fields = _stat_fields(path)
+    try:
+        return None if fields is None else int(fields[38])
+    except (IndexError, ValueError):
         return None
 
 
@@ -294,12 +305,7 @@ def process_state(pid: int) -> str:
     """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T``
     stopped, ``Z`` zombie, ...), ``""`` when it cannot be read (gone, or not Linux). Asked by
     the agent (is a hung worker stopped?) and by the store's keeper (is the store a zombie?)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return ""
-    fields = raw[raw.rfind(b")") + 2 :].split()  # after "pid (comm) ": the state first
+    fields = _stat_fields(f"/proc/{pid}/stat")
     return fields[0].decode() if fields else ""
 
 
@@ -308,13 +314,8 @@ def read_cpu_s(pid: int, ticks_per_s: float, tid: int | None = None) -> float | 
     ``tid`` is None) from ``/proc``; ``None`` when it cannot be read (gone, or not Linux).
     Called by the agent for its own workers' computing threads."""
     path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = _stat_fields(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2 :].split()  # after "pid (comm) ": state is field 3
-    try:
-        return (int(fields[11]) + int(fields[12])) / ticks_per_s  # utime, stime: 14 and 15
-    except (IndexError, ValueError):
+        return None if fields is None else (int(fields[11]) + int(fields[12])) / ticks_per_s
+    except (IndexError, ValueError):  # utime, stime: fields 14 and 15
         return None
