@@ -241,7 +241,8 @@ def check_suspect(b: TaskBook, slot: int, now: float) -> None:
     # hangs at once) or its CPU time stood still; or, alone in the epoch, the step has
     # lasted twice its allowance. A worker whose CPU time advances is starved: left to run
     at = b.known_until(now)[slot]
-    overrun = _overrun(b, slot, at) >= LONE_HANG_OVERRUN
+    allowances = _overrun(b, slot, at)
+    overrun = allowances >= LONE_HANG_OVERRUN
     assert b.monitor is not None
     cpu, why = b.cpu.judge(slot, step, factor=b.monitor.settings.hang_factor, now=now)
     # held, and judged again next tick: a worker starved on a loaded machine (WORKING); or
@@ -260,18 +261,17 @@ def check_suspect(b: TaskBook, slot: int, now: float) -> None:
     lone = not peer and overrun and alone(b, slot)
     if not (peer or lone):
         return
-    last = _overrun(b, slot, at) >= LAST_COPY_HANG_OVERRUN
+    last = allowances >= LAST_COPY_HANG_OVERRUN
     killing = any(k != slot and s.killed and s.alive for k, s in b.slots.items())
     if (killing or not (idle or lone or last)) and b.cpu.sampling and not b.state_survives(slot):
-        # one kill at a time among the last copies: the first one's exit ends the
-        # collectives the others may wait in (found beside CPU burners: two ZeRO ranks
-        # stuck six allowances in one step, both killed in one tick, the task failed)
         # the last live copy of the state, and no checkpoint: killing it fails the task, so
         # where the agents read CPU time only its standing still condemns it, or a far
-        # larger overrun (its other threads may queue for ever: a left epoch's gloo loop);
-        # held, and judged again every tick (found beside CPU burners: a ZeRO rank's main
-        # thread stood > 2x its allowance while the process's other threads queued for a
-        # CPU, its buddy already being killed: killed, a share lost, the task failed)
+        # larger overrun (its other threads may queue for ever: a left epoch's gloo loop),
+        # and never while another worker's kill is under way (its exit ends the collectives
+        # this one may wait in); held, and judged again every tick. Found beside CPU
+        # burners: a ZeRO rank, main thread still while its other threads queued for a CPU,
+        # killed at 2x while its buddy's kill was under way; and two ranks stuck six
+        # allowances, both killed in one tick: a share lost, the task failed, each time
         if o.held != step:
             o.held = step
             log.warning("task %s: slot %d past its hang allowance, not killed: the last "
