@@ -46,7 +46,7 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from bench.common import (
@@ -276,23 +276,24 @@ def stale_outputs(paths: Iterable[Path] = DOCS, *, quick: bool = False) -> list[
 
 def refresh_outputs(paths: Iterable[Path] = DOCS) -> list[Path]:
     """Run every output block's command again and write its output; the files that changed."""
-    changed = []
-    for path in paths:
-        text = path.read_text(encoding="utf-8")
-        new = OUTPUT.sub(lambda m: m.group(1) + output(m.group("cmd")) + m.group(5), text)
-        if new != text:
-            write_text_atomic(path, new)
-            changed.append(path)
-    return changed
+    return _rewrite(
+        paths,
+        lambda text: OUTPUT.sub(lambda m: m.group(1) + output(m.group("cmd")) + m.group(5), text),
+    )
 
 
 def refresh(paths: Iterable[Path] = DOCS, results_dir: Path = RESULTS_DIR) -> list[Path]:
     """Rewrite the blocks of ``paths`` from ``results_dir``; the files that changed. A block
     that cannot be made raises :class:`BlockError` and leaves its file as it was."""
+    return _rewrite(paths, lambda text: rendered(text, results_dir))
+
+
+def _rewrite(paths: Iterable[Path], make: Callable[[str], str]) -> list[Path]:
+    """Write each of ``paths`` whose text ``make`` changes (atomically); those files."""
     changed = []
     for path in paths:
         text = path.read_text(encoding="utf-8")
-        new = rendered(text, results_dir)
+        new = make(text)
         if new != text:
             write_text_atomic(path, new)
             changed.append(path)
