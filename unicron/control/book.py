@@ -273,13 +273,13 @@ class TaskBook:
         counting on the other's copy: a share lost, the task failed.)"""
         if self.commit_epoch != self.epoch:
             return False
-        held, lay = set(self.slots.holders()), self.lay
-        mine = replicas.place(self.slots, slot, lay) if self.size > 1 else 0
-        group = [
-            m for m in self.members
-            if (replicas.place(self.slots, m, lay) if self.size > 1 else 0) == mine
-        ]  # fmt: skip
-        return all(m in held for m in group if m != slot)
+        held, lay, size = set(self.slots.holders()), self.lay, self.size
+
+        def at(m: int) -> int:
+            return replicas.place(self.slots, m, lay) if size > 1 else 0
+
+        mine = at(slot)
+        return all(m in held for m in self.members if m != slot and at(m) == mine)
 
     def state_held(self) -> bool:
         """Some live slot holds the task's state (model parallel: every place's shard)."""
