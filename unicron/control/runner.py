@@ -465,7 +465,7 @@ def _run_nodes(
         # Everything the imports made (torch's, FastAPI's: about 200,000 objects)
         # lives as long as the process: out of the cyclic collector's sight, its full passes
         # take milliseconds instead of 50-110 ms in which every thread of this process, the
-        # service and the agents, stands still (docs/benchmarks.md, Step time against DDP).
+        # service and the agents, stands still (`bench/results/scale-history.md`).
         gc.freeze()
         threads = [
             threading.Thread(target=n.run, args=(stop,), name=n.name, daemon=True) for n in nodes

@@ -158,7 +158,7 @@ def seed(value: int, dev: torch.device) -> None:
     accelerator backend built into torch: for each one not initialized (CUDA on a CPU run,
     XPU and MTIA on any) it queues the seed with a formatted stack trace of the caller
     (``_lazy_call``), about 0.4 ms a micro-batch in a worker, 2 core-ms a step of the example
-    model on 4 workers (docs/benchmarks.md, Step time against DDP)."""
+    model on 4 workers (`bench/results/scale-history.md`)."""
     import torch
 
     torch.default_generator.manual_seed(value)
