@@ -483,19 +483,25 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f} ms"
 
 
+BOOKED = (("detection", "detection_s"), ("transition", "transition_s"),
+          ("sub_healthy", "subhealthy_s"))  # fmt: skip
+"""the losses booked per task, as named in a breakdown and in the rows"""
+
+
 def rows(cmp: dict[str, Any], totals: dict[str, float], dec: dict[str, Any]) -> list[Any]:
+    """The results rows: per task (and the cluster) the real run's and the simulator's
+    accumulated WAF, their ratio, the seconds each booked to each loss and the transitions;
+    the placements' cluster WAF; the planner's decisions."""
     out = []
     for name, v in cmp["tasks"].items():
         for side in ("real", "sim"):
-            out.append(
-                make_row(
-                    system=f"unicron-{side}",
-                    scenario=SCENARIO,
-                    metric=f"accumulated_waf[{name}]",
-                    values=[v[side]["accumulated_waf"]],
-                    unit="weighted steps",
-                )
-            )
+            got = v[side]
+            figures = [("accumulated_waf", got["accumulated_waf"], "weighted steps")]
+            figures += [(metric, got["breakdown_s"][key], "s") for key, metric in BOOKED]
+            figures.append(("transitions", got["transitions"], "count"))
+            out += [make_row(system=f"unicron-{side}", scenario=SCENARIO,
+                             metric=f"{metric}[{name}]", values=[value], unit=unit)
+                    for metric, value, unit in figures]  # fmt: skip
         if v["waf_diff"] is not None:
             out.append(
                 make_row(
@@ -507,6 +513,30 @@ def rows(cmp: dict[str, Any], totals: dict[str, float], dec: dict[str, Any]) -> 
                     status="derived",
                 )
             )
+    k = cmp["constants"]
+    for metric, value, what in (
+        ("node_detect_s", k["node_detect_s"], "mean, the kill to the epoch without the node"),
+        ("transition_s[mean]", k["transition_s"], "mean cost of an epoch change"),
+        ("join_s[warm]", k["join_s"], "median, a new slot to its worker's epoch, the task "
+                                      "already on the node"),
+        ("join_s[cold]", k["join_cold_s"], "median, the same on a node new to the task"),
+    ):  # fmt: skip
+        if value is not None:
+            out.append(make_row(system="measured", scenario=SCENARIO, metric=metric,
+                                values=[value], unit="s", note=f"planner run: {what}"))  # fmt: skip
+    for name, rates in k["rates_steps_per_s"].items():
+        out += [make_row(system="measured", scenario=SCENARIO, metric=f"steps_per_s[{name}/{n}]",
+                         values=[rate], unit="1/s", note="planner run: at n workers")
+                for n, rate in rates.items()]  # fmt: skip
+    c = cmp["cluster"]
+    for side in ("real", "sim"):
+        out.append(make_row(system=f"unicron-{side}", scenario=SCENARIO,
+                            metric="accumulated_waf[cluster]", values=[c[side]],
+                            unit="weighted steps"))  # fmt: skip
+    if c["real"]:
+        out.append(make_row(system="unicron-sim", scenario=SCENARIO,
+                            metric="sim_over_real[cluster]", values=[c["sim"] / c["real"]],
+                            unit="x", status="derived"))  # fmt: skip
     for p, total in totals.items():
         out.append(
             make_row(

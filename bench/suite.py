@@ -54,6 +54,7 @@ MODULES = {
     "relayout": "bench.relayout",
     "zero": "bench.zero",
     "store": "bench.store",
+    "startup": "bench.startup",
     "transfer": "bench.transfer",
     "checkpoint": "bench.checkpoint",
     "planner": "bench.planner",
@@ -66,7 +67,7 @@ MODULES = {
 CLUSTER = ("cluster-kill", "cluster-load", "cluster-node", "cluster-standby")
 ORDER = (
     "floor", *TRAINING, "reduce", "scale", "llama", "tp", "pipeline", "relayout", "zero", "store",
-    "transfer", "checkpoint", "planner", "simulator", *CLUSTER,
+    "startup", "transfer", "checkpoint", "planner", "simulator", *CLUSTER,
 )  # fmt: skip
 ALONE = frozenset(
     {"scale", "llama", "tp", "pipeline", "relayout", "zero", "transfer", "checkpoint", *CLUSTER}

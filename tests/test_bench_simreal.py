@@ -3,6 +3,7 @@ event log: step rates, detection, transition costs, joins, the planner's decisio
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,3 +89,37 @@ def test_decisions_report_latency_and_transitions_per_hour() -> None:
     d = B.decisions({"t": log()}, 0.0, 20.0)
     assert d["decisions"] == 1 and d["decision_ms_p50"] == d["decision_ms_max"] == 0.8
     assert d["transitions_per_hour"] == pytest.approx(2 * 3600 / 20.0)
+
+
+def test_rows_hold_every_figure_of_the_comparison_a_docs_grid_shows(tmp_path: Path) -> None:
+    """Per task and for the cluster, both sides' WAF, losses and transitions, and the
+    measured constants: the docs' sim-to-real table is a ``+grid`` of them, never typed."""
+    from bench.common import save_scenario
+    from bench.docs import table
+
+    side = {"accumulated_waf": 10.0, "transitions": 2,
+            "breakdown_s": {"detection": 0.5, "transition": 1.0, "sub_healthy": 3.0}}  # fmt: skip
+    cmp = {
+        "tasks": {
+            "light": {"real": side, "sim": {**side, "accumulated_waf": 11.0}, "waf_diff": 0.1}
+        },
+        "cluster": {"real": 10.0, "sim": 11.0},
+        "constants": {
+            "node_detect_s": 0.6,
+            "transition_s": 0.4,
+            "join_s": 0.3,
+            "join_cold_s": None,
+            "rates_steps_per_s": {"light": {"2": 1.5}},
+        },
+    }
+    dec = {"decision_ms_p50": None, "transitions_per_hour": 100.0}
+    rows = B.rows(cmp, {"planner": 10.0}, dec)
+    metrics = {(r["system"], r["metric"]): r["median"] for r in rows}
+    assert metrics[("unicron-sim", "accumulated_waf[light]")] == 11.0
+    assert metrics[("unicron-real", "subhealthy_s[light]")] == 3.0
+    assert metrics[("unicron-sim", "sim_over_real[cluster]")] == pytest.approx(1.1)
+    assert metrics[("measured", "steps_per_s[light/2]")] == 1.5
+    assert ("measured", "join_s[cold]") not in metrics  # never measured: no row, no zero
+    save_scenario(rows, "simreal", tmp_path, replace=True)
+    grid = table("simreal accumulated_waf detection_s transitions +grid", tmp_path)
+    assert "| unicron-real | `accumulated_waf` | 10 " in grid and "| cluster |" in grid
