@@ -68,7 +68,7 @@ typecheck: $(STAMP)
 # inside it can end (a test once SIGSTOPped pytest itself: CI waited out its 90 minutes)
 SUITE_LIMIT_S ?= 1800
 pytest: $(STAMP)
-	timeout --kill-after=30 $(SUITE_LIMIT_S) $(BIN)/pytest -q -m "not long" $(PYTEST_ARGS) \
+	timeout --kill-after=30 $(SUITE_LIMIT_S) $(BIN)/pytest -q -m "not long" --durations=15 $(PYTEST_ARGS) \
 	  || { rc=$$?; [ $$rc -ne 124 ] || echo "the suite ran past $(SUITE_LIMIT_S) s: stopped"; exit $$rc; }
 
 test: lint typecheck pytest

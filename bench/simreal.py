@@ -516,10 +516,10 @@ def rows(cmp: dict[str, Any], totals: dict[str, float], dec: dict[str, Any]) -> 
     k = cmp["constants"]
     for metric, value, what in (
         ("node_detect_s", k["node_detect_s"], "mean, the kill to the epoch without the node"),
-        ("transition_s[mean]", k["transition_s"], "mean cost of an epoch change"),
-        ("join_s[warm]", k["join_s"], "median, a new slot to its worker's epoch, the task "
+        ("transition_mean_s", k["transition_s"], "mean cost of an epoch change"),
+        ("join_warm_s", k["join_s"], "median, a new slot to its worker's epoch, the task "
                                       "already on the node"),
-        ("join_s[cold]", k["join_cold_s"], "median, the same on a node new to the task"),
+        ("join_cold_s", k["join_cold_s"], "median, the same on a node new to the task"),
     ):  # fmt: skip
         if value is not None:
             out.append(make_row(system="measured", scenario=SCENARIO, metric=metric,

@@ -119,7 +119,7 @@ def test_rows_hold_every_figure_of_the_comparison_a_docs_grid_shows(tmp_path: Pa
     assert metrics[("unicron-real", "subhealthy_s[light]")] == 3.0
     assert metrics[("unicron-sim", "sim_over_real[cluster]")] == pytest.approx(1.1)
     assert metrics[("measured", "steps_per_s[light/2]")] == 1.5
-    assert ("measured", "join_s[cold]") not in metrics  # never measured: no row, no zero
+    assert ("measured", "join_cold_s") not in metrics  # never measured: no row, no zero
     save_scenario(rows, "simreal", tmp_path, replace=True)
     grid = table("simreal accumulated_waf detection_s transitions +grid", tmp_path)
     assert "| unicron-real | `accumulated_waf` | 10 " in grid and "| cluster |" in grid

@@ -326,10 +326,11 @@ class TaskBook:
         self.forget(slot)
         self.send(s.node, Spawn(slot, place=self.place(slot)))
 
-    def kill(self, slot: int, verdict: Verdict | None) -> None:
+    def kill(self, slot: int, verdict: Verdict | None, now: float) -> None:
         """Stop the worker in ``slot``; its exit comes back as a failure. Until then it
-        counts as holding no state (:meth:`SlotTable.holders`)."""
-        self.slots[slot].killed = True
+        counts as holding no state (:meth:`SlotTable.holders`), and as a kill under way
+        (:meth:`SlotTable.kills_under_way`)."""
+        self.slots[slot].killed_at = now
         self.send(self.slots[slot].node, Kill(slot, verdict))
 
     def forget(self, slot: int) -> None:

@@ -55,7 +55,7 @@ def worker_failed(b: TaskBook, slot: int, verdict: Verdict, now: float) -> None:
     """The worker process in ``slot`` is gone (its agent already logged the detection)."""
     b.exited = True
     s = b.slots[slot]
-    s.gone()
+    s.ended()
     if s.leaving:  # given back anyway: no healing, the slot is the task's no more
         membership.worker_left(b, slot)
         membership.reform(b, now, f"slot {slot} released")
@@ -120,7 +120,7 @@ def worker_error(
     decision = decide_in_band(b, slot, verdict, now)
     b.action(decision.action, slot, decision.reason, int(decision.severity), now)
     if decision.action is not Action.REATTEMPT:
-        b.kill(slot, verdict)
+        b.kill(slot, verdict, now)
 
 
 def heal_errors(b: TaskBook, now: float) -> None:
@@ -152,7 +152,7 @@ def heal_errors(b: TaskBook, now: float) -> None:
                     reason=f"reattempt after {e.verdict.kind} on slot {slot}",
                 )
             else:  # escalated: restart the process; its exit is handled as a failure
-                b.kill(slot, e.verdict)
+                b.kill(slot, e.verdict, now)
 
 
 def decide_in_band(b: TaskBook, slot: int, verdict: Verdict, now: float) -> Decision:
@@ -220,7 +220,7 @@ def worker_slow(b: TaskBook, slot: int, verdict: Verdict, now: float) -> None:
         b.action(Action.EXCLUDE, slot, f"straggler dropped: {reason}", 1, now)
         b.slots[slot].kept = False
         readmission.exclude(b, slot, now)
-        b.kill(slot, verdict)
+        b.kill(slot, verdict, now)
     else:
         b.action(Action.RECONFIGURE, slot, f"straggler kept: {reason}", 1, now)
 
@@ -268,7 +268,7 @@ def node_lost(
     for s in slots:
         o = b.slots[s]
         o.exclude()
-        o.gone()
+        o.ended()  # with its node: no exit report will come
         b.forget(s)
     b.last_error = decision.reason
     membership.reform(b, now, f"node {node} lost")
@@ -287,7 +287,7 @@ def collective_stuck(b: TaskBook, reason: str, now: float) -> None:
     if decision.action is Action.REATTEMPT:
         membership.announce(b, b.members, urgent=True, now=now, reason=reason)
     else:
-        b.kill(slot, verdict)
+        b.kill(slot, verdict, now)
 
 
 def census(b: TaskBook, node: int, r: Census) -> None:

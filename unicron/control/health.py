@@ -262,13 +262,14 @@ def check_suspect(b: TaskBook, slot: int, now: float) -> None:
     if not (peer or lone):
         return
     last = allowances >= LAST_COPY_HANG_OVERRUN
-    killing = any(k != slot and s.killed and s.alive for k, s in b.slots.items())
-    if (killing or not (idle or lone or last)) and b.cpu.sampling and not b.state_survives(slot):
+    killing = bool(b.slots.kills_under_way(now) - {slot})
+    evident = idle or lone or last
+    if (killing or (b.cpu.sampling and not evident)) and not b.state_survives(slot):
         # the last live copy of the state, and no checkpoint: killing it fails the task, so
-        # where the agents read CPU time only its standing still condemns it, or a far
-        # larger overrun (its other threads may queue for ever: a left epoch's gloo loop),
-        # and never while another worker's kill is under way (its exit ends the collectives
-        # this one may wait in); held, and judged again every tick. Found beside CPU
+        # never while another worker's kill is under way (its exit ends the collectives this
+        # one may wait in), and where the agents read CPU time only its standing still
+        # condemns it, or a far larger overrun (its other threads may queue for ever: a left
+        # epoch's gloo loop); held, and judged again every tick. Found beside CPU
         # burners: a ZeRO rank, main thread still while its other threads queued for a CPU,
         # killed at 2x while its buddy's kill was under way; and two ranks stuck six
         # allowances, both killed in one tick: a share lost, the task failed, each time
@@ -296,7 +297,7 @@ def check_suspect(b: TaskBook, slot: int, now: float) -> None:
         log.warning("slot %d: %s", slot, reason)
     b.detected(slot, step, verdict, now, "monitor", reason=reason)
     if not spare:
-        b.kill(slot, verdict)
+        b.kill(slot, verdict, now)
 
 
 def _overrun(b: TaskBook, slot: int, at: float) -> float:
@@ -415,6 +416,8 @@ def check_stalls(b: TaskBook, now: float) -> None:
             if m in b.slots:
                 b.slots[m].progress = None
         return
+    if b.slots.kills_under_way(now) - set(stall.behind):
+        return  # another worker's kill is under way: its exit may end this wait (next tick)
     verdict = classify_detector("stall")
     for slot in stall.behind:
         o = b.slots[slot]
@@ -423,7 +426,7 @@ def check_stalls(b: TaskBook, now: float) -> None:
         p = o.progress
         b.detected(slot, p.step if p else None, verdict, now, "stall", reason=stall.reason)
         o.progress = None
-        b.kill(slot, verdict)
+        b.kill(slot, verdict, now)
     for m in b.members:  # the waiters' clocks restart: judged once per stall
         p = b.slots.progress_of(m)
         if p is not None and p.epoch == b.epoch:

@@ -197,7 +197,7 @@ def worker_left(b: TaskBook, slot: int) -> None:
     s = b.slots.get(slot)
     if s is None:
         return
-    s.gone()
+    s.ended()
     if s.leaving:
         b.forget(slot)
         b.slots.remove(slot)

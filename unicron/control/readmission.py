@@ -53,7 +53,7 @@ def exclude_node(b: TaskBook, node: int, verdict: Verdict, now: float) -> None:
             exclude(b, slot, now)
         if o.alive and state_elsewhere:
             o.gone()  # doomed: not a member of the next epoch
-            b.kill(slot, verdict)
+            b.kill(slot, verdict, now)
         elif o.alive and slot not in own:
             o.kept = True
 

@@ -95,6 +95,12 @@ _ALIVE = frozenset({_S.STARTING, _S.READY, _S.OUT_STARTING, _S.OUT_READY, _S.LEA
 _IN_PLAN = frozenset({_S.STARTING, _S.READY, _S.DOWN})
 _GIVEN = frozenset({_S.LEAVING, _S.STOPPING, _S.LEFT})
 
+KILL_UNDER_WAY_S = 60.0
+"""how long a kill sent counts as under way, its exit not reported: a kill takes the stacks'
+grace (at most :data:`~unicron.protocol.STACKS_MAX_GRACE_S`, or ``py-spy``'s 30 s) and an
+agent exchange; a lost node's kills end with it. The bound only keeps a lost report (an agent
+restarted with its queue) from holding the judges back for good"""
+
 _order = itertools.count()
 """stamps suspects and pending errors in the order they arose (they are judged in it)"""
 
@@ -152,7 +158,7 @@ class Slot:
     readmitted_at: float | None = None  # when it last came back
     probing: bool = False  # a health probe of it runs
     kept: bool = False  # on an excluded node, running the task's last copies of the state
-    killed: bool = False  # a kill was sent to its worker, whose exit is not in yet
+    killed_at: float | None = None  # when a kill was sent to its worker, whose exit is not in
     record: SlotRecord | None = None  # the escalation's memory of its failures
 
     def to(self, new: SlotState) -> None:
@@ -191,7 +197,7 @@ class Slot:
     def start(self) -> None:
         """A worker is (being) started here (a restart, or a lost node's new agent)."""
         self.to(_S.STARTING)
-        self.killed = False
+        self.killed_at = None
 
     def readied(self) -> None:
         """Its worker reported ready."""
@@ -199,8 +205,15 @@ class Slot:
         moves[_S.EXCLUDED] = _S.OUT_READY
         self.to(moves.get(self.state, self.state))
 
+    def ended(self) -> None:
+        """Its worker's exit is in (its agent reported it, or its node is lost): gone, and no
+        kill of it is under way any more."""
+        self.gone()
+        self.killed_at = None
+
     def gone(self) -> None:
-        """Its worker is gone (or doomed: killed, not a member of the next epoch)."""
+        """Its worker is gone (or doomed: killed, not a member of the next epoch; its kill
+        stays under way, :attr:`killed_at`, until :meth:`ended`)."""
         if self.state in _IN_PLAN:
             self.to(_S.DOWN)
         elif self.state in _GIVEN:
@@ -221,7 +234,7 @@ class Slot:
     def seen(self, *, alive: bool, ready: bool) -> None:
         """An agent's account of its worker (its census after a coordinator's restart)."""
         if not alive:
-            self.gone()
+            self.ended()
         elif ready:
             self.readied()
         else:
@@ -267,6 +280,7 @@ class SlotTable(dict[int, Slot]):
         else:
             s.node, s.state, s.done, s.last_error = node, SlotState.STARTING, None, ""
             s.has_state = s.fresh = True
+            s.killed_at = None  # a new worker: no kill of it under way
         self[slot] = s
         return s
 
@@ -285,7 +299,14 @@ class SlotTable(dict[int, Slot]):
         """The live slots that hold the task's committed state (or will after a sync); a
         worker being killed holds nothing to count on (two peers killed in one breath must
         not each count on the other's copy)."""
-        return [k for k, s in self.items() if s.alive and s.has_state and not s.killed]
+        return [k for k, s in self.items() if s.alive and s.has_state and s.killed_at is None]
+
+    def kills_under_way(self, now: float) -> set[int]:
+        """Slots whose worker was sent a kill whose exit is not in yet (alive or doomed), sent
+        less than :data:`KILL_UNDER_WAY_S` ago: the judges kill no last copy of the state
+        meanwhile (that exit may end its wait)."""
+        return {k for k, s in self.items()
+                if s.killed_at is not None and now - s.killed_at < KILL_UNDER_WAY_S}  # fmt: skip
 
     def on_node(self, node: int) -> list[int]:
         """The slots of ``node``, in slot order."""
