@@ -177,7 +177,8 @@ class PeerLink:
     needer in a larger epoch: a subgroup of the two would cost a new process group (its
     threads, its listening socket, its connection) where the epoch's group has the pair
     already: a first tiny broadcast over a new subgroup took 1.28 ms here, the first
-    operation over a link 0.55 ms, its connection included (docs/benchmarks.md). A gloo
+    operation over a link 0.55 ms, its connection included
+    (`bench/results/transfer-history.md`). A gloo
     point-to-point wait cannot be left in slices (a timed-out wait closes the connection), so
     the link's waiter thread waits for each operation in turn, for as long as the group's
     timeout, and the caller waits for that in slices (:meth:`wait`), leaving a superseded

@@ -348,7 +348,7 @@ def rehearse(timeout_s: float = 5.0) -> bool:
     one thread of this process to another over a gloo group of their own (an in-memory
     store), so that the process's first real transfer does not pay first-use costs: 1-2 ms
     of a 5 MB transfer, measured on this path and not on the Python calls alone
-    (docs/benchmarks.md, State transfer). Called by :func:`warm_up`; takes 20-40 ms. True if
+    (`bench/results/transfer-history.md`). Called by :func:`warm_up`; takes 20-40 ms. True if
     the needer's state arrived intact. A failure is logged, and the process's first transfer
     then pays those costs."""
     import torch.distributed as dist
@@ -564,9 +564,9 @@ def senders(model_bytes: int, holders: list[int], chunk_bytes: int) -> list[int]
     """The holders that send: all of them, or only the first when the model (its state
     dict's ``model_bytes``) fits in one chunk. Such a state is a few chunks, which one sender
     streams in a few milliseconds; a second sender then only adds a process to schedule (at
-    5 MB of state on 2 cores: 7.6 against 6.1 ms, docs/benchmarks.md). Every member decides
-    alike: each has the model (a needer whose model differs is refused once it reads the
-    manifest)."""
+    5 MB of state on 2 cores: 7.6 against 6.1 ms, `bench/results/transfer-history.md`).
+    Every member decides alike: each has the model (a needer whose model differs is refused
+    once it reads the manifest)."""
     return holders[:1] if model_bytes <= chunk_bytes else holders
 
 
@@ -682,7 +682,8 @@ def _links(g: Wire, holders: list[int], needers: list[int]) -> dict[int, tuple[L
     one needer, the pair's link over the epoch's group (:meth:`Wire.peer`, where offered: no
     group of their own to build); else a subgroup. Several holders sending to one needer
     keep a subgroup each: each group's own gloo threads carry a holder's share (at 100 MB,
-    two holders' links over the one epoch group took 71 against 52 ms, docs/benchmarks.md)."""
+    two holders' links over the one epoch group took 71 against 52 ms,
+    `bench/results/transfer-history.md`)."""
     if len(holders) == 1 and g.world == 1 + len(needers):
         return {holders[0]: (g, holders[0])}
     mine = holders if g.rank in needers else [g.rank]
