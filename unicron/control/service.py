@@ -291,7 +291,7 @@ def make_app(
     The agents' two calls (``heartbeat``, ``exchange``: nearly every request of a busy
     cluster) are ``async``: they run on the event loop, not in the thread pool FastAPI gives
     plain functions. Each hop into the pool and back cost more CPU than the call itself
-    (about half of a request's 1.2 ms; docs/benchmarks.md, "The cluster").
+    (about half of a request's 1.2 ms; `bench/results/cluster-history.md`).
     What they call is short and in memory but for a task's events going to SQLite (a local
     commit each) and, on an epoch change, a write to the store (a local process); the other
     endpoints stay in the pool."""
