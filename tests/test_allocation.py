@@ -4,6 +4,7 @@ side of a planned move (``release_slots``, ``add_slot``): pure decisions, no pro
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from unicron.control import replicas
 from unicron.control.allocation import TaskView, decide
@@ -315,18 +316,18 @@ def test_a_shrinking_task_gives_back_its_planned_slots_first_and_the_cluster_can
     a planned rank had no effect, and with a node lost the task fell below its minimum."""
     from unicron.control.planning import cancel_planned
 
-    ranks = {0: 0, 1: 0, -1: 1}  # -1: the task's first queued addition
+    ranks = {0: 0, 1: 0, 2: 1}  # 2: the task's first queued addition (after its 2 placed)
     a = TaskView(name="a", weight=1, min_workers=1, max_workers=6, ranks=ranks, running=True,
-                 microbatches=8, members=frozenset({0}))  # fmt: skip
+                 microbatches=8, members=frozenset({0}), planned=frozenset({2}))  # fmt: skip
     b = view("b", 5, 1, 1, {}, running=False)
     d = decide([a, b], {0: 2, 1: 1}, DAY)  # it gives one back: not real rank 1
     assert moves(d) == {"a": (3, 2), "b": (0, 1)}
     (release,) = (m.release for m in d.moves if m.task == "a")
-    assert release == (-1,)
+    assert release == (2,)
     pending = [("a", 2), ("b", 1), ("a", 0)]
-    assert cancel_planned(pending, "a", release) == [("b", 1), ("a", 0)]
-    assert cancel_planned(pending, "a", (-2, 3)) == [("a", 2), ("b", 1)]
-    assert cancel_planned(pending, "b", (0,)) == pending
+    assert cancel_planned(pending, "a", release, placed=2) == [("b", 1), ("a", 0)]
+    assert cancel_planned(pending, "a", (3, 1), placed=2) == [("a", 2), ("b", 1)]
+    assert cancel_planned(pending, "b", (0,), placed=2) == pending
 
 
 def test_the_slots_a_cluster_could_give_a_task_are_free_or_held_above_a_minimum() -> None:
@@ -353,3 +354,50 @@ def test_the_slots_a_cluster_could_give_a_task_are_free_or_held_above_a_minimum(
     # node 0: 4 - 3 (a) = 1 free; node 1: 4 - 1 (a) - 1 (b) - 1 (c) - 1 (b's excluded) = 0
     assert spare_slots(live, [a, b, c, q]) == {"a": 1, "b": 1 + 2, "c": 1 + 2}
     assert spare_slots(live, [task("run", [0, 0, 0, 0, 1, 1, 1, 1], 8)]) == {"run": 0}
+
+
+def test_planned_ranks_group_as_they_will_once_placed() -> None:
+    """Found in review: the slots queued for a task were numbered before its placed ones
+    (-1, -2, ...), so a replica half placed and half queued grouped with the placed replica
+    that holds the state, and a shrink gave back half of that one. Numbered after the placed
+    ranks, in queue order, the queued ones complete their own replica, which goes first."""
+    ranks = {0: 0, 1: 0, 2: 0, 3: 0, 4: 2, 5: 2, 6: 1, 7: 1}  # 6, 7: queued on node 1
+    a = TaskView(name="a", weight=1, min_workers=4, max_workers=8, ranks=ranks, running=True,
+                 microbatches=8, replica_ranks=4, tp=2, members=frozenset({0, 1, 2, 3}),
+                 planned=frozenset({6, 7}))  # fmt: skip
+    b = view("b", 5, 4, 4, {}, running=False)
+    d = decide([a, b], {0: 4, 1: 2, 2: 2}, DAY)
+    assert moves(d) == {"a": (8, 4), "b": (0, 4)}
+    (release,) = (m.release for m in d.moves if m.task == "a")
+    assert sorted(release) == [4, 5, 6, 7]
+
+
+def test_a_replica_of_several_ranks_is_added_whole_once_all_its_slots_are_free() -> None:
+    """Found in review: the cluster added a planned replica a rank at a time as its nodes
+    freed up, and gave each rank its place at once; a replica split over two ticks was then
+    numbered across two planned replicas (a rank built one stage, its epoch wanted another;
+    two one-node replicas each spanned two nodes). Now a task of several ranks per replica
+    gets all its queued slots in one tick, once every one is free; a task of one rank per
+    replica each as it is free, before queued tasks start."""
+    from types import SimpleNamespace
+
+    from unicron.control.planning import settle
+
+    def task(state: str, ranks: int, running: bool) -> Any:
+        spec = SimpleNamespace(device="cpu", replica_ranks=ranks)
+        return SimpleNamespace(row=SimpleNamespace(state=state), spec=spec,
+                               controller=object() if running else None)  # fmt: skip
+
+    tasks = {"mp": task("running", 4, True), "dp": task("running", 1, True),
+             "q": task("queued", 1, False)}  # fmt: skip
+    pending = [("mp", 1)] * 4 + [("mp", 2)] * 4 + [("dp", 1), ("dp", 2), ("q", 2)]
+    now = settle(pending, {1: 3, 2: 5}, tasks, {})  # node 1 has 3 of mp's 4 free
+    assert now.add == [("dp", 1), ("dp", 2)] and now.start == {"q": [2]}
+    assert now.kept == [("mp", 1)] * 4 + [("mp", 2)] * 4
+    later = settle(now.kept, {1: 4, 2: 4}, tasks, {})
+    assert later.add == now.kept and later.kept == []
+    placement = {r: n for r, n in enumerate([0] * 4 + [n for _, n in later.add])}
+    assert replicas.groups(placement, (2, 2)) == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))
+    gone = settle(pending, {2: 8}, tasks, {2: 0})  # node 1 gone (node 2 without CUDA: cpu)
+    assert all(name != "mp" for name, _ in gone.add + gone.kept)  # no part of a replica
+    assert gone.add == [("dp", 2)] and gone.start == {"q": [2]}

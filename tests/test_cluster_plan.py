@@ -302,3 +302,25 @@ def test_a_replica_no_node_holds_is_placed_and_grown_a_stage_per_node(cluster: C
     assert c is not None
     spawned = {s.slot: s.place for n in (2, 3) for s in c.take_actions(n) if s.fresh}
     assert spawned == {4: 0, 5: 1, 6: 2, 7: 3}
+
+
+def test_the_slots_queued_for_a_task_are_numbered_after_its_placed_ranks(cluster: Cluster) -> None:
+    """As the allocation sees a task, a slot queued for it is the rank it will get once added
+    (after every placed one, in queue order): numbered before them (-1, -2, ...), a replica
+    half queued grouped with the placed one that holds the state (found in review)."""
+    from unicron.control import replicas
+    from unicron.control.planning import plan_view
+
+    now = time.time()
+    cluster.register("n0", 4, "127.0.0.1", "i0", now)
+    llama = str(ROOT / "examples" / "train_llama_parallel.py")
+    spec = TaskSpec.model_validate(
+        {"name": "a", "script": llama, "tp": 2, "pp": 2, "workers": {"min": 4, "max": 8}}
+    )
+    cluster.submit(spec, now)
+    a = cluster.tasks["a"]
+    assert a.row.placement == [0, 0, 0, 0]
+    v = plan_view(a, [1, 1], 1.0)  # two slots queued on node 1
+    assert v is not None and v.ranks == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1}
+    assert v.planned == {4, 5}
+    assert replicas.groups(v.ranks, (2, 2)) == ((0, 1, 2, 3), (4, 5))

@@ -206,3 +206,36 @@ def test_the_probe_passes_here_and_a_device_error_fails_it(
     monkeypatch.setattr(health, "probe", broken)
     assert health_main(["--slot", "0"]) == 1
     assert "uncorrectable ECC error" in capsys.readouterr().out
+
+
+def test_a_node_excluded_says_so_for_each_of_its_slots_and_its_return_too(
+    tmp_path: Path,
+) -> None:
+    """The cluster's planner parks a replica by its excluded ranks (``action`` events, per
+    slot): a node excluded took every slot out of the plan but said so only for the slot
+    whose failure tipped it (found in review: a replica with a rank on that node counted as
+    whole), and its return only for the probed slot."""
+    path = tmp_path / "events.jsonl"
+    c = Coordinator(
+        task="t",
+        slots={s: s // 3 for s in range(6)},
+        events=EventLog(path),
+        escalation=Escalation(EscalationSettings(node_failure_limit=1)),
+        settings=CoordinatorSettings(readmit_after_s=10.0),
+    )
+    agent = FakeAgent(c, node=0)
+    for n in (0, 1):
+        c.attach(n)
+    for s in range(6):
+        c.worker_ready(s, 0.0)
+    c.worker_failed(2, verdict_for_kind("ecc"), 1.0)  # tips node 0 (limit 1)
+    assert all(c.slots[s].excluded for s in (0, 1, 2))
+    excluded = {slot for a, slot, _ in _actions(path) if a == "exclude"}
+    assert excluded == {0, 1, 2}
+    c.tick(11.0)
+    assert agent.probes == [0, 1, 2]
+    c.probe_not_started(1, "no device free", 11.1)  # slot 1 waits for another try
+    c.probe_done(0, True, "cpu: fine", 12.0)  # the node is back, and slot 1 with it
+    c.probe_done(2, True, "cpu: fine", 12.1)  # slot 2's own exclusion (its ecc) ends
+    readmitted = [slot for a, slot, _ in _actions(path) if a == "readmit"]
+    assert sorted(readmitted) == [0, 1, 2] and not any(c.slots[s].excluded for s in (0, 1, 2))

@@ -85,7 +85,8 @@ class TaskView:
     min_workers: int
     max_workers: int
     ranks: dict[int, int]
-    """launch rank -> node of every slot it holds now (empty when queued)"""
+    """launch rank -> node of every slot it holds now (empty when queued), and of the slots
+    queued for it (:attr:`planned`)"""
     running: bool
     """started (its count never drops below its minimum, nor to 0, by a plan)"""
     microbatches: int | None = None
@@ -112,6 +113,9 @@ class TaskView:
     optimizer_copies: int = 1
     """keepers of each share of a sharded optimizer state in the performance model: 2 for a
     task with ``zero: 1`` (:attr:`unicron.planner.PerfOptions.optimizer_copies`)"""
+    planned: frozenset[int] = frozenset()
+    """ranks (in :attr:`ranks`) only planned: slots queued for it, numbered after its placed
+    ranks in the order they will be added, so that they group as they will once placed"""
 
 
 @dataclass(frozen=True)
@@ -358,7 +362,7 @@ def _planned(
 def _worth(t: TaskView, g: tuple[int, ...]) -> tuple[bool, bool]:
     """How much replica ``g`` of ``t`` is worth keeping, least first: whether it is placed
     (not only planned), whether it holds the task's state (is in the current epoch)."""
-    return g[0] >= 0, not t.members.isdisjoint(g)
+    return t.planned.isdisjoint(g), not t.members.isdisjoint(g)
 
 
 def _spared(

@@ -51,6 +51,7 @@ from unicron.control.planning import (
     name_node,
     plan_event,
     replica_places,
+    settle,
     spare_slots,
     task_end,
     task_view,
@@ -373,8 +374,9 @@ class Cluster:
         for m in decision.moves:
             task = self.tasks[m.task]
             why = f"planner on {trigger}: {before} -> {after}"
-            self._pending_adds = cancel_planned(self._pending_adds, m.task, m.release)
-            if real := [r for r in m.release if r >= 0]:
+            placed = len(task.row.placement)
+            self._pending_adds = cancel_planned(self._pending_adds, m.task, m.release, placed)
+            if real := [r for r in m.release if r < placed]:
                 task.leaving.update(real)
                 c = task.controller
                 assert c is not None
@@ -387,52 +389,38 @@ class Cluster:
         return calls
 
     def _settle(self, now: float, calls: list[Callable[[], None]]) -> None:
-        """Carry out the queued additions whose slot is free: a running task gets a new rank
-        there (its coordinator's ``add_slot``, appended to ``calls``); a queued task starts
-        once all its planned slots are free. Called under the cluster lock by every tick."""
+        """Carry out the queued additions whose slots are free (:func:`settle`): a running
+        task gets new ranks there (its coordinator's ``add_slot``, appended to ``calls``); a
+        queued task starts. Called under the cluster lock by every tick."""
         if not self._pending_adds:
             return
         free = {nid: n.slots - self._used(nid) for nid, n in self._nodes.live(now).items()}
-        waiting: dict[str, list[int]] = {}
-        kept: list[tuple[str, int]] = []
-        added: list[tuple[Coordinator, Task, int, int]] = []
-        for name, node in self._pending_adds:
-            task = self.tasks.get(name)
-            if task is None or task.row.state in ENDED or task.row.state == "cancelled":
-                continue
-            if node not in free:
-                continue  # the node went meanwhile: the next plan decides again
-            if task.spec.device == "cuda" and self.nodes[node].gpus == 0:
-                task.refused = (
-                    f"device cuda: node {self.nodes[node].row.name} has no CUDA device; "
-                    "waiting for a node with GPUs"
-                )
-                log.warning("task %s: refused a slot on node %s: no CUDA device", name,
-                            self.nodes[node].row.name)  # fmt: skip
-                continue
-            if task.controller is None or free[node] <= 0:
-                kept.append((name, node))  # waiting: a queued task starts once all are free
-                if task.controller is None:
-                    waiting.setdefault(name, []).append(node)
-                continue
-            free[node] -= 1
-            added.append((task.controller, task, len(task.row.placement), node))
+        done = settle(self._pending_adds, free, self.tasks,
+                      {nid: self.nodes[nid].gpus for nid in free})  # fmt: skip
+        for name, node in done.refused.items():
+            where = self.nodes[node].row.name
+            self.tasks[
+                name
+            ].refused = (
+                f"device cuda: node {where} has no CUDA device; waiting for a node with GPUs"
+            )
+            log.warning("task %s: refused a slot on node %s: no CUDA device", name, where)
+        added: list[tuple[Task, int, int]] = []
+        for name, node in done.add:
+            task = self.tasks[name]
+            added.append((task, len(task.row.placement), node))
             task.row.placement.append(node)
             self.state.save_task(task.row)
-        places = {t.row.name: replica_places(t) for _, t, _, _ in added}  # once all are known
-        for c, t, rank, node in added:
-            place = places[t.row.name][rank]
-            calls.append(functools.partial(c.add_slot, rank, node, now, "planner", place))
-        self._pending_adds = kept
-        for name, nodes in waiting.items():
-            need = {n: nodes.count(n) for n in nodes}
-            if all(free.get(n, 0) >= k for n, k in need.items()):
-                task = self.tasks[name]
-                task.row.placement = sorted(nodes)
-                self._pending_adds = [(m, n) for m, n in self._pending_adds if m != name]
-                for n in nodes:
-                    free[n] -= 1
-                self._start(task, now, adopt=False)
+        places = {t.row.name: replica_places(t) for t, _, _ in added}  # once all are known
+        for t, rank, node in added:
+            assert t.controller is not None
+            place, add = places[t.row.name][rank], t.controller.add_slot
+            calls.append(functools.partial(add, rank, node, now, "planner", place))
+        self._pending_adds = done.kept
+        for name, nodes in done.start.items():
+            task = self.tasks[name]
+            task.row.placement = nodes
+            self._start(task, now, adopt=False)
 
     def _call(self, calls: list[Callable[[], None]]) -> None:
         """Make the planned calls into task coordinators (never under the cluster lock)."""

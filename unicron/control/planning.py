@@ -48,6 +48,7 @@ __all__ = [
     "plan_capacity",
     "plan_event",
     "plan_view",
+    "settle",
     "spare_slots",
     "task_end",
     "task_view",
@@ -125,14 +126,15 @@ def spare_slots(live: Mapping[int, NodeRow], tasks: Iterable[Task]) -> dict[str,
 
 
 def cancel_planned(
-    pending: list[tuple[str, int]], task: str, ranks: Iterable[int]
+    pending: list[tuple[str, int]], task: str, ranks: Iterable[int], placed: int
 ) -> list[tuple[str, int]]:
     """``pending`` (the cluster's queued additions, ``(task, node)``) without those of
-    ``task`` that a plan gives back before they were placed: its planned ranks ``-1 - k``,
-    the k-th queued addition of the task (:func:`plan_view`). Before, such a release was
-    lost (no coordinator holds a planned rank) and the slot came all the same, while a real
-    one had gone (the cluster soak: a task left below its minimum failed)."""
-    drop = {-1 - r for r in ranks if r < 0}
+    ``task`` that a plan gives back before they were placed: its planned ranks ``placed +
+    k``, the k-th queued addition of a task of ``placed`` ranks (:func:`plan_view`). Before,
+    such a release was lost (no coordinator holds a planned rank) and the slot came all the
+    same, while a real one had gone (the cluster soak: a task left below its minimum
+    failed)."""
+    drop = {r - placed for r in ranks if r >= placed}
     out, k = [], 0
     for name, node in pending:
         if name == task:
@@ -140,6 +142,76 @@ def cancel_planned(
             if k - 1 in drop:
                 continue
         out.append((name, node))
+    return out
+
+
+@dataclass
+class Settled:
+    """What one tick carries out of the cluster's queued additions (:func:`settle`)."""
+
+    add: list[tuple[str, int]] = field(default_factory=list)
+    """``(task, node)``: a new rank of a running task, in the order to add them"""
+    start: dict[str, list[int]] = field(default_factory=dict)
+    """a queued task's nodes, every slot planned for it free now: it starts"""
+    kept: list[tuple[str, int]] = field(default_factory=list)
+    """still queued: waiting for a slot to be free"""
+    refused: dict[str, int] = field(default_factory=dict)
+    """a task and a node without the CUDA device it asks for (the addition is dropped: the
+    next plan decides again)"""
+
+
+def settle(
+    pending: list[tuple[str, int]],
+    free: Mapping[int, int],
+    tasks: Mapping[str, Task],
+    gpus: Mapping[int, int | None],
+) -> Settled:
+    """Which of the queued additions ``pending`` (``(task, node)``, in order) the ``free``
+    slots of the live nodes allow now (``gpus``: each node's CUDA devices, None: unknown).
+    Running tasks first: one whose replica is one rank gets each slot as it is free; one of
+    several ranks (tp x pp) gets all its queued slots at once, once every one is free, so
+    that each new rank's place is computed with its whole replica known (added a rank at a
+    time as nodes freed up, a replica's ranks were numbered across two planned replicas and
+    built the wrong stages: found in review); then a queued task starts once all its slots
+    are free. An addition for a task that ended or a node that went is dropped (the next
+    plan decides again), and with it the rest of a task's of several ranks per replica (a
+    part of a replica would be a short group). Pure."""
+    left, out = dict(free), Settled()
+    wanted: dict[str, list[int]] = {}
+    dropped: set[str] = set()
+    for name, node in pending:
+        task = tasks.get(name)
+        if task is None or task.row.state in ENDED or task.row.state == "cancelled":
+            continue
+        if node not in left or (task.spec.device == "cuda" and gpus.get(node) == 0):
+            if node in left:
+                out.refused[name] = node
+            dropped.add(name)
+            continue
+        wanted.setdefault(name, []).append(node)
+    for name in dropped:
+        if tasks[name].spec.replica_ranks > 1:
+            wanted.pop(name, None)
+    order = sorted(wanted, key=lambda name: tasks[name].controller is None)  # running first
+    for name in order:
+        task, nodes = tasks[name], wanted[name]
+        if task.controller is not None and task.spec.replica_ranks == 1:
+            for node in nodes:
+                if left[node] > 0:
+                    left[node] -= 1
+                    out.add.append((name, node))
+                else:
+                    out.kept.append((name, node))
+            continue
+        if any(left[n] < nodes.count(n) for n in set(nodes)):
+            out.kept += [(name, n) for n in nodes]
+            continue
+        for n in nodes:
+            left[n] -= 1
+        if task.controller is None:
+            out.start[name] = sorted(nodes)
+        else:
+            out.add += [(name, n) for n in nodes]
     return out
 
 
@@ -155,8 +227,9 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         for r, n in enumerate(task.row.placement)
         if n >= 0 and r not in task.leaving and r not in task.excluded
     }
+    first = len(task.row.placement)  # queued slots get the next ranks, in queue order
     for k, node in enumerate(planned):
-        ranks[-1 - k] = node
+        ranks[first + k] = node
     c = task.controller
     return A.TaskView(
         name=task.row.name,
@@ -174,6 +247,7 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         parked=parked(task),
         members=frozenset() if c is None else frozenset(c.members),
         optimizer_copies=2 if task.spec.zero else 1,
+        planned=frozenset(range(first, first + len(planned))),
     )
 
 

@@ -51,6 +51,8 @@ def exclude_node(b: TaskBook, node: int, verdict: Verdict, now: float) -> None:
             continue
         if not o.excluded:
             exclude(b, slot, now)
+            # said per slot: the cluster's planner parks a replica by its excluded ranks
+            b.action(Action.EXCLUDE, slot, f"node {node} excluded: {verdict.reason}", 1, now)
         if o.alive and state_elsewhere:
             o.gone()  # doomed: not a member of the next epoch
             b.kill(slot, verdict, now)
@@ -117,6 +119,8 @@ def probe_done(b: TaskBook, slot: int, ok: bool, detail: str, now: float) -> Non
             continue
         if k in own or x.probing or x.leaving:
             continue  # its own exclusion (or probe) stands; or it is another task's
+        if k != slot:  # said per slot, as its exclusion was
+            b.action(Action.READMIT, k, f"node {o.node} readmitted with slot {slot}", 1, now)
         x.readmit()
         x.kept = False
         x.readmitted_at = now
