@@ -33,6 +33,7 @@ from unicron.planner.model import ModelSpec
 from unicron.planner.perf import PerfOptions, fitting_layouts
 from unicron.planner.solver import expected_time_to_failure_s
 from unicron.protocol import EpochInfo, WorkerSettings
+from unicron.runtime import inject
 
 __all__ = [
     "TRANSITIONS_KEPT",
@@ -81,6 +82,9 @@ class Task:
     held_back: str = ""  # why the planner gives a queued task no slot (no layout fits)
     transitions: deque[float] = field(default_factory=lambda: deque(maxlen=TRANSITIONS_KEPT))
     """its recent transitions' durations (rank 0's ``transition_end``), seconds"""
+    fired: set[str] = field(default_factory=set)
+    """the injected faults that fired (``fault_injected``): left out of a later assignment,
+    so that an agent started again (a node back) does not fire them again"""
 
 
 # -- the planner's view ----------------------------------------------------------------------
@@ -371,7 +375,10 @@ def assignment(
     task: Task, nid: int, store: str, store_secret: bytes, checkpoint: Path | None
 ) -> Assignment:
     """What node ``nid``'s agent needs to run its part of ``task``, the training ``store``'s
-    address and the task's capability there under ``store_secret`` among it."""
+    address and the task's capability there under ``store_secret`` among it. The faults to
+    inject leave out those that fired (:attr:`Task.fired`): an agent started again, on a node
+    back, must not fire them twice (a fault that waits for ``members`` would: found in
+    review)."""
     spec = task.spec
     settings = WorkerSettings(
         reduce=spec.reduce,
@@ -397,7 +404,7 @@ def assignment(
         places=tuple(places[r] for r in mine),
         script=spec.script,
         args=tuple(spec.args),
-        inject=tuple(spec.inject),
+        inject=tuple(f for f in spec.inject if inject.parse(f).spec not in task.fired),
         threads=spec.threads,
         store=store,
         store_key=capability(store_secret, task.row.uid),
@@ -458,6 +465,9 @@ def fold(task: Task, e: dict[str, Any], nodes: Mapping[int, Node]) -> tuple[bool
         row.committed_step = max(row.committed_step, int(e["step"]))
     elif kind == "transition_end" and e.get("rank") == 0 and "duration_s" in e:
         task.transitions.append(float(e["duration_s"]))
+        changed = False
+    elif kind == "fault_injected" and "spec" in e:
+        task.fired.add(str(e["spec"]))
         changed = False
     elif kind == "error_detected":
         row.last_fault = f"{e.get('kind')} (SEV{e.get('severity')}) on {where(task, nodes, e)}"
