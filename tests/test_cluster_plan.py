@@ -276,6 +276,16 @@ def test_a_node_declared_lost_is_fenced_until_it_registers_again(cluster: Cluste
     assert cluster.heartbeat("n0", "i1", late + 2)  # its task's assignment again
 
 
+def _submit_3d(cluster: Cluster, now: float) -> Any:
+    """Task ``a``: the Llama example at TP=2 x PP=2, 4 to 8 workers."""
+    llama = str(ROOT / "examples" / "train_llama_parallel.py")
+    spec = TaskSpec.model_validate(
+        {"name": "a", "script": llama, "tp": 2, "pp": 2, "workers": {"min": 4, "max": 8}}
+    )
+    cluster.submit(spec, now)
+    return cluster.tasks["a"]
+
+
 def test_a_replica_no_node_holds_is_placed_and_grown_a_stage_per_node(cluster: Cluster) -> None:
     """TP=2 x PP=2 on nodes of two slots: each replica's stages on two nodes; each agent is
     told its slots' places (the assignment, then the coordinator's spawns of slots added
@@ -285,12 +295,7 @@ def test_a_replica_no_node_holds_is_placed_and_grown_a_stage_per_node(cluster: C
     now = time.time()
     for k in range(2):
         cluster.register(f"n{k}", 2, "127.0.0.1", f"i{k}", now)
-    llama = str(ROOT / "examples" / "train_llama_parallel.py")
-    spec = TaskSpec.model_validate(
-        {"name": "a", "script": llama, "tp": 2, "pp": 2, "workers": {"min": 4, "max": 8}}
-    )
-    cluster.submit(spec, now)
-    a = cluster.tasks["a"]
+    a = _submit_3d(cluster, now)
     assert a.row.placement == [0, 0, 1, 1]
     told = [assignment(a, n, "127.0.0.1:1", b"k" * 32, None) for n in (0, 1)]
     assert [(x.slots, x.places) for x in told] == [((0, 1), (0, 1)), ((2, 3), (2, 3))]
@@ -313,12 +318,7 @@ def test_the_slots_queued_for_a_task_are_numbered_after_its_placed_ranks(cluster
 
     now = time.time()
     cluster.register("n0", 4, "127.0.0.1", "i0", now)
-    llama = str(ROOT / "examples" / "train_llama_parallel.py")
-    spec = TaskSpec.model_validate(
-        {"name": "a", "script": llama, "tp": 2, "pp": 2, "workers": {"min": 4, "max": 8}}
-    )
-    cluster.submit(spec, now)
-    a = cluster.tasks["a"]
+    a = _submit_3d(cluster, now)
     assert a.row.placement == [0, 0, 0, 0]
     v = plan_view(a, [1, 1], 1.0)  # two slots queued on node 1
     assert v is not None and v.ranks == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1}

@@ -115,13 +115,19 @@ def test_an_in_band_error_of_an_older_epoch_is_healed_by_the_newer_one(tmp_path:
     assert c.epoch == 2 and [e["action"] for e in k.events("action")] == ["restart"]
 
 
+def _slot_2_never_enters(k: Cluster) -> float:
+    """Slot 3 lost after 10 steps: epoch 2 of 0, 1, 2, which slot 2 never enters."""
+    t = k.steps(10, 0.0)
+    k.c.worker_failed(3, verdict_for_kind("killed"), t)
+    for m in (0, 1):
+        k.c.epoch_entered(m, 2, t + 0.01)
+    return t
+
+
 def test_a_member_that_never_enters_the_epoch_is_killed_as_stalled(tmp_path: Path) -> None:
     k = Cluster(tmp_path)
     c = k.c
-    t = k.steps(10, 0.0)
-    c.worker_failed(3, verdict_for_kind("killed"), t)  # epoch 2 of 0, 1, 2
-    for m in (0, 1):
-        c.epoch_entered(m, 2, t + 0.01)
+    t = _slot_2_never_enters(k)
     deadline = c.stall_deadline()
     assert deadline == c.settings.stall_floor_s + c.state_bytes / 50e6
     c.tick(t + 0.01 + deadline * 0.9)
@@ -599,10 +605,7 @@ def test_a_stall_is_not_acted_on_while_another_kill_is_under_way(tmp_path: Path)
     :data:`KILL_UNDER_WAY_S`."""
     k = Cluster(tmp_path)
     c = k.c
-    t = k.steps(10, 0.0)
-    c.worker_failed(3, verdict_for_kind("killed"), t)  # epoch 2 of 0, 1, 2
-    for m in (0, 1):
-        c.epoch_entered(m, 2, t + 0.01)
+    t = _slot_2_never_enters(k)
     c.book.kill(0, verdict_for_kind("hang"), t + 0.01)  # its exit not in yet
     deadline = c.stall_deadline()
     c.tick(t + 0.02 + deadline)
