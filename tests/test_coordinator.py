@@ -313,7 +313,12 @@ def test_failures_on_a_node_that_holds_the_last_copies_restart_in_place(tmp_path
     assert 0 in c.escalation.excluded_nodes() and not c.escalation.excluded_slots()
     assert c.members == (3, 0, 1, 2)  # the failure that tipped the node: restarted in place
     assert [a.slot for a in k.actions(Spawn)] == [0, 1, 2]
-    assert [e["action"] for e in k.events("action")][-2:] == ["exclude", "restart"]
+    assert [e["action"] for e in k.events("action")][-2:] == ["readmit", "restart"]
+    said: set[int] = set()  # what the cluster's planner reads of it: per slot, in order
+    for e in k.events("action"):
+        if e["action"] in ("exclude", "readmit"):
+            said = said | {e["slot"]} if e["action"] == "exclude" else said - {e["slot"]}
+    assert said == {s for s, o in c.slots.items() if o.excluded} == {0, 1, 3}
     t = k.steps(2, t + 3.0)  # the restarted workers took the state and computed with it
     for slot, kind in [(1, "oom"), (3, "nccl"), (0, "user"), (2, "segfault")]:
         c.worker_failed(slot, verdict_for_kind(kind), t)

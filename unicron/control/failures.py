@@ -80,8 +80,11 @@ def worker_failed(b: TaskBook, slot: int, verdict: Verdict, now: float) -> None:
     in_place = (kept and not excluded) or (tipped and state_only_on(b, s.node, slot))
     if excluded and not in_place:
         readmission.exclude(b, slot, now)
+    out_before = s.excluded
     if decision.exclude_node or (verdict.scope is Scope.NODE and decision.action is Action.EXCLUDE):
         readmission.exclude_node(b, s.node, verdict, now)
+    if in_place and s.excluded and not out_before:  # its node's exclusion said it was out
+        b.action(Action.READMIT, slot, f"slot {slot}: restarted in place", 1, now)
     if in_place:
         # restarted in place (kept): in the plan, to take the state from its
         # neighbours when it joins
