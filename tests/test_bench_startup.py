@@ -11,6 +11,7 @@ from bench import startup
 
 
 @pytest.mark.e2e
+@pytest.mark.long  # ~7 s: every e2e test starts its workers from a zygote anyway
 @pytest.mark.timeout(120)
 def test_a_worker_starts_from_the_zygote_and_fresh(tmp_path: Path) -> None:
     got = startup.starts(1, tmp_path)
