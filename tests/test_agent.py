@@ -255,6 +255,12 @@ def test_a_hung_worker_is_killed_once_its_stacks_reached_its_log(tmp_path: Path)
         time.sleep(0.1)  # the kernel marks it stopped
         dumps.asked(stopped.pid, silent, 200.0)
         assert dumps.due(200.0 + P.STACKS_GRACE_S) == [stopped.pid]  # no stacks will come
+        # what the kernel says of each of its threads is in the log instead (a process in
+        # uninterruptible sleep, or not scheduled in time, writes no stacks either)
+        view = silent.read_text().split("the kernel's view of each thread, at the kill:\n")
+        assert len(view) == 3  # the two kills above, this one
+        first = view[-1].splitlines()[0].split()
+        assert first[0] == str(stopped.pid) and first[2] == "T" and "syscall=" in view[-1]
     finally:
         stopped.kill()
         stopped.wait()

@@ -25,6 +25,7 @@ draw raises :class:`IllegalTransition`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -63,7 +64,7 @@ from unicron.control.workerstate import (
     Worker,
     WorkerState,
 )
-from unicron.detect.busy import process_state, read_thread_clocks
+from unicron.detect.busy import process_state, read_thread_clocks, thread_states
 from unicron.detect.classify import Verdict, classify_message
 from unicron.messages import Kill, Probe, Reply, Spawn
 from unicron.runtime.inject import Fault
@@ -138,12 +139,20 @@ class StackDumps:
                 if dumping:
                     spy.kill()
                     spy.wait()
+            _append(log_file, ["unicron: the kernel's view of each thread, at the kill:",
+                               *thread_states(pid)])  # fmt: skip
             del self.look_at[pid], self._logs[pid]
             out.append(pid)
         return out
 
     def waits(self, now: float) -> list[float]:
         return [at - now for at in self.look_at.values()]
+
+
+def _append(log_file: Path, lines: list[str]) -> None:
+    """Append ``lines`` to a worker's log (nothing where it cannot be written)."""
+    with contextlib.suppress(OSError), open(log_file, "a") as out:
+        out.write("\n" + "\n".join(lines) + "\n")
 
 
 def native_stacks(pid: int, log_file: Path) -> subprocess.Popen[bytes] | None:

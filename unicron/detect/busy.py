@@ -319,3 +319,35 @@ def read_cpu_s(pid: int, ticks_per_s: float, tid: int | None = None) -> float | 
         return None if fields is None else (int(fields[11]) + int(fields[12])) / ticks_per_s
     except (IndexError, ValueError):  # utime, stime: fields 14 and 15
         return None
+
+
+def thread_states(pid: int) -> list[str]:
+    """One line per thread of process ``pid`` as the kernel sees it: its id, name, state
+    letter, the kernel function it sleeps in (``wchan``), its CPU time and its run-queue wait
+    (``schedstat``), and the system call it is in (``syscall``: its number first, ``running``
+    when it is on a CPU). What a hung worker was doing where its own stack dump cannot say: a
+    process in uninterruptible sleep (``D``), or one not scheduled in time, writes no stacks
+    (found beside CPU burners: ranks killed as hung left empty logs). The agent appends it to
+    the worker's log before the kill; empty where ``/proc`` cannot be read."""
+    out: list[str] = []
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError:
+        return out
+    for tid in tids:
+        base = f"/proc/{pid}/task/{tid}"
+        stat = _stat_fields(f"{base}/stat")
+        state = stat[0].decode() if stat else "?"
+        wchan, sched, call = (_read(f"{base}/{name}") for name in ("wchan", "schedstat", "syscall"))
+        out.append(f"{tid} {_read(base + '/comm')} {state} wchan={wchan or '0'} "
+                   f"schedstat={sched} syscall={call}")  # fmt: skip
+    return out
+
+
+def _read(path: str) -> str:
+    """A small ``/proc`` file's text, stripped; ``""`` where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(256).decode(errors="replace").strip()
+    except OSError:
+        return ""
