@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Callable
@@ -64,22 +63,22 @@ def _run_group(
     """Run ``body(group)`` on ``world`` members of epoch 1 in threads; results by rank. With
     ``supersede``, a newer urgent epoch is announced 0.5 s after every member has met.
 
-    Every member's group lives until all members are done, as a worker's does: a group freed
-    when its thread ends closes its connections, and a member still connecting to it (slow
-    on a loaded machine) failed with "Connection closed by peer"."""
+    Every member's group is built before any body runs: a body that returns at once ends its
+    thread and frees its group, which closed the connections a slower member was still
+    making in its constructor (on a loaded machine: "Connection closed by peer")."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     _announce(master, 1, world)
     results: list[Any] = [None] * world
-    groups: list[EpochGroup] = []
+    built = threading.Barrier(world)
     met = threading.Semaphore(0)
 
     def member(rank: int) -> None:
         store = dist.TCPStore("127.0.0.1", master.port, is_master=False)
         watch = EpochWatch(store, "t")
         g = EpochGroup(store, watch, watch.info(1), rank, slice_s=0.05, timeout_s=30.0)
-        groups.append(g)
         try:
             g.rendezvous()
+            built.wait(timeout=30)
             met.release()
             results[rank] = body(g)
         except Exception as exc:  # reported to the test, not lost in the thread
@@ -95,8 +94,6 @@ def _run_group(
         _announce(master, 2, world, urgent=True)
     for t in threads:
         t.join(timeout=60)
-    groups.clear()
-    gc.collect()  # the groups' connections close now, ending a peer's wait on them
     return results
 
 
