@@ -398,10 +398,8 @@ class Cluster:
         done = settle(self._pending_adds, free, self.tasks,
                       {nid: self.nodes[nid].gpus for nid in free})  # fmt: skip
         for name, node in done.refused.items():
-            where = self.nodes[node].row.name
-            self.tasks[
-                name
-            ].refused = (
+            where, task = self.nodes[node].row.name, self.tasks[name]
+            task.refused = (
                 f"device cuda: node {where} has no CUDA device; waiting for a node with GPUs"
             )
             log.warning("task %s: refused a slot on node %s: no CUDA device", name, where)
