@@ -22,7 +22,8 @@ Needs a machine with CUDA (exits 2 without one). It runs, with ``unicron run --d
    place of the live replica, and the final loss close to the fault-free one (whether the
    parameters are bitwise equal too is printed, not checked); then the same with the
    tensor parallelism of PyTorch's DTensor (``--tp-api dtensor``, :mod:`unicron.dtensor`,
-   a mesh of device type ``cuda``);
+   a mesh of device type ``cuda``), and with DTensor and each stage a torch ``PipelineStage``
+   (``--pp-api torch``, :mod:`unicron.pipelining`);
 5. a change of the tensor-parallel degree: TP=2 x DP=2 on four slots with ``--tp-choices 1``
    losing slot 1 to an ECC error (excluded): the task goes on at TP=1 x DP=3 on the other
    three, the split weights' slices and their AdamW moments joined on the GPU
@@ -115,22 +116,27 @@ def _close(a: Any, b: Any) -> bool:
     return a is not None and b is not None and abs(a - b) <= 0.05 * abs(a)
 
 
-def _model_parallel(work: Path, gpus: int, check: Checks, api: str = "unicron") -> str | None:
+def _model_parallel(
+    work: Path, gpus: int, check: Checks, api: str = "unicron", pp_api: str = "unicron"
+) -> str | None:
     """Section 4 of the module's docstring: TP=2 x PP=2 x DP=2 on CUDA, two ranks lost;
     ``api``: the example's ``--tp-api`` (``dtensor``: PyTorch's tensor parallelism, a DTensor
-    mesh of device type ``cuda``). Returns the fault-free run's parameters' digest."""
+    mesh of device type ``cuda``); ``pp_api``: its ``--pp-api`` (``torch``: each stage a torch
+    ``PipelineStage``). Returns the fault-free run's parameters' digest."""
     nproc, steps = 8, 12
     layout = ("--tp", "2", "--pp", "2")
     script = ROOT / "examples" / "train_llama_parallel.py"
     faults = [f"crash:rank=2,step={steps // 3},mb=1", f"crash:rank=5,step={steps * 2 // 3}"]
     backend = "nccl" if gpus >= nproc else f"gloo ({nproc} slots share {gpus} GPU(s))"
-    print(f"model-parallel ({api} TP): TP=2 x PP=2 x DP=2 on {nproc} slots, backend {backend}")
-    args = ["--steps", str(steps), "--tp-api", api]
-    clean_p, clean = _unicron(work / f"mp-{api}-clean", nproc, script, args, [], layout)
-    healed_p, healed = _unicron(work / f"mp-{api}-healed", nproc, script, args, faults, layout)
-    check(clean_p.returncode == 0, f"model-parallel ({api} TP) fault-free CUDA run finished",
+    label = f"{api} TP" + ("" if pp_api == "unicron" else f", {pp_api} PP")
+    print(f"model-parallel ({label}): TP=2 x PP=2 x DP=2 on {nproc} slots, backend {backend}")
+    args = ["--steps", str(steps), "--tp-api", api, "--pp-api", pp_api]
+    name = f"mp-{api}" + ("" if pp_api == "unicron" else f"-{pp_api}")
+    clean_p, clean = _unicron(work / f"{name}-clean", nproc, script, args, [], layout)
+    healed_p, healed = _unicron(work / f"{name}-healed", nproc, script, args, faults, layout)
+    check(clean_p.returncode == 0, f"model-parallel ({label}) fault-free CUDA run finished",
           clean_p.stderr[-300:])  # fmt: skip
-    check(healed_p.returncode == 0, f"model-parallel ({api} TP) faulty CUDA run finished "
+    check(healed_p.returncode == 0, f"model-parallel ({label}) faulty CUDA run finished "
           f"({', '.join(faults)})", healed_p.stderr[-300:])  # fmt: skip
     committed = sorted(e["step"] for e in healed if e["event"] == "step_end")
     check(committed == list(range(steps)), f"all {steps} steps committed once",
@@ -154,7 +160,7 @@ def _model_parallel(work: Path, gpus: int, check: Checks, api: str = "unicron") 
     check(_close(a, b), "model-parallel final loss within 5% of the fault-free one",
           f"{a} vs {b}")  # fmt: skip
     sha = [end[-1].get("params_sha256") if end else None for end in ends]
-    print(f"note: model-parallel ({api} TP) parameters bitwise equal to the fault-free run: "
+    print(f"note: model-parallel ({label}) parameters bitwise equal to the fault-free run: "
           f"{sha[0] is not None and sha[0] == sha[1]}")  # fmt: skip
     return sha[0]
 
@@ -216,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         dtensor = _model_parallel(work, gpus, check, "dtensor")
         print(f"note: the DTensor-split fault-free run has the hand-written layers' bits: "
               f"{hand is not None and hand == dtensor}")  # fmt: skip
+        torch_pp = _model_parallel(work, gpus, check, "dtensor", "torch")
+        print(f"note: the fault-free run with torch's PipelineStage has the hand-written "
+              f"stages' bits: {hand is not None and hand == torch_pp}")  # fmt: skip
     if 5 in only:
         _tp_change(work, gpus, check)
     print(f"logs: {work}")

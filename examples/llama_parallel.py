@@ -14,7 +14,9 @@ Trained on the byte corpus of ``gpt.py``.
 blocks are built of whole ``nn.Linear`` layers and split by ``parallelize_module``'s
 ``ColwiseParallel`` / ``RowwiseParallel`` plan (:func:`plan`, through
 :func:`unicron.dtensor.parallelize`). Both draw the same numbers and make the same sums, so
-both train to the same bits.
+both train to the same bits. ``torch_stage=True`` builds a stage for PyTorch's own
+``PipelineStage`` (:func:`stage`): it takes the previous stage's output and returns its own,
+where the default stage receives and sends through :mod:`unicron.parallel`.
 """
 
 from __future__ import annotations
@@ -165,6 +167,7 @@ class Llama(nn.Module):
         tp: TensorParallel,
         pp: PipelineParallel | None = None,
         dtensor: bool = False,
+        torch_stage: bool = False,
     ) -> None:
         super().__init__()
         stages = 1 if pp is None else pp.stages
@@ -172,6 +175,7 @@ class Llama(nn.Module):
         if why is not None:
             raise ValueError(why)
         self.cfg, self.pp = cfg, pp
+        self.torch_stage = torch_stage  # a stage of torch's PipelineStage: plain in and out
         # every rank draws the whole model (the same RNG stream), then keeps its stage's part
         tok = nn.Embedding(cfg.vocab, cfg.dim)
         blocks = [Block(cfg, tp, dtensor) for _ in range(cfg.layers)]
@@ -195,15 +199,21 @@ class Llama(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """The logits (the last stage), or the micro-batch's loss as the other stages know
-        it (a scalar that the backward pass starts from)."""
+        it (a scalar that the backward pass starts from). A stage of torch's
+        ``PipelineStage`` (``torch_stage``) takes the previous stage's output as ``idx`` and
+        returns its own: the ``PipelineStage`` moves them."""
         if self.tok is not None:
             x = self.tok(idx)
+        elif self.torch_stage:
+            x = idx
         else:  # a later stage: the previous stage's output
             assert self.pp is not None
             x = self.pp.receive((*idx.shape, self.cfg.dim))
         for block in self.blocks.values():
             x = block(x, self.cos, self.sin)
         if self.head is None or self.norm is None:
+            if self.torch_stage:
+                return x
             assert self.pp is not None
             return self.pp.send(x)
         return self.head(self.norm(x))
@@ -225,11 +235,34 @@ def build(
     cfg: LlamaConfig | None = None,
     pp: PipelineParallel | None = None,
     dtensor: bool = False,
+    torch_stage: bool = False,
 ) -> tuple[Llama, torch.optim.Optimizer, ByteDataset]:
     """This rank's shard of the model (seeded: every rank draws the same whole weights), its
-    AdamW optimizer and the dataset; ``dtensor``: split by PyTorch's tensor parallel API."""
+    AdamW optimizer and the dataset; ``dtensor``: split by PyTorch's tensor parallel API;
+    ``torch_stage``: a stage for torch's ``PipelineStage`` (:func:`stage`)."""
     cfg = cfg or LlamaConfig()
     torch.manual_seed(seed)
-    model = Llama(cfg, tp, pp, dtensor)
+    model = Llama(cfg, tp, pp, dtensor, torch_stage)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     return model, opt, ByteDataset(make_corpus(), cfg.seq_len)
+
+
+def logits_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy from the last stage's logits (torch's schedules' form)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def stage(model: Llama, micro_batch_size: int) -> Any:
+    """``model`` (built with ``torch_stage=True``) as torch's ``PipelineStage`` of its slot,
+    driven by Unicron (:class:`unicron.pipelining.Stage`): the shapes a stage takes and gives."""
+    import unicron.pipelining  # torch's pipelining: imported when used
+
+    cfg, pp = model.cfg, model.pp
+    tokens = torch.zeros(micro_batch_size, cfg.seq_len, dtype=torch.long)
+    hidden = torch.zeros(micro_batch_size, cfg.seq_len, cfg.dim)
+    logits = torch.zeros(micro_batch_size, cfg.seq_len, cfg.vocab)
+    first, last = pp is None or pp.first, pp is None or pp.last
+    return unicron.pipelining.Stage(
+        model, loss_fn=logits_loss, example_input=tokens if first else hidden,
+        example_output=logits if last else hidden,
+    )  # fmt: skip

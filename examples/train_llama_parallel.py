@@ -11,7 +11,10 @@ Each replica is ``--tp`` x ``--pp`` ranks of one node: ``--pp`` pipeline stages 
 share of the layers, each stage ``--tp`` ranks holding their shard of its attention heads and
 MLP units; replicas are data parallel. The model code is plain PyTorch with
 ``unicron.parallel``'s parts, or (``--tp-api dtensor``) with PyTorch's own tensor parallel
-API (``parallelize_module`` over DTensor); the loop is ``unicron.worker.train``.
+API (``parallelize_module`` over DTensor); each pipeline stage receives and sends through
+``unicron.parallel``, or (``--pp-api torch``) is PyTorch's own ``PipelineStage``
+(``torch.distributed.pipelining``, :mod:`unicron.pipelining`); the loop is
+``unicron.worker.train``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ def main() -> None:
     p.add_argument("--tp-api", choices=("unicron", "dtensor"), default="unicron",
                    help="split the blocks with unicron.parallel's layers (default) or PyTorch's "
                    "DTensor tensor parallelism (parallelize_module)")  # fmt: skip
+    p.add_argument("--pp-api", choices=("unicron", "torch"), default="unicron",
+                   help="run each pipeline stage with unicron.parallel's send and receive "
+                   "(default) or as PyTorch's PipelineStage (torch.distributed."
+                   "pipelining)")  # fmt: skip
     p.add_argument("--schedule", choices=unicron.parallel.SCHEDULES, default="1f1b",
                    help="a pipeline's order of the micro-batches: 1F1B (default: the stages "
                    "overlap, a stage holds at most the activations of as many micro-batches "
@@ -64,9 +71,12 @@ def main() -> None:
             "--tp-api dtensor with --tp-choices: the DeviceMesh keeps one tensor-parallel "
             "degree for the process's life (use unicron.parallel's layers to change it)"
         )
-    model, optimizer, dataset = llama_parallel.build(tp, seed=args.seed, cfg=cfg, pp=pp,
-                                                     dtensor=dtensor)  # fmt: skip
+    torch_stage = args.pp_api == "torch"
+    model, optimizer, dataset = llama_parallel.build(
+        tp, seed=args.seed, cfg=cfg, pp=pp, dtensor=dtensor, torch_stage=torch_stage
+    )
     model.train()
+    stage = llama_parallel.stage(model, args.micro_batch_size) if torch_stage else None
 
     def rebuild(
         tp: unicron.parallel.TensorParallel, pp: unicron.parallel.PipelineParallel
@@ -80,14 +90,15 @@ def main() -> None:
     result = unicron.worker.train(
         model=model,
         optimizer=optimizer,
-        loss_fn=llama_parallel.loss_fn,
+        loss_fn=None if torch_stage else llama_parallel.loss_fn,
+        stage=stage,
         dataset=dataset,
         micro_batch_size=args.micro_batch_size,
         num_microbatches=args.microbatches,
         steps=args.steps,
         seed=args.seed,
         out=args.out,
-        rebuild=rebuild,
+        rebuild=None if torch_stage else rebuild,
         schedule=args.schedule,
     )
     if result is not None and result.rank == 0:

@@ -179,7 +179,9 @@ def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run:
     restarted). The faulty run computes in GPipe's order (asked for: every forward pass,
     then every backward pass; the stages overlap), the fault-free one a micro-batch at a time
     through the stages and back: the same bits (each micro-batch's gradient is reduced on its
-    own)."""
+    own). A second faulty run has each stage as PyTorch's own ``PipelineStage``
+    (``--pp-api torch``, :mod:`unicron.pipelining`) in 1F1B's order: the same healing, the
+    same bits."""
     layout = ("--nproc-per-node", "6", "--pp", "3")
     script_args = ("--layers", "3")
     clean = run(
@@ -197,6 +199,35 @@ def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run:
     _same(clean, faulty, 10)
     restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
     assert restarted == [1, 4]
+    torch_stages = run(
+        *layout, "--inject", "crash:rank=1,step=3,mb=1", "--inject", "hang:rank=4,step=6,members=6",
+        script=SCRIPT,
+        script_args=("--steps", "10", "--out", "out", *script_args, "--pp-api", "torch"),
+    )  # fmt: skip
+    _same(clean, torch_stages, 10)
+    restarted = sorted(e["slot"] for e in torch_stages.of("action") if e["action"] == "restart")
+    assert restarted == [1, 4]
+    partial = [e for e in torch_stages.of("transition_end") if e.get("microbatches_reused")]
+    assert partial  # the live replica's finished micro-batches were kept
+
+
+@pytest.mark.long
+def test_a_3d_replica_in_pytorchs_own_apis_heals_to_the_hand_written_bits(run: Any) -> None:
+    """TP=2 x PP=2 x DP=2 with PyTorch's tensor parallelism (DTensor, ``--tp-api dtensor``)
+    inside each stage and PyTorch's ``PipelineStage`` for the stages (``--pp-api torch``):
+    rank 2 (stage 1, rank 0 of its tensor-parallel group) lost mid-step, then rank 5 (stage 0
+    of replica 1); it ends with the bits of the fault-free run of ``unicron.parallel``'s
+    layers and stages."""
+    layout = ("--nproc-per-node", "8", "--tp", "2", "--pp", "2")
+    clean = _tp(run, *layout, steps=10)
+    faulty = run(
+        *layout, "--inject", "crash:rank=2,step=3,mb=1", "--inject", "crash:rank=5,step=6",
+        script=SCRIPT,
+        script_args=("--steps", "10", "--out", "out", "--tp-api", "dtensor", "--pp-api", "torch"),
+    )  # fmt: skip
+    _same(clean, faulty, 10)
+    restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
+    assert restarted == [2, 5]
 
 
 def test_a_layout_change_8_6_8_keeps_the_fault_free_bits(run: Any) -> None:
@@ -422,6 +453,18 @@ def test_a_bad_layout_gets_one_line_and_exit_2(
     r = _tp(run, *flags, steps=2)
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_torchs_pipeline_stage_at_another_depth_is_refused_with_one_line(run: Any) -> None:
+    """A torch ``PipelineStage`` keeps its index and the pipeline's depth for the process's
+    life: ``--pp-choices`` with ``--pp-api torch`` is bad input (one line, exit 2)."""
+    r = run(
+        "--nproc-per-node", "4", "--pp", "2", "--pp-choices", "1",
+        script=SCRIPT, script_args=("--steps", "2", "--pp-api", "torch"),
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--pp-choices with torch's PipelineStage" in r.stderr
     assert "Traceback" not in r.stderr
 
 

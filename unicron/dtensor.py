@@ -23,7 +23,7 @@ Two things make a DTensor model live through membership changes without being re
   their end, and the worker drops the attempt (the hand-written layers' contract). c10d
   finds the group by name, and ``DeviceMesh`` needs a default process group to number its
   ranks: each worker makes one that never communicates (PyTorch's ``fake`` backend, a world
-  of the replica's ``tp`` ranks, this slot's tensor-parallel rank), once, in
+  of the replica's ranks numbered by place, :func:`replica_world`), once, in
   :func:`device_mesh`. The runtime's own groups do not use it.
 - **The state stays plain tensors.** :func:`parallelize` applies the plan with
   ``parallelize_module`` (each rank keeps its slice of the weights it drew whole, as the
@@ -37,9 +37,9 @@ Bits: for ``tp`` 2 a split layer sums two partial results (one addition, which c
 the hand-written layers do, so the exact reduce's guarantee holds (tested end to end:
 ``tests/test_model_parallel_e2e.py``). ``tp`` 1: :func:`parallelize` leaves the module as it
 is. Supported collectives: the sum (all-reduce), all-gather, broadcast and reduce-scatter
-(a sum's slice); other reductions are refused with a one-line error. What is not here: a
-pipeline from ``torch.distributed.pipelining`` (use :class:`unicron.parallel.
-PipelineParallel`), a change of the tensor-parallel degree.
+(a sum's slice); other reductions are refused with a one-line error. With a pipeline, a stage's
+module may be split this way and wrapped in torch's ``PipelineStage`` (:mod:`unicron.
+pipelining`). What is not here: a change of the tensor-parallel degree.
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from unicron.parallel import TP_DIM, TensorParallel, tensor_parallel
+from unicron.parallel import TP_DIM, TensorParallel, pipeline_parallel, tensor_parallel
 from unicron.runtime.device import ENV_DEVICE_KIND
 
-__all__ = ["ReplicaGroup", "device_mesh", "parallelize"]
+__all__ = ["ReplicaGroup", "device_mesh", "parallelize", "replica_world"]
 
 BACKEND = "unicron"
 """the c10d backend name under which :class:`ReplicaGroup` is registered"""
@@ -233,17 +233,21 @@ _ALONE = _Alone()
 _MESH: DeviceMesh | None = None
 
 
-def _world(par: TensorParallel) -> None:
-    """A default process group that never communicates (``fake``), numbering the replica's
-    ranks: ``DeviceMesh`` and ``new_group`` need one. Made once per process."""
+def replica_world() -> None:
+    """A default process group that never communicates (PyTorch's ``fake`` backend), numbering
+    the replica's ranks by place (stage x tp + tensor-parallel rank, a world of tp x pp):
+    ``DeviceMesh``, ``new_group`` and a ``PipelineStage`` (:mod:`unicron.pipelining`) need
+    one. Made once per process, for the layout it starts at."""
+    par, pipe = tensor_parallel(), pipeline_parallel()
+    size, rank = par.size * pipe.stages, pipe.stage * par.size + par.rank
     if dist.is_initialized():
-        if dist.get_world_size() != par.size or dist.get_rank() != par.rank:
+        if dist.get_world_size() != size or dist.get_rank() != rank:
             raise RuntimeError(
-                "unicron.dtensor: a default process group of another world is initialized "
-                "(under `unicron run` a script does not call init_process_group)"
+                "unicron: a default process group of another world is initialized (under "
+                "`unicron run` a script does not call init_process_group)"
             )
         return
-    dist.init_process_group("fake", rank=par.rank, world_size=par.size, store=dist.HashStore())
+    dist.init_process_group("fake", rank=rank, world_size=size, store=dist.HashStore())
 
 
 def device_mesh(device_type: str | None = None) -> DeviceMesh:
@@ -253,11 +257,11 @@ def device_mesh(device_type: str | None = None) -> DeviceMesh:
     a GPU (default: the device of ``unicron run --device``)."""
     global _MESH
     if _MESH is None:
-        par = tensor_parallel()
-        _world(par)
+        par, first = tensor_parallel(), pipeline_parallel().stage * tensor_parallel().size
+        replica_world()
         group = ReplicaGroup(par)
         dist.Backend.register_backend(BACKEND, lambda *_: group, devices=["cpu", "cuda"])
-        made = dist.new_group(ranks=list(range(par.size)), backend=BACKEND)
+        made = dist.new_group(ranks=list(range(first, first + par.size)), backend=BACKEND)
         assert made is group, "c10d returned another group than the Unicron replica's"
         kind = device_type or ("cuda" if _on_gpu() else "cpu")
         _MESH = DeviceMesh.from_group(group, kind)

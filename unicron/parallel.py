@@ -295,12 +295,41 @@ class PipelineParallel:
         anchor = torch.zeros((), requires_grad=True)
         return _Receive.apply(anchor, self, tuple(shape), dtype)
 
+    # -- the wire between neighbouring stages: :meth:`send` and :meth:`receive`'s autograd
+    # functions use it, and so does :mod:`unicron.pipelining` (torch's PipelineStage)
+    def send_activation(self, x: torch.Tensor) -> None:
+        """Send ``x``, this stage's output of the current micro-batch, to the next stage
+        (it must not change until :meth:`flush`)."""
+        self._move(self._next, x, out=True)
+
+    def receive_activation(self, x: torch.Tensor) -> None:
+        """Fill ``x`` with the previous stage's output of the current micro-batch (left as
+        it is once the attempt is broken)."""
+        self._move(self._prev, x, out=False)
+
+    def send_gradient(self, grad: torch.Tensor) -> None:
+        """Send the gradient of this stage's input back to the previous stage, and the
+        micro-batch's loss (:attr:`loss`) with it: one float32 buffer, the loss last."""
+        buf = torch.empty(grad.numel() + 1, dtype=torch.float32, device=grad.device)
+        buf[:-1].copy_(grad.reshape(-1))
+        buf[-1] = self.loss
+        self._move(self._prev, buf, out=True)
+
+    def receive_gradient(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
+                         ) -> torch.Tensor:  # fmt: skip
+        """The gradient of this stage's output from the next stage (zeros once the attempt
+        is broken); the micro-batch's loss that came with it goes to :attr:`loss`."""
+        buf = torch.zeros(math.prod(shape) + 1, dtype=torch.float32, device=self.device)
+        self._move(self._next, buf, out=False)
+        self.loss = float(buf[-1])
+        return buf[:-1].view(shape).to(dtype)
+
 
 class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, pp: PipelineParallel) -> torch.Tensor:
         ctx.pp, ctx.shape, ctx.dtype = pp, x.shape, x.dtype
-        pp._move(pp._next, x.detach().contiguous(), out=True)
+        pp.send_activation(x.detach().contiguous())
         out = torch.zeros((), dtype=torch.float32)
         ctx.out = out  # the loss, written when the gradient brings it back
         return out
@@ -308,11 +337,8 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         pp: PipelineParallel = ctx.pp
-        buf = torch.zeros(math.prod(ctx.shape) + 1, dtype=torch.float32, device=pp.device)
-        pp._move(pp._next, buf, out=False)
-        pp.loss = float(buf[-1])
+        back = pp.receive_gradient(ctx.shape, ctx.dtype)
         ctx.out.fill_(pp.loss)
-        back = buf[:-1].view(ctx.shape).to(ctx.dtype)
         return back * grad, None
 
 
@@ -322,16 +348,12 @@ class _Receive(torch.autograd.Function):
                 shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         ctx.pp = pp
         x = torch.zeros(shape, dtype=dtype, device=pp.device)
-        pp._move(pp._prev, x, out=False)
+        pp.receive_activation(x)
         return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
-        pp: PipelineParallel = ctx.pp
-        buf = torch.empty(grad.numel() + 1, dtype=torch.float32, device=grad.device)
-        buf[:-1].copy_(grad.reshape(-1))
-        buf[-1] = pp.loss
-        pp._move(pp._prev, buf, out=True)
+        ctx.pp.send_gradient(grad)
         return None, None, None, None
 
 

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -96,7 +96,11 @@ from unicron.runtime.transfer import (
 from unicron.runtime.transition import layout_root
 from unicron.runtime.zero import Zero
 
+if TYPE_CHECKING:
+    from unicron.pipelining import Stage
+
 T = TypeVar("T")
+_C = TypeVar("_C")  # what a pipeline's forward pass hands its backward pass
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 Rebuild = Callable[
     [TensorParallel, PipelineParallel], tuple[torch.nn.Module, torch.optim.Optimizer]
@@ -216,7 +220,7 @@ def train(
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     dataset: Any,
     micro_batch_size: int,
     num_microbatches: int,
@@ -227,6 +231,7 @@ def train(
     sampler: Any = None,
     rebuild: Rebuild | None = None,
     schedule: str = "1f1b",
+    stage: Stage | None = None,
 ) -> TrainResult | None:
     """Train for ``steps`` global steps of ``num_microbatches`` x ``micro_batch_size`` samples:
     the step API's loop (:class:`Loop`) with ``loss_fn(model, batch)``, the mean loss of one
@@ -239,9 +244,16 @@ def train(
     overlap, every micro-batch's activations held until its backward pass) or ``"sequential"``
     (each micro-batch through the stages and back before the next: a stage idle while the
     others compute); the same bits in every order. Without a pipeline the micro-batches go
-    one at a time."""
+    one at a time. ``stage``: instead of ``loss_fn``, this slot's pipeline stage as torch's
+    ``PipelineStage`` (:class:`unicron.pipelining.Stage`, which holds the loss function),
+    computed in ``schedule``'s order."""
     if schedule not in SCHEDULES:
         raise UsageError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if (loss_fn is None) == (stage is None):
+        raise UsageError(
+            "train(): give loss_fn(model, batch), or a stage (unicron.pipelining.Stage) "
+            "holding its own loss_fn(output, target), not both"
+        )
     loop = Loop(
         model=model,
         optimizer=optimizer,
@@ -256,32 +268,39 @@ def train(
         rebuild=rebuild,
     )
     for step in loop:
-        if step.stages > 1 and schedule != "sequential":
-            _pipelined(step, schedule, lambda batch: loss_fn(loop.model, batch))
+        if stage is not None:
+            stage.begin(step, num_microbatches)
+            _pipelined(step, schedule, stage.forward, functools.partial(stage.backward, step))
+        elif step.stages > 1 and schedule != "sequential":
+            assert loss_fn is not None
+            _pipelined(step, schedule, functools.partial(loss_fn, loop.model), step.backward)
         else:
+            assert loss_fn is not None
             for batch in step:
                 step.backward(loss_fn(loop.model, batch))
         step.commit()
     return loop.result
 
 
-def _pipelined(step: Step, kind: str, forward: Callable[[Any], torch.Tensor]) -> None:
+def _pipelined(
+    step: Step, kind: str, forward: Callable[[Any], _C], backward: Callable[[_C], None]
+) -> None:
     """Compute ``step``'s micro-batches on this pipeline stage in ``kind``'s order
-    (:func:`unicron.parallel.schedule`): each forward pass's loss kept until its backward
-    pass. A broken attempt (a neighbour lost) yields no more batches: the passes left are
-    skipped, and the commit says so."""
+    (:func:`unicron.parallel.schedule`): what each forward pass returns (its loss) kept until
+    its backward pass. A broken attempt (a neighbour lost) yields no more batches: the passes
+    left are skipped, and the commit says so."""
     batches = step.batches()
-    losses: collections.deque[torch.Tensor] = collections.deque()
+    computed: collections.deque[_C] = collections.deque()
     for fwd, _ in schedule(kind, step.todo, step.stage, step.stages):
         if fwd:
             batch = next(batches, None)
             if batch is None:
                 break  # the attempt broke
-            losses.append(forward(batch))
+            computed.append(forward(batch))
         else:
-            step.backward(losses.popleft())
-    while losses:  # after a break: the first drops the attempt's work here, the rest nothing
-        step.backward(losses.popleft())
+            backward(computed.popleft())
+    while computed:  # after a break: the first drops the attempt's work here, the rest nothing
+        backward(computed.popleft())
 
 
 def _store_client(ctx: WorkerContext, connect_s: float | None = None) -> dist.Store:

@@ -93,10 +93,14 @@ class Reducer:
             p.grad = None
         self.sums.begin(mb)
 
-    def backward(self, mb: int, loss: torch.Tensor, *, last: bool) -> None:
-        """Micro-batch ``mb``'s backward pass; ``last``: the attempt's last micro-batch here,
-        whose hooks launch the buckets. On any failure the local sums are abandoned (half-added
-        gradients spoil them: the step's work here is redone) and the error propagates."""
+    def backward(
+        self, mb: int, loss: torch.Tensor, *, last: bool, run: Callable[[], None] | None = None
+    ) -> None:
+        """Micro-batch ``mb``'s backward pass (``loss.backward()``, or ``run()`` where something
+        else drives it: a torch ``PipelineStage``, :mod:`unicron.pipelining`); its loss is read
+        from ``loss`` after it. ``last``: the attempt's last micro-batch here, whose hooks launch
+        the buckets. On any failure the local sums are abandoned (half-added gradients spoil
+        them: the step's work here is redone) and the error propagates."""
         self._begin(mb)
         self._in_backward, self._last = True, last
         shapes = self._shapes if self._views_first or not self.sums.starting else None
@@ -104,7 +108,7 @@ class Reducer:
             for p, view in zip(self.params, self.sums.grad_views(shapes), strict=True):
                 p.grad = view
         try:
-            loss.backward()
+            loss.backward() if run is None else run()
             finished = self.sums.end(float(loss.detach()))
         except BaseException:
             self.sums.abandon()

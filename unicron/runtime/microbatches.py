@@ -11,7 +11,7 @@ is refused before anything changes (:func:`refuse`: one line, ``unicron run`` ex
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
@@ -101,8 +101,9 @@ class MicroBatches:
         left = [j for j in s.microbatches if j not in self.done and j != mb]
         return mb, not left
 
-    def backward(self, s: Step, loss: torch.Tensor) -> None:
-        """Backward of the oldest micro-batch handed out; the gradient hooks take each
+    def backward(self, s: Step, loss: torch.Tensor, run: Callable[[], None] | None = None) -> None:
+        """Backward of the oldest micro-batch handed out (``run``: the pass, where the caller
+        drives it; its loss is read from ``loss`` after it); the gradient hooks take each
         gradient. Once the attempt is broken (a sum or link of the replica failed) the losses
         of the micro-batches still handed out mean nothing and are dropped."""
         if self.par.broken is not None and not self.pending:
@@ -112,7 +113,7 @@ class MicroBatches:
         if self.pipe.last and self.pipe.stages > 1:
             self.pipe.loss = float(loss.detach())  # goes back to the other stages
         try:
-            self.grads.backward(mb, loss, last=last)
+            self.grads.backward(mb, loss, last=last, run=run)
         except BaseException:
             self.clear()  # the local sums are abandoned: redo the step's work here
             raise

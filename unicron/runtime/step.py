@@ -110,14 +110,16 @@ class Step:
         self._r.mb.open(self, mb)
         return self._r.make_batch(self.index, mb)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, run: Callable[[], None] | None = None) -> None:
         """``loss.backward()`` for the current micro-batch (its mean loss, not divided by the
         number of micro-batches: the commit divides the sum): the gradient hooks add each
         parameter's gradient into this replica's local sums, and the last micro-batch's start
-        the exchange."""
+        the exchange. ``run``: the backward pass itself, where something else drives it (a
+        torch ``PipelineStage``'s ``backward_one_chunk``: :mod:`unicron.pipelining`); ``loss``
+        then holds the micro-batch's loss once ``run`` returns."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             refuse(f"step.backward(loss): loss must be a one-element tensor, got {loss!r}")
-        self._r.mb.backward(self, loss)
+        self._r.mb.backward(self, loss, run)
 
     def add_gradients(self, grads: Sequence[torch.Tensor | None], loss: float) -> None:
         """Hand over the current micro-batch's gradients yourself (e.g. from
