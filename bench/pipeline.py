@@ -6,8 +6,11 @@ In one run, interleaved (every arm in turn, repetition after repetition):
 (the default: every micro-batch's forward pass, then every backward pass), ``1f1b`` (a stage
 fills the pipeline with a forward pass per later stage, then alternates one forward and one
 backward pass) and ``sequential`` (each micro-batch through the stages and back before the
-next: the stages take turns), and the same model, micro-batches and optimizer in plain
-PyTorch under torchrun (``bench/baselines/pp_torch.py``: ``PipelineStage`` with
+next: the stages take turns), ``1f1b`` again with each stage as PyTorch's own
+``PipelineStage`` driven in Unicron's order (``--pp-api torch``:
+``step_time_s[layout/1f1b+stage]``, and ``step_time_vs_hand``, its median over the
+hand-written stages'), and the same model, micro-batches and optimizer in plain PyTorch
+under torchrun (``bench/baselines/pp_torch.py``: ``PipelineStage`` with
 ``ScheduleGPipe`` / ``Schedule1F1B``, the replicas' gradients averaged in one all-reduce).
 Layouts: PP=2 on 2 workers, PP=2 x DP=2 on 4, PP=4 on 4 (a block a stage); 16 micro-batches
 of 4 a step. Figures per layout and schedule: rank 0's median ``duration_s`` of ``step_end``
@@ -37,7 +40,11 @@ from bench.events import read_events
 SCENARIO = "pipeline"
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"pp2": (2, 2, 2), "pp2dp2": (2, 4, 2), "pp4": (4, 4, 4)}  # (pp, workers, layers)
-ARMS = ("unicron-gpipe", "unicron-1f1b", "unicron-sequential", "torch-gpipe", "torch-1f1b")
+ARMS = ("unicron-gpipe", "unicron-1f1b", "unicron-sequential", "unicron-1f1b+stage",
+        "torch-gpipe", "torch-1f1b")  # fmt: skip
+STAGE = "+stage"
+"""an arm's schedule ending so: the example's stages as torch's ``PipelineStage``, driven in
+Unicron's order (``--pp-api torch``, :mod:`unicron.pipelining`)"""
 PLAN = {True: (16, 4, 1), False: (30, 8, 3)}  # quick: (steps, warm-up steps, repetitions)
 DIM, MICROBATCHES = 256, 16  # the model's width (hidden units: twice it); a step's
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
@@ -57,6 +64,9 @@ def command(arm: str, layout: str, steps: int, workdir: Path) -> list[str]:
     events = str(workdir / "events.jsonl")
     system, schedule = arm.split("-")
     model = ["--layers", str(layers), "--dim", str(DIM), "--hidden", str(2 * DIM)]
+    if schedule.endswith(STAGE):
+        schedule = schedule.removesuffix(STAGE)
+        model += ["--pp-api", "torch"]
     if system == "torch":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(workers), "-m", "bench.baselines.pp_torch",
@@ -117,6 +127,12 @@ def run(quick: bool) -> list[Row]:
                                      metric=f"{metric}[{layout}/{schedule}]",
                                      values=values[(arm, layout)], note=note))  # fmt: skip
         mid = {arm: statistics.median(times[(arm, layout)]) for arm in ARMS}
+        rows.append(make_row(
+            system="unicron", scenario=SCENARIO, metric=f"step_time_vs_hand[{layout}/1f1b]",
+            values=[mid[f"unicron-1f1b{STAGE}"] / mid["unicron-1f1b"]], status="derived",
+            note="Unicron's median step time in 1F1B order with torch's PipelineStage / with "
+            "unicron.parallel's stages, same run",
+        ))  # fmt: skip
         for schedule in ("gpipe", "1f1b"):
             ours = mid[f"unicron-{schedule}"]
             for metric, other, said in (
