@@ -246,6 +246,74 @@ def test_a_task_that_may_run_shallower_is_planned_in_its_smallest_replicas() -> 
         assert moves(d) == {"a": (8, after), "b": (0, 2)}, grain
 
 
+def test_a_task_of_two_layouts_gives_back_only_slots_that_leave_the_others_places() -> None:
+    """Found by a review: TP=2 x PP=2 with ``pp_choices: [1]`` on nodes of 2, 2 and 4 free
+    slots, replicas (0 1 | 2 3) and (4 5 | 6 7). Shrunk by a pair (its smallest replica),
+    it gave back 2 3 (fewest on their node), out of the middle of its running layout: the
+    rest regrouped as (0 1 | 4 5) with 6 7 short, so 4 5 6 7 each held another place's
+    shard than the coordinator's table said, and the next epoch lost stage 1. Only the
+    last block of the layout the epoch runs at can go without moving another place."""
+    held = {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 2, 7: 2}
+    b = view("b", 5, 2, 2, {}, running=False)
+    for layout, release in (((1, 1), (2, 3)), ((2, 2), (6, 7))):  # not running: no places yet
+        a = TaskView(name="a", weight=1, min_workers=4, max_workers=8, ranks=held, running=True,
+                     microbatches=12, replica_ranks=2, tp=2, members=frozenset(held),
+                     layout=layout)  # fmt: skip
+        d = decide([a, b], {0: 2, 1: 2, 2: 4}, DAY)
+        assert moves(d) == {"a": (8, 6), "b": (0, 2)}
+        assert next(m for m in d.moves if m.task == "a").release == release, layout
+    left = {r: n for r, n in held.items() if r not in (6, 7)}
+    before = replicas.places(held, (2, 2))
+    assert replicas.places(left, (2, 2)) == {r: before[r] for r in left}
+
+
+def test_a_smaller_tensor_parallel_degree_gives_back_a_whole_block_of_the_running_one() -> None:
+    """TP=2 x PP=2 that may run at TP=1 and PP=1 (its smallest replica: one slot), asked
+    to give back one slot: any one slot would move another rank's place at the layout it
+    runs at (slot 7 going leaves 6 alone at place 0, not 2), so it gives back the last
+    block of two, one slot more than asked."""
+    held = dict.fromkeys(range(8), 0)
+    a = TaskView(name="a", weight=1, min_workers=4, max_workers=8, ranks=held, running=True,
+                 microbatches=7, replica_ranks=1, tp=1, members=frozenset(held),
+                 layout=(2, 2))  # fmt: skip
+    d = decide([a, view("b", 5, 1, 1, {}, running=False)], {0: 8}, DAY)
+    assert moves(d) == {"a": (8, 6), "b": (0, 1)}
+    assert sorted(next(m for m in d.moves if m.task == "a").release) == [6, 7]
+
+
+def test_what_a_task_gives_back_never_moves_a_placed_ranks_place() -> None:
+    """The invariant over many shapes: whatever the plan takes from a running task (several
+    layouts, slots on several nodes, an excluded rank in the table), every rank it keeps
+    has the place it had at the layout its epoch runs at."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        tp, pp = rng.choice(((2, 1), (2, 2), (4, 1), (2, 3)))
+        small_tp = rng.choice([d for d in (1, 2) if tp % d == 0])
+        small_pp = rng.choice([d for d in (1, pp) if pp % d == 0])
+        sizes = [rng.choice((2, 4, 6, 8)) for _ in range(rng.randint(1, 4))]
+        held = {}
+        for node, size in enumerate(sizes):
+            for _ in range(rng.randint(0, size)):
+                held[len(held)] = node
+        if not held:
+            continue
+        excluded = {r: n for r, n in held.items() if rng.random() < 0.1}
+        ranks = {r: n for r, n in held.items() if r not in excluded}
+        a = TaskView(name="a", weight=1, min_workers=0, max_workers=len(ranks), ranks=ranks,
+                     running=True, microbatches=rng.randint(1, 16),
+                     replica_ranks=small_tp * small_pp, tp=small_tp,
+                     members=frozenset(ranks), layout=(tp, pp), apart=excluded)  # fmt: skip
+        want = rng.randint(1, sum(sizes))
+        d = decide([a, view("b", 50, want, want, {}, running=False)], dict(enumerate(sizes)), DAY)
+        gone = set(next(m for m in d.moves if m.task == "a").release)
+        table = ranks | excluded
+        before = replicas.places(table, (tp, pp))
+        after = replicas.places({r: n for r, n in table.items() if r not in gone}, (tp, pp))
+        assert after == {r: before[r] for r in after}, (tp, pp, held, gone)
+
+
 def test_the_partner_of_an_excluded_rank_waits_and_is_not_given_back() -> None:
     """Found by the model-parallel soak: an excluded rank left its partner a short replica,
     the plan rounded the task down to whole replicas and gave the partner away, and the

@@ -324,6 +324,11 @@ def test_the_slots_queued_for_a_task_are_numbered_after_its_placed_ranks(cluster
     assert v is not None and v.ranks == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1}
     assert v.planned == {4, 5}
     assert replicas.groups(v.ranks, (2, 2)) == ((0, 1, 2, 3), (4, 5))
+    # the layout its epoch runs at, and an excluded rank still in its coordinator's table
+    assert v.layout == (2, 2) and v.apart == {}
+    a.excluded.add(1)
+    v = plan_view(a, [], 1.0)
+    assert v is not None and 1 not in v.ranks and v.apart == {1: 0}
 
 
 def test_a_fault_that_fired_is_left_out_of_a_later_assignment(cluster: Cluster) -> None:

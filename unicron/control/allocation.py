@@ -116,6 +116,12 @@ class TaskView:
     planned: frozenset[int] = frozenset()
     """ranks (in :attr:`ranks`) only planned: slots queued for it, numbered after its placed
     ranks in the order they will be added, so that they group as they will once placed"""
+    layout: tuple[int, int] = (1, 1)
+    """``(tp, pp)`` its current epoch runs at: what it gives back leaves every other placed
+    rank its place in its replica at it (:func:`_keeps_places`)"""
+    apart: dict[int, int] = field(default_factory=dict)
+    """rank -> node of its excluded ranks: in no count and never given back, but in its
+    coordinator's slot table, where they take part in the grouping into replicas"""
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,32 @@ def _groups(t: TaskView, capacity: dict[int, int]) -> list[tuple[int, ...]]:
     return list(replicas.groups(on, (t.tp, t.replica_ranks // t.tp)))
 
 
+def _keeps_places(t: TaskView, gone: list[int]) -> bool:
+    """Whether giving back ``gone`` leaves every other placed rank of ``t`` its place in its
+    replica at the layout its epoch runs at. A slot's place is fixed for its life
+    (:mod:`unicron.control.replicas`): its worker holds that place's shard, and the
+    coordinator groups the slots left in its table again once those given back are gone.
+    (Found by a review: a task of two layouts gave back a block of its smallest one from the
+    middle of its current one; the rest regrouped under the running epoch, other holders
+    were judged by places their workers did not hold, and the next epoch lost a stage.)"""
+    if t.layout[0] * t.layout[1] == 1:
+        return True
+    table = {r: n for r, n in t.ranks.items() if r not in t.planned} | t.apart
+    out = set(gone)
+    before = replicas.places(table, t.layout)
+    after = replicas.places({r: n for r, n in table.items() if r not in out}, t.layout)
+    return all(before[r] == p for r, p in after.items())
+
+
+def _blocks(t: TaskView, capacity: dict[int, int], given: list[int]) -> list[tuple[int, ...]]:
+    """``t``'s blocks at the layout it runs at (``tp`` slots of one node) that it may give
+    back, last first: for a task whose smallest layout has fewer tensor-parallel ranks, where
+    no replica of that one can go without moving another rank's place."""
+    mine = {r: n for r, n in t.ranks.items()
+            if n in capacity and r not in t.parked and r not in given}  # fmt: skip
+    return [g for g in reversed(replicas.groups(mine, (t.layout[0], 1))) if len(g) == t.layout[0]]
+
+
 def _spread(free: dict[int, int], mine: dict[int, int], t: TaskView) -> list[int] | None:
     """The nodes of one replica of ``t`` whose stages no single node holds: a block of
     ``t.tp`` slots at a time, packed like whole replicas (nodes it is on, then the freest);
@@ -409,8 +441,15 @@ def _moves(
             )
             give_back: list[int] = []
             while groups and held[t.name] - len(give_back) > target[t.name]:
-                g = _spared(t, groups, give_back, target[t.name], capacity)
-                groups.remove(g)
+                ok = [g for g in groups if _keeps_places(t, [*give_back, *g])]
+                if not ok:  # a block at the layout it runs at, if one can go
+                    ok = [g for g in _blocks(t, capacity, give_back)
+                          if _keeps_places(t, [*give_back, *g])
+                          and held[t.name] - len(give_back) - len(g) >= t.min_workers]  # fmt: skip
+                    if not ok:
+                        break
+                g = _spared(t, ok, give_back, target[t.name], capacity)
+                groups = [h for h in groups if not set(h) & set(g)]
                 give_back += g
             for r in give_back:
                 free[t.ranks[r]] += 1

@@ -252,6 +252,8 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         members=frozenset() if c is None else frozenset(c.members),
         optimizer_copies=2 if task.spec.zero else 1,
         planned=frozenset(range(first, first + len(planned))),
+        layout=(1, 1) if c is None else c.book.lay,
+        apart={r: n for r, n in placed(task).items() if r in task.excluded},
     )
 
 
