@@ -281,6 +281,27 @@ def test_a_smaller_tensor_parallel_degree_gives_back_a_whole_block_of_the_runnin
     assert sorted(next(m for m in d.moves if m.task == "a").release) == [6, 7]
 
 
+def test_a_task_of_two_layouts_gives_back_what_keeps_places_before_anything_else() -> None:
+    """Found in review of the rule above: only whole blocks of the running layout were
+    offered, and a block taken cut short the smallest replicas it overlapped. TP=2 x PP=2
+    running, ``tp_choices: [1]`` (smallest replica: PP=2 of one rank), one rank left over on
+    node 1: it is what goes (it moves no place), not half of the one whole replica; and
+    TP=4 x PP=2 over a smallest TP=2 x PP=2 reaches its target through blocks of the running
+    layout instead of stopping short."""
+    held = {0: 0, 1: 1, 2: 0, 3: 0, 4: 0}
+    a = TaskView(name="a", weight=1, min_workers=2, max_workers=5, ranks=held, running=True,
+                 microbatches=16, replica_ranks=2, tp=1, members=frozenset({0, 2, 3, 4}),
+                 layout=(2, 2))  # fmt: skip
+    d = decide([a, view("b", 50, 3, 3, {}, running=False)], {0: 4, 1: 4}, DAY)
+    assert next(m for m in d.moves if m.task == "a").release == (1,)
+    held = {0: 1, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1, 10: 0}
+    a = TaskView(name="a", weight=1, min_workers=4, max_workers=11, ranks=held, running=True,
+                 microbatches=16, replica_ranks=4, tp=2,
+                 members=frozenset({0, 1, 3, 5, 6, 7, 8, 9}), layout=(4, 2))  # fmt: skip
+    d = decide([a, view("b", 50, 8, 8, {}, running=False)], {0: 4, 1: 8}, DAY)
+    assert moves(d) == {"a": (11, 4), "b": (0, 8)}
+
+
 def test_what_a_task_gives_back_never_moves_a_placed_ranks_place() -> None:
     """The invariant over many shapes: whatever the plan takes from a running task (several
     layouts, slots on several nodes, an excluded rank in the table), every rank it keeps

@@ -464,7 +464,7 @@ def test_torchs_pipeline_stage_at_another_depth_is_refused_with_one_line(run: An
         script=SCRIPT, script_args=("--steps", "2", "--pp-api", "torch"),
     )  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "--pp-choices with torch's PipelineStage" in r.stderr
+    assert "--pp-choices or --tp-choices with torch's PipelineStage" in r.stderr
     assert "Traceback" not in r.stderr
 
 

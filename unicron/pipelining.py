@@ -45,7 +45,8 @@ What Unicron changes:
 Bits: the stage module computes what :mod:`unicron.parallel`'s hand-written stages compute
 (``receive`` and ``send`` around the same layers), so the example trains to the same bits
 either way (tested end to end). What is not here: a change of the pipeline depth (the
-stage's index and count are fixed for the process's life: refused in one line), interleaved
+stage's index and count are fixed for the process's life: ``--pp-choices`` and ``--tp-choices``
+are refused in one line), interleaved
 (virtual) stages, torch's zero-bubble split of the backward pass.
 """
 
@@ -88,11 +89,11 @@ class Stage:
         example_input: torch.Tensor,
         example_output: torch.Tensor,
     ) -> None:
-        if len({pp for _, pp in layouts()}) > 1:
+        if len(layouts()) > 1:
             raise UsageError(
-                "--pp-choices with torch's PipelineStage: a stage keeps its index and the "
-                "pipeline's depth for the process's life (use unicron.parallel's stages to "
-                "change the depth)"
+                "--pp-choices or --tp-choices with torch's PipelineStage: a stage keeps its "
+                "index and the pipeline's depth for the process's life (use "
+                "unicron.parallel's stages to change the layout)"
             )
         self.module, self.loss_fn = module, loss_fn
         self.pp = pipeline_parallel()
@@ -135,7 +136,10 @@ class Stage:
         if st is None:
             return chunk, self.loss_fn(self.module(x), y)
         for op in st.get_fwd_recv_ops(chunk):
-            self.pp.receive_activation(op.tensor)
+            # torch marks the chunk's buffer as needing a gradient at its first use; the
+            # receive writes its storage (found in review: a staged copy_ into it, gloo
+            # carrying CUDA tensors, failed from the second attempt on)
+            self.pp.receive_activation(op.tensor.detach())
         out = st.forward_one_chunk(chunk, (x,) if self.pp.first else (),
                                    save_forward_output=False)  # fmt: skip
         if self.pp.last:

@@ -254,6 +254,8 @@ def train(
             "train(): give loss_fn(model, batch), or a stage (unicron.pipelining.Stage) "
             "holding its own loss_fn(output, target), not both"
         )
+    if stage is not None and rebuild is not None:
+        raise UsageError("train(): a stage (torch's PipelineStage) keeps its layout: no rebuild")
     loop = Loop(
         model=model,
         optimizer=optimizer,

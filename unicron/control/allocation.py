@@ -306,12 +306,13 @@ def _keeps_places(t: TaskView, gone: list[int]) -> bool:
 
 
 def _blocks(t: TaskView, capacity: dict[int, int], given: list[int]) -> list[tuple[int, ...]]:
-    """``t``'s blocks at the layout it runs at (``tp`` slots of one node) that it may give
-    back, last first: for a task whose smallest layout has fewer tensor-parallel ranks, where
-    no replica of that one can go without moving another rank's place."""
+    """``t``'s blocks at the layout it runs at (``tp`` slots of one node, and the slots of a
+    node left over) that it may give back, last first: where no replica of its smallest
+    layout can go without moving another rank's place (a smaller tensor-parallel degree, or
+    a replica of that one across blocks of the running one)."""
     mine = {r: n for r, n in t.ranks.items()
             if n in capacity and r not in t.parked and r not in given}  # fmt: skip
-    return [g for g in reversed(replicas.groups(mine, (t.layout[0], 1))) if len(g) == t.layout[0]]
+    return list(reversed(replicas.groups(mine, (t.layout[0], 1))))
 
 
 def _spread(free: dict[int, int], mine: dict[int, int], t: TaskView) -> list[int] | None:
@@ -440,17 +441,16 @@ def _moves(
                 ),
             )
             give_back: list[int] = []
-            while groups and held[t.name] - len(give_back) > target[t.name]:
-                ok = [g for g in groups if _keeps_places(t, [*give_back, *g])]
+            while held[t.name] - len(give_back) > target[t.name]:
+                gone = set(give_back)
+                ok = [g for g in groups if gone.isdisjoint(g) and _keeps_places(t, [*gone, *g])]
                 if not ok:  # a block at the layout it runs at, if one can go
                     ok = [g for g in _blocks(t, capacity, give_back)
                           if _keeps_places(t, [*give_back, *g])
                           and held[t.name] - len(give_back) - len(g) >= t.min_workers]  # fmt: skip
-                    if not ok:
-                        break
-                g = _spared(t, ok, give_back, target[t.name], capacity)
-                groups = [h for h in groups if not set(h) & set(g)]
-                give_back += g
+                if not ok:
+                    break
+                give_back += _spared(t, ok, give_back, target[t.name], capacity)
             for r in give_back:
                 free[t.ranks[r]] += 1
             after = held[t.name] - len(give_back)
