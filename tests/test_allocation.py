@@ -302,6 +302,26 @@ def test_a_task_of_two_layouts_gives_back_what_keeps_places_before_anything_else
     assert moves(d) == {"a": (11, 4), "b": (0, 8)}
 
 
+def test_a_model_parallel_task_is_priced_at_its_own_layouts_only() -> None:
+    """Found in review: the allocation priced a task that describes its model at the
+    performance model's best layout on each count, one its coordinator cannot run: GPT 6.7B
+    at global batch 16 that runs at TP=2 x PP=2 or TP=2 x PP=1 was worth more on 6 slots
+    than on 4 (TP=2 x PP=3), where it can train 4 of them (PP=1 on 6 has a data-parallel
+    degree of 3, which does not divide the batch)."""
+    from unicron.control.allocation import Hardware, layout_of, throughput
+    from unicron.planner import GPU_PRESETS, MODEL_PRESETS
+
+    hw = Hardware(GPU_PRESETS["A100-80GB"], 4)
+    base: dict[str, Any] = dict(name="t", weight=1.0, min_workers=4, max_workers=8, ranks={},
+                                running=False, replica_ranks=2, tp=2,
+                                model=MODEL_PRESETS["gpt-6.7b"], global_batch=16)  # fmt: skip
+    free, own = TaskView(**base), TaskView(**base, layouts=((2, 2), (2, 1)))
+    assert throughput(free, 8, hw)[6] > throughput(free, 8, hw)[4]
+    assert "tp2 pp3" in layout_of(free, 6, 8, 8, hw)
+    assert throughput(own, 8, hw)[6] <= throughput(own, 8, hw)[4]
+    assert layout_of(own, 6, 8, 8, hw).startswith("on 6: tp2 pp2 ")
+
+
 def test_what_a_task_gives_back_never_moves_a_placed_ranks_place() -> None:
     """The invariant over many shapes: whatever the plan takes from a running task (several
     layouts, slots on several nodes, an excluded rank in the table), every rank it keeps

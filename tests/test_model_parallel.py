@@ -412,7 +412,7 @@ def test_the_performance_models_rate_of_a_layout_is_its_fastest_fitting_one() ->
     """:func:`layout_rate` over the planner's search: GPT 1.3B at global batch 256 on A100s,
     a positive FLOP/s at TP=1 and TP=2 on 8 GPUs, TP=1 the faster (no tensor-parallel sums);
     0 where the layout cannot be (TP=8 on 4 GPUs, 0 GPUs)."""
-    from unicron.control.planning import layout_rate
+    from unicron.control.allocation import layout_rate
     from unicron.planner import GPU_PRESETS, MODEL_PRESETS, PerfOptions
 
     args = (MODEL_PRESETS["gpt-1.3b"], 256, GPU_PRESETS["A100-80GB"], 8, PerfOptions())

@@ -41,6 +41,7 @@ weights.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -51,12 +52,14 @@ from unicron.control import replicas
 from unicron.planner import (
     GPUSpec,
     ModelSpec,
+    ParallelConfig,
     PerfOptions,
     TaskState,
     layout_table,
     solve,
     throughput_table,
 )
+from unicron.planner.perf import fitting_layouts
 
 TRANSITION_S = 2.0
 """what a change of a task's worker count costs it before any transition of the cluster was
@@ -122,6 +125,10 @@ class TaskView:
     apart: dict[int, int] = field(default_factory=dict)
     """rank -> node of its excluded ranks: in no count and never given back, but in its
     coordinator's slot table, where they take part in the grouping into replicas"""
+    layouts: tuple[tuple[int, int], ...] = ()
+    """the ``(tp, pp)`` layouts a model-parallel task runs at (its coordinator picks among
+    them): :attr:`model` is priced at those only; empty: at the performance model's best
+    layout on each count (a data-parallel task, whose ``model`` describes what it trains)"""
 
 
 @dataclass(frozen=True)
@@ -174,11 +181,67 @@ def _priced(t: TaskView, units: int, hardware: Hardware | None) -> np.ndarray | 
     FLOP/s per slot (all 0 when no count fits), or None: no model or no hardware."""
     if t.model is None or hardware is None or units < 1 or t.global_batch < 1:
         return None
-    table = throughput_table(
-        t.model, t.global_batch, units, hardware.gpu, hardware.gpus_per_node, options=_options(t)
-    )
+    if t.layouts:  # the fastest of its own layouts, each on its whole replicas
+        table = np.array([_own(t, u, hardware)[0] for u in range(units + 1)])
+    else:
+        table = throughput_table(t.model, t.global_batch, units, hardware.gpu,
+                                 hardware.gpus_per_node, options=_options(t))  # fmt: skip
     per_slot = max(float(table[u]) / u for u in range(1, units + 1))
     return np.zeros(units + 1) if per_slot <= 0 else np.asarray(table) / per_slot
+
+
+def _own(t: TaskView, slots: int, hardware: Hardware) -> tuple[float, ParallelConfig | None]:
+    """The fastest of ``t``'s own :attr:`~TaskView.layouts` on ``slots`` (each on as many
+    whole replicas as fit): its achieved FLOP/s (0: none fits) and its configuration."""
+    best: tuple[float, ParallelConfig | None] = (0.0, None)
+    assert t.model is not None
+    for tp, pp in t.layouts:
+        gpus = min(slots, t.max_workers) // (tp * pp) * (tp * pp)
+        cfg = layout_config(t.model, t.global_batch, hardware.gpu, hardware.gpus_per_node,
+                            _options(t), tp, pp, gpus)  # fmt: skip
+        if cfg is not None and cfg.achieved_flops > best[0]:
+            best = (cfg.achieved_flops, cfg)
+    return best
+
+
+@functools.lru_cache(maxsize=4096)
+def layout_config(
+    model: ModelSpec,
+    global_batch: int,
+    gpu: GPUSpec,
+    gpus_per_node: int,
+    options: PerfOptions,
+    tp: int,
+    pp: int,
+    gpus: int,
+) -> ParallelConfig | None:
+    """The performance model's fastest configuration of ``model`` at ``global_batch`` on
+    ``gpus`` GPUs laid out ``tp`` x ``pp`` x data parallel (its micro-batch, recomputation
+    and sharding searched, no context parallelism), None where none fits. Memoised (a search
+    of about 0.1 s): the allocation prices a task's own layouts with it, and the membership
+    judge picks among them (:func:`layout_rate`)."""
+    if gpus < 1:
+        return None
+    for cfg in fitting_layouts(model, global_batch, gpus, gpu, gpus_per_node, options):
+        if (cfg.tp, cfg.pp, cfg.layout.cp if cfg.layout else 1) == (tp, pp, 1):
+            return cfg  # fastest first
+    return None
+
+
+def layout_rate(
+    model: ModelSpec,
+    global_batch: int,
+    gpu: GPUSpec,
+    gpus_per_node: int,
+    options: PerfOptions,
+    tp: int,
+    pp: int,
+    gpus: int,
+) -> float:
+    """The achieved FLOP/s of :func:`layout_config` (0 where none fits): what the membership
+    judge weighs a task's layouts by (:func:`unicron.control.membership.layout`)."""
+    cfg = layout_config(model, global_batch, gpu, gpus_per_node, options, tp, pp, gpus)
+    return 0.0 if cfg is None else cfg.achieved_flops
 
 
 def _options(t: TaskView) -> PerfOptions:
@@ -194,17 +257,25 @@ def layout_of(t: TaskView, workers: int, within: int, units: int, hardware: Hard
     if t.model is None or hardware is None or t.global_batch < 1 or units < 1:
         return ""
     gpu, gpn = hardware.gpu, hardware.gpus_per_node
-    configs = layout_table(t.model, t.global_batch, units, gpu, gpn, options=_options(t))
+    if t.layouts:
+        configs = tuple(None if u == 0 else _own(t, u, hardware)[1] for u in range(units + 1))
+    else:
+        configs = layout_table(t.model, t.global_batch, units, gpu, gpn, options=_options(t))
     if workers < 1:
         most = min(t.max_workers, within)
         if most < 1 or any(c is not None for c in configs[1 : most + 1]):
             return ""
         return (
-            f"no layout of {t.model.name} at global batch {t.global_batch} fits on up to "
-            f"{most} slot(s) of {gpu.name} ({gpn} per node)"
+            f"no layout of {t.model.name} at global batch {t.global_batch} "
+            + (f"at {_named(t.layouts)} " if t.layouts else "")
+            + f"fits on up to {most} slot(s) of {gpu.name} ({gpn} per node)"
         )
     cfg = configs[workers]
     return f"on {workers}: " + ("no layout fits" if cfg is None else cfg.describe())
+
+
+def _named(layouts: tuple[tuple[int, int], ...]) -> str:
+    return " or ".join(f"tp{tp} pp{pp}" for tp, pp in layouts)
 
 
 def decide(

@@ -28,9 +28,8 @@ from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow
 from unicron.control.storeserver import capability
 from unicron.control.taskspec import TaskSpec
 from unicron.messages import Assignment
-from unicron.planner.hardware import GPU_PRESETS, GPUSpec
-from unicron.planner.model import ModelSpec
-from unicron.planner.perf import PerfOptions, fitting_layouts
+from unicron.planner.hardware import GPU_PRESETS
+from unicron.planner.perf import PerfOptions
 from unicron.planner.solver import expected_time_to_failure_s
 from unicron.protocol import EpochInfo, WorkerSettings
 from unicron.runtime import inject
@@ -254,6 +253,7 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         planned=frozenset(range(first, first + len(planned))),
         layout=(1, 1) if c is None else c.book.lay,
         apart={r: n for r, n in placed(task).items() if r in task.excluded},
+        layouts=task.spec.layouts if task.spec.layouts != ((1, 1),) else (),
     )
 
 
@@ -317,12 +317,13 @@ def coordinator_settings(
     """The settings of a task's coordinator (the cluster's :meth:`_start`): its task file's,
     where its ``checkpoint`` directory is and the steps committed before it starts; with the
     cluster's ``gpu`` (a preset) and a task that describes its ``model`` and may change its
-    layout, the performance model picks each epoch's layout (:func:`layout_rate`)."""
+    layout, the performance model picks each epoch's layout (:func:`~unicron.control.allocation.
+    layout_rate`)."""
     model = spec.planner_model()
     rate = None
     if gpu and model is not None and spec.global_batch and len(spec.layouts) > 1:
         rate = functools.partial(
-            layout_rate, model, spec.global_batch, GPU_PRESETS[gpu], max(gpus_per_node, 1),
+            A.layout_rate, model, spec.global_batch, GPU_PRESETS[gpu], max(gpus_per_node, 1),
             PerfOptions(optimizer_copies=2 if spec.zero else 1),
         )  # fmt: skip
         asked = [
@@ -347,30 +348,6 @@ def coordinator_settings(
         nodes_return=True,  # an agent registers again; the planner gives other slots
         zero=bool(spec.zero),
     )
-
-
-@functools.lru_cache(maxsize=4096)
-def layout_rate(
-    model: ModelSpec,
-    global_batch: int,
-    gpu: GPUSpec,
-    gpus_per_node: int,
-    options: PerfOptions,
-    tp: int,
-    pp: int,
-    gpus: int,
-) -> float:
-    """The performance model's achieved FLOP/s of ``model`` at ``global_batch`` on ``gpus``
-    GPUs laid out ``tp`` x ``pp`` x data parallel (the fastest such layout that fits: its
-    micro-batch, recomputation and sharding searched, no context parallelism), 0 where none
-    fits. Memoised: the membership judge asks it for each of a task's layouts
-    (:func:`unicron.control.membership.layout`)."""
-    if gpus < 1:
-        return 0.0
-    for cfg in fitting_layouts(model, global_batch, gpus, gpu, gpus_per_node, options):
-        if (cfg.tp, cfg.pp, cfg.layout.cp if cfg.layout else 1) == (tp, pp, 1):
-            return cfg.achieved_flops  # fastest first
-    return 0.0
 
 
 def assignment(
