@@ -321,8 +321,8 @@ def coordinator_settings(
     layout_rate`)."""
     model = spec.planner_model()
     rate = None
-    if gpu and model is not None and spec.global_batch and len(spec.layouts) > 1:
-        rate = functools.partial(
+    if gpu and model is not None and spec.global_batch and spec.layouts != ((1, 1),):
+        priced = functools.partial(
             A.layout_rate, model, spec.global_batch, GPU_PRESETS[gpu], max(gpus_per_node, 1),
             PerfOptions(optimizer_copies=2 if spec.zero else 1),
         )  # fmt: skip
@@ -331,10 +331,12 @@ def coordinator_settings(
             for tp, pp in spec.layouts
             for n in range(tp * pp, spec.workers.max + 1, tp * pp)
         ]
-        # priced ahead, off the coordinator's lock (each is a search of ~0.1 s; memoised)
+        # priced ahead, off the coordinator's and the cluster's locks (each is a search of
+        # ~0.1 s; memoised): the membership judge and the allocation ask for them
         threading.Thread(
-            target=lambda: [rate(*a) for a in asked], name="layout-rates", daemon=True
+            target=lambda: [priced(*a) for a in asked], name="layout-rates", daemon=True
         ).start()
+        rate = priced if len(spec.layouts) > 1 else None
     return CoordinatorSettings(
         rate=rate,
         min_workers=spec.workers.min,
