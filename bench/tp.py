@@ -5,8 +5,8 @@ In one run, interleaved: ``examples/train_llama_parallel.py`` under ``unicron ru
 ``--pp 2``) and the same model, micro-batches and seeds in plain PyTorch
 (``bench/baselines/tp_ckpt.py``: the replica's sums and pipeline links over torch process
 groups, DDP across replicas, a shard checkpoint every ``K`` steps), 4 CPU workers each, per
-layout; at TP=2 also torchft (``bench/baselines/tp_torchft.py``: a replica group of two ranks
-per torchrun, torchft's Manager and DDP across the groups, a lighthouse). Fault-free, at the
+layout; also torchft (``bench/baselines/tp_torchft.py``: a replica group of two ranks per
+torchrun, torchft's Manager and DDP across the groups, a lighthouse). Fault-free, at the
 smallest model: the median ``duration_s`` of ``step_end`` after the
 warm-up steps (``step_time_vs_plain`` divides Unicron's by the baseline's). Then, at each
 model size: rank 0 (place 0 of replica 0: tensor rank 0, or the first stage) SIGKILLed
@@ -54,7 +54,8 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (tp, pp): each x DP=2 on NPROC worke
 DIMS = {True: (128,), False: (128, 256, 384)}  # model width (hidden units: twice it)
 PLAN = {True: (30, 5, 1), False: (40, 10, 2)}  # quick: (steps, warm-up steps, repetitions)
 ARMS = ("unicron", "torchrun", "torchft")
-TORCHFT_LAYOUTS = ("tp2",)  # torchft's replica group of TP ranks (its HSDP recipe, TP for FSDP)
+TORCHFT_LAYOUTS = ("tp2", "pp2")  # torchft's replica group of a replica's ranks (its HSDP
+# recipe, with TP or PP in place of FSDP)
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # fmt: skip
 
@@ -93,13 +94,14 @@ def _events(arm: str, layout: str, dim: int, steps: int, workdir: Path,
 
 
 def _torchft(layout: str, dim: int, steps: int, workdir: Path, fault: str | None) -> None:
-    """One torchft run: a lighthouse and a torchrun per replica group of ``tp`` ranks."""
+    """One torchft run: a lighthouse and a torchrun per replica group of ``tp x pp`` ranks."""
     from bench.systems.torchft import _lighthouse_binary, unavailable
 
     why = unavailable()
     if why is not None:
         raise RuntimeError(why)
-    tp, _ = LAYOUTS[layout]
+    tp, pp = LAYOUTS[layout]
+    size = tp * pp
     port = free_port()
     logs = [open(workdir / name, "w") for name in ("lighthouse.log", "group0.log", "group1.log")]  # noqa: SIM115
     lighthouse = subprocess.Popen(
@@ -108,11 +110,11 @@ def _torchft(layout: str, dim: int, steps: int, workdir: Path, fault: str | None
     )  # fmt: skip
     groups: list[subprocess.Popen[bytes]] = []
     try:
-        for q in range(NPROC // tp):
+        for q in range(NPROC // size):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(tp), "--max-restarts", "3",
-                   "-m", "bench.baselines.tp_torchft", "--replica-id", str(q),
-                   "--replicas", str(NPROC // tp), "--lighthouse", f"http://127.0.0.1:{port}",
+                   "--nproc-per-node", str(size), "--max-restarts", "3",
+                   "-m", "bench.baselines.tp_torchft", "--replica-id", str(q), "--pp", str(pp),
+                   "--replicas", str(NPROC // size), "--lighthouse", f"http://127.0.0.1:{port}",
                    "--steps", str(steps), "--marker-dir", str(workdir),
                    "--events", str(workdir / "events.jsonl"), *_model(dim),
                    *(["--inject", fault] if fault else [])]  # fmt: skip
@@ -180,7 +182,9 @@ def figures(evs: list[dict[str, Any]], at: int, arm: str) -> dict[str, float]:
     groups = max((int(e.get("replicas", 1)) for e in evs if e["event"] == "step_end"), default=1)
     whole = [e for e in ends if int(e.get("replicas", groups)) == groups]
     out["recovery_s"] = min(float(e["ts"]) for e in ends if int(e["step"]) >= at) - ts
-    out["whole_s"] = min(float(e["ts"]) for e in whole if int(e["step"]) >= at) - ts
+    back = [float(e["ts"]) for e in whole if int(e["step"]) >= at]
+    if back:  # else never whole again before the run's end (no row: the note says so)
+        out["whole_s"] = min(back) - ts
     out["steps_redone"] = len({int(e["step"]) for e in ends if int(e["step"]) < at})
     out["steps_shrunk"] = len({int(e["step"]) for e in ends if int(e.get("replicas", groups))
                                < groups})  # fmt: skip
@@ -247,6 +251,11 @@ def run(quick: bool) -> list[Row]:
                     if values is None:
                         continue
                     text = crash_note + (how[arm] if key.endswith("_s") else "")
+                    runs = len(got[(arm, layout, dim, "recovery_s")])
+                    whole = len(got.get((arm, layout, dim, "whole_s"), []))
+                    if key == "recovery_s" and whole < runs:
+                        text += (f"; in {runs - whole} of {runs} run(s) never whole again "
+                                 "before the run's end")  # fmt: skip
                     rows.append(make_row(system=arm, scenario=SCENARIO, metric=f"{key}[{kind}]",
                                          values=values, note=text))  # fmt: skip
     return rows

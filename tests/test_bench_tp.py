@@ -33,4 +33,16 @@ def test_a_restarted_jobs_redone_steps_count_and_only_unicron_reports_detection(
         "recovery_s": 4.0, "whole_s": 4.0, "steps_redone": 2, "steps_shrunk": 0,
     }  # fmt: skip
     assert figures(evs, 10, "unicron")["detection_s"] == pytest.approx(0.2)
-    assert arms("tp2") == ("unicron", "torchrun", "torchft") and "torchft" not in arms("pp2")
+    assert arms("tp2") == arms("pp2") == ("unicron", "torchrun", "torchft")
+
+
+def test_a_run_never_whole_again_has_no_whole_figure() -> None:
+    """torchft at PP=2 beside a loaded machine: the live group finished the run alone before
+    the restarted one was back (which then started over alone): no ``whole_s``."""
+    evs = [
+        {"event": "fault_injected", "ts": 2.0},
+        *({"event": "step_end", "ts": 3.0 + s, "step": 10 + s, "replicas": 1} for s in range(3)),
+        {"event": "step_end", "ts": 1.0, "step": 9, "replicas": 2},
+    ]
+    assert figures(evs, 10, "torchft") == {"recovery_s": 1.0, "steps_redone": 0,
+                                           "steps_shrunk": 3}  # fmt: skip
