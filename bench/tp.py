@@ -39,6 +39,7 @@ from bench.common import (
     Row,
     bench_parser,
     free_port,
+    load_rows,
     make_row,
     print_table,
     save_figure,
@@ -302,11 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_parser("bench.tp", __doc__, quick="the smallest model, fewer steps, one repetition")
     quick = p.parse_args(argv).quick
     rows = run(quick)
-    print_table(rows, title="Model-parallel replicas: Unicron vs torchrun (and torchft at TP=2), "
+    print_table(rows, title="Model-parallel replicas: Unicron vs torchrun and torchft, "
                 "TP=2 and PP=2 x DP=2")  # fmt: skip
     # a full run measured every row of the scenario: it replaces them all
-    save_scenario(rows, SCENARIO, ROOT / "bench" / "results", replace=not quick)
-    plot(rows, ROOT / "bench" / "results" / "tp.png")
+    results = ROOT / "bench" / "results"
+    save_scenario(rows, SCENARIO, results, replace=not quick)
+    plot(load_rows(results / f"{SCENARIO}.json"), results / "tp.png")  # every size measured
     write_summary(ROOT / "bench" / "results")
     return 0
 
