@@ -68,6 +68,7 @@ UNITS = {
     "step_time_vs_plain": "x",
     "step_time_vs_sequential": "x",
     "step_time_vs_torch": "x",
+    "step_time_vs_hand": "x",
     "peak_rss_mb": "MB",
 }
 
