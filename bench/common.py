@@ -209,7 +209,8 @@ def load_rows(path: Path) -> list[Row]:
 
 
 def merge_rows(old: Iterable[Row], new: Iterable[Row]) -> list[Row]:
-    """``new`` rows replace ``old`` rows of the same (system, scenario, metric); an old
+    """``new`` rows replace ``old`` rows of the same (system, scenario, metric), in their
+    place; an old
     ``trial`` row (``trial[kind]``: a failure) goes as soon as that system, scenario and kind
     has new rows, so a successful rerun does not keep the old failure beside its figures."""
     new = list(new)
@@ -222,7 +223,17 @@ def merge_rows(old: Iterable[Row], new: Iterable[Row]) -> list[Row]:
         base, kind = split_metric(r["metric"])
         return base == "trial" and (r["system"], r["scenario"], kind) in cells
 
-    return [r for r in old if not stale(r)] + new
+    # a new row takes the place of the row it replaces (the tables keep their order), the
+    # others go at the end
+    by_key = {(r["system"], r["scenario"], r["metric"]): r for r in new}
+    out: list[Row] = []
+    for r in old:
+        key = (r["system"], r["scenario"], r["metric"])
+        if key in by_key:
+            out.append(by_key.pop(key))
+        elif not stale(r):
+            out.append(r)
+    return out + list(by_key.values())
 
 
 def save_scenario(

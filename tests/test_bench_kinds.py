@@ -282,3 +282,19 @@ def test_a_rerun_drops_the_old_failure_of_that_kind_only() -> None:
         "detection_s[cuda]",
         "trial[ecc]",
     ]
+
+
+def test_a_rerun_of_some_rows_keeps_them_in_their_place() -> None:
+    """A ``--quick`` run re-measures the smallest size only: its rows take the places of the
+    rows they replace, so a table's columns keep their order (they were appended: a grid's
+    smallest size became its last column)."""
+
+    def row(metric: str) -> dict[str, object]:
+        return make_row(system="unicron", scenario="tp", metric=metric, values=[1.0])
+
+    old = [row(f"whole_s[tp2/dim{d}]") for d in (128, 256, 384)]
+    merged = merge_rows(old, [row("whole_s[pp2/dim128]"), row("whole_s[tp2/dim128]")])
+    assert [r["metric"] for r in merged] == [
+        "whole_s[tp2/dim128]", "whole_s[tp2/dim256]", "whole_s[tp2/dim384]",
+        "whole_s[pp2/dim128]",
+    ]  # fmt: skip
