@@ -42,7 +42,7 @@ CHILD = textwrap.dedent("""
     prev, nxt = Staged(), Staged()
     st.pp.bind_epoch(prev, nxt, RuntimeError, torch.device("cpu"))
     for attempt in range(3):  # buffers kept across attempts: later ones as the first
-        st.begin(Step(), 2)
+        st.begin(2)
         done = [st.forward((None, None)) for _ in range(2)]
         for c in done:
             st.backward(Step(), c)

@@ -257,8 +257,9 @@ def device_mesh(device_type: str | None = None) -> DeviceMesh:
     a GPU (default: the device of ``unicron run --device``)."""
     global _MESH
     if _MESH is None:
-        par, first = tensor_parallel(), pipeline_parallel().stage * tensor_parallel().size
+        par = tensor_parallel()
         replica_world()
+        first = dist.get_rank() - par.rank  # the world's rank is this slot's place
         group = ReplicaGroup(par)
         dist.Backend.register_backend(BACKEND, lambda *_: group, devices=["cpu", "cuda"])
         made = dist.new_group(ranks=list(range(first, first + par.size)), backend=BACKEND)

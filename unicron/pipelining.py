@@ -114,9 +114,10 @@ class Stage:
             )  # fmt: skip
             self.torch.has_backward = True
 
-    def begin(self, step: Step, num_microbatches: int) -> None:
-        """An attempt at ``step`` begins: the stage's buffers of an earlier attempt are
-        dropped (one left unfinished by a broken replica, too). Called by the worker."""
+    def begin(self, num_microbatches: int) -> None:
+        """An attempt at a step begins (of at most ``num_microbatches`` here): the stage's
+        buffers of an earlier attempt are dropped (one left unfinished by a broken replica,
+        too). Called by the worker."""
         self._chunks = 0
         st = self.torch
         if st is None:

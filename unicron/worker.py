@@ -271,7 +271,7 @@ def train(
     )
     for step in loop:
         if stage is not None:
-            stage.begin(step, num_microbatches)
+            stage.begin(num_microbatches)
             _pipelined(step, schedule, stage.forward, functools.partial(stage.backward, step))
         elif step.stages > 1 and schedule != "sequential":
             assert loss_fn is not None

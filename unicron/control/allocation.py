@@ -517,7 +517,7 @@ def _moves(
                 ok = [g for g in groups if gone.isdisjoint(g) and _keeps_places(t, [*gone, *g])]
                 if not ok:  # a block at the layout it runs at, if one can go
                     ok = [g for g in _blocks(t, capacity, give_back)
-                          if _keeps_places(t, [*give_back, *g])
+                          if _keeps_places(t, [*gone, *g])
                           and held[t.name] - len(give_back) - len(g) >= t.min_workers]  # fmt: skip
                 if not ok:
                     break
