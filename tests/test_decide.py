@@ -61,6 +61,33 @@ def test_a_failed_worker_gives_a_new_epoch_and_its_restart_and_nothing_is_done_y
     assert [e["epoch"] for e in c.events.events() if e["event"] == "epoch_begin"] == [1, 2]
 
 
+def test_a_spawn_whose_answer_was_lost_is_sent_again_when_the_agent_reconnects(
+    tmp_path: Path,
+) -> None:
+    """The exchange that reported slot 1's crash reached the coordinator, but its answer (the
+    restart's ``Spawn``) was lost on the way back. The agent's next exchange carries its census
+    (it does after any failed one): slot 1 has no worker there, so the ``Spawn`` comes again.
+    A census that shows the worker, or a ``Spawn`` still on its way, sends none."""
+    c = running(tmp_path)
+    assert c.exchange(0, [M.Census(ts=0.5, alive=(0, 1))], 0.5).actions == ()
+    reply = c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))],
+                       1.0)  # fmt: skip
+    assert reply.actions == (M.Spawn(1),)  # ... and lost
+    again = c.exchange(0, [M.Census(ts=2.0, alive=(0,))], 2.0)
+    assert again.actions == (M.Spawn(1),)
+    assert c.exchange(0, [M.Census(ts=3.0, alive=(0, 1))], 3.0).actions == ()
+    # a crash and the census in one exchange: the restart's Spawn goes once
+    both = [M.WorkerFailed(slot=0, ts=4.0, verdict=verdict_for_kind("segfault")),
+            M.Census(ts=4.0, alive=(1,))]  # fmt: skip
+    assert c.exchange(0, both, 4.0).actions == (M.Spawn(0),)
+    # a Spawn the ticker queued that the agent has not taken yet: not sent twice
+    effects = c.decide_exchange(
+        1, [M.WorkerFailed(slot=3, ts=5.0, verdict=verdict_for_kind("segfault"))], 5.0
+    )
+    c.executor.run(effects)
+    assert c.exchange(1, [M.Census(ts=5.1, alive=(2,))], 5.1).actions == (M.Spawn(3),)
+
+
 def test_a_restarted_worker_that_is_ready_joins_at_the_step_boundary(tmp_path: Path) -> None:
     c = running(tmp_path)
     c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))], 1.0)

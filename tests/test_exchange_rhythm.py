@@ -26,6 +26,7 @@ from unicron.control.client import Client, TaskLink
 from unicron.control.cluster import Cluster
 from unicron.control.service import serve
 from unicron.control.taskspec import TaskSpec
+from unicron.detect.classify import verdict_for_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "rhythm-token"
@@ -197,5 +198,50 @@ def test_a_refused_report_is_dropped_alone_and_the_others_reach_the_coordinator(
         now = time.time()
         link.exchange(nid, [M.EpochEntered(slot=slot, ts=now, epoch=epoch)], now, read_until=now)
         assert link._last_ok == now and not link._pending  # later reports go through
+    finally:
+        client.close()
+
+
+def test_an_answer_lost_on_the_way_back_is_given_again(service: tuple[Cluster, str]) -> None:
+    """The exchange that reported a crash (of the task's starting worker) reached the
+    coordinator, whose answer (the restart's ``Spawn``) was lost on the way back (here: a
+    timeout raised after the real request). The link's next exchange carries the crash
+    again, applied once (its index was heard), and the agent's census, which has no worker in
+    the slot: the ``Spawn`` comes again. Before, the crash was applied twice (two restarts
+    counted) and the census ignored."""
+    import httpx
+
+    cluster, url = service
+    client = Client(url, TOKEN)
+    try:
+        nid, slot, _ = _one_task(cluster, client)
+        alive = {slot}
+        uid = cluster.tasks["t"].row.uid
+        link = TaskLink(client, "n0", "inst", uid,
+                        lambda: M.Census(ts=time.time(), alive=tuple(alive)))  # fmt: skip
+        real = client.request
+
+        def lost(*args: Any, **kwargs: Any) -> Any:
+            real(*args, **kwargs)  # the coordinator hears it and answers ...
+            raise httpx.ReadTimeout("the answer was lost")  # ... into the void
+
+        client.request = lost  # type: ignore[method-assign]
+        alive.clear()
+        now = time.time()
+        crash = M.WorkerFailed(slot=slot, ts=now, verdict=verdict_for_kind("segfault"))
+        assert link.exchange(nid, [crash], now, read_until=now).actions == ()
+        client.request = real  # type: ignore[method-assign]
+        deadline = time.time() + 10
+        while True:
+            time.sleep(ROUND_S)
+            now = time.time()
+            reply = link.exchange(nid, [], now, read_until=now)
+            if reply.actions:
+                break
+            assert time.time() < deadline, "the restart's Spawn never came again"
+        assert reply.actions == (M.Spawn(slot),)
+        # the crash report went out twice, and was applied once: one restart decided
+        events, _ = cluster.events("t", 0)
+        assert [e["slot"] for e in events if e["event"] == "action"] == [slot]
     finally:
         client.close()

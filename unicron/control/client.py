@@ -256,6 +256,7 @@ class TaskLink:
         self.instance = instance
         self.census = census
         self._pending: list[M.Report] = []
+        self._first = 0  # the index of _pending[0] among the reports sent (the census aside)
         self._urgent = False  # a pending report that must not wait for the rhythm
         self._last = M.Reply()
         self._last_ok = 0.0
@@ -309,6 +310,7 @@ class TaskLink:
             "instance": self.instance,
             "read_until": read_until,
             "reports": [M.to_wire(r) for r in batch],
+            "first": self._first,
         }
         try:
             reply = M.from_wire(self.client.request("POST", self.path, json=body))
@@ -327,6 +329,7 @@ class TaskLink:
             self._retry_at = now + self._backoff
             self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
             return idle
+        self._first += len(self._pending)
         self._pending.clear()
         self._urgent = False
         self._reconnect = False

@@ -57,7 +57,7 @@ from unicron.control.planning import (
     task_view,
     writer_of,
 )
-from unicron.control.screen import Invalid, screen
+from unicron.control.screen import Heard, Invalid, screen
 from unicron.control.state import ACTIVE, ENDED, NodeRow, State, TaskRow, open_state
 from unicron.control.taskspec import TaskSpec
 from unicron.detect.monitor import MonitorSettings, StepMonitor
@@ -127,6 +127,7 @@ class Cluster:
         self.tasks: dict[str, Task] = {}
         self.owners = self.state.owners()  # task name -> who submitted it
         self._by_uid: dict[str, Task] = {}  # ... and every exchange its task
+        self._heard = Heard()  # the agents' reports handed over, by index
         self._triggers: list[str] = []  # what happened since the last plan
         last_alive = float(self.state.meta("alive_ts") or "nan")
         self.away_s = now - last_alive if math.isfinite(last_alive) else None
@@ -229,14 +230,23 @@ class Cluster:
         reports: list[M.Report],
         now: float,
         read_until: float | None,
+        first: int | None = None,
     ) -> M.Reply:
-        """One round of a node's supervisor of task ``uid`` (see ``Coordinator.exchange``)."""
+        """One round of a node's supervisor of task ``uid`` (see ``Coordinator.exchange``);
+        ``first``: the index of its first report (:class:`~unicron.control.screen.Heard`)."""
         with self._lock:
             node = self._nodes.speaking(name, instance, now, self._dropped)
             task = self._by_uid.get(uid)
             controller = None if task is None else task.controller
             if task is not None and controller is not None:
-                reports = screen(node.row, task.row, controller.epoch, reports)
+                fresh, upto = self._heard.unheard(uid, name, instance, first, reports)
+                try:
+                    reports = screen(node.row, task.row, controller.epoch, fresh)
+                except Invalid as exc:  # its position in the agent's batch
+                    if exc.index is not None:
+                        exc.index += len(reports) - len(fresh)
+                    raise
+                self._heard.note(uid, name, instance, upto)
         if controller is None:  # ended (or never known): its workers leave
             return M.Reply(over=True, finished=True)
         return controller.exchange(node.row.id, reports, now, read_until=read_until)

@@ -15,9 +15,12 @@ or its node (:mod:`~unicron.control.readmission`), then a new epoch or a wait
 
 from __future__ import annotations
 
+import logging
+
 from unicron.control import membership, readmission
 from unicron.control.book import TaskBook, TaskState
 from unicron.control.escalation import Decision
+from unicron.control.slots import SlotState
 from unicron.detect.classify import (
     Action,
     Scope,
@@ -27,7 +30,9 @@ from unicron.detect.classify import (
     classify_exit,
 )
 from unicron.detect.stall import Phase, Progress
-from unicron.messages import Census
+from unicron.messages import Census, Spawn
+
+log = logging.getLogger(__name__)
 
 CONTROL_ERRORS_FAIL = 3
 """reports the coordinator may fail to apply (its own bugs, logged with their tracebacks)
@@ -293,7 +298,7 @@ def collective_stuck(b: TaskBook, reason: str, now: float) -> None:
         b.kill(slot, verdict, now)
 
 
-def census(b: TaskBook, node: int, r: Census) -> None:
+def census(b: TaskBook, node: int, r: Census, queued: frozenset[int] = frozenset()) -> None:
     """An agent's account of its workers, sent when it (re)connects: a coordinator that
     adopted a running task learns from it which workers live, and heals a member gone while
     nobody listened (its exit report was lost with the old coordinator) as a process failure.
@@ -302,8 +307,22 @@ def census(b: TaskBook, node: int, r: Census) -> None:
     waiting for it when it died, its epoch broken and none announced since) cannot train in
     the epoch the store still names: a new one is announced (found by the cluster soak: a
     tensor-parallel task whose coordinator died while it waited for a restarted rank waited
-    for the next store loss to go on)."""
+    for the next store loss to go on).
+
+    To a coordinator that never went away it says one thing: a slot it started whose worker
+    the agent does not have. The census comes with the first exchange after one that failed,
+    and that one may have reached the coordinator and lost its answer on the way back (a
+    reply past the client's timeout, a connection cut): the ``Spawn`` in it is sent again,
+    unless one is still on its way (``queued``: in the node's outbox or decided in this
+    exchange). Without this the slot waited for a worker nobody started."""
     if not b.adopted:
+        for slot, o in b.slots.items():
+            starting = o.state in (SlotState.STARTING, SlotState.OUT_STARTING)
+            if o.node == node and starting and slot not in r.alive and slot not in queued:
+                log.warning("task %s: slot %d was started but its agent has no worker there "
+                            "(the answer that carried its Spawn was lost): sent again",
+                            b.task, slot)  # fmt: skip
+                b.send(node, Spawn(slot, place=b.place(slot)))
         return
     outside = []
     for slot, o in b.slots.items():

@@ -99,3 +99,40 @@ def _malformed(r: M.Report, epoch: int) -> str:
             if k not in _EXTRA or type(v) is not _EXTRA[k]:
                 return f"Detected: extra field {str(k)[:40]!r} is not one an agent sends"
     return ""
+
+
+@dataclasses.dataclass
+class Heard:
+    """How many of each agent's reports per task the cluster has handed to the task's
+    coordinator, by the running index its link gives them
+    (:class:`unicron.control.client.TaskLink`, the exchange's ``first``). An exchange whose
+    answer was lost on the way back (a reply past the client's timeout, a connection cut) is
+    sent again with its reports; those handed over already are not applied twice (a crash
+    applied twice counted two restarts against the slot's limit, and announced an epoch
+    more). An agent's new instance counts from 0; a census (sent last, after a failed
+    exchange) carries no index and is always heard."""
+
+    _next: dict[tuple[str, str], tuple[str, int]] = dataclasses.field(default_factory=dict)
+
+    def unheard(
+        self, uid: str, name: str, instance: str, first: int | None, reports: list[M.Report]
+    ) -> tuple[list[M.Report], int | None]:
+        """The ``reports`` of this exchange not handed over yet, and the index to
+        :meth:`note` once they are (``None``: an exchange without indices)."""
+        if first is None:
+            return reports, None
+        held, upto = self._next.get((uid, name), (instance, 0))
+        upto = upto if held == instance else 0
+        indexed = [r for r in reports if not isinstance(r, M.Census)]
+        skip = min(max(upto - first, 0), len(indexed))
+        if skip:
+            log.warning("node %s, task %s: %d report(s) heard already (an answer lost on its "
+                        "way back?): not applied again", name, uid, skip)  # fmt: skip
+        census = [r for r in reports if isinstance(r, M.Census)]
+        return indexed[skip:] + census, max(upto, first + len(indexed))
+
+    def note(self, uid: str, name: str, instance: str, upto: int | None) -> None:
+        """Every report of ``name``'s agent ``instance`` for task ``uid`` below ``upto`` was
+        handed to the coordinator."""
+        if upto is not None:
+            self._next[(uid, name)] = (instance, upto)

@@ -155,6 +155,9 @@ class Exchange(BaseModel):
     instance: str = Field(min_length=1, max_length=64)
     read_until: float | None = Field(None, allow_inf_nan=False)
     reports: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
+    first: int | None = Field(None, ge=0)
+    """the running index of the first report (a census excepted) among those this agent
+    sent for the task: a report sent again after a lost answer is not applied twice"""
 
 
 MAX_BODY_BYTES = 8 << 20
@@ -402,7 +405,9 @@ def make_app(
             if not M.is_report(r):
                 raise Invalid(f"reports[{i}]: a {type(r).__name__} is not a report", index=i)
             reports.append(r)
-        reply = cluster.exchange(node, body.instance, uid, reports, time.time(), body.read_until)
+        reply = cluster.exchange(
+            node, body.instance, uid, reports, time.time(), body.read_until, body.first
+        )
         return JSONResponse(M.to_wire(reply))
 
     return app
