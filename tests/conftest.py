@@ -70,6 +70,7 @@ def run_unicron(
         cwd=tmp,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+    (tmp / "stderr.txt").write_text(proc.stderr)  # beside its logs: what a failed run said
     evs = read_events(events) if events.exists() else []
     return RunResult(proc.returncode, evs, proc.stderr, out)
 

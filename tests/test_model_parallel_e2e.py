@@ -124,14 +124,16 @@ def test_a_lost_rank_of_a_3d_replica_heals_to_the_fault_free_bits(run: Any) -> N
     still rejoining, the only copy of place 1's newest state was rank 5's, and the task
     failed without a checkpoint, as it must)."""
     layout = ("--nproc-per-node", "8", "--tp", "2", "--pp", "2")
+    # replica 0 must be back before the end for rank 5's crash to come: 13 steps of replica 1
+    # alone leave room for it beside CPU burners (ten were once too few)
     clean = run(*layout, script=SCRIPT,
-                script_args=("--steps", "12", "--out", "out", "--schedule", "gpipe"))  # fmt: skip
+                script_args=("--steps", "16", "--out", "out", "--schedule", "gpipe"))  # fmt: skip
     faulty = run(
-        *layout, "--inject", "crash:rank=2,step=4,mb=1",
+        *layout, "--inject", "crash:rank=2,step=2,mb=1",
         "--inject", "crash:rank=5,step=7,members=8",
-        script=SCRIPT, script_args=("--steps", "12", "--out", "out"),
+        script=SCRIPT, script_args=("--steps", "16", "--out", "out"),
     )  # fmt: skip
-    _same(clean, faulty, 12)
+    _same(clean, faulty, 16)
     epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
     assert (4, 5, 6, 7) in epochs and all(len(m) % 4 == 0 for m in epochs), epochs
     restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
@@ -143,13 +145,15 @@ def test_a_replica_whose_stages_span_nodes_heals_to_the_one_node_bits(run: Any) 
     (:mod:`unicron.control.replicas`). Stage 1 of replica 0 (node 1) crashes mid-step and
     comes back; then node 2 (stage 0 of replica 1) is lost for good: replica 1's other stage
     waits, replica 0 trains alone. The bits are those of the same layout on one node."""
-    clean = _tp(run, "--nproc-per-node", "4", "--pp", "2", steps=10)
+    # replica 0 must be back before the end for the node fault to come: 18 steps of replica 1
+    # alone leave room for it beside CPU burners (a step takes ~0.1 s here)
+    clean = _tp(run, "--nproc-per-node", "4", "--pp", "2", steps=20)
     faulty = _tp(
         run, "--nnodes", "4", "--nproc-per-node", "1", "--pp", "2", "--checkpoint-every", "0",
-        "--inject", "crash:rank=1,step=3,mb=1", "--inject", "node:node=2,step=6,members=4",
-        steps=10,
+        "--inject", "crash:rank=1,step=2,mb=1", "--inject", "node:node=2,step=6,members=4",
+        steps=20,
     )  # fmt: skip
-    _same(clean, faulty, 10)
+    _same(clean, faulty, 20)
     epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
     assert epochs[0] == (0, 1, 2, 3) and (2, 3) in epochs and epochs[-1] == (0, 1), epochs
     restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
@@ -176,7 +180,8 @@ def test_a_3d_replica_across_nodes_heals_to_the_one_node_bits(run: Any) -> None:
 def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run: Any) -> None:
     """PP=3 x DP=2 (a layer a stage): the middle stage of replica 0 crashes mid-step, the
     middle stage of replica 1 hangs (its neighbours wait on it and say so: it alone is
-    restarted). The faulty run computes in GPipe's order (asked for: every forward pass,
+    restarted); each time the live replica keeps its finished micro-batches and waits for the
+    broken one. The faulty run computes in GPipe's order (asked for: every forward pass,
     then every backward pass; the stages overlap), the fault-free one a micro-batch at a time
     through the stages and back: the same bits (each micro-batch's gradient is reduced on its
     own). A second faulty run has each stage as PyTorch's own ``PipelineStage``
@@ -188,11 +193,15 @@ def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run:
         *layout, script=SCRIPT,
         script_args=("--steps", "10", "--out", "out", *script_args, "--schedule", "sequential"),
     )  # fmt: skip
-    # the hang once the restarted rank is back (members=6): the hung rank holds the only
-    # other copy of the crashed rank's shard, and a hang before the restarted rank took it
-    # loses the shard (seen beside CPU burners with three steps between them)
+    # the hang once the restarted rank is back: the hung rank holds the only other copy of
+    # the crashed rank's shard, and a hang before the restarted rank took it loses the shard.
+    # ``--min-workers 6``: the live replica waits for the broken one to be whole again, so the
+    # hang comes at step 6 whatever the machine's pace (beside CPU burners the live replica
+    # alone once trained to the end before the restarted rank joined: no hang, one restart)
+    faults = ("--min-workers", "6", "--inject", "crash:rank=1,step=3,mb=1",
+              "--inject", "hang:rank=4,step=6,members=6")  # fmt: skip
     faulty = run(
-        *layout, "--inject", "crash:rank=1,step=3,mb=1", "--inject", "hang:rank=4,step=6,members=6",
+        *layout, *faults,
         script=SCRIPT,
         script_args=("--steps", "10", "--out", "out", *script_args, "--schedule", "gpipe"),
     )  # fmt: skip
@@ -200,7 +209,7 @@ def test_a_pipelines_middle_stage_lost_or_hung_heals_to_the_fault_free_bits(run:
     restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
     assert restarted == [1, 4]
     torch_stages = run(
-        *layout, "--inject", "crash:rank=1,step=3,mb=1", "--inject", "hang:rank=4,step=6,members=6",
+        *layout, *faults,
         script=SCRIPT,
         script_args=("--steps", "10", "--out", "out", *script_args, "--pp-api", "torch"),
     )  # fmt: skip
@@ -230,6 +239,7 @@ def test_a_3d_replica_in_pytorchs_own_apis_heals_to_the_hand_written_bits(run: A
     assert restarted == [2, 5]
 
 
+@pytest.mark.long  # 31 s; the default run changes layout in the TP-degree test below
 def test_a_layout_change_8_6_8_keeps_the_fault_free_bits(run: Any) -> None:
     """TP=2 x PP=2 x DP=2 on 8 workers; slot 5 excluded (an ECC error): its replica cannot be
     whole, so the task goes on at TP=2 x PP=1 x DP=3 on six (``--pp-choices 1``), its state
@@ -487,8 +497,8 @@ def test_pytorchs_own_tensor_parallelism_heals_to_the_hand_written_layers_bits(r
     layout = ("--nproc-per-node", "4", "--tp", "2", "--checkpoint-every", "0")
     steps = 10
     clean = _tp(run, *layout, steps=steps)
-    faulty = run(
-        *layout, "--inject", "crash:rank=0,step=3,mb=1",
+    faulty = run(  # the replicas wait for each other (--min-workers 4): the hang comes at step 6
+        *layout, "--min-workers", "4", "--inject", "crash:rank=0,step=3,mb=1",
         "--inject", "hang:rank=3,step=6,members=4",
         script=SCRIPT, script_args=("--steps", str(steps), "--out", "out", "--tp-api", "dtensor"),
     )  # fmt: skip
