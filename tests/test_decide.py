@@ -86,6 +86,9 @@ def test_a_spawn_whose_answer_was_lost_is_sent_again_when_the_agent_reconnects(
     )
     c.executor.run(effects)
     assert c.exchange(1, [M.Census(ts=5.1, alive=(2,))], 5.1).actions == (M.Spawn(3),)
+    # a kill under way: its Kill was in the lost answer too, and a new worker would outlive it
+    c.book.slots[3].killed_at = 6.0
+    assert c.exchange(1, [M.Census(ts=6.0, alive=(2,))], 6.0).actions == ()
 
 
 def test_a_restarted_worker_that_is_ready_joins_at_the_step_boundary(tmp_path: Path) -> None:

@@ -202,7 +202,10 @@ def test_a_refused_report_is_dropped_alone_and_the_others_reach_the_coordinator(
         client.close()
 
 
-def test_an_answer_lost_on_the_way_back_is_given_again(service: tuple[Cluster, str]) -> None:
+@pytest.mark.parametrize("lost", ["timeout", "unreadable"])
+def test_an_answer_lost_on_the_way_back_is_given_again(
+    service: tuple[Cluster, str], lost: str
+) -> None:
     """The exchange that reported a crash (of the task's starting worker) reached the
     coordinator, whose answer (the restart's ``Spawn``) was lost on the way back (here: a
     timeout raised after the real request). The link's next exchange carries the crash
@@ -221,11 +224,13 @@ def test_an_answer_lost_on_the_way_back_is_given_again(service: tuple[Cluster, s
                         lambda: M.Census(ts=time.time(), alive=tuple(alive)))  # fmt: skip
         real = client.request
 
-        def lost(*args: Any, **kwargs: Any) -> Any:
+        def lose(*args: Any, **kwargs: Any) -> Any:
             real(*args, **kwargs)  # the coordinator hears it and answers ...
-            raise httpx.ReadTimeout("the answer was lost")  # ... into the void
+            if lost == "timeout":  # ... into the void
+                raise httpx.ReadTimeout("the answer was lost")
+            raise ValueError("Expecting value: line 1 column 1 (char 0)")  # ... or garbled
 
-        client.request = lost  # type: ignore[method-assign]
+        client.request = lose  # type: ignore[method-assign]
         alive.clear()
         now = time.time()
         crash = M.WorkerFailed(slot=slot, ts=now, verdict=verdict_for_kind("segfault"))

@@ -314,6 +314,9 @@ class TaskLink:
         }
         try:
             reply = M.from_wire(self.client.request("POST", self.path, json=body))
+        except (httpx.DecodingError, ValueError) as exc:  # an answer that cannot be read
+            log.warning("task %s: an unreadable answer, taken as lost: %s", self.uid, exc)
+            return self._failed(now, idle)
         except (httpx.TransportError, ServiceError) as exc:
             held = (401, 404, 410)
             if isinstance(exc, ServiceError) and exc.refused is not None:
@@ -323,12 +326,7 @@ class TaskLink:
             # 401: its credential was rotated and its file not yet rewritten; 410: the node
             # was declared lost (its agent's heartbeat learns it too, and stops this task's
             # workers): the reports wait, as for a coordinator that is away
-            if self.down_since is None:
-                self.down_since = now
-            self._reconnect = True
-            self._retry_at = now + self._backoff
-            self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
-            return idle
+            return self._failed(now, idle)
         self._first += len(self._pending)
         self._pending.clear()
         self._urgent = False
@@ -338,6 +336,16 @@ class TaskLink:
         self._last, self._last_ok = reply, now
         assert isinstance(reply, M.Reply)
         return reply
+
+    def _failed(self, now: float, idle: M.Reply) -> M.Reply:
+        """The exchange failed, or its answer was lost: the reports wait for the next try
+        (after a backoff), which carries the agent's census too."""
+        if self.down_since is None:
+            self.down_since = now
+        self._reconnect = True
+        self._retry_at = now + self._backoff
+        self._backoff = min(self._backoff * 2, self.MAX_BACKOFF_S)
+        return idle
 
     def _refused(self, exc: ServiceError, batch: list[M.Report], idle: M.Reply) -> M.Reply:
         """The cluster refused the exchange for one report (a 422 naming its position in

@@ -314,11 +314,17 @@ def census(b: TaskBook, node: int, r: Census, queued: frozenset[int] = frozenset
     and that one may have reached the coordinator and lost its answer on the way back (a
     reply past the client's timeout, a connection cut): the ``Spawn`` in it is sent again,
     unless one is still on its way (``queued``: in the node's outbox or decided in this
-    exchange). Without this the slot waited for a worker nobody started."""
+    exchange). Without this the slot waited for a worker nobody started. Not for a slot with
+    a kill under way (its ``Kill`` went with the ``Spawn``: a new worker would outlive it),
+    nor once the task is over. A task adopted by a restarted coordinator keeps the reading
+    above for every census (a lost ``Spawn`` of a slot outside its epoch leaves it down)."""
     if not b.adopted:
+        if b.over():
+            return
         for slot, o in b.slots.items():
             starting = o.state in (SlotState.STARTING, SlotState.OUT_STARTING)
-            if o.node == node and starting and slot not in r.alive and slot not in queued:
+            lost = slot not in r.alive and slot not in queued and o.killed_at is None
+            if o.node == node and starting and lost:
                 log.warning("task %s: slot %d was started but its agent has no worker there "
                             "(the answer that carried its Spawn was lost): sent again",
                             b.task, slot)  # fmt: skip
