@@ -91,6 +91,19 @@ def test_a_spawn_whose_answer_was_lost_is_sent_again_when_the_agent_reconnects(
     assert c.exchange(1, [M.Census(ts=6.0, alive=(2,))], 6.0).actions == ()
 
 
+def test_a_probe_whose_answer_was_lost_is_asked_again(tmp_path: Path) -> None:
+    """Slot 1 excluded (an ECC error), its probe asked for when the cool-down is over, and the
+    answer that carried the ``Probe`` lost: the agent's census (no probe runs there) brings it
+    again. Before, the slot stayed marked as probing, and out, for good."""
+    c = running(tmp_path)
+    c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("ecc"))], 1.0)
+    assert c.book.slots[1].excluded
+    c.executor.run(c.decide_tick(100.0))
+    assert c.take_actions(0) == [M.Probe(1)]  # ... and lost
+    assert c.exchange(0, [M.Census(ts=101.0, alive=(0,))], 101.0).actions == (M.Probe(1),)
+    assert c.exchange(0, [M.Census(ts=102.0, alive=(0,), probing=(1,))], 102.0).actions == ()
+
+
 def test_a_restarted_worker_that_is_ready_joins_at_the_step_boundary(tmp_path: Path) -> None:
     c = running(tmp_path)
     c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("segfault"))], 1.0)

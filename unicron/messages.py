@@ -416,12 +416,14 @@ class ProbeNotStarted:
 @dataclass(frozen=True, kw_only=True)
 class Census:
     """What the agent knows of the task's workers on its node, sent on its first exchange
-    with a coordinator (a restarted one adopts running tasks from it): per slot, whether a
-    worker process lives and whether it reported ready without having entered an epoch."""
+    with a coordinator (a restarted one adopts running tasks from it) and after a failed one:
+    per slot, whether a worker process lives, whether it reported ready without having
+    entered an epoch, and whether a health probe of it runs."""
 
     ts: float
     alive: tuple[int, ...] = ()
     ready: tuple[int, ...] = ()
+    probing: tuple[int, ...] = ()
 
 
 Report = (

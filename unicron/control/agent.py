@@ -324,7 +324,8 @@ class Agent:
         task from it)."""
         alive = tuple(s for s, w in self.workers.items() if w.alive)
         ready = tuple(s for s, w in self.workers.items() if w.state is WorkerState.READY)
-        return M.Census(ts=time.time(), alive=alive, ready=ready)
+        probing = tuple(s for s in self.workers if s in self._probes)
+        return M.Census(ts=time.time(), alive=alive, ready=ready, probing=probing)
 
     def _act(self, now: float) -> None:
         """Carry out what the coordinator asked of this node in its last answer."""

@@ -30,7 +30,7 @@ from unicron.detect.classify import (
     classify_exit,
 )
 from unicron.detect.stall import Phase, Progress
-from unicron.messages import Census, Spawn
+from unicron.messages import Census, Probe, Spawn
 
 log = logging.getLogger(__name__)
 
@@ -309,15 +309,17 @@ def census(b: TaskBook, node: int, r: Census, queued: frozenset[int] = frozenset
     tensor-parallel task whose coordinator died while it waited for a restarted rank waited
     for the next store loss to go on).
 
-    To a coordinator that never went away it says one thing: a slot it started whose worker
-    the agent does not have. The census comes with the first exchange after one that failed,
-    and that one may have reached the coordinator and lost its answer on the way back (a
-    reply past the client's timeout, a connection cut): the ``Spawn`` in it is sent again,
+    To a coordinator that never went away it says two things: a slot it started whose
+    worker the agent does not have, and an excluded slot it asked to probe whose probe does
+    not run. The census comes with the first exchange after one that failed, and that one
+    may have reached the coordinator and lost its answer on the way back (a reply past the
+    client's timeout, a connection cut): the ``Spawn`` or ``Probe`` in it is sent again,
     unless one is still on its way (``queued``: in the node's outbox or decided in this
-    exchange). Without this the slot waited for a worker nobody started. Not for a slot with
-    a kill under way (its ``Kill`` went with the ``Spawn``: a new worker would outlive it),
-    nor once the task is over. A task adopted by a restarted coordinator keeps the reading
-    above for every census (a lost ``Spawn`` of a slot outside its epoch leaves it down)."""
+    exchange). Without this the slot waited for a worker nobody started, or stayed out for
+    good. No ``Spawn`` for a slot with a kill under way (its ``Kill`` went with it: a new
+    worker would outlive it), nor once the task is over. A task adopted by a restarted
+    coordinator keeps the reading above for every census (a lost ``Spawn`` of a slot
+    outside its epoch leaves it down)."""
     if not b.adopted:
         if b.over():
             return
@@ -329,6 +331,10 @@ def census(b: TaskBook, node: int, r: Census, queued: frozenset[int] = frozenset
                             "(the answer that carried its Spawn was lost): sent again",
                             b.task, slot)  # fmt: skip
                 b.send(node, Spawn(slot, place=b.place(slot)))
+            elif o.node == node and o.probing and slot not in r.probing and slot not in queued:
+                log.warning("task %s: the probe of slot %d does not run (the answer that "
+                            "carried it was lost): asked again", b.task, slot)  # fmt: skip
+                b.send(node, Probe(slot))
         return
     outside = []
     for slot, o in b.slots.items():
