@@ -102,6 +102,9 @@ def test_a_probe_whose_answer_was_lost_is_asked_again(tmp_path: Path) -> None:
     assert c.take_actions(0) == [M.Probe(1)]  # ... and lost
     assert c.exchange(0, [M.Census(ts=101.0, alive=(0,))], 101.0).actions == (M.Probe(1),)
     assert c.exchange(0, [M.Census(ts=102.0, alive=(0,), probing=(1,))], 102.0).actions == ()
+    # back in the plan meanwhile (its node lost and returned), still marked: no probe of it
+    c.book.slots[1].readmit()
+    assert c.exchange(0, [M.Census(ts=103.0, alive=(0,))], 103.0).actions == ()
 
 
 def test_a_restarted_worker_that_is_ready_joins_at_the_step_boundary(tmp_path: Path) -> None:

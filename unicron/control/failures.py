@@ -331,7 +331,13 @@ def census(b: TaskBook, node: int, r: Census, queued: frozenset[int] = frozenset
                             "(the answer that carried its Spawn was lost): sent again",
                             b.task, slot)  # fmt: skip
                 b.send(node, Spawn(slot, place=b.place(slot)))
-            elif o.node == node and o.probing and slot not in r.probing and slot not in queued:
+            elif (
+                o.node == node
+                and o.probing
+                and o.excluded
+                and not o.alive
+                and (slot not in r.probing and slot not in queued)
+            ):
                 log.warning("task %s: the probe of slot %d does not run (the answer that "
                             "carried it was lost): asked again", b.task, slot)  # fmt: skip
                 b.send(node, Probe(slot))
