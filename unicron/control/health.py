@@ -124,6 +124,8 @@ def step_computed(
     s.computed, s.computed_epoch = step, ep
     b.cpu.computed(slot, step, cpu_s)
     s.has_state, s.fresh = True, False
+    if ep == b.epoch:
+        b.state_layout = b.layout
     s.progress = Progress(ep, Phase.REDUCE, step, now)
     own_s = own_compute_s(compute_s, queued_s)
     if microbatches:

@@ -50,7 +50,7 @@ def adopt(
     gone = [m for m in info.members if m not in b.slots]
     own = b.settings.own
     lay = (info.tp or own[0], info.pp or own[1])  # the log's are spelled out, the store's not
-    b.layout = (0, 0) if lay == own else lay
+    b.layout = b.state_layout = (0, 0) if lay == own else lay
     b.members = replicas.whole(b.slots, members, b.lay) if gone else members
     b.trained = trained
     b.state = TaskState.RUNNING if b.members else TaskState.WAITING
