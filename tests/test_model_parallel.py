@@ -375,43 +375,58 @@ def test_a_slot_lost_for_good_can_change_the_tensor_parallel_degree(tmp_path: Pa
     assert began == [(2, 1), (1, 1), (2, 1)]
 
 
-def test_the_state_of_a_tp1_epoch_is_whole_in_one_rank_until_tp2_computes(
-    tmp_path: Path,
-) -> None:
-    """TP=2 on 4 slots that may run at TP=1: at TP=1 (slot 1 excluded) each member holds the
-    whole model. The epoch back at TP=2 is announced; before anyone computed in it, slot 3
-    is killed (a false hang beside CPU burners) and slot 2 was restarted meanwhile: slot 0
-    alone holds the state, all of it. The task goes on; before, the places were counted at
-    TP=2 and it failed as if the state were gone (found by a loaded run)."""
+def _tp2_or_tp1(tmp: Path) -> Coordinator:
+    """TP=2 on 4 slots that may run at TP=1 (``--tp-choices 1``), epoch 1 started."""
     c = Coordinator(
         task="t",
         slots=dict.fromkeys(range(4), 0),
-        events=EventLog(tmp_path / "events.jsonl"),
+        events=EventLog(tmp / "events.jsonl"),
         escalation=Escalation(EscalationSettings()),
         settings=CoordinatorSettings(
             replica_ranks=2, tp=2, layouts=((2, 1), (1, 1)), min_workers=2, readmit_after_s=1.0
         ),
     )
-
-    def step(members: tuple[int, ...], epoch: int, n: int, ts: float) -> None:
-        began = [M.StepBegan(slot=m, ts=ts, step=n, epoch=epoch) for m in members]
-        done = [M.StepComputed(slot=m, ts=ts, step=n, compute_s=0.01) for m in members]
-        end = {"epoch": epoch, "rank": 0, "step": n, "loss": 1.0, "duration_s": 0.01}
-        c.exchange(0, [*began, *done, M.Event(ts=ts, name="step_end", fields=end)], ts)
-
     c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
-    step((0, 1, 2, 3), 1, 0, 0.5)
+    return c
+
+
+def _enter_and_compute(c: Coordinator, members: tuple[int, ...], n: int, ts: float) -> None:
+    """The members enter the current epoch (resharding to its layout) and compute step ``n``."""
+    epoch = c.epoch
+    entered = [M.EpochEntered(slot=m, ts=ts, epoch=epoch) for m in members]
+    began = [M.StepBegan(slot=m, ts=ts, step=n, epoch=epoch) for m in members]
+    done = [M.StepComputed(slot=m, ts=ts, step=n, compute_s=0.01) for m in members]
+    end = {"epoch": epoch, "rank": 0, "step": n, "loss": 1.0, "duration_s": 0.01}
+    c.exchange(0, [*entered, *began, *done, M.Event(ts=ts, name="step_end", fields=end)], ts)
+
+
+def test_the_state_is_counted_at_the_layout_each_holder_entered(tmp_path: Path) -> None:
+    """At TP=1 (slot 1 excluded) each member holds the whole model. The epoch back at TP=2
+    is announced; before anyone entered it, slot 3 is killed (a false hang beside CPU
+    burners) while slot 2 restarts: slot 0 alone holds the state, all of it, and the task
+    goes on (before, the places were counted at the announced TP=2 and it failed as if the
+    state were gone: found by a loaded run). Once the TP=2 epoch is entered, each holds a
+    shard: losing both holders of place 1 loses the state, and without a checkpoint the
+    task fails."""
+    c = _tp2_or_tp1(tmp_path)
+    _enter_and_compute(c, (0, 1, 2, 3), 0, 0.5)
     c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("ecc"))], 1.0)
     assert (c.members, c.book.layout) == ((0, 2, 3), (1, 1))
-    step((0, 2, 3), 2, 1, 1.5)
+    _enter_and_compute(c, (0, 2, 3), 1, 1.5)
     c.exchange(0, [M.WorkerFailed(slot=2, ts=2.0, verdict=verdict_for_kind("segfault"))], 2.0)
     assert c.members == (0, 3)
     c.exchange(0, [M.ProbeDone(slot=1, ts=3.0, ok=True, detail="ok")], 3.0)
     c.exchange(0, [M.Ready(slot=s, ts=3.5, microbatches=8) for s in (1, 2)], 3.5)
-    assert (set(c.members), c.book.layout) == ({0, 1, 2, 3}, (0, 0))  # TP=2, nothing computed
+    assert (set(c.members), c.book.layout) == ({0, 1, 2, 3}, (0, 0))  # TP=2, not entered
     c.exchange(0, [M.WorkerFailed(slot=3, ts=4.0, verdict=verdict_for_kind("hang"))], 4.0)
     assert c.book.state is not TaskState.FAILED, c.book.outcome
     assert 0 in c.members  # the holder of the whole state trains on
+
+    c = _tp2_or_tp1(tmp_path / "entered")
+    _enter_and_compute(c, (0, 1, 2, 3), 0, 0.5)  # TP=2 entered: replicas (0, 1) and (2, 3)
+    lost = [M.WorkerFailed(slot=s, ts=1.0, verdict=verdict_for_kind("segfault")) for s in (1, 3)]
+    c.exchange(0, lost, 1.0)
+    assert c.book.state is TaskState.FAILED and "state is gone" in c.book.outcome.reason
 
 
 def test_the_performance_model_picks_among_the_layouts_that_can_run(tmp_path: Path) -> None:

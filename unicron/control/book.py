@@ -180,9 +180,7 @@ class TaskBook:
         self.epoch = 0
         self.members: tuple[int, ...] = ()
         self.layout: tuple[int, int] = (0, 0)  # the epoch's (tp, pp); (0, 0): the task's own
-        # the layout of the state the holders hold: the newest epoch's that a step was computed
-        # in (a new layout's epoch, announced, holds the old one's until its first step)
-        self.state_layout: tuple[int, int] = (0, 0)
+        self.epoch_layouts: dict[int, tuple[int, int]] = {}  # each epoch's, as announced
         self.outcome: Outcome | None = None
         self.control_errors = 0  # reports the coordinator failed to apply (failures.py)
         self.started_at: float | None = None
@@ -285,18 +283,21 @@ class TaskBook:
         return all(m in held for m in self.members if m != slot and at(m) == mine)
 
     def state_held(self) -> bool:
-        """Some live slot holds the task's state (model parallel: every place's shard, at the
-        layout the state was computed in: a member of a TP=1 epoch holds the whole model
-        while the epoch back at TP=2 is only announced; found beside CPU burners, where a
-        hang kill then failed the task as if its state were gone)."""
-        lay = self.lay_at(self.state_layout)
-        size = lay[0] * lay[1]
+        """Some live slots hold the task's state: at the layout each holds it in (the epoch it
+        last entered: :attr:`Slot.state_lay`), every place's shard, or one holder of a layout
+        of one rank a replica (the whole model). A member of a TP=1 epoch still holds the
+        whole model while the epoch back at TP=2 is only announced (found beside CPU burners:
+        a hang kill then failed the task as if its state were gone)."""
         held = self.slots.holders()
-        if size == 1:
-            return bool(held)
+        if not held:
+            return False
         if not self.trained:
             return True  # no step committed: any worker builds the state again
-        return len({replicas.place(self.slots, h, lay) for h in held}) == size
+        places: dict[tuple[int, int], set[int]] = {}
+        for h in held:
+            lay = self.lay_at(self.slots[h].state_lay)
+            places.setdefault(lay, set()).add(replicas.place(self.slots, h, lay))
+        return any(len(got) == lay[0] * lay[1] for lay, got in places.items())
 
     def has_checkpoint(self) -> bool:
         """The task has a persistent checkpoint to fall back on (read from its directory)."""

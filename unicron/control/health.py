@@ -57,8 +57,11 @@ def heartbeat(b: TaskBook, node: int, now: float, read_until: float | None) -> N
 
 
 def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
-    """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state)."""
-    b.slots[slot].progress = Progress(epoch, Phase.JOIN, -1, now)
+    """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state): its
+    state is now at the epoch's layout."""
+    o = b.slots[slot]
+    o.progress = Progress(epoch, Phase.JOIN, -1, now)
+    o.state_lay = b.epoch_layouts.get(epoch, o.state_lay)
 
 
 def step_started(
@@ -124,8 +127,6 @@ def step_computed(
     s.computed, s.computed_epoch = step, ep
     b.cpu.computed(slot, step, cpu_s)
     s.has_state, s.fresh = True, False
-    if ep == b.epoch:
-        b.state_layout = b.layout
     s.progress = Progress(ep, Phase.REDUCE, step, now)
     own_s = own_compute_s(compute_s, queued_s)
     if microbatches:

@@ -50,7 +50,7 @@ def adopt(
     gone = [m for m in info.members if m not in b.slots]
     own = b.settings.own
     lay = (info.tp or own[0], info.pp or own[1])  # the log's are spelled out, the store's not
-    b.layout = b.state_layout = (0, 0) if lay == own else lay
+    b.layout = (0, 0) if lay == own else lay
     b.members = replicas.whole(b.slots, members, b.lay) if gone else members
     b.trained = trained
     b.state = TaskState.RUNNING if b.members else TaskState.WAITING
@@ -58,9 +58,11 @@ def adopt(
         b.waiting_since, b.waiting_reason = now, "adopted with no members"
     else:
         b.adopted_at = now  # until a step commits (:func:`unicron.control.health.check_stalls`)
+    b.epoch_layouts[b.epoch] = b.layout
     for slot, o in b.slots.items():
         if slot in b.members:
             o.readied()
+            o.state_lay = b.layout  # the adopted epoch's (others: the task's own)
         o.has_state = b.trained or slot in b.members
         o.fresh = not b.trained
     if gone and b.members:
@@ -474,6 +476,7 @@ def announce(
     if not members:
         return
     b.epoch += 1
+    b.epoch_layouts[b.epoch] = b.layout
     if b.monitor is not None:  # membership changed: step times may too (a new layout: cold)
         b.monitor.reset_expectation(rebuilt=rebuilt, joined=joined)
     info = EpochInfo(

@@ -143,6 +143,9 @@ class Slot:
     done: dict[str, Any] | None = None  # its worker's final report
     last_error: str = ""
     has_state: bool = True  # it holds the task's committed state (or will after a sync)
+    # the (tp, pp) layout of the state it holds, (0, 0): the task's own (what a worker builds
+    # when it starts); an epoch at another layout moves it there as it enters (reshards)
+    state_lay: tuple[int, int] = (0, 0)
     fresh: bool = True  # started while no step had committed, and has computed none since
     # -- what its worker last said (the detectors' view; cleared by :meth:`forget`)
     computed: int | None = None  # the last step it finished computing
@@ -198,6 +201,7 @@ class Slot:
         """A worker is (being) started here (a restart, or a lost node's new agent)."""
         self.to(_S.STARTING)
         self.killed_at = None
+        self.state_lay = (0, 0)
 
     def readied(self) -> None:
         """Its worker reported ready."""
