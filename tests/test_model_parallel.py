@@ -402,12 +402,12 @@ def _enter_and_compute(c: Coordinator, members: tuple[int, ...], n: int, ts: flo
 
 def test_the_state_is_counted_at_the_layout_each_holder_entered(tmp_path: Path) -> None:
     """At TP=1 (slot 1 excluded) each member holds the whole model. The epoch back at TP=2
-    is announced; before anyone entered it, slot 3 is killed (a false hang beside CPU
-    burners) while slot 2 restarts: slot 0 alone holds the state, all of it, and the task
-    goes on (before, the places were counted at the announced TP=2 and it failed as if the
-    state were gone: found by a loaded run). Once the TP=2 epoch is entered, each holds a
-    shard: losing both holders of place 1 loses the state, and without a checkpoint the
-    task fails."""
+    is announced and being entered (``EpochEntered`` comes before the reshard); slot 3 is
+    killed (a false hang beside CPU burners) while slot 2 restarts: slot 0 alone holds the
+    state, all of it, and the task goes on (before, the places were counted at the announced
+    TP=2 and it failed as if the state were gone: found by a loaded run). Once a step began
+    in the TP=2 epoch, each holds a shard: losing both holders of place 1 loses the state,
+    and without a checkpoint the task fails."""
     c = _tp2_or_tp1(tmp_path)
     _enter_and_compute(c, (0, 1, 2, 3), 0, 0.5)
     c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("ecc"))], 1.0)
@@ -417,7 +417,10 @@ def test_the_state_is_counted_at_the_layout_each_holder_entered(tmp_path: Path) 
     assert c.members == (0, 3)
     c.exchange(0, [M.ProbeDone(slot=1, ts=3.0, ok=True, detail="ok")], 3.0)
     c.exchange(0, [M.Ready(slot=s, ts=3.5, microbatches=8) for s in (1, 2)], 3.5)
-    assert (set(c.members), c.book.layout) == ({0, 1, 2, 3}, (0, 0))  # TP=2, not entered
+    assert (set(c.members), c.book.layout) == ({0, 1, 2, 3}, (0, 0))  # TP=2 announced
+    # slots 0, 1, 2 say they enter it (before their reshard) and wait for 3, which is killed
+    entered = [M.EpochEntered(slot=s, ts=3.8, epoch=c.epoch) for s in (0, 1, 2)]
+    c.exchange(0, entered, 3.8)
     c.exchange(0, [M.WorkerFailed(slot=3, ts=4.0, verdict=verdict_for_kind("hang"))], 4.0)
     assert c.book.state is not TaskState.FAILED, c.book.outcome
     assert 0 in c.members  # the holder of the whole state trains on

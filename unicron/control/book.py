@@ -283,11 +283,12 @@ class TaskBook:
         return all(m in held for m in self.members if m != slot and at(m) == mine)
 
     def state_held(self) -> bool:
-        """Some live slots hold the task's state: at the layout each holds it in (the epoch it
-        last entered: :attr:`Slot.state_lay`), every place's shard, or one holder of a layout
-        of one rank a replica (the whole model). A member of a TP=1 epoch still holds the
-        whole model while the epoch back at TP=2 is only announced (found beside CPU burners:
-        a hang kill then failed the task as if its state were gone)."""
+        """Some live slots hold the task's state: at the layout each holds it in
+        (:attr:`Slot.state_lay`; while it enters an epoch at another, either), every place's
+        shard, or one holder of a layout of one rank a replica (the whole model). A member
+        of a TP=1 epoch still holds the whole model while the epoch back at TP=2 is only
+        announced or being entered (found beside CPU burners: a hang kill then failed the
+        task as if its state were gone)."""
         held = self.slots.holders()
         if not held:
             return False
@@ -295,8 +296,10 @@ class TaskBook:
             return True  # no step committed: any worker builds the state again
         places: dict[tuple[int, int], set[int]] = {}
         for h in held:
-            lay = self.lay_at(self.slots[h].state_lay)
-            places.setdefault(lay, set()).add(replicas.place(self.slots, h, lay))
+            o = self.slots[h]
+            for at in {o.state_lay, o.entering_lay or o.state_lay}:
+                lay = self.lay_at(at)
+                places.setdefault(lay, set()).add(replicas.place(self.slots, h, lay))
         return any(len(got) == lay[0] * lay[1] for lay, got in places.items())
 
     def has_checkpoint(self) -> bool:

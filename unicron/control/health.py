@@ -57,11 +57,11 @@ def heartbeat(b: TaskBook, node: int, now: float, read_until: float | None) -> N
 
 
 def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
-    """The worker in ``slot`` entered ``epoch`` (rendezvous, ledger exchange, state): its
-    state is now at the epoch's layout."""
+    """The worker in ``slot`` enters ``epoch`` (rendezvous, ledger exchange, state): its state
+    moves to the epoch's layout, done by its first step there (:func:`step_started`)."""
     o = b.slots[slot]
     o.progress = Progress(epoch, Phase.JOIN, -1, now)
-    o.state_lay = b.epoch_layouts.get(epoch, o.state_lay)
+    o.entering_lay = b.epoch_layouts.get(epoch)
 
 
 def step_started(
@@ -77,6 +77,8 @@ def step_started(
     known = o.progress
     ep = epoch if epoch is not None else (known.epoch if known else b.epoch)
     o.progress = Progress(ep, Phase.COMPUTE, step, now)
+    if ep in b.epoch_layouts:  # a step begins once the state is synced: at the epoch's layout
+        o.state_lay, o.entering_lay = b.epoch_layouts[ep], None
     b.cpu.began(slot, step, None if cpu_s is None else Sample(now, cpu_s))
     if b.monitor is not None:
         b.monitor.step_started(slot, step, now)

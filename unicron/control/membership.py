@@ -62,7 +62,7 @@ def adopt(
     for slot, o in b.slots.items():
         if slot in b.members:
             o.readied()
-            o.state_lay = b.layout  # the adopted epoch's (others: the task's own)
+            o.entering_lay = b.layout  # the adopted epoch's, maybe only announced
         o.has_state = b.trained or slot in b.members
         o.fresh = not b.trained
     if gone and b.members:

@@ -144,8 +144,10 @@ class Slot:
     last_error: str = ""
     has_state: bool = True  # it holds the task's committed state (or will after a sync)
     # the (tp, pp) layout of the state it holds, (0, 0): the task's own (what a worker builds
-    # when it starts); an epoch at another layout moves it there as it enters (reshards)
+    # when it starts); an epoch at another layout moves it there as it enters: from its
+    # EpochEntered (said before the reshard) to its first StepBegan there (after it), both
     state_lay: tuple[int, int] = (0, 0)
+    entering_lay: tuple[int, int] | None = None
     fresh: bool = True  # started while no step had committed, and has computed none since
     # -- what its worker last said (the detectors' view; cleared by :meth:`forget`)
     computed: int | None = None  # the last step it finished computing
@@ -201,7 +203,7 @@ class Slot:
         """A worker is (being) started here (a restart, or a lost node's new agent)."""
         self.to(_S.STARTING)
         self.killed_at = None
-        self.state_lay = (0, 0)
+        self.state_lay, self.entering_lay = (0, 0), None
 
     def readied(self) -> None:
         """Its worker reported ready."""
