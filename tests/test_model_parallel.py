@@ -350,31 +350,6 @@ def test_a_slot_lost_for_good_changes_the_layout_and_its_return_changes_it_back(
     assert began[-5:] == [2, 1, 1, 1, 2]
 
 
-def test_a_slot_lost_for_good_can_change_the_tensor_parallel_degree(tmp_path: Path) -> None:
-    """TP=2 on 4 slots that may also run at TP=1 (``--tp-choices 1``): slot 1 excluded, its
-    pair cannot be whole; TP=1 trains three (0, 2, 3) where TP=2 trains two, so the epoch
-    runs at TP=1 x DP=3 and says so (``tp`` in ``epoch_begin`` and in the epoch the workers
-    read); slot 1 back, TP=2 again on four."""
-    c = Coordinator(
-        task="t",
-        slots=dict.fromkeys(range(4), 0),
-        events=EventLog(tmp_path / "events.jsonl"),
-        escalation=Escalation(EscalationSettings()),
-        settings=CoordinatorSettings(
-            replica_ranks=2, tp=2, layouts=((2, 1), (1, 1)), min_workers=2, readmit_after_s=1.0
-        ),
-    )
-    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
-    assert (c.members, c.book.layout) == ((0, 1, 2, 3), (0, 0))
-    c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("ecc"))], 1.0)
-    assert (c.members, c.book.layout, c.book.size) == ((0, 2, 3), (1, 1), 1)
-    c.exchange(0, [M.ProbeDone(slot=1, ts=3.0, ok=True, detail="ok")], 3.0)
-    c.exchange(0, [M.Ready(slot=1, ts=3.5, microbatches=8)], 3.5)
-    assert (set(c.members), c.book.layout) == ({0, 1, 2, 3}, (0, 0))
-    began = [(e["tp"], e["pp"]) for e in c.events.events() if e["event"] == "epoch_begin"]
-    assert began == [(2, 1), (1, 1), (2, 1)]
-
-
 def _tp2_or_tp1(tmp: Path) -> Coordinator:
     """TP=2 on 4 slots that may run at TP=1 (``--tp-choices 1``), epoch 1 started."""
     c = Coordinator(
@@ -398,6 +373,22 @@ def _enter_and_compute(c: Coordinator, members: tuple[int, ...], n: int, ts: flo
     done = [M.StepComputed(slot=m, ts=ts, step=n, compute_s=0.01) for m in members]
     end = {"epoch": epoch, "rank": 0, "step": n, "loss": 1.0, "duration_s": 0.01}
     c.exchange(0, [*entered, *began, *done, M.Event(ts=ts, name="step_end", fields=end)], ts)
+
+
+def test_a_slot_lost_for_good_can_change_the_tensor_parallel_degree(tmp_path: Path) -> None:
+    """TP=2 on 4 slots that may also run at TP=1 (``--tp-choices 1``): slot 1 excluded, its
+    pair cannot be whole; TP=1 trains three (0, 2, 3) where TP=2 trains two, so the epoch
+    runs at TP=1 x DP=3 and says so (``tp`` in ``epoch_begin`` and in the epoch the workers
+    read); slot 1 back, TP=2 again on four."""
+    c = _tp2_or_tp1(tmp_path)
+    assert (c.members, c.book.layout) == ((0, 1, 2, 3), (0, 0))
+    c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("ecc"))], 1.0)
+    assert (c.members, c.book.layout, c.book.size) == ((0, 2, 3), (1, 1), 1)
+    c.exchange(0, [M.ProbeDone(slot=1, ts=3.0, ok=True, detail="ok")], 3.0)
+    c.exchange(0, [M.Ready(slot=1, ts=3.5, microbatches=8)], 3.5)
+    assert (set(c.members), c.book.layout) == ({0, 1, 2, 3}, (0, 0))
+    began = [(e["tp"], e["pp"]) for e in c.events.events() if e["event"] == "epoch_begin"]
+    assert began == [(2, 1), (1, 1), (2, 1)]
 
 
 def test_the_state_is_counted_at_the_layout_each_holder_entered(tmp_path: Path) -> None:
