@@ -58,7 +58,7 @@ import torch.distributed as dist
 from unicron import messages as M
 from unicron.control import failures, health, membership, readmission
 from unicron.control.book import CoordinatorSettings, Outcome, TaskBook, TaskState
-from unicron.control.effects import Effect, Executor, queued_spawns
+from unicron.control.effects import Effect, Executor, on_their_way
 from unicron.control.escalation import Escalation
 from unicron.control.events import EventLog
 from unicron.control.failures import MIN_COPIES
@@ -361,7 +361,7 @@ class Coordinator:
         """An agent's account of its workers, sent when it (re)connects
         (:func:`unicron.control.failures.census`)."""
         with self._deciding():
-            queued = queued_spawns(node, self._outbox, self.book.effects)
+            queued = on_their_way(node, self._outbox, self.book.effects)
             failures.census(self.book, node, r, queued)
 
     def heartbeat(self, node: int, now: float, *, read_until: float | None = None) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from unicron.control.events import EventLog
-from unicron.messages import AgentAction, Probe, Spawn
+from unicron.messages import AgentAction
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
 from unicron.runtime.group import ControlStore
 
@@ -66,15 +66,13 @@ class Tell:
 Effect = LogEvent | WriteStoreKey | AnnounceEpoch | Tell
 
 
-def queued_spawns(
+def on_their_way(
     node: int, outbox: dict[int, deque[AgentAction]], effects: list[Effect]
-) -> frozenset[int]:
-    """The slots of ``node`` with a :class:`~unicron.messages.Spawn` or ``Probe`` on its way
-    to its agent: in the node's ``outbox`` (not taken yet), or among ``effects`` (decided, not
-    carried out)."""
+) -> frozenset[tuple[type, int]]:
+    """The actions for the agent of ``node`` not taken yet, as (type, slot): in the node's
+    ``outbox``, or among ``effects`` (decided, not carried out)."""
     told = [e.action for e in effects if isinstance(e, Tell) and e.node == node]
-    on_way = [*outbox.get(node, ()), *told]
-    return frozenset(a.slot for a in on_way if isinstance(a, Spawn | Probe))
+    return frozenset((type(a), a.slot) for a in [*outbox.get(node, ()), *told])
 
 
 class Executor:

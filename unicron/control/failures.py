@@ -298,7 +298,9 @@ def collective_stuck(b: TaskBook, reason: str, now: float) -> None:
         b.kill(slot, verdict, now)
 
 
-def census(b: TaskBook, node: int, r: Census, queued: frozenset[int] = frozenset()) -> None:
+def census(
+    b: TaskBook, node: int, r: Census, queued: frozenset[tuple[type, int]] = frozenset()
+) -> None:
     """An agent's account of its workers, sent when it (re)connects: a coordinator that
     adopted a running task learns from it which workers live, and heals a member gone while
     nobody listened (its exit report was lost with the old coordinator) as a process failure.
@@ -314,30 +316,26 @@ def census(b: TaskBook, node: int, r: Census, queued: frozenset[int] = frozenset
     not run. The census comes with the first exchange after one that failed, and that one
     may have reached the coordinator and lost its answer on the way back (a reply past the
     client's timeout, a connection cut): the ``Spawn`` or ``Probe`` in it is sent again,
-    unless one is still on its way (``queued``: in the node's outbox or decided in this
-    exchange). Without this the slot waited for a worker nobody started, or stayed out for
-    good. No ``Spawn`` for a slot with a kill under way (its ``Kill`` went with it: a new
-    worker would outlive it), nor once the task is over. A task adopted by a restarted
-    coordinator keeps the reading above for every census (a lost ``Spawn`` of a slot
-    outside its epoch leaves it down)."""
+    unless one is still on its way (``queued``: (type, slot) of the actions in the node's
+    outbox or decided in this exchange). Without this the slot waited for a worker nobody
+    started, or stayed out for good. No ``Spawn`` for a slot with a kill under way (its
+    ``Kill`` went with it: a new worker would outlive it), nor once the task is over. A task
+    adopted by a restarted coordinator keeps the reading above for every census (a lost
+    ``Spawn`` of a slot outside its epoch leaves it down)."""
     if not b.adopted:
         if b.over():
             return
-        for slot, o in b.slots.items():
+        for slot in b.slots.on_node(node):
+            o = b.slots[slot]
             starting = o.state in (SlotState.STARTING, SlotState.OUT_STARTING)
-            lost = slot not in r.alive and slot not in queued and o.killed_at is None
-            if o.node == node and starting and lost:
+            lost = slot not in r.alive and o.killed_at is None and (Spawn, slot) not in queued
+            if starting and lost:
                 log.warning("task %s: slot %d was started but its agent has no worker there "
                             "(the answer that carried its Spawn was lost): sent again",
                             b.task, slot)  # fmt: skip
                 b.send(node, Spawn(slot, place=b.place(slot)))
-            elif (
-                o.node == node
-                and o.probing
-                and o.excluded
-                and not o.alive
-                and (slot not in r.probing and slot not in queued)
-            ):
+            out = o.probing and o.excluded and not o.alive  # a worker starting is alive
+            if out and slot not in r.probing and (Probe, slot) not in queued:
                 log.warning("task %s: the probe of slot %d does not run (the answer that "
                             "carried it was lost): asked again", b.task, slot)  # fmt: skip
                 b.send(node, Probe(slot))
