@@ -423,6 +423,36 @@ def test_the_state_is_counted_at_the_layout_each_holder_entered(tmp_path: Path) 
     assert c.book.state is TaskState.FAILED and "state is gone" in c.book.outcome.reason
 
 
+def test_a_copy_of_a_shard_is_counted_at_the_layout_its_holder_holds(tmp_path: Path) -> None:
+    """The judges' question "who else holds what this worker holds" (:meth:`other_holders`,
+    behind every kill of a last copy) counts each holder at the layout of its state, like
+    :meth:`state_held`. TP=2 on 4 slots, slot 1 excluded: TP=1 on (0, 2, 3) is announced,
+    but until they reshard, slot 3 holds place 1's shard alone (its pair's is gone) and slot
+    0's is on 2 (before, counted at the announced TP=1, 3 had two copies: a hang kill of a
+    last copy); while they enter (the one shard or the whole model: not known here) none
+    is sure; from their first step at TP=1 each holds the whole model. Back: at TP=1 with
+    TP=2 announced, each still holds the whole model (before: 0 had one copy, 3 none)."""
+    c = _tp2_or_tp1(tmp_path)
+    _enter_and_compute(c, (0, 1, 2, 3), 0, 0.5)
+    c.exchange(0, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("ecc"))], 1.0)
+    b = c.book
+    assert (c.members, b.layout) == ((0, 2, 3), (1, 1))  # announced, nobody entered
+    assert (b.other_holders(0), b.other_holders(3)) == ([2], [])
+    assert not b.state_survives(3) and b.state_held()
+    entered = [M.EpochEntered(slot=s, ts=1.2, epoch=c.epoch) for s in (0, 2, 3)]
+    c.exchange(0, entered, 1.2)
+    assert [b.other_holders(s) for s in (0, 2, 3)] == [[], [], []]
+    assert b.state_held()  # generous where the judges are careful: see state_held
+    _enter_and_compute(c, (0, 2, 3), 1, 1.5)
+    assert (b.other_holders(0), b.other_holders(3)) == ([2, 3], [0, 2])
+
+    c.exchange(0, [M.ProbeDone(slot=1, ts=3.0, ok=True, detail="ok")], 3.0)
+    c.exchange(0, [M.Ready(slot=1, ts=3.5, microbatches=8)], 3.5)
+    assert (set(c.members), b.layout) == ({0, 1, 2, 3}, (0, 0))  # TP=2 announced
+    assert (b.other_holders(0), b.other_holders(3)) == ([2, 3], [0, 2])
+    assert 1 not in b.slots.holders()  # restarted after a commit: it takes a shard at sync
+
+
 def test_the_performance_model_picks_among_the_layouts_that_can_run(tmp_path: Path) -> None:
     """With a ``rate`` (the performance model's achieved FLOP/s of ``(tp, pp)`` on ``n``
     slots: a cluster task that describes its ``model``) the fastest layout wins, not the one

@@ -250,20 +250,20 @@ class TaskBook:
         return replicas.place(self.slots, slot, own)
 
     def other_holders(self, slot: int) -> list[int]:
-        """The live slots other than ``slot`` that hold the task's state (model parallel: its
-        shard, at the same place of another replica). With :attr:`CoordinatorSettings.zero`
-        a member has none unless :meth:`_shares_doubled`: it may keep a share's last copy."""
+        """The live slots other than ``slot`` that surely hold a copy of what it holds (model
+        parallel: its shard, at the same place of another replica, counted at the layout
+        each holds its state in: :meth:`shards`). Where ``slot`` enters another layout (it
+        holds the one shard or the other) both need a copy; a holder that enters one is
+        sure of neither, and counts for none. With :attr:`CoordinatorSettings.zero` a
+        member has none unless :meth:`_shares_doubled`: it may keep a share's last copy."""
         if self.settings.zero and slot in self.members and not self._shares_doubled(slot):
             return []
-        if self.size == 1:
-            return [h for h in self.slots.holders() if h != slot]
-        lay = self.lay
-        mine = replicas.place(self.slots, slot, lay)
-        return [
-            h
-            for h in self.slots.holders()
-            if h != slot and replicas.place(self.slots, h, lay) == mine
-        ]
+        others = [h for h in self.slots.holders() if h != slot]
+        sure = {h: got for h in others if len(got := self.shards(h)) == 1}
+        mine = self.shards(slot)
+        if not all(any(got == {shard} for got in sure.values()) for shard in mine):
+            return []  # a shard of its has no sure copy: losing it may lose the state
+        return [h for h in others if h in sure and sure[h] <= mine]
 
     def _shares_doubled(self, slot: int) -> bool:
         """ZeRO with a buddy: each share of the optimizer state is on two members of the
@@ -282,11 +282,23 @@ class TaskBook:
         mine = at(slot)
         return all(m in held for m in self.members if m != slot and at(m) == mine)
 
+    def shards(self, slot: int) -> set[tuple[tuple[int, int], int]]:
+        """What the worker in ``slot`` may hold of the task's state, as ``((tp, pp), place)``:
+        its shard at the layout of its state (:attr:`Slot.state_lay`) and, while it enters
+        an epoch at another (:attr:`Slot.entering_lay`: which of the two it holds then is not
+        known here), its shard there too. A layout of one rank a replica has one place: 0."""
+        o = self.slots[slot]
+        out: set[tuple[tuple[int, int], int]] = set()
+        for at in {o.state_lay, o.entering_lay or o.state_lay}:
+            lay = self.lay_at(at)
+            out.add((lay, replicas.place(self.slots, slot, lay) if lay != (1, 1) else 0))
+        return out
+
     def state_held(self) -> bool:
         """Some live slots hold the task's state: at the layout each holds it in
-        (:attr:`Slot.state_lay`; while it enters an epoch at another, either), every place's
-        shard, or one holder of a layout of one rank a replica (the whole model). A member
-        of a TP=1 epoch still holds the whole model while the epoch back at TP=2 is only
+        (:meth:`shards`; while it enters an epoch at another, either), every place's shard,
+        or one holder of a layout of one rank a replica (the whole model). A member of a
+        TP=1 epoch still holds the whole model while the epoch back at TP=2 is only
         announced or being entered (found beside CPU burners: a hang kill then failed the
         task as if its state were gone)."""
         held = self.slots.holders()
@@ -296,10 +308,8 @@ class TaskBook:
             return True  # no step committed: any worker builds the state again
         places: dict[tuple[int, int], set[int]] = {}
         for h in held:
-            o = self.slots[h]
-            for at in {o.state_lay, o.entering_lay or o.state_lay}:
-                lay = self.lay_at(at)
-                places.setdefault(lay, set()).add(replicas.place(self.slots, h, lay))
+            for lay, at in self.shards(h):
+                places.setdefault(lay, set()).add(at)
         return any(len(got) == lay[0] * lay[1] for lay, got in places.items())
 
     def has_checkpoint(self) -> bool:

@@ -313,19 +313,20 @@ def _shard_on_its_way(b: TaskBook, candidates: tuple[int, ...]) -> bool:
     """Model parallel, nobody training: whether ``candidates`` lack some place's shard that a
     living rank outside them holds while its replica's lost rank is being restarted. Both
     replicas lost a rank in the same step: each alone would roll back to the checkpoint,
-    together they hold every shard (the wait is one restart)."""
-    lay = b.lay
-    if b.size == 1 or not b.trained:
+    together they hold every shard (the wait is one restart). Shards are counted at the
+    layout each rank holds its state in (:meth:`TaskBook.shards`)."""
+    if not b.trained:
         return False
-    have = {replicas.place(b.slots, s, lay) for s in candidates if b.slots[s].has_state}
+    have = {shard for s in candidates if b.slots[s].has_state for shard in b.shards(s)}
     for s, o in b.slots.items():
         if s in candidates or not o.alive or not o.has_state:
             continue
-        if replicas.place(b.slots, s, lay) in have:
-            continue
-        group = replicas.group_of(b.slots, s, lay)
-        if any(b.slots[m].state is SlotState.STARTING for m in group):
-            return True
+        for lay, _place in b.shards(s) - have:
+            if lay == (1, 1):
+                continue  # the whole model: no replica of one rank waits for another
+            group = replicas.group_of(b.slots, s, lay)
+            if any(b.slots[m].state is SlotState.STARTING for m in group):
+                return True
     return False
 
 
