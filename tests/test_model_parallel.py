@@ -423,6 +423,35 @@ def test_the_state_is_counted_at_the_layout_each_holder_entered(tmp_path: Path) 
     assert c.book.state is TaskState.FAILED and "state is gone" in c.book.outcome.reason
 
 
+def test_the_first_commit_leaves_the_state_in_every_member_of_its_epoch(tmp_path: Path) -> None:
+    """PP=2 x DP=2 on four nodes of one slot: rank 0's report that step 0 committed comes in
+    before node 3's reports that its slot computed it (its agent holds step reports for the
+    exchange's rhythm), then slot 1 crashes. Slot 3, stage 1 of the live replica, holds the
+    state all the same: it took part in the commit, so the task goes on (it failed as if the
+    state were gone: found by a loaded run)."""
+    c = Coordinator(
+        task="t",
+        slots={s: s for s in range(4)},
+        events=EventLog(tmp_path / "events.jsonl"),
+        escalation=Escalation(EscalationSettings()),
+        settings=CoordinatorSettings(replica_ranks=2, tp=1, min_workers=2),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
+    assert c.members == (0, 1, 2, 3)
+    epoch = c.epoch
+    for m in c.members:
+        began = [M.EpochEntered(slot=m, ts=0.1, epoch=epoch), M.StepBegan(slot=m, ts=0.1, step=0)]
+        c.exchange(m, began, 0.1)
+    for m in (0, 1, 2):
+        c.exchange(m, [M.StepComputed(slot=m, ts=0.2, step=0, compute_s=0.01)], 0.2)
+    end = {"epoch": epoch, "rank": 0, "step": 0, "loss": 1.0, "duration_s": 0.01}
+    c.exchange(0, [M.Event(ts=0.3, name="step_end", fields=end)], 0.3)
+    assert c.book.trained and c.book.slots.holders() == [0, 1, 2, 3]
+    c.exchange(1, [M.WorkerFailed(slot=1, ts=1.0, verdict=verdict_for_kind("killed"))], 1.0)
+    assert c.book.state is TaskState.RUNNING, c.book.outcome
+    assert c.members == (2, 3)
+
+
 def test_a_copy_of_a_shard_is_counted_at_the_layout_its_holder_holds(tmp_path: Path) -> None:
     """The judges' question "who else holds what this worker holds" (:meth:`other_holders`,
     behind every kill of a last copy) counts each holder at the layout of its state, like

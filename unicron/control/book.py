@@ -181,6 +181,7 @@ class TaskBook:
         self.members: tuple[int, ...] = ()
         self.layout: tuple[int, int] = (0, 0)  # the epoch's (tp, pp); (0, 0): the task's own
         self.epoch_layouts: dict[int, tuple[int, int]] = {}  # each epoch's, as announced
+        self.epoch_members: dict[int, tuple[int, ...]] = {}  # each epoch's, as announced
         self.outcome: Outcome | None = None
         self.control_errors = 0  # reports the coordinator failed to apply (failures.py)
         self.started_at: float | None = None

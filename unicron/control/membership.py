@@ -58,7 +58,7 @@ def adopt(
         b.waiting_since, b.waiting_reason = now, "adopted with no members"
     else:
         b.adopted_at = now  # until a step commits (:func:`unicron.control.health.check_stalls`)
-    b.epoch_layouts[b.epoch] = b.layout
+    b.epoch_layouts[b.epoch], b.epoch_members[b.epoch] = b.layout, b.members
     for slot, o in b.slots.items():
         if slot in b.members:
             o.readied()
@@ -78,7 +78,11 @@ def adopt(
 def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
     """A member reports that ``step`` committed in ``epoch``: True for the first report of it.
     The first commit makes a freshly built model no longer the task's state (the ``trained``
-    store key, which starting workers read, is written here)."""
+    store key, which starting workers read, is written here), except in the members of the
+    epoch it committed in: they computed the step, whether their agents have said so yet or
+    not (found beside CPU burners: PP=2 x DP=2 on four nodes, node 3's reports of steps 0 and
+    1 not in when rank 0's commit and then slot 1's crash were; slot 3, the live replica's
+    stage 1, counted as holding nothing, and the task failed as if the state were gone)."""
     key = (epoch, step)
     if key in b.commits:
         return False
@@ -91,8 +95,11 @@ def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
     if not b.trained:
         b.trained = True
         b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
-        for o in b.slots.values():
-            if o.fresh:  # a fresh model started before the first commit: not the state
+        took_part = b.epoch_members.get(epoch, ())
+        for slot, o in b.slots.items():
+            if slot in took_part:  # it computed the step, whether or not its report is in
+                o.has_state, o.fresh = True, False
+            elif o.fresh:  # a fresh model started before the first commit: not the state
                 o.has_state = False
     return True
 
@@ -477,7 +484,7 @@ def announce(
     if not members:
         return
     b.epoch += 1
-    b.epoch_layouts[b.epoch] = b.layout
+    b.epoch_layouts[b.epoch], b.epoch_members[b.epoch] = b.layout, members
     if b.monitor is not None:  # membership changed: step times may too (a new layout: cold)
         b.monitor.reset_expectation(rebuilt=rebuilt, joined=joined)
     info = EpochInfo(
