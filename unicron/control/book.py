@@ -191,7 +191,9 @@ class TaskBook:
         self.commits: set[tuple[int, int]] = set()  # (epoch, step) reported committed
         self.commit_epoch = -1  # the newest epoch a step committed in
         self.logged_before = (-1, -1)  # (epoch, step): commits already in the event log
-        self.adopted = False  # took over a running task after a restart (Coordinator.adopt)
+        # nodes whose first census since this coordinator took the task over (Coordinator.adopt)
+        # is not in: it says which workers outlived the old coordinator
+        self.adopting: set[int] = set()
         self.last_error = ""
         # -- what the workers told
         self.microbatches: int | None = None  # per global batch, learned from the workers

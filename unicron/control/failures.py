@@ -320,9 +320,10 @@ def census(
     outbox or decided in this exchange). Without this the slot waited for a worker nobody
     started, or stayed out for good. No ``Spawn`` for a slot with a kill under way (its
     ``Kill`` went with it: a new worker would outlive it), nor once the task is over. A task
-    adopted by a restarted coordinator keeps the reading above for every census (a lost
-    ``Spawn`` of a slot outside its epoch leaves it down)."""
-    if not b.adopted:
+    adopted by a restarted coordinator reads each node's first census after the takeover as
+    above, and every later one as this (before, every census of an adopted task was read as
+    the takeover's: a ``Spawn`` lost after it left its slot down for good)."""
+    if node not in b.adopting:
         if b.over():
             return
         for slot in b.slots.on_node(node):
@@ -340,6 +341,7 @@ def census(
                             "carried it was lost): asked again", b.task, slot)  # fmt: skip
                 b.send(node, Probe(slot))
         return
+    b.adopting.discard(node)
     outside = []
     for slot, o in b.slots.items():
         if o.node != node:

@@ -37,7 +37,7 @@ def adopt(
     no epoch was announced, it starts as a new task does), ``trained`` whether a step had
     committed, ``committed`` the last step the old coordinator logged. Every slot is presumed
     alive until its agent's census says otherwise, every node heard from now."""
-    b.adopted = True
+    b.adopting = set(b.slots.nodes())
     b.moved_at = now  # the agents find this coordinator, the workers perhaps a new store
     if info is None:
         return
