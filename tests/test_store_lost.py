@@ -544,11 +544,11 @@ def test_after_a_takeover_a_spawn_whose_answer_was_lost_is_sent_again(tmp_path: 
     adopted task was read as the takeover's, and the slot stayed down for good)."""
     c = _coordinator({0: 0, 1: 0, 2: 1, 3: 1}, EventLog(tmp_path / "events.jsonl"))
     c.adopt(9.0, committed_step=5, logged=EpochInfo(5, (0, 1, 2, 3), (0, 0, 1, 1), urgent=False))
-    census = [M.Census(ts=9.1, alive=(0, 1), ready=(0, 1))]
+    census = [M.Census(ts=9.1, alive=(0, 1))]
     assert c.exchange(0, census, 9.1).actions == ()  # the takeover's reading: all well
     crash = M.WorkerFailed(slot=1, ts=10.0, verdict=verdict_for_kind("segfault"))
     assert c.exchange(0, [crash], 10.0).actions == (M.Spawn(1),)  # ... and the answer lost
-    again = c.exchange(0, [M.Census(ts=11.0, alive=(0,), ready=(0,))], 11.0)
+    again = c.exchange(0, [M.Census(ts=11.0, alive=(0,))], 11.0)
     assert again.actions == (M.Spawn(1),)
     # node 1's first census is still the takeover's: its lost member is healed as a failure
-    assert c.exchange(1, [M.Census(ts=11.5, alive=(2,), ready=(2,))], 11.5).actions == (M.Spawn(3),)
+    assert c.exchange(1, [M.Census(ts=11.5, alive=(2,))], 11.5).actions == (M.Spawn(3),)

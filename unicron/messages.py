@@ -417,13 +417,17 @@ class ProbeNotStarted:
 class Census:
     """What the agent knows of the task's workers on its node, sent on its first exchange
     with a coordinator (a restarted one adopts running tasks from it) and after a failed one:
-    per slot, whether a worker process lives, whether it reported ready without having
-    entered an epoch, and whether a health probe of it runs."""
+    per slot, whether a worker process lives, whether it is still starting (no ``Ready``
+    yet), whether it reported ready without having entered an epoch, and whether a health
+    probe of it runs. A worker starting or ready holds a model it built, not the task's state
+    (an agent before ``starting`` sends none: a coordinator then presumes every live worker
+    outside those ready a holder)."""
 
     ts: float
     alive: tuple[int, ...] = ()
     ready: tuple[int, ...] = ()
     probing: tuple[int, ...] = ()
+    starting: tuple[int, ...] = ()
 
 
 Report = (

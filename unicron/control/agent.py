@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
@@ -193,6 +194,19 @@ class FatalError:
     error: M.Error
 
 
+def census_of(workers: Mapping[int, Worker], probes: Container[int]) -> M.Census:
+    """An agent's :class:`~unicron.messages.Census` of its ``workers`` (slot -> worker) and the
+    slots whose health probe runs (``probes``)."""
+    of = {k: tuple(s for s, w in workers.items() if w.state is k) for k in WorkerState}
+    return M.Census(
+        ts=time.time(),
+        alive=tuple(s for s, w in workers.items() if w.alive),
+        ready=of[WorkerState.READY],
+        probing=tuple(s for s in workers if s in probes),
+        starting=of[WorkerState.STARTING],
+    )
+
+
 @dataclass(kw_only=True)
 class AgentConfig:
     node: int
@@ -319,13 +333,10 @@ class Agent:
         self._reports.append(report)
 
     def census(self) -> M.Census:
-        """Which of this node's workers live, and which reported ready but entered no epoch
-        since: sent when the agent reconnects to a coordinator (one that restarted adopts the
-        task from it)."""
-        alive = tuple(s for s, w in self.workers.items() if w.alive)
-        ready = tuple(s for s, w in self.workers.items() if w.state is WorkerState.READY)
-        probing = tuple(s for s in self.workers if s in self._probes)
-        return M.Census(ts=time.time(), alive=alive, ready=ready, probing=probing)
+        """Which of this node's workers live, which are starting, and which reported ready but
+        entered no epoch since: sent when the agent reconnects to a coordinator (one that
+        restarted adopts the task from it)."""
+        return census_of(self.workers, self._probes)
 
     def _act(self, now: float) -> None:
         """Carry out what the coordinator asked of this node in its last answer."""

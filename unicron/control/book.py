@@ -303,8 +303,10 @@ class TaskBook:
         or one holder of a layout of one rank a replica (the whole model). A member of a
         TP=1 epoch still holds the whole model while the epoch back at TP=2 is only
         announced or being entered (found beside CPU burners: a hang kill then failed the
-        task as if its state were gone)."""
-        held = self.slots.holders()
+        task as if its state were gone). A live member that entered the current epoch counts
+        too: its state is handed over there, and its first step's report may be held for the
+        exchange's rhythm (if the hand-over fails, its worker exits for want of a source)."""
+        held = [*self.slots.holders(), *self._entered()]
         if not held:
             return False
         if not self.trained:
@@ -314,6 +316,17 @@ class TaskBook:
             for lay, at in self.shards(h):
                 places.setdefault(lay, set()).add(at)
         return any(len(got) == lay[0] * lay[1] for lay, got in places.items())
+
+    def _entered(self) -> list[int]:
+        """Live members, not being killed, whose workers entered the current epoch."""
+        return [
+            m
+            for m in self.members
+            if (o := self.slots[m]).alive
+            and o.killed_at is None
+            and o.progress is not None
+            and o.progress.epoch == self.epoch
+        ]
 
     def has_checkpoint(self) -> bool:
         """The task has a persistent checkpoint to fall back on (read from its directory)."""
@@ -345,7 +358,7 @@ class TaskBook:
     def spawn(self, slot: int) -> None:
         """Start a worker in ``slot`` (a restart, a readmission)."""
         s = self.slots[slot]
-        s.start()
+        s.start(self.epoch)
         s.has_state = s.fresh = not self.trained
         self.forget(slot)
         self.send(s.node, Spawn(slot, place=self.place(slot)))

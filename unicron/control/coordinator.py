@@ -375,10 +375,7 @@ class Coordinator:
     ) -> None:
         """The worker in ``slot`` built its model and waits for an epoch."""
         with self._deciding():
-            b = self.book
-            b.slots[slot].readied()
-            b.microbatches = microbatches or b.microbatches
-            b.state_bytes = max(b.state_bytes, state_bytes)
+            health.worker_ready(self.book, slot, microbatches, state_bytes)
             self.tick(now)
 
     def worker_failed(self, slot: int, verdict: Verdict, now: float) -> None:

@@ -348,6 +348,8 @@ def census(
             continue
         alive = slot in r.alive
         o.seen(alive=alive, ready=slot in r.ready or (alive and slot in b.members))
+        if b.trained and (slot in r.starting or slot in r.ready):
+            o.has_state = False  # a model it built: adopt presumed the state in every slot
         if not o.alive and slot in b.members and not o.excluded:
             worker_failed(b, slot, classify_exit(-9), r.ts)
         elif alive and slot in r.ready and slot in b.members:

@@ -56,6 +56,18 @@ def heartbeat(b: TaskBook, node: int, now: float, read_until: float | None) -> N
     b.read_until[node] = now if read_until is None else read_until
 
 
+def worker_ready(b: TaskBook, slot: int, microbatches: int | None, state_bytes: int) -> None:
+    """The worker in ``slot`` built its model and waits for an epoch: a model of its own,
+    not the task's state once a step committed (a takeover presumes the state in every slot
+    until a census or this says otherwise)."""
+    o = b.slots[slot]
+    o.readied()
+    if b.trained:
+        o.has_state = False
+    b.microbatches = microbatches or b.microbatches
+    b.state_bytes = max(b.state_bytes, state_bytes)
+
+
 def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
     """The worker in ``slot`` enters ``epoch`` (rendezvous, ledger exchange, state): its state
     moves to the epoch's layout, done by its first step there (:func:`step_started`)."""
@@ -67,17 +79,21 @@ def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
 def step_started(
     b: TaskBook, slot: int, step: int, now: float, epoch: int | None, cpu_s: float | None
 ) -> None:
-    """The worker in ``slot`` began computing ``step``: the monitor's clock starts. A late
-    report of an older epoch from a worker left out of the current one (it waits for its
-    replica: :func:`~unicron.control.membership.announce` forgot its step) starts nothing:
-    its step ended with that epoch, and timing it would find a waiting rank hung."""
+    """The worker in ``slot`` began computing ``step``: the monitor's clock starts, and it
+    holds the state (a joiner's was handed over in its epoch's entry: before, only its
+    ``StepComputed`` said so, and a holder's crash in between failed the task as if the state
+    were gone). A late report of an older epoch from a worker left out of the current one (it
+    waits for its replica: :func:`~unicron.control.membership.announce` forgot its step)
+    starts nothing: its step ended with that epoch, and timing it would find a waiting rank
+    hung."""
     if epoch is not None and epoch < b.epoch and slot not in b.members:
         return
     o = b.slots[slot]
     known = o.progress
     ep = epoch if epoch is not None else (known.epoch if known else b.epoch)
     o.progress = Progress(ep, Phase.COMPUTE, step, now)
-    if ep in b.epoch_layouts:  # a step begins once the state is synced: at the epoch's layout
+    o.has_state = True  # a step begins once the state is synced (a joiner: handed over)
+    if ep in b.epoch_layouts:  # ... at the epoch's layout
         o.state_lay, o.entering_lay = b.epoch_layouts[ep], None
     b.cpu.began(slot, step, None if cpu_s is None else Sample(now, cpu_s))
     if b.monitor is not None:
@@ -182,7 +198,12 @@ def next_exchange_s(b: TaskBook, node: int, now: float) -> float:
 def check_heartbeats(b: TaskBook, now: float) -> None:
     """A node silent past the heartbeat timeout is lost, and so is a suspect one (silent past
     ``suspect_after_s``) once a living worker reported a failed collective since it was last
-    heard: :func:`unicron.control.failures.node_lost` decides what follows. A coordinator that
+    heard: :func:`unicron.control.failures.node_lost` decides what follows. The failed
+    collective must be of the current epoch and half the suspect delay old (the slow
+    exchange rhythm): a failure that explains it (a crash elsewhere, reported at once, which
+    announces an epoch) has come in by then (found in review: a crash's peer reported its
+    failed collective 30 ms before the crash itself, and a healthy node 0.55 s late beside
+    CPU burners was declared lost for it). A coordinator that
     did not run for a while itself judges nobody on that tick, and for a heartbeat timeout
     after an adoption (agents still finding the new coordinator, a new store perhaps, while
     their workers report the failed collectives of the takeover) the full timeout alone
@@ -193,7 +214,12 @@ def check_heartbeats(b: TaskBook, now: float) -> None:
         for node in b.heartbeats:
             b.heartbeats[node] = max(b.heartbeats[node], now)
         return
-    symptoms = [e.ts for s in b.slots.values() if (e := s.pending_error) is not None]
+    aged = now - b.settings.suspect_after_s / 2
+    symptoms = [
+        e.ts
+        for s in b.slots.values()
+        if (e := s.pending_error) is not None and e.epoch >= b.epoch and e.ts <= aged
+    ]
     for node, last in list(b.heartbeats.items()):  # node_lost may forget one
         silent = now - last
         suspect_confirmed = (

@@ -79,10 +79,12 @@ def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
     """A member reports that ``step`` committed in ``epoch``: True for the first report of it.
     The first commit makes a freshly built model no longer the task's state (the ``trained``
     store key, which starting workers read, is written here), except in the members of the
-    epoch it committed in: they computed the step, whether their agents have said so yet or
-    not (found beside CPU burners: PP=2 x DP=2 on four nodes, node 3's reports of steps 0 and
-    1 not in when rank 0's commit and then slot 1's crash were; slot 3, the live replica's
-    stage 1, counted as holding nothing, and the task failed as if the state were gone)."""
+    epoch it committed in whose workers were started before it: they computed the step,
+    whether their agents have said so yet or not (found beside CPU burners: PP=2 x DP=2 on
+    four nodes, node 3's reports of steps 0 and 1 not in when rank 0's commit and then slot
+    1's crash were; slot 3, the live replica's stage 1, counted as holding nothing, and the
+    task failed as if the state were gone). A member restarted since (its crash reported
+    before the commit) holds a fresh model (:attr:`Slot.born`)."""
     key = (epoch, step)
     if key in b.commits:
         return False
@@ -95,13 +97,22 @@ def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
     if not b.trained:
         b.trained = True
         b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
-        took_part = b.epoch_members.get(epoch, ())
+        took_part = _took_part(b, epoch)
         for slot, o in b.slots.items():
-            if slot in took_part:  # it computed the step, whether or not its report is in
+            if slot in took_part and o.born < epoch:  # and its worker lives since
                 o.has_state, o.fresh = True, False
             elif o.fresh:  # a fresh model started before the first commit: not the state
                 o.has_state = False
     return True
+
+
+def _took_part(b: TaskBook, epoch: int) -> tuple[int, ...]:
+    """The members of ``epoch``; of one before this coordinator's first (it adopted the task
+    at a later one, whose members it presumes holding the state), that first one's."""
+    known = b.epoch_members
+    if epoch in known or not known or epoch > min(known):
+        return known.get(epoch, ())
+    return known[min(known)]
 
 
 def committed_steps(b: TaskBook) -> int | None:
@@ -174,6 +185,7 @@ def add_slot(b: TaskBook, slot: int, node: int, now: float, reason: str, place: 
         return
     s = b.slots.add(slot, node)
     s.has_state = s.fresh = not b.trained
+    s.born = b.epoch
     b.action(Action.RECONFIGURE, slot, f"slot {slot} added: {reason}", 1, now)
     b.send(node, Spawn(slot, fresh=True, place=place))
 

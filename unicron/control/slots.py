@@ -149,6 +149,8 @@ class Slot:
     state_lay: tuple[int, int] = (0, 0)
     entering_lay: tuple[int, int] | None = None
     fresh: bool = True  # started while no step had committed, and has computed none since
+    born: int = 0  # the book's epoch when its worker was started: a commit of that epoch or
+    # an older one is its previous worker's, not this one's (0: started with the task)
     # -- what its worker last said (the detectors' view; cleared by :meth:`forget`)
     computed: int | None = None  # the last step it finished computing
     computed_epoch: int = -1  # ... in this epoch (a step retried in a new one is not done)
@@ -199,9 +201,11 @@ class Slot:
         return self.record is not None and self.record.broken_script
 
     # -- the moves, by what happened ----------------------------------------------------------
-    def start(self) -> None:
-        """A worker is (being) started here (a restart, or a lost node's new agent)."""
+    def start(self, epoch: int) -> None:
+        """A worker is (being) started here (a restart, or a lost node's new agent) while the
+        task is at ``epoch``."""
         self.to(_S.STARTING)
+        self.born = epoch
         self.killed_at = None
         self.state_lay, self.entering_lay = (0, 0), None
 

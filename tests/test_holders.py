@@ -1,0 +1,205 @@
+"""Who holds the task's state, and which node is lost, when the agents' reports come in
+another order than things happened: an agent holds step reports for the exchange's rhythm
+(250 ms when nothing is due) and sends a failure at once, so a crash on one node is heard
+before the steps another node's worker has begun or finished. Each case was found in review
+with the coordinator in process (:meth:`Coordinator.exchange`, one node per slot); before its
+fix the task failed with its state whole, the last copy of the state was killed, or a
+healthy node was declared lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from unicron import messages as M
+from unicron.control.book import TaskState
+from unicron.control.coordinator import Coordinator, CoordinatorSettings
+from unicron.control.escalation import Escalation, EscalationSettings
+from unicron.control.events import EventLog
+from unicron.detect.classify import verdict_for_kind
+from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, trained_key
+
+
+def _coordinator(tmp: Path, n: int) -> Coordinator:
+    """A data-parallel task of ``n`` slots, slot ``k`` on node ``k``."""
+    return Coordinator(task="t", slots={s: s for s in range(n)},
+                       events=EventLog(tmp / "events.jsonl"),
+                       escalation=Escalation(EscalationSettings()),
+                       settings=CoordinatorSettings(min_workers=1))  # fmt: skip
+
+
+def _ready(c: Coordinator, slots: list[int], t: float) -> None:
+    for s in slots:
+        c.exchange(s, [M.Ready(slot=s, ts=t, microbatches=8)], t)
+
+
+def _begin(c: Coordinator, slots: list[int], step: int, t: float) -> None:
+    for s in slots:
+        began = [M.EpochEntered(slot=s, ts=t, epoch=c.epoch), M.StepBegan(slot=s, ts=t, step=step)]
+        c.exchange(s, began, t)
+
+
+def _computed(c: Coordinator, slots: list[int], step: int, t: float) -> None:
+    for s in slots:
+        c.exchange(s, [M.StepComputed(slot=s, ts=t, step=step, compute_s=0.01)], t)
+
+
+def _committed(c: Coordinator, step: int, t: float, epoch: int | None = None) -> None:
+    fields = {"epoch": epoch or c.epoch, "rank": 0, "step": step, "loss": 1.0, "duration_s": 0.01}
+    c.exchange(0, [M.Event(ts=t, name="step_end", fields=fields)], t)
+
+
+def _crash(c: Coordinator, slot: int, t: float) -> None:
+    c.exchange(slot, [M.WorkerFailed(slot=slot, ts=t, verdict=verdict_for_kind("killed"))], t)
+
+
+def _rejoined(tmp: Path) -> Coordinator:
+    """DP=2 trained; slot 1 crashed and its new worker is in epoch 3 beside slot 0."""
+    c = _coordinator(tmp, 2)
+    _ready(c, [0, 1], 0.0)
+    _begin(c, [0, 1], 0, 0.1)
+    _computed(c, [0, 1], 0, 0.2)
+    _committed(c, 0, 0.3)
+    _crash(c, 1, 1.0)
+    _begin(c, [0], 1, 1.1)
+    _computed(c, [0], 1, 1.2)
+    _committed(c, 1, 1.3)
+    _ready(c, [1], 2.0)
+    assert (c.epoch, c.members) == (3, (0, 1))
+    return c
+
+
+def test_a_joiner_holds_the_state_from_its_first_step(tmp_path: Path) -> None:
+    """Slot 1's new worker took the state in epoch 3 and began step 2 (nothing held back);
+    slot 0 crashes before slot 1 has finished computing: slot 1 trains on (before, only its
+    ``StepComputed`` made it a holder, and the task failed as if the state were gone)."""
+    c = _rejoined(tmp_path)
+    _begin(c, [0, 1], 2, 2.1)
+    _crash(c, 0, 2.2)
+    assert c.book.state is TaskState.RUNNING, c.book.outcome
+    assert c.members == (1,) and c.book.slots.holders() == [1]
+
+
+def test_a_joiner_that_entered_counts_while_its_step_reports_are_held(tmp_path: Path) -> None:
+    """As above, but node 1's ``StepBegan`` is held for the rhythm (its ``EpochEntered`` went
+    at once): the task still goes on, and slot 1 is a holder once its reports come in."""
+    c = _rejoined(tmp_path)
+    c.exchange(0, [M.EpochEntered(slot=0, ts=2.1, epoch=3), M.StepBegan(slot=0, ts=2.1, step=2)],
+               2.1)  # fmt: skip
+    c.exchange(1, [M.EpochEntered(slot=1, ts=2.1, epoch=3)], 2.1)
+    _crash(c, 0, 2.2)
+    assert c.book.state is TaskState.RUNNING, c.book.outcome
+    c.exchange(1, [M.StepBegan(slot=1, ts=2.15, step=2, epoch=3)], 2.4)
+    assert c.book.slots.holders() == [1]
+
+
+def test_the_first_commit_is_not_a_restarted_workers(tmp_path: Path) -> None:
+    """Both slots voted on step 0 and slot 1 died just after; its crash is heard (and it is
+    restarted) before node 0's report of the commit. The new worker in slot 1 built a fresh
+    model: it holds nothing, and slot 0 is the last copy (before, the commit's members were
+    all made holders, and a slow step of slot 0 could be killed as a spare copy's)."""
+    c = _coordinator(tmp_path, 2)
+    _ready(c, [0, 1], 0.0)
+    _begin(c, [0, 1], 0, 0.1)
+    _computed(c, [0, 1], 0, 1.1)
+    _crash(c, 1, 1.25)
+    _committed(c, 0, 1.3, epoch=1)
+    assert c.book.trained and c.book.slots.holders() == [0]
+    assert not c.book.state_survives(0)
+
+
+def _adopted(tmp: Path, n: int, info: EpochInfo, *, trained: bool) -> Coordinator:
+    """A coordinator of ``n`` slots that took the task over at ``info`` from the store."""
+    c = _coordinator(tmp, n)
+    c.store.set(epoch_key("t"), str(info.epoch))
+    c.store.set(epoch_info_key("t", info.epoch), info.to_json())
+    if trained:
+        c.store.set(trained_key("t"), "1")
+    c.adopt(9.0, committed_step=40 if trained else -1, logged=info, pace_s=1.0)
+    return c
+
+
+def test_after_a_takeover_a_worker_starting_or_ready_holds_no_state(tmp_path: Path) -> None:
+    """Trained, adopted at epoch 5 (slot 0 alone): slot 1's restarted worker is still
+    starting, as its agent's census says; it holds no state, so slot 0 is the last copy.
+    A ``Ready`` says the same of a worker a census presumed a holder (an agent of an
+    earlier release sends no ``starting``). Before, every live slot stayed a holder."""
+    c = _adopted(tmp_path, 2, EpochInfo(5, (0,), (0,), urgent=False), trained=True)
+    c.exchange(0, [M.Census(ts=9.1, alive=(0,))], 9.1)
+    c.exchange(1, [M.Census(ts=9.1, alive=(1,), starting=(1,))], 9.1)
+    assert c.book.slots.holders() == [0] and not c.book.state_survives(0)
+
+    c = _adopted(tmp_path / "old", 2, EpochInfo(5, (0,), (0,), urgent=False), trained=True)
+    c.exchange(0, [M.Census(ts=9.1, alive=(0,))], 9.1)
+    c.exchange(1, [M.Census(ts=9.1, alive=(1,))], 9.1)
+    assert c.book.slots.holders() == [0, 1]  # presumed (no ``starting``)
+    c.exchange(1, [M.Ready(slot=1, ts=9.5, microbatches=8)], 9.5)
+    assert c.book.slots.holders() == [0]
+
+
+def test_after_a_takeover_a_first_commit_of_an_older_epoch_is_the_adopted_members(
+    tmp_path: Path,
+) -> None:
+    """The old coordinator died as step 0 committed in epoch 2, with epoch 3 (slots 0 and 2)
+    announced; the agents send ``step_end`` of epoch 2 again. The adopted epoch's members
+    keep the state (before, the new coordinator knew no members of epoch 2 and took it from
+    everyone: slot 2's crash then failed the task with slot 0 holding all of it)."""
+    c = _adopted(tmp_path, 3, EpochInfo(3, (0, 2), (0, 2), urgent=True), trained=False)
+    for n in range(3):
+        c.exchange(n, [M.Census(ts=9.1, alive=(n,))], 9.1)
+    _committed(c, 0, 9.2, epoch=2)
+    assert c.book.slots.holders() == [0, 2]
+    _crash(c, 2, 9.3)
+    assert c.book.state is TaskState.RUNNING, c.book.outcome
+
+
+def _heard(c: Coordinator, nodes: tuple[int, ...], t: float) -> None:
+    for n in nodes:
+        c.exchange(n, [], t)
+
+
+def test_a_failed_collective_a_crash_explains_confirms_no_suspect_node(tmp_path: Path) -> None:
+    """DP=3: slot 2 crashes; slot 0's failed collective is heard 30 ms before the crash,
+    and node 1, healthy, is 0.55 s late on a loaded machine. Node 1 stays (before, the
+    failed collective confirmed it as a suspect at once, and its worker was thrown out)."""
+    c = _coordinator(tmp_path, 3)
+    _ready(c, [0, 1, 2], 0.0)
+    _begin(c, [0, 1, 2], 0, 0.1)
+    _computed(c, [0, 1, 2], 0, 0.2)
+    _committed(c, 0, 0.3)
+    _heard(c, (0, 1, 2), 10.0)
+    for k in range(6):  # the cluster's ticker; nodes 0 and 2 on their rhythm, node 1 late
+        c.tick(10.0 + 0.1 * k)
+        if k in (2, 5):
+            _heard(c, (0, 2), 10.0 + 0.1 * k)
+    error = M.WorkerError(slot=0, ts=10.52, verdict=verdict_for_kind("conn_reset"),
+                          in_place=False, epoch=c.epoch)  # fmt: skip
+    c.exchange(0, [error], 10.55)
+    _crash(c, 2, 10.58)
+    _heard(c, (1,), 10.62)
+    assert c.lost_nodes == set() and not c.book.slots[1].excluded
+
+
+def test_a_failed_collective_nothing_explains_still_confirms_a_suspect(tmp_path: Path) -> None:
+    """Node 1 silent from 10.0 and slot 0's collective failed at 10.55 with no crash to
+    explain it: node 1 is lost on the suspect path, well before the 2 s heartbeat timeout
+    (half the suspect delay after the failed collective)."""
+    c = _coordinator(tmp_path, 3)
+    _ready(c, [0, 1, 2], 0.0)
+    _begin(c, [0, 1, 2], 0, 0.1)
+    _computed(c, [0, 1, 2], 0, 0.2)
+    _committed(c, 0, 0.3)
+    _heard(c, (0, 1, 2), 10.0)
+    lost_at = None
+    for k in range(1, 50):
+        t = 10.0 + 0.05 * k
+        c.tick(t)
+        if k % 5 == 0:
+            _heard(c, (0, 2), t)
+        if k == 11:
+            error = M.WorkerError(slot=0, ts=t, verdict=verdict_for_kind("conn_reset"),
+                                  in_place=False, epoch=c.epoch)  # fmt: skip
+            c.exchange(0, [error], t)
+        if c.lost_nodes:
+            lost_at = t
+            break
+    assert c.lost_nodes == {1} and lost_at is not None and lost_at < 11.5, lost_at
