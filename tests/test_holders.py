@@ -136,16 +136,19 @@ def test_after_a_takeover_a_worker_starting_or_ready_holds_no_state(tmp_path: Pa
     assert c.book.slots.holders() == [0]
 
 
-def test_after_a_takeover_a_first_commit_of_an_older_epoch_is_the_adopted_members(
+def test_after_a_takeover_a_first_commit_of_an_older_epoch_keeps_the_state(
     tmp_path: Path,
 ) -> None:
-    """The old coordinator died as step 0 committed in epoch 2, with epoch 3 (slots 0 and 2)
-    announced; the agents send ``step_end`` of epoch 2 again. The adopted epoch's members
-    keep the state (before, the new coordinator knew no members of epoch 2 and took it from
-    everyone: slot 2's crash then failed the task with slot 0 holding all of it)."""
+    """The old coordinator died as step 0 committed in epoch 2 (0, 1, 2), with epoch 3 (slots
+    0 and 2) announced and slot 1's restart on its way; the agents send ``step_end`` of epoch
+    2 again. Its members are not known here: every slot keeps the state but a worker that
+    built its model since (slot 1, starting, says its agent's census). Before, the new
+    coordinator took it from everyone: slot 2's crash then failed the task with slot 0
+    holding all of it."""
     c = _adopted(tmp_path, 3, EpochInfo(3, (0, 2), (0, 2), urgent=True), trained=False)
-    for n in range(3):
-        c.exchange(n, [M.Census(ts=9.1, alive=(n,))], 9.1)
+    c.exchange(0, [M.Census(ts=9.1, alive=(0,))], 9.1)
+    c.exchange(1, [M.Census(ts=9.1, alive=(1,), starting=(1,))], 9.1)
+    c.exchange(2, [M.Census(ts=9.1, alive=(2,))], 9.1)
     _committed(c, 0, 9.2, epoch=2)
     assert c.book.slots.holders() == [0, 2]
     _crash(c, 2, 9.3)
@@ -203,3 +206,49 @@ def test_a_failed_collective_nothing_explains_still_confirms_a_suspect(tmp_path:
             lost_at = t
             break
     assert c.lost_nodes == {1} and lost_at is not None and lost_at < 11.5, lost_at
+
+
+def test_after_a_takeover_a_worker_in_no_epoch_yet_is_no_part_of_an_older_commit(
+    tmp_path: Path,
+) -> None:
+    """Untrained, adopted at epoch 3 = (0, 2, 1), slot 1 a joiner that is ready (its agent's
+    census: a model it built, no epoch entered); step 0's commit of epoch 2 is sent again.
+    Slots 0 and 2 hold the state, slot 1 does not: so when a crash of slot 2 excludes node 0,
+    slot 0, the last copy, is not killed (before, slot 1 counted as a holder, and was left
+    training on its fresh model)."""
+    c = Coordinator(task="t", slots={0: 0, 2: 0, 1: 1}, events=EventLog(tmp_path / "e.jsonl"),
+                    escalation=Escalation(EscalationSettings(node_failure_limit=1)),
+                    settings=CoordinatorSettings(min_workers=1))  # fmt: skip
+    info = EpochInfo(3, (0, 2, 1), (0, 0, 1), urgent=False)
+    c.store.set(epoch_key("t"), "3")
+    c.store.set(epoch_info_key("t", 3), info.to_json())
+    c.adopt(9.0, committed_step=-1, logged=info, pace_s=1.0)
+    c.exchange(0, [M.Census(ts=9.1, alive=(0, 2))], 9.1)
+    c.exchange(1, [M.Census(ts=9.1, alive=(1,), ready=(1,))], 9.1)
+    _committed(c, 0, 9.2, epoch=2)
+    assert c.book.slots.holders() == [0, 2]
+    c.exchange(0, [M.WorkerFailed(slot=2, ts=9.5, verdict=verdict_for_kind("segfault"))], 9.5)
+    assert 0 in c.book.escalation.excluded_nodes()
+    assert c.book.slots[0].killed_at is None and c.book.slots.holders() == [0]
+
+
+def test_after_a_takeover_an_older_commit_keeps_a_rank_waiting_outside(tmp_path: Path) -> None:
+    """PP=2 x DP=2, one slot a node; untrained, adopted at epoch 3 = (0, 1): slot 2 waits
+    outside with stage 0 (its pair, slot 3, restarting). Step 0's commit of epoch 2 (all four)
+    is sent again: slot 2 keeps its copy, so slot 0's crash leaves the task waiting for its
+    replicas, not failed (before, only the adopted epoch's members kept the state)."""
+    c = Coordinator(task="t", slots={s: s for s in range(4)},
+                    events=EventLog(tmp_path / "e.jsonl"),
+                    escalation=Escalation(EscalationSettings()),
+                    settings=CoordinatorSettings(replica_ranks=2, tp=1, min_workers=2))  # fmt: skip
+    info = EpochInfo(3, (0, 1), (0, 1), urgent=True)
+    c.store.set(epoch_key("t"), "3")
+    c.store.set(epoch_info_key("t", 3), info.to_json())
+    c.adopt(9.0, committed_step=-1, logged=info, pace_s=1.0)
+    for n in (0, 1, 2):
+        c.exchange(n, [M.Census(ts=9.1, alive=(n,))], 9.1)
+    c.exchange(3, [M.Census(ts=9.1, alive=(3,), starting=(3,))], 9.1)
+    _committed(c, 0, 9.2, epoch=2)
+    assert c.book.slots.holders() == [0, 1, 2]
+    _crash(c, 0, 9.5)
+    assert c.book.state is not TaskState.FAILED, c.book.outcome

@@ -348,8 +348,11 @@ def census(
             continue
         alive = slot in r.alive
         o.seen(alive=alive, ready=slot in r.ready or (alive and slot in b.members))
-        if b.trained and (slot in r.starting or slot in r.ready):
-            o.has_state = False  # a model it built: adopt presumed the state in every slot
+        if slot in r.starting or slot in r.ready:  # a model it built, in no epoch yet
+            # its first epoch: the adopted one if announced with it ready, else a later one
+            first = b.epoch if slot in r.ready and slot in b.members else b.epoch + 1
+            o.born = max(o.born, first - 1)  # no commit of an epoch before it is its
+            o.has_state = o.has_state and not b.trained  # adopt presumed it in every slot
         if not o.alive and slot in b.members and not o.excluded:
             worker_failed(b, slot, classify_exit(-9), r.ts)
         elif alive and slot in r.ready and slot in b.members:

@@ -62,6 +62,7 @@ def worker_ready(b: TaskBook, slot: int, microbatches: int | None, state_bytes: 
     until a census or this says otherwise)."""
     o = b.slots[slot]
     o.readied()
+    o.born = max(o.born, b.epoch)  # in no epoch yet: no commit up to this one is its
     if b.trained:
         o.has_state = False
     b.microbatches = microbatches or b.microbatches

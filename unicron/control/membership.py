@@ -108,11 +108,13 @@ def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
 
 def _took_part(b: TaskBook, epoch: int) -> tuple[int, ...]:
     """The members of ``epoch``; of one before this coordinator's first (it adopted the task
-    at a later one, whose members it presumes holding the state), that first one's."""
+    at a later one), every slot: its members are not known here, and a rank of that epoch may
+    now wait outside the adopted one with its copy (a worker that built its model since is
+    told apart by :attr:`Slot.born`, from the agents' census)."""
     known = b.epoch_members
     if epoch in known or not known or epoch > min(known):
         return known.get(epoch, ())
-    return known[min(known)]
+    return tuple(b.slots)
 
 
 def committed_steps(b: TaskBook) -> int | None:
@@ -337,6 +339,11 @@ def _shard_on_its_way(b: TaskBook, candidates: tuple[int, ...]) -> bool:
     if not b.trained:
         return False
     have = {shard for s in candidates if b.slots[s].has_state for shard in b.shards(s)}
+    by_layout: dict[tuple[int, int], set[int]] = {}
+    for lay, at in have:
+        by_layout.setdefault(lay, set()).add(at)
+    if any(len(got) == lay[0] * lay[1] for lay, got in by_layout.items()):
+        return False  # they hold every place's shard at some layout: nothing to wait for
     for s, o in b.slots.items():
         if s in candidates or not o.alive or not o.has_state:
             continue
