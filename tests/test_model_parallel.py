@@ -452,6 +452,29 @@ def test_the_first_commit_leaves_the_state_in_every_member_of_its_epoch(tmp_path
     assert c.members == (2, 3)
 
 
+def test_an_excluded_node_keeps_the_last_copy_of_a_stage(tmp_path: Path) -> None:
+    """PP=2 x DP=2, each replica's stages on two nodes: replicas (0, 1) and (2, 3), stage 0
+    on node 0, stage 1 on node 1. Slot 3 crashes, and the crash tips node 1 over its failure
+    limit: node 1 is excluded, and slot 1 there is kept running, the last copy of stage 1
+    (before, a holder on another node was enough to kill it: stage 1 was lost and the task
+    failed)."""
+    nodes = {0: 0, 1: 1, 2: 0, 3: 1}
+    c = Coordinator(
+        task="t",
+        slots=nodes,
+        events=EventLog(tmp_path / "events.jsonl"),
+        escalation=Escalation(EscalationSettings(node_failure_limit=1)),
+        settings=CoordinatorSettings(replica_ranks=2, tp=1, min_workers=2),
+    )
+    c.exchange(0, [M.Ready(slot=s, ts=0.0, microbatches=8) for s in range(4)], 0.0)
+    _enter_and_compute(c, (0, 1, 2, 3), 0, 0.5)
+    c.exchange(1, [M.WorkerFailed(slot=3, ts=1.0, verdict=verdict_for_kind("segfault"))], 1.0)
+    b = c.book
+    assert 1 in b.escalation.excluded_nodes()
+    assert b.state is TaskState.RUNNING, b.outcome
+    assert b.slots[1].kept and b.slots[1].killed_at is None and 1 in b.slots.holders()
+
+
 def test_a_copy_of_a_shard_is_counted_at_the_layout_its_holder_holds(tmp_path: Path) -> None:
     """The judges' question "who else holds what this worker holds" (:meth:`other_holders`,
     behind every kill of a last copy) counts each holder at the layout of its state, like

@@ -41,10 +41,18 @@ def exclude(b: TaskBook, slot: int, now: float) -> None:
 
 def exclude_node(b: TaskBook, node: int, verdict: Verdict, now: float) -> None:
     """Take every slot of ``node`` out of the plan. Its living workers are killed only if
-    the task's state lives on elsewhere (another node's replica): the last copies keep
-    running rather than the task rolling back to a checkpoint, and one that fails on its
-    own account is restarted in place (:func:`unicron.control.failures.keeps_last_copies`)."""
-    state_elsewhere = any(b.slots[h].node != node for h in b.slots.holders())
+    the task's state lives on elsewhere (what each holder there holds, another node holds
+    too: :meth:`TaskBook.other_holders`, shard by shard): the last copies keep running rather
+    than the task rolling back to a checkpoint, and one that fails on its own account is
+    restarted in place (:func:`unicron.control.failures.keeps_last_copies`). (Before, any
+    holder on another node would do: PP=2 x DP=2 with each replica's stages on two nodes,
+    stage 1's node excluded while the other replica's stage 1 restarted, killed the last
+    stage 1, and the task failed.)"""
+    state_elsewhere = all(
+        any(b.slots[o].node != node for o in b.other_holders(h))
+        for h in b.slots.holders()
+        if b.slots[h].node == node
+    )
     own = b.escalation.excluded_slots()
     for slot, o in b.slots.items():
         if o.node != node:
