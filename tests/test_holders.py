@@ -160,16 +160,22 @@ def _heard(c: Coordinator, nodes: tuple[int, ...], t: float) -> None:
         c.exchange(n, [], t)
 
 
-def test_a_failed_collective_a_crash_explains_confirms_no_suspect_node(tmp_path: Path) -> None:
-    """DP=3: slot 2 crashes; slot 0's failed collective is heard 30 ms before the crash,
-    and node 1, healthy, is 0.55 s late on a loaded machine. Node 1 stays (before, the
-    failed collective confirmed it as a suspect at once, and its worker was thrown out)."""
-    c = _coordinator(tmp_path, 3)
+def _trained_and_heard(tmp: Path) -> Coordinator:
+    """DP=3, step 0 committed, every node heard from at 10.0."""
+    c = _coordinator(tmp, 3)
     _ready(c, [0, 1, 2], 0.0)
     _begin(c, [0, 1, 2], 0, 0.1)
     _computed(c, [0, 1, 2], 0, 0.2)
     _committed(c, 0, 0.3)
     _heard(c, (0, 1, 2), 10.0)
+    return c
+
+
+def test_a_failed_collective_a_crash_explains_confirms_no_suspect_node(tmp_path: Path) -> None:
+    """DP=3: slot 2 crashes; slot 0's failed collective is heard 30 ms before the crash,
+    and node 1, healthy, is 0.55 s late on a loaded machine. Node 1 stays (before, the
+    failed collective confirmed it as a suspect at once, and its worker was thrown out)."""
+    c = _trained_and_heard(tmp_path)
     for k in range(6):  # the cluster's ticker; nodes 0 and 2 on their rhythm, node 1 late
         c.tick(10.0 + 0.1 * k)
         if k in (2, 5):
@@ -186,12 +192,7 @@ def test_a_failed_collective_nothing_explains_still_confirms_a_suspect(tmp_path:
     """Node 1 silent from 10.0 and slot 0's collective failed at 10.55 with no crash to
     explain it: node 1 is lost on the suspect path, well before the 2 s heartbeat timeout
     (half the suspect delay after the failed collective)."""
-    c = _coordinator(tmp_path, 3)
-    _ready(c, [0, 1, 2], 0.0)
-    _begin(c, [0, 1, 2], 0, 0.1)
-    _computed(c, [0, 1, 2], 0, 0.2)
-    _committed(c, 0, 0.3)
-    _heard(c, (0, 1, 2), 10.0)
+    c = _trained_and_heard(tmp_path)
     lost_at = None
     for k in range(1, 50):
         t = 10.0 + 0.05 * k
