@@ -153,3 +153,32 @@ def test_bad_input_fails_the_task_and_its_exits_heal_nothing(tmp_path: Path) -> 
     effects = c.decide_exchange(0, reports, 1.0)
     assert effects == [WriteStoreKey(done_key("t"), "failed")]
     assert c.state is TaskState.FAILED and c.outcome is not None and c.outcome.usage
+
+
+def test_a_kill_whose_answer_was_lost_is_sent_again(tmp_path: Path) -> None:
+    """A leaver's ``Kill`` (its slot given to another task) went in an answer lost on its way
+    back: the agent's census shows the worker alive, so the ``Kill`` comes again, and the
+    slot is given back once its exit is in (before, the slot stayed STOPPING for good and the
+    other task waited for it). A hang's ``Kill`` alike, with its verdict."""
+    c = running(tmp_path)
+    c.release_slots([3], 1.0, "another task needs it")
+    for n, slots in ((0, (0, 1)), (1, (2,))):
+        c.exchange(n, [M.EpochEntered(slot=s, ts=1.1, epoch=c.epoch) for s in slots], 1.1)
+    c.tick(1.2)
+    assert c.take_actions(1) == [M.Kill(3, None, leave=True)]  # ... and lost
+    again = c.exchange(1, [M.Census(ts=2.0, alive=(2, 3))], 2.0)
+    assert again.actions == (M.Kill(3, None, leave=True),)
+    assert c.exchange(1, [M.Census(ts=2.5, alive=(2, 3))], 2.5).actions == (
+        M.Kill(3, None, leave=True),
+    )  # still alive after the second: again (a Kill twice is harmless on the agent)
+    c.exchange(1, [M.WorkerLeft(slot=3, ts=3.0)], 3.0)
+    assert c.released() == {3}
+
+    c = running(tmp_path / "hang")
+    verdict = verdict_for_kind("hang")
+    with c._deciding():
+        c.book.kill(1, verdict, 4.0)
+    c.executor.run(c.book.effects)
+    assert c.take_actions(0) == [M.Kill(1, verdict)]  # ... and lost
+    assert c.exchange(0, [M.Census(ts=5.0, alive=(0, 1))], 5.0).actions == (M.Kill(1, verdict),)
+    assert c.exchange(0, [M.Census(ts=5.5, alive=(0,))], 5.5).actions == ()  # it is gone

@@ -367,8 +367,9 @@ class TaskBook:
         """Stop the worker in ``slot``; its exit comes back as a failure. Until then it
         counts as holding no state (:meth:`SlotTable.holders`), and as a kill under way
         (:meth:`SlotTable.kills_under_way`)."""
-        self.slots[slot].killed_at = now
-        self.send(self.slots[slot].node, Kill(slot, verdict))
+        s = self.slots[slot]
+        s.killed_at, s.kill_verdict = now, verdict
+        self.send(s.node, Kill(slot, verdict))
 
     def forget(self, slot: int) -> None:
         """Drop what the detectors know of the worker in ``slot`` (gone, or restarting)."""

@@ -30,7 +30,7 @@ from unicron.detect.classify import (
     classify_exit,
 )
 from unicron.detect.stall import Phase, Progress
-from unicron.messages import Census, Probe, Spawn
+from unicron.messages import Census, Kill, Probe, Spawn
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +340,12 @@ def census(
                 log.warning("task %s: the probe of slot %d does not run (the answer that "
                             "carried it was lost): asked again", b.task, slot)  # fmt: skip
                 b.send(node, Probe(slot))
+            leave = o.state is SlotState.STOPPING
+            doomed = o.killed_at is not None or leave
+            if doomed and slot in r.alive and (Kill, slot) not in queued:
+                log.warning("task %s: slot %d's worker lives on after its kill (the answer "
+                            "that carried it was lost): sent again", b.task, slot)  # fmt: skip
+                b.send(node, Kill(slot, o.kill_verdict, leave=leave))
         return
     b.adopting.discard(node)
     outside = []

@@ -166,6 +166,7 @@ class Slot:
     probing: bool = False  # a health probe of it runs
     kept: bool = False  # on an excluded node, running the task's last copies of the state
     killed_at: float | None = None  # when a kill was sent to its worker, whose exit is not in
+    kill_verdict: Verdict | None = None  # ... and the verdict it carried (sent again if lost)
     record: SlotRecord | None = None  # the escalation's memory of its failures
 
     def to(self, new: SlotState) -> None:
