@@ -99,6 +99,8 @@ def sync(r: _Runner, g: EpochGroup) -> tuple[int, str]:
         # needers whose model's layout is the holders' post its receives at once
         at = replica.LAYOUT
         agreed = all(rows[q * size + place][at] == ref[at] for q in needers)
+        if r.dp.rank in needers:  # its tensors are written in place: cut, they are a mixture
+            r.has_state = False
         transfer(r.dp, r.model, r.optimizer, holders=near or holders,
                  needers=needers, device=r.device, have=have[0], agreed=agreed)  # fmt: skip
         if r.dp.rank in needers:
@@ -146,6 +148,8 @@ def _shares(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str]
     try:
         if sp.target < 0 or sp.checkpoint > sp.target:
             raise StateLost("no member holds the state, or a checkpoint is newer")
+        if not holder:  # what it lacks is written into its model: cut, a mixture
+            r.has_state = False
         got = redistribute(r.zero, r.dp, g, nodes=nodes, holder=holder)
     except StateLost:
         load_checkpoint(r)
@@ -186,6 +190,8 @@ def _reshard(r: _Runner, g: EpochGroup, rows: list[list[int]]) -> tuple[int, str
     try:
         if target < 0:
             raise StateLost("no member holds the state")
+        if source is None and r.old is None:  # its own shard is the target: cut, a mixture
+            r.has_state = False
         reshard(g, source=source, target=r.shard)
         ref = next(row for row in rows if row[replica.STEP] == target)
         r.step, r.has_state, r.old = target, True, None
