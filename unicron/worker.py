@@ -510,11 +510,11 @@ class _Runner:
                         "(call it once per step, after the step's micro-batches)"
                     )
                 self.mb.attempt = None
+                if attempt.committed and attempt.loss is not None:
+                    last_loss = attempt.loss  # also where broken after it (a cut broadcast)
                 if attempt.broken is not None:
                     self._leave(attempt.broken, epoch)
                     break
-                assert attempt.loss is not None
-                last_loss = attempt.loss
         self._finish(epoch, last_loss)
 
     def _newer_epoch(self, g: EpochGroup) -> EpochOver | None:

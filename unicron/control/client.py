@@ -295,13 +295,15 @@ class TaskLink:
         flush: bool = False,
     ) -> M.Reply:
         """One round of the agent: ``reports`` go out now, or wait for the rhythm (see the
-        class docstring); ``flush``: everything pending goes out now (the agent's last round)."""
+        class docstring); ``flush``: everything pending goes out now (the agent's last round),
+        even in a failed exchange's backoff (found in review: a failure in the last half
+        second lost the held ``step_end`` records with the link)."""
         import httpx
 
         self._pending += reports
         self._urgent = self._urgent or flush or not all(can_wait(r) for r in reports)
         idle = M.Reply(over=self._last.over, finished=self._last.finished)
-        if self.due_in(now) > 0:
+        if not flush and self.due_in(now) > 0:
             return idle
         batch = list(self._pending)
         if self._reconnect:
