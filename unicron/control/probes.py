@@ -8,6 +8,7 @@ returns as ``ProbeDone``.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -20,6 +21,8 @@ __all__ = ["PROBE_TIMEOUT_S", "Probes"]
 
 PROBE_TIMEOUT_S = 120.0
 """a health probe (a fresh process: imports, then milliseconds of work) that takes longer fails"""
+REAP_WAIT_S = 5.0
+"""how long stopping the agent waits for each killed probe to exit"""
 
 
 @dataclass
@@ -29,7 +32,6 @@ class _Probe:
     proc: subprocess.Popen[bytes]
     started: float
     log: Path
-    overran: bool = False
 
 
 class Probes:
@@ -39,6 +41,7 @@ class Probes:
         self.log_dir = log_dir
         self.account = account  # the probes run as the workers do
         self._running: dict[int, _Probe] = {}
+        self._unreaped: list[subprocess.Popen[bytes]] = []  # killed, overran: reaped later
 
     def __bool__(self) -> bool:
         return bool(self._running)
@@ -70,18 +73,19 @@ class Probes:
 
     def check(self, now: float) -> list[tuple[int, bool, str]]:
         """``(slot, ok, detail)`` of every probe that ended since; one that overran
-        :data:`PROBE_TIMEOUT_S` is killed (its whole process group) and returned once its
-        exit is seen. Never blocks."""
+        :data:`PROBE_TIMEOUT_S` failed: it is killed (its whole process group) and returned at
+        once, its exit reaped later (found in review: a probe stuck in the kernel, the fault
+        a probe looks for, never exited, so its slot stayed probing for good). Never blocks."""
+        self._unreaped = [p for p in self._unreaped if p.poll() is None]
         ended: list[tuple[int, bool, str]] = []
         for slot, probe in list(self._running.items()):
             code = probe.proc.poll()
-            if code is None:
-                if now - probe.started >= PROBE_TIMEOUT_S and not probe.overran:
-                    probe.overran = True
-                    killpg(probe.proc.pid)
+            if code is None and now - probe.started < PROBE_TIMEOUT_S:
                 continue
             del self._running[slot]
-            if probe.overran:
+            if code is None:
+                killpg(probe.proc.pid)
+                self._unreaped.append(probe.proc)
                 ok, detail = False, f"no answer in {PROBE_TIMEOUT_S:g} s"
             else:
                 lines = probe.log.read_text(errors="replace").strip().splitlines()
@@ -91,10 +95,12 @@ class Probes:
         return ended
 
     def kill_all(self, *, wait: bool = False) -> None:
-        """SIGKILL every probe's process group (``wait``: and reap them; forgotten then)."""
+        """SIGKILL every probe's process group (``wait``: and reap them, a few seconds each at
+        most: one stuck in the kernel is left to init; forgotten then)."""
         for probe in self._running.values():
             killpg(probe.proc.pid)
             if wait:
-                probe.proc.wait()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    probe.proc.wait(timeout=REAP_WAIT_S)
         if wait:
             self._running.clear()
