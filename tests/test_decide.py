@@ -182,3 +182,23 @@ def test_a_kill_whose_answer_was_lost_is_sent_again(tmp_path: Path) -> None:
     assert c.take_actions(0) == [M.Kill(1, verdict)]  # ... and lost
     assert c.exchange(0, [M.Census(ts=5.0, alive=(0, 1))], 5.0).actions == (M.Kill(1, verdict),)
     assert c.exchange(0, [M.Census(ts=5.5, alive=(0,))], 5.5).actions == ()  # it is gone
+
+
+def test_a_kill_queued_for_a_lost_nodes_old_agent_is_not_the_new_ones(tmp_path: Path) -> None:
+    """A hang's ``Kill`` for slot 3 waits in node 1's queue; the node dies before its agent
+    takes it, and a new agent registers: its first exchange gets no ``Kill`` (before, the
+    old one killed the fresh worker the new agent had just started: a restart counted
+    against a worker that did nothing)."""
+    c = running(tmp_path)
+    c.exchange(1, [], 1.0)
+    hang = verdict_for_kind("hang")
+    with c._deciding():
+        c.book.kill(3, hang, 1.0)
+    c.executor.run(c.book.effects)
+    for k in range(1, 31):  # node 1 silent: lost
+        c.exchange(0, [], 1.0 + k * 0.1)
+        c.tick(1.0 + k * 0.1)
+    assert 1 in c.lost_nodes
+    c.node_returned(1, 4.0)
+    census = M.Census(ts=4.1, alive=(2, 3), starting=(2, 3))
+    assert not any(isinstance(a, M.Kill) for a in c.exchange(1, [census], 4.1).actions)

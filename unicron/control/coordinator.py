@@ -58,7 +58,7 @@ import torch.distributed as dist
 from unicron import messages as M
 from unicron.control import failures, health, membership, readmission
 from unicron.control.book import CoordinatorSettings, Outcome, TaskBook, TaskState
-from unicron.control.effects import Effect, Executor, on_their_way
+from unicron.control.effects import Effect, Executor, on_their_way, stale
 from unicron.control.escalation import Escalation
 from unicron.control.events import EventLog
 from unicron.control.failures import MIN_COPIES
@@ -554,8 +554,11 @@ class Coordinator:
     def node_returned(self, node: int, now: float) -> None:
         """The agent of the lost ``node`` is back (a new process registered under the node's
         name with the cluster service): its slots return to the task
-        (:func:`unicron.control.readmission.node_returned`)."""
+        (:func:`unicron.control.readmission.node_returned`). A ``Kill`` or ``Spawn`` queued for
+        the old agent is dropped: the new one would take it for its fresh workers (found in
+        review: a hang's Kill killed the worker the new agent had just started)."""
         with self._deciding():
+            self._outbox[node] = deque(a for a in self._outbox.get(node, ()) if not stale(a))
             readmission.node_returned(self.book, node, now)
 
     def fail(self, reason: str, now: float, *, usage: bool = False) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from unicron.control.events import EventLog
-from unicron.messages import AgentAction
+from unicron.messages import AgentAction, Kill, Spawn
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key
 from unicron.runtime.group import ControlStore
 
@@ -73,6 +73,12 @@ def on_their_way(
     ``outbox``, or among ``effects`` (decided, not carried out)."""
     told = [e.action for e in effects if isinstance(e, Tell) and e.node == node]
     return frozenset((type(a), a.slot) for a in [*outbox.get(node, ()), *told])
+
+
+def stale(action: AgentAction) -> bool:
+    """An action meant for one incarnation of an agent's workers (``Kill``, ``Spawn``): one
+    still queued when a new agent replaces the old is not the new one's to take."""
+    return isinstance(action, Kill | Spawn)
 
 
 class Executor:
