@@ -536,3 +536,77 @@ def test_a_workers_place_is_the_one_the_coordinator_names(
         assert (env[P.ENV_PP_STAGE], env[P.ENV_TP_RANK]) == ("1", "0")
     finally:
         agent.stop()
+
+
+def test_the_zygotes_death_leaves_no_worker_it_was_asked_for_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zygote dies (its fork raised, or it was killed) with slot 0's start unanswered
+    and slot 1's worker forked but not yet connected (it dies with the zygote): slot 0 is
+    started plainly, slot 1's end is reported after the grace (before, both stayed
+    STARTING for good, and nothing told the coordinator)."""
+    from unicron.control import agent as agent_mod
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def plainly(*_: object, **__: object) -> subprocess.Popen[bytes]:
+        started.append(subprocess.Popen(["sleep", "30"]))
+        return started[-1]
+
+    monkeypatch.setattr(agent_mod, "start_plainly", plainly)
+    monkeypatch.setattr(agent_mod, "EXIT_GRACE_S", 0.0)
+    link = _Link()
+    config = AgentConfig(node=0, slots=[0, 1], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    agent = Agent(config, link, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
+    ours, zygote = Pipe()
+    try:
+        agent._zygote_conn = ours
+        agent.spawn(1)
+        zygote.recv()
+        zygote.send(M.to_wire(M.Spawned(slot=1, pid=2**22 + 7, incarnation=0)))
+        agent.poll(0.01)
+        agent.spawn(0)
+        zygote.recv()
+        zygote.close()  # gone, slot 0's fork never answered
+        for _ in range(5):
+            agent.poll(0.01)
+        assert agent.workers[0].popen is started[0] and agent.workers[0].alive
+        failed = [r.slot for r in link.reports if isinstance(r, M.WorkerFailed)]
+        assert failed == [1] and not agent.workers[1].alive
+    finally:
+        agent._kill = lambda pid: None  # type: ignore[method-assign]
+        agent.stop()
+        for p in started:
+            p.kill()
+            p.wait()
+
+
+def test_a_worker_that_cannot_start_is_reported_and_the_reply_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starting slot 0's worker fails (fork's EAGAIN): its end is reported as a failure, and
+    the rest of the coordinator's answer (a Kill of slot 1) is carried out (before, the error
+    escaped the round: slot 0 stayed STARTING with no process and the Kill was dropped)."""
+    from unicron.control import agent as agent_mod
+
+    def no_fork(*_: object, **__: object) -> subprocess.Popen[bytes]:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(agent_mod, "start_plainly", no_fork)
+    monkeypatch.setattr(agent_mod, "EXIT_GRACE_S", 0.0)
+    link = _Link()
+    config = AgentConfig(node=0, slots=[0, 1], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    agent = Agent(config, link, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
+    killed: list[int] = []
+    agent._kill = killed.append  # type: ignore[method-assign]
+    try:
+        agent.workers[1].spawned()
+        agent.workers[1].pid = 2**22 + 9
+        agent.reply = M.Reply(actions=(M.Spawn(0), M.Kill(1, None)))
+        agent._act(1.0)
+        assert killed == [2**22 + 9]
+        for _ in range(3):
+            agent.poll(0.01)
+        assert [r.slot for r in link.reports if isinstance(r, M.WorkerFailed)] == [0]
+    finally:
+        agent.stop()

@@ -333,9 +333,8 @@ class Agent:
         self._reports.append(report)
 
     def census(self) -> M.Census:
-        """Which of this node's workers live, which are starting, and which reported ready but
-        entered no epoch since: sent when the agent reconnects to a coordinator (one that
-        restarted adopts the task from it)."""
+        """Which of this node's workers live, start, or are ready in no epoch: sent when the
+        agent reconnects to a coordinator (one that restarted adopts the task from it)."""
         return census_of(self.workers, self._probes)
 
     def _act(self, now: float) -> None:
@@ -383,8 +382,7 @@ class Agent:
     def kill(self, slot: int, verdict: Verdict | None = None) -> None:
         """SIGKILL the worker in ``slot``; its exit is then reported with ``verdict``."""
         w = self.workers[slot]
-        if verdict is not None:
-            w.verdict = verdict
+        w.verdict = verdict or w.verdict
         if w.pid is None:
             w.kill_pending = True  # killed as soon as the zygote says which pid it got
         elif w.alive and verdict is not None and verdict.kind in _HUNG:
@@ -561,6 +559,13 @@ class Agent:
         if conn is self._zygote_conn:
             log.warning("the zygote is gone; workers start as fresh processes from now on")
             self._zygote_conn = None
+            for w in self.workers.values():  # asked of it, not yet running on their own
+                if not (w.alive and w.conn is None and w.popen is None and w.eof_ts is None):
+                    continue
+                if w.pid is None:  # its fork never came: started plainly now
+                    self._launch(w.slot)
+                else:  # it died with the zygote before its hello: ended after the grace
+                    w.eof_ts = time.time()
             return
         for w in self.workers.values():
             if w.conn is conn:
@@ -725,22 +730,20 @@ class Agent:
     def _launch(self, slot: int) -> None:
         w = self.workers[slot]
         logfile = worker_log(self.config.log_dir, slot, w.incarnation)
+        argv = (self.config.script, *self.config.argv)
         if self._zygote_conn is not None:
-            try:
-                command = M.SpawnWorker(
-                    slot=slot,
-                    incarnation=w.incarnation,
-                    env=self._slot_env(slot),
-                    script=self.config.script,
-                    argv=tuple(self.config.argv),
-                    log=str(logfile),
-                )
+            env, log_to = self._slot_env(slot), str(logfile)
+            command = M.SpawnWorker(slot=slot, incarnation=w.incarnation, env=env,
+                                    script=argv[0], argv=argv[1:], log=log_to)  # fmt: skip
+            with contextlib.suppress(OSError):
                 self._zygote_conn.send(M.to_wire(command))
                 return
-            except OSError:
-                self._zygote_conn = None
+            self._zygote_conn = None  # gone: plainly
         env = {**self._base_env(), **self._slot_env(slot)}
-        w.popen = start_plainly(
-            ["worker", self.config.script, *self.config.argv], env, logfile, self.config.account
-        )
+        try:
+            w.popen = start_plainly(["worker", *argv], env, logfile, self.config.account)
+        except OSError as exc:  # no process (fork's EAGAIN, EMFILE): reported as its exit
+            log.warning("node %d: slot %d's worker did not start: %s", self.node, slot, exc)
+            w.eof_ts = time.time()  # (found in review: the slot stayed STARTING for good)
+            return
         w.pid = w.popen.pid
