@@ -202,3 +202,22 @@ def test_a_kill_queued_for_a_lost_nodes_old_agent_is_not_the_new_ones(tmp_path: 
     c.node_returned(1, 4.0)
     census = M.Census(ts=4.1, alive=(2, 3), starting=(2, 3))
     assert not any(isinstance(a, M.Kill) for a in c.exchange(1, [census], 4.1).actions)
+
+
+def test_a_new_agent_on_a_node_the_task_never_judged_lost_restarts_its_workers(
+    tmp_path: Path,
+) -> None:
+    """Node 1's agent is replaced (another task declared the node lost and it was fenced,
+    which stopped this task's workers there too) before this task's own heartbeat timeout:
+    slots 2 and 3 end, the survivors go on in a new epoch, and the new agent's workers
+    start in them, fresh (before, the dead workers stayed members holding the state)."""
+    c = running(tmp_path)
+    c.exchange(0, [M.Event(ts=0.5, name="step_end", fields={"epoch": 1, "step": 0})], 0.5)
+    c.node_returned(1, 1.0)
+    assert (c.epoch, c.members) == (2, (0, 1))
+    assert [c.book.slots[s].state.name for s in (2, 3)] == ["STARTING", "STARTING"]
+    assert c.book.slots.holders() == [0, 1]
+    census = M.Census(ts=1.1, alive=(2, 3), starting=(2, 3))
+    assert c.exchange(1, [census], 1.1).actions == ()  # the new agent started them itself
+    c.exchange(1, [M.Ready(slot=s, ts=2.0, microbatches=8) for s in (2, 3)], 2.0)
+    assert c.members == (0, 1, 2, 3)

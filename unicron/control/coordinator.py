@@ -559,7 +559,7 @@ class Coordinator:
         review: a hang's Kill killed the worker the new agent had just started)."""
         with self._deciding():
             self._outbox[node] = deque(a for a in self._outbox.get(node, ()) if not stale(a))
-            readmission.node_returned(self.book, node, now)
+            failures.agent_back(self.book, node, now)
 
     def fail(self, reason: str, now: float, *, usage: bool = False) -> None:
         """Give the task up: waiting workers exit, the runner exits 1 with ``reason`` (2 with

@@ -367,3 +367,30 @@ def census(
         slots = ", ".join(map(str, outside))
         membership.announce(b, b.members, urgent=True, now=r.ts,
                             reason=f"slot(s) {slots} wait outside the adopted epoch")  # fmt: skip
+
+
+def agent_back(b: TaskBook, node: int, now: float) -> None:
+    """A new agent registered for ``node`` (:meth:`Coordinator.node_returned`): a node the
+    task judged lost returns (:func:`readmission.node_returned`). One it never judged lost
+    (another task did, and the node was fenced, which stopped this task's workers too; or the
+    registration beat this task's heartbeat timeout) lost its workers with the old agent all
+    the same: each ends, the survivors reform, and each starts again with the new agent's
+    worker, a restart its escalation does not count (found in review: the dead workers stayed
+    members holding the state until their peers' errors or a stall said otherwise)."""
+    if node in b.lost_nodes or not b.active():
+        readmission.node_returned(b, node, now)
+        return
+    gone = [s for s in b.slots.on_node(node) if b.slots[s].alive and not b.slots[s].leaving]
+    b.heartbeats[node] = now
+    for slot in gone:
+        b.slots[slot].ended()
+        b.forget(slot)
+    if not gone or not membership.reform(b, now, f"node {node}'s agent was replaced"):
+        return
+    for slot in gone:
+        o = b.slots[slot]
+        if o.excluded:
+            continue  # kept on an excluded node: its worker is gone, it stays out
+        b.action(Action.RESTART, slot, f"node {node}'s agent was replaced: a new worker", 2, now)
+        o.start(b.epoch)
+        o.has_state = o.fresh = not b.trained
