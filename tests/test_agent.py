@@ -610,3 +610,45 @@ def test_a_worker_that_cannot_start_is_reported_and_the_reply_goes_on(
         assert [r.slot for r in link.reports if isinstance(r, M.WorkerFailed)] == [0]
     finally:
         agent.stop()
+
+
+def test_a_start_the_zygote_owes_is_made_plainly_and_a_kill_before_it_is_carried_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slot 0's start is asked of the zygote, its ``Kill`` comes before the zygote answers,
+    then the zygote dies, found by a failed send for slot 1: both are started plainly, and
+    slot 0's worker is killed as soon as it has a pid (before, the failed send left the
+    zygote's socket unread, so slot 0 stayed STARTING for good; and a worker started plainly
+    outlived a kill that came before it)."""
+    from unicron.control import agent as agent_mod
+
+    started: list[subprocess.Popen[bytes]] = []
+
+    def plainly(*_: object, **__: object) -> subprocess.Popen[bytes]:
+        started.append(subprocess.Popen(["sleep", "30"]))
+        return started[-1]
+
+    monkeypatch.setattr(agent_mod, "start_plainly", plainly)
+    link = _Link()
+    config = AgentConfig(node=0, slots=[0, 1], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    agent = Agent(config, link, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
+    killed: list[int] = []
+    agent._kill = killed.append  # type: ignore[method-assign]
+    ours, zygote = Pipe()
+    try:
+        agent._zygote_conn = ours
+        agent.spawn(0)
+        zygote.recv()
+        agent.kill(0, None)
+        assert agent.workers[0].kill_pending
+        zygote.close()
+        agent.spawn(1)  # the send fails: plainly
+        for _ in range(3):
+            agent.poll(0.01)
+        assert [w.popen is not None for w in agent.workers.values()] == [True, True]
+        assert killed == [started[1].pid]  # slot 0's (started after slot 1's)
+    finally:
+        agent.stop()
+        for p in started:
+            p.kill()
+            p.wait()

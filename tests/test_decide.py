@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from unicron import messages as M
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.effects import AnnounceEpoch, LogEvent, Tell, WriteStoreKey
@@ -221,3 +223,45 @@ def test_a_new_agent_on_a_node_the_task_never_judged_lost_restarts_its_workers(
     assert c.exchange(1, [census], 1.1).actions == ()  # the new agent started them itself
     c.exchange(1, [M.Ready(slot=s, ts=2.0, microbatches=8) for s in (2, 3)], 2.0)
     assert c.members == (0, 1, 2, 3)
+
+
+def test_a_leavers_kill_sent_again_carries_no_earlier_workers_verdict(tmp_path: Path) -> None:
+    """Slot 3's first worker was killed for a hang and restarted; later the slot is given
+    back and the leaver's ``Kill`` is lost: sent again, it carries no verdict (before, the
+    earlier worker's hang: the agent dumped the leaver's stacks before killing it)."""
+    c = running(tmp_path)
+    hang = verdict_for_kind("hang")
+    with c._deciding():
+        c.book.kill(3, hang, 1.0)
+    c.executor.run(c.book.effects)
+    c.exchange(1, [M.WorkerFailed(slot=3, ts=1.5, verdict=hang)], 1.5)
+    c.exchange(1, [M.Ready(slot=3, ts=2.0, microbatches=8)], 2.0)
+    c.release_slots([3], 3.0, "another task needs it")
+    for n, slots in ((0, (0, 1)), (1, (2,))):
+        c.exchange(n, [M.EpochEntered(slot=s, ts=3.1, epoch=c.epoch) for s in slots], 3.1)
+    c.tick(3.2)
+    assert c.take_actions(1) == [M.Kill(3, None, leave=True)]  # ... and lost
+    again = c.exchange(1, [M.Census(ts=4.0, alive=(2, 3))], 4.0)
+    assert again.actions == (M.Kill(3, None, leave=True),)
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_leaver_whose_node_goes_is_given_back(tmp_path: Path, lost: bool) -> None:
+    """Slot 3 is being given back (its leaver's ``Kill`` sent) when its node is lost, or its
+    agent replaced: the slot is released all the same (before, a lost node's leaver stayed
+    the task's for good, and the task it was given to waited)."""
+    c = running(tmp_path)
+    c.release_slots([3], 1.0, "another task needs it")
+    for n, slots in ((0, (0, 1)), (1, (2,))):
+        c.exchange(n, [M.EpochEntered(slot=s, ts=1.1, epoch=c.epoch) for s in slots], 1.1)
+    c.tick(1.2)
+    assert c.take_actions(1) == [M.Kill(3, None, leave=True)]
+    t = 1.5
+    if lost:
+        for k in range(1, 31):
+            c.exchange(0, [], 1.2 + k * 0.1)
+            c.tick(1.2 + k * 0.1)
+        assert 1 in c.lost_nodes
+        t = 4.5
+    c.node_returned(1, t)
+    assert c.released() == {3}

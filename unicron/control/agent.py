@@ -738,7 +738,7 @@ class Agent:
             with contextlib.suppress(OSError):
                 self._zygote_conn.send(M.to_wire(command))
                 return
-            self._zygote_conn = None  # gone: plainly
+            # gone: this one plainly, the others it owes once the next round reads its end
         env = {**self._base_env(), **self._slot_env(slot)}
         try:
             w.popen = start_plainly(["worker", *argv], env, logfile, self.config.account)
@@ -746,4 +746,4 @@ class Agent:
             log.warning("node %d: slot %d's worker did not start: %s", self.node, slot, exc)
             w.eof_ts = time.time()  # (found in review: the slot stayed STARTING for good)
             return
-        w.pid = w.popen.pid
+        self._set_pid(w, w.popen.pid)  # a kill that came before its start is carried out

@@ -275,6 +275,9 @@ def node_lost(
     )
     for s in slots:
         o = b.slots[s]
+        if o.leaving:  # given back: gone with its node, the slot is the task's no more
+            membership.worker_left(b, s)  # (found in review: it was never released)
+            continue
         o.exclude()
         o.ended()  # with its node: no exit report will come
         b.forget(s)
@@ -345,7 +348,8 @@ def census(
             if doomed and slot in r.alive and (Kill, slot) not in queued:
                 log.warning("task %s: slot %d's worker lives on after its kill (the answer "
                             "that carried it was lost): sent again", b.task, slot)  # fmt: skip
-                b.send(node, Kill(slot, o.kill_verdict, leave=leave))
+                verdict = o.kill_verdict if o.killed_at is not None else None  # (not a leaver's)
+                b.send(node, Kill(slot, verdict, leave=leave))
         return
     b.adopting.discard(node)
     outside = []
@@ -380,7 +384,9 @@ def agent_back(b: TaskBook, node: int, now: float) -> None:
     if node in b.lost_nodes or not b.active():
         readmission.node_returned(b, node, now)
         return
-    gone = [s for s in b.slots.on_node(node) if b.slots[s].alive and not b.slots[s].leaving]
+    for slot in [s for s in b.slots.on_node(node) if b.slots[s].leaving]:
+        membership.worker_left(b, slot)  # given back: its worker went with the old agent
+    gone = [s for s in b.slots.on_node(node) if b.slots[s].alive]
     b.heartbeats[node] = now
     for slot in gone:
         b.slots[slot].ended()
