@@ -59,6 +59,48 @@ def test_a_worker_runnable_but_never_scheduled_is_starved_not_hung() -> None:
     assert cpu is Cpu.IDLE
 
 
+def test_a_worker_in_the_run_queue_through_the_whole_span_is_starved_not_hung() -> None:
+    """The kernel adds a thread's run-queue wait to its count when the wait ends: one that
+    waits for a CPU through the whole span shows neither CPU time nor wait, as a hung one
+    does; its state says it (``R``, runnable). Found by a loaded run: a worker killed as hung
+    in its forward pass, the kernel's view at the kill ``R``, 4 s of run-queue wait."""
+    queued = [Sample(s.ts, 1.0, 5.0, 2.0, runnable=True) for s in _samples(0.0)]
+    cpu, why = judge(
+        began=Sample(T0, 1.0), samples=queued, typical_cpu_s=0.3, factor=3.0, now=T0 + 1.6
+    )
+    assert cpu is Cpu.WORKING and "runnable but not run" in why
+    blocked = [Sample(s.ts, 1.0, 5.0, 2.0, runnable=False) for s in _samples(0.0)]
+    cpu, _ = judge(
+        began=Sample(T0, 1.0), samples=blocked, typical_cpu_s=0.3, factor=3.0, now=T0 + 1.6
+    )
+    assert cpu is Cpu.IDLE
+
+
+def test_read_thread_clocks_says_whether_the_thread_is_runnable() -> None:
+    import threading
+
+    tid: list[int] = []
+    stop = threading.Event()
+
+    def sleeper() -> None:
+        tid.append(threading.get_native_id())
+        stop.wait(5.0)
+
+    other = threading.Thread(target=sleeper)
+    other.start()
+    try:
+        while not tid:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        asleep = read_thread_clocks(os.getpid(), tid[0], 100.0)
+        running = read_thread_clocks(os.getpid(), threading.get_native_id(), 100.0)
+    finally:
+        stop.set()
+        other.join()
+    assert asleep is not None and asleep.runnable is False
+    assert running is not None and running.runnable is True
+
+
 def test_a_worker_waiting_on_its_own_starved_thread_is_left_to_the_wall_clock() -> None:
     """Its computing thread stood still and is not in the run queue, but another thread of
     its process waited for a CPU meanwhile: it may wait on that thread (seen beside CPU

@@ -342,6 +342,8 @@ class CpuTime:
     others_queued_s: float | None = None
     """the run-queue wait of the worker's other threads (summed): the computing thread may wait
     on one of them"""
+    runnable: bool | None = None
+    """the computing thread was runnable (on a CPU or in the run queue) when read"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Container, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, Protocol
@@ -678,8 +678,7 @@ class Agent:
             assert w.pid is not None and w.tid is not None  # (sample_at)
             w.cpu_read_at = now
             if (r := read_thread_clocks(w.pid, w.tid, _TICKS_PER_S)) is not None:
-                self._report(M.CpuTime(slot=w.slot, ts=r.ts, cpu_s=r.cpu_s, queued_s=r.queued_s,
-                                       others_queued_s=r.others_queued_s))  # fmt: skip
+                self._report(M.CpuTime(slot=w.slot, **asdict(r)))  # the same fields
 
     def _check_exits(self, now: float) -> None:
         for w in self.workers.values():

@@ -316,7 +316,8 @@ class Coordinator:
             with self._lock:
                 health.waiting_on_replica(self.book, r.slot, r.step, r.epoch, r.waiting, r.ts)
         elif isinstance(r, M.CpuTime):
-            self.book.cpu.sampled(r.slot, Sample(r.ts, r.cpu_s, r.queued_s, r.others_queued_s))
+            self.book.cpu.sampled(r.slot, Sample(r.ts, r.cpu_s, r.queued_s, r.others_queued_s,
+                                                 r.runnable))  # fmt: skip
         elif isinstance(r, M.Event):
             self._event(r)
         elif isinstance(r, M.Detected):
@@ -552,10 +553,9 @@ class Coordinator:
             return self.slots.take_released()
 
     def node_returned(self, node: int, now: float) -> None:
-        """The agent of the lost ``node`` is back (a new process registered under the node's
-        name with the cluster service): its slots return to the task
-        (:func:`unicron.control.readmission.node_returned`). A ``Kill`` or ``Spawn`` queued for
-        the old agent is dropped: the new one would take it for its fresh workers (found in
+        """A new agent process registered under ``node``'s name with the cluster service
+        (:func:`unicron.control.failures.agent_back`). A ``Kill`` or ``Spawn`` queued for the
+        old agent is dropped: the new one would take it for its fresh workers (found in
         review: a hang's Kill killed the worker the new agent had just started)."""
         with self._deciding():
             self._outbox[node] = deque(a for a in self._outbox.get(node, ()) if not stale(a))

@@ -86,6 +86,10 @@ class Sample:
     others_queued_s: float | None = None
     """how long the process's other threads had waited runnable for a CPU by then (summed;
     ``None``: unknown)"""
+    runnable: bool | None = None
+    """the thread was runnable at ``ts`` (state ``R``: on a CPU or waiting for one; ``None``:
+    unknown). The kernel adds a wait to ``queued_s`` only when the wait ends: a thread that
+    waits for a CPU through the whole span shows neither CPU time nor wait"""
 
 
 class Cpu(enum.Enum):
@@ -123,6 +127,10 @@ def judge(
     span = last.ts - prev.ts
     busy = (last.cpu_s - prev.cpu_s) / span
     if busy < MIN_BUSY:
+        if last.runnable:  # still in the run queue: its wait is not counted until it runs
+            return Cpu.WORKING, (
+                f"runnable but not run ({busy:.0%} of a core over {span:.2f} s): starved, not hung"
+            )
         if last.queued_s is not None and prev.queued_s is not None:
             waiting = (last.queued_s - prev.queued_s) / span
             if waiting >= MIN_BUSY:  # runnable, but others had the cores: starved
@@ -263,16 +271,18 @@ def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
     if clocks is None:
         cpu_s = read_cpu_s(pid, ticks_per_s, tid)
         return None if cpu_s is None else Sample(now, cpu_s)
+    state = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+    runnable = None if not state else state[0] == b"R"
     try:
         threads = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(tid)]
     except OSError:
-        return Sample(now, *clocks)
+        return Sample(now, *clocks, runnable=runnable)
     others = [
         _schedstat(f"/proc/{pid}/task/{t}/schedstat")
         for t in threads
         if _policy(f"/proc/{pid}/task/{t}/stat") != SCHED_IDLE
     ]
-    return Sample(now, *clocks, sum(c[1] for c in others if c is not None))
+    return Sample(now, *clocks, sum(c[1] for c in others if c is not None), runnable)
 
 
 SCHED_IDLE = 5
