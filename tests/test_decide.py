@@ -157,17 +157,24 @@ def test_bad_input_fails_the_task_and_its_exits_heal_nothing(tmp_path: Path) -> 
     assert c.state is TaskState.FAILED and c.outcome is not None and c.outcome.usage
 
 
+def _give_back_3(c: Coordinator, t: float) -> None:
+    """Slot 3 given to another task at ``t``; the others enter the epoch without it, and the
+    ticker sends its worker the leaver's ``Kill`` (taken here: what happens to it is the
+    caller's)."""
+    c.release_slots([3], t, "another task needs it")
+    for n, slots in ((0, (0, 1)), (1, (2,))):
+        c.exchange(n, [M.EpochEntered(slot=s, ts=t + 0.1, epoch=c.epoch) for s in slots], t + 0.1)
+    c.tick(t + 0.2)
+    assert c.take_actions(1) == [M.Kill(3, None, leave=True)]
+
+
 def test_a_kill_whose_answer_was_lost_is_sent_again(tmp_path: Path) -> None:
     """A leaver's ``Kill`` (its slot given to another task) went in an answer lost on its way
     back: the agent's census shows the worker alive, so the ``Kill`` comes again, and the
     slot is given back once its exit is in (before, the slot stayed STOPPING for good and the
     other task waited for it). A hang's ``Kill`` alike, with its verdict."""
     c = running(tmp_path)
-    c.release_slots([3], 1.0, "another task needs it")
-    for n, slots in ((0, (0, 1)), (1, (2,))):
-        c.exchange(n, [M.EpochEntered(slot=s, ts=1.1, epoch=c.epoch) for s in slots], 1.1)
-    c.tick(1.2)
-    assert c.take_actions(1) == [M.Kill(3, None, leave=True)]  # ... and lost
+    _give_back_3(c, 1.0)  # ... and lost
     again = c.exchange(1, [M.Census(ts=2.0, alive=(2, 3))], 2.0)
     assert again.actions == (M.Kill(3, None, leave=True),)
     assert c.exchange(1, [M.Census(ts=2.5, alive=(2, 3))], 2.5).actions == (
@@ -236,11 +243,7 @@ def test_a_leavers_kill_sent_again_carries_no_earlier_workers_verdict(tmp_path: 
     c.executor.run(c.book.effects)
     c.exchange(1, [M.WorkerFailed(slot=3, ts=1.5, verdict=hang)], 1.5)
     c.exchange(1, [M.Ready(slot=3, ts=2.0, microbatches=8)], 2.0)
-    c.release_slots([3], 3.0, "another task needs it")
-    for n, slots in ((0, (0, 1)), (1, (2,))):
-        c.exchange(n, [M.EpochEntered(slot=s, ts=3.1, epoch=c.epoch) for s in slots], 3.1)
-    c.tick(3.2)
-    assert c.take_actions(1) == [M.Kill(3, None, leave=True)]  # ... and lost
+    _give_back_3(c, 3.0)  # ... and lost
     again = c.exchange(1, [M.Census(ts=4.0, alive=(2, 3))], 4.0)
     assert again.actions == (M.Kill(3, None, leave=True),)
 
@@ -251,11 +254,7 @@ def test_a_leaver_whose_node_goes_is_given_back(tmp_path: Path, lost: bool) -> N
     agent replaced: the slot is released all the same (before, a lost node's leaver stayed
     the task's for good, and the task it was given to waited)."""
     c = running(tmp_path)
-    c.release_slots([3], 1.0, "another task needs it")
-    for n, slots in ((0, (0, 1)), (1, (2,))):
-        c.exchange(n, [M.EpochEntered(slot=s, ts=1.1, epoch=c.epoch) for s in slots], 1.1)
-    c.tick(1.2)
-    assert c.take_actions(1) == [M.Kill(3, None, leave=True)]
+    _give_back_3(c, 1.0)
     t = 1.5
     if lost:
         for k in range(1, 31):
