@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
@@ -194,7 +194,7 @@ class FatalError:
     error: M.Error
 
 
-def census_of(workers: Mapping[int, Worker], probes: Container[int]) -> M.Census:
+def census_of(workers: Mapping[int, Worker], probes: Probes) -> M.Census:
     """An agent's :class:`~unicron.messages.Census` of its ``workers`` (slot -> worker) and the
     slots whose health probe runs (``probes``)."""
     of = {k: tuple(s for s, w in workers.items() if w.state is k) for k in WorkerState}
