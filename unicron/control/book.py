@@ -17,7 +17,7 @@ needs it).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from unicron.detect.classify import Action, Verdict
 from unicron.detect.monitor import StepMonitor
 from unicron.messages import AgentAction, Kill, Spawn
 
-__all__ = ["CoordinatorSettings", "Outcome", "TaskBook", "TaskState"]
+__all__ = ["CoordinatorSettings", "Outcome", "TaskBook", "TaskState", "whole"]
 
 
 class TaskState(enum.Enum):
@@ -149,6 +149,15 @@ class Outcome:
     reason: str = ""
     result: dict[str, Any] = field(default_factory=dict)
     usage: bool = False  # failed on bad input (a worker's check before training): exit 2
+
+
+def whole(shards: Iterable[tuple[tuple[int, int], int]]) -> bool:
+    """Whether ``shards`` (``((tp, pp), place)``, :meth:`TaskBook.shards`) hold every place
+    of some layout: the task's whole state."""
+    places: dict[tuple[int, int], set[int]] = {}
+    for lay, at in shards:
+        places.setdefault(lay, set()).add(at)
+    return any(len(got) == lay[0] * lay[1] for lay, got in places.items())
 
 
 class TaskBook:
@@ -311,11 +320,7 @@ class TaskBook:
             return False
         if not self.trained:
             return True  # no step committed: any worker builds the state again
-        places: dict[tuple[int, int], set[int]] = {}
-        for h in held:
-            for lay, at in self.shards(h):
-                places.setdefault(lay, set()).add(at)
-        return any(len(got) == lay[0] * lay[1] for lay, got in places.items())
+        return whole(shard for h in held for shard in self.shards(h))
 
     def _entered(self) -> list[int]:
         """Live members, not being killed, whose workers entered the current epoch."""
@@ -355,13 +360,18 @@ class TaskBook:
         """An action for the agent of ``node``."""
         self.effects.append(Tell(node, action))
 
-    def spawn(self, slot: int) -> None:
-        """Start a worker in ``slot`` (a restart, a readmission)."""
+    def started(self, slot: int) -> None:
+        """A worker is being started in ``slot`` (this coordinator's ``Spawn``, or a new
+        agent's own start): a model it builds, the task's state only before the first commit."""
         s = self.slots[slot]
         s.start(self.epoch)
         s.has_state = s.fresh = not self.trained
         self.forget(slot)
-        self.send(s.node, Spawn(slot, place=self.place(slot)))
+
+    def spawn(self, slot: int) -> None:
+        """Start a worker in ``slot`` (a restart, a readmission)."""
+        self.started(slot)
+        self.send(self.slots[slot].node, Spawn(slot, place=self.place(slot)))
 
     def kill(self, slot: int, verdict: Verdict | None, now: float) -> None:
         """Stop the worker in ``slot``; its exit comes back as a failure. Until then it

@@ -394,9 +394,7 @@ def agent_back(b: TaskBook, node: int, now: float) -> None:
     if not gone or not membership.reform(b, now, f"node {node}'s agent was replaced"):
         return
     for slot in gone:
-        o = b.slots[slot]
-        if o.excluded:
+        if b.slots[slot].excluded:
             continue  # kept on an excluded node: its worker is gone, it stays out
         b.action(Action.RESTART, slot, f"node {node}'s agent was replaced: a new worker", 2, now)
-        o.start(b.epoch)
-        o.has_state = o.fresh = not b.trained
+        b.started(slot)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from unicron.control import replicas
-from unicron.control.book import Outcome, TaskBook, TaskState
+from unicron.control.book import Outcome, TaskBook, TaskState, whole
 from unicron.control.effects import AnnounceEpoch, WriteStoreKey
 from unicron.control.slots import SlotState
 from unicron.detect.classify import Action
@@ -185,9 +185,8 @@ def add_slot(b: TaskBook, slot: int, node: int, now: float, reason: str, place: 
     nearest replica. A ``reconfigure`` action says why."""
     if slot in b.slots or b.over():
         return
-    s = b.slots.add(slot, node)
-    s.has_state = s.fresh = not b.trained
-    s.born = b.epoch
+    b.slots.add(slot, node)
+    b.started(slot)
     b.action(Action.RECONFIGURE, slot, f"slot {slot} added: {reason}", 1, now)
     b.send(node, Spawn(slot, fresh=True, place=place))
 
@@ -339,10 +338,7 @@ def _shard_on_its_way(b: TaskBook, candidates: tuple[int, ...]) -> bool:
     if not b.trained:
         return False
     have = {shard for s in candidates if b.slots[s].has_state for shard in b.shards(s)}
-    by_layout: dict[tuple[int, int], set[int]] = {}
-    for lay, at in have:
-        by_layout.setdefault(lay, set()).add(at)
-    if any(len(got) == lay[0] * lay[1] for lay, got in by_layout.items()):
+    if whole(have):
         return False  # they hold every place's shard at some layout: nothing to wait for
     for s, o in b.slots.items():
         if s in candidates or not o.alive or not o.has_state:

@@ -163,7 +163,4 @@ def node_returned(b: TaskBook, node: int, now: float) -> None:
         o.readmit()
         o.excluded_at = None
         b.action(Action.READMIT, slot, f"node {node} is back", 1, now)
-        # the new agent starts a worker in every slot of its task (no Spawn: twice)
-        o.start(b.epoch)
-        o.has_state = o.fresh = not b.trained
-        b.forget(slot)
+        b.started(slot)  # the new agent starts a worker in every slot of its task (no Spawn)
