@@ -7,6 +7,7 @@ paths are in ``tests/test_faults_e2e.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from unicron.control.coordinator import (
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog, read_events
 from unicron.control.slots import KILL_UNDER_WAY_S, SlotTable
+from unicron.detect.busy import Sample
 from unicron.detect.classify import verdict_for_kind
 from unicron.detect.monitor import MonitorSettings, StepMonitor
 from unicron.protocol import done_key, trained_key
@@ -890,6 +892,20 @@ def test_reports_the_coordinator_cannot_apply_fail_the_task_rather_than_hang_it(
     assert "ValueError: a bug" in said[-1]["what"]
     assert cl.c.store.get(done_key("t")) == b"failed"
     assert "failed to apply 3 reports" in cl.c.outcome.reason
+
+
+def test_an_agents_cpu_reading_reaches_the_judge_field_for_field(tmp_path: Path) -> None:
+    """The agent sends its ``Sample`` as a ``CpuTime`` by field name and the coordinator builds
+    the ``Sample`` back: every field, through the wire, lands where it was (a field added to
+    one and not the other, or reordered, fails here)."""
+    cl = Cluster(tmp_path)
+    cl.c.step_started(1, 0, 1.0, epoch=cl.c.epoch, cpu_s=1.0)
+    fields = [f.name for f in dataclasses.fields(Sample)]
+    sample = Sample(*(1.5 + i if f != "runnable" else True for i, f in enumerate(fields)))
+    assert [f.name for f in dataclasses.fields(M.CpuTime)] == ["slot", *fields]
+    sent = M.from_wire(M.to_wire(M.CpuTime(slot=1, **dataclasses.asdict(sample))))
+    cl.c.exchange(0, [sent], 2.0)
+    assert list(cl.c.book.cpu._samples[1]) == [sample]
 
 
 def test_a_silent_node_where_the_task_holds_no_slot_any_more_is_forgotten(
