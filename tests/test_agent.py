@@ -266,6 +266,39 @@ def test_a_hung_worker_is_killed_once_its_stacks_reached_its_log(tmp_path: Path)
         stopped.wait()
 
 
+def test_a_native_dump_under_way_is_not_cut_by_the_stop_it_makes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """py-spy holds the worker in ptrace's tracing stop (``t``) while it reads the stacks: that
+    stop is the dump's own, not a stopped worker's (killed at the grace), so the kill waits
+    for the dump (it used to kill py-spy mid-dump: 6 of 10 dumps beside the loaded runs had no
+    thread). Without a dump under way, ``t`` is a stop like ``T``."""
+    monkeypatch.setattr("unicron.control.agent.process_state", lambda pid: "t")
+    dumps, log = StackDumps(), tmp_path / "worker0.0.log"
+    spy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    monkeypatch.setenv(P.ENV_NATIVE_STACKS, "1")
+    monkeypatch.setattr("unicron.control.agent.native_stacks", lambda pid, log: spy)
+    try:
+        dumps.asked(11, log, 100.0)
+        monkeypatch.delenv(P.ENV_NATIVE_STACKS)
+        log.write_text("Thread 11 (idle)\n")  # its first lines
+        assert dumps.due(100.0 + P.STACKS_GRACE_S) == []  # dumping: not cut
+        assert dumps.due(100.0 + P.STACKS_MAX_GRACE_S) == []  # its own bound is longer
+        spy.kill()
+        spy.wait()
+        assert dumps.due(100.0 + P.STACKS_MAX_GRACE_S + 0.05) == [11]  # the dump ended
+    finally:
+        spy.kill()
+        spy.wait()
+    dumps.asked(12, tmp_path / "worker1.0.log", 200.0)
+    assert dumps.due(200.0 + P.STACKS_GRACE_S) == [12]  # stopped, no dump: no stacks will come
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in ``/proc`` (``S``: asleep)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_hung_workers_native_stacks_reach_its_log_before_the_kill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -274,10 +307,18 @@ def test_a_hung_workers_native_stacks_reach_its_log_before_the_kill(
     ended: what a thread blocked inside a C++ call waits for, which ``faulthandler`` cannot
     show (a loaded run's rank sat in gloo's ``alltoall_base`` until killed)."""
     monkeypatch.setenv(P.ENV_NATIVE_STACKS, "1")
-    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    hung = subprocess.Popen(
+        [sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )
     log, dumps = tmp_path / "worker0.0.log", StackDumps()
     try:
-        time.sleep(0.3)  # in its sleep
+        assert hung.stdout is not None
+        hung.stdout.readline()  # started (a loaded machine takes a while)
+        deadline = time.time() + 30.0
+        while _state(hung.pid) != "S":  # in its sleep
+            assert time.time() < deadline, _state(hung.pid)
+            time.sleep(0.01)
         dumps.asked(hung.pid, log, time.time())
         deadline = time.time() + 30.0
         while not (due := dumps.due(time.time())) and time.time() < deadline:

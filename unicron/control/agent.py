@@ -129,9 +129,12 @@ class StackDumps:
             log_file, size, last = self._logs[pid]
             if now < at and now < last:
                 continue
-            stopped = process_state(pid) in ("T", "t")  # it writes no stacks until continued
             spy = self._spies.get(pid)
             dumping = spy is not None and spy.poll() is None
+            # stopped, it writes no stacks until continued; but a native dump under way stops it
+            # itself (ptrace's tracing stop, "t"): that one ends by itself
+            state = process_state(pid)
+            stopped = state == "T" or (state == "t" and not dumping)
             if (_size(log_file) <= size or dumping) and now < last and not stopped:
                 self.look_at[pid] = now + ROUND_S  # nothing written yet: look again soon
                 continue
