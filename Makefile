@@ -78,10 +78,12 @@ test: lint typecheck pytest
 test-long: $(STAMP)
 	$(BIN)/pytest -q -m long $(PYTEST_ARGS)
 
-# the tests not marked e2e (no real processes, clusters or process groups) nor long: under
-# 2 minutes
+# the tests not marked e2e (no real processes, clusters or process groups) nor long, on
+# FAST_WORKERS processes (pytest-xdist: no test shares a port, a file or a cache with
+# another): under 2 minutes
+FAST_WORKERS ?= 2
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -m "not e2e and not long" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(FAST_WORKERS) -m "not e2e and not long" $(PYTEST_ARGS)
 
 # the end-to-end tests beside BURNERS (default 2) processes spinning on the CPU, RUNS times
 # (default 1): a slower machine than CI's, to find the races a test would lose there (a
