@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.test_fsdp_exact import _batch, _model
+
 pytestmark = pytest.mark.e2e
 
 STEPS = 3
@@ -127,19 +129,6 @@ class _Replica(dist.ProcessGroup):
         """The next epoch: a new gloo group under the same module, nothing broken."""
         self.inner = dist.new_group(ranks=list(range(self.size())), backend="gloo")
         self.broken, self.break_at = False, None
-
-
-def _model() -> torch.nn.Sequential:
-    torch.manual_seed(0)  # odd sizes: FSDP pads the shards of dimension 0
-    lin = torch.nn.Linear
-    return torch.nn.Sequential(
-        lin(13, 32), torch.nn.GELU(), lin(32, 31), torch.nn.GELU(), lin(31, 5)
-    )
-
-
-def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
 
 
 def _sharded(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
