@@ -107,6 +107,28 @@ def test_the_first_commit_is_not_a_restarted_workers(tmp_path: Path) -> None:
     assert not c.book.state_survives(0)
 
 
+def test_a_dead_workers_late_step_report_says_nothing_of_its_successor(tmp_path: Path) -> None:
+    """Slot 1 began step 1 and died; its crash went at once, its ``StepBegan`` was held for
+    the rhythm and comes in after its new worker joined epoch 3. That worker built a fresh
+    model: slot 0 is the last copy, and its loss is the state's (before, the late report made
+    the new worker a holder: found beside CPU burners, the task then failed one restart later
+    on "no member holds the model state" instead of the error that lost the state)."""
+    c = _coordinator(tmp_path, 2)
+    _ready(c, [0, 1], 0.0)
+    _begin(c, [0, 1], 0, 0.1)
+    _computed(c, [0, 1], 0, 0.2)
+    _committed(c, 0, 0.3)
+    _crash(c, 1, 1.0)
+    _ready(c, [1], 2.0)
+    assert (c.epoch, c.members) == (3, (0, 1))
+    late = [M.EpochEntered(slot=1, ts=0.8, epoch=1), M.StepBegan(slot=1, ts=0.9, step=1, epoch=1)]
+    c.exchange(1, late, 2.1)
+    assert c.book.slots.holders() == [0] and not c.book.state_survives(0)
+    _crash(c, 0, 2.2)
+    assert c.book.state is TaskState.FAILED
+    assert "every replica holding the model state is gone" in c.book.outcome.reason  # type: ignore[union-attr]
+
+
 def _adopted(tmp: Path, n: int, info: EpochInfo, *, trained: bool) -> Coordinator:
     """A coordinator of ``n`` slots that took the task over at ``info`` from the store."""
     c = _coordinator(tmp, n)

@@ -62,7 +62,9 @@ def worker_ready(b: TaskBook, slot: int, microbatches: int | None, state_bytes: 
     until a census or this says otherwise)."""
     o = b.slots[slot]
     o.readied()
-    o.born = max(o.born, b.epoch)  # in no epoch yet: no commit up to this one is its
+    # in no epoch yet: no commit up to this one is its (one announced with it already, after a
+    # takeover's census said it was ready, is its first)
+    o.born = max(o.born, b.epoch - 1 if slot in b.members else b.epoch)
     if b.trained:
         o.has_state = False
     b.microbatches = microbatches or b.microbatches
@@ -71,8 +73,11 @@ def worker_ready(b: TaskBook, slot: int, microbatches: int | None, state_bytes: 
 
 def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
     """The worker in ``slot`` enters ``epoch`` (rendezvous, ledger exchange, state): its state
-    moves to the epoch's layout, done by its first step there (:func:`step_started`)."""
+    moves to the epoch's layout, done by its first step there (:func:`step_started`). A late
+    report of its previous worker (an epoch no later than this one's start) is dropped."""
     o = b.slots[slot]
+    if epoch <= o.born:
+        return
     o.progress = Progress(epoch, Phase.JOIN, -1, now)
     o.entering_lay = b.epoch_layouts.get(epoch)
 
@@ -86,10 +91,15 @@ def step_started(
     were gone). A late report of an older epoch from a worker left out of the current one (it
     waits for its replica: :func:`~unicron.control.membership.announce` forgot its step)
     starts nothing: its step ended with that epoch, and timing it would find a waiting rank
-    hung."""
-    if epoch is not None and epoch < b.epoch and slot not in b.members:
-        return
+    hung. A report of an epoch no later than the one its worker was started in (:attr:`Slot.
+    born`) is its previous worker's, held by the agent while the crash went at once: it says
+    nothing of the new worker (found beside CPU burners: a dead worker's late ``StepBegan``
+    made its fresh successor a holder, the last real holders were restarted for their own
+    errors, and the task failed one restart later on its successors' "no member holds the
+    model state" instead of the user's error)."""
     o = b.slots[slot]
+    if epoch is not None and (epoch <= o.born or (epoch < b.epoch and slot not in b.members)):
+        return
     known = o.progress
     ep = epoch if epoch is not None else (known.epoch if known else b.epoch)
     o.progress = Progress(ep, Phase.COMPUTE, step, now)
