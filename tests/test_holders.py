@@ -52,14 +52,20 @@ def _crash(c: Coordinator, slot: int, t: float) -> None:
     c.exchange(slot, [M.WorkerFailed(slot=slot, ts=t, verdict=verdict_for_kind("killed"))], t)
 
 
-def _rejoined(tmp: Path) -> Coordinator:
-    """DP=2 trained; slot 1 crashed and its new worker is in epoch 3 beside slot 0."""
+def _crashed_after_step_0(tmp: Path) -> Coordinator:
+    """DP=2; step 0 committed, then slot 1 crashed (epoch 2: slot 0 alone)."""
     c = _coordinator(tmp, 2)
     _ready(c, [0, 1], 0.0)
     _begin(c, [0, 1], 0, 0.1)
     _computed(c, [0, 1], 0, 0.2)
     _committed(c, 0, 0.3)
     _crash(c, 1, 1.0)
+    return c
+
+
+def _rejoined(tmp: Path) -> Coordinator:
+    """DP=2 trained; slot 1 crashed and its new worker is in epoch 3 beside slot 0."""
+    c = _crashed_after_step_0(tmp)
     _begin(c, [0], 1, 1.1)
     _computed(c, [0], 1, 1.2)
     _committed(c, 1, 1.3)
@@ -113,12 +119,7 @@ def test_a_dead_workers_late_step_report_says_nothing_of_its_successor(tmp_path:
     model: slot 0 is the last copy, and its loss is the state's (before, the late report made
     the new worker a holder: found beside CPU burners, the task then failed one restart later
     on "no member holds the model state" instead of the error that lost the state)."""
-    c = _coordinator(tmp_path, 2)
-    _ready(c, [0, 1], 0.0)
-    _begin(c, [0, 1], 0, 0.1)
-    _computed(c, [0, 1], 0, 0.2)
-    _committed(c, 0, 0.3)
-    _crash(c, 1, 1.0)
+    c = _crashed_after_step_0(tmp_path)
     _ready(c, [1], 2.0)
     assert (c.epoch, c.members) == (3, (0, 1))
     late = [M.EpochEntered(slot=1, ts=0.8, epoch=1), M.StepBegan(slot=1, ts=0.9, step=1, epoch=1)]
