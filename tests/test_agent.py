@@ -27,6 +27,7 @@ from unicron.control.client import can_wait
 from unicron.control.heard import STEP_FACTS, exit_reports, report_of
 from unicron.control.workerenv import Account, signal_worker
 from unicron.control.workerstate import IllegalTransition, WorkerState
+from unicron.detect.busy import process_state
 from unicron.runtime.link import AgentLink
 
 
@@ -294,11 +295,6 @@ def test_a_native_dump_under_way_is_not_cut_by_the_stop_it_makes(
     assert dumps.due(200.0 + P.STACKS_GRACE_S) == [12]  # stopped, no dump: no stacks will come
 
 
-def _state(pid: int) -> str:
-    """The process's state letter in ``/proc`` (``S``: asleep)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-
-
 def test_a_hung_workers_native_stacks_reach_its_log_before_the_kill(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -316,8 +312,8 @@ def test_a_hung_workers_native_stacks_reach_its_log_before_the_kill(
         assert hung.stdout is not None
         hung.stdout.readline()  # started (a loaded machine takes a while)
         deadline = time.time() + 30.0
-        while _state(hung.pid) != "S":  # in its sleep
-            assert time.time() < deadline, _state(hung.pid)
+        while process_state(hung.pid) != "S":  # in its sleep
+            assert time.time() < deadline, process_state(hung.pid)
             time.sleep(0.01)
         dumps.asked(hung.pid, log, time.time())
         deadline = time.time() + 30.0

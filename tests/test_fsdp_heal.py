@@ -24,7 +24,6 @@ Two ranks over gloo in one FSDP2 group; the exactness of the sums is
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.test_fsdp_exact import _batch, _model
+from unicron.dtensor import _Done  # a collective over when returned, as ReplicaGroup's
 
 pytestmark = pytest.mark.e2e
 
@@ -42,20 +42,6 @@ STEPS = 3
 PER_STEP = 9
 """the collectives of one step of the model below (counted by the first test): an all-gather
 per module in the forward pass, and an all-gather or a reduce-scatter in the backward"""
-
-
-class _Done(dist._Work):
-    def __init__(self, out: list[torch.Tensor]) -> None:
-        super().__init__()
-        self._out = out
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        fut.set_result(self._out)
-        return fut
 
 
 class _Replica(dist.ProcessGroup):

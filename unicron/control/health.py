@@ -76,7 +76,7 @@ def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
     moves to the epoch's layout, done by its first step there (:func:`step_started`). A late
     report of its previous worker (an epoch no later than this one's start) is dropped."""
     o = b.slots[slot]
-    if epoch <= o.born:
+    if not o.predates(epoch):
         return
     o.progress = Progress(epoch, Phase.JOIN, -1, now)
     o.entering_lay = b.epoch_layouts.get(epoch)
@@ -98,7 +98,7 @@ def step_started(
     errors, and the task failed one restart later on its successors' "no member holds the
     model state" instead of the user's error)."""
     o = b.slots[slot]
-    if epoch is not None and (epoch <= o.born or (epoch < b.epoch and slot not in b.members)):
+    if epoch is not None and (not o.predates(epoch) or (epoch < b.epoch and slot not in b.members)):
         return
     known = o.progress
     ep = epoch if epoch is not None else (known.epoch if known else b.epoch)

@@ -99,7 +99,7 @@ def step_committed(b: TaskBook, epoch: int, step: int) -> bool:
         b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
         took_part = _took_part(b, epoch)
         for slot, o in b.slots.items():
-            if slot in took_part and o.born < epoch:  # and its worker lives since
+            if slot in took_part and o.predates(epoch):  # and its worker lives since
                 o.has_state, o.fresh = True, False
             elif o.fresh:  # a fresh model started before the first commit: not the state
                 o.has_state = False

@@ -201,6 +201,11 @@ class Slot:
         (:attr:`SlotRecord.broken_script`): no health probe readmits it."""
         return self.record is not None and self.record.broken_script
 
+    def predates(self, epoch: int) -> bool:
+        """Its worker was started before ``epoch``: a report or a commit of ``epoch`` may be
+        its own (one of an epoch no later than its start is its previous worker's)."""
+        return self.born < epoch
+
     # -- the moves, by what happened ----------------------------------------------------------
     def start(self, epoch: int) -> None:
         """A worker is (being) started here (a restart, or a lost node's new agent) while the
