@@ -236,13 +236,22 @@ def build(
     pp: PipelineParallel | None = None,
     dtensor: bool = False,
     torch_stage: bool = False,
+    fsdp: bool = False,
 ) -> tuple[Llama, torch.optim.Optimizer, ByteDataset]:
     """This rank's shard of the model (seeded: every rank draws the same whole weights), its
     AdamW optimizer and the dataset; ``dtensor``: split by PyTorch's tensor parallel API;
-    ``torch_stage``: a stage for torch's ``PipelineStage`` (:func:`stage`)."""
+    ``torch_stage``: a stage for torch's ``PipelineStage`` (:func:`stage`); ``fsdp``: each
+    block, then the whole model, sharded by PyTorch's ``fully_shard`` over the replica's FSDP
+    ranks (``unicron run --fsdp F``), the optimizer made after."""
     cfg = cfg or LlamaConfig()
     torch.manual_seed(seed)
     model = Llama(cfg, tp, pp, dtensor, torch_stage)
+    if fsdp:
+        import unicron.fsdp  # torch's FSDP2: imported when used
+
+        for block in model.blocks.values():
+            unicron.fsdp.fully_shard(block)
+        unicron.fsdp.fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     return model, opt, ByteDataset(make_corpus(), cfg.seq_len)
 

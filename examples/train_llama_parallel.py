@@ -6,13 +6,15 @@
         examples/train_llama_parallel.py --steps 60   # PP=1 while a slot is excluded
     unicron run --nproc-per-node 4 --tp 2 --tp-choices 1 \
         examples/train_llama_parallel.py --steps 60   # TP=1 x DP=3 while a slot is excluded
+    unicron run --nproc-per-node 4 --fsdp 2 examples/train_llama_parallel.py --steps 60
 
 Each replica is ``--tp`` x ``--pp`` ranks of one node: ``--pp`` pipeline stages of an equal
 share of the layers, each stage ``--tp`` ranks holding their shard of its attention heads and
 MLP units; replicas are data parallel. The model code is plain PyTorch with
-``unicron.parallel``'s parts, or (``--tp-api dtensor``) with PyTorch's own tensor parallel
-API (``parallelize_module`` over DTensor); each pipeline stage receives and sends through
-``unicron.parallel``, or (``--pp-api torch``) is PyTorch's own ``PipelineStage``
+``unicron.parallel``'s parts (under ``--fsdp`` the whole model, each block sharded by
+PyTorch's ``fully_shard``: :mod:`unicron.fsdp`), or (``--tp-api dtensor``) with PyTorch's
+own tensor parallel API (``parallelize_module`` over DTensor); each pipeline stage receives
+and sends through ``unicron.parallel``, or (``--pp-api torch``) is PyTorch's own ``PipelineStage``
 (``torch.distributed.pipelining``, :mod:`unicron.pipelining`); the loop is
 ``unicron.worker.train``.
 """
@@ -72,8 +74,9 @@ def main() -> None:
             "degree for the process's life (use unicron.parallel's layers to change it)"
         )
     torch_stage = args.pp_api == "torch"
+    fsdp = unicron.parallel.fsdp_parallel().size > 1  # unicron run --fsdp F
     model, optimizer, dataset = llama_parallel.build(
-        tp, seed=args.seed, cfg=cfg, pp=pp, dtensor=dtensor, torch_stage=torch_stage
+        tp, seed=args.seed, cfg=cfg, pp=pp, dtensor=dtensor, torch_stage=torch_stage, fsdp=fsdp
     )
     model.train()
     stage = llama_parallel.stage(model, args.micro_batch_size) if torch_stage else None

@@ -331,6 +331,23 @@ def test_the_slots_queued_for_a_task_are_numbered_after_its_placed_ranks(cluster
     assert v is not None and 1 not in v.ranks and v.apart == {1: 0}
 
 
+def test_an_fsdp_task_in_a_cluster_is_told_its_places_and_settings(cluster: Cluster) -> None:
+    from unicron.control.planning import assignment
+
+    """FSDP=2: its replicas are blocks of two slots of a node, its places 0 and 1; the
+    agent's settings say so (tp: the stage's ranks on one node)."""
+    now = time.time()
+    cluster.register("n0", 4, "127.0.0.1", "i0", now)
+    spec = TaskSpec.model_validate({
+        "name": "f", "script": str(ROOT / "examples" / "train_llama_parallel.py"),
+        "fsdp": 2, "workers": {"min": 2, "max": 4},
+    })  # fmt: skip
+    cluster.submit(spec, now)
+    told = assignment(cluster.tasks["f"], 0, "127.0.0.1:1", b"k" * 32, None)
+    assert told.places == (0, 1, 0, 1)
+    assert (told.settings.tp, told.settings.fsdp, told.settings.pp) == (2, 2, 1)
+
+
 def test_a_fault_that_fired_is_left_out_of_a_later_assignment(cluster: Cluster) -> None:
     """An agent started again (its node back) gets its task's faults from its assignment:
     one that fired already must not fire again (a fault waiting for ``members`` would, at

@@ -74,6 +74,7 @@ def test_the_flags_become_the_same_task_as_the_file_says() -> None:
         "tp": 1,
         "pp": 1,
         "zero": 0,
+        "fsdp": 1,
         "checkpoint": {"every": 5, "mtbf": 60.0, "keep": 3},
         "readmit_after": float("inf"),
         "restart_window": 60.0,

@@ -1,4 +1,4 @@
-"""The premise of FSDP inside a replica (docs/runtime.md, Why FSDP is not a small step): the
+"""The premise of FSDP inside a replica (docs/runtime.md, FSDP inside a replica): the
 reduce-scatter of torch's own FSDP2 (``fully_shard``) can be replaced through its public
 ``set_custom_reduce_scatter`` by an all-to-all whose pieces are single micro-batches' gradient
 slices, and those summed in the exact mode's tree (:func:`unicron.runtime.reduce.combine`)

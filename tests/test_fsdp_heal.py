@@ -1,4 +1,4 @@
-"""Two more premises of FSDP inside a replica (docs/runtime.md, Why FSDP is not a small step),
+"""Two more premises of FSDP inside a replica (docs/runtime.md, FSDP inside a replica),
 checked on torch's own FSDP2 (``fully_shard``) before the worker is built on them:
 
 - **A broken attempt leaves FSDP2 ready for the next one, on another group.** Under ``unicron
@@ -11,7 +11,7 @@ checked on torch's own FSDP2 (``fully_shard``) before the worker is built on the
   collective of the run (outputs left NaN), its gloo group is made anew, and the run ends
   with the bits of a run that never broke: FSDP2 keeps nothing of the broken attempt that
   the next one sees. (FSDP2 calls ``all_gather_single`` and ``reduce_scatter_single`` on
-  its group, which ``ReplicaGroup`` does not have yet; and it must be told to sum,
+  its group, as on ``ReplicaGroup``; and it must be told to sum,
   ``set_force_sum_reduction_for_comms``, as ``ReplicaGroup`` only sums.)
 - **A place's state can be written in place by name.** The runtime moves state by the names
   of ``state_dict()`` into tensors it already has (the state transfer, a ZeRO share, a

@@ -428,7 +428,7 @@ LONG = pytest.mark.long  # a case like one the default suite runs (each costs 3-
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--nproc-per-node", "4", "--tp", "3"), "--tp 3: 3 tensor-parallel ranks must divide"),
+        (("--nproc-per-node", "4", "--tp", "3"), "--tp 3: 3 ranks of a stage must divide"),
         (("--nproc-per-node", "4", "--tp", "2", "--min-workers", "3"), "multiple of --tp 2"),
         pytest.param(("--nproc-per-node", "4", "--tp", "0"), "--tp", marks=LONG),
         (("--nproc-per-node", "3", "--tp", "3"), "heads (4) is not divisible by tp (3)"),

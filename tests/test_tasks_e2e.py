@@ -69,9 +69,9 @@ def test_every_example_task_file_trains(cluster: LocalCluster, tmp_path: Path) -
     files = {p.name for p in TASKS.glob("*.yaml")}
     assert files == {"gpt.yaml", "llama.yaml", "planner.yaml", "gpt-checkpoint.yaml",
                      "gpt-resume.yaml", "llama-tp.yaml", "llama-3d.yaml",
-                     "llama-zero.yaml"}, files  # fmt: skip
-    # llama-tp.yaml, llama-zero.yaml and llama-3d.yaml (replicas of 4 ranks: a node of 8)
-    # have tests below
+                     "llama-zero.yaml", "llama-fsdp.yaml"}, files  # fmt: skip
+    # llama-tp.yaml, llama-zero.yaml, llama-fsdp.yaml and llama-3d.yaml (replicas of 4
+    # ranks: a node of 8) have tests below
     for name in ("gpt.yaml", "llama.yaml", "planner.yaml"):
         proc = cli(cluster, "submit", str(TASKS / name))
         assert proc.returncode == 0 and proc.stdout.startswith("submitted "), proc.stderr
@@ -191,6 +191,29 @@ def test_a_sharded_optimizer_task_heals_in_the_cluster_to_the_unsharded_bits(
     assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
     ends = [e for e in cluster.events("llama-zero") if e["event"] == "transition_end"]
     assert "checkpoint" not in {e["state_source"] for e in ends}
+
+
+@pytest.mark.long
+def test_an_fsdp_task_heals_in_the_cluster_to_run_s_bits(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """``examples/tasks/llama-fsdp.yaml`` (``fsdp: 2``) on the cluster's two nodes, a rank
+    lost mid-run: its replica waits, the rank's shards come from the same place in the other
+    replica, and the run ends with the bits of a fault-free ``unicron run --fsdp 2``."""
+    spec = load(TASKS / "llama-fsdp.yaml").model_dump()
+    spec["inject"] = ["crash:rank=0,step=5"]
+    cluster.submit(spec)
+    script = ROOT / "examples" / "train_llama_parallel.py"
+    run = run_unicron(tmp_path, "--nproc-per-node", "4", "--fsdp", "2", script=script,
+                      script_args=("--steps", "12"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    view = cluster.wait_task("llama-fsdp", timeout_s=180)
+    assert view["state"] == "done", view
+    assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
+    epochs = [
+        tuple(e["members"]) for e in cluster.events("llama-fsdp") if e["event"] == "epoch_begin"
+    ]
+    assert all(len(m) % 2 == 0 for m in epochs) and len(epochs) >= 3, epochs
 
 
 @pytest.mark.long

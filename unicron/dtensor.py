@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from unicron.parallel import TP_DIM, TensorParallel, pipeline_parallel, tensor_parallel
 from unicron.runtime.device import ENV_DEVICE_KIND
 
-__all__ = ["ReplicaGroup", "device_mesh", "parallelize", "replica_world"]
+__all__ = ["ReplicaGroup", "device_mesh", "mesh_over", "parallelize", "replica_world"]
 
 BACKEND = "unicron"
 """the c10d backend name under which :class:`ReplicaGroup` is registered"""
@@ -161,6 +161,10 @@ class ReplicaGroup(dist.ProcessGroup):
     def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> _Done:
         return self._run("all-gather", [out], self._gather_into(out, inp))
 
+    def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> _Done:
+        """``dist.all_gather_single``'s (FSDP2's all-gather of a module's shards)."""
+        return self._run("all-gather", [out], self._gather_into(out, inp))
+
     def allgather_into_tensor_coalesced(
         self, outs: list[torch.Tensor], inps: list[torch.Tensor], opts: Any = None
     ) -> _Done:
@@ -201,6 +205,14 @@ class ReplicaGroup(dist.ProcessGroup):
         _sum_only(opts, "reduce-scatter")
         return self._run("reduce-scatter", [out], self._scatter_sum(out, inp))
 
+    def reduce_scatter_single(
+        self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None
+    ) -> _Done:
+        """``dist.reduce_scatter_single``'s (FSDP2's reduce-scatter where no custom one is
+        set: a sum's slice)."""
+        _sum_only(opts, "reduce-scatter")
+        return self._run("reduce-scatter", [out], self._scatter_sum(out, inp))
+
     def reduce_scatter_tensor_coalesced(
         self, outs: list[torch.Tensor], inps: list[torch.Tensor], opts: Any = None
     ) -> _Done:
@@ -233,12 +245,14 @@ _ALONE = _Alone()
 _MESH: DeviceMesh | None = None
 
 
-def replica_world() -> None:
+def replica_world(par: TensorParallel | None = None) -> None:
     """A default process group that never communicates (PyTorch's ``fake`` backend), numbering
-    the replica's ranks by place (stage x tp + tensor-parallel rank, a world of tp x pp):
-    ``DeviceMesh``, ``new_group`` and a ``PipelineStage`` (:mod:`unicron.pipelining`) need
-    one. Made once per process, for the layout it starts at."""
-    par, pipe = tensor_parallel(), pipeline_parallel()
+    the replica's ranks by place (stage x tp + tensor-parallel rank, a world of tp x pp; or
+    the ranks of ``par``, a replica's FSDP ranks): ``DeviceMesh``, ``new_group`` and a
+    ``PipelineStage`` (:mod:`unicron.pipelining`) need one. Made once per process, for the
+    layout it starts at."""
+    pipe = pipeline_parallel()
+    par = par or tensor_parallel()
     size, rank = par.size * pipe.stages, pipe.stage * par.size + par.rank
     if dist.is_initialized():
         if dist.get_world_size() != size or dist.get_rank() != rank:
@@ -257,16 +271,23 @@ def device_mesh(device_type: str | None = None) -> DeviceMesh:
     a GPU (default: the device of ``unicron run --device``)."""
     global _MESH
     if _MESH is None:
-        par = tensor_parallel()
-        replica_world()
-        first = dist.get_rank() - par.rank  # the world's rank is this slot's place
-        group = ReplicaGroup(par)
-        dist.Backend.register_backend(BACKEND, lambda *_: group, devices=["cpu", "cuda"])
-        made = dist.new_group(ranks=list(range(first, first + par.size)), backend=BACKEND)
-        assert made is group, "c10d returned another group than the Unicron replica's"
-        kind = device_type or ("cuda" if _on_gpu() else "cpu")
-        _MESH = DeviceMesh.from_group(group, kind)
+        _MESH = mesh_over(tensor_parallel(), device_type)
     return _MESH
+
+
+def mesh_over(par: TensorParallel, device_type: str | None = None) -> DeviceMesh:
+    """A one-dimensional device mesh over the ranks of ``par`` (a stage's tensor-parallel
+    ranks, or a replica's FSDP ranks: :func:`unicron.fsdp.mesh`) whose group is a
+    :class:`ReplicaGroup`; made once per process (the group is registered under
+    :data:`BACKEND`)."""
+    replica_world(par)
+    first = dist.get_rank() - par.rank  # the world's rank is this slot's place
+    group = ReplicaGroup(par)
+    dist.Backend.register_backend(BACKEND, lambda *_: group, devices=["cpu", "cuda"])
+    made = dist.new_group(ranks=list(range(first, first + par.size)), backend=BACKEND)
+    assert made is group, "c10d returned another group than the Unicron replica's"
+    kind = device_type or ("cuda" if _on_gpu() else "cpu")
+    return DeviceMesh.from_group(group, kind)
 
 
 def _on_gpu() -> bool:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unicron.protocol import (
+    ENV_FSDP,
     ENV_PP,
     ENV_PP_CHOICES,
     ENV_PP_STAGE,
@@ -62,6 +63,7 @@ __all__ = [
     "RowParallelLinear",
     "TensorParallel",
     "copy_to_replica",
+    "fsdp_parallel",
     "layouts",
     "pipeline_depths",
     "pipeline_parallel",
@@ -395,6 +397,7 @@ def schedule(kind: str, n: int, stage: int, stages: int) -> list[tuple[bool, int
 
 
 _TP: TensorParallel | None = None
+_FSDP: TensorParallel | None = None
 _PP: PipelineParallel | None = None
 
 
@@ -403,9 +406,24 @@ def tensor_parallel() -> TensorParallel:
     in its replica (fixed for the slot's life) and T; else rank 0 of 1."""
     global _TP
     if _TP is None:
-        size = int(os.environ.get(ENV_TP, "1"))
+        size = int(os.environ.get(ENV_TP, "1")) // _fsdp_size()
         _TP = TensorParallel(int(os.environ.get(ENV_TP_RANK, "0")) if size > 1 else 0, size)
     return _TP
+
+
+def fsdp_parallel() -> TensorParallel:
+    """This process's place among its replica's FSDP ranks (``unicron run --fsdp F``: the
+    replica's F ranks, whose collectives :class:`TensorParallel` runs as it runs the tensor-
+    parallel sums; :mod:`unicron.fsdp`); else rank 0 of 1."""
+    global _FSDP
+    if _FSDP is None:
+        size = _fsdp_size()
+        _FSDP = TensorParallel(int(os.environ.get(ENV_TP_RANK, "0")) if size > 1 else 0, size)
+    return _FSDP
+
+
+def _fsdp_size() -> int:
+    return int(os.environ.get(ENV_FSDP, "1"))
 
 
 def pipeline_parallel() -> PipelineParallel:
@@ -440,7 +458,7 @@ def layouts() -> tuple[tuple[int, int], ...]:
     pipeline depths (:func:`pipeline_depths`). The worker calls the script's ``rebuild`` at
     any of them; a script checks its model splits at each before it builds anything."""
     tps, pps = _choices(ENV_TP, ENV_TP_CHOICES), pipeline_depths()
-    return tuple((t, p) for t in tps for p in pps)
+    return tuple((t // _fsdp_size(), p) for t in tps for p in pps)
 
 
 TP_DIM = "tp_dim"

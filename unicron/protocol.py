@@ -62,6 +62,7 @@ ENV_PP_STAGE = "UNICRON_PP_STAGE"  # the slot's pipeline stage in its replica (0
 ENV_PP_CHOICES = "UNICRON_PP_CHOICES"  # other pipeline depths the task may run at: "1,4"
 ENV_TP_CHOICES = "UNICRON_TP_CHOICES"  # other tensor-parallel degrees it may run at: "1"
 ENV_ZERO = "UNICRON_ZERO"  # "1": the optimizer's state is sharded across replicas (ZeRO-1)
+ENV_FSDP = "UNICRON_FSDP"  # FSDP ranks per replica (1: none): the UNICRON_TP ranks of a stage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +96,9 @@ class WorkerSettings:
     zero: int = 0
     """1: each parameter's optimizer state on two replicas, not on all
     (:mod:`unicron.runtime.zero`)"""
+    fsdp: int = 1
+    """FSDP ranks per replica (:mod:`unicron.runtime.fsdp`); they are the ``tp`` ranks of a
+    stage then (``tp`` counts a stage's ranks on one node: tensor-parallel x FSDP)"""
 
     def env(self) -> dict[str, str]:
         """The variables a worker of these settings starts with."""
@@ -136,6 +140,7 @@ WORKER_ENV = {
     "pp_choices": ENV_PP_CHOICES,
     "tp_choices": ENV_TP_CHOICES,
     "zero": ENV_ZERO,
+    "fsdp": ENV_FSDP,
 }
 """each :class:`WorkerSettings` field's environment variable"""
 

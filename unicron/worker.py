@@ -49,6 +49,7 @@ from unicron.parallel import (
     SCHEDULES,
     PipelineParallel,
     TensorParallel,
+    fsdp_parallel,
     pipeline_parallel,
     schedule,
     tensor_parallel,
@@ -413,13 +414,16 @@ class _Runner:
         # coordinator says when, through the store; read again at every ledger exchange)
         self.has_state = not self._steady(lambda: self.store.check([trained_key(self.ctx.task)]))
         self.has_state = self.has_state and not self.ctx.resume
+        if self.ctx.fsdp > 1:  # the replica's ranks are FSDP's (unicron.fsdp)
+            self.pipe = PipelineParallel(0, 1, fsdp_parallel())
+            self.par = self.pipe.tp
         if (self.par.size, self.pipe.stages) != (self.ctx.tp, self.ctx.pp):
             raise RuntimeError(
                 f"tensor x pipeline parallel {self.par.size} x {self.pipe.stages} in a task of "
                 f"tp {self.ctx.tp} x pp {self.ctx.pp}"
             )
-        self._adopt(Shard(self.model, self.optimizer, self.pipe))
         self.M = self.ledger.num_microbatches
+        self._adopt(Shard(self.model, self.optimizer, self.pipe))
         # staging buffers and first calls of the state transfer, paid now rather than in a
         # transition (the group's wire: the device with NCCL, else the CPU)
         nccl = os.environ.get(D.ENV_BACKEND, "gloo") == "nccl"
@@ -435,16 +439,23 @@ class _Runner:
                 self.ckpt.join()
         self.shard, self.model, self.optimizer = shard, shard.model, shard.optimizer
         self.pipe, self.par = shard.pipe, shard.pipe.tp
-        self.grads = Reducer(
-            [p for p in self.model.parameters() if p.requires_grad],
-            self.ledger.num_microbatches,
+        fsdp = self.ctx.fsdp > 1
+        common: dict[str, Any] = dict(
             exact=self.ctx.reduce == "exact",
             bucket_cap_mb=self.ctx.bucket_cap_mb,
             device=self.device,
             stray=lambda: self.mb.stray_backward(),
         )
+        if fsdp:  # torch's FSDP2 and DTensor: imported by the tasks that use them (1.5 s)
+            from unicron.runtime.fsdp import FsdpReducer, local_state
+
+            self.grads = FsdpReducer(self.model, self.par, self.M, **common)
+            local_state(self.model, self.optimizer)
+        else:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.grads = Reducer(params, self.M, **common)
         self.mb = MicroBatches(grads=self.grads, par=self.par, pipe=self.pipe, faults=self.faults,
-                               tp=self.par.size, pp=self.pipe.stages)  # fmt: skip
+                               tp=self.par.size, pp=self.pipe.stages, fsdp=fsdp)  # fmt: skip
         self._stepping, self.laid_out = False, False
         self.optimizer.register_step_pre_hook(self._optimizer_step)
         self.zero = Zero(self.model, self.optimizer) if self.ctx.zero else None
@@ -723,7 +734,7 @@ class _Runner:
         self.par.reset()
         assert self.dp is not None
         self.grads.start(self.dp, [R.cover(ids, self.M) for ids in self.held])
-        self.mb.crash_at = self.faults.crash_point(step, len(todo))
+        self.mb.crash_at = self.faults.crash_point(step, self.mb.count(len(todo)))
         self.mb.attempt = Step(self, step, todo, g)
         return self.mb.attempt
 
@@ -766,7 +777,7 @@ class _Runner:
             s.broken = why if isinstance(why, EpochOver) else CollectiveError(why)
             return False
         self.mb.check_whole(s)
-        if self.mb.crash_at >= len(s.microbatches):
+        if self.mb.crash_at >= self.mb.count(len(s.microbatches)):
             self.faults.fire_due("crash", s.index)
         s.closed = True
         g, step = self.groups[-1], s.index

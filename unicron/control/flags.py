@@ -54,6 +54,7 @@ SHARED: tuple[Flag, ...] = (
     Flag("pp_choices", "--pp-choices", "P,Q"),
     Flag("tp_choices", "--tp-choices", "T,U"),
     Flag("zero", "--zero", "0|1"),
+    Flag("fsdp", "--fsdp", "N"),
     Flag("checkpoint.every", "--checkpoint-every", "K|auto"),
     Flag("checkpoint.mtbf", "--mtbf", "S"),
     Flag("checkpoint.keep", "--checkpoint-keep", "N"),
@@ -144,10 +145,10 @@ def check(args: argparse.Namespace, fields: Mapping[str, Any] | None = None) -> 
     :class:`~unicron.errors.UsageError` naming the flag of every problem, on one line."""
     by_loc = {tuple(f.field.split(".")): f.flag for f in SHARED}
     data = {"name": "run", "script": "run", **(fields or task_fields(args))}
-    tp, pp = data.get("tp", 1), data.get("pp", 1)
-    if isinstance(tp, int) and isinstance(pp, int) and tp >= 1 and pp >= 1:
+    tp, pp, fsdp = data.get("tp", 1), data.get("pp", 1), data.get("fsdp", 1)
+    if all(isinstance(n, int) and n >= 1 for n in (tp, pp, fsdp)):
         # whole replicas, as many as any layout needs: the runner checks the counts itself
-        data.setdefault("workers", {"min": tp * pp, "max": tp * pp * 64})
+        data.setdefault("workers", {"min": tp * pp * fsdp, "max": tp * pp * fsdp * 64})
     try:
         TaskSpec.model_validate(data)
     except ValidationError as exc:

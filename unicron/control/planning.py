@@ -265,7 +265,7 @@ def placed(task: Task) -> dict[int, int]:
 def replica_places(task: Task) -> dict[int, int]:
     """Each rank's place in its replica at the task's own layout
     (:mod:`unicron.control.replicas`)."""
-    return replicas.places(placed(task), (task.spec.tp, task.spec.pp))
+    return replicas.places(placed(task), (task.spec.block, task.spec.pp))
 
 
 def parked(task: Task) -> frozenset[int]:
@@ -341,7 +341,7 @@ def coordinator_settings(
         rate=rate,
         min_workers=spec.workers.min,
         replica_ranks=spec.replica_ranks,
-        tp=spec.tp,
+        tp=spec.block,
         layouts=spec.layouts if len(spec.layouts) > 1 else (),
         checkpoint=checkpoint,
         committed_before=committed_before,
@@ -370,11 +370,12 @@ def assignment(
         checkpoint_mtbf_s=spec.checkpoint.mtbf,
         checkpoint_keep=spec.checkpoint.keep,
         resume=spec.checkpoint.resume,
-        tp=spec.tp,
+        tp=spec.block,
         pp=spec.pp,
         pp_choices=",".join(map(str, spec.depths[1:])),
         tp_choices=",".join(map(str, spec.degrees[1:])),
         zero=spec.zero,
+        fsdp=spec.fsdp,
     )
     mine = [rank for rank, n in enumerate(task.row.placement) if n == nid]
     places = replica_places(task)

@@ -206,10 +206,12 @@ def _nnodes(raw: str) -> int:
 
 
 def _check_replica(args: argparse.Namespace) -> None:
-    """``--tp`` and ``--pp``: a replica's ``tp`` ranks of a stage are on one node (its
-    stages may be on several), and the task's slots are whole replicas; ``--min-workers``
-    left at its default becomes one replica."""
-    tp, pp = args.tp or 1, args.pp or 1
+    """``--tp``, ``--fsdp`` and ``--pp``: a replica's ``tp x fsdp`` ranks of a stage are on
+    one node (its stages may be on several), and the task's slots are whole replicas;
+    ``--min-workers`` left at its default becomes one replica."""
+    fsdp = args.fsdp or 1
+    tp, pp = (args.tp or 1) * fsdp, args.pp or 1  # a stage's ranks, on one node
+    own = ("--fsdp", fsdp) if fsdp > 1 else ("--tp", tp)
     if tp < 1 or pp < 1:
         return  # the task file's model says so, with the flag's name
     n, slots = tp * pp, args.nnodes * args.nproc_per_node
@@ -222,22 +224,24 @@ def _check_replica(args: argparse.Namespace) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} {exc}") from None
     other = [("--pp-choices", d, tp, d) for d in choices["pp_choices"]]
     other += [("--tp-choices", t, t, pp) for t in choices["tp_choices"]]
-    for flag, value, t, p in [("--tp", tp, tp, pp), *other]:
+    for flag, value, t, p in [(*own, tp, pp), *other]:
         if t < 1 or p < 1:
             continue  # the task file's model says so, with the flag's name
         if args.nproc_per_node % t:
             raise UsageError(
-                f"{flag} {value}: {t} tensor-parallel ranks must divide --nproc-per-node "
+                f"{flag} {value}: {t} ranks of a stage must divide --nproc-per-node "
                 f"{args.nproc_per_node}: a stage's ranks are on one node"
             )
-        if t * p > slots and flag != "--tp":  # the task's own: must divide them (below)
+        if t * p > slots and flag != own[0]:  # the task's own: must divide them (below)
             raise UsageError(
                 f"{flag} {value}: a replica of {t * p} ranks must fit in the run's {slots} "
                 "slots (--nnodes x --nproc-per-node)"
             )
     if n == 1:
         return
-    said = " x ".join(f"--{k} {v}" for k, v in (("tp", tp), ("pp", pp)) if v > 1)
+    said = " x ".join(
+        f"--{k} {v}" for k, v in (("tp", args.tp or 1), ("fsdp", fsdp), ("pp", pp)) if v > 1
+    )
     if slots % n:
         raise UsageError(
             f"{said} ({n} ranks) must divide the run's {slots} slots (--nnodes x "

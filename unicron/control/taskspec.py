@@ -172,6 +172,15 @@ class TaskSpec(BaseModel):
         "parameter's state is kept by two of them, on two nodes where there are, and a lost "
         "rank's share comes from the other; 0: every replica keeps all of it",
     )
+    fsdp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="FSDP ranks per replica, on one node: they shard the model, its "
+        "gradients and its optimizer's state with PyTorch's fully_shard (the script shards it "
+        "on unicron.fsdp.mesh()) and compute different micro-batches; a replica that loses a "
+        "rank waits out of the step, as at tp",
+    )
     checkpoint: Checkpoint = Field(default_factory=lambda: Checkpoint.model_validate({}))
     give_up_after: float = Field(
         600.0,
@@ -235,7 +244,7 @@ class TaskSpec(BaseModel):
         if n > 1 and (self.workers.min % n or self.workers.max % n):
             raise ValueError(
                 f"workers: min ({self.workers.min}) and max ({self.workers.max}) must be "
-                f"multiples of tp x pp ({n}): a replica is that many workers"
+                f"multiples of tp x fsdp x pp ({n}): a replica is that many workers"
             )
         return self
 
@@ -278,6 +287,30 @@ class TaskSpec(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _fsdp_alone(self) -> TaskSpec:
+        """FSDP inside a replica is the replica's whole split, for now."""
+        if self.fsdp > 1:
+            other = [
+                name
+                for name, on in (
+                    ("tp", self.tp > 1), ("pp", self.pp > 1), ("zero 1", self.zero),
+                    ("pp_choices", self.pp_choices), ("tp_choices", self.tp_choices),
+                )
+                if on
+            ]  # fmt: skip
+            if other:
+                raise ValueError(
+                    f"fsdp {self.fsdp} with {other[0]}: an FSDP replica is not split otherwise "
+                    "yet (docs/runtime.md, FSDP inside a replica)"
+                )
+        return self
+
+    @property
+    def block(self) -> int:
+        """A replica stage's ranks on one node: ``tp`` tensor-parallel x ``fsdp`` ranks."""
+        return self.tp * self.fsdp
+
     @property
     def depths(self) -> tuple[int, ...]:
         """The pipeline depths the task runs at: ``pp``, then the other choices."""
@@ -286,7 +319,7 @@ class TaskSpec(BaseModel):
     @property
     def degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees the task runs at: ``tp``, then the other choices."""
-        return (self.tp, *dict.fromkeys(t for t in self.tp_choices if t != self.tp))
+        return (self.block, *dict.fromkeys(t for t in self.tp_choices if t != self.tp))
 
     @property
     def layouts(self) -> tuple[tuple[int, int], ...]:
@@ -309,8 +342,8 @@ class TaskSpec(BaseModel):
 
     @property
     def replica_ranks(self) -> int:
-        """Ranks per replica: ``tp * pp``."""
-        return self.tp * self.pp
+        """Ranks per replica: ``tp * fsdp * pp``."""
+        return self.block * self.pp
 
     @field_validator("env")
     @classmethod

@@ -76,6 +76,9 @@ class WorkerContext:
     """pipeline stages per replica; this slot's stage is :mod:`unicron.parallel`'s"""
     zero: int = 0
     """1: the optimizer's state is sharded across replicas (:mod:`unicron.runtime.zero`)"""
+    fsdp: int = 1
+    """FSDP ranks per replica (then ``tp``, a stage's ranks, are they):
+    :mod:`unicron.runtime.fsdp`"""
 
     @classmethod
     def from_env(cls, api: str = "unicron.worker.train()") -> WorkerContext:
@@ -106,6 +109,7 @@ class WorkerContext:
             tp=settings.tp,
             pp=settings.pp,
             zero=settings.zero,
+            fsdp=settings.fsdp,
         )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -69,7 +70,11 @@ class Reducer:
         self._in_backward = self._last = False
         self._exchange: R.Exchange | None = None  # the reduction the last micro-batch starts
         self._broken: EpochOver | None = None  # a collective the hooks started failed
-        self._hooks = [
+        self._hooks = self._register_hooks()
+
+    def _register_hooks(self) -> list[Any]:
+        """Each parameter's gradient hook (:meth:`_grad_ready`)."""
+        return [
             p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, i))
             for i, p in enumerate(self.params)
         ]

@@ -11,7 +11,7 @@ is refused before anything changes (:func:`refuse`: one line, ``unicron run`` ex
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
@@ -21,6 +21,7 @@ from unicron.errors import UsageError
 from unicron.parallel import PipelineParallel, TensorParallel
 from unicron.runtime.gradients import Reducer
 from unicron.runtime.inject import FaultPlan
+from unicron.runtime.rounds import Round, rounds
 
 if TYPE_CHECKING:
     from unicron.runtime.step import Step
@@ -44,6 +45,9 @@ class MicroBatches:
     faults: FaultPlan
     tp: int
     pp: int
+    fsdp: bool = False
+    """the replica's ``tp`` ranks are FSDP's: each computes one micro-batch of each round
+    (:mod:`unicron.runtime.fsdp`), and every round's micro-batches are in every rank's sums"""
     done: set[int] = field(default_factory=set)
     """micro-batches of the step in the local sums"""
     pending: list[int] = field(default_factory=list)
@@ -55,6 +59,31 @@ class MicroBatches:
     crash_at: int = -1
     """the index among the attempt's micro-batches where an injected crash fires"""
     _split_checked: bool = False  # the model was seen to use its replica (_check_split)
+    _rounds: dict[int, Round] = field(default_factory=dict)  # fsdp: this rank's id -> round
+
+    def count(self, n: int) -> int:
+        """How many micro-batches this rank computes of its replica's ``n`` (an injected
+        crash's ``mb`` counts these): all, or with ``fsdp`` one a round."""
+        return -(-n // self.tp) if self.fsdp else n
+
+    def mine(self, s: Step) -> Iterator[int]:
+        """The micro-batches of attempt ``s`` this rank computes, read as each is reached
+        until the replica breaks: those not computed yet, or with ``fsdp`` its share of each
+        round of them (:func:`unicron.runtime.fsdp.rounds`)."""
+        if not self.fsdp:
+            for mb in s.microbatches:
+                if self.par.broken is not None:
+                    return
+                if mb not in self.done:
+                    yield mb
+            return
+        left = [mb for mb in s.microbatches if mb not in self.done]
+        self._rounds = {}
+        for mb, ids in rounds(left, self.tp, self.par.rank):
+            if self.par.broken is not None:
+                return
+            self._rounds[mb] = ids
+            yield mb
 
     def clear(self) -> None:
         """The local sums are abandoned (or reduced): nothing of the step is computed here."""
@@ -84,7 +113,8 @@ class MicroBatches:
                 f"{self.pending[0]} was computed: call step.backward(loss) for each batch "
                 "before the next (or iterate step.batches() to compute forward passes ahead)"
             )
-        if s.microbatches.index(mb) == self.crash_at:
+        mine = list(self._rounds) if self.fsdp else s.microbatches
+        if mine.index(mb) == self.crash_at:
             self.faults.fire_due("crash", s.index)
         self.pending.append(mb)
 
@@ -98,8 +128,14 @@ class MicroBatches:
                 "(for batch in step) or call step.batch(j) first"
             )
         mb = self.pending[0]
-        left = [j for j in s.microbatches if j not in self.done and j != mb]
+        now = self._round(mb)
+        left = [j for j in s.microbatches if j not in self.done and j not in now]
         return mb, not left
+
+    def _round(self, mb: int) -> tuple[int | None, ...]:
+        """What the replica computes with this rank's micro-batch ``mb``: itself, or with
+        ``fsdp`` its round."""
+        return self._rounds[mb] if self.fsdp else (mb,)
 
     def backward(self, s: Step, loss: torch.Tensor, run: Callable[[], None] | None = None) -> None:
         """Backward of the oldest micro-batch handed out (``run``: the pass, where the caller
@@ -112,6 +148,8 @@ class MicroBatches:
         mb, last = self._take(s, "step.backward(loss)")
         if self.pipe.last and self.pipe.stages > 1:
             self.pipe.loss = float(loss.detach())  # goes back to the other stages
+        if self.fsdp:
+            self.grads.round = self._round(mb)  # type: ignore[attr-defined]  # FsdpReducer
         try:
             self.grads.backward(mb, loss, last=last, run=run)
         except BaseException:
@@ -130,11 +168,18 @@ class MicroBatches:
         have summed over its replica or passed activations between stages, else every rank of
         a replica computes the whole model (bad input: one line, exit 2)."""
         self._split_checked = True
+        tp = "fsdp" if self.fsdp else "tp"
         flags = [
             f"--{name} {n}"
-            for name, n, used in (("tp", self.tp, self.par.used), ("pp", self.pp, self.pipe.used))
+            for name, n, used in ((tp, self.tp, self.par.used), ("pp", self.pp, self.pipe.used))
             if n > 1 and not used
         ]
+        if flags and self.fsdp:
+            refuse(
+                f"{flags[0]}: the model did not gather its shards over its replica (no "
+                "collective on unicron.fsdp.mesh() in its first micro-batch): shard it with "
+                "fully_shard on that mesh (docs/runtime.md, FSDP inside a replica)"
+            )
         if flags:
             refuse(
                 f"{' '.join(flags)}: the model did not split over its replica (no sum or "
@@ -161,7 +206,7 @@ class MicroBatches:
         self._computed(mb)
 
     def _computed(self, mb: int) -> None:
-        self.done.add(mb)
+        self.done.update(j for j in self._round(mb) if j is not None)
         self.pending.remove(mb)
 
     def check_whole(self, s: Step) -> None:

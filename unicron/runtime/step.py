@@ -63,13 +63,10 @@ class Step:
         return f"Step({self.index}, microbatches={list(self.microbatches)}, epoch={self.epoch})"
 
     def _left(self) -> Iterator[int]:
-        """The micro-batches of the attempt not computed yet, read as each is reached, until
-        the replica breaks (the commit then says False, the step comes again)."""
-        for mb in self.microbatches:
-            if self._r.par.broken is not None:
-                return
-            if mb not in self._r.mb.done:
-                yield mb
+        """This rank's micro-batches of the attempt not computed yet, read as each is
+        reached, until the replica breaks (the commit then says False, the step comes again):
+        :meth:`~unicron.runtime.microbatches.MicroBatches.mine`."""
+        return self._r.mb.mine(self)
 
     def __iter__(self) -> Iterator[Any]:
         for mb in self._left():

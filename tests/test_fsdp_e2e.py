@@ -1,0 +1,114 @@
+"""FSDP inside a replica under ``unicron run --fsdp 2``, end to end: two replicas of two
+ranks on 4 workers, each rank holding half of every parameter and of the optimizer's state
+(PyTorch's ``fully_shard``), computing its own micro-batches in rounds
+(docs/runtime.md, FSDP inside a replica).
+
+The fault-free reference is the plain data-parallel run of the same model on 4 workers: the
+exact reduce takes every micro-batch's gradient slice alone, so the sharded run ends with
+the unsharded bits, its place 0 holding the first half of each parameter's rows and place 1
+the rest. A rank lost mid-step (place 0 of replica 0, after its first round), a rank of the
+other replica, and a hung rank take their replica out of the step; the other replica's
+finished micro-batches are kept, the living partner waits, and the replica comes back whole,
+its restarted rank taking its shards from the same place in the live replica. The run still
+ends with the unsharded bits. Bad layouts and a script that does not shard are refused with
+one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = ROOT / "examples" / "train_llama_parallel.py"
+STEPS = 9
+
+
+def _llama(run: Any, *flags: str, steps: int = STEPS, script: Path = SCRIPT) -> Any:
+    return run(*flags, script=script, script_args=("--steps", str(steps), "--out", "out"))
+
+
+def _state(r: Any) -> dict[str, torch.Tensor]:
+    """The run's final model state, whole: ``final.pt``, or the places' shards (rows of each
+    parameter, in place order) put together."""
+    out = r.out.parent / "out"
+    if (out / "final.pt").exists():
+        return torch.load(out / "final.pt")
+    shards = [torch.load(p) for p in sorted(out.glob("final.shard*.pt"))]
+    assert len(shards) == 2, sorted(out.iterdir())
+    return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+
+
+def test_fsdp_replicas_heal_to_the_unsharded_bits(run: Any) -> None:
+    plain = _llama(run, "--nproc-per-node", "4")
+    faulty = _llama(
+        run,
+        "--nproc-per-node", "4", "--fsdp", "2",
+        "--checkpoint-every", "0",  # no checkpoint to fall back on: replicas heal each other
+        "--inject", "crash:rank=0,step=2,mb=1",  # place 0 of replica 0, in its second round
+        "--inject", "crash:rank=3,step=4",  # place 1 of replica 1
+        "--inject", "hang:rank=0,step=7",  # its partner (slot 1) waits in the all-gathers
+    )  # fmt: skip
+    for r in (plain, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.task_end["status"] == "ok" and r.task_end["steps"] == STEPS
+    want, got = _state(plain), _state(faulty)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # each rank kept half of each parameter: the files are the places' shards
+    shard = torch.load(faulty.out.parent / "out" / "final.shard0.pt")
+    assert shard["tok.weight"].shape[0] * 2 == want["tok.weight"].shape[0]
+    # replica grain: the broken replica left whole, only the dead and the hung ranks restarted
+    epochs = [tuple(e["members"]) for e in faulty.of("epoch_begin")]
+    assert (2, 3) in epochs and (0, 1) in epochs, epochs
+    restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
+    assert restarted == [0, 0, 3], restarted
+    (hang,) = [e for e in faulty.of("error_detected") if e["kind"] == "hang"]
+    assert hang["slot"] == 0
+    partial = [e for e in faulty.of("transition_end") if e.get("microbatches_reused")]
+    assert partial and all(
+        e["microbatches_reused"] + e["microbatches_recomputed"] == 8 for e in partial
+    )
+    assert sorted(e["step"] for e in faulty.of("step_end")) == list(range(STEPS))
+
+
+UNSHARDED = """
+import llama_parallel, unicron.worker
+model, opt, data = llama_parallel.build(llama_parallel.TensorParallel(0, 1))
+unicron.worker.train(model=model, optimizer=opt, loss_fn=llama_parallel.loss_fn,
+                     dataset=data, micro_batch_size=2, num_microbatches=4, steps=2)
+"""
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--nproc-per-node", "4", "--fsdp", "3"), "--fsdp 3: 3 ranks of a stage must divide"),
+        (("--nproc-per-node", "4", "--fsdp", "2", "--tp", "2"), "fsdp 2 with tp"),
+        (("--nproc-per-node", "4", "--fsdp", "2", "--zero", "1"), "fsdp 2 with zero 1"),
+        (("--nproc-per-node", "4", "--fsdp", "2", "--min-workers", "3"), "multiple of --fsdp 2"),
+    ],
+)
+def test_a_bad_fsdp_layout_gets_one_line_and_exit_2(
+    run: Any, flags: tuple[str, ...], message: str
+) -> None:
+    r = _llama(run, *flags, steps=2)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_model_not_sharded_under_fsdp_is_refused_with_one_line(run: Any, tmp_path: Path) -> None:
+    script = tmp_path / "unsharded.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r})\n" + UNSHARDED)
+    r = run("--nproc-per-node", "2", "--fsdp", "2", script=script)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--fsdp 2: the model has no module sharded with fully_shard" in r.stderr
+    assert "Traceback" not in r.stderr
