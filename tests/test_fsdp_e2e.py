@@ -80,8 +80,11 @@ def test_fsdp_replicas_heal_to_the_unsharded_bits(run: Any) -> None:
 
 
 UNSHARDED = """
-import llama_parallel, unicron.worker
+import llama_parallel, torch, unicron.fsdp, unicron.worker
 model, opt, data = llama_parallel.build(llama_parallel.TensorParallel(0, 1))
+for block in model.blocks.values() if BLOCKS else ():
+    unicron.fsdp.fully_shard(block)  # and not the whole model: its own parameters are not
+opt = torch.optim.AdamW(model.parameters())
 unicron.worker.train(model=model, optimizer=opt, loss_fn=llama_parallel.loss_fn,
                      dataset=data, micro_batch_size=2, num_microbatches=4, steps=2)
 """
@@ -105,10 +108,20 @@ def test_a_bad_fsdp_layout_gets_one_line_and_exit_2(
     assert "Traceback" not in r.stderr
 
 
-def test_a_model_not_sharded_under_fsdp_is_refused_with_one_line(run: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        (False, "--fsdp 2: the model has no module sharded with fully_shard"),
+        (True, "--fsdp 2: parameters tok.weight, norm.weight, head.weight are not sharded"),
+    ],
+)
+def test_a_model_not_sharded_under_fsdp_is_refused_with_one_line(
+    run: Any, tmp_path: Path, blocks: bool, message: str
+) -> None:
     script = tmp_path / "unsharded.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r})\n" + UNSHARDED)
+    head = f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r}); BLOCKS = {blocks}\n"
+    script.write_text(head + UNSHARDED)
     r = run("--nproc-per-node", "2", "--fsdp", "2", script=script)
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "--fsdp 2: the model has no module sharded with fully_shard" in r.stderr
+    assert message in r.stderr
     assert "Traceback" not in r.stderr

@@ -368,6 +368,23 @@ def _sev3(exc: Exception) -> bool:
     return classify_exception(exc).severity is Severity.SEV3
 
 
+def _reducer(
+    ctx: WorkerContext, shard: Shard, m: int, device: torch.device, stray: Callable[[], None]
+) -> Reducer:
+    """The gradient side of ``shard`` (:meth:`_Runner._adopt`): over its trainable
+    parameters, or with ``--fsdp`` over FSDP2's shards (:mod:`unicron.runtime.fsdp`, whose
+    state dicts then hold the place's plain shards)."""
+    common: dict[str, Any] = dict(exact=ctx.reduce == "exact", bucket_cap_mb=ctx.bucket_cap_mb,
+                                  device=device, stray=stray)  # fmt: skip
+    if ctx.fsdp == 1:
+        return Reducer([p for p in shard.model.parameters() if p.requires_grad], m, **common)
+    # torch's FSDP2 and DTensor: imported by the tasks that use them (1.5 s of a start)
+    from unicron.runtime.fsdp import FsdpReducer, local_state
+
+    local_state(shard.model, shard.optimizer)
+    return FsdpReducer(shard.model, shard.pipe.tp, m, **common)
+
+
 @dataclass(kw_only=True)
 class _Runner:
     """The epoch and step machinery of one worker, driven by :class:`Loop`: epochs, the
@@ -439,23 +456,12 @@ class _Runner:
                 self.ckpt.join()
         self.shard, self.model, self.optimizer = shard, shard.model, shard.optimizer
         self.pipe, self.par = shard.pipe, shard.pipe.tp
-        fsdp = self.ctx.fsdp > 1
-        common: dict[str, Any] = dict(
-            exact=self.ctx.reduce == "exact",
-            bucket_cap_mb=self.ctx.bucket_cap_mb,
-            device=self.device,
-            stray=lambda: self.mb.stray_backward(),
+        self.grads = _reducer(
+            self.ctx, shard, self.M, self.device, lambda: self.mb.stray_backward()
         )
-        if fsdp:  # torch's FSDP2 and DTensor: imported by the tasks that use them (1.5 s)
-            from unicron.runtime.fsdp import FsdpReducer, local_state
-
-            self.grads = FsdpReducer(self.model, self.par, self.M, **common)
-            local_state(self.model, self.optimizer)
-        else:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            self.grads = Reducer(params, self.M, **common)
         self.mb = MicroBatches(grads=self.grads, par=self.par, pipe=self.pipe, faults=self.faults,
-                               tp=self.par.size, pp=self.pipe.stages, fsdp=fsdp)  # fmt: skip
+                               tp=self.par.size, pp=self.pipe.stages,
+                               fsdp=self.ctx.fsdp > 1)  # fmt: skip
         self._stepping, self.laid_out = False, False
         self.optimizer.register_step_pre_hook(self._optimizer_step)
         self.zero = Zero(self.model, self.optimizer) if self.ctx.zero else None

@@ -118,6 +118,14 @@ class FsdpReducer(Reducer):
                         f"--fsdp: parameter {p._param_fqn} sharded on dim "
                         f"{p.fsdp_placement.dim}: only dim 0 (fully_shard's default)"
                     )
+        sharded = {id(p.sharded_param) for m in self.modules for p in _params(m)}
+        plain = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in sharded]
+        if plain:
+            refuse(
+                f"--fsdp {par.size}: parameters {', '.join(plain[:3])}"
+                f"{' ...' if len(plain) > 3 else ''} are not sharded: call "
+                "unicron.fsdp.fully_shard(model) on the whole model last (its blocks first)"
+            )
         self.par = par
         dtype = _params(self.modules[0])[0].sharded_param.dtype
         flats = [torch.empty(_flat_numel(m), dtype=dtype, device=device) for m in self.modules]
