@@ -1,12 +1,15 @@
 """Model-parallel replicas: Unicron against plain PyTorch under torchrun and against torchft,
-TP=2 and PP=2 (x DP=2).
+TP=2, PP=2 and FSDP=2 (x DP=2).
 
 In one run, interleaved: ``examples/train_llama_parallel.py`` under ``unicron run --tp 2`` (or
-``--pp 2``) and the same model, micro-batches and seeds in plain PyTorch
+``--pp 2``, ``--fsdp 2``) and the same model, micro-batches and seeds in plain PyTorch
 (``bench/baselines/tp_ckpt.py``: the replica's sums and pipeline links over torch process
-groups, DDP across replicas, a shard checkpoint every ``K`` steps), 4 CPU workers each, per
-layout; also torchft (``bench/baselines/tp_torchft.py``: a replica group of two ranks per
-torchrun, torchft's Manager and DDP across the groups, a lighthouse). Fault-free, at the
+groups, DDP across replicas, a shard checkpoint every ``K`` steps; at FSDP=2
+``bench/baselines/fsdp_ckpt.py``: FSDP2's HSDP, a DCP checkpoint every ``K`` steps), 4 CPU
+workers each, per layout; also torchft at TP=2 and PP=2 (``bench/baselines/tp_torchft.py``:
+a replica group of two ranks per torchrun, torchft's Manager and DDP across the groups, a
+lighthouse; not at FSDP=2: its FSDP path, torchft's own device mesh under FSDP2, is not
+built into ``bench/baselines``). Fault-free, at the
 smallest model: the median ``duration_s`` of ``step_end`` after the
 warm-up steps (``step_time_vs_plain`` divides Unicron's by the baseline's). Then, at each
 model size: rank 0 (place 0 of replica 0: tensor rank 0, or the first stage) SIGKILLed
@@ -51,7 +54,8 @@ from bench.events import read_events
 SCENARIO = "tp"
 ROOT = Path(__file__).resolve().parents[1]
 NPROC, CKPT_EVERY = 4, 10
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (tp, pp): each x DP=2 on NPROC workers
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "fsdp2": (1, 1, 2)}  # (tp, pp, fsdp): each
+# x DP=2 on NPROC workers
 DIMS = {True: (128,), False: (128, 256, 384)}  # model width (hidden units: twice it)
 PLAN = {True: (30, 5, 1), False: (40, 10, 2)}  # quick: (steps, warm-up steps, repetitions)
 ARMS = ("unicron", "torchrun", "torchft")
@@ -67,9 +71,15 @@ def _model(dim: int) -> list[str]:
 
 def _command(arm: str, layout: str, dim: int, steps: int, workdir: Path, fault: str | None
              ) -> list[str]:  # fmt: skip
-    tp, pp = LAYOUTS[layout]
+    tp, pp, fsdp = LAYOUTS[layout]
     events = str(workdir / "events.jsonl")
     inject = ["--inject", fault] if fault else []
+    if arm == "torchrun" and fsdp > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(NPROC), "--max-restarts", "3",
+                "-m", "bench.baselines.fsdp_ckpt", "--fsdp", str(fsdp), *_model(dim),
+                "--steps", str(steps), "--ckpt-every", str(CKPT_EVERY),
+                "--ckpt-dir", str(workdir), "--events", events, *inject]  # fmt: skip
     if arm == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(NPROC), "--max-restarts", "3",
@@ -77,7 +87,7 @@ def _command(arm: str, layout: str, dim: int, steps: int, workdir: Path, fault: 
                 "--steps", str(steps), "--ckpt-every", str(CKPT_EVERY),
                 "--ckpt-dir", str(workdir), "--events", events, *inject]  # fmt: skip
     return [sys.executable, "-m", "unicron", "run", "--nproc-per-node", str(NPROC),
-            "--tp", str(tp), "--pp", str(pp), "--quiet", "--events", events,
+            "--tp", str(tp), "--pp", str(pp), "--fsdp", str(fsdp), "--quiet", "--events", events,
             "--log-dir", str(workdir / "logs"), *inject,
             str(ROOT / "examples" / "train_llama_parallel.py"), "--steps", str(steps),
             *_model(dim)]  # fmt: skip
@@ -101,7 +111,7 @@ def _torchft(layout: str, dim: int, steps: int, workdir: Path, fault: str | None
     why = unavailable()
     if why is not None:
         raise RuntimeError(why)
-    tp, pp = LAYOUTS[layout]
+    tp, pp, _ = LAYOUTS[layout]
     size = tp * pp
     port = free_port()
     logs = [open(workdir / name, "w") for name in ("lighthouse.log", "group0.log", "group1.log")]  # noqa: SIM115
@@ -218,13 +228,15 @@ def run(quick: bool) -> list[Row]:
     machine = f"load average {load:.1f} / {os.cpu_count()} CPUs at the start"
     how = {
         "unicron": "; the replica re-formed, its micro-batches recomputed by the live one",
-        "torchrun": f"; every rank restarted, shards reloaded (a checkpoint every {CKPT_EVERY})",
+        "torchrun": f"; every rank restarted, shards reloaded (a checkpoint every {CKPT_EVERY}; "
+        "DCP's at FSDP)",
         "torchft": "; the lost rank's replica group restarted by its torchrun, its shards "
         "from the live group; the live group went on alone meanwhile (half the batch)",
     }
     rows: list[Row] = []
-    for layout, (tp, pp) in LAYOUTS.items():
-        shape = f"TP={tp} x PP={pp} x DP=2 on {NPROC} CPU workers"
+    for layout, (tp, pp, fsdp) in LAYOUTS.items():
+        split = f"FSDP={fsdp}" if fsdp > 1 else f"TP={tp} x PP={pp}"
+        shape = f"{split} x DP=2 on {NPROC} CPU workers"
         note = (
             f"examples/llama_parallel.py (2 layers, dim {dims[0]}), {shape}, {steps} steps, "
             f"median after step {warmup}; {machine}"
@@ -304,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     quick = p.parse_args(argv).quick
     rows = run(quick)
     print_table(rows, title="Model-parallel replicas: Unicron vs torchrun and torchft, "
-                "TP=2 and PP=2 x DP=2")  # fmt: skip
+                "TP=2, PP=2 and FSDP=2 x DP=2")  # fmt: skip
     # a full run measured every row of the scenario: it replaces them all
     results = ROOT / "bench" / "results"
     save_scenario(rows, SCENARIO, results, replace=not quick)

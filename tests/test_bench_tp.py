@@ -34,6 +34,7 @@ def test_a_restarted_jobs_redone_steps_count_and_only_unicron_reports_detection(
     }  # fmt: skip
     assert figures(evs, 10, "unicron")["detection_s"] == pytest.approx(0.2)
     assert arms("tp2") == arms("pp2") == ("unicron", "torchrun", "torchft")
+    assert arms("fsdp2") == ("unicron", "torchrun")
 
 
 def test_a_run_never_whole_again_has_no_whole_figure() -> None:
