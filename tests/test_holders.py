@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from unicron import messages as M
 from unicron.control.book import TaskState
 from unicron.control.coordinator import Coordinator, CoordinatorSettings
@@ -113,16 +115,25 @@ def test_the_first_commit_is_not_a_restarted_workers(tmp_path: Path) -> None:
     assert not c.book.state_survives(0)
 
 
-def test_a_dead_workers_late_step_report_says_nothing_of_its_successor(tmp_path: Path) -> None:
-    """Slot 1 began step 1 and died; its crash went at once, its ``StepBegan`` was held for
-    the rhythm and comes in after its new worker joined epoch 3. That worker built a fresh
-    model: slot 0 is the last copy, and its loss is the state's (before, the late report made
-    the new worker a holder: found beside CPU burners, the task then failed one restart later
-    on "no member holds the model state" instead of the error that lost the state)."""
+@pytest.mark.parametrize("report", ["began", "computed"])
+def test_a_dead_workers_late_step_report_says_nothing_of_its_successor(
+    tmp_path: Path, report: str
+) -> None:
+    """Slot 1 began step 1 (or computed it) and died; its crash went at once, its step
+    report was held for the rhythm and comes in after its new worker joined epoch 3. That
+    worker built a fresh model: slot 0 is the last copy, and its loss is the state's (before,
+    the late report made the new worker a holder: found beside CPU burners, the task then
+    failed one restart later on "no member holds the model state" instead of the error that
+    lost the state)."""
     c = _crashed_after_step_0(tmp_path)
     _ready(c, [1], 2.0)
     assert (c.epoch, c.members) == (3, (0, 1))
-    late = [M.EpochEntered(slot=1, ts=0.8, epoch=1), M.StepBegan(slot=1, ts=0.9, step=1, epoch=1)]
+    step: M.Report = (
+        M.StepBegan(slot=1, ts=0.9, step=1, epoch=1)
+        if report == "began"
+        else M.StepComputed(slot=1, ts=0.9, step=1, compute_s=0.1, epoch=1)
+    )
+    late = [M.EpochEntered(slot=1, ts=0.8, epoch=1), step]
     c.exchange(1, late, 2.1)
     assert c.book.slots.holders() == [0] and not c.book.state_survives(0)
     _crash(c, 0, 2.2)

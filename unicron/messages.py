@@ -165,6 +165,8 @@ class StepComputed:
     microbatches: int | None = None
     cpu_s: float | None = None
     queued_s: float | None = None
+    epoch: int | None = None
+    """the epoch it computed in (``None``: a worker of an earlier release)"""
 
 
 @dataclass(frozen=True, kw_only=True)

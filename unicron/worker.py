@@ -804,6 +804,7 @@ class _Runner:
                     if queued_now is None or s.queued_at_start is None
                     else queued_now - s.queued_at_start
                 ),
+                epoch=g.info.epoch,
             )
         )
         try:

@@ -311,7 +311,8 @@ class Coordinator:
             self.step_started(r.slot, r.step, r.ts, epoch=r.epoch, cpu_s=r.cpu_s)
         elif isinstance(r, M.StepComputed):
             self.step_computed(r.slot, r.step, r.ts, compute_s=r.compute_s, cpu_s=r.cpu_s,
-                               microbatches=r.microbatches, queued_s=r.queued_s)  # fmt: skip
+                               microbatches=r.microbatches, queued_s=r.queued_s,
+                               epoch=r.epoch)  # fmt: skip
         elif isinstance(r, M.WaitingOnReplica):
             with self._lock:
                 health.waiting_on_replica(self.book, r.slot, r.step, r.epoch, r.waiting, r.ts)
@@ -421,20 +422,14 @@ class Coordinator:
         microbatches: int | None = None,
         cpu_s: float | None = None,
         queued_s: float | None = None,
+        epoch: int | None = None,
     ) -> None:
         """The worker in ``slot`` finished computing ``step`` (it now reduces)
         (:func:`unicron.control.health.step_computed`)."""
         with self._deciding():
-            health.step_computed(
-                self.book,
-                slot,
-                step,
-                now,
-                compute_s=compute_s,
-                microbatches=microbatches,
-                cpu_s=cpu_s,
-                queued_s=queued_s,
-            )
+            health.step_computed(self.book, slot, step, now, compute_s=compute_s,
+                                 microbatches=microbatches, cpu_s=cpu_s, queued_s=queued_s,
+                                 epoch=epoch)  # fmt: skip
 
     def step_committed(self, epoch: int, step: int, now: float) -> bool:
         """A member reports that ``step`` committed in ``epoch``: True for the first report

@@ -147,11 +147,16 @@ def step_computed(
     microbatches: int | None,
     cpu_s: float | None,
     queued_s: float | None,
+    epoch: int | None = None,
 ) -> None:
     """The worker in ``slot`` finished computing ``step`` (it now reduces): it holds the
     state; the monitor learns the step time, without ``queued_s`` (the part its thread waited
-    for a CPU: an oversubscribed machine's run queue is not the worker's speed)."""
+    for a CPU: an oversubscribed machine's run queue is not the worker's speed). A report of
+    an epoch no later than the one its worker was started in is its previous worker's, as in
+    :func:`step_started`: it says nothing of the new one."""
     s = b.slots[slot]
+    if epoch is not None and not s.predates(epoch):
+        return
     ep = _epoch_of(b, slot)
     s.computed, s.computed_epoch = step, ep
     b.cpu.computed(slot, step, cpu_s)
