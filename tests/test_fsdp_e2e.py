@@ -79,6 +79,24 @@ def test_fsdp_replicas_heal_to_the_unsharded_bits(run: Any) -> None:
     assert sorted(e["step"] for e in faulty.of("step_end")) == list(range(STEPS))
 
 
+@pytest.mark.long
+def test_every_fsdp_replica_broken_falls_back_to_the_sharded_checkpoint(run: Any) -> None:
+    """A rank of each replica lost in one step (the replicas on two nodes): no place's shards
+    survive in a whole replica, so every rank reads its place's shard of the newest
+    checkpoint (the automatic interval at a 1 s MTBF), redoes the steps since, and the run
+    still ends with the plain run's bits."""
+    plain = _llama(run, "--nproc-per-node", "4", steps=12)
+    faulty = _llama(
+        run, "--nnodes", "2", "--nproc-per-node", "2", "--fsdp", "2", "--mtbf", "1",
+        "--inject", "crash:rank=0,step=8", "--inject", "crash:rank=2,step=8", steps=12,
+    )  # fmt: skip
+    for r in (plain, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _state(plain), _state(faulty)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert "checkpoint" in {e["state_source"] for e in faulty.of("transition_end")}
+
+
 UNSHARDED = """
 import llama_parallel, torch, unicron.fsdp, unicron.worker
 model, opt, data = llama_parallel.build(llama_parallel.TensorParallel(0, 1))
