@@ -332,10 +332,11 @@ def test_the_slots_queued_for_a_task_are_numbered_after_its_placed_ranks(cluster
 
 
 def test_an_fsdp_task_in_a_cluster_is_told_its_places_and_settings(cluster: Cluster) -> None:
-    from unicron.control.planning import assignment
-
     """FSDP=2: its replicas are blocks of two slots of a node, its places 0 and 1; the
-    agent's settings say so (tp: the stage's ranks on one node)."""
+    agent's settings say so (tp: the stage's ranks on one node); the allocation moves whole
+    replicas of it and prices it as a data-parallel task (no tensor-parallel layout)."""
+    from unicron.control.planning import assignment, plan_view
+
     now = time.time()
     cluster.register("n0", 4, "127.0.0.1", "i0", now)
     spec = TaskSpec.model_validate({
@@ -346,6 +347,8 @@ def test_an_fsdp_task_in_a_cluster_is_told_its_places_and_settings(cluster: Clus
     told = assignment(cluster.tasks["f"], 0, "127.0.0.1:1", b"k" * 32, None)
     assert told.places == (0, 1, 0, 1)
     assert (told.settings.tp, told.settings.fsdp, told.settings.pp) == (2, 2, 1)
+    v = plan_view(cluster.tasks["f"], [], 1.0)
+    assert v is not None and (v.tp, v.replica_ranks, v.layouts) == (2, 2, ())
 
 
 def test_a_fault_that_fired_is_left_out_of_a_later_assignment(cluster: Cluster) -> None:

@@ -253,8 +253,15 @@ def plan_view(task: Task, planned: list[int], transition: float) -> A.TaskView |
         planned=frozenset(range(first, first + len(planned))),
         layout=(1, 1) if c is None else c.book.lay,
         apart={r: n for r, n in placed(task).items() if r in task.excluded},
-        layouts=task.spec.layouts if task.spec.layouts != ((1, 1),) else (),
+        layouts=_priced_layouts(task.spec),
     )
+
+
+def _priced_layouts(spec: TaskSpec) -> tuple[tuple[int, int], ...]:
+    """The layouts the allocation prices ``spec`` at: its own model-parallel ones, or none
+    (the performance model's best, as for a data-parallel task: an FSDP replica's ranks are
+    a block of a node, not a tensor-parallel degree)."""
+    return spec.layouts if spec.layouts != ((1, 1),) and spec.fsdp == 1 else ()
 
 
 def placed(task: Task) -> dict[int, int]:
