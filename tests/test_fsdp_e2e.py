@@ -28,10 +28,11 @@ pytestmark = pytest.mark.e2e
 
 SCRIPT = ROOT / "examples" / "train_llama_parallel.py"
 STEPS = 9
+LONG = pytest.mark.long  # a case like one the default suite runs
 
 
-def _llama(run: Any, *flags: str, steps: int = STEPS, script: Path = SCRIPT) -> Any:
-    return run(*flags, script=script, script_args=("--steps", str(steps), "--out", "out"))
+def _llama(run: Any, *flags: str, steps: int = STEPS, extra: tuple[str, ...] = ()) -> Any:
+    return run(*flags, script=SCRIPT, script_args=("--steps", str(steps), "--out", "out", *extra))
 
 
 def _state(r: Any) -> dict[str, torch.Tensor]:
@@ -41,7 +42,7 @@ def _state(r: Any) -> dict[str, torch.Tensor]:
     if (out / "final.pt").exists():
         return torch.load(out / "final.pt")
     shards = [torch.load(p) for p in sorted(out.glob("final.shard*.pt"))]
-    assert len(shards) == 2, sorted(out.iterdir())
+    assert shards, sorted(out.iterdir())
     return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
 
 
@@ -79,6 +80,19 @@ def test_fsdp_replicas_heal_to_the_unsharded_bits(run: Any) -> None:
     assert sorted(e["step"] for e in faulty.of("step_end")) == list(range(STEPS))
 
 
+def test_short_rounds_and_uneven_shards_keep_the_unsharded_bits(run: Any) -> None:
+    """FSDP=3 on 3 workers, 4 micro-batches a step: a round of three, then one whose two
+    other places compute a padding micro-batch (not added), and every parameter's rows split
+    3 ways unevenly (FSDP pads them): the plain one-worker run's bits."""
+    plain = _llama(run, "--nproc-per-node", "1", steps=3, extra=("--microbatches", "4"))
+    three = _llama(run, "--nproc-per-node", "3", "--fsdp", "3", steps=3,
+                   extra=("--microbatches", "4"))  # fmt: skip
+    for r in (plain, three):
+        assert r.returncode == 0, r.stderr[-3000:]
+    want, got = _state(plain), _state(three)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.long
 def test_every_fsdp_replica_broken_falls_back_to_the_sharded_checkpoint(run: Any) -> None:
     """A rank of each replica lost in one step (the replicas on two nodes): no place's shards
@@ -112,8 +126,14 @@ unicron.worker.train(model=model, optimizer=opt, loss_fn=llama_parallel.loss_fn,
     ("flags", "message"),
     [
         (("--nproc-per-node", "4", "--fsdp", "3"), "--fsdp 3: 3 ranks of a stage must divide"),
-        (("--nproc-per-node", "4", "--fsdp", "2", "--tp", "2"), "fsdp 2 with tp"),
-        (("--nproc-per-node", "4", "--fsdp", "2", "--zero", "1"), "fsdp 2 with zero 1"),
+        pytest.param(
+            ("--nproc-per-node", "4", "--fsdp", "2", "--tp", "2"), "fsdp 2 with tp", marks=LONG
+        ),
+        pytest.param(
+            ("--nproc-per-node", "4", "--fsdp", "2", "--zero", "1"),
+            "fsdp 2 with zero 1",
+            marks=LONG,
+        ),  # both also in tests/test_fsdp_layout.py, without a run
         (("--nproc-per-node", "4", "--fsdp", "2", "--min-workers", "3"), "multiple of --fsdp 2"),
     ],
 )
@@ -129,7 +149,9 @@ def test_a_bad_fsdp_layout_gets_one_line_and_exit_2(
 @pytest.mark.parametrize(
     ("blocks", "message"),
     [
-        (False, "--fsdp 2: the model has no module sharded with fully_shard"),
+        pytest.param(
+            False, "--fsdp 2: the model has no module sharded with fully_shard", marks=LONG
+        ),
         (True, "--fsdp 2: parameters tok.weight, norm.weight, head.weight are not sharded"),
     ],
 )
