@@ -28,6 +28,7 @@ from unicron.control.coordinator import (
 )
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog, read_events
+from unicron.control.health import LAST_COPY_HANG_OVERRUN
 from unicron.control.slots import KILL_UNDER_WAY_S, SlotTable
 from unicron.detect.busy import Sample
 from unicron.detect.classify import verdict_for_kind
@@ -619,6 +620,26 @@ def test_a_stall_is_not_acted_on_while_another_kill_is_under_way(tmp_path: Path)
     assert [a.slot for a in k.actions(Kill)] == [0]
     c.tick(t + 0.02 + KILL_UNDER_WAY_S)
     assert [a.slot for a in k.actions(Kill)] == [0, 2]
+
+
+def test_a_stalled_last_copy_of_the_state_is_given_longer_before_it_is_killed(
+    tmp_path: Path,
+) -> None:
+    """ZeRO: before an epoch's first commit every member may keep a share's last copy
+    (its buddy was lost with the last epoch), and there is no checkpoint: slot 2, which never
+    enters epoch 2, is killed only after :data:`LAST_COPY_HANG_OVERRUN` stall deadlines, not
+    at the first (beside CPU burners such a member, merely slow, was killed at the deadline:
+    a share lost, the task failed)."""
+    k = Cluster(tmp_path, zero=True)
+    c = k.c
+    t = _slot_2_never_enters(k)
+    deadline = c.stall_deadline()
+    c.tick(t + 0.02 + deadline)
+    c.tick(t + 0.02 + deadline * (LAST_COPY_HANG_OVERRUN - 0.5))
+    assert k.actions(Kill) == []
+    c.tick(t + 0.02 + deadline * (LAST_COPY_HANG_OVERRUN + 0.5))
+    (kill,) = k.actions(Kill)
+    assert kill.slot == 2 and kill.verdict.kind == "stall"
 
 
 def test_the_first_step_after_a_join_is_cold_for_every_member(tmp_path: Path) -> None:

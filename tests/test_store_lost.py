@@ -512,8 +512,9 @@ def test_holders_get_longer_to_join_right_after_the_store_moved_or_a_takeover(
     held the state, which were still finding the new store through their agents (which were
     still finding the new coordinator): the stall detector killed all three and the task went
     back to its checkpoint. In the moments after a move, holders waited for only by members
-    without the state get REJOIN_GRACE_S more."""
-    from unicron.control.health import REJOIN_GRACE_S
+    without the state get REJOIN_GRACE_S more; here the holder is the state's last copy and
+    there is no checkpoint, so the stall kills it only at LAST_COPY_HANG_OVERRUN deadlines."""
+    from unicron.control.health import LAST_COPY_HANG_OVERRUN, REJOIN_GRACE_S
 
     c = _coordinator({0: 0, 1: 1})
     info = EpochInfo(5, (0, 1), (0, 1), urgent=False)
@@ -534,7 +535,8 @@ def test_holders_get_longer_to_join_right_after_the_store_moved_or_a_takeover(
         return [a.slot for n in (0, 1) for a in c.take_actions(n) if isinstance(a, M.Kill)]
 
     assert killed(10.1 + 7.0) == []  # past the 6 s deadline, within the grace
-    assert killed(10.1 + 6.0 + REJOIN_GRACE_S + 1.0) == [0]  # past both: a stall
+    assert killed(10.1 + 6.0 + REJOIN_GRACE_S + 1.0) == []  # past both: the last copy
+    assert killed(10.1 + 6.0 * LAST_COPY_HANG_OVERRUN + 1.0) == [0]  # a stall
 
 
 def test_after_a_takeover_a_spawn_whose_answer_was_lost_is_sent_again(tmp_path: Path) -> None:

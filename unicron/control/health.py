@@ -44,7 +44,8 @@ with only some of them done, or alone in its epoch (no peer to vouch; killing co
 checkpoint reload), once it has lasted this many times its allowance"""
 LAST_COPY_HANG_OVERRUN = 6.0
 """... and the last live copy of the task's state, with no checkpoint, whose CPU time gives
-no verdict (:func:`check_suspect`): killing it fails the task"""
+no verdict (:func:`check_suspect`): killing it fails the task. A stall of such a member
+outside a step is given as many stall deadlines (:func:`check_stalls`)"""
 
 
 # -- reports -------------------------------------------------------------------------------
@@ -465,6 +466,19 @@ def check_stalls(b: TaskBook, now: float) -> None:
         return
     if b.slots.kills_under_way(now) - set(stall.behind):
         return  # another worker's kill is under way: its exit may end this wait (next tick)
+    last = [s for s in stall.behind if b.slots[s].alive and not b.state_survives(s)]
+    if last and stall.waited_s < LAST_COPY_HANG_OVERRUN * deadline:
+        # the last live copies of (part of) the state, and no checkpoint: killing them fails
+        # the task, where a member merely slow joins late; held, and judged again every
+        # tick, up to as many deadlines as a last copy's hang is given. Found beside CPU
+        # burners: a ZeRO member, its shares' buddy restarted a moment before, slow to join
+        # on a machine whose store answered late, killed at the deadline: a share lost
+        for s in last:
+            if b.slots[s].spared != b.epoch:
+                b.slots[s].spared = b.epoch
+                log.warning("task %s: %s; slot %d not killed yet: the last copy of the "
+                            "state, and no checkpoint", b.label, stall.reason, s)  # fmt: skip
+        return
     verdict = classify_detector("stall")
     for slot in stall.behind:
         o = b.slots[slot]
