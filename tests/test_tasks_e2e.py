@@ -122,25 +122,26 @@ def test_report_of_a_cluster_task_is_run_s_timeline(cluster: LocalCluster, tmp_p
 
 
 @pytest.mark.long
-def test_a_tensor_parallel_task_heals_in_the_cluster_to_run_s_bits(
-    cluster: LocalCluster, tmp_path: Path
+@pytest.mark.parametrize(("name", "flag"), [("llama-tp", "--tp"), ("llama-fsdp", "--fsdp")])
+def test_a_replica_of_two_ranks_heals_in_the_cluster_to_run_s_bits(
+    cluster: LocalCluster, tmp_path: Path, name: str, flag: str
 ) -> None:
-    """``examples/tasks/llama-tp.yaml`` (TP=2 replicas) submitted with a rank lost mid-run
-    ends with the bits of a fault-free ``unicron run --tp 2`` of the same script: the
-    replicas on two nodes of the cluster, on one node there."""
-    spec = load(TASKS / "llama-tp.yaml").model_dump()
+    """``examples/tasks/llama-tp.yaml`` (TP=2 replicas) or ``llama-fsdp.yaml`` (FSDP=2)
+    submitted with a rank lost mid-run: its replica waits, the rank's shard comes from the
+    same place in the other replica, and the run ends with the bits of a fault-free
+    ``unicron run --tp 2`` (``--fsdp 2``) of the same script: the replicas on two nodes of
+    the cluster, on one node there."""
+    spec = load(TASKS / f"{name}.yaml").model_dump()
     spec["inject"] = ["crash:rank=0,step=5"]
     cluster.submit(spec)
     script = ROOT / "examples" / "train_llama_parallel.py"
-    run = run_unicron(tmp_path, "--nproc-per-node", "4", "--tp", "2", script=script,
+    run = run_unicron(tmp_path, "--nproc-per-node", "4", flag, "2", script=script,
                       script_args=("--steps", "12"))  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    view = cluster.wait_task("llama-tp", timeout_s=180)
+    view = cluster.wait_task(name, timeout_s=180)
     assert view["state"] == "done", view
     assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
-    epochs = [
-        tuple(e["members"]) for e in cluster.events("llama-tp") if e["event"] == "epoch_begin"
-    ]
+    epochs = [tuple(e["members"]) for e in cluster.events(name) if e["event"] == "epoch_begin"]
     assert all(len(m) % 2 == 0 for m in epochs) and len(epochs) >= 3, epochs
 
 
@@ -191,29 +192,6 @@ def test_a_sharded_optimizer_task_heals_in_the_cluster_to_the_unsharded_bits(
     assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
     ends = [e for e in cluster.events("llama-zero") if e["event"] == "transition_end"]
     assert "checkpoint" not in {e["state_source"] for e in ends}
-
-
-@pytest.mark.long
-def test_an_fsdp_task_heals_in_the_cluster_to_run_s_bits(
-    cluster: LocalCluster, tmp_path: Path
-) -> None:
-    """``examples/tasks/llama-fsdp.yaml`` (``fsdp: 2``) on the cluster's two nodes, a rank
-    lost mid-run: its replica waits, the rank's shards come from the same place in the other
-    replica, and the run ends with the bits of a fault-free ``unicron run --fsdp 2``."""
-    spec = load(TASKS / "llama-fsdp.yaml").model_dump()
-    spec["inject"] = ["crash:rank=0,step=5"]
-    cluster.submit(spec)
-    script = ROOT / "examples" / "train_llama_parallel.py"
-    run = run_unicron(tmp_path, "--nproc-per-node", "4", "--fsdp", "2", script=script,
-                      script_args=("--steps", "12"))  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
-    view = cluster.wait_task("llama-fsdp", timeout_s=180)
-    assert view["state"] == "done", view
-    assert view["outcome"]["params_sha256"] == run.task_end["params_sha256"]
-    epochs = [
-        tuple(e["members"]) for e in cluster.events("llama-fsdp") if e["event"] == "epoch_begin"
-    ]
-    assert all(len(m) % 2 == 0 for m in epochs) and len(epochs) >= 3, epochs
 
 
 @pytest.mark.long

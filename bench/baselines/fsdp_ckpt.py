@@ -22,10 +22,8 @@ newest checkpoint, redoing the steps since. Rank 0 writes Unicron-format events
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import llama_parallel
 
-from bench.baselines.loop import CPU, EventWriter, FaultPlan, exit_now, setup_threads
+from bench.baselines.loop import CPU, exit_now, job_arguments, start_job
 from unicron.parallel import TensorParallel
 from unicron.runtime.device import seed
 from unicron.runtime.ledger import Ledger, assign, mb_seed
@@ -50,20 +48,10 @@ MICROBATCHES, MICRO_BATCH_SIZE, SEED = 8, 4, 0
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fsdp", type=int, default=2)
-    p.add_argument("--dim", type=int, default=llama_parallel.LlamaConfig.dim)
-    p.add_argument("--hidden", type=int, default=llama_parallel.LlamaConfig.hidden)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--ckpt-every", type=int, default=0, help="0: never checkpoint")
-    p.add_argument("--ckpt-dir", required=True)
-    p.add_argument("--events", default=None)
-    p.add_argument("--inject", action="append", default=[])
+    job_arguments(p, llama_parallel.LlamaConfig.dim, llama_parallel.LlamaConfig.hidden)
     args = p.parse_args()
-    setup_threads(args.ckpt_dir)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    events = EventWriter(args.events if rank == 0 else None)
-    faults = FaultPlan.from_specs(args.inject, args.ckpt_dir, rank, EventWriter(args.events))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    job = start_job(args)
+    rank, world, attempt, events = job.rank, job.world, job.attempt, job.events
     F = args.fsdp
     replicas, q, place = world // F, rank // F, rank % F
     mesh = init_device_mesh("cpu", (replicas, F), mesh_dim_names=("replicate", "shard"))
@@ -92,7 +80,7 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i, mb in enumerate(mine):
-            faults.maybe_fire(step, i, len(mine))
+            job.faults.maybe_fire(step, i, len(mine))
             seed(mb_seed(SEED, step, mb), CPU)
             batch = torch.utils.data.default_collate([dataset[j] for j in ledger.samples(step, mb)])
             model.set_requires_gradient_sync(i == len(mine) - 1)

@@ -10,6 +10,7 @@ same ``--inject`` faults (parsed by :mod:`unicron.runtime.inject`) at the same s
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -18,10 +19,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from examples.gpt import build, loss_fn
@@ -176,6 +179,43 @@ def setup_threads(pid_dir: str | None = None) -> None:
     torch.set_num_threads(1)
     if pid_dir:
         (Path(pid_dir) / f"pid-{os.getpid()}").touch()
+
+
+@dataclass(frozen=True)
+class Job:
+    """A model-parallel baseline's worker under torchrun (``bench/baselines/tp_ckpt.py``,
+    ``fsdp_ckpt.py``): its rank of the world, torchrun's restart count, its event log (rank 0
+    writes one) and its faults."""
+
+    rank: int
+    world: int
+    attempt: int
+    events: EventWriter
+    faults: FaultPlan
+
+
+def job_arguments(p: argparse.ArgumentParser, dim: int, hidden: int) -> None:
+    """The model-parallel baselines' shared flags: the model's width (``dim``, ``hidden``:
+    the example's defaults), the run and its checkpoints, events and faults."""
+    p.add_argument("--dim", type=int, default=dim)
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--ckpt-every", type=int, default=0, help="0: never checkpoint")
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--events", default=None)
+    p.add_argument("--inject", action="append", default=[])
+
+
+def start_job(args: argparse.Namespace) -> Job:
+    """This worker's :class:`Job` (flags of :func:`job_arguments`), its threads set up and
+    torchrun's process group (gloo) made."""
+    setup_threads(args.ckpt_dir)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    events = EventWriter(args.events if rank == 0 else None)
+    faults = FaultPlan.from_specs(args.inject, args.ckpt_dir, rank, EventWriter(args.events))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    return Job(rank, world, attempt, events, faults)
 
 
 @dataclass

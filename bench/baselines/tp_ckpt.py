@@ -25,7 +25,6 @@ import contextlib
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import llama_parallel
 
-from bench.baselines.loop import CPU, EventWriter, FaultPlan, exit_now, setup_threads
+from bench.baselines.loop import CPU, exit_now, job_arguments, start_job
 from unicron.parallel import PairLink, PipelineParallel, TensorParallel
 from unicron.runtime.device import seed
 from unicron.runtime.digest import params_sha256
@@ -50,20 +49,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dim", type=int, default=llama_parallel.LlamaConfig.dim)
-    p.add_argument("--hidden", type=int, default=llama_parallel.LlamaConfig.hidden)
-    p.add_argument("--steps", type=int, required=True)
-    p.add_argument("--ckpt-every", type=int, default=0, help="0: never checkpoint")
-    p.add_argument("--ckpt-dir", required=True)
-    p.add_argument("--events", default=None)
-    p.add_argument("--inject", action="append", default=[])
+    job_arguments(p, llama_parallel.LlamaConfig.dim, llama_parallel.LlamaConfig.hidden)
     args = p.parse_args()
-    setup_threads(args.ckpt_dir)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    events = EventWriter(args.events if rank == 0 else None)
-    faults = FaultPlan.from_specs(args.inject, args.ckpt_dir, rank, EventWriter(args.events))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    job = start_job(args)
+    rank, world, attempt, events = job.rank, job.world, job.attempt, job.events
     T, P = args.tp, args.pp
     size = T * P
     replicas, q, place = world // size, rank // size, rank % size
@@ -113,7 +102,7 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for i, mb in enumerate(mine):
-            faults.maybe_fire(step, i, len(mine))
+            job.faults.maybe_fire(step, i, len(mine))
             seed(mb_seed(SEED, step, mb), CPU)
             batch = torch.utils.data.default_collate([dataset[j] for j in ledger.samples(step, mb)])
             ctx = ddp.no_sync() if i < len(mine) - 1 else contextlib.nullcontext()
