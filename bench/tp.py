@@ -186,7 +186,8 @@ def figures(evs: list[dict[str, Any]], at: int, arm: str) -> dict[str, float]:
     own)."""
     ts = float(next(e for e in evs if e["event"] == "fault_injected")["ts"])
     out: dict[str, float] = {}
-    detected = next((float(e["ts"]) for e in evs if e["event"] == "error_detected"), None)
+    detected = min((float(e["ts"]) for e in evs if e["event"] == "error_detected"
+                    and float(e["ts"]) >= ts), default=None)  # fmt: skip
     if arm == "unicron" and detected is not None:
         out["detection_s"] = detected - ts
     ends = [e for e in evs if e["event"] == "step_end" and float(e["ts"]) > ts]

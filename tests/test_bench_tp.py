@@ -37,6 +37,19 @@ def test_a_restarted_jobs_redone_steps_count_and_only_unicron_reports_detection(
     assert arms("fsdp2") == ("unicron", "torchrun")
 
 
+def test_detection_is_the_first_error_detected_after_the_fault() -> None:
+    """The event log is not in time order (every writer appends): an error logged before the
+    fault (a retried connection at the start) is not its detection."""
+    evs = [
+        {"event": "error_detected", "ts": 0.5},
+        {"event": "fault_injected", "ts": 2.0},
+        {"event": "error_detected", "ts": 2.3},
+        {"event": "error_detected", "ts": 2.1},
+        {"event": "step_end", "ts": 3.0, "step": 10},
+    ]
+    assert figures(evs, 10, "unicron")["detection_s"] == pytest.approx(0.1)
+
+
 def test_a_run_never_whole_again_has_no_whole_figure() -> None:
     """torchft at PP=2 beside a loaded machine: the live group finished the run alone before
     the restarted one was back (which then started over alone): no ``whole_s``."""
