@@ -161,9 +161,7 @@ class ReplicaGroup(dist.ProcessGroup):
     def _allgather_base(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> _Done:
         return self._run("all-gather", [out], self._gather_into(out, inp))
 
-    def all_gather_single(self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> _Done:
-        """``dist.all_gather_single``'s (FSDP2's all-gather of a module's shards)."""
-        return self._run("all-gather", [out], self._gather_into(out, inp))
+    all_gather_single = _allgather_base  # type: ignore[assignment]  # FSDP2 calls this name
 
     def allgather_into_tensor_coalesced(
         self, outs: list[torch.Tensor], inps: list[torch.Tensor], opts: Any = None
@@ -205,13 +203,8 @@ class ReplicaGroup(dist.ProcessGroup):
         _sum_only(opts, "reduce-scatter")
         return self._run("reduce-scatter", [out], self._scatter_sum(out, inp))
 
-    def reduce_scatter_single(
-        self, out: torch.Tensor, inp: torch.Tensor, opts: Any = None
-    ) -> _Done:
-        """``dist.reduce_scatter_single``'s (FSDP2's reduce-scatter where no custom one is
-        set: a sum's slice)."""
-        _sum_only(opts, "reduce-scatter")
-        return self._run("reduce-scatter", [out], self._scatter_sum(out, inp))
+    # FSDP2 calls this name (dist.reduce_scatter_single) where no custom one is set
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
 
     def reduce_scatter_tensor_coalesced(
         self, outs: list[torch.Tensor], inps: list[torch.Tensor], opts: Any = None

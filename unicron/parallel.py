@@ -406,8 +406,7 @@ def tensor_parallel() -> TensorParallel:
     in its replica (fixed for the slot's life) and T; else rank 0 of 1."""
     global _TP
     if _TP is None:
-        size = int(os.environ.get(ENV_TP, "1")) // _fsdp_size()
-        _TP = TensorParallel(int(os.environ.get(ENV_TP_RANK, "0")) if size > 1 else 0, size)
+        _TP = _placed(int(os.environ.get(ENV_TP, "1")) // _fsdp_size())
     return _TP
 
 
@@ -417,9 +416,13 @@ def fsdp_parallel() -> TensorParallel:
     parallel sums; :mod:`unicron.fsdp`); else rank 0 of 1."""
     global _FSDP
     if _FSDP is None:
-        size = _fsdp_size()
-        _FSDP = TensorParallel(int(os.environ.get(ENV_TP_RANK, "0")) if size > 1 else 0, size)
+        _FSDP = _placed(_fsdp_size())
     return _FSDP
+
+
+def _placed(size: int) -> TensorParallel:
+    """This slot's place among ``size`` ranks of a stage (``UNICRON_TP_RANK``; 0 of 1)."""
+    return TensorParallel(int(os.environ.get(ENV_TP_RANK, "0")) if size > 1 else 0, size)
 
 
 def _fsdp_size() -> int:
