@@ -112,9 +112,19 @@ def test_a_workers_lifecycle_is_one_state_along_its_diagram(tmp_path: Path) -> N
             ),
         )
         assert w.state is WorkerState.DONE and agent.census().alive == (0, 1)
+        assert agent.census().done == (0,)
+        # it stays until the task is over, and serves a newer epoch that needs what it holds
+        agent._from_worker(0, M.EpochEntered(slot=0, ts=time.time(), epoch=2))
+        assert w.state is WorkerState.MEMBER and agent.census().done == ()
+        agent._from_worker(
+            0,
+            M.WorkerDone(
+                slot=0, ts=time.time(), steps=3, final_loss=1.0, params_sha256="ab", rank=0, epoch=2
+            ),
+        )
         agent.reply = M.Reply(actions=(M.Kill(0, None, leave=True), M.Kill(1, None, leave=True)))
         agent._act(time.time())
-        assert w.state is WorkerState.DONE  # finished already: its exit stays the normal end
+        assert w.state is WorkerState.LEAVING  # finished, then its slot given away
         assert v.state is WorkerState.LEAVING and v.kill_pending  # no pid yet: killed on it
         agent._from_worker(
             1, M.Ready(slot=1, ts=time.time(), microbatches=8, state_bytes=1)
@@ -124,7 +134,13 @@ def test_a_workers_lifecycle_is_one_state_along_its_diagram(tmp_path: Path) -> N
         agent._exited(0, 0)
         agent._exited(1, -9)
         assert (w.state, v.state) == (WorkerState.GONE, WorkerState.GONE)
-        assert [type(r) for r in agent._reports] == [M.WorkerLeft]  # only the leaver's
+        assert [type(r) for r in agent._reports] == [M.WorkerLeft, M.WorkerLeft]
+        agent._reports.clear()
+        for code in (0, -9):  # a finished worker's exit 0 is the normal end; killed before
+            for move in (w.spawned, w.readied, w.entered, w.done):  # the task's end, it may
+                move()  # have held what the others need
+            agent._exited(0, code)
+        assert [type(r) for r in agent._reports] == [M.Detected, M.WorkerFailed]
         with pytest.raises(IllegalTransition, match="GONE -> MEMBER"):
             w.to(WorkerState.MEMBER)
         w.spawned()  # a new incarnation

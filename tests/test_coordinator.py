@@ -366,25 +366,56 @@ def test_replicas_that_disagree_fail_the_task(tmp_path: Path) -> None:
     k = Cluster(tmp_path)
     c = k.c
     c.worker_done(0, {"params_sha256": "aa", "rank": 0, "steps": 3}, 1.0)
-    assert c.state is TaskState.DONE
+    assert c.state is TaskState.RUNNING  # until every member has reported
     c.worker_done(1, {"params_sha256": "bb", "rank": 1, "steps": 3}, 1.0)
     assert c.state is TaskState.FAILED and c.outcome is not None
     assert c.outcome.state is TaskState.FAILED and "different parameters" in c.outcome.reason
     assert c.finished()
 
 
+def _done(m: int) -> dict[str, Any]:
+    return {"params_sha256": "aa", "rank": m, "steps": 3, "epoch": 1}
+
+
+def test_the_task_is_done_once_every_live_member_reported(tmp_path: Path) -> None:
+    """A finished worker waits for the ``done`` key, which is written once every live member
+    of the epoch has reported (W2: a member whose last update's broadcast was cut by a loss
+    does not report; the ones that finished stay to serve its values in a newer epoch). A
+    member lost after the others finished ends the task with no new epoch."""
+    k = Cluster(tmp_path)
+    c = k.c
+    for m in (0, 1):
+        c.worker_done(m, _done(m), 1.0)
+    assert c.state is TaskState.RUNNING and not c.store.check([done_key("t")])
+    c.worker_failed(3, verdict_for_kind("killed"), 1.1)  # its broadcast cut slot 2's update
+    assert c.state is TaskState.RUNNING and c.members == (0, 1, 2) and c.epoch == 2
+    c.worker_done(2, _done(2), 1.5)  # (after taking its values from 0 and 1 in epoch 2)
+    assert c.state is TaskState.DONE and c.finished()
+    assert c.store.check([done_key("t")])
+    assert c.outcome is not None and c.outcome.result["params_sha256"] == "aa"
+
+    k = Cluster(tmp_path / "b")
+    c = k.c
+    for m in (0, 1, 2):
+        c.worker_done(m, _done(m), 1.0)
+    c.worker_failed(3, verdict_for_kind("killed"), 1.1)
+    assert c.state is TaskState.DONE and c.finished() and c.epoch == 1
+    assert k.actions(Spawn) == [] and [e["action"] for e in k.events("action")] == []
+
+
 def test_a_member_that_left_after_the_end_does_not_keep_the_task_open(tmp_path: Path) -> None:
-    """A restarted worker announced in a last epoch as the others finished leaves without a
-    report (exit 0): the task is finished all the same (it used to wait for ever)."""
+    """A restarted worker announced in a last epoch as the others finished: the task waits
+    for its report (the finished ones serve it the state there), and one that leaves
+    without a report (exit 0) does not keep it open (it used to wait for ever)."""
     k = Cluster(tmp_path)
     c = k.c
     c.worker_failed(3, verdict_for_kind("killed"), 1.0)
-    c.worker_ready(3, 1.5)  # epoch 3 includes it; it never trains there
+    c.worker_ready(3, 1.5)  # epoch 3 includes it
     for m in (0, 1, 2):
         c.worker_done(m, {"params_sha256": "aa", "rank": m, "steps": 3}, 2.0)
-    assert c.state is TaskState.DONE and not c.finished()
+    assert c.state is TaskState.RUNNING and not c.finished()
     c.worker_left(3)
-    assert c.finished()
+    assert c.state is TaskState.DONE and c.finished()
 
 
 def test_the_first_commit_report_is_the_one_source_of_trained(tmp_path: Path) -> None:
@@ -640,6 +671,39 @@ def test_a_stalled_last_copy_of_the_state_is_given_longer_before_it_is_killed(
     c.tick(t + 0.02 + deadline * (LAST_COPY_HANG_OVERRUN + 0.5))
     (kill,) = k.actions(Kill)
     assert kill.slot == 2 and kill.verdict.kind == "stall"
+
+
+def test_a_member_writing_its_final_files_after_the_others_finished_is_no_stall(
+    tmp_path: Path,
+) -> None:
+    """Slots 0-2 finished; slot 3 (replica 0, say) still writes its final files after the
+    last step's vote, past the stall deadline: not killed (before the task waited for every
+    report, the first ended the judges). A finished member that enters a newer epoch
+    reports again from there before the task is done."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(4, 0.0)
+    c.step_started(3, 4, t, epoch=c.epoch)
+    for m in c.members:
+        c.step_computed(m, 4, t + 0.1, compute_s=0.1, microbatches=2)
+    for m in (0, 1, 2):
+        c.worker_done(m, {**_done(m), "steps": 5}, t + 0.2)
+    c.tick(t + 0.2 + 10 * c.stall_deadline())
+    assert k.actions(Kill) == [] and c.state is TaskState.RUNNING
+    c.worker_done(3, {**_done(3), "steps": 5}, t + 30.0)
+    assert c.state is TaskState.DONE
+
+    k = Cluster(tmp_path / "b")
+    c = k.c
+    for m in (0, 1):
+        c.worker_done(m, _done(m), 1.0)
+    c.worker_failed(3, verdict_for_kind("killed"), 1.1)  # epoch 2 of (0, 1, 2)
+    c.epoch_entered(0, c.epoch, 1.2)  # slot 0 serves it: its report of epoch 1 no longer counts
+    c.worker_done(2, {**_done(2), "epoch": c.epoch}, 1.5)
+    c.worker_done(1, {**_done(1), "epoch": c.epoch}, 1.5)
+    assert c.state is TaskState.RUNNING
+    c.worker_done(0, {**_done(0), "epoch": c.epoch}, 1.6)
+    assert c.state is TaskState.DONE
 
 
 def test_the_first_step_after_a_join_is_cold_for_every_member(tmp_path: Path) -> None:

@@ -287,3 +287,23 @@ def test_after_a_takeover_an_older_commit_keeps_a_rank_waiting_outside(tmp_path:
     assert c.book.slots.holders() == [0, 1, 2]
     _crash(c, 0, 9.5)
     assert c.book.state is not TaskState.FAILED, c.book.outcome
+
+
+def test_after_a_takeover_members_that_finished_report_again_from_a_new_epoch(
+    tmp_path: Path,
+) -> None:
+    """Trained, adopted at epoch 5 = (0, 1, 2): slots 0 and 1 reported done to the old
+    coordinator alone and wait for the task's end (their agents' census says they finished).
+    The new coordinator announces an epoch of the same members, where they report again:
+    before, nobody would have written the ``done`` key and they waited for ever."""
+    c = _adopted(tmp_path, 3, EpochInfo(5, (0, 1, 2), (0, 1, 2), urgent=False), trained=True)
+    for s in (0, 1):
+        c.exchange(s, [M.Census(ts=9.1, alive=(s,), done=(s,))], 9.1)
+    c.exchange(2, [M.Census(ts=9.1, alive=(2,))], 9.1)
+    assert c.epoch > 5 and c.members == (0, 1, 2)  # (one announced for each node's census)
+    for s in (0, 1, 2):
+        done = M.WorkerDone(slot=s, ts=9.5, steps=41, final_loss=1.0, params_sha256="ab",
+                            rank=s, epoch=c.epoch)  # fmt: skip
+        assert c.book.state is TaskState.RUNNING
+        c.exchange(s, [done], 9.5)
+    assert c.book.state is TaskState.DONE and c.finished()

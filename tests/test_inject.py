@@ -20,6 +20,7 @@ from unicron.runtime.inject import FaultPlan, parse, slowdown, stop_self
         "slow:rank=0,step=9,factor=2.5",
         "node:node=1,step=4",
         "crash:rank=5,step=7,members=8",
+        "crash:rank=0,step=5,phase=update",
     ],
 )
 def test_round_trip(spec: str) -> None:
@@ -40,6 +41,9 @@ def test_round_trip(spec: str) -> None:
         ("error:rank=1,step=1,kind=nope", "unknown kind 'nope'"),
         ("slow:rank=1,step=1,factor=0.5", "factor must be >= 1"),
         ("slow:rank=1,step=1,factor=fast", "factor must be a number"),
+        ("crash:rank=1,step=1,phase=vote", "phase must be one of compute, update"),
+        ("crash:rank=1,step=1,phase=update,mb=2", "mb is a point of the compute"),
+        ("hang:rank=1,step=1,phase=update", "unknown key 'phase' for hang"),
     ],
 )
 def test_errors_name_the_problem(spec: str, message: str) -> None:
@@ -88,6 +92,18 @@ def test_a_fault_plan_fires_each_fault_once_at_its_step_with_its_event() -> None
     assert plan.crash_point(3, 4) == 1 and plan.crash_point(4, 4) == -1
     plan.fire_due("crash", 3)
     assert plan.crash_point(3, 4) == -1  # fired: no longer due
+
+
+def test_a_crash_in_the_update_is_no_point_of_the_compute() -> None:
+    """``phase=update``: the worker fires it after the step's vote (:meth:`fire_in_update`),
+    never among its micro-batches, and a baseline's per-micro-batch hook never sees it."""
+    plan, events, acted = _plan("crash:rank=1,step=3,phase=update")
+    assert plan.crash_point(3, 4) == -1 and plan.due_after(3, 2, 4) == []
+    plan.fire_in_update(2)
+    assert acted == []
+    plan.fire_in_update(3)
+    plan.fire_in_update(3)
+    assert acted == [plan.faults[0].spec] and events[0][1]["step"] == 3
 
 
 def test_a_fault_with_members_waits_for_an_epoch_that_large() -> None:

@@ -102,6 +102,26 @@ def test_both_keepers_of_a_share_lost_fall_back_to_the_gathered_checkpoint(run: 
     assert len(_shards(faulty)) == 0  # one rank a replica: final.pt, no shards
 
 
+def test_a_member_lost_in_the_last_update_leaves_no_replica_stale(run: Any) -> None:
+    """DP=3: rank 0 dies in the last step's update, after sending the values it owns, while
+    the others' broadcasts go out. A member that missed some values does not finish with
+    them: it waits for the next epoch, where a member that finished serves them, and the run
+    ends with the unsharded fault-free bits (before: "replicas finished with different
+    parameters", every time)."""
+    steps = ("--steps", "6", "--out", "out")
+    clean = run("--nproc-per-node", "3", script=SCRIPT, script_args=steps)
+    faulty = run(
+        "--nproc-per-node", "3", "--zero", "1", "--checkpoint-every", "0",
+        "--inject", "crash:rank=0,step=5,phase=update", script=SCRIPT, script_args=steps,
+    )  # fmt: skip
+    for r in (clean, faulty):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.task_end["status"] == "ok" and r.task_end["steps"] == 6
+    assert faulty.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    assert [e["step"] for e in faulty.of("fault_injected")] == [5]
+    assert "checkpoint" not in _sources(faulty)
+
+
 def test_zero_with_pipeline_depth_choices_is_refused_in_one_line(run: Any) -> None:
     r = run(
         "--nproc-per-node", "4", "--pp", "2", "--zero", "1", "--pp-choices", "1",

@@ -432,6 +432,8 @@ class Census:
     ready: tuple[int, ...] = ()
     probing: tuple[int, ...] = ()
     starting: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
+    """slots whose worker reported the task's last step (it waits for the task's end)"""
 
 
 Report = (

@@ -30,7 +30,6 @@ import collections
 import dataclasses
 import datetime
 import functools
-import math
 import os
 import threading
 import time
@@ -71,10 +70,8 @@ from unicron.runtime.context import (
     default_collate,
     device_for,
     epoch_env,
-    save_atomic,
 )
 from unicron.runtime.data import Data, LedgerData, SamplerData
-from unicron.runtime.digest import params_sha256
 from unicron.runtime.gradients import Reducer
 from unicron.runtime.group import (
     CollectiveError,
@@ -489,8 +486,11 @@ class _Runner:
 
     # -- the loops --------------------------------------------------------------------------
     def attempts(self) -> Iterator[Step]:
-        """The steps to compute, epoch after epoch, until the task's last step committed
-        (:class:`Loop` hands this generator to the user's ``for`` loop)."""
+        """The steps to compute, epoch after epoch, until the task is over (:class:`Loop`
+        hands this generator to the user's ``for`` loop; the ``done`` key, written once every
+        member reported done: :func:`unicron.control.membership.worker_done`). A finished
+        worker stays: a newer epoch may need what it holds (values a member missed when its
+        last update's broadcast was cut, state for a joiner), and it reports again there."""
         # an epoch announced before this process was ready names its previous incarnation (a
         # restart): never join it, even if it is still the newest (a lone worker's restart)
         epoch, last_loss = self._steady(lambda: self.watch.latest()), float("nan")
@@ -498,18 +498,26 @@ class _Runner:
         # the state a joiner receives: the model and (AdamW-like) two moments per parameter
         self.link.send(M.Ready(slot=self.ctx.slot, ts=time.time(), microbatches=self.M,
                             state_bytes=3 * model_bytes))  # fmt: skip
-        while self.step < self.steps:
+        reported, whole = -1, False  # the epoch last reported done in; the state whole here
+        while True:
+            # not after an entry cut midway (a shard half moved), nor with an update's broadcast
+            # cut (Zero.stale): the next epoch brings the values
+            owed = self.zero is not None and bool(self.zero.stale)
+            if whole and self.step >= self.steps and not owed and reported != epoch:
+                self._finish(epoch, last_loss)
+                reported = epoch
             info = self._wait_for_epoch(after=epoch)
             if info is None:
-                return  # the task finished (or failed) without this worker
+                return  # the task is over (finished or failed), with or without this worker
             epoch = info.epoch
             try:
                 with store_calls():
                     g, todo = self._enter(info)
             except EpochOver as exc:
                 self._leave(exc, epoch)
+                whole = False
                 continue
-            first = True
+            first, whole = True, True
             while self.step < self.steps:
                 if not first:
                     if (over := self._newer_epoch(g)) is not None:
@@ -532,7 +540,6 @@ class _Runner:
                 if attempt.broken is not None:
                     self._leave(attempt.broken, epoch)
                     break
-        self._finish(epoch, last_loss)
 
     def _newer_epoch(self, g: EpochGroup) -> EpochOver | None:
         """At a step boundary: why the members leave ``g``'s epoch here (a newer one is
@@ -572,21 +579,10 @@ class _Runner:
                                in_band=True, step=self.step, epoch=epoch))  # fmt: skip
 
     def _finish(self, epoch: int, last_loss: float) -> None:
-        self.grads.stop()
-        if self.ckpt is not None:
-            self.ckpt.join()
-        group = self.groups[-1]
-        sha = params_sha256(self.model)
-        if group.rank < self.R and self.out is not None:  # replica 0: a file per shard
-            name = "final.pt" if self.R == 1 else f"final.shard{self.place}.pt"
-            save_atomic(self.model.state_dict(), self.out / name)
-        # final_loss: none when no step was computed here (a resume of a run that had finished)
-        self.link.send(M.WorkerDone(slot=self.ctx.slot, ts=time.time(), steps=self.step,
-                                    final_loss=None if math.isnan(last_loss) else last_loss,
-                                    params_sha256=sha, rank=group.rank, epoch=epoch,
-                                    shard=self.place))  # fmt: skip
+        """Report the task's last step done (:func:`unicron.runtime.boundary.finish`)."""
+        sha, rank = boundary.finish(self, epoch, last_loss)
         self.result = TrainResult(
-            steps=self.step, final_loss=last_loss, params_sha256=sha, rank=group.rank, epoch=epoch
+            steps=self.step, final_loss=last_loss, params_sha256=sha, rank=rank, epoch=epoch
         )
 
     def _wait_for_epoch(self, after: int) -> EpochInfo | None:
@@ -603,7 +599,7 @@ class _Runner:
             except StoreLost:
                 self._reconnect()
                 continue
-            time.sleep(self.ctx.slice_s / 5)
+            time.sleep(self.ctx.slice_s / (1 if self.result else 5))  # finished: less often
 
     def _store_gone(self) -> bool:
         try:
@@ -859,11 +855,13 @@ class _Runner:
             before_optimizer()
         self._stepping = True
         try:
+            fire = functools.partial(self.faults.fire_in_update, self.step)
             if self.zero is not None:
                 assert self.dp is not None
-                self.zero.step(self.dp)
+                self.zero.step(self.dp, sent=fire)
             else:
                 self.optimizer.step()
+                fire()
         finally:
             self._stepping = False
             self.grads.clear_grads()

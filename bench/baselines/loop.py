@@ -97,6 +97,8 @@ class FaultPlan:
             if (f.fault == "node" and node_leader and node is not None and f.node == node)
             or (f.fault != "node" and f.rank == rank)
         ]
+        if any(f.phase == "update" for f in mine):  # a point of Unicron's commit alone
+            raise SystemExit("--inject: a baseline has no phase=update point to crash at")
         plan = inject.FaultPlan(mine, emit=events.emit, rank=rank)
         out = cls(plan, Path(marker_dir), node, agent_pid)
         out.plan.act, out.plan.claim = out._act, out._claim

@@ -207,6 +207,7 @@ def census_of(workers: Mapping[int, Worker], probes: Probes) -> M.Census:
         ready=of[WorkerState.READY],
         probing=tuple(s for s in workers if s in probes),
         starting=of[WorkerState.STARTING],
+        done=of[WorkerState.DONE],
     )
 
 
@@ -336,8 +337,8 @@ class Agent:
         self._reports.append(report)
 
     def census(self) -> M.Census:
-        """Which of this node's workers live, start, or are ready in no epoch: sent when the
-        agent reconnects to a coordinator (one that restarted adopts the task from it)."""
+        """Which of this node's workers live, start, wait in no epoch or finished: sent when
+        the agent reconnects to a coordinator (one that restarted adopts the task from it)."""
         return census_of(self.workers, self._probes)
 
     def _act(self, now: float) -> None:
@@ -701,7 +702,8 @@ class Agent:
             return
         was = w.state
         w.exited()
-        if self._stop.is_set() or was is WorkerState.DONE or self.reply.finished:
+        normal = was is WorkerState.DONE and returncode == 0  # it left as the task ended
+        if self._stop.is_set() or self.reply.finished or normal:
             return
         if was is WorkerState.LEAVING:  # a planned move: nothing to heal
             self._report(M.WorkerLeft(slot=slot, ts=time.time()))

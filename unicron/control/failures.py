@@ -69,6 +69,9 @@ def worker_failed(b: TaskBook, slot: int, verdict: Verdict, now: float) -> None:
     b.forget(slot)
     if b.over():
         return
+    if membership.all_done(b):  # lost after every other member finished: nothing to heal
+        membership.conclude(b)
+        return
     b.last_error = verdict.reason
     kept = keeps_last_copies(b, slot)
     if s.excluded and not kept:
@@ -312,7 +315,8 @@ def census(
     waiting for it when it died, its epoch broken and none announced since) cannot train in
     the epoch the store still names: a new one is announced (found by the cluster soak: a
     tensor-parallel task whose coordinator died while it waited for a restarted rank waited
-    for the next store loss to go on).
+    for the next store loss to go on). So is one for a member whose worker finished (it told
+    the old coordinator alone, and waits for the task's end: it reports again from there).
 
     To a coordinator that never went away it says two things: a slot it started whose
     worker the agent does not have, and an excluded slot it asked to probe whose probe does
@@ -352,7 +356,8 @@ def census(
                 b.send(node, Kill(slot, verdict, leave=leave))
         return
     b.adopting.discard(node)
-    outside = []
+    outside: list[int] = []
+    finished: list[int] = []
     for slot, o in b.slots.items():
         if o.node != node:
             continue
@@ -367,10 +372,17 @@ def census(
             worker_failed(b, slot, classify_exit(-9), r.ts)
         elif alive and slot in r.ready and slot in b.members:
             outside.append(slot)
-    if outside and b.state is TaskState.RUNNING:
-        slots = ", ".join(map(str, outside))
-        membership.announce(b, b.members, urgent=True, now=r.ts,
-                            reason=f"slot(s) {slots} wait outside the adopted epoch")  # fmt: skip
+        elif alive and slot in r.done and slot in b.members:
+            finished.append(slot)
+    if (outside or finished) and b.state is TaskState.RUNNING:
+        # a member that finished before the takeover reported it to the old coordinator
+        # alone: it waits for the task's end, and reports again from a new epoch
+        what = []
+        if outside:
+            what.append(f"slot(s) {', '.join(map(str, outside))} wait outside the adopted epoch")
+        if finished:
+            what.append(f"slot(s) {', '.join(map(str, finished))} finished before the takeover")
+        membership.announce(b, b.members, urgent=True, now=r.ts, reason="; ".join(what))
 
 
 def agent_back(b: TaskBook, node: int, now: float) -> None:

@@ -81,6 +81,8 @@ def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
         return
     o.progress = Progress(epoch, Phase.JOIN, -1, now)
     o.entering_lay = b.epoch_layouts.get(epoch)
+    if o.done is not None and int(o.done.get("epoch", -1)) < epoch:
+        o.done = None  # a finished worker serves a newer epoch: it reports again from there
 
 
 def step_started(
@@ -440,7 +442,7 @@ def check_stalls(b: TaskBook, now: float) -> None:
     stopped mid-step before the takeover has no clock here (its partners said they wait to
     the old coordinator), and joining a new epoch is what it cannot do (found by the cluster
     soak: a stopped tensor-parallel rank went unnoticed for two minutes)."""
-    if b.state is not TaskState.RUNNING or not b.members:
+    if b.state is not TaskState.RUNNING or not b.members or _finishing(b):
         return
     deadline = stall_deadline(b)
     if b.adopted_at is not None and now - b.adopted_at > deadline + b.settings.heartbeat_timeout_s:
@@ -492,6 +494,17 @@ def check_stalls(b: TaskBook, now: float) -> None:
         p = b.slots.progress_of(m)
         if p is not None and p.epoch == b.epoch:
             b.slots[m].progress = Progress(p.epoch, p.phase, p.step, now)
+
+
+def _finishing(b: TaskBook) -> bool:
+    """Whether a member reported done in the current epoch: its peers are past the last
+    step's vote too, writing their final files (before, its report ended the task and the
+    judges with it; a slow final write must not be killed as a stall), or they left the
+    epoch for a newer one (an in-band error: that path heals it)."""
+    return any(
+        (p := b.slots.progress_of(m)) is not None and p.phase is Phase.DONE and p.epoch == b.epoch
+        for m in b.members
+    )
 
 
 __all__ = [

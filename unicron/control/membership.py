@@ -125,7 +125,11 @@ def committed_steps(b: TaskBook) -> int | None:
 
 
 def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> None:
-    """The worker in ``slot`` finished the last step (every member of the epoch will)."""
+    """The worker in ``slot`` finished the last step. The task is DONE (the ``done`` key
+    written, which ends the workers' waits) once every live member of the current epoch has
+    (:func:`all_done`): until then a finished worker stays, for a newer epoch may need what
+    it holds (a member whose last update's broadcast was cut by a loss, a joiner), and it
+    reports again from there."""
     if b.state is TaskState.FAILED:
         return
     o = b.slots[slot]
@@ -135,26 +139,44 @@ def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> N
         known.epoch if known else b.epoch, Phase.DONE, report.get("steps", -1), now
     )
     # every replica applied every update: they must agree bit for bit, place by place (a
-    # tensor-parallel replica's ranks hold different shards)
-    shas: dict[int, set[str]] = {}
+    # tensor-parallel replica's ranks hold different shards) of the layout they finished in
+    # (a report of a worker lost before a layout change holds the old layout's shards)
+    shas: dict[tuple[tuple[int, int], int], set[str]] = {}
     for x in b.slots.values():
         if x.done:
-            shas.setdefault(int(x.done.get("shard", 0)), set()).add(x.done["params_sha256"])
+            lay = b.epoch_layouts.get(int(x.done.get("epoch", -1)), b.layout)
+            key = (lay, int(x.done.get("shard", 0)))
+            shas.setdefault(key, set()).add(x.done["params_sha256"])
     if any(len(found) > 1 for found in shas.values()):
         differ = sorted(sha for found in shas.values() if len(found) > 1 for sha in found)
         fail(b, f"replicas finished with different parameters: {differ}", now)
         return
-    if b.state in (TaskState.RUNNING, TaskState.WAITING):
-        b.state = TaskState.DONE
-        b.effects.append(WriteStoreKey(done_key(b.task), "done"))
     if report.get("rank") == 0 or not b.outcome:
         b.outcome = Outcome(TaskState.DONE, "finished", report)
-    if b.size > 1 and len(shas) == b.size:
+    now_shas = {k: found for (lay, k), found in shas.items() if lay == b.layout}
+    if b.size > 1 and len(now_shas) == b.size:
         # the whole model's digest: its shards' digests in place order
-        per_shard = [next(iter(shas[k])) for k in range(b.size)]
+        per_shard = [next(iter(now_shas[k])) for k in range(b.size)]
         whole = hashlib.sha256(",".join(per_shard).encode()).hexdigest()
         result = {**b.outcome.result, "params_sha256": whole, "shards_sha256": per_shard}
         b.outcome = Outcome(TaskState.DONE, "finished", result)
+    if all_done(b):
+        conclude(b)
+
+
+def all_done(b: TaskBook) -> bool:
+    """Whether every live member of the current epoch has reported the task's last step
+    (in this epoch or an earlier one: a finished worker's state does not change), and one
+    at least lives."""
+    live = [b.slots[m] for m in b.members if b.slots[m].alive]
+    return bool(live) and all(o.done is not None for o in live)
+
+
+def conclude(b: TaskBook) -> None:
+    """The task is DONE: the ``done`` key tells the waiting workers (:func:`all_done` held)."""
+    if b.state in (TaskState.RUNNING, TaskState.WAITING):
+        b.state = TaskState.DONE
+        b.effects.append(WriteStoreKey(done_key(b.task), "done"))
 
 
 def finished(b: TaskBook) -> bool:
@@ -223,6 +245,8 @@ def worker_left(b: TaskBook, slot: int) -> None:
     if s.leaving:
         b.forget(slot)
         b.slots.remove(slot)
+    if b.active() and all_done(b):  # the others finished: it was the last to report
+        conclude(b)
 
 
 def stop_leavers(b: TaskBook) -> None:
@@ -355,7 +379,12 @@ def _shard_on_its_way(b: TaskBook, candidates: tuple[int, ...]) -> bool:
 def reform(b: TaskBook, now: float, reason: str) -> bool:
     """After members were lost: fail the task if it cannot go on, else announce an epoch of
     the survivors, or (below the task's minimum, where it is worth nothing) wait for
-    restarted or readmitted workers to bring it back. Returns False if the task failed."""
+    restarted or readmitted workers to bring it back; when every member left alive has
+    finished (:func:`all_done`), the task is DONE instead. Returns False if the task ended
+    (failed or DONE)."""
+    if b.active() and all_done(b):
+        conclude(b)  # a member lost after the others finished: nothing left to heal
+        return False
     # whole replicas only: the living ranks of a broken one wait outside the epoch
     usable = _usable(b)
     lay = layout(b, usable)

@@ -213,7 +213,7 @@ class Slot:
         """A worker is (being) started here (a restart, or a lost node's new agent) while the
         task is at ``epoch``."""
         self.to(_S.STARTING)
-        self.born = epoch
+        self.born, self.done = epoch, None  # (a new worker: it has reported nothing)
         self.killed_at = None
         self.state_lay, self.entering_lay = (0, 0), None
 

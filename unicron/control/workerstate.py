@@ -26,7 +26,7 @@ class WorkerState(enum.Enum):
     :meth:`Worker.to`, which refuses a move not drawn here::
 
         NEW --spawn--> STARTING --ready--> READY --entered--> MEMBER --done--> DONE
-                          |                  |                  |             |
+                          |                  |                  | <-entered-  |
                           +------------------+--leave-----------+--> LEAVING  |
                           |                  |                  |       |     |
                           +------------------+--exit------------+-------+-----+--> GONE
@@ -37,12 +37,16 @@ class WorkerState(enum.Enum):
                                                   epochs: it reports ready once per process)
         done:   MEMBER | READY -> DONE           (it reported the task's last step; READY: a
                                                   resumed run that had no step left)
-        leave:  STARTING | READY | MEMBER -> LEAVING   (killed: its slot goes to another task)
+        entered: DONE -> MEMBER                  (a finished worker stays until the task is
+                                                  over, and serves a newer epoch that needs
+                                                  what it holds)
+        leave:  STARTING | READY | MEMBER | DONE -> LEAVING   (killed: its slot goes to another
+                                                  task)
         exit:   STARTING | READY | MEMBER | DONE | LEAVING -> GONE   (it exited, was cut off,
                                                   or vanished with its node)
 
     A report that does not apply where the worker stands leaves it there (an ``entered`` read
-    after its ``leave``, a ``leave`` after it finished: its exit is then the normal end). A
+    after its ``leave``). A finished worker's exit 0 is the normal end, any other a failure. A
     process runs in every state but NEW and GONE (:attr:`Worker.alive`). A kill owed to a
     process whose pid is not known yet (:attr:`Worker.kill_pending`) is no state of its
     lifecycle: it is carried out as soon as the pid is.
@@ -64,7 +68,7 @@ _WORKER_NEXT: dict[WorkerState, frozenset[WorkerState]] = {
     _W.STARTING: frozenset({_W.READY, _W.LEAVING, _W.GONE}),
     _W.READY: frozenset({_W.STARTING, _W.MEMBER, _W.DONE, _W.LEAVING, _W.GONE}),
     _W.MEMBER: frozenset({_W.STARTING, _W.DONE, _W.LEAVING, _W.GONE}),
-    _W.DONE: frozenset({_W.STARTING, _W.GONE}),
+    _W.DONE: frozenset({_W.STARTING, _W.MEMBER, _W.LEAVING, _W.GONE}),
     _W.LEAVING: frozenset({_W.STARTING, _W.GONE}),
     _W.GONE: frozenset({_W.STARTING}),
 }
@@ -130,8 +134,8 @@ class Worker:
             self.to(_W.READY)
 
     def entered(self) -> None:
-        """It entered an epoch."""
-        if self.state is _W.READY:
+        """It entered an epoch (a finished one: a newer epoch that needs what it holds)."""
+        if self.state in (_W.READY, _W.DONE):
             self.to(_W.MEMBER)
 
     def done(self) -> None:
@@ -141,7 +145,7 @@ class Worker:
 
     def leave(self) -> None:
         """It is killed because its slot goes to another task."""
-        if self.state in (_W.STARTING, _W.READY, _W.MEMBER):
+        if self.state in (_W.STARTING, _W.READY, _W.MEMBER, _W.DONE):
             self.to(_W.LEAVING)
 
     def exited(self) -> None:

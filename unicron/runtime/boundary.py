@@ -1,4 +1,5 @@
-"""What a worker does at a step boundary after a commit: the persistent checkpoint.
+"""What a worker does at a step boundary after a commit: the persistent checkpoint; after
+the task's last step, the report that it is done (:func:`finish`).
 
 Called by the worker's commit (:meth:`unicron.worker._Runner.commit`) once the step is
 applied, on every member: replica 0 checkpoints the committed state when the interval says
@@ -11,17 +12,21 @@ the step is committed all the same, without a checkpoint, and the worker leaves 
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
+from unicron import messages as M
 from unicron.protocol import checkpoint_at_key
 from unicron.runtime import checkpoint as C
+from unicron.runtime.context import save_atomic
+from unicron.runtime.digest import params_sha256
 from unicron.runtime.group import EpochOver, StoreLost, store_calls
 
 if TYPE_CHECKING:
     from unicron.worker import _Runner
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "finish"]
 
 
 def checkpoint(r: _Runner, rank: int) -> EpochOver | None:
@@ -64,3 +69,25 @@ def _shares(r: _Runner, rank: int) -> EpochOver | None:
     finally:
         r.zero.drop()
     return None
+
+
+def finish(r: _Runner, epoch: int, last_loss: float) -> tuple[str, int]:
+    """The task's last step is committed and every value of it is here: replica 0 writes the
+    final files (a file per shard), and the worker reports done with its parameters' digest
+    (the coordinator compares the replicas'). Called by the worker's loop
+    (:meth:`unicron.worker._Runner.attempts`) in the epoch it finished in, and again in each
+    newer epoch it serves before the task is over. Returns (digest, rank in the epoch)."""
+    r.grads.stop()
+    if r.ckpt is not None:
+        r.ckpt.join()
+    group = r.groups[-1]
+    sha = params_sha256(r.model)
+    if group.rank < r.R and r.out is not None:
+        name = "final.pt" if r.R == 1 else f"final.shard{r.place}.pt"
+        save_atomic(r.model.state_dict(), r.out / name)
+    # final_loss: none when no step was computed here (a resume of a run that had finished)
+    r.link.send(M.WorkerDone(slot=r.ctx.slot, ts=time.time(), steps=r.step,
+                             final_loss=None if math.isnan(last_loss) else last_loss,
+                             params_sha256=sha, rank=group.rank, epoch=epoch,
+                             shard=r.place))  # fmt: skip
+    return sha, group.rank

@@ -2,6 +2,11 @@
 
 ``crash:rank=R,step=S[,mb=K]``   SIGKILL the worker of launch rank R during step S (after K of
                                  its micro-batches; default: half of them, i.e. mid-step)
+``crash:rank=R,step=S,phase=update``
+                                 SIGKILL it once step S is voted committed, while the update
+                                 is applied (under ``--zero 1``: after it sent the new values
+                                 it owns, while the others' still go out); a worker's own
+                                 point, which the benchmarks' baselines do not have
 ``hang:rank=R,step=S``           the worker stops making progress without exiting
 ``error:rank=R,step=S,kind=K``   the worker raises an error of classified kind K
 ``slow:rank=R,step=S,factor=F``  the worker's compute becomes F times slower from step S on
@@ -31,12 +36,16 @@ from unicron.errors import UsageError
 
 FAULTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     # fault -> (required keys, optional keys)
-    "crash": (frozenset({"rank", "step"}), frozenset({"mb", "members"})),
+    "crash": (frozenset({"rank", "step"}), frozenset({"mb", "phase", "members"})),
     "hang": (frozenset({"rank", "step"}), frozenset({"members"})),
     "error": (frozenset({"rank", "step", "kind"}), frozenset({"members"})),
     "slow": (frozenset({"rank", "step", "factor"}), frozenset({"members"})),
     "node": (frozenset({"node", "step"}), frozenset({"members"})),
 }
+
+
+PHASES = ("compute", "update")
+"""where in its step a ``crash`` fires: among its micro-batches (``mb``), or in the update"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +59,8 @@ class Fault:
     mb: int | None = None
     kind: str | None = None
     factor: float | None = None
+    phase: str | None = None
+    """a crash's point: ``update`` (after the step's vote), else ``compute`` (mid-step)"""
     members: int | None = None
     """fire only in an epoch of at least this many members, at the first step from
     :attr:`step` on that is in one (``None``: at :attr:`step`)"""
@@ -90,7 +101,13 @@ def parse(spec: str, known_kinds: frozenset[str] | None = None) -> Fault:
         raise UsageError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}")
     values: dict[str, Any] = {}
     for key, value in params.items():
-        if key == "kind":
+        if key == "phase":
+            if value not in PHASES:
+                raise UsageError(
+                    f"--inject {spec!r}: phase must be one of {', '.join(PHASES)}, got {value!r}"
+                )
+            values[key] = value
+        elif key == "kind":
             if known_kinds is not None and value not in known_kinds:
                 known = ", ".join(sorted(known_kinds))
                 raise UsageError(f"--inject {spec!r}: unknown kind {value!r} (known: {known})")
@@ -113,6 +130,8 @@ def parse(spec: str, known_kinds: frozenset[str] | None = None) -> Fault:
                 ) from None
             if values[key] < 0:
                 raise UsageError(f"--inject {spec!r}: {key} must be >= 0, got {value}")
+    if values.get("phase") == "update" and "mb" in values:
+        raise UsageError(f"--inject {spec!r}: mb is a point of the compute, not of the update")
     return Fault(fault=head, **values)
 
 
@@ -151,12 +170,13 @@ class FaultPlan:
 
     The worker (:mod:`unicron.worker`) asks at its step's points: ``node``, ``hang`` and
     ``error`` faults as a step begins (:meth:`fire_due`), a ``crash`` after
-    :meth:`crash_point` of its micro-batches, ``slow`` once the step is computed
-    (:meth:`slowdown`). The benchmarks' baselines (``bench/baselines/loop.py``) ask before
-    each micro-batch (:meth:`due_after`). ``act`` carries a fault out (default
-    :func:`stop_self`; the worker hands a node fault to its agent, a baseline kills its
-    node's processes); ``claim`` says whether a fault may fire now and marks it fired
-    (default: once in this process; a baseline's survives its restarts in a marker file).
+    :meth:`crash_point` of its micro-batches or in the update (:meth:`fire_in_update`),
+    ``slow`` once the step is computed (:meth:`slowdown`). The benchmarks' baselines
+    (``bench/baselines/loop.py``) ask before each micro-batch (:meth:`due_after`). ``act``
+    carries a fault out (default :func:`stop_self`; the worker hands a node fault to its
+    agent, a baseline kills its node's processes); ``claim`` says whether a fault may fire
+    now and marks it fired (default: once in this process; a baseline's survives its
+    restarts in a marker file).
     """
 
     faults: list[Fault]
@@ -176,8 +196,9 @@ class FaultPlan:
         return ok
 
     def due(self, kind: str, step: int) -> list[Fault]:
-        """The unfired faults of type ``kind`` at ``step``."""
-        return [f for f in self.due_at(step) if f.fault == kind]
+        """The unfired faults of type ``kind`` at ``step`` (a crash of its compute: not one
+        of its update, :meth:`fire_in_update`)."""
+        return [f for f in self.due_at(step) if f.fault == kind and f.phase != "update"]
 
     def due_at(self, step: int) -> list[Fault]:
         """The unfired faults of ``step``, of any type (one with ``members``: of any step
@@ -191,16 +212,25 @@ class FaultPlan:
 
     def crash_point(self, step: int, n: int) -> int:
         """After how many of its ``n`` micro-batches of ``step`` the process crashes: the
-        spec's ``mb``, else half of them; -1 if no crash is due."""
+        spec's ``mb``, else half of them; -1 if no crash is due in the compute."""
         for f in self.due("crash", step):
             return n // 2 if f.mb is None else f.mb
         return -1
+
+    def fire_in_update(self, step: int) -> None:
+        """Fire the crashes due in ``step``'s update (``phase=update``): the worker calls it
+        once the step is voted committed and its own part of the update is applied."""
+        for f in self.due_at(step):
+            if f.fault == "crash" and f.phase == "update":
+                self.fire(f, step)
 
     def due_after(self, step: int, done: int, total: int) -> list[Fault]:
         """The unfired faults of ``step`` due once ``done`` of the process's ``total``
         micro-batches are computed (a fault's ``mb``, else half; every type alike)."""
         return [
-            f for f in self.due_at(step) if done == min(total // 2 if f.mb is None else f.mb, total)
+            f
+            for f in self.due_at(step)
+            if f.phase != "update" and done == min(total // 2 if f.mb is None else f.mb, total)
         ]
 
     def fire(self, fault: Fault, step: int) -> None:

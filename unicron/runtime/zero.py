@@ -27,7 +27,7 @@ gets every share; the files are the unsharded format) and :meth:`Zero.drop` afte
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,12 +129,13 @@ class Zero:
         assert self.owners is not None
         return {self.names[i] for i in self.owners.held(self.rank)}
 
-    def step(self, dp: EpochGroup) -> None:
+    def step(self, dp: EpochGroup, sent: Callable[[], None] | None = None) -> None:
         """The optimizer step of a committed step, gradients reduced in every ``.grad``:
         update the parameters this member keeps, then every owner broadcasts the new values
         of its parameters over ``dp``. An ``EpochOver`` on the way leaves the parameters not
         received yet in :attr:`stale` (the step is committed: the holders of each value have
-        it) and is raised."""
+        it) and is raised. ``sent`` is called once this member's own broadcast is out (an
+        injected ``crash:...,phase=update`` fires there)."""
         assert self.owners is not None
         held = set(self.owners.held(self.rank))
         for i, p in enumerate(self.params):
@@ -145,6 +146,8 @@ class Zero:
         for k in range(dp.world):
             ids = [i for i, o in enumerate(self.owners.owner) if o == k]
             if not ids:
+                if k == self.rank and sent is not None:
+                    sent()  # nothing of its own to send
                 continue
             with torch.no_grad():
                 if k == self.rank:
@@ -154,6 +157,8 @@ class Zero:
                     flat = torch.empty(n, dtype=torch.uint8, device=self.params[ids[0]].device)
                 dp.broadcast(flat, k)
                 if k == self.rank:
+                    if sent is not None:
+                        sent()
                     continue
                 at = 0
                 for i in ids:
