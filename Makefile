@@ -87,7 +87,7 @@ test-fast: $(STAMP)
 
 # the end-to-end tests beside BURNERS (default 2) processes spinning on the CPU, RUNS times
 # (default 1): a slower machine than CI's, to find the races a test would lose there (a
-# stop's CI run is one try). ~6.5-12 min a run on 2 cores; each run's tail goes to
+# stop's CI run is one try). ~10-13 min a run on 2 cores; each run's tail goes to
 # $(LOADED_LOG) (one line per run: when, exit code, pytest's summary), a failed run's test
 # directories (event logs, worker logs and stack dumps) are kept under $(LOADED_LOG).tmpN,
 # and the target fails if any run did.
