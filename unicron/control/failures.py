@@ -69,8 +69,7 @@ def worker_failed(b: TaskBook, slot: int, verdict: Verdict, now: float) -> None:
     b.forget(slot)
     if b.over():
         return
-    if membership.all_done(b):  # lost after every other member finished: nothing to heal
-        membership.conclude(b)
+    if membership.conclude_if_done(b):  # lost after every other member finished
         return
     b.last_error = verdict.reason
     kept = keeps_last_copies(b, slot)

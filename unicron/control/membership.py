@@ -160,8 +160,7 @@ def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> N
         whole = hashlib.sha256(",".join(per_shard).encode()).hexdigest()
         result = {**b.outcome.result, "params_sha256": whole, "shards_sha256": per_shard}
         b.outcome = Outcome(TaskState.DONE, "finished", result)
-    if all_done(b):
-        conclude(b)
+    conclude_if_done(b)
 
 
 def all_done(b: TaskBook) -> bool:
@@ -172,11 +171,16 @@ def all_done(b: TaskBook) -> bool:
     return bool(live) and all(o.done is not None for o in live)
 
 
-def conclude(b: TaskBook) -> None:
-    """The task is DONE: the ``done`` key tells the waiting workers (:func:`all_done` held)."""
-    if b.state in (TaskState.RUNNING, TaskState.WAITING):
-        b.state = TaskState.DONE
-        b.effects.append(WriteStoreKey(done_key(b.task), "done"))
+def conclude_if_done(b: TaskBook) -> bool:
+    """An active task whose every live member has reported done (:func:`all_done`) is DONE:
+    the ``done`` key tells the waiting workers. Called after each report and after each loss
+    (a member lost or gone after all the others finished leaves nothing to heal). Returns
+    whether the task ended here."""
+    if not (b.active() and all_done(b)):
+        return False
+    b.state = TaskState.DONE
+    b.effects.append(WriteStoreKey(done_key(b.task), "done"))
+    return True
 
 
 def finished(b: TaskBook) -> bool:
@@ -245,8 +249,7 @@ def worker_left(b: TaskBook, slot: int) -> None:
     if s.leaving:
         b.forget(slot)
         b.slots.remove(slot)
-    if b.active() and all_done(b):  # the others finished: it was the last to report
-        conclude(b)
+    conclude_if_done(b)  # the others finished: it was the last to report
 
 
 def stop_leavers(b: TaskBook) -> None:
@@ -382,8 +385,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     restarted or readmitted workers to bring it back; when every member left alive has
     finished (:func:`all_done`), the task is DONE instead. Returns False if the task ended
     (failed or DONE)."""
-    if b.active() and all_done(b):
-        conclude(b)  # a member lost after the others finished: nothing left to heal
+    if conclude_if_done(b):  # a member lost after the others finished: nothing left to heal
         return False
     # whole replicas only: the living ranks of a broken one wait outside the epoch
     usable = _usable(b)
