@@ -3,7 +3,11 @@
 A result row is one figure of one system in one scenario, over the repetitions of one run::
 
     {"system", "scenario", "metric", "median", "min", "max", "repetitions", "unit", "machine",
-     "status", "note", "date"}
+     "status", "note", "date", "commit"}
+
+``commit`` names the code measured (:func:`code_version`: the checkout's commit, ``+dirty``
+when ``unicron/``, ``bench/`` or ``examples/`` differ from it); rows written before it existed
+have none, and the summary says so.
 
 A figure of one error kind (the ``error`` scenario) carries the kind in its metric name,
 ``detection_s[cuda]``, so that (system, scenario, metric) stays the row's key.
@@ -19,11 +23,13 @@ run of each mode (``quick``, ``full``) took, scenario by scenario, with its sett
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -108,6 +114,27 @@ def machine() -> str:
     )
 
 
+@functools.cache
+def code_version() -> str:
+    """The commit this checkout measures (``git rev-parse --short HEAD``), with ``+dirty``
+    when the measured code (``unicron/``, ``bench/``, ``examples/``) differs from it;
+    ``unknown`` outside a git checkout. Asked once per process: a benchmark's rows all name
+    the code it started with."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "unicron", "bench", "examples")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{commit}+dirty" if dirty else commit
+
+
 def now_iso() -> str:
     """The current UTC time, to the second."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -141,6 +168,7 @@ def make_row(
         "status": status,
         "note": note,
         "date": now_iso(),
+        "commit": code_version(),
     }
 
 
@@ -161,6 +189,8 @@ def check_row(row: Row) -> None:
         raise ValueError(f"row needs min <= median <= max: {row}")
     if not isinstance(row["repetitions"], int) or row["repetitions"] < 0:
         raise ValueError(f"row repetitions must be an int >= 0: {row}")
+    if "commit" in row and (not isinstance(row["commit"], str) or not row["commit"]):
+        raise ValueError(f"row commit must be a non-empty string: {row}")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -399,7 +429,9 @@ def summary_markdown(results_dir: Path = RESULTS_DIR) -> str:
             continue
         machines.update(str(r.get("machine", "")) for r in rows)
         dates = sorted(str(r["date"]) for r in rows if r.get("date"))
-        when = f"Measured {dates[0]} .. {dates[-1]}." if dates else "Undated rows."
+        when = f"Measured {dates[0]} .. {dates[-1]}" if dates else "Undated rows"
+        commits = sorted({str(r.get("commit") or "before commits were recorded") for r in rows})
+        when += f", on {', '.join(commits)}."
         lines += [f"## {path.stem}", "", when, ""]
         lines.append("| " + " | ".join(HEADER[1:]) + " |")
         lines.append("|" + "---|" * (len(HEADER) - 1))

@@ -107,7 +107,9 @@ def _unit(row: Row) -> str:
 
 
 def _when(row: Row) -> str:
-    return str(row.get("date") or "")[:16].replace("T", " ")  # to the minute, UTC
+    """When a row was measured (to the minute, UTC) and, where it names it, on which commit."""
+    when = str(row.get("date") or "")[:16].replace("T", " ")
+    return f"{when} ({row['commit']})" if row.get("commit") else when
 
 
 def _line(cells: Iterable[str]) -> str:

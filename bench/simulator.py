@@ -207,16 +207,16 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
 
 def complete(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows as ``python -m bench`` saves them (machine, status, note, date added) so
+    """The rows as ``python -m bench`` saves them (machine, status, note, date, commit added) so
     that ``bench/results/SUMMARY.md`` can be regenerated from the files."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.common import check_row, machine, now_iso
+    from bench.common import check_row, code_version, machine, now_iso
 
-    host, date = machine(), now_iso()
+    host, date, commit = machine(), now_iso(), code_version()
     out = []
     for r in rows:
         note = f"{r['scenario']}: {r['note']}" if r.get("note") else r["scenario"]
-        row = {"machine": host, "status": "ok", "date": date, **r, "note": note}
+        row = {"machine": host, "status": "ok", "date": date, "commit": commit, **r, "note": note}
         check_row(row)
         out.append(row)
     return out

@@ -27,6 +27,7 @@ from bench.common import (
     RESULTS_DIR,
     Row,
     check_row,
+    code_version,
     kind_metric,
     load_rows,
     machine,
@@ -526,6 +527,7 @@ def run_module(name: str, quick: bool, host: str) -> list[Row]:
         "note": "",
         "scenario": name,
         "date": now_iso(),
+        "commit": code_version(),
         "unit": "",
     }
     checked: list[Row] = []

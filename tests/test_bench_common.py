@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from bench.common import (
     ROW_KEYS,
     check_row,
+    code_version,
     load_rows,
     machine,
     make_row,
@@ -27,6 +29,21 @@ def test_make_row_has_the_schema() -> None:
     assert row["unit"] == "s" and row["status"] == "ok"
     assert "cores" in row["machine"] and "torch" in row["machine"]
     check_row(row)
+
+
+def test_a_row_names_the_commit_it_measured() -> None:
+    row = make_row(system="unicron", scenario="crash", metric="wall_s", values=[1.0])
+    head = subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert row["commit"] == code_version()
+    assert row["commit"].removesuffix("+dirty") == (head or "unknown")
+    with pytest.raises(ValueError, match="commit"):
+        check_row({**row, "commit": ""})
+    legacy = {k: v for k, v in row.items() if k != "commit"}
+    check_row(legacy)  # rows written before commits were recorded stay readable
 
 
 def test_failed_row_needs_no_figures() -> None:
@@ -83,6 +100,7 @@ def test_summary_is_generated_from_the_files(tmp_path: Path) -> None:
     assert "## crash" in text and "| unicron | recovery_s | 0.275 s |" in text
     assert "ImportError: x \\| y" in text  # pipes escaped inside the table
     assert "do not edit by hand" in text
+    assert f", on {code_version()}." in text  # which code the figures are of
 
 
 def test_save_with_replace_drops_rows_this_run_no_longer_makes(tmp_path: Path) -> None:
