@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -165,6 +166,7 @@ def run(quick: bool) -> list[dict]:
         size = f"{gpus}gpus_x{n_tasks}tasks" + ("" if unit == GPUS_PER_NODE else "_gpu_units")
         times: dict[str, list[float]] = {s: [] for s in systems}
         wafs: dict[str, list[float]] = {s: [] for s in systems}
+        load = os.getloadavg()[0]  # the solve times' context: a shared machine's other work
         for seed in seeds:
             tasks, units, d_run = instance(gpus, n_tasks, seed, unit)
             for system, fn in systems.items():
@@ -172,7 +174,8 @@ def run(quick: bool) -> list[dict]:
                 times[system] += _time_ms(partial(fn, tasks, units, d_run), reps)
                 wafs[system].append(total_waf(tasks, fn(tasks, units, d_run)) / 1e15)
         for system in systems:
-            note = f"target {target_ms:g} ms, unit {unit_name}" if system == "unicron-dp" else ""
+            note = f"target {target_ms:g} ms, " if system == "unicron-dp" else ""
+            note += f"unit {unit_name}; load average {load:.1f} at the start"
             rows.append(
                 make_row(
                     system=system,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,6 +198,10 @@ def test_headroom_rule_prefers_the_safer_layout_within_the_model_error() -> None
     # outside the model's error the fastest layout stays
     strict = best_config(m, 128, 32, H100, 8, PerfOptions(model_error=0.001))
     assert strict is not None and strict.memory_bytes_per_gpu == tight.memory_bytes_per_gpu
+    # docs/planner.md quotes this very note as the rule's example: a computed figure, checked
+    text = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
+    doc = " ".join(text.split())
+    assert f'*"{safe.note}"*' in doc
 
 
 def test_175b_does_not_fit_on_one_node_but_does_on_many() -> None:
