@@ -5,9 +5,9 @@ A result row is one figure of one system in one scenario, over the repetitions o
     {"system", "scenario", "metric", "median", "min", "max", "repetitions", "unit", "machine",
      "status", "note", "date", "commit"}
 
-``commit`` names the code measured (:func:`code_version`: the checkout's commit, ``+dirty``
-when ``unicron/``, ``bench/`` or ``examples/`` differ from it); rows written before it existed
-have none, and the summary says so.
+``commit`` names the code measured (:func:`code_version`: the last commit that changed the
+package, the benchmarks, the examples or the dependencies, ``+dirty`` when they differ from
+it); rows written before it existed have none, and the summary says so.
 
 A figure of one error kind (the ``error`` scenario) carries the kind in its metric name,
 ``detection_s[cuda]``, so that (system, scenario, metric) stays the row's key.
@@ -114,12 +114,18 @@ def machine() -> str:
     )
 
 
+CODE_PATHS = ("unicron", "bench", "examples", "pyproject.toml", ":(exclude)bench/results")
+"""What a benchmark measures, as git pathspecs: the package, the benchmarks, the examples and
+the dependencies; not the results, the docs or the tests."""
+
+
 @functools.cache
 def code_version() -> str:
-    """The commit this checkout measures (``git rev-parse --short HEAD``), with ``+dirty``
-    when the measured code (``unicron/``, ``bench/``, ``examples/``) differs from it;
-    ``unknown`` outside a git checkout. Asked once per process: a benchmark's rows all name
-    the code it started with."""
+    """The commit of the code this checkout measures: the last commit that changed
+    :data:`CODE_PATHS` (so a commit of results or docs alone leaves it as it was, and rows
+    measured before and after it name the same code), with ``+dirty`` when those paths
+    differ from it; ``unknown`` outside a git checkout. Asked once per process: a
+    benchmark's rows all name the code it started with."""
     root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
@@ -128,9 +134,11 @@ def code_version() -> str:
         ).stdout.strip()
 
     try:
-        commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--", "unicron", "bench", "examples")
+        commit = git("log", "-1", "--format=%h", "--", *CODE_PATHS)
+        dirty = git("status", "--porcelain", "--", *CODE_PATHS)
     except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if not commit:
         return "unknown"
     return f"{commit}+dirty" if dirty else commit
 

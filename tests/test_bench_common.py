@@ -33,13 +33,15 @@ def test_make_row_has_the_schema() -> None:
 
 def test_a_row_names_the_commit_it_measured() -> None:
     row = make_row(system="unicron", scenario="crash", metric="wall_s", values=[1.0])
-    head = subprocess.run(
-        ["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+    root = str(Path(__file__).resolve().parents[1])
+    last = subprocess.run(  # the last commit of the code, not of results or docs
+        ["git", "-C", root, "log", "-1", "--format=%h", "--", "unicron", "bench", "examples",
+         "pyproject.toml", ":(exclude)bench/results"],
         capture_output=True,
         text=True,
-    ).stdout.strip()
+    ).stdout.strip()  # fmt: skip
     assert row["commit"] == code_version()
-    assert row["commit"].removesuffix("+dirty") == (head or "unknown")
+    assert row["commit"].removesuffix("+dirty") == (last or "unknown")
     with pytest.raises(ValueError, match="commit"):
         check_row({**row, "commit": ""})
     legacy = {k: v for k, v in row.items() if k != "commit"}
