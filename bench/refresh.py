@@ -119,6 +119,16 @@ def commits(entry: Entry, results_dir: Path = RESULTS_DIR) -> tuple[set[str], li
     return found, sorted(d for d in dates if d)
 
 
+def failed(entry: Entry, results_dir: Path = RESULTS_DIR) -> int:
+    """How many of ``entry``'s rows say a system failed (a measurement of the code all the
+    same: running it again changes nothing until the machine or the code does)."""
+    return sum(
+        row.get("status") == "failed"
+        for stem in entry.files
+        for row in load_rows(results_dir / f"{stem}.json")
+    )
+
+
 def current(entry: Entry, code: str, results_dir: Path = RESULTS_DIR) -> bool:
     """Whether every file of ``entry`` exists and all its rows measured ``code``."""
     if any(not (results_dir / f"{stem}.json").exists() for stem in entry.files):
@@ -127,20 +137,21 @@ def current(entry: Entry, code: str, results_dir: Path = RESULTS_DIR) -> bool:
 
 
 def status(code: str, results_dir: Path = RESULTS_DIR) -> list[str]:
-    """One markdown line per entry: its files, the code its rows measured, when, and whether
-    that is ``code``."""
+    """One markdown line per entry: its files, the code its rows measured, when, how many
+    rows say a system failed, and whether every row measured ``code``."""
     lines = [
         f"Code of this checkout: {code}",
         "",
-        "| benchmark | files | measured on | when | on this code |",
-        "| --- | --- | --- | --- | --- |",
+        "| benchmark | files | measured on | when | failed rows | on this code |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for e in ENTRIES:
         found, dates = commits(e, results_dir)
         when = f"{dates[0][:10]} .. {dates[-1][:10]}" if dates else "never"
         lines.append(
             f"| {e.name} | {', '.join(e.files)} | {', '.join(sorted(found)) or '-'} | "
-            f"{when} | {'yes' if current(e, code, results_dir) else 'no'} |"
+            f"{when} | {failed(e, results_dir)} | "
+            f"{'yes' if current(e, code, results_dir) else 'no'} |"
         )
     return lines
 

@@ -57,8 +57,11 @@ def test_an_entry_is_current_only_when_every_row_of_every_file_measured_this_cod
     assert refresh.current(cluster, "abc", tmp_path)
     assert not refresh.current(cluster, "def", tmp_path)
     table = "\n".join(refresh.status("abc", tmp_path))
-    assert "| cluster | cluster-kill, cluster-load, cluster-node | abc |" in table
-    assert "| chaos | chaos | - | never | no |" in table
+    assert "| cluster | cluster-kill, cluster-load, cluster-node | abc | " in table
+    assert "| chaos | chaos | - | never | 0 | no |" in table
+    bad = make_row(system="torchft", scenario="cluster-kill", metric="trial", status="failed")
+    save_scenario([{**bad, "commit": "abc"}], "cluster-kill", tmp_path)
+    assert refresh.failed(cluster, tmp_path) == 1 and refresh.current(cluster, "abc", tmp_path)
 
 
 def test_a_refresh_refuses_code_that_is_not_committed(
