@@ -88,7 +88,8 @@ test-fast: $(STAMP)
 # the end-to-end tests beside BURNERS (default 2) processes spinning on the CPU, RUNS times
 # (default 1): a slower machine than CI's, to find the races a test would lose there (a
 # stop's CI run is one try). ~10-13 min a run on 2 cores; each run's tail goes to
-# $(LOADED_LOG) (one line per run: when, exit code, pytest's summary), a failed run's test
+# $(LOADED_LOG) (one line per run: when, exit code, the commit and the git tree of unicron/,
+# pytest's summary; runs of one product across sessions share the tree), a failed run's test
 # directories (event logs, worker logs and stack dumps) are kept under $(LOADED_LOG).tmpN,
 # and the target fails if any run did.
 BURNERS ?= 2
@@ -104,7 +105,8 @@ test-loaded: $(STAMP)
 		$(BIN)/pytest -q -p no:cacheprovider --basetemp=$(LOADED_LOG).tmp$$run $(LOADED_ARGS) \
 		  $(PYTEST_ARGS) > $(LOADED_LOG).run$$run 2>&1; \
 		rc=$$?; [ $$rc -eq 0 ] && rm -rf $(LOADED_LOG).tmp$$run || failed=$$((failed + 1)); \
-		echo "run $$run $$start rc=$$rc $$(git rev-parse --short HEAD) $$(tail -n 1 $(LOADED_LOG).run$$run)" \
+		echo "run $$run $$start rc=$$rc $$(git rev-parse --short HEAD)" \
+		  "unicron=$$(git rev-parse --short HEAD:unicron) $$(tail -n 1 $(LOADED_LOG).run$$run)" \
 		  | tee -a $(LOADED_LOG); \
 		grep '^FAILED' $(LOADED_LOG).run$$run | tee -a $(LOADED_LOG); \
 	done; echo "$(RUNS) run(s) beside $(BURNERS) burner(s): $$failed failed"; [ $$failed -eq 0 ]
