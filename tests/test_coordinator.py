@@ -28,7 +28,7 @@ from unicron.control.coordinator import (
 )
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog, read_events
-from unicron.control.health import LAST_COPY_HANG_OVERRUN
+from unicron.control.health import LAST_COPY_HANG_OVERRUN, finish_deadline
 from unicron.control.slots import KILL_UNDER_WAY_S, SlotTable
 from unicron.detect.busy import Sample
 from unicron.detect.classify import verdict_for_kind
@@ -403,6 +403,32 @@ def test_the_task_is_done_once_every_live_member_reported(tmp_path: Path) -> Non
     assert k.actions(Spawn) == [] and [e["action"] for e in k.events("action")] == []
 
 
+def test_a_writer_lost_before_its_report_is_replaced_in_a_new_epoch(tmp_path: Path) -> None:
+    """W3: replica 0 (rank 0 here) writes the final files before it reports; lost after the
+    others finished, it wrote none, and the others' reports used to end the task without
+    them. The task forms a new epoch of the live members instead, and is DONE once one of
+    them reports there as rank 0 (it wrote the file)."""
+    k = Cluster(tmp_path)
+    c = k.c
+    for m in (1, 2, 3):
+        c.worker_done(m, _done(m), 1.0)
+    c.worker_failed(0, verdict_for_kind("killed"), 1.1)
+    assert c.state is TaskState.RUNNING and not c.store.check([done_key("t")])
+    assert c.epoch == 2 and c.members == (1, 2, 3)
+    c.worker_done(2, {**_done(1), "epoch": 2}, 1.5)  # rank 1 of epoch 2: no file
+    assert c.state is TaskState.RUNNING
+    c.worker_done(1, {**_done(0), "epoch": 2}, 1.6)  # rank 0 of epoch 2: final.pt written
+    assert c.state is TaskState.DONE and c.store.check([done_key("t")])
+    # a writer that reported before it was lost wrote its file: nothing to form again
+    k = Cluster(tmp_path / "b")
+    c = k.c
+    for m in (0, 1, 2):
+        c.worker_done(m, _done(m), 1.0)
+    c.worker_failed(0, verdict_for_kind("killed"), 1.05)  # restarted: its report is gone
+    c.worker_failed(3, verdict_for_kind("killed"), 1.1)
+    assert c.state is TaskState.DONE and c.finished()
+
+
 def test_a_member_that_left_after_the_end_does_not_keep_the_task_open(tmp_path: Path) -> None:
     """A restarted worker announced in a last epoch as the others finished: the task waits
     for its report (the finished ones serve it the state there), and one that leaves
@@ -704,6 +730,32 @@ def test_a_member_writing_its_final_files_after_the_others_finished_is_no_stall(
     assert c.state is TaskState.RUNNING
     c.worker_done(0, {**_done(0), "epoch": c.epoch}, 1.6)
     assert c.state is TaskState.DONE
+
+
+def test_a_member_hung_after_the_last_commit_is_killed_at_the_finish_bound(
+    tmp_path: Path,
+) -> None:
+    """Slots 0-2 finished; slot 3 never reports (a final write that never returns, a script
+    stuck past its loop): killed once the finish bound has passed since the first report,
+    and its loss ends the task (before, the task never ended). Slot 3 is replica 0 of no
+    place here (slot 0 wrote the file), so nothing needs another epoch."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(4, 0.0)
+    for m in c.members:
+        c.step_started(m, 4, t, epoch=c.epoch)
+        c.step_computed(m, 4, t + 0.1, compute_s=0.1, microbatches=2)
+    for m in (0, 1, 2):
+        c.worker_done(m, {**_done(m), "steps": 5}, t + 0.2)
+    bound = finish_deadline(c.book)
+    assert bound > 10 * c.stall_deadline()  # a slow final write is no stall
+    c.tick(t + 0.2 + bound - 1.0)
+    assert k.actions(Kill) == [] and c.state is TaskState.RUNNING
+    c.tick(t + 0.2 + bound + 1.0)
+    assert [a.slot for a in k.actions(Kill)] == [3]
+    assert "no done report" in k.events("error_detected")[-1]["reason"]
+    c.worker_failed(3, verdict_for_kind("killed"), t + bound + 2.0)
+    assert c.state is TaskState.DONE and c.finished()
 
 
 def test_the_first_step_after_a_join_is_cold_for_every_member(tmp_path: Path) -> None:

@@ -69,6 +69,50 @@ def test_crashes_leave_the_final_parameters_bitwise_identical(
     assert drift > 1e-4, drift
 
 
+def test_the_final_files_are_written_when_their_writer_is_lost_in_the_last_update(
+    run: Any, fault_free_4x24: RunResult
+) -> None:
+    """W3: replica 0 writes the final files before it reports done; killed in the last step's
+    update (its optimizer step done, the others finishing), it wrote none, and the task used
+    to end ``ok`` on the others' reports with no ``final.pt``. The others now finish again in
+    a new epoch, one of them as replica 0, and write it: the fault-free run's bits."""
+    clean = fault_free_4x24
+    last = f"crash:rank=0,step={STEPS - 1},phase=update"
+    faulty = run("--nproc-per-node", "4", "--checkpoint-every", "0", "--inject", last,
+                 steps=STEPS)  # fmt: skip
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    assert faulty.task_end["status"] == "ok" and faulty.task_end["steps"] == STEPS
+    assert [e["step"] for e in faulty.of("fault_injected")] == [STEPS - 1]
+    assert faulty.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    assert torch.equal(_params(faulty.out), _params(clean.out))
+    assert sorted(e["step"] for e in faulty.of("step_end")) == list(range(STEPS))
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_writer_hung_after_the_end_is_killed_and_the_task_ends_with_its_files(
+    run: Any,
+) -> None:
+    """A worker hung after the last commit (``hang:...,phase=update`` of the last step:
+    stopped in its update) used to keep the task open for ever: the stall judge rests once a
+    member reported done. It is killed at the finish bound (``stall_cold_s``, 120 s, past
+    its peer's report), and as it was replica 0 with no file written, its peer finishes
+    again in a new epoch and writes ``final.pt``: the fault-free run's bits. Long: the
+    bound is two minutes."""
+    steps = 6
+    clean = run("--nproc-per-node", "2", steps=steps)
+    last = f"hang:rank=0,step={steps - 1},phase=update"
+    hung = run("--nproc-per-node", "2", "--checkpoint-every", "0", "--inject", last,
+               steps=steps, timeout=600.0)  # fmt: skip
+    for r in (clean, hung):
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.task_end["status"] == "ok" and r.task_end["steps"] == steps
+    assert torch.equal(_params(hung.out), _params(clean.out))
+    assert hung.task_end["params_sha256"] == clean.task_end["params_sha256"]
+    late = [e for e in hung.of("error_detected") if "no done report" in e.get("reason", "")]
+    assert [e["slot"] for e in late] == [0], hung.of("error_detected")
+
+
 @pytest.mark.long
 def test_adversarial_gradients_stay_bitwise_identical_through_a_regrouping(run: Any) -> None:
     # each micro-batch's loss is scaled by 2^k, k in -40..40: gradients of one step span 2^80,

@@ -21,6 +21,7 @@ from unicron.runtime.inject import FaultPlan, parse, slowdown, stop_self
         "node:node=1,step=4",
         "crash:rank=5,step=7,members=8",
         "crash:rank=0,step=5,phase=update",
+        "hang:rank=1,step=5,phase=update",
     ],
 )
 def test_round_trip(spec: str) -> None:
@@ -43,7 +44,7 @@ def test_round_trip(spec: str) -> None:
         ("slow:rank=1,step=1,factor=fast", "factor must be a number"),
         ("crash:rank=1,step=1,phase=vote", "phase must be one of compute, update"),
         ("crash:rank=1,step=1,phase=update,mb=2", "mb is a point of the compute"),
-        ("hang:rank=1,step=1,phase=update", "unknown key 'phase' for hang"),
+        ("slow:rank=1,step=1,factor=2,phase=update", "unknown key 'phase' for slow"),
     ],
 )
 def test_errors_name_the_problem(spec: str, message: str) -> None:
@@ -104,6 +105,16 @@ def test_a_crash_in_the_update_is_no_point_of_the_compute() -> None:
     plan.fire_in_update(3)
     plan.fire_in_update(3)
     assert acted == [plan.faults[0].spec] and events[0][1]["step"] == 3
+
+
+def test_a_hang_in_the_update_fires_after_the_vote_only() -> None:
+    """``hang:...,phase=update``: not as the step begins (:meth:`fire_due`) but in its
+    update (of the last step: a worker hung after the task's end)."""
+    plan, events, acted = _plan("hang:rank=1,step=3,phase=update")
+    plan.fire_due("hang", 3)
+    assert acted == [] and plan.due_after(3, 2, 4) == []
+    plan.fire_in_update(3)
+    assert acted == [plan.faults[0].spec] and events[0][1]["fault"] == "hang"
 
 
 def test_a_fault_with_members_waits_for_an_epoch_that_large() -> None:

@@ -192,6 +192,8 @@ class TaskBook:
         self.epoch_layouts: dict[int, tuple[int, int]] = {}  # each epoch's, as announced
         self.epoch_members: dict[int, tuple[int, ...]] = {}  # each epoch's, as announced
         self.outcome: Outcome | None = None
+        # (layout, place) of the final files written: replica 0's done reports (membership.py)
+        self.final_written: set[tuple[tuple[int, int], int]] = set()
         self.control_errors = 0  # reports the coordinator failed to apply (failures.py)
         self.started_at: float | None = None
         self.waiting_since: float | None = None

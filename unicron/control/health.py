@@ -403,12 +403,13 @@ def vouchers(b: TaskBook, slot: int) -> list[int]:
 
 
 # -- stalls outside a step -----------------------------------------------------------------
-def stall_deadline(b: TaskBook) -> float:
+def stall_deadline(b: TaskBook, *, cold: bool = False) -> float:
     """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`):
-    an adopted task is warm at once (its logged pace), not cold for ``stall_cold_s``."""
+    an adopted task is warm at once (its logged pace), not cold for ``stall_cold_s``;
+    ``cold``: as in a first epoch, whatever the pace (:func:`finish_deadline`)."""
     s = b.settings
     pace = b.monitor.pace_s() if b.monitor is not None else None
-    pace = b.logged_pace_s if pace is None else pace
+    pace = None if cold else b.logged_pace_s if pace is None else pace
     return stall_deadline_s(
         pace_s=pace,
         state_bytes=b.state_bytes,
@@ -442,7 +443,10 @@ def check_stalls(b: TaskBook, now: float) -> None:
     stopped mid-step before the takeover has no clock here (its partners said they wait to
     the old coordinator), and joining a new epoch is what it cannot do (found by the cluster
     soak: a stopped tensor-parallel rank went unnoticed for two minutes)."""
-    if b.state is not TaskState.RUNNING or not b.members or _finishing(b):
+    if b.state is not TaskState.RUNNING or not b.members:
+        return
+    if _finishing(b):
+        _check_finish(b, now)
         return
     deadline = stall_deadline(b)
     if b.adopted_at is not None and now - b.adopted_at > deadline + b.settings.heartbeat_timeout_s:
@@ -496,15 +500,59 @@ def check_stalls(b: TaskBook, now: float) -> None:
             b.slots[m].progress = Progress(p.epoch, p.phase, p.step, now)
 
 
+def finish_deadline(b: TaskBook) -> float:
+    """How long after the first member's done report of an epoch its peers may take to report
+    theirs: a first epoch's stall allowance (``stall_cold_s``) and the state's move at the
+    conservative rate, as a write of it takes (replica 0 writes the final files; a worker
+    first waits for its background checkpoint write)."""
+    return stall_deadline(b, cold=True)
+
+
+def _check_finish(b: TaskBook, now: float) -> None:
+    """The last step is committed and a member reported done in the current epoch: the
+    others write their final files and report too. A live member that has not within
+    :func:`finish_deadline` of the first report is hung after the end (a final write that
+    never returns, a script stuck past its loop): it is killed, and its loss ends the task
+    (:func:`unicron.control.membership.conclude_if_done`) or, where it was to write a final
+    file, forms an epoch whose replica 0 writes it. Before, such a task never ended. The
+    last live copy of (part of) the state is given as many deadlines as in a stall."""
+    known = b.known_until(now)
+    done = _done_in_epoch(b)
+    waited = min(known[m] for m in b.members) - min(done.values())
+    deadline = finish_deadline(b)
+    if waited <= deadline or b.slots.kills_under_way(now):
+        return
+    late = [m for m in b.members if m not in done and b.slots[m].alive]
+    for slot in late:
+        if not b.state_survives(slot) and waited < LAST_COPY_HANG_OVERRUN * deadline:
+            continue
+        verdict = classify_detector("stall")
+        reason = (
+            f"slot {slot}: no done report {waited:.0f} s after its first peer's (the last "
+            f"step committed; bound {deadline:.0f} s)"
+        )
+        p = b.slots[slot].progress
+        b.detected(slot, p.step if p else None, verdict, now, "stall", reason=reason)
+        b.kill(slot, verdict, now)
+
+
+def _done_in_epoch(b: TaskBook) -> dict[int, float]:
+    """The members that reported done in the current epoch, and when."""
+    out: dict[int, float] = {}
+    for m in b.members:
+        p = b.slots.progress_of(m)
+        if p is not None and p.phase is Phase.DONE and p.epoch == b.epoch:
+            out[m] = p.since
+    return out
+
+
 def _finishing(b: TaskBook) -> bool:
     """Whether a member reported done in the current epoch: its peers are past the last
     step's vote too, writing their final files (before, its report ended the task and the
-    judges with it; a slow final write must not be killed as a stall), or they left the
-    epoch for a newer one (an in-band error: that path heals it)."""
-    return any(
-        (p := b.slots.progress_of(m)) is not None and p.phase is Phase.DONE and p.epoch == b.epoch
-        for m in b.members
-    )
+    judges with it; a slow final write must not be killed as a stall: :func:`_check_finish`
+    bounds it), or they left the epoch for a newer one (an in-band error: that path heals
+    it)."""
+    return bool(_done_in_epoch(b))
 
 
 __all__ = [

@@ -134,6 +134,9 @@ def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> N
         return
     o = b.slots[slot]
     o.done = report
+    lay = b.epoch_layouts.get(int(report.get("epoch", -1)), b.layout)
+    if int(report.get("rank", b.size_at(lay))) < b.size_at(lay):  # replica 0: it wrote its file
+        b.final_written.add((lay, int(report.get("shard", 0))))
     known = o.progress
     o.progress = Progress(
         known.epoch if known else b.epoch, Phase.DONE, report.get("steps", -1), now
@@ -171,12 +174,25 @@ def all_done(b: TaskBook) -> bool:
     return bool(live) and all(o.done is not None for o in live)
 
 
+def final_files_written(b: TaskBook) -> bool:
+    """Whether every place of replica 0 at the current layout has reported done: its ranks
+    write the final files (a file per shard, :func:`unicron.runtime.boundary.finish`) before
+    they report, so a report from rank ``< size`` in an epoch of this layout is its place's
+    file (:attr:`TaskBook.final_written`, kept by :func:`worker_done`: the reporter may have
+    died or been restarted since). A writer lost before its report leaves its place
+    unwritten: the task must form a new epoch, whose replica 0 is of live members (finished
+    workers enter it and finish again there). Found: a DP=2 run whose rank 0 was killed in
+    the last step's update ended ``ok`` with no ``final.pt``."""
+    return all((b.layout, place) in b.final_written for place in range(b.size))
+
+
 def conclude_if_done(b: TaskBook) -> bool:
-    """An active task whose every live member has reported done (:func:`all_done`) is DONE:
-    the ``done`` key tells the waiting workers. Called after each report and after each loss
-    (a member lost or gone after all the others finished leaves nothing to heal). Returns
-    whether the task ended here."""
-    if not (b.active() and all_done(b)):
+    """An active task whose every live member has reported done (:func:`all_done`), with its
+    final files written (:func:`final_files_written`), is DONE: the ``done`` key tells the
+    waiting workers. Called after each report and after each loss (a member lost or gone
+    after all the others finished leaves nothing to heal, unless it was to write a final
+    file: then the caller goes on to a new epoch). Returns whether the task ended here."""
+    if not (b.active() and all_done(b) and final_files_written(b)):
         return False
     b.state = TaskState.DONE
     b.effects.append(WriteStoreKey(done_key(b.task), "done"))

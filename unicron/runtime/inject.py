@@ -8,6 +8,9 @@
                                  it owns, while the others' still go out); a worker's own
                                  point, which the benchmarks' baselines do not have
 ``hang:rank=R,step=S``           the worker stops making progress without exiting
+``hang:rank=R,step=S,phase=update``
+                                 it stops in the update of step S, once voted committed (of
+                                 the last step: a worker hung after the task's end)
 ``error:rank=R,step=S,kind=K``   the worker raises an error of classified kind K
 ``slow:rank=R,step=S,factor=F``  the worker's compute becomes F times slower from step S on
                                  (until that process ends: a restarted worker is not slow)
@@ -37,7 +40,7 @@ from unicron.errors import UsageError
 FAULTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     # fault -> (required keys, optional keys)
     "crash": (frozenset({"rank", "step"}), frozenset({"mb", "phase", "members"})),
-    "hang": (frozenset({"rank", "step"}), frozenset({"members"})),
+    "hang": (frozenset({"rank", "step"}), frozenset({"phase", "members"})),
     "error": (frozenset({"rank", "step", "kind"}), frozenset({"members"})),
     "slow": (frozenset({"rank", "step", "factor"}), frozenset({"members"})),
     "node": (frozenset({"node", "step"}), frozenset({"members"})),
@@ -45,7 +48,8 @@ FAULTS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 
 
 PHASES = ("compute", "update")
-"""where in its step a ``crash`` fires: among its micro-batches (``mb``), or in the update"""
+"""where in its step a ``crash`` or a ``hang`` fires: in its compute (a crash among its
+micro-batches, ``mb``; a hang as the step begins), or in the update"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,10 +222,10 @@ class FaultPlan:
         return -1
 
     def fire_in_update(self, step: int) -> None:
-        """Fire the crashes due in ``step``'s update (``phase=update``): the worker calls it
-        once the step is voted committed and its own part of the update is applied."""
+        """Fire the crashes and hangs due in ``step``'s update (``phase=update``): the worker
+        calls it once the step is voted committed and its own part of the update is applied."""
         for f in self.due_at(step):
-            if f.fault == "crash" and f.phase == "update":
+            if f.fault in ("crash", "hang") and f.phase == "update":
                 self.fire(f, step)
 
     def due_after(self, step: int, done: int, total: int) -> list[Fault]:
