@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from unicron import messages as M
+from unicron.control import failures
 from unicron.control.coordinator import (
     FAST_EXCHANGE_S,
     Coordinator,
@@ -438,7 +439,7 @@ def test_a_member_that_left_after_the_end_does_not_keep_the_task_open(tmp_path: 
     c.worker_failed(3, verdict_for_kind("killed"), 1.0)
     c.worker_ready(3, 1.5)  # epoch 3 includes it
     for m in (0, 1, 2):
-        c.worker_done(m, {"params_sha256": "aa", "rank": m, "steps": 3}, 2.0)
+        c.worker_done(m, {"params_sha256": "aa", "rank": m, "steps": 3, "epoch": c.epoch}, 2.0)
     assert c.state is TaskState.RUNNING and not c.finished()
     c.worker_left(3)
     assert c.state is TaskState.DONE and c.finished()
@@ -755,6 +756,42 @@ def test_a_member_hung_after_the_last_commit_is_killed_at_the_finish_bound(
     assert [a.slot for a in k.actions(Kill)] == [3]
     assert "no done report" in k.events("error_detected")[-1]["reason"]
     c.worker_failed(3, verdict_for_kind("killed"), t + bound + 2.0)
+    assert c.state is TaskState.DONE and c.finished()
+
+    # the writer of the final files (slot 0, replica 0) may be writing a large state to
+    # slow storage: given as many bounds as a last copy, then killed, and as it wrote no
+    # file its peers finish again in a new epoch (one of them replica 0 there)
+    k = Cluster(tmp_path / "b")
+    c = k.c
+    t = k.steps(4, 0.0)
+    for m in (1, 2, 3):
+        c.worker_done(m, {**_done(m), "steps": 5}, t)
+    bound = finish_deadline(c.book)
+    c.tick(t + 2 * bound)
+    assert k.actions(Kill) == []
+    c.tick(t + LAST_COPY_HANG_OVERRUN * bound + 1.0)
+    assert [a.slot for a in k.actions(Kill)] == [0]
+    c.worker_failed(0, verdict_for_kind("killed"), t + LAST_COPY_HANG_OVERRUN * bound + 2.0)
+    assert c.state is TaskState.RUNNING and c.members == (1, 2, 3)
+    c.worker_done(1, {**_done(0), "steps": 5, "epoch": c.epoch}, t + 800.0)
+    assert c.state is TaskState.DONE
+
+
+def test_a_finished_task_whose_writer_is_lost_ends_below_its_minimum(tmp_path: Path) -> None:
+    """Found in review: slots 1-3 finished, node 0 lost with the writer of the final files
+    (slot 0) before its report. The others finish again in an epoch of their own, below
+    --min-workers (no step is left to train): the task used to fail ("fewer than the
+    minimum") or wait for capacity."""
+    k = Cluster(tmp_path, nodes=2, per_node=2, min_workers=4)
+    c = k.c
+    t = k.steps(3, 0.0)
+    for m in (1, 2, 3):
+        c.worker_done(m, {**_done(m), "steps": 3}, t)
+    with c._deciding():  # its heartbeats stopped 5 s ago
+        failures.node_lost(c.book, 0, 5.0, t + 4.0, suspect_confirmed=False)
+    assert c.state is TaskState.RUNNING and c.members == (2, 3), (c.state, c.outcome)
+    c.worker_done(2, {**_done(0), "steps": 3, "epoch": c.epoch}, t + 5.0)
+    c.worker_done(3, {**_done(1), "steps": 3, "epoch": c.epoch}, t + 5.0)
     assert c.state is TaskState.DONE and c.finished()
 
 

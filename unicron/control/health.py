@@ -42,6 +42,9 @@ LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
 with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
 checkpoint reload), once it has lasted this many times its allowance"""
+FINISH_WRITES = 3
+"""State writes a member may make between the last commit and its done report: the background
+checkpoint it waits for, the one that write waited for, and (replica 0) the final files"""
 LAST_COPY_HANG_OVERRUN = 6.0
 """... and the last live copy of the task's state, with no checkpoint, whose CPU time gives
 no verdict (:func:`check_suspect`): killing it fails the task. A stall of such a member
@@ -403,13 +406,12 @@ def vouchers(b: TaskBook, slot: int) -> list[int]:
 
 
 # -- stalls outside a step -----------------------------------------------------------------
-def stall_deadline(b: TaskBook, *, cold: bool = False) -> float:
+def stall_deadline(b: TaskBook) -> float:
     """How long a member may wait on its peers outside a step (:mod:`unicron.detect.stall`):
-    an adopted task is warm at once (its logged pace), not cold for ``stall_cold_s``;
-    ``cold``: as in a first epoch, whatever the pace (:func:`finish_deadline`)."""
+    an adopted task is warm at once (its logged pace), not cold for ``stall_cold_s``."""
     s = b.settings
     pace = b.monitor.pace_s() if b.monitor is not None else None
-    pace = None if cold else b.logged_pace_s if pace is None else pace
+    pace = b.logged_pace_s if pace is None else pace
     return stall_deadline_s(
         pace_s=pace,
         state_bytes=b.state_bytes,
@@ -502,10 +504,11 @@ def check_stalls(b: TaskBook, now: float) -> None:
 
 def finish_deadline(b: TaskBook) -> float:
     """How long after the first member's done report of an epoch its peers may take to report
-    theirs: a first epoch's stall allowance (``stall_cold_s``) and the state's move at the
-    conservative rate, as a write of it takes (replica 0 writes the final files; a worker
-    first waits for its background checkpoint write)."""
-    return stall_deadline(b, cold=True)
+    theirs: a first epoch's stall allowance (``stall_cold_s``) and :data:`FINISH_WRITES`
+    writes of the state at the conservative rate. A writer of the final files (replica 0)
+    is given :data:`LAST_COPY_HANG_OVERRUN` times as long (:func:`_check_finish`)."""
+    s = b.settings
+    return s.stall_cold_s + FINISH_WRITES * b.state_bytes / s.stall_transfer_bytes_per_s
 
 
 def _check_finish(b: TaskBook, now: float) -> None:
@@ -514,8 +517,10 @@ def _check_finish(b: TaskBook, now: float) -> None:
     :func:`finish_deadline` of the first report is hung after the end (a final write that
     never returns, a script stuck past its loop): it is killed, and its loss ends the task
     (:func:`unicron.control.membership.conclude_if_done`) or, where it was to write a final
-    file, forms an epoch whose replica 0 writes it. Before, such a task never ended. The
-    last live copy of (part of) the state is given as many deadlines as in a stall."""
+    file, forms an epoch whose replica 0 writes it. Before, such a task never ended. A
+    writer of the final files (it may be writing a large state to slow storage: found in
+    review) and the last live copy of (part of) the state are given as many deadlines as a
+    last copy in a stall."""
     known = b.known_until(now)
     done = _done_in_epoch(b)
     waited = min(known[m] for m in b.members) - min(done.values())
@@ -523,8 +528,10 @@ def _check_finish(b: TaskBook, now: float) -> None:
     if waited <= deadline or b.slots.kills_under_way(now):
         return
     late = [m for m in b.members if m not in done and b.slots[m].alive]
+    writers = set(b.members[: b.size])  # replica 0: epoch ranks below its size
     for slot in late:
-        if not b.state_survives(slot) and waited < LAST_COPY_HANG_OVERRUN * deadline:
+        held = slot in writers or not b.state_survives(slot)
+        if held and waited < LAST_COPY_HANG_OVERRUN * deadline:
             continue
         verdict = classify_detector("stall")
         reason = (

@@ -134,9 +134,9 @@ def worker_done(b: TaskBook, slot: int, report: dict[str, Any], now: float) -> N
         return
     o = b.slots[slot]
     o.done = report
-    lay = b.epoch_layouts.get(int(report.get("epoch", -1)), b.layout)
-    if int(report.get("rank", b.size_at(lay))) < b.size_at(lay):  # replica 0: it wrote its file
-        b.final_written.add((lay, int(report.get("shard", 0))))
+    lay = b.epoch_layouts.get(int(report.get("epoch", -1)))  # None: before a takeover
+    if lay is not None and int(report.get("rank", b.size_at(lay))) < b.size_at(lay):
+        b.final_written.add((lay, int(report.get("shard", 0))))  # replica 0: its file written
     known = o.progress
     o.progress = Progress(
         known.epoch if known else b.epoch, Phase.DONE, report.get("steps", -1), now
@@ -407,6 +407,14 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     usable = _usable(b)
     lay = layout(b, usable)
     survivors = replicas.whole(b.slots, [m for m in b.members if b.slots[m].alive], b.lay_at(lay))
+    if b.active() and survivors and all_done(b) and b.state_held():
+        # every live member finished and a final file is unwritten (its writer lost before
+        # its report): the others finish again in an epoch of their own, a live replica 0
+        # writing it, whatever the minimum (no step is left to train; found in review: a
+        # lost node left fewer than --min-workers, and a finished task failed or waited)
+        if survivors != b.members or lay != b.layout:
+            announce(b, survivors, urgent=True, now=now, reason=reason, lay=lay)
+        return True
     # slots that can come back: usable ones, excluded ones a health probe may readmit (none
     # if probes are turned off, nor where the script itself failed every time), and those
     # of lost nodes only where nodes return (a cluster)
@@ -541,6 +549,8 @@ def announce(
     joined = not set(members) <= set(b.members)  # a newcomer: every member's next step waits
     b.members = members
     rebuilt = lay is not None and bool(members) and lay != b.layout
+    if rebuilt:  # another layout's files (same names, other shards) are written again
+        b.final_written.clear()
     if lay is not None and members:
         b.layout = lay
     if not members:
