@@ -25,6 +25,8 @@ should have nothing else to do while it runs: the figures are timings.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +44,7 @@ from bench.common import (
     record_run,
     write_summary,
 )
+from unicron.control import netns
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,6 +159,19 @@ def status(code: str, results_dir: Path = RESULTS_DIR) -> list[str]:
     return lines
 
 
+def lacking() -> list[str]:
+    """What this machine lacks for some benchmark (each then fails, and says so in its rows
+    or its log): one line each, empty when nothing."""
+    out = []
+    if importlib.util.find_spec("torchft") is None:
+        out.append("torchft (pip install -e '.[bench]'): the torchft arms fail")
+    if shutil.which("etcd") is None:
+        out.append("etcd (apt-get install etcd-server): standby fails")
+    if (why := netns.available()) is not None:
+        out.append(f"network namespaces ({why}): cluster, standby, soak-cluster fall short")
+    return out
+
+
 def _run(argv: Sequence[str], log: Path) -> tuple[int, float]:
     """Run ``python ARGV`` from the checkout, its output into ``log``; (exit code, seconds)."""
     began = time.monotonic()
@@ -189,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for e in ENTRIES:
             print(f"{e.name:<34} python {' '.join(e.argv)}")
         return 0
+    for line in lacking():
+        print(f"bench.refresh: this machine lacks {line}", file=sys.stderr)
     if args.status or args.check:
         print("\n".join(status(code)))
         return 1 if args.check and not all(current(e, code) for e in ENTRIES) else 0
