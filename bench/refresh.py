@@ -79,7 +79,13 @@ def _chaos(*, tp: int = 1, pp: int = 1, workers: int = WORKERS, depths: str = ""
 SUITE = ("floor", "steady", "crash", "error", "hang", "node", "soak", "reduce", "store",
          "startup", "planner", "simulator")  # fmt: skip
 """The scenarios of ``python -m bench`` run without ``--scenario``."""
-_RELAYOUT = {"tp": 2, "pp": 2, "workers": 8, "depths": "1"}
+
+
+def _relayout(*, degrees: str = "", order: str = "gpipe") -> Entry:
+    """A fault soak of TP=2 x PP=2 x DP=2 on 8 workers that may run at PP=1."""
+    return _chaos(tp=2, pp=2, workers=8, depths="1", degrees=degrees, order=order)
+
+
 ENTRIES: tuple[Entry, ...] = (
     Entry("suite", ("-m", "bench"), SUITE),
     *(Entry(n, ("-m", f"bench.{n}"), (n,)) for n in
@@ -89,10 +95,10 @@ ENTRIES: tuple[Entry, ...] = (
     _chaos(store=True),
     _chaos(tp=2),
     _chaos(tp=2, workers=8),
-    _chaos(**_RELAYOUT),
-    _chaos(**_RELAYOUT, degrees="1"),
-    _chaos(**_RELAYOUT, order="1f1b"),
-    _chaos(**_RELAYOUT, degrees="1", order="1f1b"),
+    _relayout(),
+    _relayout(degrees="1"),
+    _relayout(order="1f1b"),
+    _relayout(degrees="1", order="1f1b"),
     Entry("cluster", ("-m", "bench.cluster"), ("cluster-kill", "cluster-load", "cluster-node")),
     Entry("cluster-exchange", ("-m", "bench.cluster.exchange"), ("cluster-exchange",)),
     Entry("standby", ("-m", "bench.standby"), ("cluster-standby",)),
