@@ -9,9 +9,10 @@ saved as soon as it ends: into ``bench/results/<scenario>.json``, in place of th
 after a run of the whole full suite, else merged with them. A run of the whole suite (no
 ``--scenario``, ``--system`` or ``--reps``) also records its duration in
 ``bench/results/runs.json``.
-``bench/results/SUMMARY.md`` is regenerated at the end, and so are the simulator's measured
-constants (``unicron/sim/data/measured.json``, :mod:`bench.measured`) when the results went to
-``bench/results``.
+``bench/results/SUMMARY.md`` is regenerated at the end. The simulator's measured constants
+(``unicron/sim/data/measured.json``, :mod:`bench.measured`) are derived again when the results
+go to ``bench/results``: as soon as a scenario they come from is saved (so the ``simulator``
+scenario of the same run simulates with them), and at the end.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             save_scenario(rows, name, args.results, replace=replace)
         except ValueError as exc:  # a module's bad rows must not lose the others' results
             print(f"python -m bench: {name}: not saved: {exc}", file=sys.stderr)
+        if name in measured.SOURCES:
+            _constants(args.results)
 
     started, began = now_iso(), time.monotonic()
     try:
@@ -149,13 +152,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     finally:  # the summary follows the saved files, also after an interruption
         print(f"wrote {write_summary(args.results)}")
-        if args.results == RESULTS_DIR:
-            try:
-                if measured.refresh():
-                    print(f"wrote {measured.DATA}")
-            except measured.ResultsError as exc:
-                print(f"python -m bench: simulator constants not written: {exc}", file=sys.stderr)
+        _constants(args.results)
     return 0
+
+
+def _constants(results: Path) -> None:
+    """Derive the simulator's constants again from ``results`` if they are the repository's
+    (:func:`bench.measured.refresh`: only where the source rows changed)."""
+    if results != RESULTS_DIR:
+        return
+    try:
+        if measured.refresh():
+            print(f"wrote {measured.DATA}", flush=True)
+    except measured.ResultsError as exc:
+        print(f"python -m bench: simulator constants not written: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -114,18 +114,26 @@ def machine() -> str:
     )
 
 
-CODE_PATHS = ("unicron", "bench", "examples", "pyproject.toml", ":(exclude)bench/results")
+CODE_PATHS = (
+    "unicron",
+    "bench",
+    "examples",
+    "pyproject.toml",
+    ":(exclude)bench/results",
+    ":(exclude)unicron/sim/data/measured.json",
+)
 """What a benchmark measures, as git pathspecs: the package, the benchmarks, the examples and
-the dependencies; not the results, the docs or the tests."""
+the dependencies; not the results, the docs or the tests, nor the simulator's constants that
+``bench.measured`` derives from the results (the suite rewrites them as it runs: were they
+code, a refresh would dirty its own checkout half way and its later rows name no commit)."""
 
 
-@functools.cache
-def code_version() -> str:
+def code_state() -> str:
     """The commit of the code this checkout measures: the last commit that changed
     :data:`CODE_PATHS` (so a commit of results or docs alone leaves it as it was, and rows
     measured before and after it name the same code), with ``+dirty`` when those paths
-    differ from it; ``unknown`` outside a git checkout. Asked once per process: a
-    benchmark's rows all name the code it started with."""
+    differ from it; ``unknown`` outside a git checkout. Asked anew each call (``bench.refresh``
+    checks before each benchmark that the code did not move); rows use :func:`code_version`."""
     root = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str:
@@ -141,6 +149,11 @@ def code_version() -> str:
     if not commit:
         return "unknown"
     return f"{commit}+dirty" if dirty else commit
+
+
+code_version = functools.cache(code_state)
+""":func:`code_state` asked once per process: a benchmark's rows all name the code it started
+with."""
 
 
 def now_iso() -> str:

@@ -49,6 +49,11 @@ RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 * hang: hang.json ``detection_s``, the statistical detector's floor."""
 
 
+SOURCES = frozenset(name for files, _ in RULES.values() for name in files)
+"""The result files (stems) the constants come from: ``python -m bench`` derives the constants
+again as soon as it saved one, so that its ``simulator`` scenario runs on them."""
+
+
 class ResultsError(ValueError):
     """The result files lack a row a constant needs, or cannot be read."""
 

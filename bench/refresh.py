@@ -6,7 +6,7 @@
     python -m bench.refresh --check         # exit 1 unless every row measured this code
 
 The figures of the docs are made from ``bench/results`` (``bench.docs``), and every row names
-the code it measured (its ``commit``: :func:`bench.common.code_version`, the last commit that
+the code it measured (its ``commit``: :func:`bench.common.code_state`, the last commit that
 changed the package, the benchmarks, the examples or the dependencies). This command runs,
 one after another, each benchmark whose rows do not all name the code of this checkout: the
 default suite (``python -m bench``), the scenarios run only when named, the fault soaks, the
@@ -17,15 +17,19 @@ made from the rows: the simulator's measured constants (``bench.measured``), the
 cross-check and constants tables (``bench/simulator.py``), the docs' tables and the summary.
 
 It refuses to start on code that differs from its commit (the rows would name no commit one
-could check out): commit first. Each benchmark's output goes to ``--logs DIR/NAME.log``;
-how long each took is kept in ``bench/results/runs.json`` (mode ``refresh``). The machine
-should have nothing else to do while it runs: the figures are timings.
+could check out): commit first, and it stops if the code moves before a benchmark starts
+(the tree edited, another commit made). Each benchmark's output goes to
+``--logs DIR/NAME.log``; how long each took is kept in ``bench/results/runs.json`` (mode
+``refresh``, written after each benchmark, the durations of an earlier refresh of the same
+code kept). The machine should have nothing else to do while it runs: the figures are
+timings.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -37,8 +41,9 @@ from pathlib import Path
 from bench.chaos import WORKERS, scenario_name
 from bench.common import (
     RESULTS_DIR,
+    RUNS_FILE,
     bench_parser,
-    code_version,
+    code_state,
     load_rows,
     now_iso,
     record_run,
@@ -188,6 +193,19 @@ def _run(argv: Sequence[str], log: Path) -> tuple[int, float]:
     return rc, time.monotonic() - began
 
 
+def took_before(code: str, results_dir: Path = RESULTS_DIR) -> dict[str, float]:
+    """How long each benchmark took in earlier refreshes of ``code`` (``runs.json``, mode
+    ``refresh``): a refresh cut short and resumed keeps the durations of both halves."""
+    try:
+        runs = json.loads((results_dir / RUNS_FILE).read_text(encoding="utf-8"))
+        last = runs["refresh"]
+        if last["settings"]["code"] != code:
+            return {}
+        return {str(k): float(v) for k, v in last["scenarios_s"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = bench_parser("bench.refresh", __doc__)
     what = p.add_mutually_exclusive_group()
@@ -206,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(
             f"--only {', '.join(unknown)}: no such benchmark (known: {', '.join(sorted(names))})"
         )
-    code = code_version()
+    code = code_state()
     if args.list:
         for e in ENTRIES:
             print(f"{e.name:<34} python {' '.join(e.argv)}")
@@ -226,21 +244,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"bench.refresh: code {code}; {len(todo)} of {len(ENTRIES)} benchmarks to run; "
           f"logs in {logs}", flush=True)  # fmt: skip
-    started, took, failed = now_iso(), {}, []
+    started, took, failed = now_iso(), took_before(code), []
     for e in todo:
+        if (now := code_state()) != code:
+            # a commit or an edit (or a benchmark writing into the code) since the start:
+            # what runs now would name another code than the rows before it
+            print(f"bench.refresh: the code moved from {code} to {now} during the refresh; "
+                  "stopping (run it again on the new code)", file=sys.stderr)  # fmt: skip
+            return 2
         print(f"{now_iso()} {e.name}: python {' '.join(e.argv)}", flush=True)
         rc, took[e.name] = _run(e.argv, logs / f"{e.name}.log")
         print(f"{now_iso()} {e.name}: exit {rc} after {took[e.name]:.0f} s", flush=True)
         if rc != 0:
             failed.append(e.name)
+        record_run(RESULTS_DIR, "refresh", started=started, total_s=sum(took.values()),
+                   scenarios_s=took, settings={"code": code})  # fmt: skip
     if todo:
         for cmd in DERIVED:
             rc, _ = _run(cmd, logs / f"derived-{cmd[-1].strip('-').replace('.', '-')}.log")
             print(f"{now_iso()} python {' '.join(cmd)}: exit {rc}", flush=True)
             if rc != 0:
                 failed.append(" ".join(cmd))
-        record_run(RESULTS_DIR, "refresh", started=started, total_s=sum(took.values()),
-                   scenarios_s=took, settings={"code": code})  # fmt: skip
         write_summary()
     missing = [e.name for e in ENTRIES if not current(e, code)]
     print(f"bench.refresh: failed: {', '.join(failed) or 'none'}; not on {code} yet: "

@@ -367,3 +367,23 @@ def test_every_other_bench_command_refuses_an_unknown_flag_in_one_line(
         main(["--no-such-flag"])
     err = capsys.readouterr().err
     assert done.value.code == 2 and err.count("\n") == 1 and "--no-such-flag" in err
+
+
+def test_the_suite_derives_the_simulators_constants_before_its_simulator_scenario(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The ``simulator`` scenario simulates Unicron with the constants of the same run's
+    crash, error, hang and node rows, not with those of the run before."""
+    calls: list[str] = []
+
+    def suite(scenarios: list[str], *_: Any, on_scenario: Any = None, **__: Any) -> dict:
+        for name in scenarios:
+            calls.append(name)
+            on_scenario(name, [], 1.0)
+        return {}
+
+    monkeypatch.setattr(cli, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(cli, "run_suite", suite)
+    monkeypatch.setattr(cli.measured, "refresh", lambda: calls.append("constants") or False)
+    assert cli.main(["--scenario", "node", "--scenario", "simulator"]) == 0
+    assert calls == ["node", "constants", "simulator", "constants"]

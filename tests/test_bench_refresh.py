@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from bench import refresh
-from bench.common import RESULTS_DIR, make_row, save_scenario
+from bench.common import CODE_PATHS, RESULTS_DIR, make_row, record_run, save_scenario
 
 
 def test_every_results_file_has_the_benchmark_that_writes_it() -> None:
@@ -67,9 +68,53 @@ def test_an_entry_is_current_only_when_every_row_of_every_file_measured_this_cod
 def test_a_refresh_refuses_code_that_is_not_committed(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(refresh, "code_version", lambda: "abc1234+dirty")
+    monkeypatch.setattr(refresh, "code_state", lambda: "abc1234+dirty")
     assert refresh.main([]) == 2
     assert "commit it first" in capsys.readouterr().err
     with pytest.raises(SystemExit) as bad:
         refresh.main(["--only", "nope"])
     assert bad.value.code == 2
+
+
+def test_a_refresh_stops_when_the_code_moves_under_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Rows measured after an edit or a commit would name another code than those before."""
+    answers = iter(["abc1234", "abc1234+dirty"])
+    monkeypatch.setattr(refresh, "code_state", lambda: next(answers))
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(refresh, "_run", lambda argv, log: (ran.append(tuple(argv)), (0, 1.0))[1])
+    assert refresh.main(["--logs", str(tmp_path)]) == 2
+    assert ran == []
+    assert "the code moved from abc1234 to abc1234+dirty" in capsys.readouterr().err
+
+
+def test_the_simulators_constants_are_no_code_the_benchmarks_measure(tmp_path: Path) -> None:
+    """The suite rewrites them from its rows as it runs: were they code, a refresh would make
+    its own checkout dirty half way, and its later rows would name no commit."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+
+    git("init", "-q")
+    for name in ("unicron/sim/data/measured.json", "unicron/x.py", "bench/results/a.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("1")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x")
+    (tmp_path / "unicron/sim/data/measured.json").write_text("2")
+    (tmp_path / "bench/results/a.json").write_text("2")
+    assert git("status", "--porcelain", "--", *CODE_PATHS) == ""
+    (tmp_path / "unicron/x.py").write_text("2")
+    assert "unicron/x.py" in git("status", "--porcelain", "--", *CODE_PATHS)
+
+
+def test_a_resumed_refresh_keeps_the_durations_of_the_same_codes_first_half(
+    tmp_path: Path,
+) -> None:
+    assert refresh.took_before("abc", tmp_path) == {}
+    record_run(tmp_path, "refresh", started="x", total_s=3.0, scenarios_s={"tp": 3.0},
+               settings={"code": "abc"})  # fmt: skip
+    assert refresh.took_before("abc", tmp_path) == {"tp": 3.0}
+    assert refresh.took_before("def", tmp_path) == {}
