@@ -47,6 +47,7 @@ from bench.common import (
     load_rows,
     now_iso,
     record_run,
+    write_json_atomic,
     write_summary,
 )
 from unicron.control import netns
@@ -150,6 +151,28 @@ def current(entry: Entry, code: str, results_dir: Path = RESULTS_DIR) -> bool:
     return commits(entry, results_dir)[0] == {code}
 
 
+def prune(entry: Entry, code: str, since: str, results_dir: Path = RESULTS_DIR) -> list[str]:
+    """Drop from ``entry``'s files the rows of another code dated before ``since``, the start
+    of its run that just ended well: figures the benchmark no longer makes (an arm or a
+    metric since removed), which a merging benchmark would otherwise keep for ever beside the
+    new rows, so that ``--check`` could never pass. One line per dropped row."""
+    dropped = []
+    for stem in entry.files:
+        path = results_dir / f"{stem}.json"
+        rows = load_rows(path)
+        keep = [r for r in rows if r.get("commit") == code or str(r.get("date") or "") >= since]
+        if len(keep) == len(rows):
+            continue
+        dropped += [
+            f"{stem}: {r.get('system')} {r.get('metric')} of {r.get('commit') or '?'}, "
+            f"{str(r.get('date') or 'undated')[:16]}"
+            for r in rows
+            if r not in keep
+        ]
+        write_json_atomic(path, keep)
+    return dropped
+
+
 def status(code: str, results_dir: Path = RESULTS_DIR) -> list[str]:
     """One markdown line per entry: its files, the code its rows measured, when, how many
     rows say a system failed, and whether every row measured ``code``."""
@@ -206,6 +229,18 @@ def took_before(code: str, results_dir: Path = RESULTS_DIR) -> dict[str, float]:
         return {}
 
 
+def _tables() -> None:
+    """The summary and the docs' tables again, after rows were dropped (as a benchmark does
+    after it saved its rows), so that a refresh stopped here leaves them in step."""
+    from bench import docs  # (it builds on bench.common, as this module does)
+
+    write_summary()
+    try:
+        docs.refresh()
+    except docs.BlockError as exc:
+        print(f"bench.refresh: the docs' tables not rewritten: {exc}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = bench_parser("bench.refresh", __doc__)
     what = p.add_mutually_exclusive_group()
@@ -252,11 +287,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bench.refresh: the code moved from {code} to {now} during the refresh; "
                   "stopping (run it again on the new code)", file=sys.stderr)  # fmt: skip
             return 2
-        print(f"{now_iso()} {e.name}: python {' '.join(e.argv)}", flush=True)
+        since = now_iso()
+        print(f"{since} {e.name}: python {' '.join(e.argv)}", flush=True)
         rc, took[e.name] = _run(e.argv, logs / f"{e.name}.log")
         print(f"{now_iso()} {e.name}: exit {rc} after {took[e.name]:.0f} s", flush=True)
         if rc != 0:
             failed.append(e.name)
+        elif dropped := prune(e, code, since):
+            print(f"{e.name}: dropped {len(dropped)} row(s) it no longer makes:", flush=True)
+            print("\n".join(f"  {line}" for line in dropped), flush=True)
+            _tables()
         record_run(RESULTS_DIR, "refresh", started=started, total_s=sum(took.values()),
                    scenarios_s=took, settings={"code": code})  # fmt: skip
     if todo:

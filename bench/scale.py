@@ -75,11 +75,12 @@ PLAN = {  # size: (quick, full)
         # the shared 2-core machine, as much as the 5 % the goal allows
         Plan(nproc=4, steps=60, warmup=5, reps=5),
     ),
-    # a 100M step takes ~10 s here: the fast arm (not the goal's) is left out of the full run
-    # to keep it near 10 minutes
+    # a 100M step takes 5-10 s here: the fast arm (not the goal's) is left out of the full
+    # run; 5 repetitions, the protocol of issue 38's goal at 100M (exact / DDP <= 1.05x paired
+    # over at least 5), so that the full run (python -m bench.refresh runs it) checks it
     "100m": (
         Plan(nproc=2, steps=4, warmup=2, reps=1),
-        Plan(nproc=2, steps=8, warmup=2, reps=3, arms=("unicron exact", "plain DDP")),
+        Plan(nproc=2, steps=8, warmup=2, reps=5, arms=("unicron exact", "plain DDP")),
     ),
 }
 

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from bench import refresh
-from bench.common import CODE_PATHS, RESULTS_DIR, make_row, record_run, save_scenario
+from bench.common import (
+    CODE_PATHS,
+    RESULTS_DIR,
+    make_row,
+    record_run,
+    save_scenario,
+    write_json_atomic,
+)
 
 
 def test_every_results_file_has_the_benchmark_that_writes_it() -> None:
@@ -118,3 +125,20 @@ def test_a_resumed_refresh_keeps_the_durations_of_the_same_codes_first_half(
                settings={"code": "abc"})  # fmt: skip
     assert refresh.took_before("abc", tmp_path) == {"tp": 3.0}
     assert refresh.took_before("def", tmp_path) == {}
+
+
+def test_rows_a_benchmark_no_longer_makes_are_dropped_after_it_ran(tmp_path: Path) -> None:
+    """A merging benchmark keeps rows of metrics it dropped: they would name old code for ever."""
+    llama = next(e for e in refresh.ENTRIES if e.name == "llama")
+    old = make_row(system="torchft", scenario="llama", metric="gone_s", values=[1.0])
+    new = make_row(system="unicron", scenario="llama", metric="wall_s", values=[1.0])
+    undated = make_row(system="ddp", scenario="llama", metric="old_s", values=[1.0])
+    del undated["date"], undated["commit"]  # as rows from before dates or commits were kept
+    rows = [{**old, "commit": "abc", "date": "2026-12-01T00:00:00Z"},
+            {**new, "commit": "def", "date": "2026-12-06T12:00:00Z"}, undated]  # fmt: skip
+    write_json_atomic(tmp_path / "llama.json", rows)
+    dropped = refresh.prune(llama, "def", "2026-12-06T11:00:00Z", tmp_path)
+    assert dropped == ["llama: torchft gone_s of abc, 2026-12-01T00:00",
+                       "llama: ddp old_s of ?, undated"]  # fmt: skip
+    assert refresh.current(llama, "def", tmp_path)
+    assert refresh.prune(llama, "def", "2026-12-06T11:00:00Z", tmp_path) == []
