@@ -34,6 +34,7 @@ import queue
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -185,6 +186,19 @@ ROUND_S = 0.02
 worker's exit, a closed socket's grace, a zygote still starting)"""
 IDLE_ROUND_S = 0.25
 """the longest: a round starts at least this often (:meth:`Agent.round_s`)"""
+LISTEN_BACKLOG = socket.SOMAXCONN
+"""connections the agent's socket holds until its accept thread takes them (the kernel caps
+it at ``net.core.somaxconn``). ``multiprocessing``'s default is 1: found beside CPU burners
+(``make test-loaded``), where the thread, starved, took the zygote's and 8 workers'
+connections slower than they came, the kernel dropped the overflow's last ACK, and a worker
+whose connect had succeeded waited for ever for the challenge of a connection the agent never
+accepted: never ready, the task started without its replica after ``start_timeout_s``."""
+
+
+def listen(authkey: bytes) -> Listener:
+    """The socket the node's workers, zygote and probes connect to (:class:`Agent`): loopback,
+    an ephemeral port, ``authkey``'s challenge on each connection, :data:`LISTEN_BACKLOG`."""
+    return Listener(("127.0.0.1", 0), authkey=authkey, backlog=LISTEN_BACKLOG)
 
 
 @dataclass(frozen=True)
@@ -274,7 +288,7 @@ class Agent:
         self.errors: list[FatalError] = []  # every error that ended a worker, in order
         self.vanished = False
         self._authkey = secrets.token_bytes(16)
-        self._listener = Listener(("127.0.0.1", 0), authkey=self._authkey)
+        self._listener = listen(self._authkey)
         self.address = "{}:{}".format(*self._listener.address)
         # the workers' doorbell (:func:`unicron.messages.quiet`): a datagram wakes a round
         self._bell = Doorbell()
