@@ -1102,3 +1102,24 @@ def test_a_silent_node_where_the_task_holds_no_slot_any_more_is_forgotten(
         c.tick(t + i / 10)
     assert c.lost_nodes == set() and not k.events("error_detected")
     assert c.state is TaskState.RUNNING and c.members == (0, 1)
+
+
+def test_a_slot_given_away_that_dies_after_the_end_leaves_the_task_done(tmp_path: Path) -> None:
+    """The planner took a slot back near the end; the task finished without it, its other
+    workers exited, and then the leaving worker died (killed on its way out): the task stays
+    DONE. Its loss used to reform the task: below the minimum with nobody alive, a DONE task
+    went WAITING, for workers that had finished, until its give-up deadline failed it; or
+    FAILED at once had its slots been fewer than the minimum."""
+    k = Cluster(tmp_path, min_workers=2)
+    c = k.c
+    t = k.steps(3, 0.0)
+    c.release_slots([3], t, "another task")
+    assert c.slots[3].leaving and c.members == (0, 1, 2)
+    for m in (0, 1, 2):
+        c.worker_done(m, {**_done(m), "epoch": c.epoch}, t + 1)
+    assert c.state is TaskState.DONE
+    for m in (0, 1, 2):
+        c.worker_left(m)  # their clean exits after the end
+    c.worker_failed(3, verdict_for_kind("killed"), t + 2)
+    assert c.state is TaskState.DONE and c.finished()
+    assert c.outcome is not None and c.outcome.state is TaskState.DONE

@@ -401,6 +401,8 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     restarted or readmitted workers to bring it back; when every member left alive has
     finished (:func:`all_done`), the task is DONE instead. Returns False if the task ended
     (failed or DONE)."""
+    if b.over():  # a slot given away, or a node, lost after the end: nothing to heal (found
+        return False  # in review: a leaver's exit after DONE made a DONE task WAITING)
     if conclude_if_done(b):  # a member lost after the others finished: nothing left to heal
         return False
     # whole replicas only: the living ranks of a broken one wait outside the epoch
