@@ -142,7 +142,9 @@ def code_state() -> str:
         ).stdout.strip()
 
     try:
-        commit = git("log", "-1", "--format=%h", "--", *CODE_PATHS)
+        # 12 digits, not %h: git lengthens its abbreviations as the repository grows, and the
+        # same code would then name itself otherwise than its rows (found in review)
+        commit = git("log", "-1", "--format=%H", "--", *CODE_PATHS)[:12]
         dirty = git("status", "--porcelain", "--", *CODE_PATHS)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -152,8 +154,9 @@ def code_state() -> str:
 
 
 code_version = functools.cache(code_state)
-""":func:`code_state` asked once per process: a benchmark's rows all name the code it started
-with."""
+""":func:`code_state` asked once per process, at its first row: a benchmark's rows all name one
+code (an edit while it runs makes them ``+dirty`` only if it came before that first row;
+``bench.refresh`` checks the code before each benchmark it starts)."""
 
 
 def now_iso() -> str:

@@ -4,6 +4,7 @@
     python -m bench.refresh                 # run those not measured on this code, in order
     python -m bench.refresh --only tp --only chaos-zero
     python -m bench.refresh --check         # exit 1 unless every row measured this code
+    python -m bench.refresh --prune         # ... dropping rows of old code a run did not make
 
 The figures of the docs are made from ``bench/results`` (``bench.docs``), and every row names
 the code it measured (its ``commit``: :func:`bench.common.code_state`, the last commit that
@@ -151,26 +152,33 @@ def current(entry: Entry, code: str, results_dir: Path = RESULTS_DIR) -> bool:
     return commits(entry, results_dir)[0] == {code}
 
 
-def prune(entry: Entry, code: str, since: str, results_dir: Path = RESULTS_DIR) -> list[str]:
-    """Drop from ``entry``'s files the rows of another code dated before ``since``, the start
-    of its run that just ended well: figures the benchmark no longer makes (an arm or a
-    metric since removed), which a merging benchmark would otherwise keep for ever beside the
-    new rows, so that ``--check`` could never pass. One line per dropped row."""
-    dropped = []
+def prune(
+    entry: Entry, code: str, since: str, results_dir: Path = RESULTS_DIR, *, drop: bool = False
+) -> list[str]:
+    """The rows of ``entry``'s files that name another code and are dated before ``since``,
+    the start of its run that just ended well: rows its command did not make this time, one
+    line each. They are a metric or an arm since removed, which a merging benchmark keeps for
+    ever (``--check`` could never pass), or a variant made with other options than the
+    refresh's (``bench.cluster --exchange-s 0.25``: rows of their own system), to be measured
+    again by that command, or figures a failed trial did not replace. So they are only listed,
+    and dropped with ``drop`` (``--prune``: found in review, a variant's rows and the last good
+    figures of a failed trial went silently, and a docs table with them)."""
+    left = []
     for stem in entry.files:
         path = results_dir / f"{stem}.json"
         rows = load_rows(path)
         keep = [r for r in rows if r.get("commit") == code or str(r.get("date") or "") >= since]
         if len(keep) == len(rows):
             continue
-        dropped += [
+        left += [
             f"{stem}: {r.get('system')} {r.get('metric')} of {r.get('commit') or '?'}, "
             f"{str(r.get('date') or 'undated')[:16]}"
             for r in rows
             if r not in keep
         ]
-        write_json_atomic(path, keep)
-    return dropped
+        if drop:
+            write_json_atomic(path, keep)
+    return left
 
 
 def status(code: str, results_dir: Path = RESULTS_DIR) -> list[str]:
@@ -216,17 +224,18 @@ def _run(argv: Sequence[str], log: Path) -> tuple[int, float]:
     return rc, time.monotonic() - began
 
 
-def took_before(code: str, results_dir: Path = RESULTS_DIR) -> dict[str, float]:
-    """How long each benchmark took in earlier refreshes of ``code`` (``runs.json``, mode
-    ``refresh``): a refresh cut short and resumed keeps the durations of both halves."""
+def took_before(code: str, results_dir: Path = RESULTS_DIR) -> tuple[str, dict[str, float]]:
+    """When an earlier refresh of ``code`` started and how long each of its benchmarks took
+    (``runs.json``, mode ``refresh``; ``("", {})`` if none): a refresh cut short and resumed
+    keeps the start of the first half and the durations of both."""
     try:
         runs = json.loads((results_dir / RUNS_FILE).read_text(encoding="utf-8"))
         last = runs["refresh"]
         if last["settings"]["code"] != code:
-            return {}
-        return {str(k): float(v) for k, v in last["scenarios_s"].items()}
+            return "", {}
+        return str(last["started"]), {str(k): float(v) for k, v in last["scenarios_s"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
+        return "", {}
 
 
 def _tables() -> None:
@@ -250,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     what.add_argument("--list", action="store_true", help="the benchmarks and their commands")
     p.add_argument("--only", action="append", default=[], metavar="NAME",
                    help="run this benchmark (repeatable), measured already or not")  # fmt: skip
+    p.add_argument("--prune", action="store_true",
+                   help="drop the rows of another code a benchmark's run did not make "
+                        "(default: list them)")  # fmt: skip
     p.add_argument("--logs", type=Path, default=None, metavar="DIR",
                    help="where each benchmark's output goes (default: a new temp dir)")  # fmt: skip
     args = p.parse_args(argv)
@@ -279,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     print(f"bench.refresh: code {code}; {len(todo)} of {len(ENTRIES)} benchmarks to run; "
           f"logs in {logs}", flush=True)  # fmt: skip
-    started, took, failed = now_iso(), took_before(code), []
+    started, took = took_before(code)
+    started, failed = started or now_iso(), []
     for e in todo:
         if (now := code_state()) != code:
             # a commit or an edit (or a benchmark writing into the code) since the start:
@@ -293,10 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{now_iso()} {e.name}: exit {rc} after {took[e.name]:.0f} s", flush=True)
         if rc != 0:
             failed.append(e.name)
-        elif dropped := prune(e, code, since):
-            print(f"{e.name}: dropped {len(dropped)} row(s) it no longer makes:", flush=True)
-            print("\n".join(f"  {line}" for line in dropped), flush=True)
-            _tables()
+        elif left := prune(e, code, since, drop=args.prune):
+            fate = "dropped" if args.prune else "kept (--prune drops them)"
+            print(f"{e.name}: {len(left)} row(s) of another code its run did not make, {fate}:",
+                  flush=True)  # fmt: skip
+            print("\n".join(f"  {line}" for line in left), flush=True)
+            if args.prune:
+                _tables()
         record_run(RESULTS_DIR, "refresh", started=started, total_s=sum(took.values()),
                    scenarios_s=took, settings={"code": code})  # fmt: skip
     if todo:

@@ -35,11 +35,12 @@ def test_a_row_names_the_commit_it_measured() -> None:
     row = make_row(system="unicron", scenario="crash", metric="wall_s", values=[1.0])
     root = str(Path(__file__).resolve().parents[1])
     last = subprocess.run(  # the last commit of the code, not of results or docs
-        ["git", "-C", root, "log", "-1", "--format=%h", "--", "unicron", "bench", "examples",
-         "pyproject.toml", ":(exclude)bench/results"],
+        ["git", "-C", root, "log", "-1", "--format=%H", "--", "unicron", "bench", "examples",
+         "pyproject.toml", ":(exclude)bench/results",
+         ":(exclude)unicron/sim/data/measured.json"],
         capture_output=True,
         text=True,
-    ).stdout.strip()  # fmt: skip
+    ).stdout.strip()[:12]  # fmt: skip
     assert row["commit"] == code_version()
     assert row["commit"].removesuffix("+dirty") == (last or "unknown")
     with pytest.raises(ValueError, match="commit"):

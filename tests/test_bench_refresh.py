@@ -120,15 +120,18 @@ def test_the_simulators_constants_are_no_code_the_benchmarks_measure(tmp_path: P
 def test_a_resumed_refresh_keeps_the_durations_of_the_same_codes_first_half(
     tmp_path: Path,
 ) -> None:
-    assert refresh.took_before("abc", tmp_path) == {}
+    assert refresh.took_before("abc", tmp_path) == ("", {})
     record_run(tmp_path, "refresh", started="x", total_s=3.0, scenarios_s={"tp": 3.0},
                settings={"code": "abc"})  # fmt: skip
-    assert refresh.took_before("abc", tmp_path) == {"tp": 3.0}
-    assert refresh.took_before("def", tmp_path) == {}
+    assert refresh.took_before("abc", tmp_path) == ("x", {"tp": 3.0})
+    assert refresh.took_before("def", tmp_path) == ("", {})
 
 
-def test_rows_a_benchmark_no_longer_makes_are_dropped_after_it_ran(tmp_path: Path) -> None:
-    """A merging benchmark keeps rows of metrics it dropped: they would name old code for ever."""
+def test_rows_of_another_code_a_run_did_not_make_are_listed_and_dropped_on_demand(
+    tmp_path: Path,
+) -> None:
+    """A merging benchmark keeps rows of metrics it dropped (they would name old code for ever),
+    but also a variant's rows made with other options: listed, dropped only with --prune."""
     llama = next(e for e in refresh.ENTRIES if e.name == "llama")
     old = make_row(system="torchft", scenario="llama", metric="gone_s", values=[1.0])
     new = make_row(system="unicron", scenario="llama", metric="wall_s", values=[1.0])
@@ -137,8 +140,9 @@ def test_rows_a_benchmark_no_longer_makes_are_dropped_after_it_ran(tmp_path: Pat
     rows = [{**old, "commit": "abc", "date": "2026-12-01T00:00:00Z"},
             {**new, "commit": "def", "date": "2026-12-06T12:00:00Z"}, undated]  # fmt: skip
     write_json_atomic(tmp_path / "llama.json", rows)
-    dropped = refresh.prune(llama, "def", "2026-12-06T11:00:00Z", tmp_path)
-    assert dropped == ["llama: torchft gone_s of abc, 2026-12-01T00:00",
-                       "llama: ddp old_s of ?, undated"]  # fmt: skip
+    left = ["llama: torchft gone_s of abc, 2026-12-01T00:00", "llama: ddp old_s of ?, undated"]
+    assert refresh.prune(llama, "def", "2026-12-06T11:00:00Z", tmp_path) == left
+    assert not refresh.current(llama, "def", tmp_path)  # listed only: a variant's rows stay
+    assert refresh.prune(llama, "def", "2026-12-06T11:00:00Z", tmp_path, drop=True) == left
     assert refresh.current(llama, "def", tmp_path)
     assert refresh.prune(llama, "def", "2026-12-06T11:00:00Z", tmp_path) == []
