@@ -34,7 +34,6 @@ import queue
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,12 +41,13 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Protocol
 
 from unicron import messages as M
 from unicron import protocol as P
+from unicron.control.door import Door
 from unicron.control.heard import Doorbell, exit_reports, news_of_node, report_of
 from unicron.control.probes import PROBE_TIMEOUT_S, Probes
 from unicron.control.workerenv import (
@@ -186,19 +186,6 @@ ROUND_S = 0.02
 worker's exit, a closed socket's grace, a zygote still starting)"""
 IDLE_ROUND_S = 0.25
 """the longest: a round starts at least this often (:meth:`Agent.round_s`)"""
-LISTEN_BACKLOG = socket.SOMAXCONN
-"""connections the agent's socket holds until its accept thread takes them (the kernel caps
-it at ``net.core.somaxconn``). ``multiprocessing``'s default is 1: found beside CPU burners
-(``make test-loaded``), where the thread, starved, took the zygote's and 8 workers'
-connections slower than they came, the kernel dropped the overflow's last ACK, and a worker
-whose connect had succeeded waited for ever for the challenge of a connection the agent never
-accepted: never ready, the task started without its replica after ``start_timeout_s``."""
-
-
-def listen(authkey: bytes) -> Listener:
-    """The socket the node's workers, zygote and probes connect to (:class:`Agent`): loopback,
-    an ephemeral port, ``authkey``'s challenge on each connection, :data:`LISTEN_BACKLOG`."""
-    return Listener(("127.0.0.1", 0), authkey=authkey, backlog=LISTEN_BACKLOG)
 
 
 @dataclass(frozen=True)
@@ -288,8 +275,8 @@ class Agent:
         self.errors: list[FatalError] = []  # every error that ended a worker, in order
         self.vanished = False
         self._authkey = secrets.token_bytes(16)
-        self._listener = listen(self._authkey)
-        self.address = "{}:{}".format(*self._listener.address)
+        self._door = Door(self._authkey, self._admit)  # its workers, zygote connect there
+        self.address = "{}:{}".format(*self._door.address)
         # the workers' doorbell (:func:`unicron.messages.quiet`): a datagram wakes a round
         self._bell = Doorbell()
         self.bell_address = self._bell.address
@@ -303,7 +290,7 @@ class Agent:
         self._dumps = StackDumps()  # hung workers writing their stacks before their kill
         self._kill = functools.partial(signal_worker, sig=signal.SIGKILL, account=config.account)
         self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
+        self._door.open()
 
     # -- start, stop ------------------------------------------------------------------------
     def start(self, zygote: subprocess.Popen[bytes] | None = None) -> None:
@@ -343,7 +330,7 @@ class Agent:
         if self._zygote is not None:
             killpg(self._zygote.pid)
             self._zygote.wait()
-        self._listener.close()
+        self._door.close()
         self._bell.close()
 
     # -- actions (the coordinator's, taken on every round) ------------------------------------
@@ -532,16 +519,11 @@ class Agent:
         self.reply = self.link.exchange(self.node, reports, now, read_until=read_until)
         self._act(now)
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._accepted.put(self._listener.accept())
-                self.wake()  # its hello is read now
-            except (OSError, EOFError):
-                if self._stop.is_set():
-                    return
-            except Exception as exc:  # a bad handshake must not kill the agent
-                log.warning("rejected a connection: %s", exc)
+    def _admit(self, conn: Connection) -> None:
+        """A connection that proved the key (from :class:`Door`'s threads): its hello is read
+        by the round it wakes."""
+        self._accepted.put(conn)
+        self.wake()
 
     def _drain_accepted(self) -> None:
         while True:
