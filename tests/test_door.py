@@ -1,12 +1,13 @@
 """The agent's door (unicron/control/door.py): every connection of a node starting its
-processes gets in, whatever a slow accept thread or a stalled peer does."""
+processes gets in, whatever a slow accept thread, a stalled peer or a flood does."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
@@ -17,12 +18,12 @@ from unicron.control import door as D
 KEY = b"k" * 16
 
 
-def _connect_all(address: tuple[str, int], n: int, key: bytes = KEY) -> list[int]:
+def _connect_all(address: tuple[str, int], n: int) -> list[int]:
     """``n`` clients at once, as a node's zygote and workers do; the ones that got in."""
     connected: list[int] = []
 
     def connect(i: int) -> None:
-        Client(address, authkey=key)
+        Client(address, authkey=KEY)
         connected.append(i)
 
     clients = [threading.Thread(target=connect, args=(i,), daemon=True) for i in range(n)]
@@ -34,11 +35,31 @@ def _connect_all(address: tuple[str, int], n: int, key: bytes = KEY) -> list[int
     return sorted(connected)
 
 
-def _wait_for(done: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 10
+def _wait_for(done: Callable[[], bool], within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
     while not done():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+@pytest.fixture
+def door(request: pytest.FixtureRequest) -> Iterator[tuple[D.Door, list[Connection]]]:
+    admitted: list[Connection] = []
+    d = D.Door(KEY, admitted.append, **getattr(request, "param", {}))
+    d.open()
+    yield d, admitted
+    d.close()
+
+
+def _ends(sock: socket.socket, within_s: float) -> bool:
+    """Whether the door closes ``sock`` (after its challenge) within ``within_s``."""
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(1024):
+            pass
+    except TimeoutError:
+        return False
+    return True
 
 
 def test_a_starved_accept_thread_loses_no_connection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,46 +76,97 @@ def test_a_starved_accept_thread_loses_no_connection(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(D.threading, "Thread", Starved)
     admitted: list[Connection] = []
-    door = D.Door(KEY, admitted.append)
-    door.open()
+    d = D.Door(KEY, admitted.append)
+    d.open()
     try:
-        assert _connect_all(door.address, 12) == list(range(12))
+        assert _connect_all(d.address, 12) == list(range(12))
     finally:
-        door.close()
+        d.close()
 
 
-def test_a_peer_stalled_in_its_challenge_holds_up_nobody_and_is_dropped() -> None:
+@pytest.mark.parametrize("door", [{"handshake_s": 0.5}], indirect=True)
+def test_a_stalled_or_trickling_peer_holds_up_nobody_and_is_ended_at_the_bound(
+    door: tuple[D.Door, list[Connection]],
+) -> None:
     """A process stopped between its connect and its answer (the cluster soak's SIGSTOP of a
     worker just restarted) held every later connection of its node on ``multiprocessing``'s
-    accept thread; here the others get in at once, and it is dropped after the bound."""
-    admitted: list[Connection] = []
-    door = D.Door(KEY, admitted.append, handshake_s=0.5)
-    door.open()
-    stalled = socket.create_connection(door.address)  # connects, never answers
+    accept thread. Here the others get in at once, and it is ended after the bound, as is a
+    peer that sends a byte now and then (a per-read timeout would let it in for hours)."""
+    d, admitted = door
+    stalled = socket.create_connection(d.address)  # connects, never answers
+    trickling = socket.create_connection(d.address)
     try:
-        time.sleep(0.1)  # its challenge is under way
-        assert _connect_all(door.address, 4) == list(range(4))
+        began = time.monotonic()
+        assert _connect_all(d.address, 4) == list(range(4))
         _wait_for(lambda: len(admitted) == 4)  # (the door reads their last word after them)
-        stalled.settimeout(10)
-        stalled.recv(1024)  # the challenge
-        assert stalled.recv(1024) == b""  # closed once the bound passed
+        trickling.settimeout(1)
+        trickling.recv(1024)  # its challenge
+        trickling.send(b"\x00\x00\x00\x80")  # an answer of 128 bytes is coming ...
+        ended = False
+        while not ended and time.monotonic() - began < 20:
+            try:
+                trickling.send(b"a")  # ... a byte every 0.1 s: each read well within any bound
+                ended = _ends(trickling, 0.1)
+            except OSError:  # reset by the door
+                ended = True
+        assert ended and time.monotonic() - began < 10  # 0.5-0.75 s here; not 13 s
+        assert _ends(stalled, 10)
+        assert len(admitted) == 4
     finally:
         stalled.close()
-        door.close()
+        trickling.close()
 
 
-def test_a_wrong_key_is_refused_and_the_connections_admitted_still_talk() -> None:
-    admitted: list[Connection] = []
-    door = D.Door(KEY, admitted.append)
-    door.open()
+def test_a_flood_of_silent_connections_is_capped(
+    monkeypatch: pytest.MonkeyPatch, door: tuple[D.Door, list[Connection]]
+) -> None:
+    """A silent connection costs a thread until its bound: beyond ``MAX_PENDING`` under way, a
+    new one is closed at once, and the door serves again once they end."""
+    monkeypatch.setattr(D, "MAX_PENDING", 2)
+    d, _ = door
+    silent = [socket.create_connection(d.address) for _ in range(2)]
     try:
-        with pytest.raises(AuthenticationError):
-            Client(door.address, authkey=b"x" * 16)
-        client = Client(door.address, authkey=KEY)
-        _wait_for(lambda: len(admitted) == 1)
-        admitted[0].send("hello")  # no timeout is left on the admitted connection
-        assert client.recv() == "hello"
-        client.send(b"x" * 1_000_000)
-        assert len(admitted[0].recv()) == 1_000_000
+        _wait_for(lambda: len(d._pending) == 2)
+        extra = socket.create_connection(d.address)
+        assert _ends(extra, 10)  # closed unanswered
+        extra.close()
+        for s in silent:
+            s.close()  # their challenges fail: room again
+        _wait_for(lambda: not d._pending)
+        assert _connect_all(d.address, 2) == [0, 1]
     finally:
-        door.close()
+        for s in silent:
+            s.close()
+
+
+def test_a_wrong_key_is_refused_and_an_admitted_connection_is_plainly_blocking(
+    door: tuple[D.Door, list[Connection]],
+) -> None:
+    d, admitted = door
+    with pytest.raises(AuthenticationError):
+        Client(d.address, authkey=b"x" * 16)
+    default = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5)  # a process-wide default must not make it non-blocking
+    try:
+        client = Client(d.address, authkey=KEY)
+        _wait_for(lambda: len(admitted) == 1)
+    finally:
+        socket.setdefaulttimeout(default)
+    conn = admitted[0]
+    assert os.get_blocking(conn.fileno())
+    assert not conn.poll(0.3)  # nothing sent: no error, no end of stream
+    client.send(b"x" * 1_000_000)
+    assert len(conn.recv()) == 1_000_000
+    conn.send("hello")
+    assert client.recv() == "hello"
+
+
+def test_nothing_is_admitted_after_close() -> None:
+    admitted: list[Connection] = []
+    d = D.Door(KEY, admitted.append)
+    d.open()
+    stalled = socket.create_connection(d.address)
+    _wait_for(lambda: len(d._pending) == 1)
+    d.close()
+    assert _ends(stalled, 10) and not d._pending and not admitted
+    stalled.close()

@@ -14,7 +14,9 @@ test-loaded``; ``bench/results/loaded-history.md``):
 - it runs each challenge on the accepting thread, one after the other, with no bound: a
   process stopped between its ``connect`` and its answer (the cluster soak's SIGSTOP of a
   worker just restarted) would hold every later connection of the node until it died. Each
-  challenge here runs on a thread of its own, within :data:`HANDSHAKE_S`.
+  challenge here runs on a thread of its own; the accept thread ends one that is not done
+  within :data:`HANDSHAKE_S`, and holds at most :data:`MAX_PENDING` at once (more are closed
+  at once: a flood of silent connections costs no more than that many threads).
 
 Who calls what: :class:`unicron.control.agent.Agent` makes one door per task and node, passes
 its address to its processes, and gets each proven connection through ``admit`` (from the
@@ -24,9 +26,10 @@ door's threads: it queues it and rings its round).
 from __future__ import annotations
 
 import logging
+import os
 import socket
-import struct
 import threading
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -37,14 +40,20 @@ BACKLOG = socket.SOMAXCONN
 """connections the socket holds until the accept thread takes them (capped by the kernel's
 ``net.core.somaxconn``)"""
 HANDSHAKE_S = 60.0
-"""how long a connecting process has to answer the challenge: a bound on a stalled peer's
-thread, not on the others, who do not wait for it"""
+"""how long a connecting process has to prove the key, from its accept: a bound on a stalled
+peer's thread, not on the others, who do not wait for it"""
+MAX_PENDING = 64
+"""challenges under way at once; a connection beyond them is closed unanswered (a node's
+zygote, workers and restarts need a handful)"""
+REAP_S = 0.25
+"""how often the accept thread, idle, ends the challenges past their bound"""
 
 
 class Door:
     """A loopback socket on an ephemeral port (:attr:`address`) whose connections are handed to
     ``admit`` once they proved ``authkey`` (a connection that does not, or not within
-    ``handshake_s``, is closed and logged). :meth:`open` starts its accept thread."""
+    ``handshake_s`` of its accept, is closed and logged). :meth:`open` starts its accept
+    thread; ``admit`` is called from the challenges' threads, never after :meth:`close`."""
 
     def __init__(
         self,
@@ -54,60 +63,99 @@ class Door:
         handshake_s: float = HANDSHAKE_S,
     ) -> None:
         self._sock = socket.create_server(("127.0.0.1", 0), backlog=BACKLOG)
+        self._sock.settimeout(REAP_S)
         host, port = self._sock.getsockname()[:2]
         self.address: tuple[str, int] = (host, port)
         self._key, self._admit, self._handshake_s = authkey, admit, handshake_s
         self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._pending: dict[socket.socket, float] = {}
+        """each challenge under way: its socket and when its bound passes (monotonic)"""
 
     def open(self) -> None:
         """Start accepting (a daemon thread, until :meth:`close`)."""
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
     def close(self) -> None:
-        """Stop accepting; the connections already admitted are the caller's."""
-        self._closed.set()
+        """Stop accepting and end the challenges under way; the connections already admitted
+        are the caller's."""
+        with self._lock:
+            self._closed.set()
+            pending, self._pending = list(self._pending), {}
+        for sock in pending:
+            _end(sock)
         with suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept
         self._sock.close()
 
     def _accept(self) -> None:
         while not self._closed.is_set():
+            self._reap(time.monotonic())
             try:
                 sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue
             except OSError as exc:
                 if self._closed.is_set():
                     return
                 log.warning("the agent's socket could not accept: %s", exc)  # EMFILE: wait
                 self._closed.wait(0.1)
                 continue
-            threading.Thread(
-                target=self._prove, args=(sock,), daemon=True, name="agent-handshake"
-            ).start()
+            sock.setblocking(True)  # whatever the process's default timeout: Connection reads
+            with self._lock:
+                full = self._closed.is_set() or len(self._pending) >= MAX_PENDING
+                if not full:
+                    self._pending[sock] = time.monotonic() + self._handshake_s
+            if full:
+                log.warning("closed a connection: %d challenges under way", MAX_PENDING)
+                sock.close()
+                continue
+            try:
+                threading.Thread(
+                    target=self._prove, args=(sock,), daemon=True, name="agent-handshake"
+                ).start()
+            except RuntimeError as exc:  # no thread to be had (pids.max): try the next one
+                log.warning("closed a connection: %s", exc)
+                with self._lock:
+                    self._pending.pop(sock, None)
+                sock.close()
+                self._closed.wait(0.1)
+
+    def _reap(self, now: float) -> None:
+        """End the challenges past their bound: their reads see the end of the stream."""
+        with self._lock:
+            late = [sock for sock, until in self._pending.items() if now > until]
+            for sock in late:
+                del self._pending[sock]
+        for sock in late:
+            _end(sock)
 
     def _prove(self, sock: socket.socket) -> None:
-        """The challenge both ways, as ``multiprocessing``'s ``Listener`` runs it, bounded."""
-        _bound(sock, self._handshake_s)
-        conn = Connection(sock.detach())
+        """The challenge both ways, as ``multiprocessing``'s ``Listener`` runs it, on a
+        duplicate of the descriptor (the accept thread may end ``sock`` past the bound)."""
+        try:
+            conn = Connection(os.dup(sock.fileno()))
+        except OSError:  # ended already (closed, or past its bound before this thread ran)
+            sock.close()
+            return
+        ok = False
         try:
             deliver_challenge(conn, self._key)
             answer_challenge(conn, self._key)
-        except Exception as exc:  # a wrong key, a peer gone or stalled past the bound
-            conn.close()
+            ok = True
+        except Exception as exc:  # a wrong key, a peer gone, a challenge ended past the bound
             log.warning("rejected a connection: %r", exc)
-            return
-        held = socket.socket(fileno=conn.fileno())  # the connection keeps the descriptor
-        _bound(held, 0.0)
-        held.detach()
-        if self._closed.is_set():
+        with self._lock:  # admitted only if neither the bound nor close() ended it meanwhile
+            ok = self._pending.pop(sock, None) is not None and ok
+            if ok:
+                self._admit(conn)
+        sock.close()  # the duplicate lives on in the connection
+        if not ok:
             conn.close()
-            return
-        self._admit(conn)
 
 
-def _bound(sock: socket.socket, seconds: float) -> None:
-    """Reads and writes on ``sock``'s blocking descriptor fail after ``seconds`` (0: never);
-    the kernel's timeouts, which ``Connection``'s plain reads and writes obey."""
-    whole = int(seconds)
-    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+def _end(sock: socket.socket) -> None:
+    """Wake a read blocked on ``sock`` (the end of the stream) and close it."""
+    with suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
