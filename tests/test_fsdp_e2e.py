@@ -49,8 +49,11 @@ def _state(r: Any) -> dict[str, torch.Tensor]:
 def test_fsdp_replicas_heal_to_the_unsharded_bits(run: Any) -> None:
     """The later faults wait for both replicas to be back (``members=4``): beside CPU
     burners replica 1 came back only at step 7, and the hang then stopped the last copy of
-    place 0's shard, with no checkpoint (the task failed, rightly)."""
-    steps = 14  # room for the later faults, whatever the machine's pace
+    place 0's shard, with no checkpoint (the task failed, rightly). Replica 0 trains alone
+    meanwhile, at its own pace: beside burners it once did steps 4-13 (0.26 s each) in the
+    2.6 s replica 1 took to come back, the run ended with 14 steps before the hang could
+    fire, and the test saw no hang. 50 steps leave it about 10 s at that pace."""
+    steps = 50  # room for the later faults, whatever the machine's pace
     plain = _llama(run, "--nproc-per-node", "4", steps=steps)
     faulty = _llama(
         run,
