@@ -46,7 +46,8 @@ MAX_PENDING = 64
 """challenges under way at once; a connection beyond them is closed unanswered (a node's
 zygote, workers and restarts need a handful)"""
 REAP_S = 0.25
-"""how often the accept thread, idle, ends the challenges past their bound"""
+"""how often the accept thread, while challenges are under way, ends those past their bound
+(with none under way it sleeps in ``accept``: an idle door costs no wake-ups)"""
 
 
 class Door:
@@ -63,7 +64,6 @@ class Door:
         handshake_s: float = HANDSHAKE_S,
     ) -> None:
         self._sock = socket.create_server(("127.0.0.1", 0), backlog=BACKLOG)
-        self._sock.settimeout(REAP_S)
         host, port = self._sock.getsockname()[:2]
         self.address: tuple[str, int] = (host, port)
         self._key, self._admit, self._handshake_s = authkey, admit, handshake_s
@@ -92,6 +92,8 @@ class Door:
         while not self._closed.is_set():
             self._reap(time.monotonic())
             try:
+                # only this thread adds challenges: none under way, none to end meanwhile
+                self._sock.settimeout(REAP_S if self._pending else None)
                 sock, _ = self._sock.accept()
             except TimeoutError:
                 continue
