@@ -100,6 +100,21 @@ def test_a_joiner_that_entered_counts_while_its_step_reports_are_held(tmp_path: 
     assert c.book.slots.holders() == [1]
 
 
+def test_a_joiner_that_entered_where_no_holder_did_holds_nothing(tmp_path: Path) -> None:
+    """As above, but slot 0, the only holder, fails in its own step before it enters epoch 3:
+    no hand-over happened there, so slot 1's entry gives it nothing, and the task fails on
+    slot 0's error (before, slot 1 counted as a holder, its new epoch alone found no source,
+    and the task failed a restart later on "no member of the epoch holds the model state":
+    found beside CPU burners, ``test_user_error_is_the_reason_the_user_is_shown``)."""
+    c = _rejoined(tmp_path)
+    c.exchange(1, [M.EpochEntered(slot=1, ts=2.1, epoch=3)], 2.1)
+    user = verdict_for_kind("user")
+    c.exchange(0, [M.WorkerFailed(slot=0, ts=2.2, verdict=user)], 2.2)
+    assert c.book.state is TaskState.FAILED
+    reason = c.book.outcome.reason  # type: ignore[union-attr]
+    assert "every replica holding the model state is gone" in reason and user.reason in reason
+
+
 def test_the_first_commit_is_not_a_restarted_workers(tmp_path: Path) -> None:
     """Both slots voted on step 0 and slot 1 died just after; its crash is heard (and it is
     restarted) before node 0's report of the commit. The new worker in slot 1 built a fresh

@@ -191,6 +191,9 @@ class TaskBook:
         self.layout: tuple[int, int] = (0, 0)  # the epoch's (tp, pp); (0, 0): the task's own
         self.epoch_layouts: dict[int, tuple[int, int]] = {}  # each epoch's, as announced
         self.epoch_members: dict[int, tuple[int, ...]] = {}  # each epoch's, as announced
+        # the current epoch's shards held by members as they entered it: its possible sources
+        # (health.epoch_entered), by epoch (only the current one is kept)
+        self.sources: dict[int, set[tuple[tuple[int, int], int]]] = {}
         self.outcome: Outcome | None = None
         # (layout, place) of the final files written: replica 0's done reports (membership.py)
         self.final_written: set[tuple[tuple[int, int], int]] = set()
@@ -316,7 +319,8 @@ class TaskBook:
         announced or being entered (found beside CPU burners: a hang kill then failed the
         task as if its state were gone). A live member that entered the current epoch counts
         too: its state is handed over there, and its first step's report may be held for the
-        exchange's rhythm (if the hand-over fails, its worker exits for want of a source)."""
+        exchange's rhythm (if the hand-over fails, its worker exits for want of a source),
+        where members holding all of the state entered it too (:meth:`_entered`)."""
         held = [*self.slots.holders(), *self._entered()]
         if not held:
             return False
@@ -325,7 +329,14 @@ class TaskBook:
         return whole(shard for h in held for shard in self.shards(h))
 
     def _entered(self) -> list[int]:
-        """Live members, not being killed, whose workers entered the current epoch."""
+        """Live members, not being killed, whose workers entered the current epoch; none
+        unless the members that held the state when they entered it held all of it: without
+        them no hand-over there gave anyone the state (found beside CPU burners: the last
+        holder failed in its own step before it entered the epoch its joiners entered; they
+        counted as holders, and the task failed a restart later on their "no member of the
+        epoch holds the model state" instead of the holder's error)."""
+        if not whole(self.sources.get(self.epoch, ())):
+            return []
         return [
             m
             for m in self.members

@@ -78,10 +78,14 @@ def worker_ready(b: TaskBook, slot: int, microbatches: int | None, state_bytes: 
 def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
     """The worker in ``slot`` enters ``epoch`` (rendezvous, ledger exchange, state): its state
     moves to the epoch's layout, done by its first step there (:func:`step_started`). A late
-    report of its previous worker (an epoch no later than this one's start) is dropped."""
+    report of its previous worker (an epoch no later than this one's start) is dropped. A
+    holder's shard, at the layout it holds it in, is a source of the epoch's hand-over
+    (:attr:`TaskBook.sources`)."""
     o = b.slots[slot]
     if not o.predates(epoch):
         return
+    if epoch == b.epoch and o.has_state and o.killed_at is None:
+        b.sources = {epoch: b.sources.get(epoch, set()) | b.shards(slot)}
     o.progress = Progress(epoch, Phase.JOIN, -1, now)
     o.entering_lay = b.epoch_layouts.get(epoch)
     if o.done is not None and int(o.done.get("epoch", -1)) < epoch:
