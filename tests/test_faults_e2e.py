@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -390,6 +391,21 @@ def test_user_error_that_repeats_on_every_restart_fails_for_good(
     assert users and all(e["severity"] == 2 for e in users)
     assert all(USER_ERROR in e["reason"] for e in users), users
     assert sorted(e["step"] for e in r.of("step_end")) == list(range(5))
+
+
+def test_an_output_directory_nobody_can_write_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """The script's ``--out`` under a file: every worker finds it unwritable as it starts, and
+    the run stops with that reason and exit 2 before a step (before, the last step's write
+    failed in every worker, each was restarted, and the trained state was lost)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "out"
+    r = run_unicron(tmp_path, "--nproc-per-node", "2", steps=3, script_args=("--out", str(out)))
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("unicron: error:")]
+    why = f"the output directory {out} cannot be written: Not a directory"
+    assert errors == [f"unicron: error: {why}"]
+    assert not r.of("step_end")
 
 
 def test_user_error_is_the_reason_the_user_is_shown(user_error: tuple[RunResult, float]) -> None:

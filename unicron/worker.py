@@ -70,6 +70,7 @@ from unicron.runtime.context import (
     default_collate,
     device_for,
     epoch_env,
+    unwritable,
 )
 from unicron.runtime.data import Data, LedgerData, SamplerData
 from unicron.runtime.gradients import Reducer
@@ -190,6 +191,8 @@ class Loop:
             device=device_for(model, ctx, link),
             rebuild=rebuild,
         )
+        if out and (why := unwritable(Path(out))) is not None:
+            transition.refuse(self._runner, why)
         self._iterated = False
 
     @property

@@ -1,11 +1,13 @@
 """What ``unicron run`` tells a worker (:class:`WorkerContext`, read from its environment),
-torchrun's variables for each epoch (:func:`epoch_env`) and the atomic write of the final
-state (:func:`save_atomic`): the worker API's (:mod:`unicron.worker`) plumbing.
+torchrun's variables for each epoch (:func:`epoch_env`), the check of the final state's
+directory (:func:`unwritable`) and its atomic write (:func:`save_atomic`): the worker API's
+(:mod:`unicron.worker`) plumbing.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +117,22 @@ class WorkerContext:
 
 def _every(raw: str) -> int | None:
     return None if raw == "auto" else int(raw)
+
+
+def unwritable(out: Path) -> str | None:
+    """Why the final files cannot go into ``out`` (``None``: they can): the directory made
+    now, as the final write would make it, and a file created and removed there. Asked by
+    every worker when it starts (:class:`unicron.worker.Loop`), so that a path nobody can
+    write is the user's one-line error (exit 2) before the training, not a failure of the
+    last step's write that restarts every worker and loses the state they trained (found as
+    a new user would: ``--out`` under a file restarted the workers until the task failed)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".unicron-probe-"):
+            pass  # a name of its own (workers of other hosts may share the directory)
+    except OSError as exc:
+        return f"the output directory {out} cannot be written: {exc.strerror or exc}"
+    return None
 
 
 def save_atomic(obj: Any, path: Path) -> None:
