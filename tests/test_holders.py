@@ -17,6 +17,7 @@ from unicron.control.book import TaskState
 from unicron.control.coordinator import Coordinator, CoordinatorSettings
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog
+from unicron.control.health import finish_deadline
 from unicron.detect.classify import verdict_for_kind
 from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, trained_key
 
@@ -322,3 +323,25 @@ def test_after_a_takeover_members_that_finished_report_again_from_a_new_epoch(
         assert c.book.state is TaskState.RUNNING
         c.exchange(s, [done], 9.5)
     assert c.book.state is TaskState.DONE and c.finished()
+
+
+def test_a_coordinator_that_takes_over_knows_the_states_size(tmp_path: Path) -> None:
+    """The state's size, from the workers' ``Ready``, is kept on the store: a coordinator
+    that takes the task over bounds the final writes by it before any worker is ready again
+    (before, it knew 0 bytes until a restart: a 30 GB state's peers of its final writer had
+    the flat ``stall_cold_s``, 120 s, to write theirs, and were killed as hung)."""
+    a = _coordinator(tmp_path / "a", 2)
+    for s in (0, 1):
+        a.exchange(s, [M.Ready(slot=s, ts=0.0, microbatches=8, state_bytes=30 * 10**9)], 0.0)
+    assert a.epoch == 1 and a.book.state_bytes == 30 * 10**9
+    b = Coordinator(task="t", slots={0: 0, 1: 1}, events=EventLog(tmp_path / "b.jsonl"),
+                    escalation=Escalation(EscalationSettings()),
+                    settings=CoordinatorSettings(min_workers=1),
+                    store=(a.store, a.store_address))  # fmt: skip
+    b.adopt(9.0, committed_step=-1, pace_s=1.0)
+    assert b.book.state_bytes == 30 * 10**9
+    assert (
+        finish_deadline(b.book)
+        == finish_deadline(a.book)
+        > 10 * finish_deadline(_coordinator(tmp_path / "c", 1).book)
+    )

@@ -200,6 +200,13 @@ def trained_key(task: str) -> str:
     return f"{task}/trained"
 
 
+def state_bytes_key(task: str) -> str:
+    """The task's state in bytes (model and optimizer, the largest a worker's ``Ready`` said),
+    written by the coordinator as it learns it: a coordinator that takes the task over reads
+    it, to bound the final writes (and joins) before any worker is ready again."""
+    return f"{task}/state_bytes"
+
+
 def usage_key(task: str) -> str:
     """Set by a worker to a one-line reason when the task's input is unusable (a checkpoint of
     another model): ``unicron run`` stops everything and exits 2 with it."""

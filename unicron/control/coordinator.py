@@ -69,7 +69,14 @@ from unicron.detect.busy import Sample
 from unicron.detect.classify import Verdict
 from unicron.detect.monitor import StepMonitor
 from unicron.messages import AgentAction, Kill, Probe, Reply, Spawn
-from unicron.protocol import EpochInfo, epoch_info_key, epoch_key, trained_key, usage_key
+from unicron.protocol import (
+    EpochInfo,
+    epoch_info_key,
+    epoch_key,
+    state_bytes_key,
+    trained_key,
+    usage_key,
+)
 from unicron.runtime.checkpoint import has_checkpoint
 from unicron.runtime.group import ControlStore
 
@@ -494,8 +501,9 @@ class Coordinator:
         stalls until the monitor has its own. Called once, before the first exchange, by the
         cluster service for each task it finds running in its state."""
         with self._deciding():
-            info, trained = _stored(self.store, self.task) or (logged, committed_step >= 0)
-            membership.adopt(self.book, now, info, trained=trained, committed=committed_step)
+            info, trained, size = _stored(self.store, self.task) or (logged, committed_step >= 0, 0)
+            membership.adopt(self.book, now, info, trained=trained, committed=committed_step,
+                             state_bytes=size)  # fmt: skip
             self.book.logged_pace_s = pace_s
             if info is not None and info is logged:
                 membership.store_moved(self.book, now, f"a new one serves at {self.store_address}")
@@ -604,11 +612,13 @@ def _own_store(host: str) -> tuple[ControlStore, str]:
     return store, f"{host}:{store.port}"
 
 
-def _stored(store: ControlStore, task: str) -> tuple[EpochInfo, bool] | None:
-    """The current epoch of ``task`` on ``store`` and whether the task has trained (``None``:
-    no epoch there, a new store): what :meth:`Coordinator.adopt` takes over."""
+def _stored(store: ControlStore, task: str) -> tuple[EpochInfo, bool, int] | None:
+    """The current epoch of ``task`` on ``store``, whether the task has trained and its
+    state's size in bytes (0: not known; ``None``: no epoch there, a new store): what
+    :meth:`Coordinator.adopt` takes over."""
     if not store.check([epoch_key(task)]):
         return None
     epoch = int(store.get(epoch_key(task)).decode())
     info = EpochInfo.from_json(store.get(epoch_info_key(task, epoch)))
-    return info, store.check([trained_key(task)])
+    size = int(store.get(state_bytes_key(task))) if store.check([state_bytes_key(task)]) else 0
+    return info, store.check([trained_key(task)]), size

@@ -19,9 +19,11 @@ import logging
 
 from unicron.control import failures, membership
 from unicron.control.book import TaskBook, TaskState
+from unicron.control.effects import WriteStoreKey
 from unicron.detect.busy import Cpu, Sample, own_compute_s
 from unicron.detect.classify import classify_detector
 from unicron.detect.stall import Phase, Progress, find_stall, stall_deadline_s
+from unicron.protocol import state_bytes_key
 
 log = logging.getLogger("unicron.control.coordinator")
 
@@ -72,7 +74,9 @@ def worker_ready(b: TaskBook, slot: int, microbatches: int | None, state_bytes: 
     if b.trained:
         o.has_state = False
     b.microbatches = microbatches or b.microbatches
-    b.state_bytes = max(b.state_bytes, state_bytes)
+    if state_bytes > b.state_bytes:  # kept on the store for a coordinator that takes over
+        b.state_bytes = state_bytes
+        b.effects.append(WriteStoreKey(state_bytes_key(b.task), str(state_bytes)))
 
 
 def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:

@@ -25,18 +25,28 @@ from unicron.control.slots import SlotState
 from unicron.detect.classify import Action
 from unicron.detect.stall import Phase, Progress
 from unicron.messages import Kill, Spawn
-from unicron.protocol import EpochInfo, done_key, trained_key
+from unicron.protocol import EpochInfo, done_key, state_bytes_key, trained_key
 
 log = logging.getLogger("unicron.control.coordinator")
 
 
 def adopt(
-    b: TaskBook, now: float, info: EpochInfo | None, *, trained: bool, committed: int
+    b: TaskBook,
+    now: float,
+    info: EpochInfo | None,
+    *,
+    trained: bool,
+    committed: int,
+    state_bytes: int = 0,
 ) -> None:
     """Take over the task as its workers left it: epoch ``info`` read from the store (``None``:
     no epoch was announced, it starts as a new task does), ``trained`` whether a step had
-    committed, ``committed`` the last step the old coordinator logged. Every slot is presumed
-    alive until its agent's census says otherwise, every node heard from now."""
+    committed, ``committed`` the last step the old coordinator logged, ``state_bytes`` the
+    state's size the store kept (0: unknown until a worker's ``Ready``; before, a takeover
+    always forgot it, and the peers of a large state's final writer had the flat
+    ``stall_cold_s`` to write theirs). Every slot is presumed alive until its agent's census
+    says otherwise, every node heard from now."""
+    b.state_bytes = max(b.state_bytes, state_bytes)
     b.adopting = set(b.slots.nodes())
     b.moved_at = now  # the agents find this coordinator, the workers perhaps a new store
     if info is None:
@@ -526,6 +536,8 @@ def store_moved(b: TaskBook, now: float, why: str, *, lost: bool = True) -> None
     b.emit("control_plane", ts=now, task=b.label, what=f"{what}: {why}", epoch=b.epoch)
     if b.trained:
         b.effects.append(WriteStoreKey(trained_key(b.task), "1"))
+    if b.state_bytes:
+        b.effects.append(WriteStoreKey(state_bytes_key(b.task), str(b.state_bytes)))
     if b.over():
         b.effects.append(WriteStoreKey(done_key(b.task), b.state.value))
     elif b.members:
