@@ -164,6 +164,8 @@ class Loop:
         ctx = WorkerContext.from_env("unicron.worker.Loop")
         if steps < 1:
             raise UsageError(f"steps must be >= 1, got {steps}")
+        if out and (why := unwritable(Path(out))) is not None:
+            raise UsageError(why)
         ledger = L.Ledger(
             dataset_len=len(dataset),
             micro_batch_size=micro_batch_size,
@@ -191,8 +193,6 @@ class Loop:
             device=device_for(model, ctx, link),
             rebuild=rebuild,
         )
-        if out and (why := unwritable(Path(out))) is not None:
-            transition.refuse(self._runner, why)
         self._iterated = False
 
     @property

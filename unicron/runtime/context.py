@@ -122,10 +122,11 @@ def _every(raw: str) -> int | None:
 def unwritable(out: Path) -> str | None:
     """Why the final files cannot go into ``out`` (``None``: they can): the directory made
     now, as the final write would make it, and a file created and removed there. Asked by
-    every worker when it starts (:class:`unicron.worker.Loop`), so that a path nobody can
-    write is the user's one-line error (exit 2) before the training, not a failure of the
-    last step's write that restarts every worker and loses the state they trained (found as
-    a new user would: ``--out`` under a file restarted the workers until the task failed)."""
+    every worker when it starts (:class:`unicron.worker.Loop`, a ``UsageError``), so that a
+    path nobody can write is the user's one-line error (exit 2) before the training, not a
+    failure of the last step's write that restarts every worker and loses the state they
+    trained (found as a new user would: ``--out`` under a file restarted the workers until
+    the task failed)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".unicron-probe-"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -224,16 +224,9 @@ def load_checkpoint(r: _Runner) -> None:
     )
     if why is not None:
         flag = "--resume" if r.ctx.resume else "--checkpoint-dir"
-        refuse(r, f"{flag} {root}: {why}")
+        r.store.set(usage_key(r.ctx.task), f"{flag} {root}: {why}")
+        raise SystemExit(2)
     _loaded(r, C.restore(parts, r.model, r.optimizer), parts)
-
-
-def refuse(r: _Runner, why: str) -> NoReturn:
-    """The task's input or output is unusable: ``unicron run`` stops everything and exits 2
-    with ``why`` (the store's ``usage`` key, which the coordinator reads when a worker exits:
-    :meth:`unicron.control.coordinator.Coordinator.check_input`); this worker exits 2."""
-    r.store.set(usage_key(r.ctx.task), why)
-    raise SystemExit(2)
 
 
 def _loaded(r: _Runner, step: int, parts: dict[str, Any]) -> None:
