@@ -14,14 +14,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from multiprocessing.connection import Pipe
+from multiprocessing.connection import Client, Connection, Pipe, answer_challenge
 from pathlib import Path
 
 import pytest
 
 from unicron import messages as M
 from unicron import protocol as P
-from unicron.control import workerenv
+from unicron.control import door, workerenv
 from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig, StackDumps
 from unicron.control.client import can_wait
 from unicron.control.heard import STEP_FACTS, exit_reports, report_of
@@ -174,6 +174,43 @@ def test_a_workers_last_words_are_read_before_the_zygote_reports_its_exit(
         (failed,) = [r for r in agent._reports if isinstance(r, M.WorkerFailed)]
         assert failed.verdict.kind != "exit_error", failed.verdict
         assert "No module named" in failed.verdict.reason
+    finally:
+        agent.stop()
+
+
+def test_a_workers_last_words_still_in_the_door_are_read_before_its_exit(
+    tmp_path: Path, pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the worker died so soon that its connection was still in the agent's
+    door (its challenge on a starved thread, here one that admits it 0.3 s late) when the
+    zygote's report of its exit was read: the door settles first, and the exit carries the
+    error (before, a bare exit code)."""
+
+    def starved(conn: Connection, authkey: bytes) -> None:
+        answer_challenge(conn, authkey)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(door, "answer_challenge", starved)
+    config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
+    zygote_side, from_zygote = Pipe()
+    try:
+        agent._door.open()
+        w = agent.workers[0]
+        w.spawned()
+        agent._zygote_conn = from_zygote
+        agent._handle(from_zygote, M.Spawned(slot=0, pid=pid, incarnation=w.incarnation))
+        # connects, says who it is and why it dies, and is gone
+        conn = Client(agent._door.address, authkey=agent._authkey)
+        conn.send(M.to_wire(M.Hello(slot=0, pid=pid, incarnation=w.incarnation)))
+        conn.send(
+            M.to_wire(M.Error(type_name="ModuleNotFoundError", message="No module named 'x'"))
+        )
+        conn.close()
+        zygote_side.send(M.to_wire(M.Exited(pid=pid, returncode=1)))
+        agent._read(from_zygote)
+        (failed,) = [r for r in agent._reports if isinstance(r, M.WorkerFailed)]
+        assert "No module named" in failed.verdict.reason, failed.verdict
     finally:
         agent.stop()
 

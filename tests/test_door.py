@@ -4,6 +4,7 @@ processes gets in, whatever a slow accept thread, a stalled peer or a flood does
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
@@ -170,3 +171,26 @@ def test_nothing_is_admitted_after_close() -> None:
     d.close()
     assert _ends(stalled, 10) and not d._pending and not admitted
     stalled.close()
+
+
+def test_settle_waits_for_a_connection_in_the_backlog_and_its_challenge() -> None:
+    """A worker that dies at once may have sent its error on a connection the door has not
+    taken yet: :meth:`Door.settle` returns once it is admitted (here the accept thread starts
+    only 0.3 s after the connect, as a starved one would), and gives up on a stalled peer."""
+    admitted: list[Connection] = []
+    d = D.Door(KEY, admitted.append)
+    try:
+        assert d.settle(0.0)  # a quiet door: at once
+        client = threading.Thread(target=Client, args=(d.address,), kwargs={"authkey": KEY})
+        client.start()
+        _wait_for(lambda: bool(select.select([d._sock], [], [], 0)[0]))  # in the backlog
+        threading.Timer(0.3, d.open).start()
+        assert d.settle(60.0) and len(admitted) == 1
+        client.join(10)
+        stalled = socket.create_connection(d.address)  # connects, never answers
+        t0 = time.monotonic()
+        assert not d.settle(0.3)
+        assert 0.3 <= time.monotonic() - t0 < 3.0
+        stalled.close()
+    finally:
+        d.close()

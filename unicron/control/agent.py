@@ -86,8 +86,11 @@ __all__ = [
 log = logging.getLogger("unicron.control.agent")
 
 EXIT_GRACE_S = 0.3
-_TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 """after a worker's socket closes, how long to wait for its exit status before classifying"""
+LAST_WORDS_S = 0.5
+"""when the zygote reports a worker's exit, how long to wait for the connections still in the
+door (its backlog, their challenges) that may carry its error (:meth:`Door.settle`)"""
+_TICKS_PER_S = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 
 
 def worker_log(log_dir: Path, slot: int, incarnation: int) -> Path:
@@ -536,7 +539,10 @@ class Agent:
         """Read everything the worker in ``slot`` sent before the zygote reported its exit.
         The zygote's message and the worker's last ones (the error that ended it) sit in two
         sockets: read in the wrong order, a script that cannot import was reported as a bare
-        exit code (seen beside a CPU burner), its traceback dropped."""
+        exit code (seen beside a CPU burner), its traceback dropped. Its connection may still
+        be in the door, in the backlog or its challenge, if it died at once: the door settles
+        first, for :data:`LAST_WORDS_S` at most."""
+        self._door.settle(LAST_WORDS_S)
         self._drain_accepted()
         w = self.workers[slot]
         for conn in [*self._anonymous, *([w.conn] if w.conn is not None else [])]:

@@ -20,13 +20,17 @@ test-loaded``; ``bench/results/loaded-history.md``):
 
 Who calls what: :class:`unicron.control.agent.Agent` makes one door per task and node, passes
 its address to its processes, and gets each proven connection through ``admit`` (from the
-door's threads: it queues it and rings its round).
+door's threads: it queues it and rings its round). Before it reads a dead worker's last words
+it lets the door :meth:`~Door.settle`: a worker that dies at once (a script that cannot
+import) may have sent its error on a connection still in the backlog or its challenge when
+the zygote's report of its exit is read.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -122,6 +126,23 @@ class Door:
                     self._pending.pop(sock, None)
                 sock.close()
                 self._closed.wait(0.1)
+
+    def settle(self, within_s: float) -> bool:
+        """Wait, at most ``within_s``, until every connection made so far was admitted or
+        refused: none waits in the backlog, no challenge is under way. Returns whether it
+        did (False: a stalled or starved one is still there; the caller reads on without
+        it). Called by the agent's thread; costs one ``select`` when the door is quiet."""
+        until = time.monotonic() + within_s
+        while True:
+            with self._lock:
+                if self._closed.is_set():
+                    return True
+                busy = bool(self._pending) or bool(select.select([self._sock], [], [], 0)[0])
+            if not busy:
+                return True
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.005)
 
     def _reap(self, now: float) -> None:
         """End the challenges past their bound: their reads see the end of the stream."""
