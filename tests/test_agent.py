@@ -21,6 +21,7 @@ import pytest
 
 from unicron import messages as M
 from unicron import protocol as P
+from unicron.control import agent as agent_module
 from unicron.control import door, workerenv
 from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig, StackDumps
 from unicron.control.client import can_wait
@@ -191,6 +192,7 @@ def test_a_workers_last_words_still_in_the_door_are_read_before_its_exit(
         time.sleep(0.3)
 
     monkeypatch.setattr(door, "answer_challenge", starved)
+    monkeypatch.setattr(agent_module, "LAST_WORDS_S", 60.0)  # the wait, not its bound, is tested
     config = AgentConfig(node=0, slots=[0], script="t.py", argv=[], faults=[], log_dir=tmp_path)
     agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
     zygote_side, from_zygote = Pipe()

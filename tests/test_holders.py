@@ -345,3 +345,54 @@ def test_a_coordinator_that_takes_over_knows_the_states_size(tmp_path: Path) -> 
         == finish_deadline(a.book)
         > 10 * finish_deadline(_coordinator(tmp_path / "c", 1).book)
     )
+
+
+def test_a_joiner_the_task_went_on_with_is_a_source_of_the_next_epoch(tmp_path: Path) -> None:
+    """DP=2, a minimum of 2. Slot 1's new worker entered epoch 3 beside slot 0, which failed
+    before slot 1 began a step: the task waits, on slot 1's state. Slot 0's new worker joins
+    (epoch 4), both enter, and slot 0 fails again: slot 1 holds the state still, and the task
+    waits on (found in review: slot 1 counted only as a member that entered epoch 3, so it
+    was no source of epoch 4, and the task failed as if the state were gone)."""
+    c = Coordinator(task="t", slots={0: 0, 1: 1}, events=EventLog(tmp_path / "events.jsonl"),
+                    escalation=Escalation(EscalationSettings()),
+                    settings=CoordinatorSettings(min_workers=2))  # fmt: skip
+    _ready(c, [0, 1], 0.0)
+    _begin(c, [0, 1], 0, 0.1)
+    _computed(c, [0, 1], 0, 0.2)
+    _committed(c, 0, 0.3)
+    _crash(c, 1, 1.0)
+    assert c.book.state is TaskState.WAITING
+    for t in (2.0, 3.0):  # slot 1's new worker, then slot 0's
+        _ready(c, [1 if t == 2.0 else 0], t)
+        assert c.book.state is TaskState.RUNNING and set(c.members) == {0, 1}
+        entered = [M.EpochEntered(slot=s, ts=t + 0.1, epoch=c.epoch) for s in (0, 1)]
+        for s, msg in enumerate(entered):
+            c.exchange(s, [msg], t + 0.1)
+        _crash(c, 0, t + 0.2)
+        assert c.book.state is TaskState.WAITING, c.book.outcome
+    assert c.book.slots.holders() == [1]
+
+
+def test_a_joiner_counts_where_its_own_shards_holder_entered(tmp_path: Path) -> None:
+    """PP=2 x DP=2 on four nodes: replicas (0, 1) and (2, 3). Replica (2, 3) was restarted
+    and joins; slots 0, 2 and 3 entered, slot 1's report (another agent) is not in yet, and
+    slot 0 fails. Slot 2 took stage 0 from slot 0, which entered; slot 1 holds stage 1: the
+    task goes on (found in review: counting joiners only where every stage's holder had
+    entered failed it)."""
+    c = Coordinator(task="t", slots={s: s for s in range(4)},
+                    events=EventLog(tmp_path / "events.jsonl"),
+                    escalation=Escalation(EscalationSettings()),
+                    settings=CoordinatorSettings(replica_ranks=2, tp=1, min_workers=2))  # fmt: skip
+    _ready(c, [0, 1, 2, 3], 0.0)
+    _begin(c, [0, 1, 2, 3], 0, 0.1)
+    _computed(c, [0, 1, 2, 3], 0, 0.2)
+    _committed(c, 0, 0.3)
+    _crash(c, 2, 1.0)
+    _crash(c, 3, 1.1)
+    assert c.members == (0, 1)
+    _ready(c, [2, 3], 2.0)
+    assert c.members == (0, 1, 2, 3)
+    for s in (0, 2, 3):
+        c.exchange(s, [M.EpochEntered(slot=s, ts=2.1, epoch=c.epoch)], 2.1)
+    _crash(c, 0, 2.2)
+    assert c.book.state is TaskState.RUNNING, c.book.outcome

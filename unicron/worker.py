@@ -67,10 +67,10 @@ from unicron.runtime import reduce as R
 from unicron.runtime.bounded import BoundedStore
 from unicron.runtime.context import (
     WorkerContext,
+    check_out,
     default_collate,
     device_for,
     epoch_env,
-    unwritable,
 )
 from unicron.runtime.data import Data, LedgerData, SamplerData
 from unicron.runtime.gradients import Reducer
@@ -164,8 +164,6 @@ class Loop:
         ctx = WorkerContext.from_env("unicron.worker.Loop")
         if steps < 1:
             raise UsageError(f"steps must be >= 1, got {steps}")
-        if out and (why := unwritable(Path(out))) is not None:
-            raise UsageError(why)
         ledger = L.Ledger(
             dataset_len=len(dataset),
             micro_batch_size=micro_batch_size,
@@ -422,15 +420,15 @@ class _Runner:
     mb: MicroBatches = field(init=False)  # the shard's micro-batches of the step (_adopt)
 
     def __post_init__(self) -> None:
-        self.faults = FaultPlan(
-            list(self.ctx.faults), emit=self._event, rank=self.ctx.slot, act=self._act
-        )
+        self.faults = FaultPlan(list(self.ctx.faults), emit=self._event, rank=self.ctx.slot,
+                                act=self._act)  # fmt: skip
         self.ctx, self.store = _find_store(self.ctx, self.link, ask=False)
         self.watch = EpochWatch(self.store, self.ctx.task)
         # a freshly built model is the task's state only until the first step commits (the
         # coordinator says when, through the store; read again at every ledger exchange)
-        self.has_state = not self._steady(lambda: self.store.check([trained_key(self.ctx.task)]))
-        self.has_state = self.has_state and not self.ctx.resume
+        trained = self._steady(lambda: self.store.check([trained_key(self.ctx.task)]))
+        self.has_state = not trained and not self.ctx.resume
+        check_out(self.out, trained=trained)  # one nobody can write: exit 2 before a step
         if self.ctx.fsdp > 1:  # the replica's ranks are FSDP's (unicron.fsdp)
             self.pipe = PipelineParallel(0, 1, fsdp_parallel())
             self.par = self.pipe.tp

@@ -539,12 +539,13 @@ class Agent:
         """Read everything the worker in ``slot`` sent before the zygote reported its exit.
         The zygote's message and the worker's last ones (the error that ended it) sit in two
         sockets: read in the wrong order, a script that cannot import was reported as a bare
-        exit code (seen beside a CPU burner), its traceback dropped. Its connection may still
-        be in the door, in the backlog or its challenge, if it died at once: the door settles
-        first, for :data:`LAST_WORDS_S` at most."""
-        self._door.settle(LAST_WORDS_S)
-        self._drain_accepted()
+        exit code (seen beside a CPU burner), its traceback dropped. If it died before its
+        connection was known, that connection may still be in the door (the backlog, its
+        challenge): the door settles first, for :data:`LAST_WORDS_S` at most."""
         w = self.workers[slot]
+        if w.conn is None:
+            self._door.settle(LAST_WORDS_S)
+        self._drain_accepted()
         for conn in [*self._anonymous, *([w.conn] if w.conn is not None else [])]:
             self._read(conn)
 

@@ -329,14 +329,15 @@ class TaskBook:
         return whole(shard for h in held for shard in self.shards(h))
 
     def _entered(self) -> list[int]:
-        """Live members, not being killed, whose workers entered the current epoch; none
-        unless the members that held the state when they entered it held all of it: without
-        them no hand-over there gave anyone the state (found beside CPU burners: the last
-        holder failed in its own step before it entered the epoch its joiners entered; they
-        counted as holders, and the task failed a restart later on their "no member of the
-        epoch holds the model state" instead of the holder's error)."""
-        if not whole(self.sources.get(self.epoch, ())):
-            return []
+        """Live members, not being killed, whose workers entered the current epoch where a
+        member that held their shard, or members that held all of the state (a layout
+        change reshards it), entered it too (:attr:`sources`): without one no hand-over there
+        gave them anything (found beside CPU burners: the last holder failed in its own step
+        before it entered the epoch its joiners entered; they counted as holders, and the
+        task failed a restart later on their "no member of the epoch holds the model state"
+        instead of the holder's error)."""
+        sources = self.sources.get(self.epoch, set())
+        every = whole(sources)
         return [
             m
             for m in self.members
@@ -344,7 +345,17 @@ class TaskBook:
             and o.killed_at is None
             and o.progress is not None
             and o.progress.epoch == self.epoch
+            and (every or bool(self.shards(m) & sources))
         ]
+
+    def confirm_entered(self) -> None:
+        """The members :meth:`state_held` counts as having entered the current epoch hold
+        the state from now on: the task went on with them after a loss, and they are the
+        sources of the next epoch (found in review: a joiner the task waited on, as the last
+        holder, counted for nothing once the next epoch was announced). Called by
+        :func:`unicron.control.membership.reform` once it goes on."""
+        for m in self._entered():
+            self.slots[m].has_state = True
 
     def has_checkpoint(self) -> bool:
         """The task has a persistent checkpoint to fall back on (read from its directory)."""

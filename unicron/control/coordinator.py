@@ -620,5 +620,8 @@ def _stored(store: ControlStore, task: str) -> tuple[EpochInfo, bool, int] | Non
         return None
     epoch = int(store.get(epoch_key(task)).decode())
     info = EpochInfo.from_json(store.get(epoch_info_key(task, epoch)))
-    size = int(store.get(state_bytes_key(task))) if store.check([state_bytes_key(task)]) else 0
+    size = 0  # a hint for the finish bound: unknown if unreadable
+    with contextlib.suppress(ValueError):
+        if store.check([state_bytes_key(task)]):
+            size = int(store.get(state_bytes_key(task)))
     return info, store.check([trained_key(task)]), size

@@ -93,25 +93,36 @@ class Door:
         self._sock.close()
 
     def _accept(self) -> None:
+        """The accept thread: waits for a connection (``poll``; :meth:`close`'s shutdown wakes
+        it), then takes it and records its challenge under the lock in one move, so that
+        :meth:`settle` never sees a connection neither waiting nor under way."""
+        waiting = select.poll()
+        with self._lock:  # (closed before this thread ran: nothing to wait on)
+            if self._closed.is_set():
+                return
+            waiting.register(self._sock, select.POLLIN)
+            self._sock.setblocking(False)
         while not self._closed.is_set():
             self._reap(time.monotonic())
-            try:
-                # only this thread adds challenges: none under way, none to end meanwhile
-                self._sock.settimeout(REAP_S if self._pending else None)
-                sock, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:
+            # only this thread adds challenges: none under way, none to end meanwhile
+            waiting.poll(REAP_S * 1000 if self._pending else None)
+            with self._lock:
                 if self._closed.is_set():
                     return
-                log.warning("the agent's socket could not accept: %s", exc)  # EMFILE: wait
+                try:
+                    sock, _ = self._sock.accept()
+                except BlockingIOError:  # the bound's tick, or taken by nobody else: no one
+                    continue
+                except OSError as exc:
+                    log.warning("the agent's socket could not accept: %s", exc)  # EMFILE: wait
+                    sock = None
+                full = sock is not None and len(self._pending) >= MAX_PENDING
+                if sock is not None and not full:
+                    self._pending[sock] = time.monotonic() + self._handshake_s
+            if sock is None:
                 self._closed.wait(0.1)
                 continue
             sock.setblocking(True)  # whatever the process's default timeout: Connection reads
-            with self._lock:
-                full = self._closed.is_set() or len(self._pending) >= MAX_PENDING
-                if not full:
-                    self._pending[sock] = time.monotonic() + self._handshake_s
             if full:
                 log.warning("closed a connection: %d challenges under way", MAX_PENDING)
                 sock.close()
@@ -131,13 +142,17 @@ class Door:
         """Wait, at most ``within_s``, until every connection made so far was admitted or
         refused: none waits in the backlog, no challenge is under way. Returns whether it
         did (False: a stalled or starved one is still there; the caller reads on without
-        it). Called by the agent's thread; costs one ``select`` when the door is quiet."""
+        it). Called by the agent's thread for a worker that died with no connection it
+        knows (:meth:`unicron.control.agent.Agent._drain_worker`); one ``poll`` when the
+        door is quiet."""
         until = time.monotonic() + within_s
+        backlog = select.poll()
+        backlog.register(self._sock, select.POLLIN)
         while True:
-            with self._lock:
+            with self._lock:  # the accept thread takes and records a connection under it
                 if self._closed.is_set():
                     return True
-                busy = bool(self._pending) or bool(select.select([self._sock], [], [], 0)[0])
+                busy = bool(self._pending) or bool(backlog.poll(0))
             if not busy:
                 return True
             if time.monotonic() >= until:

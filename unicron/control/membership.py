@@ -459,6 +459,7 @@ def reform(b: TaskBook, now: float, reason: str) -> bool:
     if why:
         fail(b, f"{why}; last error: {b.last_error}", now)
         return False
+    b.confirm_entered()  # the state held, maybe by joiners alone: they hold it from now on
     if survivors == b.members and lay == b.layout and len(usable) >= minimum:
         return True
     if len(survivors) < minimum:

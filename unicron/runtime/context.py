@@ -6,6 +6,7 @@ directory (:func:`unwritable`) and its atomic write (:func:`save_atomic`): the w
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,8 @@ from unicron.runtime import checkpoint as C
 from unicron.runtime import device as D
 from unicron.runtime.inject import Fault, parse
 from unicron.runtime.link import AgentLink
+
+log = logging.getLogger(__name__)
 
 LAUNCHER = "`unicron run --nproc-per-node N SCRIPT [ARGS]`"
 
@@ -119,18 +122,29 @@ def _every(raw: str) -> int | None:
     return None if raw == "auto" else int(raw)
 
 
+def check_out(out: Path | None, *, trained: bool) -> None:
+    """Whether the final files can go into ``out`` (``None``: the script writes none), asked
+    by every worker as it starts (:class:`unicron.worker.Loop`). Before the task has trained,
+    a path nobody can write is the user's mistake: ``UsageError``, and ``unicron run`` exits
+    2 before a step (before, the last step's write failed in every worker, each was
+    restarted, and the trained state was lost: found as a new user would, ``--out`` under a
+    file). Once it has trained, a worker started since (a restart, a slot added) only logs
+    it: its node's trouble (a mount gone, a passing error) must not end a run that trained."""
+    why = None if out is None else unwritable(out)
+    if why is not None and not trained:
+        raise UsageError(why)
+    if why is not None:
+        log.warning("%s (the task has trained: it goes on, the final write may fail)", why)
+
+
 def unwritable(out: Path) -> str | None:
     """Why the final files cannot go into ``out`` (``None``: they can): the directory made
-    now, as the final write would make it, and a file created and removed there. Asked by
-    every worker when it starts (:class:`unicron.worker.Loop`, a ``UsageError``), so that a
-    path nobody can write is the user's one-line error (exit 2) before the training, not a
-    failure of the last step's write that restarts every worker and loses the state they
-    trained (found as a new user would: ``--out`` under a file restarted the workers until
-    the task failed)."""
+    now, as the final write would make it, and a file created and removed there (a name of
+    its own: workers of other hosts may share the directory)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".unicron-probe-"):
-            pass  # a name of its own (workers of other hosts may share the directory)
+            pass
     except OSError as exc:
         return f"the output directory {out} cannot be written: {exc.strerror or exc}"
     return None
