@@ -396,3 +396,28 @@ def test_a_joiner_counts_where_its_own_shards_holder_entered(tmp_path: Path) -> 
         c.exchange(s, [M.EpochEntered(slot=s, ts=2.1, epoch=c.epoch)], 2.1)
     _crash(c, 0, 2.2)
     assert c.book.state is TaskState.RUNNING, c.book.outcome
+
+
+def test_a_joiner_the_holders_did_not_need_is_no_copy_of_the_state(tmp_path: Path) -> None:
+    """DP=3: slot 2's new worker and slot 0 entered epoch 3, and slot 1 failed before it
+    entered (the rendezvous never completed: slot 2 got nothing). The task goes on with
+    slot 0's state alone: slot 2 stays no holder, so slot 0 is the last copy, and its loss
+    ends the task on its own error (found in review: made a holder when the task went on, slot
+    2 hid the last copy from the judges that spare one, and the task failed later on "no
+    member of the epoch holds the model state")."""
+    c = _coordinator(tmp_path, 3)
+    _ready(c, [0, 1, 2], 0.0)
+    _begin(c, [0, 1, 2], 0, 0.1)
+    _computed(c, [0, 1, 2], 0, 0.2)
+    _committed(c, 0, 0.3)
+    _crash(c, 2, 1.0)
+    _ready(c, [2], 2.0)
+    assert c.members == (0, 1, 2)
+    for s in (0, 2):
+        c.exchange(s, [M.EpochEntered(slot=s, ts=2.1, epoch=c.epoch)], 2.1)
+    _crash(c, 1, 2.2)
+    assert c.book.state is TaskState.RUNNING and c.book.slots.holders() == [0]
+    assert not c.book.state_survives(0)
+    _crash(c, 0, 2.3)
+    assert c.book.state is TaskState.FAILED
+    assert "every replica holding the model state is gone" in c.book.outcome.reason  # type: ignore[union-attr]

@@ -330,14 +330,15 @@ class TaskBook:
 
     def _entered(self) -> list[int]:
         """Live members, not being killed, whose workers entered the current epoch where a
-        member that held their shard, or members that held all of the state (a layout
-        change reshards it), entered it too (:attr:`sources`): without one no hand-over there
-        gave them anything (found beside CPU burners: the last holder failed in its own step
-        before it entered the epoch its joiners entered; they counted as holders, and the
-        task failed a restart later on their "no member of the epoch holds the model state"
-        instead of the holder's error)."""
+        member that held their shard at the epoch's layout, or members that held all of the
+        state (at another layout it is resharded from all of it), entered it too
+        (:attr:`sources`): without one no hand-over there gave them anything (found beside
+        CPU burners: the last holder failed in its own step before it entered the epoch its
+        joiners entered; they counted as holders, and the task failed a restart later on
+        their "no member of the epoch holds the model state" instead of the holder's
+        error)."""
         sources = self.sources.get(self.epoch, set())
-        every = whole(sources)
+        every, now = whole(sources), self.lay_at(self.layout)
         return [
             m
             for m in self.members
@@ -345,17 +346,27 @@ class TaskBook:
             and o.killed_at is None
             and o.progress is not None
             and o.progress.epoch == self.epoch
-            and (every or bool(self.shards(m) & sources))
+            and (every or any(lay == now for lay, _ in self.shards(m) & sources))
         ]
 
     def confirm_entered(self) -> None:
-        """The members :meth:`state_held` counts as having entered the current epoch hold
-        the state from now on: the task went on with them after a loss, and they are the
-        sources of the next epoch (found in review: a joiner the task waited on, as the last
-        holder, counted for nothing once the next epoch was announced). Called by
+        """When the task goes on after a loss only because members that entered the current
+        epoch count (:meth:`state_held`: the holders alone do not hold all of the state),
+        those of them with a shard the holders lack hold it from now on, at the epoch's
+        layout: the task bet on them, and they are the sources of the next epoch (found in
+        review: a joiner the task waited on, as the last holder, counted for nothing once the
+        next epoch was announced). A joiner the holders did not need is left as it is: an
+        entry is said before the rendezvous, and it may never have been given anything (made
+        a holder, it hid the last real copy from the judges that spare one). Called by
         :func:`unicron.control.membership.reform` once it goes on."""
+        held = {shard for h in self.slots.holders() for shard in self.shards(h)}
+        if not self.trained or whole(held):
+            return
+        lay = self.epoch_layouts.get(self.epoch, self.layout)
         for m in self._entered():
-            self.slots[m].has_state = True
+            if self.shards(m) - held:
+                o = self.slots[m]
+                o.has_state, o.state_lay, o.entering_lay = True, lay, None
 
     def has_checkpoint(self) -> bool:
         """The task has a persistent checkpoint to fall back on (read from its directory)."""

@@ -75,68 +75,84 @@ class Door:
         self._lock = threading.Lock()
         self._pending: dict[socket.socket, float] = {}
         """each challenge under way: its socket and when its bound passes (monotonic)"""
+        self._opened = False  # its accept thread started: that thread closes the socket
 
     def open(self) -> None:
         """Start accepting (a daemon thread, until :meth:`close`)."""
+        with self._lock:
+            self._opened = True
         threading.Thread(target=self._accept, daemon=True, name="agent-accept").start()
 
     def close(self) -> None:
         """Stop accepting and end the challenges under way; the connections already admitted
-        are the caller's."""
+        are the caller's. The accept thread, woken by the shutdown, closes the socket as it
+        ends (closed here, its poll could wait on a number the process has given to another
+        descriptor)."""
         with self._lock:
             self._closed.set()
             pending, self._pending = list(self._pending), {}
+            opened = self._opened
         for sock in pending:
             _end(sock)
         with suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept
-        self._sock.close()
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread waiting in poll
+        if not opened:
+            self._sock.close()
 
     def _accept(self) -> None:
         """The accept thread: waits for a connection (``poll``; :meth:`close`'s shutdown wakes
         it), then takes it and records its challenge under the lock in one move, so that
         :meth:`settle` never sees a connection neither waiting nor under way."""
-        waiting = select.poll()
-        with self._lock:  # (closed before this thread ran: nothing to wait on)
-            if self._closed.is_set():
-                return
-            waiting.register(self._sock, select.POLLIN)
-            self._sock.setblocking(False)
-        while not self._closed.is_set():
-            self._reap(time.monotonic())
-            # only this thread adds challenges: none under way, none to end meanwhile
-            waiting.poll(REAP_S * 1000 if self._pending else None)
+        try:
+            waiting = select.poll()
             with self._lock:
                 if self._closed.is_set():
                     return
-                try:
-                    sock, _ = self._sock.accept()
-                except BlockingIOError:  # the bound's tick, or taken by nobody else: no one
-                    continue
-                except OSError as exc:
-                    log.warning("the agent's socket could not accept: %s", exc)  # EMFILE: wait
-                    sock = None
-                full = sock is not None and len(self._pending) >= MAX_PENDING
-                if sock is not None and not full:
-                    self._pending[sock] = time.monotonic() + self._handshake_s
-            if sock is None:
-                self._closed.wait(0.1)
-                continue
-            sock.setblocking(True)  # whatever the process's default timeout: Connection reads
-            if full:
-                log.warning("closed a connection: %d challenges under way", MAX_PENDING)
-                sock.close()
-                continue
+                waiting.register(self._sock, select.POLLIN)
+                self._sock.setblocking(False)
+            while self._take(waiting):
+                pass
+        finally:
+            self._sock.close()
+
+    def _take(self, waiting: select.poll) -> bool:
+        """Wait for one connection and start its challenge (False: the door is closed)."""
+        self._reap(time.monotonic())
+        # only this thread adds challenges: none under way, none to end meanwhile
+        waiting.poll(REAP_S * 1000 if self._pending else None)
+        with self._lock:
+            if self._closed.is_set():
+                return False
             try:
-                threading.Thread(
-                    target=self._prove, args=(sock,), daemon=True, name="agent-handshake"
-                ).start()
-            except RuntimeError as exc:  # no thread to be had (pids.max): try the next one
-                log.warning("closed a connection: %s", exc)
-                with self._lock:
-                    self._pending.pop(sock, None)
-                sock.close()
-                self._closed.wait(0.1)
+                sock, _ = self._sock.accept()
+            except BlockingIOError:  # the bound's tick: nobody
+                return True
+            except OSError as exc:
+                log.warning("the agent's socket could not accept: %s", exc)  # EMFILE: wait
+                sock = None
+            if sock is not None:  # (this thread's alone until recorded)
+                sock.setblocking(True)  # whatever the process's default: Connection reads
+            full = sock is not None and len(self._pending) >= MAX_PENDING
+            if sock is not None and not full:
+                self._pending[sock] = time.monotonic() + self._handshake_s
+        if sock is None:
+            self._closed.wait(0.1)
+            return True
+        if full:
+            log.warning("closed a connection: %d challenges under way", MAX_PENDING)
+            sock.close()
+            return True
+        try:
+            threading.Thread(
+                target=self._prove, args=(sock,), daemon=True, name="agent-handshake"
+            ).start()
+        except RuntimeError as exc:  # no thread to be had (pids.max): try the next one
+            log.warning("closed a connection: %s", exc)
+            with self._lock:
+                self._pending.pop(sock, None)
+            sock.close()
+            self._closed.wait(0.1)
+        return True
 
     def settle(self, within_s: float) -> bool:
         """Wait, at most ``within_s``, until every connection made so far was admitted or
@@ -147,11 +163,14 @@ class Door:
         door is quiet."""
         until = time.monotonic() + within_s
         backlog = select.poll()
-        backlog.register(self._sock, select.POLLIN)
+        registered = False
         while True:
             with self._lock:  # the accept thread takes and records a connection under it
                 if self._closed.is_set():
                     return True
+                if not registered:
+                    backlog.register(self._sock, select.POLLIN)
+                    registered = True
                 busy = bool(self._pending) or bool(backlog.poll(0))
             if not busy:
                 return True
