@@ -311,6 +311,11 @@ class TaskBook:
             out.add((lay, replicas.place(self.slots, slot, lay) if lay != (1, 1) else 0))
         return out
 
+    def shards_of(self, slots: Iterable[int]) -> set[tuple[tuple[int, int], int]]:
+        """What the workers in ``slots`` may hold of the task's state together (:meth:`shards`
+        of each)."""
+        return {shard for s in slots for shard in self.shards(s)}
+
     def state_held(self) -> bool:
         """Some live slots hold the task's state: at the layout each holds it in
         (:meth:`shards`; while it enters an epoch at another, either), every place's shard,
@@ -320,13 +325,14 @@ class TaskBook:
         task as if its state were gone). A live member that entered the current epoch counts
         too: its state is handed over there, and its first step's report may be held for the
         exchange's rhythm (if the hand-over fails, its worker exits for want of a source),
-        where members holding all of the state entered it too (:meth:`_entered`)."""
+        where a member holding its shard, or members holding all of the state, entered it
+        too (:meth:`_entered`)."""
         held = [*self.slots.holders(), *self._entered()]
         if not held:
             return False
         if not self.trained:
             return True  # no step committed: any worker builds the state again
-        return whole(shard for h in held for shard in self.shards(h))
+        return whole(self.shards_of(held))
 
     def _entered(self) -> list[int]:
         """Live members, not being killed, whose workers entered the current epoch where a
@@ -359,7 +365,7 @@ class TaskBook:
         entry is said before the rendezvous, and it may never have been given anything (made
         a holder, it hid the last real copy from the judges that spare one). Called by
         :func:`unicron.control.membership.reform` once it goes on."""
-        held = {shard for h in self.slots.holders() for shard in self.shards(h)}
+        held = self.shards_of(self.slots.holders())
         if not self.trained or whole(held):
             return
         lay = self.epoch_layouts.get(self.epoch, self.layout)

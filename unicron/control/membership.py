@@ -390,7 +390,7 @@ def _shard_on_its_way(b: TaskBook, candidates: tuple[int, ...]) -> bool:
     layout each rank holds its state in (:meth:`TaskBook.shards`)."""
     if not b.trained:
         return False
-    have = {shard for s in candidates if b.slots[s].has_state for shard in b.shards(s)}
+    have = b.shards_of(s for s in candidates if b.slots[s].has_state)
     if whole(have):
         return False  # they hold every place's shard at some layout: nothing to wait for
     for s, o in b.slots.items():

@@ -1,6 +1,6 @@
 """What ``unicron run`` tells a worker (:class:`WorkerContext`, read from its environment),
 torchrun's variables for each epoch (:func:`epoch_env`), the check of the final state's
-directory (:func:`unwritable`) and its atomic write (:func:`save_atomic`): the worker API's
+directory (:func:`check_out`) and its atomic write (:func:`save_atomic`): the worker API's
 (:mod:`unicron.worker`) plumbing.
 """
 
@@ -124,12 +124,13 @@ def _every(raw: str) -> int | None:
 
 def check_out(out: Path | None, *, trained: bool) -> None:
     """Whether the final files can go into ``out`` (``None``: the script writes none), asked
-    by every worker as it starts (:class:`unicron.worker.Loop`). Before the task has trained,
-    a path nobody can write is the user's mistake: ``UsageError``, and ``unicron run`` exits
-    2 before a step (before, the last step's write failed in every worker, each was
-    restarted, and the trained state was lost: found as a new user would, ``--out`` under a
-    file). Once it has trained, a worker started since (a restart, a slot added) only logs
-    it: its node's trouble (a mount gone, a passing error) must not end a run that trained."""
+    by every worker as it starts (the ``_Runner`` of :class:`unicron.worker.Loop`). Before
+    the task has trained, a path nobody can write is the user's mistake: ``UsageError``, and
+    ``unicron run`` exits 2 before a step (before, the last step's write failed in every
+    worker, each was restarted, and the trained state was lost: found as a new user would,
+    ``--out`` under a file). Once it has trained, a worker started since (a restart, a slot
+    added) only logs it: its node's trouble (a mount gone, a passing error) must not end a
+    run that trained."""
     why = None if out is None else unwritable(out)
     if why is not None and not trained:
         raise UsageError(why)
