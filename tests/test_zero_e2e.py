@@ -48,7 +48,16 @@ def test_lost_ranks_heal_from_their_buddies_to_the_unsharded_bits(run: Any) -> N
     # (rank 0's own transitions may all be "local": beside burners the epoch without a lost
     # rank was superseded by its return before rank 0 logged one that took shares)
     assert "checkpoint" not in _sources(faulty)
-    restarted = sorted(e["slot"] for e in faulty.of("action") if e["action"] == "restart")
+    # beside CPU burners the hang rule (its 1 s floor) may also restart a rank that was only
+    # starved (seen: slot 0 at step 13, around a 2.8 s step); it healed like the others (the
+    # bits above), and the injected faults' restarts are still exactly these
+    hung = {e["rank"] for e in faulty.of("fault_injected") if e["fault"] == "hang"}
+    restarted = sorted(
+        e["slot"]
+        for e in faulty.of("action")
+        if e["action"] == "restart"
+        and not (e["reason"].startswith("hang on slot") and e["slot"] not in hung)
+    )
     assert restarted == [1, 2, 3]
 
 
