@@ -138,6 +138,27 @@ def test_a_silent_node_is_lost_and_the_next_epoch_goes_on_without_its_slots(
     assert not [e for e in effects if isinstance(e, Tell)]  # a lost node has no agent to tell
 
 
+def test_a_node_late_lately_is_given_its_lateness_of_silence_more(tmp_path: Path) -> None:
+    """Node 0's agent comes back 1.7 s later than the rhythm asked of it (50 ms: nobody has
+    entered the epoch yet) (starved: beside CPU burners the agent of `unicron run`, a thread of
+    the coordinator's process, once fell silent for 2.1 s, and its task, with no checkpoint,
+    failed; the loaded series, stop 67). Then both nodes fall silent: punctual node 1 is lost
+    past the 2 s timeout, node 0 only past 2 s plus its lateness, halved every 30 s."""
+    c = running(tmp_path)
+    t = 0.0
+    while t < 6.5:
+        t += 0.25
+        if t <= 2.75:  # node 0 silent from 1.0 to 2.75, node 1 every round, then neither
+            c.exchange(1, [], t)
+            if t <= 1.0 or t == 2.75:
+                c.exchange(0, [], t)
+        c.tick(t)  # the cluster's ticker
+    lost = {e["node"]: e["ts"] for e in c.events.events() if e.get("kind") == "heartbeat_lost"}
+    assert c.book.asked_s[1] == 0.05
+    # silent 2.25 s > 2 s; node 0: 3.5 s < 2 s + 1.57 s at 6.25, 3.75 s > 2 s + 1.55 s at 6.5
+    assert lost == {1: 5.0, 0: 6.5}, lost
+
+
 def test_the_clock_alone_decides_nothing_while_every_node_is_heard(tmp_path: Path) -> None:
     c = running(tmp_path)
     for t in (0.25, 0.5, 0.75):

@@ -216,6 +216,8 @@ class TaskBook:
         # -- nodes
         self.nodes: set[int] = set()  # nodes whose agent is attached
         self.heartbeats: dict[int, float] = {}  # node -> when its agent was last heard from
+        self.asked_s: dict[int, float] = {}  # node -> the rhythm its last answer asked for
+        self.lateness: dict[int, tuple[float, float]] = {}  # node -> (late by, at) (health)
         self.suspects_from = 0.0  # no suspect confirmed before (adoption: agents reconnect)
         self.logged_pace_s: float | None = None  # an adopted task's step time, from its log
         self.adopted_at: float | None = None  # adopted then; None once a step committed since

@@ -252,11 +252,12 @@ class Coordinator:
         service's HTTP API)."""
         with self._lock:
             self.executor.run(self.decide_exchange(node, reports, now, read_until=read_until))
+            self.book.asked_s[node] = next_s = self.next_exchange_s(node, now)  # its lateness
             return Reply(
                 actions=tuple(self.take_actions(node)),
                 over=self.over(),
                 finished=self.finished(),
-                next_s=self.next_exchange_s(node, now),
+                next_s=next_s,
             )
 
     def decide_exchange(

@@ -246,7 +246,8 @@ def node_lost(
     slots = b.slots.on_node(node)
     if not slots:
         del b.heartbeats[node]
-        b.read_until.pop(node, None)
+        for table in (b.read_until, b.asked_s, b.lateness):
+            table.pop(node, None)
         return
     b.lost_nodes.add(node)
     verdict = classify_detector("heartbeat_lost")

@@ -40,6 +40,10 @@ first have to find the new coordinator (1 s to connect and 3 s to answer for eac
 that stays silent). Without it a joiner spawned with the new address waited 5 s for the
 members that held the state, and the stall detector killed them all (the cluster soak)"""
 
+LATE_HALF_LIFE_S = 30.0
+"""a node's lateness (:func:`lateness`) halves every this many seconds: a starved spell widens
+its silence allowance for about a minute"""
+
 LONE_HANG_OVERRUN = 2.0
 """a step past its hang allowance is confirmed hung when every other member finished it;
 with only some of them done, or alone in its epoch (no peer to vouch; killing costs a
@@ -57,9 +61,32 @@ outside a step is given as many stall deadlines (:func:`check_stalls`)"""
 def heartbeat(b: TaskBook, node: int, now: float, read_until: float | None) -> None:
     """The agent of ``node`` is alive, and every report its workers sent before
     ``read_until`` has been handed over: the detectors judge that node's workers at that
-    moment, never on reports still in flight."""
+    moment, never on reports still in flight. An agent back later than the rhythm this
+    coordinator asked of it (:attr:`TaskBook.asked_s`) was starved or slowed on its way: that
+    lateness is kept (:func:`lateness`) and its next silence given as much more."""
+    last, asked = b.heartbeats.get(node), b.asked_s.get(node)
+    if last is not None and asked is not None and now - last - asked > lateness(b, node, now):
+        b.lateness[node] = (now - last - asked, now)
     b.heartbeats[node] = now
     b.read_until[node] = now if read_until is None else read_until
+
+
+def lateness(b: TaskBook, node: int, now: float) -> float:
+    """How much later than asked the agent of ``node`` has come back lately: the latest
+    arrival's overdue time, halved every :data:`LATE_HALF_LIFE_S` since (0: never late)."""
+    late, at = b.lateness.get(node, (0.0, now))
+    return late * 0.5 ** (max(now - at, 0.0) / LATE_HALF_LIFE_S)
+
+
+def silence_allowed_s(b: TaskBook, node: int, now: float) -> float:
+    """How long ``node`` may be silent before it is lost (:func:`check_heartbeats`): the
+    heartbeat timeout, plus its agent's recent :func:`lateness`, at most twice the timeout. A
+    host starved of CPU delays a round trip of its agent's thread by seconds at times (beside
+    CPU burners, where `unicron run`'s agents share the coordinator's process, a 2.1 s silence
+    failed a task that had no checkpoint; `bench/results/loaded-history.md`, stop 67); a node
+    that kept its rhythm keeps the plain timeout."""
+    timeout = b.settings.heartbeat_timeout_s
+    return timeout + min(lateness(b, node, now), timeout)
 
 
 def worker_ready(b: TaskBook, slot: int, microbatches: int | None, state_bytes: int) -> None:
@@ -226,7 +253,8 @@ def next_exchange_s(b: TaskBook, node: int, now: float) -> float:
 
 # -- silent nodes --------------------------------------------------------------------------
 def check_heartbeats(b: TaskBook, now: float) -> None:
-    """A node silent past the heartbeat timeout is lost, and so is a suspect one (silent past
+    """A node silent past its allowance (:func:`silence_allowed_s`: the heartbeat timeout, more
+    for a node late lately) is lost, and so is a suspect one (silent past
     ``suspect_after_s``) once a living worker reported a failed collective since it was last
     heard: :func:`unicron.control.failures.node_lost` decides what follows. The failed
     collective must be of the current epoch and half the suspect delay old (the slow
@@ -258,7 +286,7 @@ def check_heartbeats(b: TaskBook, now: float) -> None:
             and any(ts > last for ts in symptoms)
         )
         if node in b.lost_nodes or not (
-            silent > b.settings.heartbeat_timeout_s or suspect_confirmed
+            silent > silence_allowed_s(b, node, now) or suspect_confirmed
         ):
             continue
         failures.node_lost(b, node, silent, now, suspect_confirmed=suspect_confirmed)
