@@ -81,6 +81,19 @@ def of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == name]
 
 
+def judged_lost(cluster: LocalCluster, name: str, node: int) -> None:
+    """Wait for task ``name``'s own verdict that ``node`` is lost: the node table's comes at
+    its plain timeout, the task's later where the node's agent was late lately
+    (``health.silence_allowed_s``)."""
+    cluster.wait_until(
+        lambda: any(
+            e["event"] == "error_detected" and e["kind"] == "heartbeat_lost" and e["node"] == node
+            for e in cluster.events(name)
+        ),
+        f"task {name} judged node {node} lost",
+    )
+
+
 def check_steps(events: list[dict[str, Any]], count: int = STEPS) -> None:
     """Every step committed exactly once, in order: nothing started twice or rolled back."""
     steps = [e["step"] for e in of(events, "step_end")]
@@ -99,6 +112,7 @@ def test_node_lost_and_back(cluster: LocalCluster, reference: str) -> None:
     cluster.submit(task("node", inject=["node:node=0,step=5"]))
     assert cluster.agents[host].wait(timeout=60) == 3  # the node vanished (exit code 3)
     cluster.wait_until(lambda: cluster.node(f"n{host}")["state"] == "lost", "node lost")
+    judged_lost(cluster, "node", 0)
     cluster.start_agent(host)  # the same name, a new process: the node returns
     view = cluster.wait_task("node")
     assert view["state"] == "done", view
@@ -182,6 +196,7 @@ def test_a_partition_is_fenced_and_no_stale_epoch_commits(
     cluster.net.cut(host)
     try:
         cluster.wait_until(lambda: cluster.node(f"n{host}")["state"] == "lost", "node lost")
+        judged_lost(cluster, "partition", 1)
         time.sleep(1.0)  # the survivors train on; the cut-off workers are stranded
     finally:
         cluster.net.restore(host)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from unicron import messages as M
+from unicron.control import health
 from unicron.control.coordinator import Coordinator, CoordinatorSettings, TaskState
 from unicron.control.effects import AnnounceEpoch, LogEvent, Tell, WriteStoreKey
 from unicron.control.escalation import Escalation, EscalationSettings
@@ -159,6 +160,28 @@ def test_a_node_late_lately_is_given_its_lateness_of_silence_more(tmp_path: Path
     assert lost == {1: 5.0, 0: 6.5}, lost
 
 
+def test_lateness_is_capped_forgotten_for_a_new_agent_and_set_aside_while_an_error_waits(
+    tmp_path: Path,
+) -> None:
+    """A node's lateness counts at most one timeout and halves every 30 s; a new agent of the
+    node starts with none (it is measured against nothing the old one was asked); and while an
+    in-band error waits out its grace every node has the plain timeout, so that a node lost
+    behind the error is found before the error is reattempted (the grace is longer)."""
+    c = running(tmp_path)
+    b = c.book
+    b.asked_s[0] = 0.25
+    health.heartbeat(b, 0, 10.0, None)  # back 9.75 s later than asked: counted as 2 s
+    assert health.lateness(b, 0, 10.0) == 2.0
+    assert health.silence_allowed_s(b, 0, 40.0) == 3.0  # halved after 30 s
+    failed = M.WorkerError(slot=2, ts=40.0, verdict=verdict_for_kind("conn_reset"),
+                           in_place=False, epoch=c.epoch)  # fmt: skip
+    c.exchange(1, [failed], 40.0)
+    assert c.book.slots.pending_errors() == [2]
+    assert health.silence_allowed_s(b, 0, 40.0) == 2.0
+    b.new_agent(0, 41.0)
+    assert health.lateness(b, 0, 41.0) == 0.0 and 0 not in b.asked_s
+
+
 def test_the_clock_alone_decides_nothing_while_every_node_is_heard(tmp_path: Path) -> None:
     c = running(tmp_path)
     for t in (0.25, 0.5, 0.75):
@@ -225,13 +248,13 @@ def test_a_kill_queued_for_a_lost_nodes_old_agent_is_not_the_new_ones(tmp_path: 
     with c._deciding():
         c.book.kill(3, hang, 1.0)
     c.executor.run(c.book.effects)
-    for k in range(1, 31):  # node 1 silent: lost
+    for k in range(1, 51):  # node 1 silent: lost (past 2 s and its 0.95 s of lateness)
         c.exchange(0, [], 1.0 + k * 0.1)
         c.tick(1.0 + k * 0.1)
     assert 1 in c.lost_nodes
-    c.node_returned(1, 4.0)
-    census = M.Census(ts=4.1, alive=(2, 3), starting=(2, 3))
-    assert not any(isinstance(a, M.Kill) for a in c.exchange(1, [census], 4.1).actions)
+    c.node_returned(1, 6.0)
+    census = M.Census(ts=6.1, alive=(2, 3), starting=(2, 3))
+    assert not any(isinstance(a, M.Kill) for a in c.exchange(1, [census], 6.1).actions)
 
 
 def test_a_new_agent_on_a_node_the_task_never_judged_lost_restarts_its_workers(
@@ -278,10 +301,10 @@ def test_a_leaver_whose_node_goes_is_given_back(tmp_path: Path, lost: bool) -> N
     _give_back_3(c, 1.0)
     t = 1.5
     if lost:
-        for k in range(1, 31):
+        for k in range(1, 51):  # past 2 s and node 1's 1.05 s of lateness
             c.exchange(0, [], 1.2 + k * 0.1)
             c.tick(1.2 + k * 0.1)
         assert 1 in c.lost_nodes
-        t = 4.5
+        t = 6.5
     c.node_returned(1, t)
     assert c.released() == {3}

@@ -411,6 +411,13 @@ class TaskBook:
         s.has_state = s.fresh = not self.trained
         self.forget(slot)
 
+    def new_agent(self, node: int, now: float) -> None:
+        """A new agent of ``node`` is heard from at ``now``: nothing asked of it yet, none of
+        the old one's lateness (:func:`unicron.control.health.lateness`)."""
+        self.heartbeats[node] = now
+        self.asked_s.pop(node, None)
+        self.lateness.pop(node, None)
+
     def spawn(self, slot: int) -> None:
         """Start a worker in ``slot`` (a restart, a readmission)."""
         self.started(slot)

@@ -399,7 +399,7 @@ def agent_back(b: TaskBook, node: int, now: float) -> None:
     for slot in [s for s in b.slots.on_node(node) if b.slots[s].leaving]:
         membership.worker_left(b, slot)  # given back: its worker went with the old agent
     gone = [s for s in b.slots.on_node(node) if b.slots[s].alive]
-    b.heartbeats[node] = now
+    b.new_agent(node, now)
     for slot in gone:
         b.slots[slot].ended()
         b.forget(slot)

@@ -66,27 +66,32 @@ def heartbeat(b: TaskBook, node: int, now: float, read_until: float | None) -> N
     lateness is kept (:func:`lateness`) and its next silence given as much more."""
     last, asked = b.heartbeats.get(node), b.asked_s.get(node)
     if last is not None and asked is not None and now - last - asked > lateness(b, node, now):
-        b.lateness[node] = (now - last - asked, now)
+        b.lateness[node] = (min(now - last - asked, b.settings.heartbeat_timeout_s), now)
     b.heartbeats[node] = now
     b.read_until[node] = now if read_until is None else read_until
 
 
 def lateness(b: TaskBook, node: int, now: float) -> float:
-    """How much later than asked the agent of ``node`` has come back lately: the latest
-    arrival's overdue time, halved every :data:`LATE_HALF_LIFE_S` since (0: never late)."""
+    """How much later than asked the agent of ``node`` has come back lately: the largest
+    overdue time of its arrivals (at most the heartbeat timeout), each halved every
+    :data:`LATE_HALF_LIFE_S` since (0: never late, or a new agent)."""
     late, at = b.lateness.get(node, (0.0, now))
     return late * 0.5 ** (max(now - at, 0.0) / LATE_HALF_LIFE_S)
 
 
 def silence_allowed_s(b: TaskBook, node: int, now: float) -> float:
     """How long ``node`` may be silent before it is lost (:func:`check_heartbeats`): the
-    heartbeat timeout, plus its agent's recent :func:`lateness`, at most twice the timeout. A
-    host starved of CPU delays a round trip of its agent's thread by seconds at times (beside
-    CPU burners, where `unicron run`'s agents share the coordinator's process, a 2.1 s silence
-    failed a task that had no checkpoint; `bench/results/loaded-history.md`, stop 67); a node
-    that kept its rhythm keeps the plain timeout."""
+    heartbeat timeout, plus its agent's recent :func:`lateness` (so at most twice the
+    timeout). A host starved of CPU delays a round trip of its agent's thread by seconds at
+    times (beside CPU burners, where `unicron run`'s agents share the coordinator's process, a
+    2.1 s silence failed a task that had no checkpoint; `bench/results/loaded-history.md`,
+    stop 67); a node that kept its rhythm keeps the plain timeout. So does every node while an
+    in-band error waits out its grace: the grace (``error_grace_s``) is longer than the
+    timeout so that a node lost behind that error is found before it is reattempted."""
     timeout = b.settings.heartbeat_timeout_s
-    return timeout + min(lateness(b, node, now), timeout)
+    if b.slots.pending_errors():
+        return timeout
+    return timeout + lateness(b, node, now)
 
 
 def worker_ready(b: TaskBook, slot: int, microbatches: int | None, state_bytes: int) -> None:

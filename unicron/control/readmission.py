@@ -152,7 +152,7 @@ def node_returned(b: TaskBook, node: int, now: float) -> None:
     if node not in b.lost_nodes:
         return
     b.lost_nodes.discard(node)  # even for a task not running: its agent must not be fenced
-    b.heartbeats[node] = now
+    b.new_agent(node, now)
     if not b.active():
         return
     b.escalation.readmit(node=node)
