@@ -87,8 +87,8 @@ def judged_lost(cluster: LocalCluster, name: str, node: int) -> None:
     (``health.silence_allowed_s``)."""
     cluster.wait_until(
         lambda: any(
-            e["event"] == "error_detected" and e["kind"] == "heartbeat_lost" and e["node"] == node
-            for e in cluster.events(name)
+            e["kind"] == "heartbeat_lost" and e["node"] == node
+            for e in of(cluster.events(name), "error_detected")
         ),
         f"task {name} judged node {node} lost",
     )

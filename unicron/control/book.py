@@ -414,9 +414,14 @@ class TaskBook:
     def new_agent(self, node: int, now: float) -> None:
         """A new agent of ``node`` is heard from at ``now``: nothing asked of it yet, none of
         the old one's lateness (:func:`unicron.control.health.lateness`)."""
+        self.forget_node(node)
         self.heartbeats[node] = now
-        self.asked_s.pop(node, None)
-        self.lateness.pop(node, None)
+
+    def forget_node(self, node: int) -> None:
+        """Drop what this coordinator knows of the agent of ``node``: when it was heard, how
+        far its reports go, the rhythm asked of it, its lateness."""
+        for table in (self.heartbeats, self.read_until, self.asked_s, self.lateness):
+            table.pop(node, None)
 
     def spawn(self, slot: int) -> None:
         """Start a worker in ``slot`` (a restart, a readmission)."""

@@ -245,9 +245,7 @@ def node_lost(
     nothing of the task was lost there."""
     slots = b.slots.on_node(node)
     if not slots:
-        del b.heartbeats[node]
-        for table in (b.read_until, b.asked_s, b.lateness):
-            table.pop(node, None)
+        b.forget_node(node)
         return
     b.lost_nodes.add(node)
     verdict = classify_detector("heartbeat_lost")

@@ -290,8 +290,9 @@ def check_heartbeats(b: TaskBook, now: float) -> None:
             and silent > b.settings.suspect_after_s
             and any(ts > last for ts in symptoms)
         )
+        past = silent > b.settings.heartbeat_timeout_s  # the allowance only then: never less
         if node in b.lost_nodes or not (
-            silent > silence_allowed_s(b, node, now) or suspect_confirmed
+            (past and silent > silence_allowed_s(b, node, now)) or suspect_confirmed
         ):
             continue
         failures.node_lost(b, node, silent, now, suspect_confirmed=suspect_confirmed)
