@@ -119,6 +119,65 @@ def test_a_worker_waiting_on_its_own_starved_thread_is_left_to_the_wall_clock() 
     assert cpu is Cpu.IDLE
 
 
+def test_a_worker_whose_other_thread_waits_in_the_run_queue_is_left_to_the_wall_clock() -> None:
+    """The kernel adds a wait to a thread's count only when the wait ends: another thread in
+    the run queue through the whole span shows no wait, and the computing thread may wait on
+    it. Found by a loaded run: a restarted ZeRO worker killed at its 5 s cold allowance, its
+    new gloo threads runnable for seconds and one never yet run, none of their wait counted
+    at the verdict. Runnable while the other threads got no CPU: in the queue. A runnable
+    thread that runs (one that holds the GIL for ever), or none runnable, leaves it IDLE."""
+
+    def judged(others_runnable: bool, others_rate: float) -> tuple[Cpu, str]:
+        samples = [
+            Sample(s.ts, 1.0, 5.0, 2.0, runnable=False, others_runnable=others_runnable,
+                   others_cpu_s=3.0 + others_rate * (s.ts - T0))
+            for s in _samples(0.0)
+        ]  # fmt: skip
+        return judge(
+            began=Sample(T0, 1.0), samples=samples, typical_cpu_s=0.3, factor=3.0, now=T0 + 1.6
+        )
+
+    cpu, why = judged(True, 0.0)
+    assert cpu is Cpu.UNKNOWN and "another of its threads is runnable" in why
+    assert judged(True, 0.5)[0] is Cpu.IDLE  # it runs: no evidence of waiting
+    assert judged(False, 0.0)[0] is Cpu.IDLE
+
+
+_OTHER_THREAD = """
+import hashlib, os, sys, threading, time
+from unicron.detect.busy import process_state, read_thread_clocks
+spins, stop, tid = sys.argv[1] == "1", threading.Event(), []
+def other():
+    tid.append(threading.get_native_id())
+    block = b"x" * (1 << 20)
+    while spins and not stop.is_set():
+        hashlib.sha256(block).digest()  # without the GIL: on a CPU or in the run queue
+    stop.wait(60.0)
+t = threading.Thread(target=other, daemon=True)
+t.start()
+while not tid:
+    time.sleep(0.01)
+def state():
+    with open(f"/proc/{os.getpid()}/task/{tid[0]}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+while (state() == "S") == spins:  # the other thread has begun to spin, or to sleep
+    time.sleep(0.01)
+clocks = read_thread_clocks(os.getpid(), threading.get_native_id(), 100.0)
+stop.set()
+print(clocks.others_runnable, clocks.others_cpu_s is not None and clocks.others_cpu_s >= 0.0)
+"""
+
+
+@pytest.mark.parametrize("spins", [False, True])
+def test_read_thread_clocks_says_whether_another_thread_is_runnable(spins: bool) -> None:
+    """In a process of its own: no thread but the reader and the other one."""
+    out = subprocess.run(
+        [sys.executable, "-c", _OTHER_THREAD, "1" if spins else "0"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.split() == [str(spins), "True"], out.stderr
+
+
 def test_read_thread_clocks_reads_the_threads_own_clock_and_the_others_wait() -> None:
     import threading
 

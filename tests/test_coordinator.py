@@ -1075,7 +1075,7 @@ def test_an_agents_cpu_reading_reaches_the_judge_field_for_field(tmp_path: Path)
     cl = Cluster(tmp_path)
     cl.c.step_started(1, 0, 1.0, epoch=cl.c.epoch, cpu_s=1.0)
     fields = [f.name for f in dataclasses.fields(Sample)]
-    sample = Sample(*(1.5 + i if f != "runnable" else True for i, f in enumerate(fields)))
+    sample = Sample(*(True if f.endswith("runnable") else 1.5 + i for i, f in enumerate(fields)))
     assert [f.name for f in dataclasses.fields(M.CpuTime)] == ["slot", *fields]
     sent = M.from_wire(M.to_wire(M.CpuTime(slot=1, **dataclasses.asdict(sample))))
     cl.c.exchange(0, [sent], 2.0)

@@ -346,6 +346,11 @@ class CpuTime:
     on one of them"""
     runnable: bool | None = None
     """the computing thread was runnable (on a CPU or in the run queue) when read"""
+    others_runnable: bool | None = None
+    """another of the worker's threads was runnable (on a CPU or in the run queue) when read"""
+    others_cpu_s: float | None = None
+    """the CPU time of the worker's other threads (summed): a runnable one that got none waits
+    for a CPU"""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -326,7 +326,8 @@ class Coordinator:
                 health.waiting_on_replica(self.book, r.slot, r.step, r.epoch, r.waiting, r.ts)
         elif isinstance(r, M.CpuTime):
             self.book.cpu.sampled(r.slot, Sample(r.ts, r.cpu_s, r.queued_s, r.others_queued_s,
-                                                 r.runnable))  # fmt: skip
+                                                 r.runnable, r.others_runnable,
+                                                 r.others_cpu_s))  # fmt: skip
         elif isinstance(r, M.Event):
             self._event(r)
         elif isinstance(r, M.Detected):

@@ -31,6 +31,11 @@ be waiting on that thread (a thread it starts, which must run before ``Thread.st
 returns; the GIL one holds): its stillness is no evidence, and it is UNKNOWN, the wall
 clock's larger overrun deciding (seen beside CPU burners: a ZeRO worker killed at 1 s in
 ``Thread.start`` of its gatherer, the new thread not yet run, the task's state lost with it).
+The kernel counts a wait only when it ends, so another thread runnable at the last sample,
+while the other threads got no CPU, counts as well: it waits in the run queue (seen: a
+restarted ZeRO worker killed at its 5 s cold allowance, its new gloo threads runnable and one
+never yet run, none of their seconds of wait counted). A runnable thread that runs is no
+such evidence: the computing thread may wait on a thread that holds the GIL for ever, a hang.
 
 The same question, starved or slow, decides stragglers. A worker that computes its share in
 twice its peers' time is slow (a throttled device, a sick host) or merely last in the run queue
@@ -90,6 +95,12 @@ class Sample:
     """the thread was runnable at ``ts`` (state ``R``: on a CPU or waiting for one; ``None``:
     unknown). The kernel adds a wait to ``queued_s`` only when the wait ends: a thread that
     waits for a CPU through the whole span shows neither CPU time nor wait"""
+    others_runnable: bool | None = None
+    """another thread of the process (less those at ``SCHED_IDLE``) was runnable at ``ts``: on
+    a CPU or waiting for one (``None``: unknown)"""
+    others_cpu_s: float | None = None
+    """the CPU time of those other threads by then (summed; ``None``: unknown): where it stood
+    still, a runnable one waits for a CPU, and its wait is not yet in ``others_queued_s``"""
 
 
 class Cpu(enum.Enum):
@@ -145,6 +156,14 @@ def judge(
                     f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
                     f"its other threads waited for a CPU {others:.0%} of it: it may wait on "
                     "them"
+                )
+        if last.others_runnable and last.others_cpu_s is not None and prev.others_cpu_s is not None:
+            others = (last.others_cpu_s - prev.others_cpu_s) / span
+            if others < MIN_BUSY:  # runnable, not run: in the queue (its wait not yet counted)
+                return Cpu.UNKNOWN, (
+                    f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
+                    f"another of its threads is runnable and its other threads ran {others:.0%}:"
+                    " it may wait on one in the run queue"
                 )
         return Cpu.IDLE, f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s)"
     if began is None or typical_cpu_s is None:
@@ -259,11 +278,11 @@ def read_queued_s() -> float | None:
 
 
 def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
-    """CPU time and run-queue wait (seconds) of thread ``tid`` of process ``pid``, and the
-    run-queue wait of the process's other threads (summed, those alive now, less those at
-    ``SCHED_IDLE``: an abandoned epoch's gloo threads, which the worker demotes and which may
-    spin for the process's life, waiting for a CPU for ever; the computing thread never waits
-    on them): from ``/proc/<pid>/task/*/schedstat``, else its CPU time alone from ``stat``;
+    """CPU time and run-queue wait (seconds) of thread ``tid`` of process ``pid``, and of the
+    process's other threads their run-queue wait and CPU time (summed) and whether one is
+    runnable now (those alive now, less those at ``SCHED_IDLE``: an abandoned epoch's gloo
+    threads, which the worker demotes and which may spin for the process's life, waiting for a
+    CPU for ever; the computing thread never waits on them): from ``/proc/<pid>/task/*/schedstat``, else its CPU time alone from ``stat``;
     ``None`` when it cannot be read (gone, or not Linux). The agent's one read of a worker,
     stamped now."""
     now = time.time()
@@ -277,12 +296,15 @@ def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
         threads = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(tid)]
     except OSError:
         return Sample(now, *clocks, runnable=runnable)
-    others = [
-        _schedstat(f"/proc/{pid}/task/{t}/schedstat")
-        for t in threads
-        if _policy(f"/proc/{pid}/task/{t}/stat") != SCHED_IDLE
-    ]
-    return Sample(now, *clocks, sum(c[1] for c in others if c is not None), runnable)
+    ran, waited, others_runnable = 0.0, 0.0, False
+    for t in threads:
+        fields = _stat_fields(f"/proc/{pid}/task/{t}/stat")
+        if not fields or _policy(fields) == SCHED_IDLE:
+            continue  # gone, or an abandoned epoch's demoted thread
+        if (other := _schedstat(f"/proc/{pid}/task/{t}/schedstat")) is not None:
+            ran, waited = ran + other[0], waited + other[1]
+        others_runnable = others_runnable or fields[0] == b"R"
+    return Sample(now, *clocks, waited, runnable, others_runnable, ran)
 
 
 SCHED_IDLE = 5
@@ -301,12 +323,11 @@ def _stat_fields(path: str) -> list[bytes] | None:
     return raw[raw.rfind(b")") + 2 :].split()
 
 
-def _policy(path: str) -> int | None:
-    """A thread's scheduling policy (field 41 of its ``stat``); ``None`` where it cannot be
-    read (gone, or not Linux)."""
-    fields = _stat_fields(path)
+def _policy(fields: list[bytes]) -> int | None:
+    """A thread's scheduling policy (field 41 of its ``stat``, from :func:`_stat_fields`);
+    ``None`` where the kernel does not write it."""
     try:
-        return None if fields is None else int(fields[38])
+        return int(fields[38])
     except (IndexError, ValueError):
         return None
 
