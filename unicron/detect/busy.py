@@ -282,9 +282,9 @@ def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
     process's other threads their run-queue wait and CPU time (summed) and whether one is
     runnable now (those alive now, less those at ``SCHED_IDLE``: an abandoned epoch's gloo
     threads, which the worker demotes and which may spin for the process's life, waiting for a
-    CPU for ever; the computing thread never waits on them): from ``/proc/<pid>/task/*/schedstat``, else its CPU time alone from ``stat``;
-    ``None`` when it cannot be read (gone, or not Linux). The agent's one read of a worker,
-    stamped now."""
+    CPU for ever; the computing thread never waits on them): from
+    ``/proc/<pid>/task/*/schedstat``, else its CPU time alone from ``stat``; ``None`` when it
+    cannot be read (gone, or not Linux). The agent's one read of a worker, stamped now."""
     now = time.time()
     clocks = _schedstat(f"/proc/{pid}/task/{tid}/schedstat")
     if clocks is None:
