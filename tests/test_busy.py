@@ -157,10 +157,7 @@ t = threading.Thread(target=other, daemon=True)
 t.start()
 while not tid:
     time.sleep(0.01)
-def state():
-    with open(f"/proc/{os.getpid()}/task/{tid[0]}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-while (state() == "S") == spins:  # the other thread has begun to spin, or to sleep
+while (process_state(tid[0]) == "S") == spins:  # it has begun to spin, or to sleep
     time.sleep(0.01)
 clocks = read_thread_clocks(os.getpid(), threading.get_native_id(), 100.0)
 stop.set()
