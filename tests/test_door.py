@@ -3,6 +3,7 @@ processes gets in, whatever a slow accept thread, a stalled peer or a flood does
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -52,6 +53,14 @@ def door(request: pytest.FixtureRequest) -> Iterator[tuple[D.Door, list[Connecti
     d.close()
 
 
+def _challenges_done() -> bool:
+    return not any(t.name == "agent-handshake" for t in threading.enumerate())
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def _ends(sock: socket.socket, within_s: float) -> bool:
     """Whether the door closes ``sock`` (after its challenge) within ``within_s``."""
     sock.settimeout(within_s)
@@ -87,7 +96,7 @@ def test_a_starved_accept_thread_loses_no_connection(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("door", [{"handshake_s": 0.5}], indirect=True)
 def test_a_stalled_or_trickling_peer_holds_up_nobody_and_is_ended_at_the_bound(
-    door: tuple[D.Door, list[Connection]],
+    door: tuple[D.Door, list[Connection]], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A process stopped between its connect and its answer (the cluster soak's SIGSTOP of a
     worker just restarted) held every later connection of its node on ``multiprocessing``'s
@@ -113,6 +122,10 @@ def test_a_stalled_or_trickling_peer_holds_up_nobody_and_is_ended_at_the_bound(
         assert ended and time.monotonic() - began < 10  # 0.5-0.75 s here; not 13 s
         assert _ends(stalled, 10)
         assert len(admitted) == 4
+        _wait_for(lambda: len(_warnings(caplog)) == 2)  # each said, as a stalled peer
+        assert set(_warnings(caplog)) == {
+            "ended a connection that did not prove the key within 0.5 s"
+        }
     finally:
         stalled.close()
         trickling.close()
@@ -141,11 +154,13 @@ def test_a_flood_of_silent_connections_is_capped(
 
 
 def test_a_wrong_key_is_refused_and_an_admitted_connection_is_plainly_blocking(
-    door: tuple[D.Door, list[Connection]],
+    door: tuple[D.Door, list[Connection]], caplog: pytest.LogCaptureFixture
 ) -> None:
     d, admitted = door
     with pytest.raises(AuthenticationError):
         Client(d.address, authkey=b"x" * 16)
+    _wait_for(lambda: bool(_warnings(caplog)))
+    assert _warnings(caplog) == ["rejected a connection: digest received was wrong"]
     default = socket.getdefaulttimeout()
     socket.setdefaulttimeout(5)  # a process-wide default must not make it non-blocking
     try:
@@ -162,15 +177,24 @@ def test_a_wrong_key_is_refused_and_an_admitted_connection_is_plainly_blocking(
     assert client.recv() == "hello"
 
 
-def test_nothing_is_admitted_after_close() -> None:
+def test_nothing_is_admitted_after_close(caplog: pytest.LogCaptureFixture) -> None:
+    """... and the challenges that the close ends, or whose peer goes away (a process killed
+    as it connected), are no warning: one reached the terminal of a run refused with its
+    one-line error, as a second line (``make test-loaded``, stop 69)."""
     admitted: list[Connection] = []
     d = D.Door(KEY, admitted.append)
     d.open()
+    gone = socket.create_connection(d.address)
+    _wait_for(lambda: len(d._pending) == 1)
+    gone.close()  # the peer goes away in the middle of its challenge
+    _wait_for(lambda: not d._pending and _challenges_done())
     stalled = socket.create_connection(d.address)
     _wait_for(lambda: len(d._pending) == 1)
     d.close()
     assert _ends(stalled, 10) and not d._pending and not admitted
     stalled.close()
+    _wait_for(_challenges_done)
+    assert _warnings(caplog) == []
 
 
 def test_settle_waits_for_a_connection_in_the_backlog_and_its_challenge() -> None:

@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 log = logging.getLogger(__name__)
@@ -195,20 +196,40 @@ class Door:
         except OSError:  # ended already (closed, or past its bound before this thread ran)
             sock.close()
             return
-        ok = False
+        failed: Exception | None = None
         try:
             deliver_challenge(conn, self._key)
             answer_challenge(conn, self._key)
-            ok = True
         except Exception as exc:  # a wrong key, a peer gone, a challenge ended past the bound
-            log.warning("rejected a connection: %r", exc)
+            failed = exc
         with self._lock:  # admitted only if neither the bound nor close() ended it meanwhile
-            ok = self._pending.pop(sock, None) is not None and ok
+            ended = self._pending.pop(sock, None) is None
+            ok = failed is None and not ended
             if ok:
                 self._admit(conn)
+            closed = self._closed.is_set()
+        if failed is not None:
+            _report(failed, ended=ended, closed=closed, bound_s=self._handshake_s)
         sock.close()  # the duplicate lives on in the connection
         if not ok:
             conn.close()
+
+
+def _report(exc: Exception, *, ended: bool, closed: bool, bound_s: float) -> None:
+    """Say why a challenge failed, at the level its cause deserves. A wrong key, or a peer
+    that did not answer within the bound, is worth a warning (a stranger, or a process
+    stalled); the door's own :meth:`~Door.close` ending a challenge, and a peer gone in the
+    middle of one (a process killed as it connected: a run that ends, a fault injected), are
+    the ordinary course of things: a warning there reached the user's terminal as a second
+    line beside a run's one-line error (``make test-loaded``, stop 69)."""
+    if isinstance(exc, AuthenticationError):
+        log.warning("rejected a connection: %s", exc)
+    elif closed:
+        log.debug("ended a challenge under way at the door's close: %r", exc)
+    elif ended:
+        log.warning("ended a connection that did not prove the key within %g s", bound_s)
+    else:
+        log.debug("a connection closed during its challenge: %r", exc)
 
 
 def _end(sock: socket.socket) -> None:
