@@ -27,7 +27,7 @@ from unicron.control.agent import IDLE_ROUND_S, ROUND_S, Agent, AgentConfig, Sta
 from unicron.control.client import can_wait
 from unicron.control.heard import STEP_FACTS, exit_reports, report_of
 from unicron.control.workerenv import Account, signal_worker
-from unicron.control.workerstate import IllegalTransition, WorkerState
+from unicron.control.workerstate import WAIT_SAMPLE_AFTER_S, IllegalTransition, WorkerState
 from unicron.detect.busy import process_state
 from unicron.runtime.link import AgentLink
 
@@ -403,6 +403,13 @@ def test_a_round_waits_until_the_first_thing_due(tmp_path: Path, pid: int) -> No
         w.pid, w.tid, w.computing_since = pid, pid, now - 0.15  # first sample at 0.2 s
         assert agent.round_s(now) == pytest.approx(0.05)
         w.cpu_read_at = now - 0.1  # sampled; the next one 0.2 s after
+        assert agent.round_s(now) == pytest.approx(0.1)
+        w.computing_since, w.cpu_read_at = None, 0.0  # its step computed: it reduces
+        w.waiting_since = now - WAIT_SAMPLE_AFTER_S + 0.07  # a wait is sampled later
+        assert agent.round_s(now) == pytest.approx(0.07)
+        w.tid = None  # before its first step: its main thread is sampled
+        assert agent.round_s(now) == pytest.approx(0.07) and w.sampled_tid == pid
+        w.waiting_since = None
         assert agent.round_s(now) == pytest.approx(0.1)
         w.eof_ts = now  # its socket closed: its exit status is polled for
         assert agent.round_s(now) == ROUND_S

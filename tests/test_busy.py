@@ -21,6 +21,7 @@ from unicron.detect.busy import (
     read_cpu_s,
     read_queued_s,
     read_thread_clocks,
+    starved,
 )
 
 T0 = 1000.0
@@ -287,6 +288,49 @@ def test_the_peers_cost_of_the_step_is_the_yardstick() -> None:
     assert cpu.judge(1, 8, factor=3.0, now=T0 + 1.6)[0] is Cpu.UNKNOWN  # another step
     cpu.forget(1)
     assert cpu.judge(1, 7, factor=3.0, now=T0 + 1.6)[0] is Cpu.UNKNOWN
+
+
+def test_a_member_waiting_on_its_peers_is_starved_only_while_it_waits_for_a_cpu() -> None:
+    """Outside a step (joining an epoch, reducing a step) there is no step to cost: a member
+    its peers wait for is starved where its readings show it in the run queue (runnable and
+    not run, its wait counted, or its other threads' wait), and nothing is said otherwise:
+    still and nothing queued (stuck in a collective), running (a spin, or slow work), or no
+    fresh readings."""
+    now = T0 + 1.6
+    runnable = [Sample(s.ts, 1.0, runnable=True) for s in _samples(0.0)]
+    queued = [Sample(s.ts, 1.0, 5.0 + 0.9 * (s.ts - T0)) for s in _samples(0.0)]
+    others = [Sample(s.ts, 1.0, 5.0, others_queued_s=0.5 * (s.ts - T0)) for s in _samples(0.0)]
+    for readings, words in ((runnable, "runnable but not run"), (queued, "waiting for a CPU"),
+                            (others, "other threads waited")):  # fmt: skip
+        why = starved(readings, now)
+        assert why is not None and words in why
+    asleep = [Sample(s.ts, 1.0, 5.0, runnable=False) for s in _samples(0.0)]
+    assert starved(asleep, now) is None
+    assert starved(_samples(0.5), now) is None  # it runs
+    assert starved(runnable, now + 5.0) is None  # stale
+    assert starved(runnable[:1], now) is None
+
+
+def test_the_readings_outside_a_step_are_kept_apart_from_the_steps() -> None:
+    """The agent samples a member that waits on its peers too; those readings are asked by
+    :meth:`CpuTimes.starved`, and a step's begin or end starts them afresh (the wait after a
+    step's compute is a new one)."""
+    cpu = CpuTimes()
+    for s in _samples(0.0):
+        cpu.sampled(0, Sample(s.ts, s.cpu_s, runnable=True))  # before its first step
+    assert cpu.starved(0, T0 + 1.6) is not None
+    cpu.began(0, 0, Sample(T0 + 2, 1.0))
+    assert cpu.starved(0, T0 + 1.6) is None
+    for s in _samples(0.0, start=T0 + 2.5):
+        cpu.sampled(0, Sample(s.ts, s.cpu_s, runnable=True))  # a step's readings
+    assert cpu.starved(0, T0 + 3.6) is None
+    assert cpu.judge(0, 0, factor=3.0, now=T0 + 3.6)[0] is Cpu.WORKING
+    cpu.computed(0, 0, 1.0)
+    for s in _samples(0.0, start=T0 + 4.5):
+        cpu.sampled(0, Sample(s.ts, s.cpu_s, runnable=True))  # reducing
+    assert cpu.starved(0, T0 + 5.6) is not None
+    cpu.forget(0)
+    assert cpu.starved(0, T0 + 5.6) is None
 
 
 def test_its_own_steps_are_the_yardstick_without_peers() -> None:

@@ -29,7 +29,11 @@ from unicron.control.coordinator import (
 )
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog, read_events
-from unicron.control.health import LAST_COPY_HANG_OVERRUN, finish_deadline
+from unicron.control.health import (
+    LAST_COPY_HANG_OVERRUN,
+    STARVED_STALL_OVERRUN,
+    finish_deadline,
+)
 from unicron.control.slots import KILL_UNDER_WAY_S, SlotTable
 from unicron.detect.busy import Sample
 from unicron.detect.classify import verdict_for_kind
@@ -698,6 +702,37 @@ def test_a_stalled_last_copy_of_the_state_is_given_longer_before_it_is_killed(
     c.tick(t + 0.02 + deadline * (LAST_COPY_HANG_OVERRUN + 0.5))
     (kill,) = k.actions(Kill)
     assert kill.slot == 2 and kill.verdict.kind == "stall"
+
+
+@pytest.mark.parametrize("waits_for_a_cpu", [True, False])
+def test_a_member_the_others_wait_for_while_it_waits_for_a_cpu_is_given_longer(
+    tmp_path: Path, waits_for_a_cpu: bool
+) -> None:
+    """Found beside CPU burners (``make test-loaded``, stop 69): a ZeRO member just restarted
+    got through its step's vote, then was not heard from for 12 s (its threads runnable, 61 ms
+    of CPU in that time) and was killed at the stall deadline as "stuck in an earlier phase".
+    Where its agent's readings show it waiting for a CPU it is held, up to
+    :data:`STARVED_STALL_OVERRUN` deadlines; where they show it still with nothing queued
+    (stuck), it is killed at the deadline, as before."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = _slot_2_never_enters(k)
+    deadline = c.stall_deadline()
+    killed: list[float] = []
+    ts = t + 0.01
+    while not killed and ts < t + deadline * (STARVED_STALL_OVERRUN + 1):
+        ts += 0.2
+        reading = M.CpuTime(slot=2, ts=ts, cpu_s=10.0, runnable=waits_for_a_cpu)
+        c.exchange(0, [reading], ts, read_until=ts)
+        c.tick(ts)
+        killed += [ts - t for a in k.actions(Kill) if a.slot == 2]
+    (at,) = killed
+    if waits_for_a_cpu:
+        assert STARVED_STALL_OVERRUN * deadline < at < (STARVED_STALL_OVERRUN + 0.5) * deadline
+        (held,) = [e for e in k.events("error_detected") if e.get("method") == "stall"]
+        assert "outside epoch 2" in held["reason"]
+    else:
+        assert deadline < at < deadline + 0.5
 
 
 def test_a_member_writing_its_final_files_after_the_others_finished_is_no_stall(

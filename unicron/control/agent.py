@@ -378,7 +378,7 @@ class Agent:
             self._kill(w.pid)
         w.incarnation += 1
         w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
-        w.computing_since = None
+        w.computing_since = w.waiting_since = None
         w.kill_pending = False
         w.spawned()
         if self._zygote_conn is None and self._zygote is not None and self._zygote.poll() is None:
@@ -644,6 +644,8 @@ class Agent:
             self._report(
                 M.Detected(slot=slot, ts=now, step=step, verdict=verdict, method="exception")
             )
+            if msg.in_band and not msg.in_place:  # it leaves the epoch: none waits on it
+                w.waiting_since = None
             if msg.in_band:
                 self._report(
                     M.WorkerError(
@@ -666,25 +668,29 @@ class Agent:
                 w.readied()
             elif isinstance(msg, M.EpochEntered):
                 w.entered()
+                w.waiting_since = report.ts
             elif isinstance(msg, M.StepBegan):  # the monitor times the worker's step
                 w.step, w.tid, w.computing_since = msg.step, msg.tid, report.ts
+                w.waiting_since = None
             elif isinstance(msg, M.StepComputed):
-                w.computing_since = None
+                w.computing_since, w.waiting_since = None, report.ts
             elif isinstance(msg, M.WorkerDone):
                 w.done()
+                w.waiting_since = None
             self._report(report)
 
     # -- process supervision ----------------------------------------------------------------
     def _sample_cpu(self, now: float) -> None:
-        """Report the CPU time of each worker whose step has lasted a while: the coordinator
-        tells a starved worker from a hung one by it before killing (:mod:`unicron.detect.busy`)."""
+        """Report the CPU time of each worker whose step, or wait on its peers, has lasted a
+        while: the coordinator tells a starved worker from a hung one by it before killing
+        (:mod:`unicron.detect.busy`)."""
         for w in self.workers.values():
             at = w.sample_at()
             if at is None or now < at:
                 continue
-            assert w.pid is not None and w.tid is not None  # (sample_at)
+            assert w.pid is not None and w.sampled_tid is not None  # (sample_at)
             w.cpu_read_at = now
-            if (r := read_thread_clocks(w.pid, w.tid, _TICKS_PER_S)) is not None:
+            if (r := read_thread_clocks(w.pid, w.sampled_tid, _TICKS_PER_S)) is not None:
                 self._report(M.CpuTime(slot=w.slot, **asdict(r)))  # the same fields
 
     def _check_exits(self, now: float) -> None:

@@ -55,6 +55,10 @@ LAST_COPY_HANG_OVERRUN = 6.0
 """... and the last live copy of the task's state, with no checkpoint, whose CPU time gives
 no verdict (:func:`check_suspect`): killing it fails the task. A stall of such a member
 outside a step is given as many stall deadlines (:func:`check_stalls`)"""
+STARVED_STALL_OVERRUN = LAST_COPY_HANG_OVERRUN
+"""a member its peers wait for outside a step whose CPU readings show it starved (its
+threads runnable, waiting for a CPU: :func:`unicron.detect.busy.starved`) is given this many
+stall deadlines before it counts as stalled: one that runs for ever is killed then"""
 
 
 # -- reports -------------------------------------------------------------------------------
@@ -529,6 +533,18 @@ def check_stalls(b: TaskBook, now: float) -> None:
                 log.warning("task %s: %s; slot %d not killed yet: the last copy of the "
                             "state, and no checkpoint", b.label, stall.reason, s)  # fmt: skip
         return
+    starved = {s: why for s in stall.behind if b.slots[s].alive and (why := b.cpu.starved(s, now))}
+    if starved and stall.waited_s < STARVED_STALL_OVERRUN * deadline:
+        # waiting for a CPU, not stuck: held, and judged again every tick. Found beside CPU
+        # burners: a ZeRO member just restarted, through its step's vote but not yet heard
+        # from in the next step (its threads runnable, 61 ms of CPU in 12 s), killed at the
+        # deadline as "stuck in an earlier phase"
+        for s, why in starved.items():
+            if b.slots[s].spared != b.epoch:
+                b.slots[s].spared = b.epoch
+                log.warning("task %s: %s; slot %d not killed yet: %s", b.label, stall.reason,
+                            s, why)  # fmt: skip
+        return
     verdict = classify_detector("stall")
     for slot in stall.behind:
         o = b.slots[slot]
@@ -608,6 +624,7 @@ __all__ = [
     "FAST_EXCHANGE_S",
     "LONE_HANG_OVERRUN",
     "REJOIN_GRACE_S",
+    "STARVED_STALL_OVERRUN",
     "alone",
     "check_heartbeats",
     "check_monitor",

@@ -19,6 +19,11 @@ CPU_SAMPLE_AFTER_S = 0.2
 the 1 s hang floor two samples lie :data:`unicron.detect.busy.MIN_GAP_S` apart"""
 CPU_SAMPLE_EVERY_S = 0.2
 """and sampled again this often while it lasts (:mod:`unicron.detect.busy`)"""
+WAIT_SAMPLE_AFTER_S = 2.0
+"""a wait on the peers (joining an epoch, reducing a step) that has lasted this long gets the
+worker's CPU time sampled too, as often: a member the others wait for may be starved rather
+than stuck (:func:`unicron.control.health.check_stalls` asks). Well within the stall floor
+(5 s), and past an ordinary reduce: a task that trains costs no reads"""
 
 
 class WorkerState(enum.Enum):
@@ -96,6 +101,8 @@ class Worker:
     step: int | None = None
     kill_pending: bool = False  # asked to die before its pid was known
     computing_since: float | None = None  # its step began then and has not ended yet
+    waiting_since: float | None = None  # it entered an epoch or finished a step's compute
+    # then, and waits on its peers (joining, reducing) with no step begun since
     cpu_read_at: float = 0.0  # when its CPU time was last sampled (unicron.detect.busy)
     tid: int | None = None  # the thread that computes its steps (its CPU time is sampled)
 
@@ -111,17 +118,25 @@ class Worker:
         return self.state in _LIVE
 
     def sample_at(self) -> float | None:
-        """When the CPU time of the thread computing its step is sampled next (None: it
-        computes no step): :data:`CPU_SAMPLE_AFTER_S` into the step, then every
+        """When the CPU time of the thread computing its steps is sampled next (None: it
+        neither computes a step nor waits on its peers): :data:`CPU_SAMPLE_AFTER_S` into a
+        step, or :data:`WAIT_SAMPLE_AFTER_S` into a wait, then every
         :data:`CPU_SAMPLE_EVERY_S` (:mod:`unicron.detect.busy`)."""
-        if (
-            not self.alive
-            or self.pid is None
-            or self.tid is None  # sent with the step's begin, with computing_since
-            or self.computing_since is None
-        ):
+        if not self.alive or self.pid is None:
             return None
-        return max(self.computing_since + CPU_SAMPLE_AFTER_S, self.cpu_read_at + CPU_SAMPLE_EVERY_S)
+        if self.computing_since is not None and self.tid is not None:  # (sent together)
+            start = self.computing_since + CPU_SAMPLE_AFTER_S
+        elif self.waiting_since is not None:
+            start = self.waiting_since + WAIT_SAMPLE_AFTER_S
+        else:
+            return None
+        return max(start, self.cpu_read_at + CPU_SAMPLE_EVERY_S)
+
+    @property
+    def sampled_tid(self) -> int | None:
+        """The thread whose CPU time is sampled: the one computing its steps, or, before its
+        first step told it, the main thread (whose id is the process's)."""
+        return self.pid if self.tid is None else self.tid
 
     # -- the moves, by what happened ----------------------------------------------------------
     def spawned(self) -> None:

@@ -68,6 +68,7 @@ __all__ = [
     "read_cpu_s",
     "read_queued_s",
     "read_thread_clocks",
+    "starved",
 ]
 
 MIN_BUSY = 0.02
@@ -127,45 +128,14 @@ def judge(
     ``factor`` the hang factor: a step that has used more than ``factor x typical_cpu_s`` of CPU
     spins rather than computes. Without a yardstick a worker that advances is UNKNOWN.
     """
-    if len(samples) < 2:
-        return Cpu.UNKNOWN, "no CPU samples"
-    last = samples[-1]
-    if now - last.ts > FRESH_S:
-        return Cpu.UNKNOWN, f"no CPU sample for {now - last.ts:.2f} s"
-    prev = next((s for s in reversed(samples[:-1]) if last.ts - s.ts >= MIN_GAP_S), None)
-    if prev is None:
-        return Cpu.UNKNOWN, f"no two CPU samples {MIN_GAP_S:g} s apart"
+    read = _latest_pair(samples, now)
+    if isinstance(read, str):
+        return Cpu.UNKNOWN, read
+    last, prev = read
     span = last.ts - prev.ts
     busy = (last.cpu_s - prev.cpu_s) / span
     if busy < MIN_BUSY:
-        if last.runnable:  # still in the run queue: its wait is not counted until it runs
-            return Cpu.WORKING, (
-                f"runnable but not run ({busy:.0%} of a core over {span:.2f} s): starved, not hung"
-            )
-        if last.queued_s is not None and prev.queued_s is not None:
-            waiting = (last.queued_s - prev.queued_s) / span
-            if waiting >= MIN_BUSY:  # runnable, but others had the cores: starved
-                return Cpu.WORKING, (
-                    f"runnable but waiting for a CPU {waiting:.0%} of the last {span:.2f} s "
-                    f"(ran {busy:.0%}): starved, not hung"
-                )
-        if last.others_queued_s is not None and prev.others_queued_s is not None:
-            others = (last.others_queued_s - prev.others_queued_s) / span
-            if others >= MIN_BUSY:  # it may wait on one of them: a thread start, the GIL
-                return Cpu.UNKNOWN, (
-                    f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
-                    f"its other threads waited for a CPU {others:.0%} of it: it may wait on "
-                    "them"
-                )
-        if last.others_runnable and last.others_cpu_s is not None and prev.others_cpu_s is not None:
-            others = (last.others_cpu_s - prev.others_cpu_s) / span
-            if others < MIN_BUSY:  # runnable, not run: in the queue (its wait not yet counted)
-                return Cpu.UNKNOWN, (
-                    f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
-                    f"another of its threads is runnable and its other threads ran {others:.0%}:"
-                    " it may wait on one in the run queue"
-                )
-        return Cpu.IDLE, f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s)"
+        return _still(last, prev, span, busy)
     if began is None or typical_cpu_s is None:
         return Cpu.UNKNOWN, f"it uses {busy:.0%} of a core; no yardstick for the step's cost"
     used = last.cpu_s - began.cpu_s
@@ -180,17 +150,87 @@ def judge(
     )
 
 
+def starved(samples: Sequence[Sample], now: float) -> str | None:
+    """Why the worker whose readings are ``samples`` (in time order) is starved, or ``None``
+    (no fresh readings, or they show no such thing). Asked of a member its peers wait for
+    outside a step (:func:`unicron.control.health.check_stalls`): one whose thread stood
+    still while runnable, or while it or its other threads waited for a CPU, is starved
+    (the same readings :func:`judge` calls WORKING, or UNKNOWN for its other threads'
+    wait), not stuck. A thread that runs, or that stood still with nothing in the run
+    queue, is no such evidence."""
+    read = _latest_pair(samples, now)
+    if isinstance(read, str):
+        return None
+    last, prev = read
+    span = last.ts - prev.ts
+    busy = (last.cpu_s - prev.cpu_s) / span
+    if busy >= MIN_BUSY:
+        return None
+    cpu, why = _still(last, prev, span, busy)
+    return None if cpu is Cpu.IDLE else why
+
+
+def _latest_pair(samples: Sequence[Sample], now: float) -> tuple[Sample, Sample] | str:
+    """The newest reading and the newest at least :data:`MIN_GAP_S` before it, or why there
+    are none to compare (the newest must be :data:`FRESH_S` recent at ``now``)."""
+    if len(samples) < 2:
+        return "no CPU samples"
+    last = samples[-1]
+    if now - last.ts > FRESH_S:
+        return f"no CPU sample for {now - last.ts:.2f} s"
+    prev = next((s for s in reversed(samples[:-1]) if last.ts - s.ts >= MIN_GAP_S), None)
+    if prev is None:
+        return f"no two CPU samples {MIN_GAP_S:g} s apart"
+    return last, prev
+
+
+def _still(last: Sample, prev: Sample, span: float, busy: float) -> tuple[Cpu, str]:
+    """What a thread that got under :data:`MIN_BUSY` of a core between ``prev`` and ``last``
+    (``span`` apart) is: starved (WORKING) where it waits for a CPU, UNKNOWN where its other
+    threads do (it may wait on them), else IDLE."""
+    if last.runnable:  # still in the run queue: its wait is not counted until it runs
+        return Cpu.WORKING, (
+            f"runnable but not run ({busy:.0%} of a core over {span:.2f} s): starved, not hung"
+        )
+    if last.queued_s is not None and prev.queued_s is not None:
+        waiting = (last.queued_s - prev.queued_s) / span
+        if waiting >= MIN_BUSY:  # runnable, but others had the cores: starved
+            return Cpu.WORKING, (
+                f"runnable but waiting for a CPU {waiting:.0%} of the last {span:.2f} s "
+                f"(ran {busy:.0%}): starved, not hung"
+            )
+    if last.others_queued_s is not None and prev.others_queued_s is not None:
+        others = (last.others_queued_s - prev.others_queued_s) / span
+        if others >= MIN_BUSY:  # it may wait on one of them: a thread start, the GIL
+            return Cpu.UNKNOWN, (
+                f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
+                f"its other threads waited for a CPU {others:.0%} of it: it may wait on "
+                "them"
+            )
+    if last.others_runnable and last.others_cpu_s is not None and prev.others_cpu_s is not None:
+        others = (last.others_cpu_s - prev.others_cpu_s) / span
+        if others < MIN_BUSY:  # runnable, not run: in the queue (its wait not yet counted)
+            return Cpu.UNKNOWN, (
+                f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
+                f"another of its threads is runnable and its other threads ran {others:.0%}:"
+                " it may wait on one in the run queue"
+            )
+    return Cpu.IDLE, f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s)"
+
+
 _KEPT_STEPS = 8
 """steps whose CPU cost per worker is kept as the peers' evidence"""
 
 
 class CpuTimes:
     """What the coordinator knows of its workers' CPU time: fed from their step reports and
-    the agents' samples, asked by :meth:`working` before a hang suspect is killed."""
+    the agents' samples, asked by :meth:`judge` before a hang suspect is killed and by
+    :meth:`starved` before a member its peers wait for outside a step is."""
 
     def __init__(self) -> None:
         self._began: dict[int, tuple[int, Sample]] = {}  # slot -> step, CPU when it began
         self._samples: dict[int, deque[Sample]] = {}  # slot -> the agent's readings since
+        self._waiting: dict[int, deque[Sample]] = {}  # slot -> readings outside a step
         self._cost: dict[int, dict[int, float]] = {}  # step -> slot -> CPU it took
         self._own: dict[int, deque[float]] = {}  # slot -> CPU of its recent steps
         self.sampling = False
@@ -200,6 +240,7 @@ class CpuTimes:
     def began(self, slot: int, step: int, sample: Sample | None) -> None:
         """The worker in ``slot`` began ``step``, with ``sample`` its CPU time then."""
         self._samples.pop(slot, None)
+        self._waiting.pop(slot, None)
         if sample is None:
             self._began.pop(slot, None)
         else:
@@ -209,6 +250,7 @@ class CpuTimes:
         """The worker in ``slot`` finished computing ``step`` with ``cpu_s`` its CPU time."""
         began = self._began.pop(slot, None)
         self._samples.pop(slot, None)
+        self._waiting.pop(slot, None)  # (what it did before the step: the wait after is new)
         if cpu_s is None or began is None or began[0] != step:
             return
         cost = max(0.0, cpu_s - began[1].cpu_s)
@@ -218,15 +260,17 @@ class CpuTimes:
         self._own.setdefault(slot, deque(maxlen=_KEPT_STEPS)).append(cost)
 
     def sampled(self, slot: int, sample: Sample) -> None:
-        """The agent read the CPU time of the worker in ``slot`` during its step."""
+        """The agent read the CPU time of the worker in ``slot`` during its step, or while
+        it waits on its peers outside one."""
         self.sampling = True
-        if slot in self._began:
-            self._samples.setdefault(slot, deque(maxlen=_KEPT_STEPS)).append(sample)
+        kept = self._samples if slot in self._began else self._waiting
+        kept.setdefault(slot, deque(maxlen=_KEPT_STEPS)).append(sample)
 
     def forget(self, slot: int) -> None:
         """The worker in ``slot`` is gone or restarting."""
         self._began.pop(slot, None)
         self._samples.pop(slot, None)
+        self._waiting.pop(slot, None)
         self._own.pop(slot, None)
         for costs in self._cost.values():
             costs.pop(slot, None)
@@ -248,6 +292,11 @@ class CpuTimes:
             factor=factor,
             now=now,
         )
+
+    def starved(self, slot: int, now: float) -> str | None:
+        """:func:`starved` for the worker in ``slot``, outside a step (joining an epoch,
+        reducing a step), from the readings since its last step's end."""
+        return starved(list(self._waiting.get(slot, ())), now)
 
 
 def own_compute_s(compute_s: float, queued_s: float | None) -> float:
