@@ -68,6 +68,43 @@ def test_step_reports_carry_the_time_the_worker_sent_them(tmp_path: Path) -> Non
         agent.stop()
 
 
+def test_a_worker_is_sampled_while_it_computes_a_step_or_waits_on_its_peers(
+    tmp_path: Path, pid: int
+) -> None:
+    """What the worker says moves the agent's CPU sampling (:mod:`unicron.detect.busy`): a
+    step is timed from its begin, a wait on the peers from the epoch's entry or the step's
+    computed report; none once it left its epoch, finished or was restarted. Before its
+    first step told the computing thread, its main thread is read (a restarted worker's old
+    thread id is not kept)."""
+    config = AgentConfig(node=0, slots=[0], script="train.py", argv=[], faults=[], log_dir=tmp_path)
+    agent = Agent(config, link=None, task="t", store_address="127.0.0.1:1", store_key="")  # type: ignore[arg-type]
+    w = agent.workers[0]
+    _zygote_end, agent._zygote_conn = Pipe()  # (a restart is asked of it)
+    try:
+        w.spawned()
+        w.pid = pid
+        now = time.time()
+        agent._from_worker(0, M.EpochEntered(slot=0, ts=now, epoch=2))
+        assert w.computing_since is None and w.waiting_since is not None
+        assert w.sampled_tid == pid
+        agent._from_worker(0, M.StepBegan(slot=0, step=0, epoch=2, ts=now, cpu_s=1.0, tid=7))
+        assert w.computing_since is not None and w.waiting_since is None and w.sampled_tid == 7
+        agent._from_worker(0, M.StepComputed(slot=0, step=0, compute_s=0.1, ts=now, epoch=2))
+        assert w.computing_since is None and w.waiting_since is not None
+        agent._from_worker(0, M.StepBegan(slot=0, step=1, epoch=2, ts=now, cpu_s=1.0, tid=7))
+        agent._from_worker(0, M.EpochEntered(slot=0, ts=now, epoch=3))  # step 1 abandoned
+        assert w.computing_since is None and w.waiting_since is not None
+        error = M.Error(type_name="RuntimeError", message="Connection closed by peer",
+                        in_band=True, epoch=3)  # fmt: skip
+        agent._from_worker(0, error)  # it leaves the epoch
+        assert w.computing_since is None and w.waiting_since is None
+        agent._from_worker(0, M.EpochEntered(slot=0, ts=now, epoch=4))
+        agent.spawn(0)  # restarted
+        assert w.waiting_since is None and w.tid is None
+    finally:
+        agent.stop()
+
+
 def test_one_step_end_per_committed_step_leaves_the_node(tmp_path: Path) -> None:
     # every member reports the commit (so that the record survives one that dies right after
     # it); the coordinator logs the first: the agent passes on one per (epoch, step)
@@ -407,8 +444,8 @@ def test_a_round_waits_until_the_first_thing_due(tmp_path: Path, pid: int) -> No
         w.computing_since, w.cpu_read_at = None, 0.0  # its step computed: it reduces
         w.waiting_since = now - WAIT_SAMPLE_AFTER_S + 0.07  # a wait is sampled later
         assert agent.round_s(now) == pytest.approx(0.07)
-        w.tid = None  # before its first step: its main thread is sampled
-        assert agent.round_s(now) == pytest.approx(0.07) and w.sampled_tid == pid
+        w.waiting_since, w.cpu_read_at = now - 5.0, now - 0.45  # a wait: every 0.5 s
+        assert agent.round_s(now) == pytest.approx(0.05)
         w.waiting_since = None
         assert agent.round_s(now) == pytest.approx(0.1)
         w.eof_ts = now  # its socket closed: its exit status is polled for

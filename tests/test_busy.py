@@ -21,7 +21,7 @@ from unicron.detect.busy import (
     read_cpu_s,
     read_queued_s,
     read_thread_clocks,
-    starved,
+    waiting,
 )
 
 T0 = 1000.0
@@ -292,45 +292,52 @@ def test_the_peers_cost_of_the_step_is_the_yardstick() -> None:
 
 def test_a_member_waiting_on_its_peers_is_starved_only_while_it_waits_for_a_cpu() -> None:
     """Outside a step (joining an epoch, reducing a step) there is no step to cost: a member
-    its peers wait for is starved where its readings show it in the run queue (runnable and
-    not run, its wait counted, or its other threads' wait), and nothing is said otherwise:
-    still and nothing queued (stuck in a collective), running (a spin, or slow work), or no
-    fresh readings."""
+    its peers wait for is starved (WORKING) where its readings show its thread in the run
+    queue (runnable and not run, or its counted wait grown), blocked (IDLE) where it stood
+    still with nothing of its own queued, and nothing is said (UNKNOWN) while it runs (a
+    spin, or slow work), while only its other threads wait, or without fresh readings."""
     now = T0 + 1.6
     runnable = [Sample(s.ts, 1.0, runnable=True) for s in _samples(0.0)]
     queued = [Sample(s.ts, 1.0, 5.0 + 0.9 * (s.ts - T0)) for s in _samples(0.0)]
-    others = [Sample(s.ts, 1.0, 5.0, others_queued_s=0.5 * (s.ts - T0)) for s in _samples(0.0)]
-    for readings, words in ((runnable, "runnable but not run"), (queued, "waiting for a CPU"),
-                            (others, "other threads waited")):  # fmt: skip
-        why = starved(readings, now)
-        assert why is not None and words in why
+    for readings, words in ((runnable, "runnable but not run"), (queued, "waiting for a CPU")):
+        cpu, why = waiting(readings, now)
+        assert cpu is Cpu.WORKING and words in why
     asleep = [Sample(s.ts, 1.0, 5.0, runnable=False) for s in _samples(0.0)]
-    assert starved(asleep, now) is None
-    assert starved(_samples(0.5), now) is None  # it runs
-    assert starved(runnable, now + 5.0) is None  # stale
-    assert starved(runnable[:1], now) is None
+    assert waiting(asleep, now)[0] is Cpu.IDLE
+    others = [Sample(s.ts, 1.0, 5.0, others_queued_s=0.5 * (s.ts - T0)) for s in _samples(0.0)]
+    assert waiting(others, now)[0] is Cpu.UNKNOWN
+    assert waiting(_samples(0.5), now) == (Cpu.UNKNOWN, "it runs (50% of a core over 0.60 s)")
+    assert waiting(runnable, now + 5.0)[0] is Cpu.UNKNOWN  # stale
+    assert waiting(runnable[:1], now)[0] is Cpu.UNKNOWN
 
 
 def test_the_readings_outside_a_step_are_kept_apart_from_the_steps() -> None:
     """The agent samples a member that waits on its peers too; those readings are asked by
-    :meth:`CpuTimes.starved`, and a step's begin or end starts them afresh (the wait after a
-    step's compute is a new one)."""
+    :meth:`CpuTimes.waiting`, and a step's begin or end, or an epoch's entry (which abandons
+    a step begun), starts them afresh."""
     cpu = CpuTimes()
-    for s in _samples(0.0):
-        cpu.sampled(0, Sample(s.ts, s.cpu_s, runnable=True))  # before its first step
-    assert cpu.starved(0, T0 + 1.6) is not None
+
+    def read(start: float) -> None:
+        for s in _samples(0.0, start=start):
+            cpu.sampled(0, Sample(s.ts, s.cpu_s, runnable=True))
+
+    read(T0 + 0.5)  # before its first step
+    assert cpu.waiting(0, T0 + 1.6)[0] is Cpu.WORKING
     cpu.began(0, 0, Sample(T0 + 2, 1.0))
-    assert cpu.starved(0, T0 + 1.6) is None
-    for s in _samples(0.0, start=T0 + 2.5):
-        cpu.sampled(0, Sample(s.ts, s.cpu_s, runnable=True))  # a step's readings
-    assert cpu.starved(0, T0 + 3.6) is None
+    assert cpu.waiting(0, T0 + 1.6)[0] is Cpu.UNKNOWN
+    read(T0 + 2.5)  # the step's readings
+    assert cpu.waiting(0, T0 + 3.6)[0] is Cpu.UNKNOWN
     assert cpu.judge(0, 0, factor=3.0, now=T0 + 3.6)[0] is Cpu.WORKING
     cpu.computed(0, 0, 1.0)
-    for s in _samples(0.0, start=T0 + 4.5):
-        cpu.sampled(0, Sample(s.ts, s.cpu_s, runnable=True))  # reducing
-    assert cpu.starved(0, T0 + 5.6) is not None
+    read(T0 + 4.5)  # reducing
+    assert cpu.waiting(0, T0 + 5.6)[0] is Cpu.WORKING
+    cpu.began(0, 1, Sample(T0 + 6, 1.0))
+    cpu.entered(0)  # its epoch broke: step 1 is abandoned, and it joins the next
+    read(T0 + 6.5)
+    assert cpu.waiting(0, T0 + 7.6)[0] is Cpu.WORKING
+    assert cpu.judge(0, 1, factor=3.0, now=T0 + 7.6)[0] is Cpu.UNKNOWN
     cpu.forget(0)
-    assert cpu.starved(0, T0 + 5.6) is None
+    assert cpu.waiting(0, T0 + 7.6)[0] is Cpu.UNKNOWN
 
 
 def test_its_own_steps_are_the_yardstick_without_peers() -> None:

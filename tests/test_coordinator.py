@@ -704,16 +704,16 @@ def test_a_stalled_last_copy_of_the_state_is_given_longer_before_it_is_killed(
     assert kill.slot == 2 and kill.verdict.kind == "stall"
 
 
-@pytest.mark.parametrize("waits_for_a_cpu", [True, False])
+@pytest.mark.parametrize("readings", ["starved", "blocked", "starved, then none"])
 def test_a_member_the_others_wait_for_while_it_waits_for_a_cpu_is_given_longer(
-    tmp_path: Path, waits_for_a_cpu: bool
+    tmp_path: Path, readings: str
 ) -> None:
     """Found beside CPU burners (``make test-loaded``, stop 69): a ZeRO member just restarted
     got through its step's vote, then was not heard from for 12 s (its threads runnable, 61 ms
     of CPU in that time) and was killed at the stall deadline as "stuck in an earlier phase".
     Where its agent's readings show it waiting for a CPU it is held, up to
-    :data:`STARVED_STALL_OVERRUN` deadlines; where they show it still with nothing queued
-    (stuck), it is killed at the deadline, as before."""
+    :data:`STARVED_STALL_OVERRUN` deadlines, also when the readings stop (the agent starved
+    too); where they show it blocked with nothing queued, it is killed at the deadline."""
     k = Cluster(tmp_path)
     c = k.c
     t = _slot_2_never_enters(k)
@@ -722,17 +722,48 @@ def test_a_member_the_others_wait_for_while_it_waits_for_a_cpu_is_given_longer(
     ts = t + 0.01
     while not killed and ts < t + deadline * (STARVED_STALL_OVERRUN + 1):
         ts += 0.2
-        reading = M.CpuTime(slot=2, ts=ts, cpu_s=10.0, runnable=waits_for_a_cpu)
-        c.exchange(0, [reading], ts, read_until=ts)
+        starved = readings == "starved" or (readings != "blocked" and ts < t + 1.2 * deadline)
+        reading = M.CpuTime(slot=2, ts=ts, cpu_s=10.0, runnable=starved)
+        c.exchange(0, [reading] if readings == "blocked" or starved else [], ts, read_until=ts)
         c.tick(ts)
         killed += [ts - t for a in k.actions(Kill) if a.slot == 2]
     (at,) = killed
-    if waits_for_a_cpu:
-        assert STARVED_STALL_OVERRUN * deadline < at < (STARVED_STALL_OVERRUN + 0.5) * deadline
-        (held,) = [e for e in k.events("error_detected") if e.get("method") == "stall"]
-        assert "outside epoch 2" in held["reason"]
-    else:
+    if readings == "blocked":
         assert deadline < at < deadline + 0.5
+        return
+    assert STARVED_STALL_OVERRUN * deadline < at < (STARVED_STALL_OVERRUN + 0.5) * deadline
+    (found,) = [e for e in k.events("error_detected") if e.get("method") == "stall"]
+    assert "outside epoch 2" in found["reason"]
+
+
+def test_a_starved_member_holds_back_no_stuck_one_beside_it(tmp_path: Path) -> None:
+    """Of two members the others wait for, the starved one is held and the blocked one is
+    killed at the deadline; a starved member whose readings later show it blocked (nothing
+    of its own queued) is killed at once."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(10, 0.0)
+    c.worker_failed(3, verdict_for_kind("killed"), t)
+    c.epoch_entered(0, 2, t + 0.01)  # 1 and 2 never enter epoch 2
+    deadline = c.stall_deadline()
+    ts = t + 0.01
+
+    def read(until: float, runnable: dict[int, bool]) -> list[int]:
+        nonlocal ts
+        while ts < until:
+            ts += 0.2
+            cpu = [M.CpuTime(slot=s, ts=ts, cpu_s=10.0, runnable=r) for s, r in runnable.items()]
+            c.exchange(0, cpu, ts, read_until=ts)
+            c.tick(ts)
+            k.actions(Kill)  # (an exchange's reply would take them)
+        return [a.slot for a in k.actions(Kill)]
+
+    assert read(t + deadline + 1.0, {1: True, 2: False}) == [2]
+    c.worker_failed(2, verdict_for_kind("stall"), ts)  # its exit: epoch 3 of 0, 1
+    assert c.epoch == 3
+    c.epoch_entered(0, 3, ts + 0.01)
+    assert read(ts + deadline + 1.0, {1: True}) == [2]  # still held
+    assert read(ts + 0.8, {1: False}) == [2, 1]
 
 
 def test_a_member_writing_its_final_files_after_the_others_finished_is_no_stall(

@@ -377,7 +377,7 @@ class Agent:
         if w.pid is not None and w.alive:
             self._kill(w.pid)
         w.incarnation += 1
-        w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step = (None,) * 7
+        w.pid, w.conn, w.popen, w.eof_ts, w.error, w.verdict, w.step, w.tid = (None,) * 8
         w.computing_since = w.waiting_since = None
         w.kill_pending = False
         w.spawned()
@@ -644,8 +644,8 @@ class Agent:
             self._report(
                 M.Detected(slot=slot, ts=now, step=step, verdict=verdict, method="exception")
             )
-            if msg.in_band and not msg.in_place:  # it leaves the epoch: none waits on it
-                w.waiting_since = None
+            if msg.in_band and not msg.in_place:  # it leaves the epoch: no step, no wait
+                w.computing_since = w.waiting_since = None
             if msg.in_band:
                 self._report(
                     M.WorkerError(
@@ -666,9 +666,9 @@ class Agent:
                 raise ValueError(f"not a worker's message: {msg!r}")
             if isinstance(msg, M.Ready):
                 w.readied()
-            elif isinstance(msg, M.EpochEntered):
+            elif isinstance(msg, M.EpochEntered):  # a step it had begun is abandoned
                 w.entered()
-                w.waiting_since = report.ts
+                w.computing_since, w.waiting_since = None, report.ts
             elif isinstance(msg, M.StepBegan):  # the monitor times the worker's step
                 w.step, w.tid, w.computing_since = msg.step, msg.tid, report.ts
                 w.waiting_since = None

@@ -16,6 +16,7 @@ exchange rhythm (:func:`next_exchange_s`, :func:`judge_now`).
 from __future__ import annotations
 
 import logging
+import math
 
 from unicron.control import failures, membership
 from unicron.control.book import TaskBook, TaskState
@@ -56,9 +57,9 @@ LAST_COPY_HANG_OVERRUN = 6.0
 no verdict (:func:`check_suspect`): killing it fails the task. A stall of such a member
 outside a step is given as many stall deadlines (:func:`check_stalls`)"""
 STARVED_STALL_OVERRUN = LAST_COPY_HANG_OVERRUN
-"""a member its peers wait for outside a step whose CPU readings show it starved (its
-threads runnable, waiting for a CPU: :func:`unicron.detect.busy.starved`) is given this many
-stall deadlines before it counts as stalled: one that runs for ever is killed then"""
+"""a member its peers wait for outside a step whose CPU readings showed it starved in this
+wait (its thread runnable, waiting for a CPU: :func:`unicron.detect.busy.waiting`), and not
+blocked since, is given this many stall deadlines before it counts as stalled"""
 
 
 # -- reports -------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ def epoch_entered(b: TaskBook, slot: int, epoch: int, now: float) -> None:
     if epoch == b.epoch and o.has_state and o.killed_at is None:
         b.sources = {epoch: b.sources.get(epoch, set()) | b.shards(slot)}
     o.progress = Progress(epoch, Phase.JOIN, -1, now)
+    b.cpu.entered(slot)
     o.entering_lay = b.epoch_layouts.get(epoch)
     if o.done is not None and int(o.done.get("epoch", -1)) < epoch:
         o.done = None  # a finished worker serves a newer epoch: it reports again from there
@@ -533,31 +535,48 @@ def check_stalls(b: TaskBook, now: float) -> None:
                 log.warning("task %s: %s; slot %d not killed yet: the last copy of the "
                             "state, and no checkpoint", b.label, stall.reason, s)  # fmt: skip
         return
-    starved = {s: why for s in stall.behind if b.slots[s].alive and (why := b.cpu.starved(s, now))}
-    if starved and stall.waited_s < STARVED_STALL_OVERRUN * deadline:
+    behind = stall.behind
+    if stall.waited_s < STARVED_STALL_OVERRUN * deadline:
         # waiting for a CPU, not stuck: held, and judged again every tick. Found beside CPU
-        # burners: a ZeRO member just restarted, through its step's vote but not yet heard
-        # from in the next step (its threads runnable, 61 ms of CPU in 12 s), killed at the
-        # deadline as "stuck in an earlier phase"
-        for s, why in starved.items():
-            if b.slots[s].spared != b.epoch:
-                b.slots[s].spared = b.epoch
-                log.warning("task %s: %s; slot %d not killed yet: %s", b.label, stall.reason,
-                            s, why)  # fmt: skip
-        return
+        # burners: a ZeRO member just restarted, through its step's vote but not heard from
+        # in the next step for 12 s (its threads runnable, 61 ms of CPU in that time), killed
+        # at the deadline as "stuck in an earlier phase"
+        behind = tuple(s for s in behind if not _starved(b, s, stall.reason, now))
+        if not behind:
+            return
     verdict = classify_detector("stall")
-    for slot in stall.behind:
+    for slot in behind:
         o = b.slots[slot]
         if not o.alive:
             continue
         p = o.progress
         b.detected(slot, p.step if p else None, verdict, now, "stall", reason=stall.reason)
-        o.progress = None
+        o.progress, o.starved_at = None, None
         b.kill(slot, verdict, now)
     for m in b.members:  # the waiters' clocks restart: judged once per stall
         p = b.slots.progress_of(m)
         if p is not None and p.epoch == b.epoch:
             b.slots[m].progress = Progress(p.epoch, p.phase, p.step, now)
+
+
+def _starved(b: TaskBook, slot: int, reason: str, now: float) -> bool:
+    """Whether ``slot``, waited for outside a step, is starved rather than stalled: its CPU
+    readings say so now, or did since its last report and none has shown it blocked since
+    (fresh readings come and go on a loaded machine, the agent starved too, and a starved
+    thread gets a slice now and then). The first evidence of a wait is logged."""
+    o = b.slots[slot]
+    if not o.alive:
+        return False
+    cpu, why = b.cpu.waiting(slot, now)
+    since = o.progress.since if o.progress is not None else -math.inf
+    if cpu is Cpu.IDLE:
+        o.starved_at = None
+        return False
+    if cpu is Cpu.WORKING:
+        if o.starved_at is None or o.starved_at < since:
+            log.warning("task %s: %s; slot %d not killed yet: %s", b.label, reason, slot, why)
+        o.starved_at = now
+    return o.starved_at is not None and o.starved_at >= since
 
 
 def finish_deadline(b: TaskBook) -> float:

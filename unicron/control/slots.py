@@ -158,8 +158,10 @@ class Slot:
     mb_compute_s: float | None = None  # its latest compute time per micro-batch
     suspect: Suspect | None = None  # a suspected hang
     held: int | None = None  # the step its CPU time held a kill back in
-    spared: int | None = None  # the epoch in which a stall's kill of it was held back (the
-    # last copy of (part of) the state, or starved: unicron.control.health.check_stalls)
+    spared: int | None = None  # the epoch in whose join a stall's kill of it, the last copy
+    # of (part of) the state, was held back (:func:`unicron.control.health.check_stalls`)
+    starved_at: float | None = None  # when its CPU readings last showed it starved while
+    # its peers waited for it outside a step (unicron.control.health.check_stalls)
     pending_error: PendingError | None = None  # an in-band error in its grace period
     # -- exclusion and readmission
     excluded_at: float | None = None  # when it was excluded (or its probe was re-timed)

@@ -21,9 +21,12 @@ CPU_SAMPLE_EVERY_S = 0.2
 """and sampled again this often while it lasts (:mod:`unicron.detect.busy`)"""
 WAIT_SAMPLE_AFTER_S = 2.0
 """a wait on the peers (joining an epoch, reducing a step) that has lasted this long gets the
-worker's CPU time sampled too, as often: a member the others wait for may be starved rather
-than stuck (:func:`unicron.control.health.check_stalls` asks). Well within the stall floor
-(5 s), and past an ordinary reduce: a task that trains costs no reads"""
+worker's CPU time sampled too: a member the others wait for may be starved rather than stuck
+(:func:`unicron.control.health.check_stalls` asks). Well within the stall floor (5 s), and
+past an ordinary reduce: a task that trains costs no reads"""
+WAIT_SAMPLE_EVERY_S = 0.5
+"""... every this often while the wait lasts (waits can last minutes: a restarted peer); two
+readings :data:`unicron.detect.busy.MIN_GAP_S` apart are all the judge compares"""
 
 
 class WorkerState(enum.Enum):
@@ -120,17 +123,19 @@ class Worker:
     def sample_at(self) -> float | None:
         """When the CPU time of the thread computing its steps is sampled next (None: it
         neither computes a step nor waits on its peers): :data:`CPU_SAMPLE_AFTER_S` into a
-        step, or :data:`WAIT_SAMPLE_AFTER_S` into a wait, then every
-        :data:`CPU_SAMPLE_EVERY_S` (:mod:`unicron.detect.busy`)."""
+        step, then every :data:`CPU_SAMPLE_EVERY_S`; :data:`WAIT_SAMPLE_AFTER_S` into a wait,
+        then every :data:`WAIT_SAMPLE_EVERY_S` (:mod:`unicron.detect.busy`)."""
         if not self.alive or self.pid is None:
             return None
         if self.computing_since is not None and self.tid is not None:  # (sent together)
-            start = self.computing_since + CPU_SAMPLE_AFTER_S
-        elif self.waiting_since is not None:
-            start = self.waiting_since + WAIT_SAMPLE_AFTER_S
-        else:
-            return None
-        return max(start, self.cpu_read_at + CPU_SAMPLE_EVERY_S)
+            return max(
+                self.computing_since + CPU_SAMPLE_AFTER_S, self.cpu_read_at + CPU_SAMPLE_EVERY_S
+            )
+        if self.waiting_since is not None:
+            return max(
+                self.waiting_since + WAIT_SAMPLE_AFTER_S, self.cpu_read_at + WAIT_SAMPLE_EVERY_S
+            )
+        return None
 
     @property
     def sampled_tid(self) -> int | None:

@@ -68,7 +68,7 @@ __all__ = [
     "read_cpu_s",
     "read_queued_s",
     "read_thread_clocks",
-    "starved",
+    "waiting",
 ]
 
 MIN_BUSY = 0.02
@@ -150,24 +150,23 @@ def judge(
     )
 
 
-def starved(samples: Sequence[Sample], now: float) -> str | None:
-    """Why the worker whose readings are ``samples`` (in time order) is starved, or ``None``
-    (no fresh readings, or they show no such thing). Asked of a member its peers wait for
-    outside a step (:func:`unicron.control.health.check_stalls`): one whose thread stood
-    still while runnable, or while it or its other threads waited for a CPU, is starved
-    (the same readings :func:`judge` calls WORKING, or UNKNOWN for its other threads'
-    wait), not stuck. A thread that runs, or that stood still with nothing in the run
-    queue, is no such evidence."""
+def waiting(samples: Sequence[Sample], now: float) -> tuple[Cpu, str]:
+    """What the readings ``samples`` (in time order) of a member its peers wait for outside a
+    step (joining an epoch, reducing a step: :func:`unicron.control.health.check_stalls`)
+    say, and why. There is no step to cost: WORKING is starved (its thread still while
+    runnable, or while its own wait in the run queue grew), IDLE still with nothing of its own
+    queued (blocked: stuck in a collective, or waiting on a peer); UNKNOWN without fresh
+    readings, while it runs (slow work, or a spin), or while only its other threads wait for
+    a CPU (it may wait on them, or merely sleep while they wake)."""
     read = _latest_pair(samples, now)
     if isinstance(read, str):
-        return None
+        return Cpu.UNKNOWN, read
     last, prev = read
     span = last.ts - prev.ts
     busy = (last.cpu_s - prev.cpu_s) / span
     if busy >= MIN_BUSY:
-        return None
-    cpu, why = _still(last, prev, span, busy)
-    return None if cpu is Cpu.IDLE else why
+        return Cpu.UNKNOWN, f"it runs ({busy:.0%} of a core over {span:.2f} s)"
+    return _still(last, prev, span, busy)
 
 
 def _latest_pair(samples: Sequence[Sample], now: float) -> tuple[Sample, Sample] | str:
@@ -225,7 +224,7 @@ _KEPT_STEPS = 8
 class CpuTimes:
     """What the coordinator knows of its workers' CPU time: fed from their step reports and
     the agents' samples, asked by :meth:`judge` before a hang suspect is killed and by
-    :meth:`starved` before a member its peers wait for outside a step is."""
+    :meth:`waiting` before a member its peers wait for outside a step is."""
 
     def __init__(self) -> None:
         self._began: dict[int, tuple[int, Sample]] = {}  # slot -> step, CPU when it began
@@ -293,10 +292,17 @@ class CpuTimes:
             now=now,
         )
 
-    def starved(self, slot: int, now: float) -> str | None:
-        """:func:`starved` for the worker in ``slot``, outside a step (joining an epoch,
-        reducing a step), from the readings since its last step's end."""
-        return starved(list(self._waiting.get(slot, ())), now)
+    def entered(self, slot: int) -> None:
+        """The worker in ``slot`` entered an epoch: a step it had begun is abandoned (it is
+        begun again there), and what it does now is a wait on its peers."""
+        self._began.pop(slot, None)
+        self._samples.pop(slot, None)
+        self._waiting.pop(slot, None)
+
+    def waiting(self, slot: int, now: float) -> tuple[Cpu, str]:
+        """:func:`waiting` for the worker in ``slot``, outside a step (joining an epoch,
+        reducing a step), from the readings since it entered the epoch or ended its step."""
+        return waiting(list(self._waiting.get(slot, ())), now)
 
 
 def own_compute_s(compute_s: float, queued_s: float | None) -> float:
