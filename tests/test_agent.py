@@ -99,6 +99,11 @@ def test_a_worker_is_sampled_while_it_computes_a_step_or_waits_on_its_peers(
         agent._from_worker(0, error)  # it leaves the epoch
         assert w.computing_since is None and w.waiting_since is None
         agent._from_worker(0, M.EpochEntered(slot=0, ts=now, epoch=4))
+        done = M.WorkerDone(slot=0, ts=now, steps=2, final_loss=1.0, params_sha256="x",
+                            rank=0, epoch=4)  # fmt: skip
+        agent._from_worker(0, done)  # finished
+        assert w.computing_since is None and w.waiting_since is None
+        agent._from_worker(0, M.EpochEntered(slot=0, ts=now, epoch=5))
         agent.spawn(0)  # restarted
         assert w.waiting_since is None and w.tid is None
     finally:

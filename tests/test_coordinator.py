@@ -711,16 +711,17 @@ def test_a_member_the_others_wait_for_while_it_waits_for_a_cpu_is_given_longer(
     """Found beside CPU burners (``make test-loaded``, stop 69): a ZeRO member just restarted
     got through its step's vote, then was not heard from for 12 s (its threads runnable, 61 ms
     of CPU in that time) and was killed at the stall deadline as "stuck in an earlier phase".
-    Where its agent's readings show it waiting for a CPU it is held, up to
-    :data:`STARVED_STALL_OVERRUN` deadlines, also when the readings stop (the agent starved
-    too); where they show it blocked with nothing queued, it is killed at the deadline."""
+    Where its agent's readings show it waiting for a CPU it is held, for
+    :data:`STARVED_STALL_OVERRUN` deadlines from that evidence (first asked at the deadline),
+    also when the readings stop (the agent starved too); where they show it blocked with
+    nothing queued, it is killed at the deadline."""
     k = Cluster(tmp_path)
     c = k.c
     t = _slot_2_never_enters(k)
     deadline = c.stall_deadline()
     killed: list[float] = []
     ts = t + 0.01
-    while not killed and ts < t + deadline * (STARVED_STALL_OVERRUN + 1):
+    while not killed and ts < t + deadline * (STARVED_STALL_OVERRUN + 2):
         ts += 0.2
         starved = readings == "starved" or (readings != "blocked" and ts < t + 1.2 * deadline)
         reading = M.CpuTime(slot=2, ts=ts, cpu_s=10.0, runnable=starved)
@@ -731,9 +732,53 @@ def test_a_member_the_others_wait_for_while_it_waits_for_a_cpu_is_given_longer(
     if readings == "blocked":
         assert deadline < at < deadline + 0.5
         return
-    assert STARVED_STALL_OVERRUN * deadline < at < (STARVED_STALL_OVERRUN + 0.5) * deadline
+    held = (STARVED_STALL_OVERRUN + 1) * deadline
+    assert held < at < held + 0.5
     (found,) = [e for e in k.events("error_detected") if e.get("method") == "stall"]
     assert "outside epoch 2" in found["reason"]
+
+
+def test_a_starved_member_through_its_vote_is_held_and_its_successor_judged_afresh(
+    tmp_path: Path,
+) -> None:
+    """The shape of the finding: slot 2 reported step 10 computed and nothing since, while its
+    peers are in step 11's reduce (it took part in step 10's vote: its report of step 11 is
+    late). Starved, it is held; restarted (its exit), its successor, which never enters the
+    next epoch and sends no reading, is killed at that epoch's deadline: its predecessor's
+    evidence does not carry over."""
+    k = Cluster(tmp_path)
+    c = k.c
+    t = k.steps(10, 0.0)
+    for m in c.members:
+        c.step_started(m, 10, t, epoch=1)
+        c.step_computed(m, 10, t + 0.1, compute_s=0.1, microbatches=2)
+    c.step_committed(1, 10, t + 0.2)
+    for m in (0, 1, 3):
+        c.step_started(m, 11, t + 0.2, epoch=1)
+        c.step_computed(m, 11, t + 0.3, compute_s=0.1, microbatches=2)
+    deadline = c.stall_deadline()
+    ts = t + 0.3
+    while ts < t + 3 * deadline:
+        ts += 0.2
+        c.exchange(0, [M.CpuTime(slot=2, ts=ts, cpu_s=10.0, runnable=True)], ts, read_until=ts)
+        c.tick(ts)
+    assert k.actions(Kill) == []  # held: nothing detected yet
+    assert not [e for e in k.events("error_detected") if e.get("method") == "stall"]
+    c.worker_failed(2, verdict_for_kind("killed"), ts)  # it died of its own: epoch 2
+    assert c.epoch == 2 and [a.slot for a in k.actions(Spawn)] == [2]
+    c.worker_ready(2, ts + 0.1)  # its successor: epoch 3, which it never enters
+    assert c.epoch == 3
+    for m in (0, 1, 3):
+        c.epoch_entered(m, 3, ts + 0.2)
+    begun = ts + 0.2
+    killed: list[float] = []
+    while not killed and ts < begun + 3 * deadline:
+        ts += 0.2
+        c.exchange(0, [], ts, read_until=ts)
+        c.tick(ts)
+        killed += [ts - begun for a in k.actions(Kill) if a.slot == 2]
+    (at,) = killed
+    assert deadline < at < deadline + 0.5
 
 
 def test_a_starved_member_holds_back_no_stuck_one_beside_it(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ exchange rhythm (:func:`next_exchange_s`, :func:`judge_now`).
 from __future__ import annotations
 
 import logging
-import math
 
 from unicron.control import failures, membership
 from unicron.control.book import TaskBook, TaskState
@@ -59,7 +58,8 @@ outside a step is given as many stall deadlines (:func:`check_stalls`)"""
 STARVED_STALL_OVERRUN = LAST_COPY_HANG_OVERRUN
 """a member its peers wait for outside a step whose CPU readings showed it starved in this
 wait (its thread runnable, waiting for a CPU: :func:`unicron.detect.busy.waiting`), and not
-blocked since, is given this many stall deadlines before it counts as stalled"""
+blocked since, is given this many stall deadlines from that first reading before it counts
+as stalled"""
 
 
 # -- reports -------------------------------------------------------------------------------
@@ -535,15 +535,13 @@ def check_stalls(b: TaskBook, now: float) -> None:
                 log.warning("task %s: %s; slot %d not killed yet: the last copy of the "
                             "state, and no checkpoint", b.label, stall.reason, s)  # fmt: skip
         return
-    behind = stall.behind
-    if stall.waited_s < STARVED_STALL_OVERRUN * deadline:
-        # waiting for a CPU, not stuck: held, and judged again every tick. Found beside CPU
-        # burners: a ZeRO member just restarted, through its step's vote but not heard from
-        # in the next step for 12 s (its threads runnable, 61 ms of CPU in that time), killed
-        # at the deadline as "stuck in an earlier phase"
-        behind = tuple(s for s in behind if not _starved(b, s, stall.reason, now))
-        if not behind:
-            return
+    # waiting for a CPU, not stuck: held, and judged again every tick. Found beside CPU
+    # burners: a ZeRO member just restarted, through its step's vote but not heard from in
+    # the next step for 12 s (its threads runnable, 61 ms of CPU in that time), killed at the
+    # deadline as "stuck in an earlier phase"
+    behind = tuple(s for s in stall.behind if not _starved(b, s, stall.reason, deadline, now))
+    if not behind:
+        return
     verdict = classify_detector("stall")
     for slot in behind:
         o = b.slots[slot]
@@ -551,32 +549,36 @@ def check_stalls(b: TaskBook, now: float) -> None:
             continue
         p = o.progress
         b.detected(slot, p.step if p else None, verdict, now, "stall", reason=stall.reason)
-        o.progress, o.starved_at = None, None
+        o.progress, o.starved = None, None
         b.kill(slot, verdict, now)
     for m in b.members:  # the waiters' clocks restart: judged once per stall
         p = b.slots.progress_of(m)
-        if p is not None and p.epoch == b.epoch:
+        if p is not None and p.epoch == b.epoch and m not in stall.behind:
             b.slots[m].progress = Progress(p.epoch, p.phase, p.step, now)
 
 
-def _starved(b: TaskBook, slot: int, reason: str, now: float) -> bool:
+def _starved(b: TaskBook, slot: int, reason: str, deadline: float, now: float) -> bool:
     """Whether ``slot``, waited for outside a step, is starved rather than stalled: its CPU
-    readings say so now, or did since its last report and none has shown it blocked since
-    (fresh readings come and go on a loaded machine, the agent starved too, and a starved
-    thread gets a slice now and then). The first evidence of a wait is logged."""
+    readings showed it waiting for a CPU in this wait (since its last report), none has shown
+    it blocked since (fresh readings come and go on a loaded machine, the agent starved too,
+    and a starved thread gets a slice now and then), and the first of them came less than
+    :data:`STARVED_STALL_OVERRUN` deadlines ago. The first evidence of a wait is logged. (The
+    wait is told by its progress's time, compared for equality only: the coordinator's clock
+    times the hold.)"""
     o = b.slots[slot]
     if not o.alive:
         return False
     cpu, why = b.cpu.waiting(slot, now)
-    since = o.progress.since if o.progress is not None else -math.inf
-    if cpu is Cpu.IDLE:
-        o.starved_at = None
+    wait = o.progress.since if o.progress is not None else None
+    if o.starved is not None and o.starved[0] != wait:
+        o.starved = None  # evidence of an earlier wait
+    if cpu is Cpu.IDLE or b.cpu.read_at(slot) is None:
+        o.starved = None
         return False
-    if cpu is Cpu.WORKING:
-        if o.starved_at is None or o.starved_at < since:
-            log.warning("task %s: %s; slot %d not killed yet: %s", b.label, reason, slot, why)
-        o.starved_at = now
-    return o.starved_at is not None and o.starved_at >= since
+    if cpu is Cpu.WORKING and o.starved is None:
+        o.starved = (wait, now)
+        log.warning("task %s: %s; slot %d not killed yet: %s", b.label, reason, slot, why)
+    return o.starved is not None and now - o.starved[1] < STARVED_STALL_OVERRUN * deadline
 
 
 def finish_deadline(b: TaskBook) -> float:

@@ -160,8 +160,9 @@ class Slot:
     held: int | None = None  # the step its CPU time held a kill back in
     spared: int | None = None  # the epoch in whose join a stall's kill of it, the last copy
     # of (part of) the state, was held back (:func:`unicron.control.health.check_stalls`)
-    starved_at: float | None = None  # when its CPU readings last showed it starved while
-    # its peers waited for it outside a step (unicron.control.health.check_stalls)
+    starved: tuple[float | None, float] | None = None  # its CPU readings showed it starved
+    # while its peers waited for it outside a step: the wait (its progress's time, None: no
+    # progress) and when the coordinator first saw it (unicron.control.health.check_stalls)
     pending_error: PendingError | None = None  # an in-band error in its grace period
     # -- exclusion and readmission
     excluded_at: float | None = None  # when it was excluded (or its probe was re-timed)
@@ -216,7 +217,7 @@ class Slot:
         task is at ``epoch``."""
         self.to(_S.STARTING)
         self.born, self.done = epoch, None  # (a new worker: it has reported nothing)
-        self.killed_at = None
+        self.killed_at, self.starved = None, None
         self.state_lay, self.entering_lay = (0, 0), None
 
     def readied(self) -> None:
@@ -267,6 +268,7 @@ class Slot:
         """Drop what the detectors know of its worker (gone, or restarting); the monitor's and
         the CPU sampler's share is dropped by the caller."""
         self.computed = self.progress = self.mb_compute_s = self.suspect = None
+        self.starved = None
 
     def suspected(self, step: int, verdict: Verdict, reason: str) -> None:
         """Its step ``step`` is past its hang deadline: a hang once the evidence is in."""

@@ -299,6 +299,12 @@ class CpuTimes:
         self._samples.pop(slot, None)
         self._waiting.pop(slot, None)
 
+    def read_at(self, slot: int) -> float | None:
+        """When the newest reading of the worker in ``slot`` outside a step was taken (the
+        agent's clock), or ``None``: none since its last step's end or its epoch's entry."""
+        kept = self._waiting.get(slot)
+        return kept[-1].ts if kept else None
+
     def waiting(self, slot: int, now: float) -> tuple[Cpu, str]:
         """:func:`waiting` for the worker in ``slot``, outside a step (joining an epoch,
         reducing a step), from the readings since it entered the epoch or ended its step."""
