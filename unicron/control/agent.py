@@ -644,8 +644,7 @@ class Agent:
             self._report(
                 M.Detected(slot=slot, ts=now, step=step, verdict=verdict, method="exception")
             )
-            if msg.in_band and not msg.in_place:  # it leaves the epoch: no step, no wait
-                w.computing_since = w.waiting_since = None
+            w.timed(msg, now)
             if msg.in_band:
                 self._report(
                     M.WorkerError(
@@ -666,17 +665,11 @@ class Agent:
                 raise ValueError(f"not a worker's message: {msg!r}")
             if isinstance(msg, M.Ready):
                 w.readied()
-            elif isinstance(msg, M.EpochEntered):  # a step it had begun is abandoned
+            elif isinstance(msg, M.EpochEntered):
                 w.entered()
-                w.computing_since, w.waiting_since = None, report.ts
-            elif isinstance(msg, M.StepBegan):  # the monitor times the worker's step
-                w.step, w.tid, w.computing_since = msg.step, msg.tid, report.ts
-                w.waiting_since = None
-            elif isinstance(msg, M.StepComputed):
-                w.computing_since, w.waiting_since = None, report.ts
             elif isinstance(msg, M.WorkerDone):
                 w.done()
-                w.waiting_since = None
+            w.timed(msg, report.ts)  # the monitor times its step, the CPU sampler its waits
             self._report(report)
 
     # -- process supervision ----------------------------------------------------------------

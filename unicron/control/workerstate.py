@@ -137,6 +137,22 @@ class Worker:
             )
         return None
 
+    def timed(self, msg: M.LocalMessage, ts: float) -> None:
+        """What the worker's message ``msg``, sent at ``ts``, does to the clocks of its step
+        (:attr:`computing_since`) and of its wait on its peers (:attr:`waiting_since`): a
+        step runs from its begin to its computed report, a wait from then, or from an
+        epoch's entry (which abandons a step begun), to the next step; neither once it left
+        its epoch (an in-band error not retried in place) or finished."""
+        if isinstance(msg, M.StepBegan):
+            self.step, self.tid = msg.step, msg.tid
+            self.computing_since, self.waiting_since = ts, None
+        elif isinstance(msg, (M.EpochEntered, M.StepComputed)):
+            self.computing_since, self.waiting_since = None, ts
+        elif isinstance(msg, M.WorkerDone) or (
+            isinstance(msg, M.Error) and msg.in_band and not msg.in_place
+        ):
+            self.computing_since = self.waiting_since = None
+
     @property
     def sampled_tid(self) -> int | None:
         """The thread whose CPU time is sampled: the one computing its steps, or, before its
