@@ -36,6 +36,7 @@ from unicron.control.coordinator import Coordinator, CoordinatorSettings
 from unicron.control.effects import AnnounceEpoch, WriteStoreKey
 from unicron.control.escalation import Escalation, EscalationSettings
 from unicron.control.events import EventLog, read_events
+from unicron.control.keeper import PING_LIMIT_S, PING_S, Keeper
 from unicron.control.planning import logged_epoch
 from unicron.control.state import TaskRow, open_state
 from unicron.control.storeserver import capability
@@ -123,6 +124,50 @@ def test_the_probe_tells_a_store_from_a_silent_listener_and_a_closed_port(tmp_pa
         silent.close()
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_store_whose_port_closed_before_its_end_showed_is_said_to_have_ended(
+    tmp_path: Path,
+) -> None:
+    """A killed process closes its sockets before its end is visible, and a busy machine
+    stretches the gap: the loaded series saw a killed store called silent ("did not answer a
+    ping"). Here a stand-in closes its listener and lives 0.5 s on; a stopped store is still
+    called silent, at the ping's bound."""
+    keeper = Keeper(tmp_path, "127.0.0.1", embedded=True)
+    keeper.close(stop_store=True)
+    script = ("import socket, sys, time\n"
+              "s = socket.create_server(('127.0.0.1', 0))\n"
+              "print(s.getsockname()[1], flush=True)\n"
+              "sys.stdin.readline()\n"
+              "s.close()\n"
+              "time.sleep(0.5)\n")  # fmt: skip
+    dying = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)  # fmt: skip
+    stopped: subprocess.Popen[bytes] | None = None
+    try:
+        assert dying.stdout is not None and dying.stdin is not None
+        keeper.proc = dying
+        keeper.info = S.StoreInfo("127.0.0.1", int(dying.stdout.readline()), dying.pid)
+        dying.stdin.write(b"close\n")
+        dying.stdin.flush()
+        time.sleep(0.1)  # its port refuses, its process lives
+        keeper._pinged = time.monotonic() - PING_S
+        assert keeper.lost() == "its process ended"
+
+        stopped_info, stopped = S.start(tmp_path, "127.0.0.1", die_with_us=True)
+        keeper.proc, keeper.info = stopped, stopped_info
+        keeper._pinged = time.monotonic() - PING_S
+        assert keeper.lost() == ""
+        stopped.send_signal(signal.SIGSTOP)
+        keeper._pinged = time.monotonic() - PING_S
+        began = time.monotonic()
+        assert keeper.lost() == f"it did not answer a ping within {PING_LIMIT_S:g} s"
+        assert time.monotonic() - began < 10 * PING_LIMIT_S
+    finally:
+        dying.kill()
+        if stopped is not None:
+            stopped.kill()
+            stopped.wait()
 
 
 def test_a_request_the_store_never_answers_ends_in_its_bound(tmp_path: Path) -> None:

@@ -61,17 +61,32 @@ class Keeper:
     def lost(self) -> str:
         """Why the store is gone ("" while it is not): its process ended (asked every call, a
         system call), or it did not answer a ping within :data:`PING_LIMIT_S` (asked every
-        :data:`PING_S`: a process alive but stopped or hung)."""
-        if self.proc is not None and self.proc.poll() is not None:
+        :data:`PING_S`: a process alive but stopped or hung).
+
+        A ping refused or cut off early is given the rest of its bound to see the process
+        end: a killed process closes its sockets before its end is visible, and a busy
+        machine stretches that gap (the loaded series saw a killed store called silent)."""
+        if self._ended():
             return "its process ended"
-        if self.proc is None and self.info.host == self.host and not alive(self.info):
-            return "its process ended"  # (a store another host serves is asked by ping only)
         if time.monotonic() - self._pinged < PING_S:
             return ""
         self._pinged = time.monotonic()
         if store_answers(self.info.address, PING_LIMIT_S):
             return ""
+        here = self.proc is not None or self.info.host == self.host
+        while here and time.monotonic() < self._pinged + PING_LIMIT_S:
+            if self._ended():
+                return "its process ended"
+            time.sleep(0.01)
         return f"it did not answer a ping within {PING_LIMIT_S:g} s"
+
+    def _ended(self) -> bool:
+        """Whether the store's process is seen to have ended: this process's child by its
+        exit status, another process on this host by :func:`~unicron.control.store.alive`;
+        a store another host serves never (it is asked by ping only)."""
+        if self.proc is not None:
+            return self.proc.poll() is not None
+        return self.info.host == self.host and not alive(self.info)
 
     def answers(self) -> bool:
         """Whether the store answers a ping within :data:`PING_LIMIT_S` (asked after a

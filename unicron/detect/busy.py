@@ -128,12 +128,10 @@ def judge(
     ``factor`` the hang factor: a step that has used more than ``factor x typical_cpu_s`` of CPU
     spins rather than computes. Without a yardstick a worker that advances is UNKNOWN.
     """
-    read = _latest_pair(samples, now)
+    read = _latest_rate(samples, now)
     if isinstance(read, str):
         return Cpu.UNKNOWN, read
-    last, prev = read
-    span = last.ts - prev.ts
-    busy = (last.cpu_s - prev.cpu_s) / span
+    last, prev, span, busy = read
     if busy < MIN_BUSY:
         return _still(last, prev, span, busy)
     if began is None or typical_cpu_s is None:
@@ -158,20 +156,21 @@ def waiting(samples: Sequence[Sample], now: float) -> tuple[Cpu, str]:
     queued (blocked: stuck in a collective, or waiting on a peer); UNKNOWN without fresh
     readings, while it runs (slow work, or a spin), or while only its other threads wait for
     a CPU (it may wait on them, or merely sleep while they wake)."""
-    read = _latest_pair(samples, now)
+    read = _latest_rate(samples, now)
     if isinstance(read, str):
         return Cpu.UNKNOWN, read
-    last, prev = read
-    span = last.ts - prev.ts
-    busy = (last.cpu_s - prev.cpu_s) / span
+    last, prev, span, busy = read
     if busy >= MIN_BUSY:
         return Cpu.UNKNOWN, f"it runs ({busy:.0%} of a core over {span:.2f} s)"
     return _still(last, prev, span, busy)
 
 
-def _latest_pair(samples: Sequence[Sample], now: float) -> tuple[Sample, Sample] | str:
-    """The newest reading and the newest at least :data:`MIN_GAP_S` before it, or why there
-    are none to compare (the newest must be :data:`FRESH_S` recent at ``now``)."""
+def _latest_rate(
+    samples: Sequence[Sample], now: float
+) -> tuple[Sample, Sample, float, float] | str:
+    """The newest reading, the newest at least :data:`MIN_GAP_S` before it, the seconds
+    between them and the share of a core the thread used in them; or why there are none to
+    compare (the newest must be :data:`FRESH_S` recent at ``now``)."""
     if len(samples) < 2:
         return "no CPU samples"
     last = samples[-1]
@@ -180,7 +179,8 @@ def _latest_pair(samples: Sequence[Sample], now: float) -> tuple[Sample, Sample]
     prev = next((s for s in reversed(samples[:-1]) if last.ts - s.ts >= MIN_GAP_S), None)
     if prev is None:
         return f"no two CPU samples {MIN_GAP_S:g} s apart"
-    return last, prev
+    span = last.ts - prev.ts
+    return last, prev, span, (last.cpu_s - prev.cpu_s) / span
 
 
 def _still(last: Sample, prev: Sample, span: float, busy: float) -> tuple[Cpu, str]:
