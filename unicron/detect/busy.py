@@ -299,6 +299,19 @@ class CpuTimes:
         self._samples.pop(slot, None)
         self._waiting.pop(slot, None)
 
+    def step_cpu(self, slot: int, step: int) -> tuple[float, float] | None:
+        """The CPU time the worker in ``slot`` took for ``step`` and its peers' median, or
+        ``None`` where either is unknown. Asked by the straggler check for its reason: a
+        worker slow on the clock but not on the CPU was held off it, not slower."""
+        costs = self._cost.get(step, {})
+        own = costs.get(slot)
+        peers = sorted(c for s, c in costs.items() if s != slot)
+        if own is None or not peers:
+            return None
+        mid = len(peers) // 2
+        median = peers[mid] if len(peers) % 2 else (peers[mid - 1] + peers[mid]) / 2
+        return own, median
+
     def read_at(self, slot: int) -> float | None:
         """When the newest reading of the worker in ``slot`` outside a step was taken (the
         agent's clock), or ``None``: none since its last step's end or its epoch's entry."""
