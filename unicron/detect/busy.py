@@ -53,6 +53,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -305,12 +306,10 @@ class CpuTimes:
         worker slow on the clock but not on the CPU was held off it, not slower."""
         costs = self._cost.get(step, {})
         own = costs.get(slot)
-        peers = sorted(c for s, c in costs.items() if s != slot)
+        peers = [c for s, c in costs.items() if s != slot]
         if own is None or not peers:
             return None
-        mid = len(peers) // 2
-        median = peers[mid] if len(peers) % 2 else (peers[mid - 1] + peers[mid]) / 2
-        return own, median
+        return own, statistics.median(peers)
 
     def read_at(self, slot: int) -> float | None:
         """When the newest reading of the worker in ``slot`` outside a step was taken (the
