@@ -70,9 +70,12 @@ class Cluster:
         return [e for e in read_events(self.path) if e["event"] == name]
 
     def steps(self, n: int, t0: float, slots: tuple[int, ...] | None = None, dt: float = 0.1,
-              slow: dict[int, float] | None = None, queued: bool = False) -> float:  # fmt: skip
+              slow: dict[int, float] | None = None, queued: bool = False,
+              cpu: dict[int, float] | None = None) -> float:  # fmt: skip
         """Every member computes and commits ``n`` steps of ``dt`` seconds from ``t0``; the
-        ``slow`` ones take longer, for ``queued``: waiting in an oversubscribed run queue."""
+        ``slow`` ones take longer, for ``queued``: waiting in an oversubscribed run queue.
+        ``cpu``: the steps report their computing thread's clock too, a step costing ``dt``
+        times this factor of CPU (default 1)."""
         c, t = self.c, t0
         for _ in range(n):
             members = slots or c.members
@@ -81,12 +84,13 @@ class Cluster:
                 + 1
             )
             for m in members:
-                c.step_started(m, step, t, epoch=c.epoch)
+                c.step_started(m, step, t, epoch=c.epoch, cpu_s=None if cpu is None else t)
             for m in members:
                 f = (slow or {}).get(m, 1.0)
+                used = None if cpu is None else t + dt * cpu.get(m, 1.0)
                 c.step_computed(
                     m, step, t + dt * f, compute_s=dt * f, microbatches=2,
-                    queued_s=dt * (f - 1.0) if queued else 0.0,
+                    queued_s=dt * (f - 1.0) if queued else 0.0, cpu_s=used,
                 )  # fmt: skip
             t += dt * max((slow or {}).values(), default=1.0)
             c.step_committed(c.epoch, step, t)
@@ -1044,6 +1048,24 @@ def test_a_worker_last_in_the_run_queue_is_no_straggler(tmp_path: Path) -> None:
         k.steps(20, 0.0, slow={1: 3.0}, queued=queued)
         found = [e for e in k.events("error_detected") if e["kind"] == "straggler"]
         assert [e["slot"] for e in found] == ([] if queued else [1])
+
+
+@pytest.mark.parametrize(("cpu", "found_at"), [(4.0, 6), (1.0, 9)])
+def test_a_worker_held_off_the_cpu_waits_for_the_longer_straggler_verdict(
+    tmp_path: Path, cpu: float, found_at: int
+) -> None:
+    """4x its peers' compute from step 5 on: with the CPU time to match (a slower core) a
+    straggler after two steps, with its peers' CPU time (blocked, not computing: the loaded
+    runs' false positive) only after five, the reason carrying the CPU figures."""
+    k = Cluster(tmp_path, nodes=2, per_node=2)
+    t = k.steps(5, 0.0, cpu={})
+    k.steps(6, t, slow={1: 4.0}, cpu={1: cpu})
+    found = [e for e in k.events("error_detected") if e["kind"] == "straggler"]
+    assert [(e["slot"], e["step"]) for e in found] == [(1, found_at)]
+    assert (
+        f"CPU time of step {found_at}: {0.1 * cpu:.3f} s, peers' median 0.100 s"
+        in found[0]["reason"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -28,12 +28,19 @@ class Run:
         sigma: float = 0.1,
         spike_p: float = 0.01,
         polls: int = 3,
+        cpu: dict[int, float] | None = None,
     ) -> None:
+        """``cpu``: report each step's CPU time too, the compute's less the ``slow`` factor,
+        times this one (1: a slow worker held off the CPU, its slow factor: computing
+        slower); ``None``: no CPU times."""
         for _ in range(n):
             compute = base_s * self.rng.lognormal(0.0, sigma, workers)
             compute *= np.where(self.rng.random(workers) < spike_p, 2.0, 1.0)
+            cpu_s = compute.copy()
             for w, f in (slow or {}).items():
                 compute[w] *= f
+            for w, f in (cpu or {}).items():
+                cpu_s[w] *= f
             wall = float(compute.max()) + base_s * 0.2 * self.rng.random()
             for w in range(workers):
                 self.m.step_started(w, self.step, self.t + 0.0005 * self.rng.random())
@@ -41,7 +48,8 @@ class Run:
                 self.found += self.m.check(self.t + wall * k / polls - 1e-9)
             self.t += wall
             for w in range(workers):
-                self.m.step_finished(w, self.step, float(compute[w]), self.t)
+                own_cpu = None if cpu is None else float(cpu_s[w])
+                self.m.step_finished(w, self.step, float(compute[w]), self.t, cpu_s=own_cpu)
             self.found += self.m.check(self.t)
             self.step += 1
 
@@ -241,6 +249,39 @@ def test_a_stronger_slowdown_is_found_in_fewer_steps(factor: float, steps: int) 
     run.steps(10, base_s=0.05, slow={3: factor}, spike_p=0.0)
     stragglers = [(d.worker, d.step) for d in run.found if d.kind == "straggler"]
     assert stragglers == [(3, start + steps - 1)]
+
+
+@pytest.mark.parametrize(
+    ("cpu_factor", "check", "steps"), [(4.0, True, 2), (1.0, True, 5), (1.0, False, 2)]
+)
+def test_the_sooner_verdict_asks_the_cpu_time_to_agree(
+    cpu_factor: float, check: bool, steps: int
+) -> None:
+    """A worker 4x slower on the clock is found after 2 steps when its CPU time agrees (a
+    slower core); held off the CPU (its CPU time like its peers': blocked on the lock a
+    sibling thread holds), after the 5 of the mild path. An accelerator's monitor does not
+    ask (``straggler_cpu_check=False``): the clock decides."""
+    m = StepMonitor(MonitorSettings(straggler_cpu_check=check))
+    run = Run(m, seed=9)
+    run.steps(20, base_s=0.05, spike_p=0.0, cpu={})
+    start = run.step
+    run.steps(10, base_s=0.05, slow={3: 4.0}, spike_p=0.0, cpu={3: cpu_factor})
+    stragglers = [(d.worker, d.step) for d in run.found if d.kind == "straggler"]
+    assert stragglers == [(3, start + steps - 1)]
+
+
+def test_without_the_peers_cpu_times_the_clock_decides() -> None:
+    """Only the slow worker's CPU time known (its peers' reports carry none): no evidence
+    either way, so the two-step verdict stands on the clock."""
+    m = StepMonitor(MonitorSettings())
+    for step in range(12):
+        for w in range(3):
+            m.step_started(w, step, float(step))
+        for w in range(3):
+            slow = w == 2 and step >= 8
+            compute = 0.4 if slow else 0.1
+            m.step_finished(w, step, compute, step + 0.5, cpu_s=0.1 if w == 2 else None)
+    assert [(d.worker, d.step) for d in m.check(12.0) if d.kind == "straggler"] == [(2, 9)]
 
 
 def test_unequal_shares_are_judged_per_microbatch() -> None:

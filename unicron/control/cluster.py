@@ -459,7 +459,7 @@ class Cluster:
             events=task.events,
             escalation=Escalation(EscalationSettings(restart_window_s=spec.restart_window)),
             settings=settings,
-            monitor=StepMonitor(MonitorSettings()),
+            monitor=StepMonitor(MonitorSettings(straggler_cpu_check=spec.device == "cpu")),
             store=self.store.client(row.uid),
         )
         if adopt:  # the store's epochs, or the log's last one announced again on a new store

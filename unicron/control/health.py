@@ -211,14 +211,14 @@ def step_computed(
         return
     ep = _epoch_of(b, slot)
     s.computed, s.computed_epoch = step, ep
-    b.cpu.computed(slot, step, cpu_s)
+    cost = b.cpu.computed(slot, step, cpu_s)
     s.has_state, s.fresh = True, False
     s.progress = Progress(ep, Phase.REDUCE, step, now)
     own_s = own_compute_s(compute_s, queued_s)
     if microbatches:
         s.mb_compute_s = own_s / microbatches
     if b.monitor is not None:
-        b.monitor.step_finished(slot, step, own_s, now, microbatches=microbatches)
+        b.monitor.step_finished(slot, step, own_s, now, microbatches=microbatches, cpu_s=cost)
     b.escalation.healthy(slot=slot, now=now)
 
 

@@ -246,18 +246,20 @@ class CpuTimes:
         else:
             self._began[slot] = (step, sample)
 
-    def computed(self, slot: int, step: int, cpu_s: float | None) -> None:
-        """The worker in ``slot`` finished computing ``step`` with ``cpu_s`` its CPU time."""
+    def computed(self, slot: int, step: int, cpu_s: float | None) -> float | None:
+        """The worker in ``slot`` finished computing ``step`` with ``cpu_s`` its CPU time;
+        returns what the step cost it (``None``: unknown), for the straggler detector."""
         began = self._began.pop(slot, None)
         self._samples.pop(slot, None)
         self._waiting.pop(slot, None)  # (what it did before the step: the wait after is new)
         if cpu_s is None or began is None or began[0] != step:
-            return
+            return None
         cost = max(0.0, cpu_s - began[1].cpu_s)
         self._cost.setdefault(step, {})[slot] = cost
         while len(self._cost) > _KEPT_STEPS:
             del self._cost[min(self._cost)]
         self._own.setdefault(slot, deque(maxlen=_KEPT_STEPS)).append(cost)
+        return cost
 
     def sampled(self, slot: int, sample: Sample) -> None:
         """The agent read the CPU time of the worker in ``slot`` during its step, or while

@@ -45,6 +45,13 @@ Two detectors:
   its peers is found after 2 steps, one 2x slower after 5: a strong slowdown costs the task
   more per step, and one step alone, a GC pause, never makes a straggler). A legitimate
   change moves every peer together and leaves the ratio alone; a straggler moves alone.
+  On a CPU device (``straggler_cpu_check``) a step counts toward the sooner verdict only
+  when the CPU time it took the worker's computing thread (``cpu_s``, where the caller
+  knows it) also exceeds ``straggler_factor`` x its peers' median: a slower core spends more
+  CPU on the same work, while a thread held off the CPU, not queued for one but blocked (the
+  interpreter lock another of its threads holds while that one waits for a CPU on a loaded
+  machine), spends none; such steps still count toward ``straggler_steps``. On an
+  accelerator the kernels run off the thread, and the clock alone decides.
 
 Each condition is reported once: a hang once per (worker, step), a straggler once until it
 has been back within the factor for ``straggler_steps`` steps.
@@ -125,6 +132,10 @@ class MonitorSettings:
     straggler_min_steps: int = 2
     """... in this many consecutive steps is a straggler without waiting for
     ``straggler_steps`` slow steps"""
+    straggler_cpu_check: bool = True
+    """... provided each of those steps also took more than ``straggler_factor`` x its peers'
+    median CPU time, where the steps' CPU times are reported (a CPU device); ``False`` on an
+    accelerator, whose kernels' time is not the computing thread's CPU time"""
 
     def __post_init__(self) -> None:
         _check_range("warmup_steps", self.warmup_steps, 0, 10_000)
@@ -184,7 +195,9 @@ class _Worker:
     early: list[float] = field(default_factory=list)  # warm-up step durations after the cold one
     shifted: list[float] = field(default_factory=list)
     shift_side: int = 0
-    recent: deque[float] = field(default_factory=deque)  # ratio to peers (0: calm), last steps
+    recent: deque[tuple[float, bool]] = field(default_factory=deque)
+    """its last judged steps: (compute time / its peers' median, 0 when calm; whether the
+    step's CPU time, where known, agrees it was slow)"""
     slow_since: int = 0
     calm_streak: int = 0
     straggling: bool = False
@@ -203,6 +216,7 @@ class StepMonitor:
         self.settings = settings
         self._workers: dict[int, _Worker] = {}
         self._compute: dict[int, dict[int, float]] = {}  # step -> worker -> compute rate
+        self._cpu: dict[int, dict[int, float]] = {}  # step -> worker -> CPU time rate
         self._durations: dict[int, dict[int, tuple[int, float]]] = {}
         """step -> worker -> (the membership it computed the step in, its duration)"""
         self._membership = 0  # counts reset_expectation: durations of one membership compare
@@ -227,11 +241,13 @@ class StepMonitor:
         now: float,
         *,
         microbatches: int | None = None,
+        cpu_s: float | None = None,
     ) -> None:
         """Worker ``worker`` finished ``step`` at ``now``; ``compute_s`` is its own compute time
-        in that step, without waiting for peers. When replicas get unequal shares of the batch
-        (e.g. 4 micro-batches on 3 replicas), pass ``microbatches`` and stragglers are judged
-        on the time per micro-batch."""
+        in that step, without waiting for peers; ``cpu_s``, where known, the CPU time the step
+        took its computing thread (the evidence ``straggler_cpu_check`` asks for). When
+        replicas get unequal shares of the batch (e.g. 4 micro-batches on 3 replicas), pass
+        ``microbatches`` and stragglers are judged on the time per micro-batch."""
         w = self._worker(worker)
         duration = now - w.started_at if w.step == step and w.started_at is not None else None
         w.step, w.started_at, w.hang_reported = None, None, False
@@ -256,15 +272,17 @@ class StepMonitor:
         if math.isfinite(compute_s) and compute_s >= 0.0 and microbatches != 0:
             # (a replica that computed nothing, its share reused after a transition, says
             # nothing of its speed)
-            rate = compute_s / microbatches if microbatches else compute_s
-            self._compute.setdefault(step, {})[worker] = rate
+            share = microbatches or 1
+            self._compute.setdefault(step, {})[worker] = compute_s / share
+            if cpu_s is not None and math.isfinite(cpu_s) and cpu_s >= 0.0:
+                self._cpu.setdefault(step, {})[worker] = cpu_s / share
         self._judge_stragglers(now)
 
     def forget(self, worker: int) -> None:
         """Drop everything about ``worker`` (gone, or about to be restarted: it warms up anew)."""
         self._workers.pop(worker, None)
         self._paces = None
-        for reports in self._compute.values():
+        for reports in (*self._compute.values(), *self._cpu.values()):
             reports.pop(worker, None)
         for durations in self._durations.values():
             durations.pop(worker, None)
@@ -274,11 +292,11 @@ class StepMonitor:
         keeps its last expectation as a lenient stand-in (``relearn_factor``) and re-learns
         from its next steps; straggler streaks restart (the work split changed), except the
         steps a worker not yet reported was ``straggler_strong_factor`` times slower than its
-        peers: that is the worker, not the split (a slow worker caught by a membership change
-        would otherwise need two more slow steps after it). Peers' durations of a step in the
-        old membership say nothing of it computed again in the new one (another split of the
-        work): a step is judged by the durations of peers that computed it in the membership
-        it began in.
+        peers (its CPU time agreeing, where asked): that is the worker, not the split (a slow
+        worker caught by a membership change would otherwise need two more slow steps after
+        it). Peers' durations of a step in the old membership say nothing of it computed
+        again in the new one (another split of the work): a step is judged by the durations of
+        peers that computed it in the membership it began in.
 
         ``rebuilt``: the epoch runs another layout (a change of pipeline depth), so every
         worker's next step is the first of a model it has just built (new autograd graph,
@@ -305,11 +323,12 @@ class StepMonitor:
             w.window.clear()
             w.expected = None
             w.shifted, w.shift_side = [], 0
-            kept = [] if w.straggling else [x for x in w.recent if x >= strong]
+            kept = [] if w.straggling else [x for x in w.recent if x[0] >= strong and x[1]]
             w.recent.clear()
             w.recent.extend(kept)
             w.calm_streak, w.straggling = 0, False
         self._compute.clear()
+        self._cpu.clear()
         self._paces = None
 
     # ---- questions (the agent, on its timer) ------------------------------------------------
@@ -318,7 +337,7 @@ class StepMonitor:
         """A worker's recent steps include a slow one, and it is not a straggler yet: its next
         reports decide (the coordinator then asks its agents for them at once)."""
         return any(
-            not w.straggling and any(x > 0.0 for x in w.recent) for w in self._workers.values()
+            not w.straggling and any(x > 0.0 for x, _ in w.recent) for w in self._workers.values()
         )
 
     def expected_step_s(self) -> float | None:
@@ -518,9 +537,11 @@ class StepMonitor:
         for step in sorted(self._compute):
             if step > done_upto and len(self._compute) <= _MAX_PENDING_STEPS:
                 break
-            self._judge_step(step, self._compute.pop(step), now)
+            self._judge_step(step, self._compute.pop(step), self._cpu.pop(step, {}), now)
 
-    def _judge_step(self, step: int, reports: dict[int, float], now: float) -> None:
+    def _judge_step(
+        self, step: int, reports: dict[int, float], cpu: dict[int, float], now: float
+    ) -> None:
         s = self.settings
         if len(reports) < 2:
             return
@@ -530,7 +551,7 @@ class StepMonitor:
                 continue
             peers = _median([r for k, r in reports.items() if k != worker])
             slow = rate > s.straggler_factor * peers and rate - peers > s.straggler_min_excess_s
-            w.recent.append(rate / peers if slow else 0.0)
+            w.recent.append((rate / peers if slow else 0.0, slow and self._cpu_agrees(worker, cpu)))
             while len(w.recent) > s.straggler_steps + _STRAGGLER_NOISE_STEPS:
                 w.recent.popleft()
             if not slow:
@@ -540,13 +561,13 @@ class StepMonitor:
                 if w.calm_streak > _STRAGGLER_NOISE_STEPS:
                     w.recent.clear()  # a calm stretch, not noise inside a slow one
                 continue
-            slow_steps = sum(1 for x in w.recent if x > 0.0)
+            slow_steps = sum(1 for x, _ in w.recent if x > 0.0)
             if slow_steps == 1:
                 w.slow_since = step
             w.calm_streak = 0
             last = list(w.recent)[-s.straggler_min_steps :]
             strong = len(last) == s.straggler_min_steps and all(
-                x >= s.straggler_strong_factor for x in last
+                x >= s.straggler_strong_factor and agrees for x, agrees in last
             )
             if (slow_steps >= s.straggler_steps or strong) and not w.straggling:
                 w.straggling = True
@@ -556,3 +577,13 @@ class StepMonitor:
                     f"({w.slow_since}-{step})"
                 )
                 self._found.append(Detection("straggler", worker, step, reason, now))
+
+    def _cpu_agrees(self, worker: int, cpu: dict[int, float]) -> bool:
+        """Whether the CPU times of a step (``cpu``: worker -> its rate) agree that ``worker``,
+        slow on the clock, was slow: more than ``straggler_factor`` x its peers' median; so
+        they do where they are not asked for (an accelerator) or not known."""
+        s = self.settings
+        own, peers = cpu.get(worker), [c for k, c in cpu.items() if k != worker]
+        if not s.straggler_cpu_check or own is None or not peers:
+            return True
+        return own > s.straggler_factor * _median(peers)
