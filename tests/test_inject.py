@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from unicron.errors import UsageError
-from unicron.runtime.inject import FaultPlan, parse, slowdown, stop_self
+from unicron.runtime.inject import FaultPlan, parse, slow_down, slowdown, stop_self
 
 
 @pytest.mark.parametrize(
@@ -157,3 +158,16 @@ def test_stop_self_raises_the_classified_error_and_refuses_what_is_not_its_own()
         stop_self(parse("error:rank=0,step=1,kind=cuda"))
     with pytest.raises(ValueError, match="no effect of its own"):
         stop_self(parse("node:node=0,step=1"))
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_a_slow_fault_spends_cpu_on_a_cpu_device_and_waits_on_an_accelerator(
+    on_cpu: bool,
+) -> None:
+    """The straggler detector's two-step verdict asks a CPU device's step to cost CPU time:
+    there the fault spends it, as a slower core would; on an accelerator it waits."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    slow_down(0.05, on_cpu=on_cpu)
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    assert wall >= 0.05
+    assert cpu >= 0.05 if on_cpu else cpu < 0.025

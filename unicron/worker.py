@@ -82,7 +82,7 @@ from unicron.runtime.group import (
     StoreLost,
     store_calls,
 )
-from unicron.runtime.inject import Fault, FaultPlan, stop_self
+from unicron.runtime.inject import Fault, FaultPlan, slow_down, stop_self
 from unicron.runtime.link import AgentLink, connect_agent
 from unicron.runtime.microbatches import MicroBatches, refuse
 from unicron.runtime.reshard import Shard
@@ -753,22 +753,6 @@ class _Runner:
             return time.thread_time() - s.cpu_at_start
         return time.perf_counter() - s.began
 
-    def _slow_down(self, s: Step, factor: float) -> None:
-        """Carry out an injected ``slow`` fault: attempt ``s`` takes ``factor`` times its own
-        compute. On a CPU as a slower core would, spending CPU time (the straggler detector
-        asks the step's CPU time to agree with its clock: a thread merely held off the CPU
-        spends none, :mod:`unicron.detect.monitor`); on an accelerator, whose kernels run off
-        the thread, it waits."""
-        if factor <= 1.0:
-            return
-        extra_s = self._own_compute_s(s) * (factor - 1.0)
-        if self.device.type != "cpu":
-            time.sleep(extra_s)
-            return
-        until = time.thread_time() + extra_s
-        while time.thread_time() < until:
-            pass
-
     def make_batch(self, step: int, mb: int) -> Any:
         """Seed the micro-batch's randomness, collate its samples, move them to the device."""
         D.seed(L.mb_seed(self.seed, step, mb), self.device)
@@ -800,7 +784,9 @@ class _Runner:
             self.faults.fire_due("crash", s.index)
         s.closed = True
         g, step = self.groups[-1], s.index
-        self._slow_down(s, self.faults.slowdown(step))
+        factor = self.faults.slowdown(step)
+        if factor > 1.0:
+            slow_down(self._own_compute_s(s) * (factor - 1.0), on_cpu=self.device.type == "cpu")
         queued_now = read_queued_s()
         self.link.send(
             M.StepComputed(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -147,6 +148,21 @@ def slowdown(faults: Iterable[Fault], fired: Collection[str]) -> float:
     return max(
         (f.factor or 1.0 for f in faults if f.fault == "slow" and f.spec in fired), default=1.0
     )
+
+
+def slow_down(extra_s: float, *, on_cpu: bool) -> None:
+    """Carry out a fired ``slow`` fault: the worker's step takes ``extra_s`` more of its own
+    compute (:func:`slowdown` - 1 times what it cost so far; the worker calls it before it
+    reports the step computed). On a CPU device it spends that much CPU time, as a slower
+    core would: the straggler detector asks a step's CPU time to agree with its clock, and a
+    thread merely held off the CPU spends none (:mod:`unicron.detect.monitor`). On an
+    accelerator, whose kernels run off the thread, it waits."""
+    if not on_cpu:
+        time.sleep(extra_s)
+        return
+    until = time.thread_time() + extra_s
+    while time.thread_time() < until:
+        pass
 
 
 Emit = Callable[..., None]
