@@ -420,18 +420,3 @@ def test_read_cpu_s_of_one_thread_leaves_the_others_out() -> None:
     assert None not in (process0, thread0, process1, thread1)
     assert process1 - process0 >= 0.25  # type: ignore[operator]
     assert thread1 - thread0 < 0.1  # type: ignore[operator]
-
-
-def test_a_steps_cpu_time_is_told_beside_its_peers_median() -> None:
-    """The straggler check's evidence: what the judged step cost the worker on a CPU and
-    its peers' median; unknown without a peer's cost or the worker's own."""
-    cpu = CpuTimes()
-    for slot, used in ((0, 0.02), (1, 0.03), (2, 0.07)):
-        cpu.began(slot, 6, Sample(T0, 10.0))
-        cpu.computed(slot, 6, 10.0 + used)
-    own, peers = cpu.step_cpu(2, 6) or (0.0, 0.0)
-    assert own == pytest.approx(0.07) and peers == pytest.approx(0.025)
-    assert cpu.step_cpu(2, 7) is None  # a step nobody reported
-    cpu.forget(0)
-    cpu.forget(1)
-    assert cpu.step_cpu(2, 6) is None  # no peer left to compare with

@@ -1062,10 +1062,9 @@ def test_a_worker_held_off_the_cpu_waits_for_the_longer_straggler_verdict(
     k.steps(6, t, slow={1: 4.0}, cpu={1: cpu})
     found = [e for e in k.events("error_detected") if e["kind"] == "straggler"]
     assert [(e["slot"], e["step"]) for e in found] == [(1, found_at)]
-    assert (
-        f"CPU time of step {found_at}: {0.1 * cpu:.3f} s, peers' median 0.100 s"
-        in found[0]["reason"]
-    )
+    # the monitor's figures, per micro-batch like the compute's (two per step here)
+    held_off = "slower on the CPU too" if cpu > 1.5 else "held off the CPU"
+    assert f"CPU time {0.05 * cpu:.3f} s, peers' median 0.050 s ({held_off})" in found[0]["reason"]
 
 
 @pytest.mark.parametrize(

@@ -268,6 +268,10 @@ def test_the_sooner_verdict_asks_the_cpu_time_to_agree(
     run.steps(10, base_s=0.05, slow={3: 4.0}, spike_p=0.0, cpu={3: cpu_factor})
     stragglers = [(d.worker, d.step) for d in run.found if d.kind == "straggler"]
     assert stragglers == [(3, start + steps - 1)]
+    # the reason gives the verdict step's CPU figures, whether the monitor asked them or not
+    (found,) = [d for d in run.found if d.kind == "straggler"]
+    cpu = "slower on the CPU too" if cpu_factor > 1.5 else "held off the CPU"
+    assert "; CPU time " in found.reason and f"({cpu})" in found.reason
 
 
 def test_without_the_peers_cpu_times_the_clock_decides() -> None:
@@ -281,7 +285,9 @@ def test_without_the_peers_cpu_times_the_clock_decides() -> None:
             slow = w == 2 and step >= 8
             compute = 0.4 if slow else 0.1
             m.step_finished(w, step, compute, step + 0.5, cpu_s=0.1 if w == 2 else None)
-    assert [(d.worker, d.step) for d in m.check(12.0) if d.kind == "straggler"] == [(2, 9)]
+    found = [d for d in m.check(12.0) if d.kind == "straggler"]
+    assert [(d.worker, d.step) for d in found] == [(2, 9)]
+    assert "CPU time" not in found[0].reason  # nothing to tell of it
 
 
 def test_unequal_shares_are_judged_per_microbatch() -> None:

@@ -324,11 +324,7 @@ def check_monitor(b: TaskBook, now: float) -> None:
             o.suspected(d.step, verdict, d.reason)
             check_suspect(b, d.worker, now)
             continue
-        reason = d.reason
-        cpu = b.cpu.step_cpu(d.worker, d.step)
-        if cpu is not None:  # the evidence beside the clock's (loaded-history.md, stop 72)
-            reason += f"; CPU time of step {d.step}: {cpu[0]:.3f} s, peers' median {cpu[1]:.3f} s"
-        b.detected(d.worker, d.step, verdict, now, "monitor", reason=reason)
+        b.detected(d.worker, d.step, verdict, now, "monitor", reason=d.reason)
         failures.worker_slow(b, d.worker, verdict, now)
 
 

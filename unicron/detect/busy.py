@@ -53,7 +53,6 @@ from __future__ import annotations
 import enum
 import math
 import os
-import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -301,17 +300,6 @@ class CpuTimes:
         self._began.pop(slot, None)
         self._samples.pop(slot, None)
         self._waiting.pop(slot, None)
-
-    def step_cpu(self, slot: int, step: int) -> tuple[float, float] | None:
-        """The CPU time the worker in ``slot`` took for ``step`` and its peers' median, or
-        ``None`` where either is unknown. Asked by the straggler check for its reason: a
-        worker slow on the clock but not on the CPU was held off it, not slower."""
-        costs = self._cost.get(step, {})
-        own = costs.get(slot)
-        peers = [c for s, c in costs.items() if s != slot]
-        if own is None or not peers:
-            return None
-        return own, statistics.median(peers)
 
     def read_at(self, slot: int) -> float | None:
         """When the newest reading of the worker in ``slot`` outside a step was taken (the

@@ -203,6 +203,16 @@ class _Worker:
     straggling: bool = False
 
 
+def _cpu_beside_peers(worker: int, cpu: dict[int, float]) -> tuple[float, float] | None:
+    """``worker``'s CPU time per micro-batch of a step (``cpu``: worker -> its rate) and its
+    peers' median, or ``None`` where either is unknown. On a CPU device each of the strong
+    path's steps must be ``straggler_factor`` x slower here too (``straggler_cpu_check``);
+    every straggler's reason gives these figures beside the clock's: a worker slow on the
+    clock but not on the CPU was held off it, one slow on both computes slower."""
+    own, peers = cpu.get(worker), [c for k, c in cpu.items() if k != worker]
+    return None if own is None or not peers else (own, _median(peers))
+
+
 def _beside_newcomer(w: _Worker) -> bool:
     """Whether ``w``'s step is its first begun in a membership that admitted a worker (a step
     already running when it came is judged as before)."""
@@ -551,7 +561,10 @@ class StepMonitor:
                 continue
             peers = _median([r for k, r in reports.items() if k != worker])
             slow = rate > s.straggler_factor * peers and rate - peers > s.straggler_min_excess_s
-            w.recent.append((rate / peers if slow else 0.0, slow and self._cpu_agrees(worker, cpu)))
+            figures = _cpu_beside_peers(worker, cpu)  # (own, peers' median) CPU time
+            cpu_slow = figures is not None and figures[0] > s.straggler_factor * figures[1]
+            agrees = cpu_slow or figures is None or not s.straggler_cpu_check
+            w.recent.append((rate / peers if slow else 0.0, slow and agrees))
             while len(w.recent) > s.straggler_steps + _STRAGGLER_NOISE_STEPS:
                 w.recent.popleft()
             if not slow:
@@ -567,23 +580,18 @@ class StepMonitor:
             w.calm_streak = 0
             last = list(w.recent)[-s.straggler_min_steps :]
             strong = len(last) == s.straggler_min_steps and all(
-                x >= s.straggler_strong_factor and agrees for x, agrees in last
+                x >= s.straggler_strong_factor and ok for x, ok in last
             )
             if (slow_steps >= s.straggler_steps or strong) and not w.straggling:
                 w.straggling = True
                 reason = (
-                    f"worker {worker}: compute {rate:.3f} s > {s.straggler_factor:g} x peers' "
-                    f"median {peers:.3f} s in {slow_steps} of the last {len(w.recent)} steps "
-                    f"({w.slow_since}-{step})"
+                    f"worker {worker}: compute {rate:.3f} s per micro-batch > "
+                    f"{s.straggler_factor:g} x peers' median {peers:.3f} s in {slow_steps} of "
+                    f"the last {len(w.recent)} steps ({w.slow_since}-{step})"
                 )
+                if figures is not None:  # the evidence beside the clock's, asked for or not
+                    reason += (
+                        f"; CPU time {figures[0]:.3f} s, peers' median {figures[1]:.3f} s "
+                        f"({'slower on the CPU too' if cpu_slow else 'held off the CPU'})"
+                    )
                 self._found.append(Detection("straggler", worker, step, reason, now))
-
-    def _cpu_agrees(self, worker: int, cpu: dict[int, float]) -> bool:
-        """Whether the CPU times of a step (``cpu``: worker -> its rate) agree that ``worker``,
-        slow on the clock, was slow: more than ``straggler_factor`` x its peers' median; so
-        they do where they are not asked for (an accelerator) or not known."""
-        s = self.settings
-        own, peers = cpu.get(worker), [c for k, c in cpu.items() if k != worker]
-        if not s.straggler_cpu_check or own is None or not peers:
-            return True
-        return own > s.straggler_factor * _median(peers)
