@@ -204,16 +204,16 @@ def test_a_worker_restarted_into_a_warm_task_is_judged_after_two_steps() -> None
     s = MonitorSettings()
     m = StepMonitor(s)
     run = Run(m, seed=9)
-    run.steps(20, base_s=0.05, spike_p=0.0)
+    run.steps(20, base_s=0.1, spike_p=0.0)
     m.forget(3)  # restarted
     start = run.step
-    run.steps(6, base_s=0.05, spike_p=0.0, slow={3: 4.0})
+    run.steps(6, base_s=0.1, spike_p=0.0, slow={3: 4.0})
     stragglers = [(d.worker, d.step) for d in run.found if d.kind == "straggler"]
     assert stragglers == [(3, start + s.rejoin_warmup_steps + s.straggler_min_steps - 1)]
     # a task's own start keeps the long warm-up: every worker is new
     m = StepMonitor(s)
     run = Run(m, seed=9)
-    run.steps(s.warmup_steps, base_s=0.05, spike_p=0.0, slow={3: 4.0})
+    run.steps(s.warmup_steps, base_s=0.1, spike_p=0.0, slow={3: 4.0})
     assert run.found == []
 
 
@@ -224,16 +224,16 @@ def test_a_strong_straggler_is_found_across_a_membership_change() -> None:
     s = MonitorSettings()
     m = StepMonitor(s)
     run = Run(m, seed=9)
-    run.steps(20, base_s=0.05, spike_p=0.0)
-    run.steps(1, base_s=0.05, spike_p=0.0, slow={3: 4.0})
+    run.steps(20, base_s=0.1, spike_p=0.0)
+    run.steps(1, base_s=0.1, spike_p=0.0, slow={3: 4.0})
     m.reset_expectation()  # a new epoch
     step, t = run.step, run.t
     for w in range(WORKERS):  # the transition step: worker 3's micro-batches were reused
         m.step_started(w, step, t)
-        m.step_finished(w, step, 0.0 if w == 3 else 0.1, t + 0.1, microbatches=0 if w == 3 else 2)
-    run.step, run.t = step + 1, t + 0.1
+        m.step_finished(w, step, 0.0 if w == 3 else 0.2, t + 0.2, microbatches=0 if w == 3 else 2)
+    run.step, run.t = step + 1, t + 0.2
     assert run.found + m.check(run.t) == []
-    run.steps(1, base_s=0.05, spike_p=0.0, slow={3: 4.0})
+    run.steps(1, base_s=0.1, spike_p=0.0, slow={3: 4.0})
     assert [(d.worker, d.step) for d in run.found if d.kind == "straggler"] == [(3, step + 1)]
 
 
@@ -244,9 +244,9 @@ def test_a_stronger_slowdown_is_found_in_fewer_steps(factor: float, steps: int) 
     s = MonitorSettings()
     m = StepMonitor(s)
     run = Run(m, seed=9)
-    run.steps(20, base_s=0.05, spike_p=0.0)
+    run.steps(20, base_s=0.1, spike_p=0.0)
     start = run.step
-    run.steps(10, base_s=0.05, slow={3: factor}, spike_p=0.0)
+    run.steps(10, base_s=0.1, slow={3: factor}, spike_p=0.0)
     stragglers = [(d.worker, d.step) for d in run.found if d.kind == "straggler"]
     assert stragglers == [(3, start + steps - 1)]
 
@@ -263,15 +263,37 @@ def test_the_sooner_verdict_asks_the_cpu_time_to_agree(
     ask (``straggler_cpu_check=False``): the clock decides."""
     m = StepMonitor(MonitorSettings(straggler_cpu_check=check))
     run = Run(m, seed=9)
-    run.steps(20, base_s=0.05, spike_p=0.0, cpu={})
+    run.steps(20, base_s=0.1, spike_p=0.0, cpu={})
     start = run.step
-    run.steps(10, base_s=0.05, slow={3: 4.0}, spike_p=0.0, cpu={3: cpu_factor})
+    run.steps(10, base_s=0.1, slow={3: 4.0}, spike_p=0.0, cpu={3: cpu_factor})
     stragglers = [(d.worker, d.step) for d in run.found if d.kind == "straggler"]
     assert stragglers == [(3, start + steps - 1)]
     # the reason gives the verdict step's CPU figures, whether the monitor asked them or not
     (found,) = [d for d in run.found if d.kind == "straggler"]
     cpu = "slower on the CPU too" if cpu_factor > 1.5 else "held off the CPU"
     assert "; CPU time " in found.reason and f"({cpu})" in found.reason
+
+
+def test_two_strong_steps_shorter_than_the_floor_are_a_hiccup() -> None:
+    """The loaded runs' false positive of stop 74: a healthy worker 4x its peers on the clock,
+    2.3x on the CPU, for two steps of 0.14 s. Strong steps lasting less than
+    ``straggler_strong_min_s`` in all are no sooner verdict, however strong; steps enough
+    (or the floor off) are."""
+    s = MonitorSettings()
+    for floor, found in ((s.straggler_strong_min_s, []), (0.0, [(3, 21)])):
+        m = StepMonitor(MonitorSettings(straggler_strong_min_s=floor))
+        run = Run(m, seed=9)
+        run.steps(20, base_s=0.03, spike_p=0.0, cpu={})
+        run.steps(2, base_s=0.03, spike_p=0.0, slow={3: 4.0}, cpu={3: 4.0})
+        run.steps(10, base_s=0.03, spike_p=0.0, cpu={})
+        assert [(d.worker, d.step) for d in run.found if d.kind == "straggler"] == found
+    # a slower worker on the same tiny steps: found once its strong steps add up to the floor
+    m = StepMonitor(s)
+    run = Run(m, seed=9)
+    run.steps(20, base_s=0.03, spike_p=0.0, cpu={})
+    run.steps(10, base_s=0.03, spike_p=0.0, slow={3: 4.0}, cpu={3: 4.0})
+    (found,) = [d for d in run.found if d.kind == "straggler"]
+    assert found.worker == 3 and 22 <= found.step <= 25  # 4-5 steps of about 0.12 s
 
 
 def test_without_the_peers_cpu_times_the_clock_decides() -> None:

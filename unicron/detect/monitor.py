@@ -43,8 +43,12 @@ Two detectors:
   tolerated inside a slow stretch); or sooner, when its last ``straggler_min_steps`` steps
   were each ``straggler_strong_factor`` x its peers' median or more (a worker 4x slower than
   its peers is found after 2 steps, one 2x slower after 5: a strong slowdown costs the task
-  more per step, and one step alone, a GC pause, never makes a straggler). A legitimate
-  change moves every peer together and leaves the ratio alone; a straggler moves alone.
+  more per step, and one step alone, a GC pause, never makes a straggler), provided those
+  strong steps lasted ``straggler_strong_min_s`` (0.5 s) in all: on steps of a few tens of
+  milliseconds two of them are a hiccup's length (a loaded machine's healthy worker was
+  once 4x its peers for two 0.14 s steps), and waiting half a second costs the task little. A
+  legitimate change moves every peer together and leaves the ratio alone; a straggler
+  moves alone.
   On a CPU device (``straggler_cpu_check``) a step counts toward the sooner verdict only
   when the CPU time it took the worker's computing thread (``cpu_s``, where the caller
   knows it) also exceeds ``straggler_factor`` x its peers' median: a slower core spends more
@@ -136,6 +140,9 @@ class MonitorSettings:
     """... provided each of those steps also took more than ``straggler_factor`` x its peers'
     median CPU time, where the steps' CPU times are reported (a CPU device); ``False`` on an
     accelerator, whose kernels' time is not the computing thread's CPU time"""
+    straggler_strong_min_s: float = 0.5
+    """... and those steps (with any strong ones just before them) lasted this many seconds in
+    all: on tiny steps two of them are a hiccup's length, not a slower worker"""
 
     def __post_init__(self) -> None:
         _check_range("warmup_steps", self.warmup_steps, 0, 10_000)
@@ -155,6 +162,7 @@ class MonitorSettings:
             "straggler_strong_factor", self.straggler_strong_factor, self.straggler_factor, 100.0
         )
         _check_range("straggler_min_steps", self.straggler_min_steps, 1, self.straggler_steps)
+        _check_range("straggler_strong_min_s", self.straggler_strong_min_s, 0.0, 3_600.0)
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,9 @@ class _Worker:
     recent: deque[tuple[float, bool]] = field(default_factory=deque)
     """its last judged steps: (compute time / its peers' median, 0 when calm; whether the
     step's CPU time, where known, agrees it was slow)"""
+    strong_s: float = 0.0
+    """how long its current run of strong steps (``straggler_strong_factor`` x its peers', the
+    CPU agreeing where asked) lasted, by its own step durations"""
     slow_since: int = 0
     calm_streak: int = 0
     straggling: bool = False
@@ -336,6 +347,7 @@ class StepMonitor:
             kept = [] if w.straggling else [x for x in w.recent if x[0] >= strong and x[1]]
             w.recent.clear()
             w.recent.extend(kept)
+            w.strong_s = w.strong_s if kept else 0.0
             w.calm_streak, w.straggling = 0, False
         self._compute.clear()
         self._cpu.clear()
@@ -565,6 +577,10 @@ class StepMonitor:
             cpu_slow = figures is not None and figures[0] > s.straggler_factor * figures[1]
             agrees = cpu_slow or figures is None or not s.straggler_cpu_check
             w.recent.append((rate / peers if slow else 0.0, slow and agrees))
+            if slow and agrees and rate >= s.straggler_strong_factor * peers:
+                w.strong_s += self._durations.get(step, {}).get(worker, (0, 0.0))[1]
+            else:
+                w.strong_s = 0.0
             while len(w.recent) > s.straggler_steps + _STRAGGLER_NOISE_STEPS:
                 w.recent.popleft()
             if not slow:
@@ -579,8 +595,10 @@ class StepMonitor:
                 w.slow_since = step
             w.calm_streak = 0
             last = list(w.recent)[-s.straggler_min_steps :]
-            strong = len(last) == s.straggler_min_steps and all(
-                x >= s.straggler_strong_factor and ok for x, ok in last
+            strong = (
+                len(last) == s.straggler_min_steps
+                and all(x >= s.straggler_strong_factor and ok for x, ok in last)
+                and w.strong_s >= s.straggler_strong_min_s
             )
             if (slow_steps >= s.straggler_steps or strong) and not w.straggling:
                 w.straggling = True
