@@ -224,6 +224,15 @@ def _cpu_beside_peers(worker: int, cpu: dict[int, float]) -> tuple[float, float]
     return None if own is None or not peers else (own, _median(peers))
 
 
+def _cpu_reading(cpu_slow: bool, *, asked: bool) -> str:
+    """What a straggler's CPU figures say, where the computing thread's CPU time is its
+    compute (a CPU device, ``asked``); an accelerator's thread waits on its kernels, so
+    there the figures are given without a reading."""
+    if not asked:
+        return ""
+    return " (slower on the CPU too)" if cpu_slow else " (held off the CPU)"
+
+
 def _beside_newcomer(w: _Worker) -> bool:
     """Whether ``w``'s step is its first begun in a membership that admitted a worker (a step
     already running when it came is judged as before)."""
@@ -609,7 +618,7 @@ class StepMonitor:
                 )
                 if figures is not None:  # the evidence beside the clock's, asked for or not
                     reason += (
-                        f"; CPU time {figures[0]:.3f} s, peers' median {figures[1]:.3f} s "
-                        f"({'slower on the CPU too' if cpu_slow else 'held off the CPU'})"
+                        f"; CPU time {figures[0]:.3f} s, peers' median {figures[1]:.3f} s"
+                        + _cpu_reading(cpu_slow, asked=s.straggler_cpu_check)
                     )
                 self._found.append(Detection("straggler", worker, step, reason, now))
