@@ -50,13 +50,16 @@ def test_lost_ranks_heal_from_their_buddies_to_the_unsharded_bits(run: Any) -> N
     assert "checkpoint" not in _sources(faulty)
     # beside CPU burners the hang rule (its 1 s floor) may also restart a rank that was only
     # starved (seen: slot 0 at step 13, around a 2.8 s step); it healed like the others (the
-    # bits above), and the injected faults' restarts are still exactly these
-    hung = {e["rank"] for e in faulty.of("fault_injected") if e["fault"] == "hang"}
+    # bits above), and the injected faults' restarts are still exactly these, one each. A
+    # crashed rank may be judged hung before its exit is heard of (seen: a ~2 s stall of the
+    # whole machine right after the kill): its CPU stands still as a hung one's does, and the
+    # restart is the same, so a hang restart of a faulted slot counts as its fault's
+    faulted = {e["rank"] for e in faulty.of("fault_injected")}
     restarted = sorted(
         e["slot"]
         for e in faulty.of("action")
         if e["action"] == "restart"
-        and not (e["reason"].startswith("hang on slot") and e["slot"] not in hung)
+        and not (e["reason"].startswith("hang on slot") and e["slot"] not in faulted)
     )
     assert restarted == [1, 2, 3]
 
