@@ -170,6 +170,25 @@ def test_a_straggler_is_reported_once() -> None:
     assert len([d for d in run.found if d.kind == "straggler"]) == 2
 
 
+def test_peers_too_fast_for_the_clock_do_not_break_the_straggler_verdict() -> None:
+    """A clock too coarse to time the peers' micro-batches reads them as 0.0 s: a worker
+    slower than that by more than the minimal excess is slow beside them (no division by
+    zero), and workers all at 0.0 are not."""
+
+    def run(slow_s: float) -> list[Detection]:
+        m, found = StepMonitor(MonitorSettings()), []
+        for step in range(30):
+            for w in range(3):
+                m.step_started(w, step, float(step))
+            for w in range(3):
+                m.step_finished(w, step, slow_s if w == 2 else 0.0, step + 0.9)
+            found += m.check(step + 0.95)
+        return found
+
+    assert [(d.kind, d.worker) for d in run(0.5)] == [("straggler", 2)]
+    assert run(0.0) == []
+
+
 def test_a_noisy_straggler_is_still_found() -> None:
     """On a loaded machine a straggler's ratio dips under the factor now and then: two calm
     steps inside its slow stretch do not reset the count (it used to need 5 in a row)."""

@@ -351,6 +351,10 @@ class CpuTime:
     others_cpu_s: float | None = None
     """the CPU time of the worker's other threads (summed): a runnable one that got none waits
     for a CPU"""
+    stolen_s: float | None = None
+    """the machine's CPU time stolen by the hypervisor by then
+    (:class:`~unicron.detect.busy.Stolen`): a thread held off by it shows neither CPU time nor
+    a wait in the run queue"""
 
 
 @dataclass(frozen=True, kw_only=True)

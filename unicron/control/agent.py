@@ -66,7 +66,7 @@ from unicron.control.workerstate import (
     Worker,
     WorkerState,
 )
-from unicron.detect.busy import process_state, read_thread_clocks, thread_states
+from unicron.detect.busy import Stolen, process_state, read_thread_clocks, thread_states
 from unicron.detect.classify import Verdict, classify_message
 from unicron.messages import Kill, Probe, Reply, Spawn
 from unicron.runtime.inject import Fault
@@ -273,6 +273,7 @@ class Agent:
         self.reply = Reply()  # the coordinator's last answer
         self._reports: list[M.Report] = []  # this round's, in order
         self.workers = {s: Worker(s) for s in config.slots}
+        self._stolen = Stolen(_TICKS_PER_S)  # the hypervisor's steal, read with each sample
         self.fired: set[str] = set()
         self._step_ends: deque[tuple[int, int]] = deque(maxlen=64)  # (epoch, step) sent on
         self.errors: list[FatalError] = []  # every error that ended a worker, in order
@@ -683,7 +684,8 @@ class Agent:
                 continue
             assert w.pid is not None and w.sampled_tid is not None  # (sample_at)
             w.cpu_read_at = now
-            if (r := read_thread_clocks(w.pid, w.sampled_tid, _TICKS_PER_S)) is not None:
+            r = read_thread_clocks(w.pid, w.sampled_tid, _TICKS_PER_S, self._stolen)
+            if r is not None:
                 self._report(M.CpuTime(slot=w.slot, **asdict(r)))  # the same fields
 
     def _check_exits(self, now: float) -> None:

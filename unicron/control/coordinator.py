@@ -45,6 +45,7 @@ raises :class:`IllegalTransition`. The task's states are :class:`TaskState`::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import math
@@ -97,6 +98,10 @@ __all__ = [
     "Spawn",
     "TaskState",
 ]
+
+_SAMPLED = tuple(f.name for f in dataclasses.fields(Sample))
+"""what an agent's :class:`~unicron.messages.CpuTime` carries into a :class:`Sample`: every
+field of the one is a field of the other, by name"""
 
 log = logging.getLogger("unicron.control.coordinator")
 
@@ -325,9 +330,7 @@ class Coordinator:
             with self._lock:
                 health.waiting_on_replica(self.book, r.slot, r.step, r.epoch, r.waiting, r.ts)
         elif isinstance(r, M.CpuTime):
-            self.book.cpu.sampled(r.slot, Sample(r.ts, r.cpu_s, r.queued_s, r.others_queued_s,
-                                                 r.runnable, r.others_runnable,
-                                                 r.others_cpu_s))  # fmt: skip
+            self.book.cpu.sampled(r.slot, Sample(**{f: getattr(r, f) for f in _SAMPLED}))
         elif isinstance(r, M.Event):
             self._event(r)
         elif isinstance(r, M.Detected):

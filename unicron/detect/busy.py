@@ -37,6 +37,17 @@ restarted ZeRO worker killed at its 5 s cold allowance, its new gloo threads run
 never yet run, none of their seconds of wait counted). A runnable thread that runs is no
 such evidence: the computing thread may wait on a thread that holds the GIL for ever, a hang.
 
+A machine that is itself a guest has a third way to stand still: the hypervisor may hold one
+of its virtual CPUs off for a while (steal time). A thread on that CPU then accumulates neither
+CPU time nor a wait in the run queue (its time is the host's, not its kernel's), and every
+thread that waits on it (the computing thread in a collective, its peer's too) stands still
+with nothing queued: a hang, to the clocks above (seen beside CPU burners on this VM: an FSDP
+replica's two ranks judged hung together in an all-gather, no fault injected; a burner's
+schedstat plus its CPU's steal in ``/proc/stat`` add up to the wall clock). The agent reads
+the machine's steal with each sample (:class:`Stolen`): the time any one CPU may have been held
+off, summed over its reading intervals; the judge compares readings at least
+:data:`MIN_GAP_S` apart in the machine's *own* time, the span less what was stolen in it.
+
 The same question, starved or slow, decides stragglers. A worker that computes its share in
 twice its peers' time is slow (a throttled device, a sick host) or merely last in the run queue
 of an oversubscribed machine, which moves between workers. The kernel keeps the difference
@@ -62,6 +73,7 @@ __all__ = [
     "Cpu",
     "CpuTimes",
     "Sample",
+    "Stolen",
     "judge",
     "own_compute_s",
     "process_state",
@@ -102,6 +114,10 @@ class Sample:
     others_cpu_s: float | None = None
     """the CPU time of those other threads by then (summed; ``None``: unknown): where it stood
     still, a runnable one waits for a CPU, and its wait is not yet in ``others_queued_s``"""
+    stolen_s: float | None = None
+    """the machine's CPU time stolen by the hypervisor by then, as :meth:`Stolen.read` counts it
+    (``None``: unknown): the seconds between two samples that a thread (or one it waits on)
+    may have been held off the CPU without a trace in its own clocks"""
 
 
 class Cpu(enum.Enum):
@@ -131,12 +147,12 @@ def judge(
     read = _latest_rate(samples, now)
     if isinstance(read, str):
         return Cpu.UNKNOWN, read
-    last, prev, span, busy = read
-    if busy < MIN_BUSY:
-        return _still(last, prev, span, busy)
+    if read.busy < MIN_BUSY:
+        return _still(read)
+    busy = read.busy
     if began is None or typical_cpu_s is None:
         return Cpu.UNKNOWN, f"it uses {busy:.0%} of a core; no yardstick for the step's cost"
-    used = last.cpu_s - began.cpu_s
+    used = read.last.cpu_s - began.cpu_s
     if used > factor * typical_cpu_s:
         return Cpu.SPINNING, (
             f"it used {used:.2f} s of CPU in the step, over {factor:g} x the "
@@ -159,62 +175,98 @@ def waiting(samples: Sequence[Sample], now: float) -> tuple[Cpu, str]:
     read = _latest_rate(samples, now)
     if isinstance(read, str):
         return Cpu.UNKNOWN, read
-    last, prev, span, busy = read
-    if busy >= MIN_BUSY:
-        return Cpu.UNKNOWN, f"it runs ({busy:.0%} of a core over {span:.2f} s)"
-    return _still(last, prev, span, busy)
+    if read.busy >= MIN_BUSY:
+        return Cpu.UNKNOWN, f"it runs ({read.busy:.0%} of a core over {read.over})"
+    return _still(read)
 
 
-def _latest_rate(
-    samples: Sequence[Sample], now: float
-) -> tuple[Sample, Sample, float, float] | str:
-    """The newest reading, the newest at least :data:`MIN_GAP_S` before it, the seconds
-    between them and the share of a core the thread used in them; or why there are none to
-    compare (the newest must be :data:`FRESH_S` recent at ``now``)."""
+@dataclass(frozen=True)
+class _Rate:
+    """Two readings compared: ``prev`` and ``last``, ``seen`` seconds of the machine's own time
+    apart (their distance less what the hypervisor stole in it, ``stolen``)."""
+
+    last: Sample
+    prev: Sample
+    seen: float
+    stolen: float
+
+    def rate(self, before: float | None, after: float | None) -> float | None:
+        """How fast a clock read as ``before`` at ``prev`` and ``after`` at ``last`` grew, in
+        seconds per second of the machine's own time (``None``: unknown)."""
+        return None if before is None or after is None else (after - before) / self.seen
+
+    @property
+    def busy(self) -> float:
+        """The share of a core the thread used between the two readings."""
+        return (self.last.cpu_s - self.prev.cpu_s) / self.seen
+
+    @property
+    def over(self) -> str:
+        """The span, for a reason: ``0.60 s``, or ``0.62 s + 0.31 s stolen``."""
+        more = f" + {self.stolen:.2f} s stolen" if self.stolen >= 0.01 else ""
+        return f"{self.seen:.2f} s{more}"
+
+
+def _stolen(prev: Sample, last: Sample) -> float:
+    """What the hypervisor stole from the machine between two readings (0: unknown)."""
+    if prev.stolen_s is None or last.stolen_s is None:
+        return 0.0
+    return max(0.0, last.stolen_s - prev.stolen_s)
+
+
+def _latest_rate(samples: Sequence[Sample], now: float) -> _Rate | str:
+    """The newest reading and the newest at least :data:`MIN_GAP_S` of the machine's own time
+    before it (the wall clock less what the hypervisor stole between them), compared; or why
+    there are none to compare (the newest must be :data:`FRESH_S` recent at ``now``)."""
     if len(samples) < 2:
         return "no CPU samples"
     last = samples[-1]
     if now - last.ts > FRESH_S:
         return f"no CPU sample for {now - last.ts:.2f} s"
-    prev = next((s for s in reversed(samples[:-1]) if last.ts - s.ts >= MIN_GAP_S), None)
-    if prev is None:
-        return f"no two CPU samples {MIN_GAP_S:g} s apart"
-    span = last.ts - prev.ts
-    return last, prev, span, (last.cpu_s - prev.cpu_s) / span
+    for prev in reversed(samples[:-1]):
+        stolen = _stolen(prev, last)
+        if last.ts - prev.ts - stolen >= MIN_GAP_S:
+            return _Rate(last, prev, last.ts - prev.ts - stolen, stolen)
+    first = samples[0]
+    stolen = _stolen(first, last)
+    if stolen > 0.0 and last.ts - first.ts >= MIN_GAP_S:
+        return (
+            f"the hypervisor held the machine's CPUs off {stolen:.2f} s of the last "
+            f"{last.ts - first.ts:.2f} s: not {MIN_GAP_S:g} s of its own between two CPU samples"
+        )
+    return f"no two CPU samples {MIN_GAP_S:g} s apart"
 
 
-def _still(last: Sample, prev: Sample, span: float, busy: float) -> tuple[Cpu, str]:
-    """What a thread that got under :data:`MIN_BUSY` of a core between ``prev`` and ``last``
-    (``span`` apart) is: starved (WORKING) where it waits for a CPU, UNKNOWN where its other
-    threads do (it may wait on them), else IDLE."""
+def _still(read: _Rate) -> tuple[Cpu, str]:
+    """What a thread that got under :data:`MIN_BUSY` of a core between two readings (``read``)
+    is: starved (WORKING) where it waits for a CPU, UNKNOWN where its other threads do (it may
+    wait on them), else IDLE."""
+    last, prev, busy, over = read.last, read.prev, read.busy, read.over
     if last.runnable:  # still in the run queue: its wait is not counted until it runs
         return Cpu.WORKING, (
-            f"runnable but not run ({busy:.0%} of a core over {span:.2f} s): starved, not hung"
+            f"runnable but not run ({busy:.0%} of a core over {over}): starved, not hung"
         )
-    if last.queued_s is not None and prev.queued_s is not None:
-        waiting = (last.queued_s - prev.queued_s) / span
-        if waiting >= MIN_BUSY:  # runnable, but others had the cores: starved
-            return Cpu.WORKING, (
-                f"runnable but waiting for a CPU {waiting:.0%} of the last {span:.2f} s "
-                f"(ran {busy:.0%}): starved, not hung"
-            )
-    if last.others_queued_s is not None and prev.others_queued_s is not None:
-        others = (last.others_queued_s - prev.others_queued_s) / span
-        if others >= MIN_BUSY:  # it may wait on one of them: a thread start, the GIL
-            return Cpu.UNKNOWN, (
-                f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
-                f"its other threads waited for a CPU {others:.0%} of it: it may wait on "
-                "them"
-            )
-    if last.others_runnable and last.others_cpu_s is not None and prev.others_cpu_s is not None:
-        others = (last.others_cpu_s - prev.others_cpu_s) / span
-        if others < MIN_BUSY:  # runnable, not run: in the queue (its wait not yet counted)
-            return Cpu.UNKNOWN, (
-                f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s) while "
-                f"another of its threads is runnable and its other threads ran {others:.0%}:"
-                " it may wait on one in the run queue"
-            )
-    return Cpu.IDLE, f"its CPU time stood still ({busy:.0%} of a core over {span:.2f} s)"
+    waiting = read.rate(prev.queued_s, last.queued_s)
+    if waiting is not None and waiting >= MIN_BUSY:  # runnable, but others had the cores
+        return Cpu.WORKING, (
+            f"runnable but waiting for a CPU {waiting:.0%} of the last {over} "
+            f"(ran {busy:.0%}): starved, not hung"
+        )
+    others = read.rate(prev.others_queued_s, last.others_queued_s)
+    if others is not None and others >= MIN_BUSY:  # it may wait on one: a thread start, the GIL
+        return Cpu.UNKNOWN, (
+            f"its CPU time stood still ({busy:.0%} of a core over {over}) while its other "
+            f"threads waited for a CPU {others:.0%} of it: it may wait on them"
+        )
+    others = read.rate(prev.others_cpu_s, last.others_cpu_s)
+    if last.others_runnable and others is not None and others < MIN_BUSY:
+        # runnable, not run: in the queue (its wait not yet counted)
+        return Cpu.UNKNOWN, (
+            f"its CPU time stood still ({busy:.0%} of a core over {over}) while another of "
+            f"its threads is runnable and its other threads ran {others:.0%}: it may wait on "
+            "one in the run queue"
+        )
+    return Cpu.IDLE, f"its CPU time stood still ({busy:.0%} of a core over {over})"
 
 
 _KEPT_STEPS = 8
@@ -340,25 +392,69 @@ def read_queued_s() -> float | None:
     return None if clocks is None else clocks[1]
 
 
-def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
+class Stolen:
+    """The CPU time the hypervisor has held this machine's CPUs off (their steal time, per CPU
+    in ``/proc/stat``), as one clock that only grows: over each interval between two reads,
+    the most that any one CPU lost. A thread frozen on a held-off CPU, or a chain of them that
+    moves between CPUs, lost at most that. The agent keeps one, read with each sample of a
+    worker (:func:`read_thread_clocks`); the judge subtracts it from the span it compares."""
+
+    def __init__(self, ticks_per_s: float, path: str = "/proc/stat") -> None:
+        self._ticks_per_s, self._path = ticks_per_s, path
+        self._last: dict[bytes, int] | None = None
+        self._total = 0.0
+
+    def read(self) -> float | None:
+        """The clock now (seconds since the first read); ``None`` where the kernel does not
+        count steal time (not Linux)."""
+        now = _steal_ticks(self._path)
+        if now is None:
+            return None
+        if self._last is not None:
+            lost = (now[cpu] - self._last[cpu] for cpu in now.keys() & self._last.keys())
+            self._total += max(lost, default=0) / self._ticks_per_s
+        self._last = now
+        return self._total
+
+
+def _steal_ticks(path: str) -> dict[bytes, int] | None:
+    """Each CPU's steal time in clock ticks (the eighth number of its ``cpuN`` line of
+    ``/proc/stat``); ``None`` where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+        return {
+            fields[0]: int(fields[8])
+            for fields in map(bytes.split, lines)
+            if len(fields) > 8 and fields[0][:3] == b"cpu" and fields[0][3:].isdigit()
+        } or None
+    except (OSError, ValueError):
+        return None
+
+
+def read_thread_clocks(
+    pid: int, tid: int, ticks_per_s: float, stolen: Stolen | None = None
+) -> Sample | None:
     """CPU time and run-queue wait (seconds) of thread ``tid`` of process ``pid``, and of the
     process's other threads their run-queue wait and CPU time (summed) and whether one is
     runnable now (those alive now, less those at ``SCHED_IDLE``: an abandoned epoch's gloo
     threads, which the worker demotes and which may spin for the process's life, waiting for a
     CPU for ever; the computing thread never waits on them): from
     ``/proc/<pid>/task/*/schedstat``, else its CPU time alone from ``stat``; ``None`` when it
-    cannot be read (gone, or not Linux). The agent's one read of a worker, stamped now."""
+    cannot be read (gone, or not Linux); with the machine's steal clock ``stolen`` read too. The
+    agent's one read of a worker, stamped now."""
     now = time.time()
+    stolen_s = None if stolen is None else stolen.read()
     clocks = _schedstat(f"/proc/{pid}/task/{tid}/schedstat")
     if clocks is None:
         cpu_s = read_cpu_s(pid, ticks_per_s, tid)
-        return None if cpu_s is None else Sample(now, cpu_s)
+        return None if cpu_s is None else Sample(now, cpu_s, stolen_s=stolen_s)
     state = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
     runnable = None if not state else state[0] == b"R"
     try:
         threads = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(tid)]
     except OSError:
-        return Sample(now, *clocks, runnable=runnable)
+        return Sample(now, *clocks, runnable=runnable, stolen_s=stolen_s)
     ran, waited, others_runnable = 0.0, 0.0, False
     for t in threads:
         fields = _stat_fields(f"/proc/{pid}/task/{t}/stat")
@@ -367,7 +463,7 @@ def read_thread_clocks(pid: int, tid: int, ticks_per_s: float) -> Sample | None:
         if (other := _schedstat(f"/proc/{pid}/task/{t}/schedstat")) is not None:
             ran, waited = ran + other[0], waited + other[1]
         others_runnable = others_runnable or fields[0] == b"R"
-    return Sample(now, *clocks, waited, runnable, others_runnable, ran)
+    return Sample(now, *clocks, waited, runnable, others_runnable, ran, stolen_s)
 
 
 SCHED_IDLE = 5
@@ -417,12 +513,13 @@ def read_cpu_s(pid: int, ticks_per_s: float, tid: int | None = None) -> float | 
 
 def thread_states(pid: int) -> list[str]:
     """One line per thread of process ``pid`` as the kernel sees it: its id, name, state
-    letter, the kernel function it sleeps in (``wchan``), its CPU time and its run-queue wait
-    (``schedstat``), and the system call it is in (``syscall``: its number first, ``running``
-    when it is on a CPU). What a hung worker was doing where its own stack dump cannot say: a
-    process in uninterruptible sleep (``D``), or one not scheduled in time, writes no stacks
-    (found beside CPU burners: ranks killed as hung left empty logs). The agent appends it to
-    the worker's log before the kill; empty where ``/proc`` cannot be read."""
+    letter (and ``SCHED_IDLE`` where it is demoted), the kernel function it sleeps in
+    (``wchan``), its CPU time and its run-queue wait (``schedstat``), and the system call it
+    is in (``syscall``: its number first, ``running`` when it is on a CPU). What a hung worker
+    was doing where its own stack dump cannot say: a process in uninterruptible sleep (``D``),
+    or one not scheduled in time, writes no stacks (found beside CPU burners: ranks killed as
+    hung left empty logs). The agent appends it to the worker's log before the kill; empty
+    where ``/proc`` cannot be read."""
     out: list[str] = []
     try:
         tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
@@ -432,6 +529,8 @@ def thread_states(pid: int) -> list[str]:
         base = f"/proc/{pid}/task/{tid}"
         stat = _stat_fields(f"{base}/stat")
         state = stat[0].decode() if stat else "?"
+        if stat and _policy(stat) == SCHED_IDLE:
+            state += " SCHED_IDLE"  # a left epoch's thread (the judge does not count it)
         wchan, sched, call = (_read(f"{base}/{name}") for name in ("wchan", "schedstat", "syscall"))
         out.append(f"{tid} {_read(base + '/comm')} {state} wchan={wchan or '0'} "
                    f"schedstat={sched} syscall={call}")  # fmt: skip

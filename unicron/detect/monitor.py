@@ -581,12 +581,14 @@ class StepMonitor:
             if w is None:
                 continue
             peers = _median([r for k, r in reports.items() if k != worker])
-            slow = rate > s.straggler_factor * peers and rate - peers > s.straggler_min_excess_s
+            # (peers at 0.0: a clock too coarse to time their micro-batches; any rate is slower)
+            ratio = rate / peers if peers > 0.0 else math.inf
+            slow = ratio > s.straggler_factor and rate - peers > s.straggler_min_excess_s
             figures = _cpu_beside_peers(worker, cpu)  # (own, peers' median) CPU time
             cpu_slow = figures is not None and figures[0] > s.straggler_factor * figures[1]
             agrees = cpu_slow or figures is None or not s.straggler_cpu_check
-            w.recent.append((rate / peers if slow else 0.0, slow and agrees))
-            if slow and agrees and rate >= s.straggler_strong_factor * peers:
+            w.recent.append((ratio if slow else 0.0, slow and agrees))
+            if slow and agrees and ratio >= s.straggler_strong_factor:
                 w.strong_s += self._durations.get(step, {}).get(worker, (0, 0.0))[1]
             else:
                 w.strong_s = 0.0
