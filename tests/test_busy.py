@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -198,30 +199,65 @@ def test_a_share_of_a_core_is_measured_in_the_machines_own_time() -> None:
     assert cpu is Cpu.IDLE
 
 
-def test_the_steal_clock_adds_the_most_any_one_cpu_lost_in_each_interval(tmp_path) -> None:
+def test_the_steal_clock_adds_the_most_any_one_cpu_lost_in_each_interval(tmp_path: Path) -> None:
     """Per CPU in ``/proc/stat`` (ticks): a thread frozen on one CPU lost at most what that CPU
-    lost; a chain moving between CPUs at most the sum over intervals of the largest loss."""
+    lost; a chain moving between CPUs about the sum over intervals of the largest loss. Reads
+    closer than :data:`STOLEN_EVERY_S` do not cut an interval: over many short ones each CPU's
+    10 ms tick would be the largest loss in turn, the sum the whole machine's steal."""
     stat = tmp_path / "stat"
 
     def write(cpu0: int, cpu1: int) -> None:
         stat.write_text(
             f"cpu  10 0 10 100 0 0 0 {cpu0 + cpu1} 0 0\n"
-            + f"cpu0 5 0 5 50 0 0 0 {cpu0} 0 0\ncpu1 5 0 5 50 0 0 0 {cpu1} 0 0\n"
+            f"cpu0 5 0 5 50 0 0 0 {cpu0} 0 0\ncpu1 5 0 5 50 0 0 0 {cpu1} 0 0\n"
             "intr 1 2 3\nctxt 4\nprocs_running 2\n"
         )
 
     clock = Stolen(100.0, str(stat))
     write(1000, 2000)
-    assert clock.read() == 0.0  # the first read starts the clock
+    assert clock.read(now=0.0) == 0.0  # the first read starts the clock
     write(1030, 2010)  # cpu0 lost 0.3 s, cpu1 0.1 s
-    assert clock.read() == pytest.approx(0.3)
+    assert clock.read(now=0.3) == pytest.approx(0.3)
     write(1030, 2030)  # then cpu1 0.2 s
-    assert clock.read() == pytest.approx(0.5)
+    assert clock.read(now=0.6) == pytest.approx(0.5)
+    for k in range(1, 11):  # ten reads 0.02 s apart, a tick on each CPU in turn
+        write(1030 + (k + 1) // 2, 2030 + k // 2)
+        assert clock.read(now=0.6 + 0.02 * k) == pytest.approx(0.5 + 0.01 * ((k + 1) // 2))
+    write(1030, 2000)  # a counter that went back (a reset): nothing lost, never back
+    assert clock.read(now=1.0) == pytest.approx(0.55)
     assert Stolen(100.0, str(tmp_path / "absent")).read() is None
 
 
+def test_a_reading_without_a_steal_clock_is_not_compared_with_one_that_has_it() -> None:
+    """What was stolen since a reading without the clock (its read failed) is not known: the
+    judge does not take it for nothing stolen."""
+    held = _stolen([0.0, 0.0, 0.1, 0.2, 0.3])  # readings at +0.5 .. +1.3
+    unread = [Sample(s.ts, s.cpu_s, s.queued_s, s.others_queued_s, runnable=False,
+                     others_runnable=False, others_cpu_s=3.0) for s in held[:2]]  # fmt: skip
+    cpu, why = judge(
+        began=Sample(T0, 1.0), samples=unread + held[2:], typical_cpu_s=0.3, factor=3.0,
+        now=T0 + 1.4,
+    )  # fmt: skip
+    assert cpu is Cpu.UNKNOWN, why  # (taking the first two for 0 s stolen: IDLE)
+
+
+def test_another_thread_runnable_and_not_run_lately_is_asked_of_the_last_half_second() -> None:
+    """Where steal makes the judge look further back, another thread's CPU from before the
+    last half second (on the wall clock) does not hide that it is runnable and got none since:
+    it waits in the run queue (UNKNOWN, as without steal)."""
+    samples = [
+        Sample(T0 + 0.5 + 0.2 * i, 1.0, 5.0, 2.0, runnable=False, others_runnable=True,
+               others_cpu_s=3.0 if i == 0 else 3.03, stolen_s=[0.0, 0.0, 0.05, 0.15, 0.25][i])
+        for i in range(5)
+    ]  # fmt: skip
+    cpu, why = judge(
+        began=Sample(T0, 1.0), samples=samples, typical_cpu_s=0.3, factor=3.0, now=T0 + 1.4
+    )
+    assert cpu is Cpu.UNKNOWN and "another of its threads is runnable" in why, why
+
+
 def test_the_agent_reads_the_steal_clock_with_each_sample() -> None:
-    clock = Stolen(float(os.sysconf("SC_CLK_TCK")))
+    clock = Stolen(float(os.sysconf("SC_CLK_TCK")))  # this machine's /proc/stat
     first = read_thread_clocks(os.getpid(), threading.get_native_id(), 100.0, clock)
     assert first is not None and first.stolen_s == 0.0
     assert read_thread_clocks(os.getpid(), threading.get_native_id(), 100.0).stolen_s is None

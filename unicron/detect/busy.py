@@ -44,9 +44,9 @@ thread that waits on it (the computing thread in a collective, its peer's too) s
 with nothing queued: a hang, to the clocks above (seen beside CPU burners on this VM: an FSDP
 replica's two ranks judged hung together in an all-gather, no fault injected; a burner's
 schedstat plus its CPU's steal in ``/proc/stat`` add up to the wall clock). The agent reads
-the machine's steal with each sample (:class:`Stolen`): the time any one CPU may have been held
-off, summed over its reading intervals; the judge compares readings at least
-:data:`MIN_GAP_S` apart in the machine's *own* time, the span less what was stolen in it.
+the machine's steal with each sample (:class:`Stolen`: over each interval of 0.2 s or more, the
+most that any one CPU lost, summed); the judge compares readings at least :data:`MIN_GAP_S`
+apart in the machine's *own* time, the span less what was stolen in it.
 
 The same question, starved or slow, decides stragglers. A worker that computes its share in
 twice its peers' time is slow (a throttled device, a sick host) or merely last in the run queue
@@ -70,6 +70,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "STOLEN_EVERY_S",
     "Cpu",
     "CpuTimes",
     "Sample",
@@ -189,6 +190,10 @@ class _Rate:
     prev: Sample
     seen: float
     stolen: float
+    near: Sample
+    """the newest reading :data:`MIN_GAP_S` before ``last`` on the wall clock (``prev`` where
+    nothing was stolen): whether another thread got no CPU *lately* is asked of it, a longer
+    span taking in what the thread ran before"""
 
     def rate(self, before: float | None, after: float | None) -> float | None:
         """How fast a clock read as ``before`` at ``prev`` and ``after`` at ``last`` grew, in
@@ -223,11 +228,14 @@ def _latest_rate(samples: Sequence[Sample], now: float) -> _Rate | str:
     last = samples[-1]
     if now - last.ts > FRESH_S:
         return f"no CPU sample for {now - last.ts:.2f} s"
+    near = next((s for s in reversed(samples[:-1]) if last.ts - s.ts >= MIN_GAP_S), None)
     for prev in reversed(samples[:-1]):
+        if prev.stolen_s is None and last.stolen_s is not None:
+            continue  # what was stolen since is not known
         stolen = _stolen(prev, last)
         if last.ts - prev.ts - stolen >= MIN_GAP_S:
-            return _Rate(last, prev, last.ts - prev.ts - stolen, stolen)
-    first = samples[0]
+            return _Rate(last, prev, last.ts - prev.ts - stolen, stolen, near or prev)
+    first = next((s for s in samples if s.stolen_s is not None), samples[0])
     stolen = _stolen(first, last)
     if stolen > 0.0 and last.ts - first.ts >= MIN_GAP_S:
         return (
@@ -258,7 +266,10 @@ def _still(read: _Rate) -> tuple[Cpu, str]:
             f"its CPU time stood still ({busy:.0%} of a core over {over}) while its other "
             f"threads waited for a CPU {others:.0%} of it: it may wait on them"
         )
-    others = read.rate(prev.others_cpu_s, last.others_cpu_s)
+    near = read.near
+    others = None
+    if near.others_cpu_s is not None and last.others_cpu_s is not None:
+        others = (last.others_cpu_s - near.others_cpu_s) / (last.ts - near.ts)
     if last.others_runnable and others is not None and others < MIN_BUSY:
         # runnable, not run: in the queue (its wait not yet counted)
         return Cpu.UNKNOWN, (
@@ -392,28 +403,43 @@ def read_queued_s() -> float | None:
     return None if clocks is None else clocks[1]
 
 
+STOLEN_EVERY_S = 0.2
+""":class:`Stolen` takes each CPU's largest loss over intervals at least this long: over many
+short ones the sum of the largest losses, each a 10 ms tick on some CPU, tends to the whole
+machine's steal (on many CPUs, more than the wall clock)"""
+
+
 class Stolen:
     """The CPU time the hypervisor has held this machine's CPUs off (their steal time, per CPU
-    in ``/proc/stat``), as one clock that only grows: over each interval between two reads,
-    the most that any one CPU lost. A thread frozen on a held-off CPU, or a chain of them that
-    moves between CPUs, lost at most that. The agent keeps one, read with each sample of a
-    worker (:func:`read_thread_clocks`); the judge subtracts it from the span it compares."""
+    in ``/proc/stat``), as one clock that only grows: over each interval of at least
+    :data:`STOLEN_EVERY_S`, the most that any one CPU lost. A thread frozen on a held-off CPU
+    lost about that (to the kernel's 10 ms tick), and so did a chain of threads that moved
+    between CPUs no faster. The agent keeps one, read with each sample of a worker
+    (:func:`read_thread_clocks`); the judge subtracts it from the span it compares."""
 
     def __init__(self, ticks_per_s: float, path: str = "/proc/stat") -> None:
         self._ticks_per_s, self._path = ticks_per_s, path
-        self._last: dict[bytes, int] | None = None
-        self._total = 0.0
+        self._since: tuple[float, dict[bytes, int]] | None = None  # the open interval's start
+        self._total = 0.0  # over the closed intervals
 
-    def read(self) -> float | None:
-        """The clock now (seconds since the first read); ``None`` where the kernel does not
+    def read(self, now: float | None = None) -> float | None:
+        """The clock at ``now`` (``time.monotonic()``; seconds since the first read): the
+        closed intervals' losses and the open one's so far; ``None`` where the kernel does not
         count steal time (not Linux)."""
-        now = _steal_ticks(self._path)
-        if now is None:
+        now = time.monotonic() if now is None else now
+        ticks = _steal_ticks(self._path)
+        if ticks is None:
             return None
-        if self._last is not None:
-            lost = (now[cpu] - self._last[cpu] for cpu in now.keys() & self._last.keys())
-            self._total += max(lost, default=0) / self._ticks_per_s
-        self._last = now
+        if self._since is None:
+            self._since = now, ticks
+            return self._total
+        opened, before = self._since
+        lost = max((ticks[cpu] - before[cpu] for cpu in ticks.keys() & before.keys()), default=0)
+        lost_s = max(lost, 0) / self._ticks_per_s  # (a counter that went back: none lost)
+        if now - opened < STOLEN_EVERY_S:
+            return self._total + lost_s
+        self._total += lost_s
+        self._since = now, ticks
         return self._total
 
 
